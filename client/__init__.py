@@ -1,0 +1,31 @@
+"""mpsd_client: connect worker processes to the mpsd daemon and use its emulated CUDA runtime.
+
+    import mpsd_client
+    with mpsd_client.connect() as ctx:
+        p = ctx.malloc(1 << 20)
+        ctx.launch("fill_f32", 256, 256, [p, 1.0, 1 << 18])
+        ctx.synchronize()
+
+`Context` blocks; `open_context()` gives an `AsyncContext` for trio with the same calls, awaited.
+Errors are `CudaError` subclasses carrying `.code` and `.name`, one per CUDA error code.
+"""
+from mpsd_protocol import (  # noqa: F401  (the error classes are part of the client's API)
+    ERROR_CLASSES,
+    CudaError,
+    error_name,
+    error_string,
+    format_size,
+    parse_size,
+)
+
+from ._api import ContextBase
+from ._async import AsyncContext, open_context
+from ._objects import DevicePointer, Event, HostBuffer, Stream
+from ._sync import Context, connect
+
+globals().update({cls.__name__: cls for cls in ERROR_CLASSES.values()})
+
+__all__ = [
+    "AsyncContext", "Context", "ContextBase", "CudaError", "DevicePointer", "Event", "HostBuffer", "Stream",
+    "connect", "error_name", "error_string", "format_size", "open_context", "parse_size",
+] + [cls.__name__ for cls in ERROR_CLASSES.values()]

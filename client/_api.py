@@ -1,0 +1,135 @@
+# The public API, written once. Each method hands a generator from the core to `self._drive`: the blocking
+# Context drives it to a result, the trio AsyncContext returns an awaitable for it. Names are CUDA's in
+# snake_case so users recognise them.
+from __future__ import annotations
+
+from typing import Any
+
+from ._core import Core
+from ._objects import DevicePointer, Event, HostBuffer, Stream
+
+
+class ContextBase:
+    """What `Context` and `AsyncContext` share: every call of the CUDA runtime that mpsd emulates."""
+
+    _core: Core
+
+    def _drive(self, op: Any) -> Any:  # pragma: no cover - each shell defines it
+        raise NotImplementedError
+
+    @property
+    def client_id(self) -> int:
+        """This client's id in the daemon (its MPS context number)."""
+        return self._core.client_id
+
+    @property
+    def quotas(self) -> dict[str, Any]:
+        """Effective quotas: active_thread_percentage, sm_cap, pinned_mem_limit (bytes), priority."""
+        return dict(self._core.quotas)
+
+    @property
+    def kernels(self) -> dict[str, list[str]]:
+        """The daemon's built-in kernels and their parameter kinds."""
+        return dict(self._core.kernels)
+
+    def device_properties(self) -> Any:
+        """``cudaGetDeviceProperties`` in snake_case; ``multiprocessor_count`` is this client's SM cap."""
+        return self._drive(self._core.device_properties())
+
+    def stream_priority_range(self) -> tuple[int, int]:
+        """``cudaDeviceGetStreamPriorityRange``: (least, greatest); lower numbers are more urgent."""
+        least, greatest = self._core.properties["stream_priority_range"]
+        return least, greatest
+
+    def mem_get_info(self) -> Any:
+        """``cudaMemGetInfo``: (free, total) bytes as this client sees them; a pinned limit caps both."""
+        return self._drive(self._core.mem_get_info())
+
+    def malloc(self, nbytes: int) -> Any:
+        """``cudaMalloc``: `nbytes` of device memory, as a `DevicePointer`.
+
+        Raises:
+            OutOfMemoryError: beyond the device's free memory or this client's pinned limit.
+            InvalidValueError: `nbytes` is not a byte count.
+        """
+        return self._drive(self._core.malloc(nbytes))
+
+    def free(self, ptr: DevicePointer | int) -> Any:
+        """``cudaFree``: waits for this context's work, then frees the allocation based at `ptr`.
+
+        Raises:
+            InvalidValueError: `ptr` is not the base of a live allocation of this context.
+        """
+        return self._drive(self._core.free(ptr))
+
+    def host_alloc(self, nbytes: int) -> Any:
+        """``cudaHostAlloc``: a pinned `HostBuffer` of `nbytes`, shared with the daemon."""
+        return self._drive(self._core.host_alloc(nbytes))
+
+    def free_host(self, buffer: HostBuffer) -> Any:
+        """``cudaFreeHost``."""
+        return self._drive(self._core.free_host(buffer))
+
+    def memcpy_htod(self, dst: DevicePointer | int, src: Any, stream: Stream | None = None) -> Any:
+        """Copy the bytes of `src` (any contiguous buffer) to device address `dst`.
+
+        With no stream it is synchronous; on a stream it is ordered there, and a pageable `src` may be
+        reused as soon as the call returns (its bytes were staged), as with ``cudaMemcpyAsync``.
+
+        Raises:
+            InvalidValueError: the range is not inside one live allocation, or `src` is not a buffer.
+        """
+        return self._drive(self._core.memcpy_htod(dst, src, stream))
+
+    def memcpy_dtoh(self, dst: Any, src: DevicePointer | int, stream: Stream | None = None) -> Any:
+        """Copy ``len(dst)`` bytes from device address `src` into the writable buffer `dst`.
+
+        Into pageable memory the copy is synchronous even on a stream, as in CUDA; into a pinned
+        `HostBuffer` on a stream it lands when the copy runs.
+        """
+        return self._drive(self._core.memcpy_dtoh(dst, src, stream))
+
+    def memcpy_dtod(self, dst: DevicePointer | int, src: DevicePointer | int, nbytes: int,
+                    stream: Stream | None = None) -> Any:
+        """Copy `nbytes` between device addresses; asynchronous with respect to the host, as in CUDA."""
+        return self._drive(self._core.memcpy_dtod(dst, src, nbytes, stream))
+
+    def memset(self, ptr: DevicePointer | int, value: int, nbytes: int, stream: Stream | None = None) -> Any:
+        """``cudaMemset``: set `nbytes` bytes at `ptr` to the low byte of `value`, in stream order."""
+        return self._drive(self._core.memset(ptr, value, nbytes, stream))
+
+    def create_stream(self, priority: int = 0, non_blocking: bool = False) -> Any:
+        """``cudaStreamCreateWithPriority``: priorities are clamped to `stream_priority_range()`."""
+        return self._drive(self._core.create_stream(self, priority, non_blocking))
+
+    def create_event(self, disable_timing: bool = False, interprocess: bool = False) -> Any:
+        """``cudaEventCreateWithFlags``."""
+        return self._drive(self._core.create_event(self, disable_timing, interprocess))
+
+    def launch(self, name: str, grid: int | tuple[int, ...], block: int | tuple[int, ...],
+               args: list[Any] | tuple[Any, ...] = (), stream: Stream | None = None, shared_mem: int = 0) -> Any:
+        """Launch a built-in kernel, fire-and-forget: errors in its execution surface at the next
+        synchronising call, as in CUDA.
+
+        Raises:
+            InvalidDeviceFunctionError: no such kernel.
+            InvalidConfigurationError: bad grid or block.
+            InvalidValueError: wrong argument count or kinds, or too much shared memory.
+        """
+        return self._drive(self._core.launch(name, grid, block, args, stream, shared_mem))
+
+    def synchronize(self) -> Any:
+        """``cudaDeviceSynchronize``: wait for all of this context's work; raises its pending errors."""
+        return self._drive(self._core.synchronize())
+
+    def get_last_error(self) -> Any:
+        """``cudaGetLastError``: the last error (a `CudaError`) or None, and reset it (sticky ones stay)."""
+        return self._drive(self._core.get_last_error(clear=True))
+
+    def peek_at_last_error(self) -> Any:
+        """``cudaPeekAtLastError``: like `get_last_error` without the reset."""
+        return self._drive(self._core.get_last_error(clear=False))
+
+    def statistics(self) -> Any:
+        """What the daemon counted for this client: kernels, blocks, SM-seconds, memory, copies."""
+        return self._drive(self._core.statistics())

@@ -1,0 +1,149 @@
+# The trio shell: a reader task routes replies to the tasks waiting for them, so several tasks can have calls
+# in flight on one context (a task synchronising one stream does not hold up another launching on the next).
+from __future__ import annotations
+
+import os
+import socket
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator
+
+import trio
+
+from mpsd_protocol import (  # type: ignore[attr-defined]
+    ANCILLARY_SIZE,
+    CLOSED,
+    NEED_DATA,
+    RECV_FLAGS,
+    Connection,
+    CudaError,
+    MpsConnectionError,
+    Notification,
+    ProtocolError,
+    Reply,
+    Request,
+    Role,
+    close_fds,
+    pack_fds,
+    unpack_fds,
+)
+
+from ._api import ContextBase
+from ._core import Core
+from ._env import physical_device, pipe_directory, requested_limits
+
+READ_SIZE = 1 << 16
+
+
+class AsyncContext(ContextBase):
+    """A connection to the daemon for trio programs; every call is awaited. Use `open_context()`."""
+
+    def __init__(self, sock: trio.socket.SocketType, core: Core) -> None:
+        self._sock = sock
+        self._core = core
+        self._conn = Connection(Role.CLIENT)
+        self._send_lock = trio.StrictFIFOLock()
+        self._waiting: dict[int, trio.MemorySendChannel[Reply | CudaError]] = {}
+
+    async def _drive(self, op: Any) -> Any:
+        try:
+            item = next(op)
+            while True:
+                if isinstance(item, Request):
+                    send, receive = trio.open_memory_channel[Reply | CudaError](1)
+                    self._waiting[item.id] = send
+                    try:
+                        await self._send(item)
+                        answer = await receive.receive()
+                    finally:
+                        self._waiting.pop(item.id, None)
+                    if isinstance(answer, CudaError):
+                        raise answer
+                    item = op.send(answer)
+                else:
+                    await self._send(item)
+                    item = op.send(None)
+        except StopIteration as stop:
+            return stop.value
+        except CudaError as exc:
+            self._core.last_error = exc
+            raise
+        finally:
+            op.close()
+
+    async def _send(self, message: Request | Notification) -> None:
+        data = self._conn.send(message)
+        try:
+            async with self._send_lock:
+                sent = await self._sock.sendmsg([data], pack_fds(message.fds))
+                while sent < len(data):
+                    data = data[sent:]
+                    sent = await self._sock.send(data)
+        except OSError as exc:
+            raise self._core.connection_lost(f"lost the daemon: {exc.strerror or exc}") from None
+
+    async def _read(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        why = "the daemon closed the connection"
+        try:
+            while True:
+                event = self._conn.next_event()
+                if event is NEED_DATA:
+                    data, ancdata, flags, _ = await self._sock.recvmsg(READ_SIZE, ANCILLARY_SIZE, RECV_FLAGS)
+                    self._conn.receive_data(data, unpack_fds(ancdata, flags))
+                elif event is CLOSED:
+                    break
+                elif isinstance(event, Reply):
+                    channel = self._waiting.get(event.id)
+                    if channel is None:
+                        close_fds(event.fds)
+                    else:
+                        channel.send_nowait(event)
+                elif isinstance(event, Notification):
+                    close_fds(event.fds)
+                    try:
+                        self._core.notification_received(event)
+                    except CudaError as exc:
+                        why = exc.detail or why
+                        break
+        except ProtocolError as exc:
+            why = f"protocol error: {exc}"
+        except OSError as exc:
+            why = f"lost the daemon: {exc.strerror or exc}"
+        error = self._core.connection_lost(why)
+        for channel in list(self._waiting.values()):
+            channel.send_nowait(error)
+
+
+@asynccontextmanager
+async def open_context(pipe_dir: str | os.PathLike[str] | None = None, device: int = 0,
+                       timeout: float = 10.0) -> AsyncIterator[AsyncContext]:
+    """Connect to the daemon from trio: ``async with open_context() as actx: p = await actx.malloc(n)``.
+
+    Raises:
+        MpsConnectionError: no daemon is listening, or it refused the handshake.
+        NoDeviceError, InvalidDeviceError, InvalidValueError: as `mpsd_client.connect`.
+    """
+    physical = physical_device(device)
+    core = Core(physical, requested_limits(device))
+    path = pipe_directory(pipe_dir) / "mpsd.sock"
+    sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        with trio.fail_after(timeout):
+            await sock.connect(str(path))
+    except (OSError, trio.TooSlowError) as exc:
+        sock.close()
+        raise MpsConnectionError(f"no mpsd daemon at {path}: {getattr(exc, 'strerror', None) or exc}") from None
+    actx = AsyncContext(sock, core)
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(actx._read)
+            try:
+                with trio.fail_after(timeout):
+                    await actx._drive(core.hello())
+            except trio.TooSlowError:
+                raise MpsConnectionError(f"the daemon at {path} did not answer the handshake") from None
+            yield actx
+            nursery.cancel_scope.cancel()
+    finally:
+        sock.close()
+        actx._conn.close_fds()

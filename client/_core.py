@@ -1,0 +1,285 @@
+# The client's I/O-free core. Every API call is a generator: it yields the messages to send (a Request, to
+# which the shell answers with the matching Reply; or a Notification, answered with None) and returns the
+# call's result. The blocking `Context` and the trio `AsyncContext` are two small loops that drive these
+# generators, so the rules live here once.
+#
+# Bulk bytes never cross the socket: pinned host buffers are memfds mapped by both sides, and pageable
+# copies go through pinned staging buffers taken from a pool (one per call in flight, so concurrent trio
+# tasks never share one).
+from __future__ import annotations
+
+import itertools
+import mmap
+import os
+from typing import Any, Generator
+
+import numpy as np
+
+from mpsd_protocol import (  # type: ignore[attr-defined]
+    PROTOCOL_VERSION,
+    CudaError,
+    InvalidDeviceFunctionError,
+    InvalidResourceHandleError,
+    InvalidValueError,
+    MpsRpcFailureError,
+    Notification,
+    Reply,
+    Request,
+    check_launch,
+    error_from_wire,
+)
+
+from ._objects import DevicePointer, Event, HostBuffer, Stream
+
+Op = Generator[Request | Notification, Reply | None, Any]
+STAGING_SIZE = 8 << 20
+
+
+class Core:
+    """State and rules of one client connection, without I/O."""
+
+    def __init__(self, device: int, limits: dict[str, Any]) -> None:
+        self.device = device
+        self.limits = limits
+        self._ids = itertools.count(1)
+        self.client_id = 0
+        self.server_pid = 0
+        self.properties: dict[str, Any] = {}
+        self.kernels: dict[str, list[str]] = {}
+        self.quotas: dict[str, Any] = {}
+        self.last_error: CudaError | None = None
+        self.broken: CudaError | None = None  # set when the connection is gone: every later call fails
+        self._pinned: dict[int, HostBuffer] = {}  # by id
+        self._staging: list[HostBuffer] = []
+
+    # -- plumbing --------------------------------------------------------------------------------------
+    def call(self, op: str, args: dict[str, Any], fds: tuple[int, ...] = ()) -> Op:
+        if self.broken is not None:
+            raise self.broken
+        reply = yield Request(next(self._ids), op, args, fds)
+        assert isinstance(reply, Reply)
+        if reply.error is not None:
+            raise error_from_wire(reply.error)
+        return reply.result
+
+    def notification_received(self, note: Notification) -> None:
+        """The daemon told us something unasked: today only that it is closing us for a protocol error."""
+        if note.op == "protocol_error":
+            message = note.args.get("message") if isinstance(note.args, dict) else None
+            self.broken = MpsRpcFailureError(f"the daemon closed the connection: {message}")
+            raise self.broken
+
+    def connection_lost(self, why: str) -> CudaError:
+        self.broken = self.broken or MpsRpcFailureError(why)
+        return self.broken
+
+    def _stream(self, ctx_stream: Stream | None) -> int | None:
+        if ctx_stream is None:
+            return None
+        if not isinstance(ctx_stream, Stream) or ctx_stream.ctx._core is not self:
+            raise InvalidResourceHandleError(f"{ctx_stream!r:.40} is not a stream of this context")
+        return ctx_stream.handle
+
+    def _event(self, event: Event) -> int:
+        if not isinstance(event, Event) or event.ctx._core is not self:
+            raise InvalidResourceHandleError(f"{event!r:.40} is not an event of this context")
+        return event.handle
+
+    # -- context ---------------------------------------------------------------------------------------
+    def hello(self) -> Op:
+        result = yield from self.call("hello", {
+            "version": PROTOCOL_VERSION, "pid": os.getpid(), "device": self.device, "limits": self.limits})
+        self.client_id = result["client_id"]
+        self.server_pid = result.get("server_pid", 0)
+        self.properties = result["properties"]
+        self.kernels = result["kernels"]
+        self.quotas = result["quotas"]
+        return result
+
+    def device_properties(self) -> Op:
+        self.properties = yield from self.call("device_properties", {})
+        return dict(self.properties)
+
+    def mem_get_info(self) -> Op:
+        free, total = yield from self.call("mem_get_info", {})
+        return free, total
+
+    def synchronize(self) -> Op:
+        return (yield from self.call("synchronize", {}))
+
+    def statistics(self) -> Op:
+        return (yield from self.call("statistics", {}))
+
+    def get_last_error(self, clear: bool) -> Op:
+        remote = yield from self.call("get_last_error", {"clear": clear})
+        error = self.last_error or (error_from_wire(remote) if remote else None)
+        if clear:
+            self.last_error = None
+        return error
+
+    # -- memory ----------------------------------------------------------------------------------------
+    def malloc(self, nbytes: int) -> Op:
+        addr = yield from self.call("malloc", {"nbytes": nbytes})
+        return DevicePointer(addr, nbytes)
+
+    def free(self, ptr: int) -> Op:
+        yield from self.call("free", {"ptr": _address(ptr)})
+
+    def host_alloc(self, nbytes: int) -> Op:
+        if not isinstance(nbytes, int) or nbytes <= 0:
+            raise InvalidValueError(f"host_alloc size {nbytes!r:.40} is not a positive byte count")
+        fd = os.memfd_create("mpsd-host", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, nbytes)
+            buffer = HostBuffer(fd, nbytes)
+            buffer.id = yield from self.call("host_register", {"nbytes": nbytes}, (fd,))
+        finally:
+            os.close(fd)  # the mappings on both sides keep the memory
+        buffer.nbytes = nbytes
+        buffer.base_address = _address_of(memoryview(buffer))
+        self._pinned[buffer.id] = buffer
+        return buffer
+
+    def free_host(self, buffer: HostBuffer) -> Op:
+        if not isinstance(buffer, HostBuffer) or self._pinned.get(getattr(buffer, "id", None)) is not buffer:
+            raise InvalidValueError(f"{buffer!r:.40} is not a host buffer of this context")
+        del self._pinned[buffer.id]
+        yield from self.call("host_unregister", {"id": buffer.id})
+        try:
+            buffer.close()
+        except BufferError:
+            pass  # the user still holds a view; the mapping goes with it
+
+    def _find_pinned(self, view: memoryview) -> tuple[HostBuffer, int] | None:
+        address = _address_of(view)
+        for buffer in self._pinned.values():
+            offset = address - buffer.base_address
+            if 0 <= offset and offset + len(view) <= buffer.nbytes:
+                return buffer, offset
+        return None
+
+    def _acquire_staging(self) -> Op:
+        if self._staging:
+            return self._staging.pop()
+        return (yield from self.host_alloc(STAGING_SIZE))
+
+    def memcpy_htod(self, dst: int, src: Any, stream: Stream | None) -> Op:
+        view = _bytes_view(src, writable=False)
+        dst_addr, sid, nbytes = _address(dst), self._stream(stream), len(view)
+        if nbytes == 0:
+            return
+        pinned = self._find_pinned(view)
+        if pinned is not None:
+            yield from self.call("memcpy_htod", {"dst": dst_addr, "host": pinned[0].id, "offset": pinned[1],
+                                                 "nbytes": nbytes, "stream": sid, "staged": False})
+            return
+        staging = yield from self._acquire_staging()
+        try:
+            for start in range(0, nbytes, STAGING_SIZE):
+                chunk = view[start:start + STAGING_SIZE]
+                staging[:len(chunk)] = chunk
+                yield from self.call("memcpy_htod", {"dst": dst_addr + start, "host": staging.id, "offset": 0,
+                                                     "nbytes": len(chunk), "stream": sid, "staged": True})
+        finally:
+            self._staging.append(staging)
+
+    def memcpy_dtoh(self, dst: Any, src: int, stream: Stream | None) -> Op:
+        view = _bytes_view(dst, writable=True)
+        src_addr, sid, nbytes = _address(src), self._stream(stream), len(view)
+        if nbytes == 0:
+            return
+        pinned = self._find_pinned(view)
+        if pinned is not None:
+            yield from self.call("memcpy_dtoh", {"src": src_addr, "host": pinned[0].id, "offset": pinned[1],
+                                                 "nbytes": nbytes, "stream": sid, "staged": False})
+            return
+        staging = yield from self._acquire_staging()
+        try:
+            for start in range(0, nbytes, STAGING_SIZE):
+                size = min(STAGING_SIZE, nbytes - start)
+                yield from self.call("memcpy_dtoh", {"src": src_addr + start, "host": staging.id, "offset": 0,
+                                                     "nbytes": size, "stream": sid, "staged": True})
+                view[start:start + size] = staging[:size]
+        finally:
+            self._staging.append(staging)
+
+    def memcpy_dtod(self, dst: int, src: int, nbytes: int, stream: Stream | None) -> Op:
+        yield from self.call("memcpy_dtod", {"dst": _address(dst), "src": _address(src), "nbytes": nbytes,
+                                             "stream": self._stream(stream)})
+
+    def memset(self, ptr: int, value: int, nbytes: int, stream: Stream | None) -> Op:
+        yield from self.call("memset", {"ptr": _address(ptr), "value": value, "nbytes": nbytes,
+                                        "stream": self._stream(stream)})
+
+    # -- streams and events ----------------------------------------------------------------------------
+    def create_stream(self, ctx: Any, priority: int, non_blocking: bool) -> Op:
+        handle, clamped = yield from self.call("create_stream", {"priority": priority,
+                                                                 "flags": 1 if non_blocking else 0})
+        return Stream(ctx, handle, clamped, non_blocking)
+
+    def destroy_stream(self, stream: Stream) -> Op:
+        yield from self.call("destroy_stream", {"stream": self._stream(stream)})
+
+    def stream_synchronize(self, stream: Stream) -> Op:
+        yield from self.call("stream_synchronize", {"stream": self._stream(stream)})
+
+    def stream_query(self, stream: Stream) -> Op:
+        return (yield from self.call("stream_query", {"stream": self._stream(stream)}))
+
+    def stream_wait_event(self, stream: Stream, event: Event) -> Op:
+        yield from self.call("stream_wait_event", {"stream": self._stream(stream), "event": self._event(event)})
+
+    def create_event(self, ctx: Any, disable_timing: bool, interprocess: bool) -> Op:
+        handle = yield from self.call("create_event", {"disable_timing": bool(disable_timing),
+                                                       "interprocess": bool(interprocess)})
+        return Event(ctx, handle, bool(disable_timing), bool(interprocess))
+
+    def destroy_event(self, event: Event) -> Op:
+        yield from self.call("destroy_event", {"event": self._event(event)})
+
+    def event_record(self, event: Event, stream: Stream | None) -> Op:
+        yield from self.call("event_record", {"event": self._event(event), "stream": self._stream(stream)})
+
+    def event_synchronize(self, event: Event) -> Op:
+        yield from self.call("event_synchronize", {"event": self._event(event)})
+
+    def event_query(self, event: Event) -> Op:
+        return (yield from self.call("event_query", {"event": self._event(event)}))
+
+    def event_elapsed(self, start: Event, end: Event) -> Op:
+        return (yield from self.call("event_elapsed", {"start": self._event(start), "end": self._event(end)}))
+
+    # -- kernels ---------------------------------------------------------------------------------------
+    def launch(self, name: str, grid: Any, block: Any, args: Any, stream: Stream | None, shared_mem: int) -> Op:
+        if self.broken is not None:
+            raise self.broken
+        params = self.kernels.get(name)
+        if params is None:
+            raise InvalidDeviceFunctionError(f"no kernel named {name!r:.60}")
+        grid3, block3, checked = check_launch(name, params, grid, block, args, shared_mem, self.properties)
+        yield Notification("launch", {"name": name, "grid": grid3, "block": block3, "args": checked,
+                                      "shared_mem": shared_mem, "stream": self._stream(stream)})
+
+
+def _address(ptr: Any) -> int:
+    if isinstance(ptr, bool) or not isinstance(ptr, int) or not 0 <= ptr < 2**64:
+        raise InvalidValueError(f"{ptr!r:.40} is not a device pointer")
+    return int(ptr)
+
+
+def _bytes_view(obj: Any, writable: bool) -> memoryview:
+    try:
+        view = memoryview(obj)
+    except TypeError:
+        raise InvalidValueError(f"{type(obj).__name__} does not support the buffer protocol") from None
+    if not view.contiguous:
+        raise InvalidValueError("the host buffer must be contiguous")
+    if writable and view.readonly:
+        raise InvalidValueError("the destination host buffer is read-only")
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+def _address_of(view: memoryview) -> int:
+    if len(view) == 0:
+        return 0
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)

@@ -1,0 +1,72 @@
+# The environment an MPS client reads, read the same way: CUDA_VISIBLE_DEVICES picks and renumbers devices,
+# CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, CUDA_MPS_PINNED_DEVICE_MEM_LIMIT and CUDA_MPS_CLIENT_PRIORITY ask for
+# tighter quotas (the daemon never lets them loosen its own), MPSD_PIPE_DIRECTORY says where the daemon is.
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+from mpsd_protocol import InvalidDeviceError, InvalidValueError, NoDeviceError, parse_mem_limits  # type: ignore
+
+DEFAULT_PIPE_DIRECTORY = "/tmp/mpsd"
+
+
+def pipe_directory(pipe_dir: str | os.PathLike[str] | None, environ: Mapping[str, str] = os.environ) -> Path:
+    return Path(pipe_dir or environ.get("MPSD_PIPE_DIRECTORY") or DEFAULT_PIPE_DIRECTORY)
+
+
+def physical_device(device: int, environ: Mapping[str, str] = os.environ) -> int:
+    """The daemon's device index for this process's device ordinal `device`.
+
+    Raises:
+        NoDeviceError: CUDA_VISIBLE_DEVICES hides every device.
+        InvalidDeviceError: `device` is not a visible ordinal.
+    """
+    if not isinstance(device, int) or isinstance(device, bool) or device < 0:
+        raise InvalidDeviceError(f"device ordinal {device!r:.20} is not a non-negative int")
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return device
+    ordinals: list[int] = []
+    for part in (p.strip() for p in visible.split(",")):
+        if not part.isdigit():
+            break  # like CUDA, an invalid entry ends the list
+        ordinals.append(int(part))
+    if not ordinals:
+        raise NoDeviceError(f"CUDA_VISIBLE_DEVICES={visible!r} makes no device visible")
+    if device >= len(ordinals):
+        raise InvalidDeviceError(f"device {device} is not visible (CUDA_VISIBLE_DEVICES={visible!r})")
+    return ordinals[device]
+
+
+def requested_limits(device: int, environ: Mapping[str, str] = os.environ) -> dict[str, Any]:
+    """The quotas this process asks for on `device` (its own ordinal), from the CUDA_MPS_* variables.
+
+    Raises:
+        InvalidValueError: a variable is malformed (naming it).
+    """
+    limits: dict[str, Any] = {}
+    text = environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
+    if text:
+        try:
+            limits["active_thread_percentage"] = float(text)
+        except ValueError:
+            raise InvalidValueError(f"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={text!r} is not a number") from None
+        if not 0 < limits["active_thread_percentage"] <= 100:
+            raise InvalidValueError(f"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={text!r} is outside (0, 100]")
+    text = environ.get("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT")
+    if text:
+        try:
+            per_device = parse_mem_limits(text)
+        except ValueError as exc:
+            raise InvalidValueError(f"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT: {exc}") from None
+        limit = per_device.get(device, per_device.get(-1))
+        if limit is not None:
+            limits["pinned_mem_limit"] = limit
+    text = environ.get("CUDA_MPS_CLIENT_PRIORITY")
+    if text:
+        if text.strip() not in ("0", "1"):
+            raise InvalidValueError(f"CUDA_MPS_CLIENT_PRIORITY={text!r} must be 0 or 1")
+        limits["priority"] = int(text)
+    return limits

@@ -1,0 +1,130 @@
+# The handles users hold: device pointers, pinned host buffers, streams and events. Stream and Event methods
+# forward to their context's `_drive`, which is blocking in `Context` and awaitable in `AsyncContext`, so the
+# same classes serve both shells: `s.synchronize()` there, `await s.synchronize()` here.
+from __future__ import annotations
+
+import mmap
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ._api import ContextBase
+
+
+class DevicePointer(int):
+    """A device address in this client's address space: an int, with the size of what lies behind it.
+
+    ``p + 4096`` is a pointer 4096 bytes further on, with 4096 fewer bytes behind it.
+    """
+
+    size: int
+
+    def __new__(cls, addr: int, size: int = 0) -> DevicePointer:
+        self = super().__new__(cls, addr)
+        self.size = max(int(size), 0)
+        return self
+
+    @property
+    def addr(self) -> int:
+        return int(self)
+
+    def __add__(self, offset: object) -> DevicePointer:
+        if not isinstance(offset, int):
+            return NotImplemented
+        return DevicePointer(int(self) + offset, self.size - offset)
+
+    __radd__ = __add__
+
+    def __sub__(self, offset: object) -> Any:
+        if isinstance(offset, DevicePointer):
+            return int(self) - int(offset)  # a distance, like pointer subtraction in C
+        if not isinstance(offset, int):
+            return NotImplemented
+        return DevicePointer(int(self) - offset, self.size + offset)
+
+    def __repr__(self) -> str:
+        return f"DevicePointer({int(self):#x}, size={self.size})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (DevicePointer, (int(self), self.size))
+
+
+class HostBuffer(mmap.mmap):
+    """Pinned host memory: a memfd mapped both here and in the daemon. ``memoryview(h)`` works.
+
+    Copies from or to it are DMA-like: on a stream they read or write the buffer when they run, and no
+    bytes cross the socket.
+    """
+
+    id: int
+    nbytes: int
+    base_address: int
+
+    def __repr__(self) -> str:
+        return f"<HostBuffer id={getattr(self, 'id', '?')} nbytes={getattr(self, 'nbytes', '?')}>"
+
+
+class Stream:
+    """A CUDA stream. Work on one stream runs in order; work on different streams may overlap."""
+
+    def __init__(self, ctx: ContextBase, handle: int, priority: int, non_blocking: bool) -> None:
+        self.ctx = ctx
+        self.handle = handle
+        self.priority = priority
+        self.non_blocking = non_blocking
+
+    def synchronize(self) -> Any:
+        """Wait until all work queued on this stream has completed (``cudaStreamSynchronize``)."""
+        return self.ctx._drive(self.ctx._core.stream_synchronize(self))
+
+    def query(self) -> Any:
+        """True if all work queued on this stream has completed (``cudaStreamQuery``)."""
+        return self.ctx._drive(self.ctx._core.stream_query(self))
+
+    def wait_event(self, event: Event) -> Any:
+        """Make later work on this stream wait for `event`'s latest record (``cudaStreamWaitEvent``)."""
+        return self.ctx._drive(self.ctx._core.stream_wait_event(self, event))
+
+    def destroy(self) -> Any:
+        """Destroy the stream; work already queued on it still runs (``cudaStreamDestroy``)."""
+        return self.ctx._drive(self.ctx._core.destroy_stream(self))
+
+    def __repr__(self) -> str:
+        return f"<Stream {self.handle} priority={self.priority}>"
+
+
+class Event:
+    """A CUDA event: a marker recorded into a stream."""
+
+    def __init__(self, ctx: ContextBase, handle: int, disable_timing: bool, interprocess: bool) -> None:
+        self.ctx = ctx
+        self.handle = handle
+        self.disable_timing = disable_timing
+        self.interprocess = interprocess
+
+    def record(self, stream: Stream | None = None) -> Any:
+        """Record the event in `stream` (the default stream if None) (``cudaEventRecord``)."""
+        return self.ctx._drive(self.ctx._core.event_record(self, stream))
+
+    def synchronize(self) -> Any:
+        """Wait until the event's latest record has completed (``cudaEventSynchronize``)."""
+        return self.ctx._drive(self.ctx._core.event_synchronize(self))
+
+    def query(self) -> Any:
+        """True if the latest record has completed, or the event was never recorded (``cudaEventQuery``)."""
+        return self.ctx._drive(self.ctx._core.event_query(self))
+
+    def elapsed_ms(self, end: Event) -> Any:
+        """Simulated milliseconds from this event to `end` (``cudaEventElapsedTime``).
+
+        Raises:
+            InvalidResourceHandleError: either event disables timing or was never recorded.
+            NotReadyError: either has not completed yet.
+        """
+        return self.ctx._drive(self.ctx._core.event_elapsed(self, end))
+
+    def destroy(self) -> Any:
+        """Destroy the event (``cudaEventDestroy``)."""
+        return self.ctx._drive(self.ctx._core.destroy_event(self))
+
+    def __repr__(self) -> str:
+        return f"<Event {self.handle}>"

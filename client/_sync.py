@@ -1,0 +1,146 @@
+# The blocking shell: one Unix socket, one lock, and a loop that drives the core's generators. For ordinary
+# worker processes (and threads: calls are serialised by the lock).
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from typing import Any
+
+from mpsd_protocol import (  # type: ignore[attr-defined]
+    ANCILLARY_SIZE,
+    CLOSED,
+    NEED_DATA,
+    RECV_FLAGS,
+    Connection,
+    CudaError,
+    MpsConnectionError,
+    Notification,
+    ProtocolError,
+    Reply,
+    Request,
+    Role,
+    close_fds,
+    pack_fds,
+    unpack_fds,
+)
+
+from ._api import ContextBase
+from ._core import Core
+from ._env import physical_device, pipe_directory, requested_limits
+
+READ_SIZE = 1 << 16
+
+
+class Context(ContextBase):
+    """A connection to the daemon from a blocking worker process. Use `connect()` to make one."""
+
+    def __init__(self, sock: socket.socket, core: Core) -> None:
+        self._sock = sock
+        self._core = core
+        self._conn = Connection(Role.CLIENT)
+        self._lock = threading.RLock()
+        self.closed = False
+
+    def _drive(self, op: Any) -> Any:
+        with self._lock:
+            try:
+                item = next(op)
+                while True:
+                    self._send(item)
+                    item = op.send(self._reply_to(item.id) if isinstance(item, Request) else None)
+            except StopIteration as stop:
+                return stop.value
+            except CudaError as exc:
+                self._core.last_error = exc
+                raise
+            finally:
+                op.close()
+
+    def _send(self, message: Request | Notification) -> None:
+        if self.closed:
+            raise self._core.connection_lost("the context is closed")
+        try:
+            data = self._conn.send(message)
+            if message.fds:
+                sent = self._sock.sendmsg([data], pack_fds(message.fds))
+                data = data[sent:]
+            if data:
+                self._sock.sendall(data)
+        except OSError as exc:
+            raise self._core.connection_lost(f"lost the daemon: {exc.strerror or exc}") from None
+
+    def _reply_to(self, request_id: int) -> Reply:
+        try:
+            while True:
+                event = self._conn.next_event()
+                if event is NEED_DATA:
+                    data, ancdata, flags, _ = self._sock.recvmsg(READ_SIZE, ANCILLARY_SIZE, RECV_FLAGS)
+                    self._conn.receive_data(data, unpack_fds(ancdata, flags))
+                elif event is CLOSED:
+                    raise self._core.connection_lost("the daemon closed the connection")
+                elif isinstance(event, Notification):
+                    close_fds(event.fds)
+                    self._core.notification_received(event)
+                elif isinstance(event, Reply) and event.id == request_id:
+                    return event
+                else:
+                    close_fds(event.fds)  # type: ignore[union-attr]
+                    raise self._core.connection_lost(f"unexpected message from the daemon: {event!r:.80}")
+        except ProtocolError as exc:
+            raise self._core.connection_lost(f"protocol error: {exc}") from None
+        except OSError as exc:
+            raise self._core.connection_lost(f"lost the daemon: {exc.strerror or exc}") from None
+
+    def close(self) -> None:
+        """Disconnect; the daemon frees everything this context held."""
+        with self._lock:
+            if not self.closed:
+                self.closed = True
+                self._sock.close()
+                self._conn.close_fds()
+
+    def __enter__(self) -> Context:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if not getattr(self, "closed", True):
+            self._sock.close()
+
+
+def connect(pipe_dir: str | os.PathLike[str] | None = None, device: int = 0, timeout: float = 10.0) -> Context:
+    """Connect to the mpsd daemon and create this process's context on `device`.
+
+    Args:
+        pipe_dir: the daemon's pipe directory (default $MPSD_PIPE_DIRECTORY, then /tmp/mpsd).
+        device: this process's device ordinal (CUDA_VISIBLE_DEVICES applies).
+        timeout: seconds to wait for the daemon to accept and answer the handshake.
+
+    Raises:
+        MpsConnectionError: no daemon is listening, or it refused the handshake.
+        NoDeviceError, InvalidDeviceError: the device is hidden or does not exist.
+        InvalidValueError: a CUDA_MPS_* variable is malformed.
+    """
+    physical = physical_device(device)
+    core = Core(physical, requested_limits(device))
+    path = pipe_directory(pipe_dir) / "mpsd.sock"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        sock.settimeout(timeout)
+        sock.connect(str(path))
+    except OSError as exc:
+        sock.close()
+        raise MpsConnectionError(f"no mpsd daemon at {path}: {exc.strerror or exc}") from None
+    ctx = Context(sock, core)
+    try:
+        ctx._drive(core.hello())
+    except CudaError as exc:
+        ctx.close()
+        if isinstance(exc, (TimeoutError,)) or exc.code == 806:
+            raise MpsConnectionError(f"the daemon at {path} did not complete the handshake: {exc.detail}") from None
+        raise
+    sock.settimeout(None)  # from here a call waits as long as the GPU work it waits for
+    return ctx

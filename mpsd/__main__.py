@@ -1,0 +1,5 @@
+import sys
+
+from mpsd.cli import main
+
+sys.exit(main())

@@ -1,0 +1,39 @@
+# `mpsd`: the daemon in the foreground. Exit codes: 0 after a clean shutdown, 1 when it cannot start,
+# 2 for bad options. User mistakes get one line on stderr, never a traceback.
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Sequence
+
+import trio
+
+from mpsd.config import ConfigError, load_config
+from mpsd.server import Daemon, DaemonError
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        config = load_config(argv)
+    except ConfigError as exc:
+        print(f"mpsd: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.WARNING, format="mpsd: %(levelname)s: %(message)s")
+    daemon = Daemon(config)
+
+    async def serve() -> None:
+        async with trio.open_nursery() as nursery:
+            path = await nursery.start(daemon.serve)
+            # One line that says the daemon is ready: scripts and tests wait for it instead of polling.
+            print(f"mpsd: ready on {path}", file=sys.stderr, flush=True)
+
+    try:
+        trio.run(serve)
+    except DaemonError as exc:
+        print(f"mpsd: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+# The daemon's settings: command-line options over the TOML file over the environment over defaults.
+# Parsed once at start-up into a frozen Config; nothing else reads options or the environment.
+from __future__ import annotations
+
+import argparse
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from mpsd.sim import H200, DeviceSpec
+from mpsd_protocol import parse_mem_limits
+
+DEVICE_MODELS: dict[str, DeviceSpec] = {"h200": H200}
+POLICIES = ("mps",)  # the scheduling issue adds the rest
+CONTAINMENT = ("device", "client")
+DEFAULT_PIPE_DIRECTORY = "/tmp/mpsd"
+
+
+class ConfigError(Exception):
+    """A setting is wrong; the message says which and why."""
+
+
+@dataclass(frozen=True)
+class Config:
+    pipe_dir: Path
+    log_dir: Path
+    devices: tuple[DeviceSpec, ...] = (H200,)
+    policy: str = "mps"
+    time_scale: float = 1.0
+    active_thread_percentage: float = 100.0
+    pinned_mem_limits: dict[int, int] = field(default_factory=dict)  # device -> bytes; -1: every device
+    client_priority: int = 0
+    fault_containment: str = "device"
+
+    @property
+    def socket_path(self) -> Path:
+        return self.pipe_dir / "mpsd.sock"
+
+    def pinned_mem_limit(self, device: int) -> int | None:
+        return self.pinned_mem_limits.get(device, self.pinned_mem_limits.get(-1))
+
+
+def parse_devices(text: str) -> tuple[DeviceSpec, ...]:
+    """``h200:2`` (two H200s), ``h200``, or ``h200,h200``."""
+    specs: list[DeviceSpec] = []
+    for part in filter(None, (p.strip().lower() for p in text.split(","))):
+        model, _, count = part.partition(":")
+        if model not in DEVICE_MODELS:
+            raise ConfigError(f"unknown device model {model!r} (known: {', '.join(DEVICE_MODELS)})")
+        if count and not (count.isdigit() and 1 <= int(count) <= 64):
+            raise ConfigError(f"bad device count {count!r} in {text!r}")
+        specs.extend([DEVICE_MODELS[model]] * (int(count) if count else 1))
+    if not specs:
+        raise ConfigError("no devices")
+    return tuple(specs)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mpsd", description="An emulated MPS server: shares simulated GPUs among client processes.")
+    parser.add_argument("--config", type=Path, help="TOML file with the same settings (options win)")
+    parser.add_argument("--pipe-dir", help="directory for the sockets (default $MPSD_PIPE_DIRECTORY or /tmp/mpsd)")
+    parser.add_argument("--log-dir", help="directory for control.log and server.log "
+                                          "(default $MPSD_LOG_DIRECTORY or the pipe directory)")
+    parser.add_argument("--devices", help="simulated GPUs, e.g. h200 or h200:2 (default h200)")
+    parser.add_argument("--policy", choices=POLICIES, help="scheduling policy (default mps)")
+    parser.add_argument("--time-scale", type=float, help="simulated seconds per wall second (default 1.0)")
+    parser.add_argument("--active-thread-percentage", type=float,
+                        help="default CUDA_MPS_ACTIVE_THREAD_PERCENTAGE for clients (default 100)")
+    parser.add_argument("--pinned-mem-limit", help="default pinned device memory limit, e.g. 4G or 0=4G,1=2G")
+    parser.add_argument("--client-priority", type=int, choices=(0, 1), help="default client priority")
+    parser.add_argument("--fault-containment", choices=CONTAINMENT,
+                        help="who gets a fatal GPU error: every client on the device (default) or the culprit")
+    return parser
+
+
+def load_config(argv: Sequence[str] | None = None, environ: dict[str, str] | None = None) -> Config:
+    """Build the Config from options, the TOML file and the environment.
+
+    Raises:
+        ConfigError: a setting is invalid.
+        SystemExit: bad command-line syntax (argparse prints the usage).
+    """
+    environ = dict(os.environ if environ is None else environ)
+    options = build_parser().parse_args(argv)
+    file_settings: dict[str, Any] = {}
+    if options.config is not None:
+        try:
+            file_settings = tomllib.loads(options.config.read_text()).get("mpsd", {})
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"cannot read {options.config}: {exc}") from None
+
+    def pick(name: str, default: Any = None) -> Any:
+        value = getattr(options, name)
+        return value if value is not None else file_settings.get(name.replace("_", "-"), default)
+
+    pipe_dir = Path(pick("pipe_dir") or environ.get("MPSD_PIPE_DIRECTORY") or DEFAULT_PIPE_DIRECTORY)
+    log_dir = Path(pick("log_dir") or environ.get("MPSD_LOG_DIRECTORY") or pipe_dir)
+    time_scale = float(pick("time_scale", 1.0))
+    if not 0 < time_scale < float("inf"):
+        raise ConfigError(f"--time-scale must be positive, not {time_scale}")
+    percentage = float(pick("active_thread_percentage", 100.0))
+    if not 0 < percentage <= 100:
+        raise ConfigError(f"--active-thread-percentage must be in (0, 100], not {percentage}")
+    limits_text = pick("pinned_mem_limit")
+    try:
+        limits = parse_mem_limits(str(limits_text)) if limits_text else {}
+    except ValueError as exc:
+        raise ConfigError(f"--pinned-mem-limit: {exc}") from None
+    policy = pick("policy", "mps")
+    containment = pick("fault_containment", "device")
+    if policy not in POLICIES:
+        raise ConfigError(f"unknown policy {policy!r} (known: {', '.join(POLICIES)})")
+    if containment not in CONTAINMENT:
+        raise ConfigError(f"fault containment must be one of {', '.join(CONTAINMENT)}")
+    priority = int(pick("client_priority", 0))
+    if priority not in (0, 1):
+        raise ConfigError("client priority must be 0 or 1")
+    return Config(pipe_dir=pipe_dir, log_dir=log_dir, devices=parse_devices(pick("devices", "h200")),
+                  policy=policy, time_scale=time_scale, active_thread_percentage=percentage,
+                  pinned_mem_limits=limits, client_priority=priority, fault_containment=containment)

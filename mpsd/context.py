@@ -1,0 +1,401 @@
+# A client's sub-context: its address space, pinned host buffers, streams, events, quotas and sticky error,
+# with CUDA's rules for each call. Calls are plain methods that either return at once or return the ops the
+# caller must wait on; the session does the waiting, so nothing here awaits and the rules stay in one place.
+#
+# Stream semantics are the legacy default stream's: work on stream 0 waits for all earlier work in the
+# context's blocking streams, and work on a blocking stream waits for earlier work on stream 0. Ops carry
+# those dependencies into the simulator, which keeps each stream in order. Effects on bytes (copies,
+# kernels) happen when the simulator completes the op, so they land in stream order.
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
+
+from mpsd_protocol import (  # type: ignore[attr-defined]
+    CudaError,
+    IllegalAddressError,
+    InvalidDeviceFunctionError,
+    InvalidResourceHandleError,
+    InvalidValueError,
+    LaunchOutOfResourcesError,
+    NotReadyError,
+    OutOfMemoryError,
+    check_launch,
+    format_size,
+)
+from mpsd.kernels import KERNELS
+from mpsd.memory import AddressSpace, Allocation, HostBuffer, Segment
+from mpsd.sim import Copy, Kernel, Marker, Op, kernel_cost, occupancy
+
+if TYPE_CHECKING:
+    from mpsd.device import Device
+
+STREAM_PRIORITY_GREATEST, STREAM_PRIORITY_LEAST = -5, 0  # cudaDeviceGetStreamPriorityRange on Hopper
+NON_BLOCKING = 0x1  # cudaStreamNonBlocking
+
+
+@dataclass(frozen=True, slots=True)
+class Quotas:
+    """What a client may use: effective values after the daemon's settings and the client's requests."""
+
+    active_thread_percentage: float
+    sm_cap: int
+    pinned_mem_limit: int  # bytes
+    priority: int  # CUDA_MPS_CLIENT_PRIORITY: 0 normal, 1 below normal
+
+
+@dataclass(eq=False, slots=True)
+class Stream:
+    id: int
+    priority: int
+    blocking: bool
+    key: tuple[int, int]
+    tail: Op | None = None
+
+
+@dataclass(eq=False, slots=True)
+class Event:
+    id: int
+    timing: bool
+    interprocess: bool
+    record: Marker | None = None
+
+
+@dataclass(slots=True)
+class Counters:
+    """What the client did, for its statistics."""
+
+    launches: int = 0
+    copies: int = 0
+    bytes_copied: int = 0
+    mallocs: int = 0
+    frees: int = 0
+    peak_used: int = 0
+
+
+class Context:
+    """One client's sub-context on one device."""
+
+    def __init__(self, device: Device, client_id: int, pid: int, uid: int, gid: int, quotas: Quotas) -> None:
+        self.device = device
+        self.id = client_id
+        self.pid, self.uid, self.gid = pid, uid, gid
+        self.quotas = quotas
+        self.memory = AddressSpace()
+        self.used = 0  # device bytes charged to this client
+        self.host: dict[int, HostBuffer] = {}
+        self.streams: dict[int, Stream] = {0: Stream(0, 0, True, (client_id, 0))}
+        self.events: dict[int, Event] = {}
+        self.sticky: CudaError | None = None
+        self.last_error: CudaError | None = None  # from fire-and-forget calls, for get_last_error
+        self.counters = Counters()
+        self._next_handle = 1
+        self.closed = False
+
+    # -- errors ----------------------------------------------------------------------------------------
+    def check_usable(self) -> None:
+        """Raise the sticky error, if the context has one: after it, every call fails the same way."""
+        if self.sticky is not None:
+            raise self.sticky
+
+    def take_last_error(self, clear: bool = True) -> CudaError | None:
+        """``cudaGetLastError`` (clear) / ``cudaPeekAtLastError``: a sticky error is never cleared."""
+        error = self.last_error or self.sticky
+        if clear:
+            self.last_error = None
+        return error
+
+    def set_sticky(self, error: CudaError) -> None:
+        if self.sticky is None:
+            self.sticky = error
+
+    def _handle(self) -> int:
+        handle = self._next_handle
+        self._next_handle += 1
+        return handle
+
+    # -- memory ----------------------------------------------------------------------------------------
+    def mem_get_info(self) -> tuple[int, int]:
+        """(free, total) as this client sees them: its pinned limit caps both."""
+        device_free = self.device.total_memory - self.device.used
+        limit = self.quotas.pinned_mem_limit
+        return max(0, min(limit - self.used, device_free)), min(limit, self.device.total_memory)
+
+    def malloc(self, nbytes: int) -> int:
+        if not isinstance(nbytes, int) or nbytes < 0:
+            raise InvalidValueError(f"malloc size {nbytes!r:.40} is not a byte count")
+        if nbytes == 0:
+            return 0  # cudaMalloc(0) succeeds with a null pointer
+        free, _ = self.mem_get_info()
+        try:
+            addr, span = self.memory.place(nbytes)
+        except MemoryError:
+            raise OutOfMemoryError("device address space exhausted") from None
+        if span > free:
+            raise OutOfMemoryError(
+                f"tried to allocate {format_size(nbytes)}; {format_size(free)} free of this client's "
+                f"{format_size(self.mem_get_info()[1])}")
+        try:
+            segment = Segment(nbytes)
+        except OSError as exc:
+            raise OutOfMemoryError(f"the daemon could not back {format_size(nbytes)}: {exc.strerror}") from None
+        self.memory.insert(Allocation(addr, nbytes, span, segment, accounted=span))
+        self._charge(span)
+        self.counters.mallocs += 1
+        return addr
+
+    def check_free(self, addr: int) -> None:
+        if addr != 0 and self.memory.get(addr) is None:
+            raise InvalidValueError(f"{addr:#x} is not the base of a live allocation in this context")
+
+    def free(self, addr: int) -> None:
+        """Free an allocation; the caller has already waited for the context's work (cudaFree synchronises)."""
+        if addr == 0:
+            return  # cudaFree(NULL) is a no-op
+        alloc = self.memory.remove(addr)
+        self._release(alloc)
+        self.counters.frees += 1
+
+    def _charge(self, nbytes: int) -> None:
+        self.used += nbytes
+        self.device.used += nbytes
+        self.counters.peak_used = max(self.counters.peak_used, self.used)
+
+    def _release(self, alloc: Allocation) -> None:
+        self.used -= alloc.accounted
+        self.device.used -= alloc.accounted
+        alloc.segment.release()
+
+    def host_register(self, fd: int, nbytes: int) -> int:
+        if not isinstance(nbytes, int) or nbytes <= 0:
+            raise InvalidValueError(f"host buffer size {nbytes!r:.40} is not a positive byte count")
+        buffer_id = self._handle()
+        try:
+            self.host[buffer_id] = HostBuffer(buffer_id, fd, nbytes)
+        except (OSError, ValueError) as exc:
+            raise InvalidValueError(f"cannot map the host buffer: {exc}") from None
+        return buffer_id
+
+    def host_unregister(self, buffer_id: int) -> None:
+        buffer = self.host.pop(buffer_id, None)
+        if buffer is None:
+            raise InvalidValueError(f"no host buffer {buffer_id!r:.20}")
+        buffer.close()
+
+    def _device_view(self, ptr: int, nbytes: int, what: str) -> memoryview:
+        view = self.memory.view(ptr, nbytes) if isinstance(ptr, int) and isinstance(nbytes, int) else None
+        if view is None:
+            raise InvalidValueError(f"{what} [{ptr!r:.20}, +{nbytes!r:.20}) is not inside one live allocation")
+        return view
+
+    def _host_view(self, buffer_id: int, offset: int, nbytes: int) -> memoryview:
+        buffer = self.host.get(buffer_id) if isinstance(buffer_id, int) else None
+        view = buffer.view(offset, nbytes) if buffer is not None and isinstance(offset, int) else None
+        if view is None:
+            raise InvalidValueError(f"host range [{offset!r:.20}, +{nbytes!r:.20}) of buffer {buffer_id!r:.20} is invalid")
+        return view
+
+    # -- copies ----------------------------------------------------------------------------------------
+    def memcpy_htod(self, dst: int, host: int, offset: int, nbytes: int, stream: int | None,
+                    staged: bool) -> Op:
+        """Copy host buffer bytes to the device. A staged (pageable) source is read now; a pinned one when
+        the copy runs, as DMA from pinned memory does."""
+        s = self._stream(stream)
+        self._device_view(dst, nbytes, "destination").release()
+        source = self._host_view(host, offset, nbytes)
+        data: bytes | memoryview = bytes(source) if staged else source
+        if staged:
+            source.release()
+
+        def effect(op: Op) -> None:
+            view = self.memory.view(dst, nbytes)
+            if view is not None and not self.closed:
+                view[:] = data
+
+        return self._copy(s, "h2d", nbytes, effect)
+
+    def memcpy_dtoh(self, host: int, offset: int, src: int, nbytes: int, stream: int | None) -> Op:
+        s = self._stream(stream)
+        self._device_view(src, nbytes, "source").release()
+        self._host_view(host, offset, nbytes).release()
+
+        def effect(op: Op) -> None:
+            source = self.memory.view(src, nbytes)
+            buffer = self.host.get(host)
+            if source is not None and buffer is not None and not self.closed:
+                buffer.map[offset:offset + nbytes] = source
+
+        return self._copy(s, "d2h", nbytes, effect)
+
+    def memcpy_dtod(self, dst: int, src: int, nbytes: int, stream: int | None) -> Op:
+        s = self._stream(stream)
+        self._device_view(dst, nbytes, "destination").release()
+        self._device_view(src, nbytes, "source").release()
+
+        def effect(op: Op) -> None:
+            source, target = self.memory.view(src, nbytes), self.memory.view(dst, nbytes)
+            if source is not None and target is not None and not self.closed:
+                target[:] = bytes(source)  # through a copy: the ranges may overlap
+
+        return self._copy(s, "d2d", nbytes, effect)
+
+    def memset(self, ptr: int, value: int, nbytes: int, stream: int | None) -> Op:
+        s = self._stream(stream)
+        if not isinstance(value, int):
+            raise InvalidValueError(f"memset value {value!r:.20} is not an int")
+        self._device_view(ptr, nbytes, "memset range").release()
+        byte = value & 0xFF  # cudaMemset uses the low byte, as memset does
+
+        def effect(op: Op) -> None:
+            view = self.memory.view(ptr, nbytes)
+            if view is not None and not self.closed:
+                view[:] = bytes([byte]) * nbytes
+
+        return self._copy(s, "d2d", nbytes, effect)
+
+    def _copy(self, stream: Stream, engine: str, nbytes: int, effect: Callable[[Op], None]) -> Op:
+        self.counters.copies += 1
+        self.counters.bytes_copied += nbytes
+        op = Copy(client=self.id, stream=stream.key, tag=effect, engine=engine, nbytes=nbytes)
+        return self._enqueue(stream, op)
+
+    # -- kernels ---------------------------------------------------------------------------------------
+    def launch(self, name: str, grid: object, block: object, args: object, shared_mem: object,
+               stream: int | None) -> Op:
+        """Queue a kernel. Pointer arguments are checked when it runs: an access outside live memory is
+        an illegal address, sticky, contained as the device's fault-containment setting says."""
+        kernel = KERNELS.get(name) if isinstance(name, str) else None
+        if kernel is None:
+            raise InvalidDeviceFunctionError(f"no kernel named {name!r:.60}")
+        grid3, block3, checked = check_launch(name, kernel.params, grid, block, args, shared_mem,
+                                              self.device.properties)
+        s = self._stream(stream)
+        blocks, threads = math.prod(grid3), math.prod(block3)
+        spec = self.device.spec
+        if occupancy(spec, threads, 32, shared_mem) == 0:  # type: ignore[arg-type]
+            raise LaunchOutOfResourcesError(f"a block of {threads} threads and {shared_mem} bytes of shared "
+                                            "memory does not fit on one SM")
+        cost = kernel_cost(spec, name, blocks, threads, checked)
+
+        def effect(op: Op) -> None:
+            if self.closed or self.sticky is not None:
+                return
+            views = []
+            for index, nbytes in kernel.extents(checked):
+                view = self.memory.view(int(checked[index]), nbytes)
+                if view is None:
+                    self.device.fault(self, IllegalAddressError(
+                        f"{name} argument {index} [{int(checked[index]):#x}, +{nbytes}) is outside live memory"))
+                    return
+                views.append(view)
+            kernel.run(views, checked)
+
+        op = Kernel(client=self.id, stream=s.key, tag=effect, blocks=blocks, threads=threads, cost=cost,
+                    smem=shared_mem, priority=s.priority, sm_cap=self.quotas.sm_cap)  # type: ignore[arg-type]
+        self.counters.launches += 1
+        return self._enqueue(s, op)
+
+    # -- streams and events ----------------------------------------------------------------------------
+    def _stream(self, stream: int | None) -> Stream:
+        s = self.streams.get(0 if stream is None else stream) if stream is None or isinstance(stream, int) else None
+        if s is None:
+            raise InvalidResourceHandleError(f"no stream {stream!r:.20} in this context")
+        return s
+
+    def _enqueue(self, stream: Stream, op: Op) -> Op:
+        if stream.id == 0:
+            deps = [s.tail for s in self.streams.values() if s.blocking and s.id != 0 and s.tail is not None]
+        elif stream.blocking:
+            deps = [self.streams[0].tail]
+        else:
+            deps = []
+        op.after = tuple(d for d in deps if d is not None and not d.done) + tuple(op.after)
+        stream.tail = op
+        self.device.engine.submit(op)
+        return op
+
+    def create_stream(self, priority: int, flags: int) -> tuple[int, int]:
+        if not isinstance(priority, int) or not isinstance(flags, int) or flags & ~NON_BLOCKING:
+            raise InvalidValueError(f"bad stream priority {priority!r:.20} or flags {flags!r:.20}")
+        # Priorities outside the range are clamped, as the runtime does.
+        priority = min(max(priority, STREAM_PRIORITY_GREATEST), STREAM_PRIORITY_LEAST)
+        stream_id = self._handle()
+        self.streams[stream_id] = Stream(stream_id, priority, not flags & NON_BLOCKING, (self.id, stream_id))
+        return stream_id, priority
+
+    def destroy_stream(self, stream: int) -> None:
+        # Work already queued still runs, as with cudaStreamDestroy; the handle is gone at once.
+        if stream == 0 or self.streams.pop(stream, None) is None:
+            raise InvalidResourceHandleError(f"no stream {stream!r:.20} to destroy")
+
+    def stream_tail(self, stream: int | None) -> Op | None:
+        return self._stream(stream).tail
+
+    def stream_query(self, stream: int | None) -> bool:
+        tail = self._stream(stream).tail
+        return tail is None or tail.done
+
+    def stream_wait_event(self, stream: int | None, event: int) -> None:
+        s, e = self._stream(stream), self._event(event)
+        if e.record is not None and not e.record.done:
+            self._enqueue(s, Marker(client=self.id, stream=s.key, after=(e.record,)))
+
+    def create_event(self, disable_timing: bool, interprocess: bool) -> int:
+        if interprocess and not disable_timing:
+            raise InvalidValueError("an interprocess event must also disable timing")
+        event_id = self._handle()
+        self.events[event_id] = Event(event_id, not disable_timing, bool(interprocess))
+        return event_id
+
+    def _event(self, event: int) -> Event:
+        e = self.events.get(event) if isinstance(event, int) else None
+        if e is None:
+            raise InvalidResourceHandleError(f"no event {event!r:.20} in this context")
+        return e
+
+    def destroy_event(self, event: int) -> None:
+        self._event(event)
+        del self.events[event]
+
+    def record_event(self, event: int, stream: int | None) -> None:
+        e, s = self._event(event), self._stream(stream)
+        e.record = self._enqueue(s, Marker(client=self.id, stream=s.key))  # type: ignore[assignment]
+
+    def event_record_op(self, event: int) -> Marker | None:
+        return self._event(event).record
+
+    def event_query(self, event: int) -> bool:
+        record = self._event(event).record
+        return record is None or record.done  # a never-recorded event counts as complete
+
+    def elapsed_ms(self, start: int, end: int) -> float:
+        a, b = self._event(start), self._event(end)
+        if not (a.timing and b.timing):
+            raise InvalidResourceHandleError("elapsed time needs two events created with timing enabled")
+        if a.record is None or b.record is None:
+            raise InvalidResourceHandleError("elapsed time needs two recorded events")
+        if not (a.record.done and b.record.done):
+            raise NotReadyError("an event has not completed yet")
+        return (b.record.ended - a.record.ended) * 1e3
+
+    def tails(self) -> list[Op]:
+        """The last op of every stream: what a context synchronize waits for."""
+        return [s.tail for s in self.streams.values() if s.tail is not None and not s.tail.done]
+
+    # -- teardown --------------------------------------------------------------------------------------
+    def close(self) -> dict[str, int]:
+        """Release everything the client holds (it exited or was killed). Returns what was reclaimed."""
+        self.closed = True
+        self.device.engine.cancel(self.id)
+        allocations = self.memory.clear()
+        reclaimed = {"allocations": len(allocations), "bytes": sum(a.accounted for a in allocations),
+                     "streams": len(self.streams) - 1, "events": len(self.events), "host_buffers": len(self.host)}
+        for alloc in allocations:
+            self._release(alloc)
+        for buffer in self.host.values():
+            buffer.close()
+        self.host.clear()
+        self.streams.clear()
+        self.events.clear()
+        return reclaimed

@@ -1,0 +1,82 @@
+# One GPU as the daemon holds it: the simulator and its engine, the memory every client has allocated on it,
+# the clients attached to it, and fatal-fault handling. Faults are contained per device, as on Volta+ MPS
+# (every client sharing the GPU gets the sticky error), or per client when the daemon is told so.
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from mpsd.engine import Engine
+from mpsd.sim import DeviceSpec, Simulator, sm_cap
+from mpsd_protocol import CudaError
+
+if TYPE_CHECKING:
+    from mpsd.context import Context
+    from mpsd.servlog import ServerLog
+
+
+def device_properties(spec: DeviceSpec, index: int) -> dict[str, Any]:
+    """``cudaGetDeviceProperties`` for a whole device, in snake_case."""
+    return {
+        "name": spec.name,
+        "index": index,
+        "uuid": f"GPU-5eed{index:04x}-0000-4000-8000-{0x6d707364 + index:012x}",
+        "compute_capability": list(spec.compute_capability),
+        "major": spec.compute_capability[0],
+        "minor": spec.compute_capability[1],
+        "multiprocessor_count": spec.sm_count,
+        "total_memory": spec.total_memory,
+        "max_threads_per_multiprocessor": spec.max_threads_per_sm,
+        "max_blocks_per_multiprocessor": spec.max_blocks_per_sm,
+        "max_threads_per_block": spec.max_threads_per_block,
+        "max_block_dims": list(spec.max_block_dims),
+        "max_grid_dims": list(spec.max_grid_dims),
+        "warp_size": spec.warp_size,
+        "regs_per_multiprocessor": spec.regs_per_sm,
+        "regs_per_block": spec.regs_per_sm,
+        "shared_memory_per_block": 48 * 1024,
+        "shared_memory_per_block_optin": spec.max_smem_per_block,
+        "shared_memory_per_multiprocessor": spec.smem_per_sm,
+        "clock_rate_khz": int(spec.clock_hz / 1e3),
+        "memory_bandwidth": spec.mem_bandwidth,
+        "stream_priority_range": [0, -5],
+    }
+
+
+class Device:
+    """A simulated GPU shared by the daemon's clients."""
+
+    def __init__(self, index: int, spec: DeviceSpec, *, policy: str, time_scale: float,
+                 containment: str, log: ServerLog) -> None:
+        self.index = index
+        self.spec = spec
+        self.properties = device_properties(spec, index)
+        self.sim = Simulator(spec, policy=policy)
+        self.engine = Engine(self.sim, time_scale)
+        self.total_memory = spec.total_memory
+        self.used = 0
+        self.contexts: dict[int, Context] = {}
+        self.containment = containment
+        self.log = log
+
+    def client_properties(self, context: Context) -> dict[str, Any]:
+        """What one client sees: the SM count capped by its active thread percentage."""
+        return dict(self.properties, multiprocessor_count=context.quotas.sm_cap)
+
+    def sm_cap(self, active_thread_percentage: float) -> int:
+        return sm_cap(self.spec, active_thread_percentage)
+
+    def fault(self, culprit: Context, error: CudaError) -> None:
+        """A fatal GPU error in `culprit`'s work: make it sticky where containment says, drop queued work."""
+        self.log.server(f"Client {{PID: {culprit.pid}, Context: {culprit.id}}} encountered a fatal GPU error.")
+        victims = list(self.contexts.values()) if self.containment == "device" else [culprit]
+        self.log.server("Server is handling a fatal GPU error.")
+        for context in victims:
+            self.log.server(f"Client {{PID: {context.pid}, Context: {context.id}}} on device {self.index} "
+                            "to be torn down")
+            context.set_sticky(error)
+            self.engine.cancel(context.id)
+        if self.containment == "device":
+            self.log.server(f"The following devices will be reset: {self.index}")
+        self.log.server("The following client process have a sticky error set: "
+                        + " ".join(str(c.pid) for c in victims))

@@ -1,0 +1,310 @@
+# One client connection: a thin trio loop around the sans-IO protocol Connection, and the table that maps each
+# request to its context method. Calls that must wait for the GPU (synchronize, blocking copies, free) run as
+# tasks, so the session keeps reading: replies may come back out of order, as msgpack-rpc allows, while the
+# order in which work is queued stays the order in which it arrived.
+#
+# Nothing a client sends can take the daemon down: protocol errors close this connection only; a bad call
+# gets the CUDA error a real runtime would give; an unexpected exception becomes cudaErrorUnknown and a log
+# line, and the session goes on.
+from __future__ import annotations
+
+import logging
+import socket
+import struct
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+import trio
+
+from mpsd.context import Context, Quotas
+from mpsd.kernels import signatures
+from mpsd.sim import Op
+from mpsd_protocol import (  # type: ignore[attr-defined]
+    ANCILLARY_SIZE,
+    CLOSED,
+    HELLO,
+    NEED_DATA,
+    PROTOCOL_VERSION,
+    RECV_FLAGS,
+    Connection,
+    CudaError,
+    InvalidDeviceError,
+    InvalidValueError,
+    MpsConnectionError,
+    Notification,
+    ProtocolError,
+    Reply,
+    Request,
+    Role,
+    close_fds,
+    make_error,
+    pack_fds,
+    unpack_fds,
+)
+
+if TYPE_CHECKING:
+    from mpsd.server import Daemon
+
+log = logging.getLogger("mpsd.session")
+READ_SIZE = 1 << 16
+# Calls that still answer after a sticky error, so the client can learn what happened.
+_STICKY_EXEMPT = frozenset({"get_last_error", "statistics", "device_properties"})
+
+
+@dataclass(frozen=True, slots=True)
+class Deferred:
+    """A reply that must wait: for `ops` to complete, then `then()` gives the result."""
+
+    ops: list[Op | None]
+    then: Callable[[], Any] = lambda: None
+
+
+def peer_credentials(sock: Any) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process at the other end, from SO_PEERCRED: the only identity we trust."""
+    return struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+
+
+class Session:
+    """Serves one connected client."""
+
+    def __init__(self, daemon: Daemon, sock: trio.socket.SocketType) -> None:
+        self.daemon = daemon
+        self.sock = sock
+        self.pid, self.uid, self.gid = peer_credentials(sock)
+        self.conn = Connection(Role.SERVER)
+        self.context: Context | None = None
+        self.reader_scope = trio.CancelScope()
+        self._send_lock = trio.StrictFIFOLock()
+        self._nursery: trio.Nursery | None = None
+        self._closing = False
+        self._requests: dict[str, Callable[[dict[str, Any], tuple[int, ...]], Any]] = {
+            "device_properties": self._device_properties,
+            "mem_get_info": lambda a, f: list(self._ctx.mem_get_info()),
+            "malloc": lambda a, f: self._ctx.malloc(a["nbytes"]),
+            "free": self._free,
+            "host_register": self._host_register,
+            "host_unregister": lambda a, f: self._ctx.host_unregister(a["id"]),
+            "memcpy_htod": self._memcpy_htod,
+            "memcpy_dtoh": self._memcpy_dtoh,
+            "memcpy_dtod": lambda a, f: self._ctx.memcpy_dtod(a["dst"], a["src"], a["nbytes"], a.get("stream")) and None,
+            "memset": lambda a, f: self._ctx.memset(a["ptr"], a["value"], a["nbytes"], a.get("stream")) and None,
+            "create_stream": lambda a, f: list(self._ctx.create_stream(a.get("priority", 0), a.get("flags", 0))),
+            "destroy_stream": lambda a, f: self._ctx.destroy_stream(a["stream"]),
+            "stream_synchronize": lambda a, f: Deferred([self._ctx.stream_tail(a.get("stream"))]),
+            "stream_query": lambda a, f: self._ctx.stream_query(a.get("stream")),
+            "stream_wait_event": lambda a, f: self._ctx.stream_wait_event(a.get("stream"), a["event"]),
+            "create_event": lambda a, f: self._ctx.create_event(bool(a.get("disable_timing")),
+                                                                bool(a.get("interprocess"))),
+            "destroy_event": lambda a, f: self._ctx.destroy_event(a["event"]),
+            "event_record": lambda a, f: self._ctx.record_event(a["event"], a.get("stream")),
+            "event_synchronize": lambda a, f: Deferred([self._ctx.event_record_op(a["event"])]),
+            "event_query": lambda a, f: self._ctx.event_query(a["event"]),
+            "event_elapsed": lambda a, f: self._ctx.elapsed_ms(a["start"], a["end"]),
+            "synchronize": lambda a, f: Deferred(self._ctx.tails()),
+            "get_last_error": self._get_last_error,
+            "statistics": lambda a, f: self.daemon.client_statistics(self._ctx),
+            "launch": self._launch,
+        }
+
+    @property
+    def _ctx(self) -> Context:
+        assert self.context is not None  # the protocol guarantees hello came first
+        return self.context
+
+    # -- the I/O loop ----------------------------------------------------------------------------------
+    async def run(self) -> None:
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                with self.reader_scope:
+                    await self._read_loop()
+        finally:
+            self.conn.close_fds()
+            self.sock.close()
+            if self.context is not None:
+                self.daemon.detach(self.context)
+
+    async def _read_loop(self) -> None:
+        while True:
+            try:
+                event = self.conn.next_event()
+                if event is NEED_DATA:
+                    data, ancdata, flags, _ = await self.sock.recvmsg(READ_SIZE, ANCILLARY_SIZE, RECV_FLAGS)
+                    self.conn.receive_data(data, unpack_fds(ancdata, flags))
+                    continue
+            except ProtocolError as exc:
+                await self._protocol_error(str(exc))
+                return
+            except OSError:
+                return  # the peer reset the connection: it is gone
+            if event is CLOSED or self._closing:
+                return
+            if isinstance(event, Request):
+                await self._request(event)
+            elif isinstance(event, Notification):
+                self._notification(event)
+            else:
+                close_fds(event.fds)  # type: ignore[union-attr]
+                await self._protocol_error("a client does not send replies")
+                return
+
+    async def _protocol_error(self, text: str) -> None:
+        """Say what was wrong, where the socket still allows it, then close this connection only."""
+        self.daemon.log.server(f"Client {self.pid}: protocol error, closing its connection: {text}")
+        try:
+            await self._send(Notification("protocol_error", {"message": text}))
+        except (OSError, ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+
+    async def _send(self, message: Reply | Notification) -> None:
+        data = self.conn.send(message)
+        async with self._send_lock:
+            sent = await self.sock.sendmsg([data], pack_fds(message.fds))
+            while sent < len(data):
+                data = data[sent:]
+                sent = await self.sock.send(data)
+
+    async def _reply(self, request_id: int, error: CudaError | None, result: Any = None,
+                     fds: tuple[int, ...] = ()) -> None:
+        try:
+            await self._send(Reply(request_id, error.to_wire() if error else None, result, fds))
+        except (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
+            pass  # the client went away; its teardown follows from the read loop
+
+    # -- dispatch --------------------------------------------------------------------------------------
+    async def _request(self, request: Request) -> None:
+        if request.op == HELLO:
+            await self._hello(request)
+            return
+        handler = self._requests.get(request.op)
+        try:
+            if handler is None:
+                raise InvalidValueError(f"unknown request {request.op!r:.60}")
+            if request.op not in _STICKY_EXEMPT:
+                self._ctx.check_usable()
+            result = _call(handler, request.args, request.fds)
+        except CudaError as exc:
+            close_fds(request.fds)
+            await self._reply(request.id, exc)
+            return
+        if isinstance(result, Deferred):
+            assert self._nursery is not None
+            self._nursery.start_soon(self._finish, request.id, result)
+        else:
+            await self._reply(request.id, None, result)
+
+    async def _finish(self, request_id: int, deferred: Deferred) -> None:
+        await self.daemon.device_of(self._ctx).engine.wait_all(deferred.ops)
+        try:
+            self._ctx.check_usable()
+            if self._ctx.last_error is not None:
+                # Errors of earlier fire-and-forget calls surface at the next synchronising call.
+                error, self._ctx.last_error = self._ctx.last_error, None
+                raise error
+            result = deferred.then()
+        except CudaError as exc:
+            await self._reply(request_id, exc)
+        else:
+            await self._reply(request_id, None, result)
+
+    def _notification(self, note: Notification) -> None:
+        close_fds(note.fds)
+        handler = self._requests.get(note.op) if note.op != HELLO else None
+        if self.context is None:
+            return
+        try:
+            if handler is None:
+                raise InvalidValueError(f"unknown notification {note.op!r:.60}")
+            self._ctx.check_usable()
+            _call(handler, note.args, ())
+        except CudaError as exc:
+            if self._ctx.sticky is None:
+                self._ctx.last_error = exc
+
+    async def _hello(self, request: Request) -> None:
+        close_fds(request.fds)
+        try:
+            if self.context is not None:
+                raise InvalidValueError("hello was already said")
+            args = request.args
+            if args.get("version") != PROTOCOL_VERSION:
+                raise MpsConnectionError(f"protocol version {args.get('version')!r:.20} is not supported "
+                                         f"(the daemon speaks {PROTOCOL_VERSION})")
+            self.context = self.daemon.attach(self, _call(self._quotas_args, args, ()), args)
+        except CudaError as exc:
+            await self._reply(request.id, exc)
+            self._closing = True
+            self.reader_scope.cancel()
+            return
+        ctx = self.context
+        await self._reply(request.id, None, {
+            "version": PROTOCOL_VERSION,
+            "client_id": ctx.id,
+            "server_pid": self.daemon.log.pid,
+            "properties": self.daemon.device_of(ctx).client_properties(ctx),
+            "kernels": signatures(),
+            "quotas": {"active_thread_percentage": ctx.quotas.active_thread_percentage,
+                       "sm_cap": ctx.quotas.sm_cap, "pinned_mem_limit": ctx.quotas.pinned_mem_limit,
+                       "priority": ctx.quotas.priority},
+        })
+
+    def _quotas_args(self, args: dict[str, Any], fds: tuple[int, ...]) -> dict[str, Any]:
+        limits = args.get("limits") or {}
+        if not isinstance(limits, dict):
+            raise InvalidValueError("hello limits must be a map")
+        return limits
+
+    # -- handlers that need more than one line ---------------------------------------------------------
+    def _device_properties(self, args: dict[str, Any], fds: tuple[int, ...]) -> dict[str, Any]:
+        return self.daemon.device_of(self._ctx).client_properties(self._ctx)
+
+    def _free(self, args: dict[str, Any], fds: tuple[int, ...]) -> Deferred:
+        ptr = args["ptr"]
+        self._ctx.check_free(ptr)
+        # cudaFree synchronises: it waits for the context's work before the memory goes.
+        return Deferred(self._ctx.tails(), lambda: self._ctx.free(ptr))
+
+    def _host_register(self, args: dict[str, Any], fds: tuple[int, ...]) -> int:
+        if len(fds) != 1:
+            raise InvalidValueError("host_register needs exactly one file descriptor")
+        try:
+            return self._ctx.host_register(fds[0], args["nbytes"])
+        finally:
+            close_fds(fds)  # the mapping keeps the memory; the descriptor is not needed any more
+
+    def _memcpy_htod(self, args: dict[str, Any], fds: tuple[int, ...]) -> Deferred | None:
+        staged = bool(args.get("staged"))
+        stream = args.get("stream")
+        op = self._ctx.memcpy_htod(args["dst"], args["host"], args["offset"], args["nbytes"], stream, staged)
+        # A pageable source has been read already; a pinned one is read when the copy runs, so a
+        # synchronous copy from pinned memory returns only once it has.
+        return Deferred([op]) if stream is None and not staged else None
+
+    def _memcpy_dtoh(self, args: dict[str, Any], fds: tuple[int, ...]) -> Deferred | None:
+        staged = bool(args.get("staged"))
+        stream = args.get("stream")
+        op = self._ctx.memcpy_dtoh(args["host"], args["offset"], args["src"], args["nbytes"], stream)
+        # Device-to-pageable copies are synchronous even on a stream (the bytes land in staging).
+        return Deferred([op]) if stream is None or staged else None
+
+    def _get_last_error(self, args: dict[str, Any], fds: tuple[int, ...]) -> dict[str, Any] | None:
+        error = self._ctx.take_last_error(clear=bool(args.get("clear", True)))
+        return error.to_wire() if error else None
+
+    def _launch(self, args: dict[str, Any], fds: tuple[int, ...]) -> None:
+        self._ctx.launch(args["name"], args["grid"], args["block"], args["args"], args.get("shared_mem", 0),
+                         args.get("stream"))
+
+
+def _call(handler: Callable[[dict[str, Any], tuple[int, ...]], Any], args: dict[str, Any],
+          fds: tuple[int, ...]) -> Any:
+    """Run a handler, turning what a malformed argument map causes into the error CUDA would give."""
+    try:
+        return handler(args, fds)
+    except CudaError:
+        raise
+    except (KeyError, TypeError, ValueError, OverflowError) as exc:
+        raise InvalidValueError(f"malformed arguments: {type(exc).__name__}: {exc}"[:200]) from None
+    except Exception as exc:
+        log.exception("handler failed")
+        raise make_error(999, f"internal error: {type(exc).__name__}") from exc

@@ -1,0 +1,32 @@
+# The public surface of the GPU model; everything the daemon codes against is re-exported here and the
+# modules behind it stay free to move. Pure: no I/O, no wall clock, no trio, no threads.
+"""mpsd.sim: a deterministic model of a GPU shared under NVIDIA MPS."""
+
+from .costs import KERNEL_COSTS, BlockCost, kernel_cost
+from .engine import Simulator
+from .ops import ENGINES, BlockGroup, Copy, Kernel, Marker, Op
+from .policy import POLICIES
+from .specs import H200, BlockNeed, DeviceSpec, block_need, occupancy, sm_cap
+from .stats import ClientStatistics, SimStatistics
+
+__all__ = [
+    "ENGINES",
+    "H200",
+    "KERNEL_COSTS",
+    "POLICIES",
+    "BlockCost",
+    "BlockGroup",
+    "BlockNeed",
+    "ClientStatistics",
+    "Copy",
+    "DeviceSpec",
+    "Kernel",
+    "Marker",
+    "Op",
+    "SimStatistics",
+    "Simulator",
+    "block_need",
+    "kernel_cost",
+    "occupancy",
+    "sm_cap",
+]

@@ -1,0 +1,110 @@
+# Kernel cost models, by kernel name. The daemon owns each kernel's argument signature and CPU
+# implementation; the simulator needs only "how long does one block take, and does it share the SM's
+# issue rate with its neighbours". One table of small pure functions keeps adding a kernel a one-line change.
+"""Per-block cost models for the built-in kernels."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from .specs import DeviceSpec, occupancy
+
+__all__ = ["KERNEL_COSTS", "BlockCost", "kernel_cost"]
+
+
+@dataclass(frozen=True, slots=True)
+class BlockCost:
+    """How long one block of a kernel runs.
+
+    Attributes:
+        seconds: the per-block duration: fixed (latency-bound) or, if ``shared``, the duration when the
+            block alone gets the SM's full issue rate.
+        shared: True for throughput-bound blocks: co-resident shared blocks on one SM divide its issue
+            rate (processor sharing, see ``mpsd.sim.sms``).
+    """
+
+    seconds: float
+    shared: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.seconds >= 0.0:
+            raise ValueError(f"block seconds must be >= 0, got {self.seconds}")
+
+
+CostModel = Callable[[DeviceSpec, int, int, Sequence], BlockCost]
+
+
+def _spin(spec: DeviceSpec, blocks: int, threads: int, args: Sequence) -> BlockCost:
+    (cycles,) = args
+    return BlockCost(float(cycles) / spec.clock_hz)
+
+
+def _work(spec: DeviceSpec, blocks: int, threads: int, args: Sequence) -> BlockCost:
+    (iters,) = args
+    return BlockCost(float(iters) * threads / spec.sm_issue_rate, shared=True)
+
+
+def _memory_bound(spec: DeviceSpec, blocks: int, threads: int, nbytes: int) -> BlockCost:
+    # Every resident slot busy moves data at the full device bandwidth.
+    occ = occupancy(spec, threads)
+    if occ == 0:
+        raise ValueError(f"a block of {threads} threads cannot fit on an SM")
+    return BlockCost(nbytes / blocks * spec.sm_count * occ / spec.mem_bandwidth)
+
+
+def _fill_f32(spec: DeviceSpec, blocks: int, threads: int, args: Sequence) -> BlockCost:
+    _ptr, _value, n = args
+    return _memory_bound(spec, blocks, threads, 4 * int(n))
+
+
+def _vector_add_f32(spec: DeviceSpec, blocks: int, threads: int, args: Sequence) -> BlockCost:
+    _a, _b, _c, n = args
+    return _memory_bound(spec, blocks, threads, 12 * int(n))
+
+
+def _saxpy_f32(spec: DeviceSpec, blocks: int, threads: int, args: Sequence) -> BlockCost:
+    _alpha, _x, _y, n = args
+    return _memory_bound(spec, blocks, threads, 12 * int(n))
+
+
+def _reduce_sum_f32(spec: DeviceSpec, blocks: int, threads: int, args: Sequence) -> BlockCost:
+    _x, _out, n = args
+    return _memory_bound(spec, blocks, threads, 4 * int(n))
+
+
+KERNEL_COSTS: dict[str, CostModel] = {
+    "spin": _spin,
+    "work": _work,
+    "fill_f32": _fill_f32,
+    "vector_add_f32": _vector_add_f32,
+    "saxpy_f32": _saxpy_f32,
+    "reduce_sum_f32": _reduce_sum_f32,
+}
+
+
+def kernel_cost(spec: DeviceSpec, name: str, blocks: int, threads: int, args: Sequence) -> BlockCost:
+    """Cost of one block of a named built-in kernel.
+
+    Args:
+        spec: the device.
+        name: the kernel's name (a key of ``KERNEL_COSTS``).
+        blocks: blocks in the grid (>= 1).
+        threads: threads per block (>= 1).
+        args: the launch's positional arguments (pointers are ints).
+
+    Returns:
+        The per-block cost.
+
+    Raises:
+        KeyError: unknown kernel name.
+        ValueError: non-positive blocks or threads, wrong number of arguments, a negative duration,
+            or a block shape that cannot fit on an SM.
+    """
+    model = KERNEL_COSTS[name]
+    if blocks < 1 or threads < 1:
+        raise ValueError(f"blocks and threads must be >= 1, got {blocks} x {threads}")
+    try:
+        return model(spec, blocks, threads, args)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"bad arguments for kernel {name!r}: {exc}") from exc

@@ -1,0 +1,381 @@
+# The event loop, in SimPy's manner: a heap of (time, seq, kind, payload) with seq from itertools.count,
+# so ties keep their order and payloads are never compared. Work is handled an instant at a time: every
+# event at time t is processed first (blocks ending, kernels passing their launch overhead, copies
+# ending), then freed capacity is dispatched once, so blocks that end together free their SMs together.
+# The engine owns time and bookkeeping; stream order lives in streams.py, SM accounting and processor
+# sharing in sms.py, the choice of which kernel and which SMs in policy.py. The clock is the caller's:
+# virtual time with run(), or any external clock driving advance().
+"""The simulation engine."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections import deque
+
+from .ops import ENGINES, BlockGroup, Copy, Kernel, Marker, Op
+from .policy import KernelRun, make_policy
+from .sms import SM, Group
+from .specs import H200, DeviceSpec, block_need, occupancy
+from .stats import Counters, SimStatistics
+from .streams import Streams
+
+__all__ = ["Simulator"]
+
+_READY, _GROUP_END, _SM, _COPY_END = range(4)
+
+
+class Simulator:
+    """A simulated GPU shared by many clients.
+
+    Args:
+        spec: the device model.
+        policy: dispatch policy name (only "mps" for now).
+        record: keep a trace of every block group in ``trace``.
+
+    Raises:
+        ValueError: unknown policy.
+    """
+
+    def __init__(self, spec: DeviceSpec = H200, policy: str = "mps", record: bool = False) -> None:
+        self.spec = spec
+        self.now = 0.0
+        self.trace: list[BlockGroup] = []
+        self._record = record
+        self._policy = make_policy(policy)
+        self._sms = [SM.empty(i, spec) for i in range(spec.sm_count)]
+        self._heap: list[tuple] = []
+        self._event_seq = itertools.count()
+        self._op_seq = itertools.count()
+        self._streams = Streams()
+        self._runs: dict[Kernel, KernelRun] = {}
+        self._ready: list[KernelRun] = []  # past launch overhead, blocks left to place
+        self._dirty = False  # capacity freed or a kernel became ready since the last dispatch
+        self._touched: set[int] = set()  # SMs whose shared groups changed this instant
+        self._client_sms: dict[int, dict[int, int]] = {}  # client -> SM -> resident blocks
+        self._copy_queues: dict[str, deque[Copy]] = {e: deque() for e in ENGINES}
+        self._copy_busy: dict[str, Copy | None] = dict.fromkeys(ENGINES)
+        self._cancelled: set[Op] = set()  # started ops of cancelled clients, still running
+        self._completed: list[Op] = []  # completions at self.now not yet returned
+        self._counters: dict[int, Counters] = {}
+        self._kernels = self._blocks = self._copies = 0
+
+    # --- public API ------------------------------------------------------------------------
+
+    def submit(self, op: Op) -> None:
+        """Submit an op at the current time (sets ``op.submitted`` and ``op.seq``).
+
+        Args:
+            op: a Kernel, Copy or Marker not submitted before.
+
+        Raises:
+            ValueError: the op was already submitted; a kernel with blocks < 1, a block that cannot fit
+                on an SM, or sm_cap < 1; a copy on an unknown engine or with negative nbytes.
+            TypeError: not a Kernel, Copy or Marker.
+        """
+        if op.seq != -1:
+            raise ValueError("op already submitted")
+        if isinstance(op, Kernel):
+            if op.blocks < 1:
+                raise ValueError(f"kernel needs at least one block, got {op.blocks}")
+            if occupancy(self.spec, op.threads, op.regs_per_thread, op.smem) < 1:
+                raise ValueError(
+                    f"a block of {op.threads} threads, {op.regs_per_thread} registers/thread and "
+                    f"{op.smem} bytes of shared memory cannot fit on an SM"
+                )
+            if op.sm_cap is not None and op.sm_cap < 1:
+                raise ValueError(f"sm_cap must be >= 1, got {op.sm_cap}")
+            need = block_need(self.spec, op.threads, op.regs_per_thread, op.smem)
+            self._runs[op] = KernelRun(op, need, unplaced=op.blocks)
+        elif isinstance(op, Copy):
+            if op.engine not in ENGINES:
+                raise ValueError(f"unknown copy engine {op.engine!r}; known: {ENGINES}")
+            if op.nbytes < 0:
+                raise ValueError(f"nbytes must be >= 0, got {op.nbytes}")
+        elif not isinstance(op, Marker):
+            raise TypeError(f"cannot submit {type(op).__name__}")
+        op.seq = next(self._op_seq)
+        op.submitted = self.now
+        if self._streams.add(op):
+            self._settle([op])
+
+    def next_time(self) -> float | None:
+        """Time of the next internal event.
+
+        Returns:
+            ``now`` if completions are waiting to be returned, else the time of the earliest pending
+            event, or None if nothing is running or waiting on time.
+        """
+        if self._completed:
+            return self.now
+        heap = self._heap
+        while heap and self._stale(heap[0]):
+            heapq.heappop(heap)
+        return heap[0][0] if heap else None
+
+    def advance(self, until: float) -> list[Op]:
+        """Process every event with time <= ``until`` and move the clock to ``until``.
+
+        Args:
+            until: the new simulated time.
+
+        Returns:
+            The ops completed (including those completed at submit), in completion order, ties in
+            submission order; each has started, ended and done set.
+
+        Raises:
+            ValueError: ``until`` is before ``now`` (or NaN).
+        """
+        if not until >= self.now:
+            raise ValueError(f"cannot go back in time from {self.now} to {until}")
+        out: list[Op] = []
+        heap = self._heap
+        while True:
+            while heap and self._stale(heap[0]):
+                heapq.heappop(heap)
+            if not heap or heap[0][0] > until:
+                break
+            t = heap[0][0]
+            if t > self.now:
+                out.extend(self._flush())
+                self.now = t
+            while heap and heap[0][0] <= t:
+                _, _, kind, payload = heapq.heappop(heap)
+                self._handle(kind, payload)
+            self._end_instant()
+        out.extend(self._flush())
+        self.now = until
+        return out
+
+    def run(self) -> list[Op]:
+        """Advance in virtual time until nothing is left to do.
+
+        Returns:
+            Every op completed, in completion order.
+        """
+        out: list[Op] = []
+        while (t := self.next_time()) is not None:
+            out.extend(self.advance(t))
+        return out
+
+    def cancel(self, client: int) -> list[Op]:
+        """A client died: drop its ops that have not started.
+
+        Its running blocks and copies run to the end and keep their resources until then, but their ops
+        are never reported. Other clients' ops that depend on a dropped op treat it as done at once, and
+        on a running one when it ends.
+
+        Args:
+            client: the tenant id.
+
+        Returns:
+            The dropped (never started) ops, in submission order.
+        """
+        dropped: list[Op] = []
+        resolved: list[Op] = []
+        for op in self._streams.drop_client(client):
+            if isinstance(op, Kernel):
+                run = self._runs[op]
+                run.cancelled = True
+                run.unplaced = 0
+                if math.isnan(op.started):
+                    del self._runs[op]
+                    dropped.append(op)
+                elif run.running == 0:
+                    del self._runs[op]
+                    resolved.append(op)
+                else:
+                    self._cancelled.add(op)
+            elif isinstance(op, Copy) and self._copy_busy[op.engine] is op:
+                self._cancelled.add(op)
+            else:
+                if isinstance(op, Copy) and op in self._copy_queues[op.engine]:
+                    self._copy_queues[op.engine].remove(op)
+                dropped.append(op)
+        self._ready = [r for r in self._ready if not r.cancelled]
+        for op in sorted(dropped + resolved, key=lambda o: o.seq):
+            self._settle(self._streams.resolve(op))
+        self._end_instant()
+        return dropped
+
+    def statistics(self) -> SimStatistics:
+        """A snapshot of the counters (see ``SimStatistics``)."""
+        return SimStatistics(
+            self.now,
+            self._kernels,
+            self._blocks,
+            self._copies,
+            {c: n.freeze() for c, n in sorted(self._counters.items())},
+        )
+
+    def busy_sms(self, client: int | None = None) -> int:
+        """SMs with at least one resident block (of ``client``, if given)."""
+        if client is None:
+            return sum(1 for sm in self._sms if sm.resident)
+        return len(self._client_sms.get(client, ()))
+
+    # --- events ------------------------------------------------------------------------------
+
+    def _push(self, time: float, kind: int, payload: object) -> None:
+        heapq.heappush(self._heap, (time, next(self._event_seq), kind, payload))
+
+    def _stale(self, event: tuple) -> bool:
+        kind, payload = event[2], event[3]
+        if kind == _SM:
+            return self._sms[payload[0]].version != payload[1]
+        return kind == _READY and payload.cancelled
+
+    def _handle(self, kind: int, payload) -> None:
+        if kind == _GROUP_END:
+            self._end_group(payload)
+        elif kind == _SM:
+            sm = self._sms[payload[0]]
+            if sm.version != payload[1]:
+                return
+            for group in sm.pop_finished(self.now):
+                self._end_group(group)
+            self._touched.add(sm.index)
+        elif kind == _READY:
+            if not payload.cancelled:
+                self._ready.append(payload)
+                self._dirty = True
+        else:
+            self._end_copy(payload)
+
+    def _end_instant(self) -> None:
+        if self._dirty and self._ready:
+            self._dispatch()
+        self._dirty = False
+        for i in sorted(self._touched):
+            soonest = self._sms[i].reschedule()
+            if soonest is not None:
+                self._push(soonest, _SM, (i, self._sms[i].version))
+        self._touched.clear()
+
+    def _flush(self) -> list[Op]:
+        done = self._completed
+        self._completed = []
+        done.sort(key=lambda o: o.seq)
+        return done
+
+    def _counter(self, client: int) -> Counters:
+        c = self._counters.get(client)
+        if c is None:
+            c = self._counters[client] = Counters()
+        return c
+
+    # --- stream order ------------------------------------------------------------------------
+
+    def _settle(self, ops: list[Op]) -> None:
+        """Start what became eligible now: markers complete, kernels wait out the launch overhead,
+        copies join their engine's FIFO."""
+        work = deque(ops)
+        while work:
+            op = work.popleft()
+            if isinstance(op, Marker):
+                op.started = op.ended = self.now
+                op.done = True
+                self._completed.append(op)
+                work.extend(self._streams.complete(op))
+            elif isinstance(op, Kernel):
+                run = self._runs[op]
+                run.eligible = self.now
+                self._push(self.now + self.spec.kernel_overhead, _READY, run)
+            else:
+                self._copy_queues[op.engine].append(op)
+                self._start_copy(op.engine)
+
+    def _finish(self, op: Op) -> None:
+        """``op`` ended now: report it, or if its client was cancelled, only release dependents."""
+        if op in self._cancelled:
+            self._cancelled.discard(op)
+            self._settle(self._streams.resolve(op))
+            return
+        op.ended = self.now
+        op.done = True
+        self._completed.append(op)
+        self._settle(self._streams.complete(op))
+
+    # --- copies ------------------------------------------------------------------------------
+
+    def _start_copy(self, engine: str) -> None:
+        queue = self._copy_queues[engine]
+        if self._copy_busy[engine] is not None or not queue:
+            return
+        op = queue.popleft()
+        self._copy_busy[engine] = op
+        op.started = self.now
+        bandwidth = self.spec.mem_bandwidth / 2 if engine == "d2d" else self.spec.pcie_bandwidth
+        self._push(self.now + self.spec.copy_latency + op.nbytes / bandwidth, _COPY_END, op)
+
+    def _end_copy(self, op: Copy) -> None:
+        self._copy_busy[op.engine] = None
+        if op not in self._cancelled:
+            c = self._counter(op.client)
+            c.copies += 1
+            c.bytes_copied += op.nbytes
+            self._copies += 1
+        self._finish(op)
+        self._start_copy(op.engine)
+
+    # --- blocks ------------------------------------------------------------------------------
+
+    def _dispatch(self) -> None:
+        now = self.now
+        sms = self._sms
+        for run in self._policy.order(self._ready):
+            kernel = run.kernel
+            occupied = self._client_sms.setdefault(kernel.client, {})
+            placements = self._policy.place(run, sms, occupied)
+            if not placements:
+                continue
+            cost = kernel.cost
+            placed = 0
+            for i, count in placements:
+                sms[i].take(run.need, count)
+                occupied[i] = occupied.get(i, 0) + count
+                placed += count
+                group = Group(run, i, count, now)
+                if cost.shared:
+                    group.remaining = cost.seconds
+                    group.demand = min(1.0, kernel.threads / self.spec.saturation_threads)
+                    sms[i].add_shared(group, now)
+                    self._touched.add(i)
+                else:
+                    group.end = now + cost.seconds
+                    self._push(group.end, _GROUP_END, group)
+            run.unplaced -= placed
+            run.running += placed
+            if math.isnan(kernel.started):
+                kernel.started = now
+            c = self._counter(kernel.client)
+            c.max_sms = max(c.max_sms, len(occupied))
+        self._ready = [r for r in self._ready if r.unplaced]
+
+    def _end_group(self, group: Group) -> None:
+        now = self.now
+        run = group.run
+        kernel = run.kernel
+        self._sms[group.sm].release(run.need, group.count)
+        occupied = self._client_sms[kernel.client]
+        left = occupied[group.sm] - group.count
+        if left:
+            occupied[group.sm] = left
+        else:
+            del occupied[group.sm]
+        group.end = now
+        run.running -= group.count
+        self._dirty = True
+        c = self._counter(kernel.client)
+        c.blocks += group.count
+        c.sm_seconds += group.count * (now - group.start)
+        self._blocks += group.count
+        if self._record:
+            self.trace.append(BlockGroup(kernel, group.sm, group.count, group.start, now))
+        if run.running == 0 and run.unplaced == 0:
+            del self._runs[kernel]
+            if kernel not in self._cancelled:
+                c.kernels += 1
+                self._kernels += 1
+            self._finish(kernel)

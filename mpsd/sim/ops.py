@@ -1,0 +1,103 @@
+# What the daemon hands the simulator and what comes back. Ops are mutable records compared by
+# identity (eq=False): the simulator stamps their times on them and keys its bookkeeping by them, so two
+# launches with equal fields stay two launches. Fields are keyword-only so subclasses can add required
+# fields after the base's defaults.
+"""Operations (kernels, copies, markers) and the recorded block groups."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+from .costs import BlockCost
+
+__all__ = ["ENGINES", "BlockGroup", "Copy", "Kernel", "Marker", "Op"]
+
+ENGINES = ("h2d", "d2h", "d2d")
+
+
+@dataclass(eq=False, slots=True, kw_only=True)
+class Op:
+    """One unit of device work.
+
+    Attributes:
+        client: tenant id.
+        stream: ops of one client with equal ``stream`` run one after another, in submission order
+            (the stream's identity is ``(client, stream)``).
+        after: other ops that must complete before this one may start.
+        tag: opaque to the simulator.
+        submitted, started, ended: simulated times, set by the simulator (NaN until then).
+        done: set by the simulator when the op is reported complete.
+        seq: submission sequence number, set by the simulator (-1 until submitted).
+    """
+
+    client: int
+    stream: Hashable
+    after: tuple = field(default=(), repr=False)
+    tag: object = None
+    submitted: float = field(default=math.nan, init=False)
+    started: float = field(default=math.nan, init=False)
+    ended: float = field(default=math.nan, init=False)
+    done: bool = field(default=False, init=False)
+    seq: int = field(default=-1, init=False)
+
+
+@dataclass(eq=False, slots=True, kw_only=True)
+class Kernel(Op):
+    """A grid of ``blocks`` blocks of ``threads`` threads, each costing ``cost``.
+
+    Attributes:
+        blocks: blocks in the grid (>= 1).
+        threads: threads per block.
+        cost: per-block cost (see ``mpsd.sim.kernel_cost``).
+        regs_per_thread: registers per thread.
+        smem: shared memory per block, bytes.
+        priority: CUDA stream priority; lower is more urgent.
+        sm_cap: most distinct SMs this client may occupy at once (from its active thread
+            percentage); None for all.
+    """
+
+    blocks: int
+    threads: int
+    cost: BlockCost
+    regs_per_thread: int = 32
+    smem: int = 0
+    priority: int = 0
+    sm_cap: int | None = None
+
+
+@dataclass(eq=False, slots=True, kw_only=True)
+class Copy(Op):
+    """A copy on one of the copy engines (one FIFO per engine, shared by all clients).
+
+    Attributes:
+        engine: "h2d" or "d2h" (PCIe bandwidth) or "d2d" (half the memory bandwidth: read plus write).
+        nbytes: bytes copied; the copy also pays the device's fixed ``copy_latency``.
+    """
+
+    engine: str
+    nbytes: int
+
+
+@dataclass(eq=False, slots=True, kw_only=True)
+class Marker(Op):
+    """Zero-duration op: completes when it reaches its stream's head and its ``after`` ops are done."""
+
+
+@dataclass(frozen=True, slots=True)
+class BlockGroup:
+    """Blocks of one kernel placed together on one SM at one instant (recorded when they end).
+
+    Attributes:
+        op: the kernel.
+        sm: SM index.
+        count: blocks in the group.
+        start, end: simulated seconds.
+    """
+
+    op: Kernel
+    sm: int
+    count: int
+    start: float
+    end: float

@@ -1,0 +1,129 @@
+# SM state: free resources and the blocks resident on each SM. Blocks are never simulated one by one:
+# blocks of one kernel placed on one SM at one instant form a Group with a single end time. Fixed-cost
+# groups get one heap event each; throughput-bound ("shared") groups on an SM divide its issue rate, so
+# their end times move whenever the SM's membership changes. Each SM therefore keeps a version counter:
+# the engine pushes one event per reschedule and ignores any event whose version is stale (lazy
+# invalidation), instead of searching the heap.
+"""Streaming multiprocessors: resource accounting and processor sharing."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .specs import BlockNeed, DeviceSpec
+
+__all__ = ["SM", "Group"]
+
+# Shared groups whose remaining service time is within this many seconds are finished (float slack).
+_EPSILON = 1e-12
+
+
+@dataclass(eq=False, slots=True)
+class Group:
+    """Blocks of one kernel placed together on one SM at one instant.
+
+    ``remaining`` (full-rate seconds of service still owed per block), ``demand`` and ``rate`` are used
+    for shared groups only.
+    """
+
+    run: object  # the engine's per-kernel state (KernelRun)
+    sm: int
+    count: int
+    start: float
+    end: float = math.nan
+    remaining: float = 0.0
+    demand: float = 1.0
+    rate: float = 1.0
+
+
+@dataclass(eq=False, slots=True)
+class SM:
+    """One SM's free resources and resident shared groups."""
+
+    index: int
+    free_warps: int
+    free_blocks: int
+    free_regs: int
+    free_smem: int
+    resident: int = 0  # resident blocks, all clients
+    shared: list[Group] = field(default_factory=list)
+    last: float = 0.0  # time up to which shared groups' service has been accounted
+    version: int = 0
+
+    @classmethod
+    def empty(cls, index: int, spec: DeviceSpec) -> SM:
+        """An idle SM of ``spec``."""
+        return cls(
+            index,
+            spec.max_threads_per_sm // spec.warp_size,
+            spec.max_blocks_per_sm,
+            spec.regs_per_sm,
+            spec.smem_per_sm,
+        )
+
+    def fit(self, need: BlockNeed) -> int:
+        """How many more blocks of shape ``need`` fit now."""
+        n = min(self.free_blocks, self.free_warps // need.warps, self.free_smem // need.smem)
+        if need.regs:
+            n = min(n, self.free_regs // need.regs)
+        return n
+
+    def take(self, need: BlockNeed, count: int) -> None:
+        """Reserve resources for ``count`` blocks."""
+        self.free_blocks -= count
+        self.free_warps -= need.warps * count
+        self.free_regs -= need.regs * count
+        self.free_smem -= need.smem * count
+        self.resident += count
+
+    def release(self, need: BlockNeed, count: int) -> None:
+        """Give back the resources of ``count`` blocks."""
+        self.free_blocks += count
+        self.free_warps += need.warps * count
+        self.free_regs += need.regs * count
+        self.free_smem += need.smem * count
+        self.resident -= count
+
+    # --- processor sharing -------------------------------------------------------------------
+
+    def account(self, now: float) -> None:
+        """Charge the service shared groups received since the last change, at their current rates."""
+        dt = now - self.last
+        if dt > 0.0:
+            for g in self.shared:
+                g.remaining -= dt * g.rate
+        self.last = now
+
+    def add_shared(self, group: Group, now: float) -> None:
+        """Make ``group`` resident; call ``reschedule`` once all of this instant's changes are made."""
+        self.account(now)
+        self.shared.append(group)
+
+    def pop_finished(self, now: float) -> list[Group]:
+        """Remove and return the shared groups whose service is complete at ``now``."""
+        self.account(now)
+        done = [g for g in self.shared if g.remaining <= _EPSILON * g.rate]
+        if done:
+            self.shared = [g for g in self.shared if g.remaining > _EPSILON * g.rate]
+        return done
+
+    def reschedule(self) -> float | None:
+        """Recompute rates after a membership change and bump the version.
+
+        Each shared block demands ``min(1, threads / saturation_threads)`` of the issue rate; if the
+        demands sum to more than 1 they are scaled down proportionally.
+
+        Returns:
+            When the next shared group will finish at the new rates, or None if none is resident.
+        """
+        self.version += 1
+        if not self.shared:
+            return None
+        total = sum(g.count * g.demand for g in self.shared)
+        scale = 1.0 if total <= 1.0 else 1.0 / total
+        soonest = math.inf
+        for g in self.shared:
+            g.rate = g.demand * scale
+            soonest = min(soonest, self.last + max(g.remaining, 0.0) / g.rate)
+        return soonest

@@ -1,0 +1,160 @@
+# Device figures and the two pure functions every other module derives limits from.
+# Kept apart from the engine so the daemon (quotas, device queries) can use them without a simulator;
+# `block_need` is the single place that turns a launch shape into per-SM resource units, so the
+# occupancy calculator and the engine's SM accounting can never disagree.
+"""Device specifications, occupancy and MPS SM caps."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+__all__ = ["H200", "BlockNeed", "DeviceSpec", "block_need", "occupancy", "sm_cap"]
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceSpec:
+    """Static figures of one GPU model (see ``H200`` for the calibrated values)."""
+
+    name: str
+    compute_capability: tuple[int, int]
+    sm_count: int
+    sms_per_tpc: int
+    max_threads_per_sm: int
+    max_blocks_per_sm: int
+    regs_per_sm: int
+    max_threads_per_block: int
+    max_block_dims: tuple[int, int, int]
+    max_grid_dims: tuple[int, int, int]
+    warp_size: int
+    smem_per_sm: int
+    max_smem_per_block: int
+    smem_reserved_per_block: int
+    reg_alloc_unit: int
+    clock_hz: float
+    total_memory: int
+    mem_bandwidth: float
+    pcie_bandwidth: float
+    copy_latency: float
+    kernel_overhead: float
+    sm_issue_rate: float
+    saturation_threads: int
+
+
+H200 = DeviceSpec(
+    name="NVIDIA H200",
+    compute_capability=(9, 0),
+    sm_count=132,
+    sms_per_tpc=2,
+    max_threads_per_sm=2048,
+    max_blocks_per_sm=32,
+    regs_per_sm=65536,
+    max_threads_per_block=1024,
+    max_block_dims=(1024, 1024, 64),
+    max_grid_dims=(2**31 - 1, 65535, 65535),
+    warp_size=32,
+    smem_per_sm=228 * 1024,
+    max_smem_per_block=227 * 1024,
+    smem_reserved_per_block=1024,
+    reg_alloc_unit=256,
+    clock_hz=1.98e9,
+    total_memory=143771 * 2**20,
+    mem_bandwidth=4.8e12,
+    pcie_bandwidth=55e9,
+    copy_latency=2e-6,
+    kernel_overhead=10e-6,
+    sm_issue_rate=2 * 1024 * 93638 / 1e-3,
+    saturation_threads=1024,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class BlockNeed:
+    """What one resident block takes from its SM, in allocation units.
+
+    Attributes:
+        warps: warps (threads rounded up to whole warps).
+        regs: registers (allocated per warp, rounded up to the allocation unit).
+        smem: shared memory bytes, including the driver's per-block reservation.
+    """
+
+    warps: int
+    regs: int
+    smem: int
+
+
+def block_need(
+    spec: DeviceSpec, threads_per_block: int, regs_per_thread: int = 32, smem_per_block: int = 0
+) -> BlockNeed:
+    """Resources one block of this shape occupies on an SM.
+
+    Args:
+        spec: the device.
+        threads_per_block: threads in one block (>= 1).
+        regs_per_thread: registers each thread uses (>= 0).
+        smem_per_block: dynamic plus static shared memory per block, bytes (>= 0).
+
+    Returns:
+        The block's warps, registers and shared memory in allocation units.
+
+    Raises:
+        ValueError: a non-positive thread count or a negative register or shared-memory figure.
+    """
+    if threads_per_block < 1:
+        raise ValueError(f"threads_per_block must be >= 1, got {threads_per_block}")
+    if regs_per_thread < 0 or smem_per_block < 0:
+        raise ValueError("regs_per_thread and smem_per_block must be >= 0")
+    warps = -(-threads_per_block // spec.warp_size)
+    unit = spec.reg_alloc_unit
+    regs_per_warp = -(-(regs_per_thread * spec.warp_size) // unit) * unit
+    return BlockNeed(warps, regs_per_warp * warps, smem_per_block + spec.smem_reserved_per_block)
+
+
+def occupancy(
+    spec: DeviceSpec, threads_per_block: int, regs_per_thread: int = 32, smem_per_block: int = 0
+) -> int:
+    """Resident blocks per SM for a launch shape, as the CUDA occupancy calculator gives it.
+
+    Args:
+        spec: the device.
+        threads_per_block: threads in one block.
+        regs_per_thread: registers per thread.
+        smem_per_block: shared memory per block in bytes (the driver adds its reservation).
+
+    Returns:
+        The minimum of the block, thread, register and shared-memory limits; 0 if one block cannot fit
+        (too many threads, registers or shared memory for one block).
+
+    Raises:
+        ValueError: as for ``block_need``.
+    """
+    need = block_need(spec, threads_per_block, regs_per_thread, smem_per_block)
+    if threads_per_block > spec.max_threads_per_block or smem_per_block > spec.max_smem_per_block:
+        return 0
+    limits = [spec.max_blocks_per_sm, (spec.max_threads_per_sm // spec.warp_size) // need.warps]
+    if need.regs:
+        limits.append(spec.regs_per_sm // need.regs)
+    limits.append(spec.smem_per_sm // need.smem)
+    return min(limits)
+
+
+def sm_cap(spec: DeviceSpec, active_thread_percentage: float) -> int:
+    """SMs a client may occupy at once under an MPS active thread percentage.
+
+    Args:
+        spec: the device.
+        active_thread_percentage: the client's CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, in (0, 100].
+
+    Returns:
+        floor(sm_count * pct / 100) rounded down to whole TPCs, at least one TPC, at most sm_count
+        (on the H200: 25 -> 32, 50 -> 66, 100 -> 132).
+
+    Raises:
+        ValueError: the percentage is not in (0, 100].
+    """
+    pct = float(active_thread_percentage)
+    if not 0.0 < pct <= 100.0:  # also rejects NaN
+        raise ValueError(f"active thread percentage must be in (0, 100], got {active_thread_percentage}")
+    tpc = spec.sms_per_tpc
+    sms = math.floor(spec.sm_count * pct / 100.0 + 1e-9) // tpc * tpc
+    return min(spec.sm_count, max(tpc, sms))

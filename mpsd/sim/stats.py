@@ -1,0 +1,65 @@
+# Counters the engine bumps as work ends, and the frozen snapshots `Simulator.statistics()` hands out
+# (trio's convention: objects with counters expose statistics() returning a frozen dataclass).
+"""Simulator statistics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["ClientStatistics", "SimStatistics"]
+
+
+@dataclass(frozen=True, slots=True)
+class ClientStatistics:
+    """One client's totals.
+
+    Attributes:
+        kernels: kernels completed (reported).
+        blocks: blocks that ran to the end, including those of cancelled kernels.
+        sm_seconds: sum of the durations of those blocks (block-seconds, not divided by occupancy).
+        copies: copies completed (reported).
+        bytes_copied: bytes of those copies.
+        max_sms: most distinct SMs the client occupied at once.
+    """
+
+    kernels: int = 0
+    blocks: int = 0
+    sm_seconds: float = 0.0
+    copies: int = 0
+    bytes_copied: int = 0
+    max_sms: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class SimStatistics:
+    """Totals for the whole simulated device.
+
+    Attributes:
+        now: simulated seconds.
+        kernels_completed, blocks_completed, copies_completed: totals over every client.
+        per_client: client id -> its totals.
+    """
+
+    now: float
+    kernels_completed: int
+    blocks_completed: int
+    copies_completed: int
+    per_client: dict[int, ClientStatistics] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Counters:
+    """Mutable per-client counters (internal)."""
+
+    kernels: int = 0
+    blocks: int = 0
+    sm_seconds: float = 0.0
+    copies: int = 0
+    bytes_copied: int = 0
+    max_sms: int = 0
+
+    def freeze(self) -> ClientStatistics:
+        """A frozen snapshot."""
+        return ClientStatistics(
+            self.kernels, self.blocks, self.sm_seconds, self.copies, self.bytes_copied, self.max_sms
+        )

@@ -1,0 +1,44 @@
+"""mpsd_protocol: the sans-IO wire protocol of mpsd, and the one CUDA error table.
+
+No sockets and no trio here: the daemon, the blocking client and the trio client are thin I/O loops around
+`Connection`.
+"""
+from ._connection import CLOSED, HEADER, HELLO, NEED_DATA, Connection, Role
+from ._errors import (
+    CODES_BY_NAME,
+    ERROR_CLASSES,
+    CudaError,
+    error_class,
+    error_from_wire,
+    error_name,
+    error_string,
+    make_error,
+)
+from ._fds import ANCILLARY_SIZE, RECV_FLAGS, close_fds, pack_fds, unpack_fds
+from ._launch import PARAM_KINDS, check_launch, dims
+from ._messages import (
+    MAX_FDS_PER_FRAME,
+    PROTOCOL_VERSION,
+    LocalProtocolError,
+    Message,
+    Notification,
+    ProtocolError,
+    RemoteProtocolError,
+    Reply,
+    Request,
+)
+from ._units import format_size, parse_mem_limits, parse_size
+
+# One exception class per error code, built from the table: InvalidValueError, IllegalAddressError, ...
+globals().update({cls.__name__: cls for cls in ERROR_CLASSES.values()})
+
+__all__ = [
+    "CLOSED", "HEADER", "HELLO", "NEED_DATA", "Connection", "Role",
+    "CODES_BY_NAME", "ERROR_CLASSES", "CudaError", "error_class", "error_from_wire", "error_name",
+    "error_string", "make_error",
+    "ANCILLARY_SIZE", "RECV_FLAGS", "close_fds", "pack_fds", "unpack_fds",
+    "PARAM_KINDS", "check_launch", "dims",
+    "MAX_FDS_PER_FRAME", "PROTOCOL_VERSION", "LocalProtocolError", "Message", "Notification", "ProtocolError",
+    "RemoteProtocolError", "Reply", "Request",
+    "format_size", "parse_mem_limits", "parse_size",
+] + [cls.__name__ for cls in ERROR_CLASSES.values()]

@@ -1,0 +1,201 @@
+# The sans-IO connection, in the manner of h11: bytes and file descriptors in, messages out; messages in,
+# bytes and file descriptors out. The daemon, the blocking client and the trio client are thin loops around it.
+#
+# Frames: an 8-byte header (body length, number of fds, both u32 little-endian) then a msgpack body.
+# File descriptors arrive from SCM_RIGHTS attached to byte ranges, and reads coalesce frames, so received fds
+# go into a FIFO and each frame takes as many from its head as its header says. Once this side has seen a
+# protocol error, the connection is dead: every queued fd is closed and every later call raises.
+#
+# Rule: the handshake is the only state. A client's first message is the `hello` request; a server's first
+# event is that request and its first message out is the reply to it. All of it lives in this file.
+from __future__ import annotations
+
+import struct
+from collections import deque
+from enum import Enum
+from typing import Any, Iterable
+
+import msgpack
+
+from ._fds import close_fds as _close_all
+
+from ._messages import (
+    MAX_FDS_PER_FRAME,
+    LocalProtocolError,
+    Message,
+    RemoteProtocolError,
+    Reply,
+    Request,
+    from_wire,
+)
+
+HEADER = struct.Struct("<II")
+DEFAULT_MAX_FRAME = 1 << 20  # bulk data travels through shared memory, never in frames
+HELLO = "hello"
+
+
+class Role(Enum):
+    CLIENT = "client"
+    SERVER = "server"
+
+
+class _Sentinel:
+    __slots__ = ("_name",)
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __repr__(self) -> str:
+        return self._name
+
+
+NEED_DATA = _Sentinel("NEED_DATA")  # feed more bytes with receive_data
+CLOSED = _Sentinel("CLOSED")  # the peer closed its end cleanly, between frames
+
+
+class Connection:
+    """One end of an mpsd conversation, without I/O.
+
+    Args:
+        role: which end this is; decides the handshake rules.
+        max_frame_size: the largest body accepted or sent, in bytes.
+    """
+
+    def __init__(self, role: Role, max_frame_size: int = DEFAULT_MAX_FRAME) -> None:
+        self.role = role
+        self.max_frame_size = max_frame_size
+        self._buffer = bytearray()
+        self._start = 0  # consumed prefix of _buffer, compacted lazily
+        self._fds: deque[int] = deque()
+        self._eof = False
+        self._error: RemoteProtocolError | None = None
+        self._sent_first = False
+        self._received_first = False
+        self._packer = msgpack.Packer(use_bin_type=True)
+
+    # -- incoming ---------------------------------------------------------------------------------------
+    def receive_data(self, data: bytes, fds: Iterable[int] = ()) -> None:
+        """Feed bytes read from the socket (b"" for end of file) and the fds that came with them.
+
+        The connection owns the fds from here on: they end up in a message or are closed.
+        """
+        self._fds.extend(fds)
+        if self._error is not None or self._eof:
+            self.close_fds()
+            if data:
+                raise RemoteProtocolError("data after end of file or a protocol error")
+            return
+        if data:
+            self._buffer += data
+        else:
+            self._eof = True
+
+    def next_event(self) -> Message | _Sentinel:
+        """The next complete message, `NEED_DATA`, or `CLOSED`.
+
+        Raises:
+            RemoteProtocolError: the peer broke the protocol; queued fds have been closed.
+        """
+        if self._error is not None:
+            raise self._error
+        try:
+            return self._next_event()
+        except RemoteProtocolError as exc:
+            self._fail(exc)
+            raise
+
+    def _next_event(self) -> Message | _Sentinel:
+        available = len(self._buffer) - self._start
+        if available < HEADER.size:
+            if self._eof:
+                if available:
+                    raise RemoteProtocolError("connection closed in the middle of a frame header")
+                return CLOSED
+            return NEED_DATA
+        length, nfds = HEADER.unpack_from(self._buffer, self._start)
+        if length > self.max_frame_size:
+            raise RemoteProtocolError(f"frame of {length} bytes exceeds the limit of {self.max_frame_size}")
+        if nfds > MAX_FDS_PER_FRAME:
+            raise RemoteProtocolError(f"frame claims {nfds} file descriptors; the limit is {MAX_FDS_PER_FRAME}")
+        if available < HEADER.size + length:
+            if self._eof:
+                raise RemoteProtocolError("connection closed in the middle of a frame")
+            return NEED_DATA
+        if nfds > len(self._fds):
+            # Fds travel with the first byte of the write that carried them, so they are here by now.
+            raise RemoteProtocolError(f"frame claims {nfds} file descriptors but {len(self._fds)} arrived")
+        body_start = self._start + HEADER.size
+        body = bytes(self._buffer[body_start:body_start + length])
+        self._start = body_start + length
+        if self._start > 65536 and self._start * 2 > len(self._buffer):
+            del self._buffer[:self._start]
+            self._start = 0
+        fds = tuple(self._fds.popleft() for _ in range(nfds))
+        try:
+            message = from_wire(_decode(body, self.max_frame_size), fds)
+        except RemoteProtocolError:
+            _close_all(fds)
+            raise
+        self._check_incoming(message)
+        return message
+
+    def _check_incoming(self, message: Message) -> None:
+        if self._received_first:
+            return
+        self._received_first = True
+        if self.role is Role.SERVER and not (isinstance(message, Request) and message.op == HELLO):
+            _close_all(message.fds)
+            raise RemoteProtocolError(f"expected the {HELLO!r} request first")
+        if self.role is Role.CLIENT and not isinstance(message, Reply):
+            _close_all(message.fds)
+            raise RemoteProtocolError("expected the reply to hello first")
+
+    def _fail(self, exc: RemoteProtocolError) -> None:
+        self._error = exc
+        self._buffer.clear()
+        self._start = 0
+        self.close_fds()
+
+    def close_fds(self) -> None:
+        """Close every received fd not yet handed out in a message."""
+        _close_all(self._fds)
+        self._fds.clear()
+
+    @property
+    def pending_fds(self) -> int:
+        """Received fds not yet paired with a frame."""
+        return len(self._fds)
+
+    # -- outgoing ---------------------------------------------------------------------------------------
+    def send(self, message: Message) -> bytes:
+        """The frame for `message`; its ``fds`` must go out attached to the first byte of these bytes.
+
+        Raises:
+            LocalProtocolError: the message breaks the handshake or the size limit, or cannot be encoded.
+        """
+        if not self._sent_first:
+            if self.role is Role.CLIENT and not (isinstance(message, Request) and message.op == HELLO):
+                raise LocalProtocolError(f"a client must send the {HELLO!r} request first")
+            if self.role is Role.SERVER and not isinstance(message, Reply):
+                raise LocalProtocolError("a server must answer hello before anything else")
+            self._sent_first = True
+        try:
+            body = self._packer.pack(message.to_wire())
+        except (TypeError, ValueError, OverflowError) as exc:
+            self._packer.reset()
+            raise LocalProtocolError(f"cannot encode {type(message).__name__}: {exc}") from None
+        if len(body) > self.max_frame_size:
+            raise LocalProtocolError(f"frame of {len(body)} bytes exceeds the limit of {self.max_frame_size}")
+        return HEADER.pack(len(body), len(message.fds)) + body
+
+
+def _decode(body: bytes, limit: int) -> Any:
+    try:
+        return msgpack.unpackb(
+            body, raw=False, strict_map_key=True, use_list=True,
+            max_bin_len=limit, max_str_len=limit, max_array_len=limit, max_map_len=limit, max_ext_len=0,
+        )
+    except Exception as exc:  # msgpack raises ValueError, ExtraData, StackError, FormatError, TypeError...
+        raise RemoteProtocolError(f"undecodable frame body: {type(exc).__name__}: {exc}"[:200]) from None
+
+

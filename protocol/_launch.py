@@ -1,0 +1,79 @@
+# Launch validation, shared by both ends: the client checks a launch before it leaves (so a bad launch
+# raises at the call, as cudaLaunchKernel returns its error), and the daemon checks again because it trusts
+# no client. Kernel signatures come from the daemon in the handshake: a list of parameter kinds per kernel.
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from ._errors import InvalidConfigurationError, InvalidValueError  # type: ignore[attr-defined]
+
+PARAM_KINDS = frozenset({"ptr", "i64", "f32"})
+_I64 = (-(2**63), 2**63 - 1)
+_U64_MAX = 2**64 - 1
+
+
+def dims(value: Any, maximum: Sequence[int], what: str) -> tuple[int, int, int]:
+    """`value` (an int or a tuple of 1 to 3 ints) as an (x, y, z) triple within `maximum`.
+
+    Raises:
+        InvalidConfigurationError: a dimension is not a positive int within its limit.
+    """
+    triple = (value,) if isinstance(value, int) else tuple(value) if isinstance(value, (tuple, list)) else None
+    if triple is None or not 1 <= len(triple) <= 3:
+        raise InvalidConfigurationError(f"{what} must be an int or a tuple of 1 to 3 ints, not {value!r:.60}")
+    triple = triple + (1,) * (3 - len(triple))
+    for size, limit in zip(triple, maximum):
+        if not isinstance(size, int) or isinstance(size, bool) or not 1 <= size <= limit:
+            raise InvalidConfigurationError(f"{what} {value!r:.60} is outside 1..{tuple(maximum)}")
+    return triple  # type: ignore[return-value]
+
+
+def check_launch(
+    name: str, params: Sequence[str], grid: Any, block: Any, args: Any, shared_mem: Any, limits: dict[str, Any]
+) -> tuple[tuple[int, int, int], tuple[int, int, int], list[int | float]]:
+    """Validate one launch against a kernel's parameter kinds and the device's limits.
+
+    Args:
+        name: the kernel's name, for messages.
+        params: its parameter kinds, each of `PARAM_KINDS`.
+        grid, block: ints or tuples of 1 to 3 ints.
+        args: the positional arguments (pointers as ints, ints, floats).
+        shared_mem: dynamic shared memory per block, bytes.
+        limits: device properties: max_threads_per_block, max_block_dims, max_grid_dims,
+            shared_memory_per_block_optin.
+
+    Returns:
+        The grid and block as triples and the arguments as a plain list.
+
+    Raises:
+        InvalidConfigurationError: bad grid or block shape.
+        InvalidValueError: wrong argument count or kind, or too much shared memory.
+    """
+    grid3 = dims(grid, limits["max_grid_dims"], "grid")
+    block3 = dims(block, limits["max_block_dims"], "block")
+    if block3[0] * block3[1] * block3[2] > limits["max_threads_per_block"]:
+        raise InvalidConfigurationError(
+            f"block {block!r} has more than {limits['max_threads_per_block']} threads")
+    if not isinstance(shared_mem, int) or isinstance(shared_mem, bool) or not (
+            0 <= shared_mem <= limits["shared_memory_per_block_optin"]):
+        raise InvalidValueError(f"shared_mem {shared_mem!r:.40} is outside 0..{limits['shared_memory_per_block_optin']}")
+    if not isinstance(args, (list, tuple)) or len(args) != len(params):
+        count = len(args) if isinstance(args, (list, tuple)) else "no list of"
+        raise InvalidValueError(f"{name} takes {len(params)} arguments ({', '.join(params)}), got {count}")
+    checked: list[int | float] = []
+    for index, (kind, arg) in enumerate(zip(params, args)):
+        if isinstance(arg, bool):
+            ok = False
+        elif kind == "ptr":
+            ok = isinstance(arg, int) and 0 <= arg <= _U64_MAX
+            arg = int(arg) if ok else arg
+        elif kind == "i64":
+            ok = isinstance(arg, int) and _I64[0] <= arg <= _I64[1]
+            arg = int(arg) if ok else arg
+        else:  # f32
+            ok = isinstance(arg, (int, float))
+            arg = float(arg) if ok else arg
+        if not ok:
+            raise InvalidValueError(f"{name} argument {index} must be {kind}, got {arg!r:.40}")
+        checked.append(arg)
+    return grid3, block3, checked

@@ -1,0 +1,233 @@
+"""Exact timelines of the mps policy: waves, SM caps, sharing between clients, priorities."""
+
+import pytest
+
+from mpsd.sim import H200, BlockCost, Kernel, Simulator, kernel_cost, sm_cap
+
+MS = 1e-3
+OVERHEAD = H200.kernel_overhead
+SPIN = kernel_cost(H200, "spin", 264, 1024, [round(1e-3 * 1.98e9)])  # 1 ms blocks
+WORK = kernel_cost(H200, "work", 264, 1024, [93638])  # 0.5 ms of full-rate issue per block
+FULL, QUARTER = 264, 66
+
+
+def launch(sim, client, n, blocks=FULL, cost=SPIN, stream=0, **kw):
+    """Submit n identical kernels on one stream; return them."""
+    ks = [Kernel(client=client, stream=stream, blocks=blocks, threads=1024, cost=cost, **kw) for _ in range(n)]
+    for k in ks:
+        sim.submit(k)
+    return ks
+
+
+def test_one_client_100_full_spin():
+    """100 back-to-back FULL 1-ms spin kernels take 100 x (1 ms + launch overhead) = 0.101 s."""
+    sim = Simulator()
+    ks = launch(sim, 1, 100)
+    done = sim.run()
+    assert done == ks
+    for i, k in enumerate(ks):
+        assert k.started == pytest.approx(i * 1.01 * MS + OVERHEAD)
+        assert k.ended == pytest.approx((i + 1) * 1.01 * MS)
+    assert sim.now == pytest.approx(0.101)
+    stats = sim.statistics()
+    assert stats.kernels_completed == 100
+    assert stats.blocks_completed == 26400
+    assert stats.per_client[1].max_sms == 132
+    assert stats.per_client[1].sm_seconds == pytest.approx(26.4)
+
+
+def test_quarter_cap_takes_five_waves():
+    """At 25% (32 SMs, 64 resident blocks) a FULL kernel needs 5 waves: 0.501 s for 100."""
+    sim = Simulator()
+    ks = launch(sim, 1, 100, sm_cap=sm_cap(H200, 25))
+    sim.run()
+    assert ks[0].ended == pytest.approx(OVERHEAD + 5 * MS)
+    assert ks[-1].ended == pytest.approx(0.501)
+    assert sim.statistics().per_client[1].max_sms == 32
+
+
+def test_half_cap_takes_two_waves():
+    """At 50% (66 SMs) a FULL kernel needs exactly 2 waves: 0.201 s for 100."""
+    sim = Simulator()
+    ks = launch(sim, 1, 100, sm_cap=sm_cap(H200, 50))
+    sim.run()
+    assert ks[0].ended == pytest.approx(OVERHEAD + 2 * MS)
+    assert ks[-1].ended == pytest.approx(0.201)
+
+
+def test_two_clients_at_half_cap_run_side_by_side():
+    """Two 50% clients each get 66 disjoint SMs and finish together, as measured (0.203, 0.202)."""
+    sim = Simulator(record=True)
+    a = launch(sim, 1, 100, sm_cap=66)
+    b = launch(sim, 2, 100, sm_cap=66)
+    sim.run()
+    assert a[-1].ended == pytest.approx(0.201)
+    assert b[-1].ended == pytest.approx(0.201)
+    assert {g.sm for g in sim.trace if g.op.client == 1}.isdisjoint({g.sm for g in sim.trace if g.op.client == 2})
+
+
+def test_two_clients_full_spin_alternate_waves():
+    """Two clients of FULL kernels alternate whole waves: both finish at about twice one alone."""
+    sim = Simulator()
+    a = launch(sim, 1, 100)
+    b = launch(sim, 2, 100)
+    sim.run()
+    assert a[0].ended == pytest.approx(1.01 * MS)
+    assert b[0].ended == pytest.approx(2.01 * MS)
+    assert a[-1].ended == pytest.approx(0.19901)
+    assert b[-1].ended == pytest.approx(0.20001)
+
+
+@pytest.mark.parametrize("clients", [1, 2, 4])
+def test_quarter_kernels_run_concurrently(clients):
+    """1, 2 or 4 clients of QUARTER kernels fit side by side: each finishes as if alone (0.202 s)."""
+    sim = Simulator()
+    per = [launch(sim, c, 200, blocks=QUARTER) for c in range(clients)]
+    sim.run()
+    for ks in per:
+        assert ks[-1].ended == pytest.approx(200 * 1.01 * MS)
+
+
+def test_quarter_grid_spreads_one_block_per_sm():
+    """Placement by most free resources spreads a 66-block grid over 66 SMs before stacking."""
+    sim = Simulator()
+    launch(sim, 1, 1, blocks=QUARTER)
+    sim.advance(0.5 * MS)
+    assert sim.busy_sms() == 66
+    assert sim.busy_sms(1) == 66
+    assert sim.busy_sms(2) == 0
+
+
+def test_full_work_wave_takes_one_ms():
+    """Two co-resident 1024-thread work blocks share an SM: a FULL work wave takes 1.0 ms."""
+    sim = Simulator()
+    (k,) = launch(sim, 1, 1, cost=WORK)
+    sim.run()
+    assert k.ended == pytest.approx(OVERHEAD + 1 * MS)
+
+
+def test_lone_work_block_takes_half_ms():
+    """A lone 1024-thread work block gets the SM's whole issue rate: 0.5 ms."""
+    sim = Simulator()
+    (k,) = launch(sim, 1, 1, blocks=132, cost=WORK)
+    sim.run()
+    assert k.ended == pytest.approx(OVERHEAD + 0.5 * MS)
+
+
+def test_small_work_blocks_do_not_saturate():
+    """A 256-thread block demands a quarter of the issue rate; alone it runs at that quarter."""
+    sim = Simulator()
+    cost = kernel_cost(H200, "work", 132, 256, [93638])
+    k = Kernel(client=1, stream=0, blocks=132, threads=256, cost=cost)
+    sim.submit(k)
+    sim.run()
+    assert cost.seconds == pytest.approx(0.125 * MS)
+    assert k.ended == pytest.approx(OVERHEAD + 0.5 * MS)
+
+
+def test_processor_sharing_rates_change_midway():
+    """A work block that gains a neighbour halfway slows to half rate; the neighbour speeds up after."""
+    sim = Simulator()
+    (a,) = launch(sim, 1, 1, blocks=132, cost=WORK)
+    sim.advance(0.25 * MS)
+    (b,) = launch(sim, 2, 1, blocks=132, cost=WORK)
+    sim.run()
+    # a: 0.25 ms alone, then 0.25 ms of service at half rate -> ends at 0.26 + 0.5 ms.
+    assert a.ended == pytest.approx(0.76 * MS)
+    # b: from 0.26 ms, half rate until 0.76 (0.25 of service), then full rate for the remaining 0.25.
+    assert b.started == pytest.approx(0.26 * MS)
+    assert b.ended == pytest.approx(1.01 * MS)
+
+
+def test_two_clients_full_work_take_twice_as_long():
+    """Two clients of FULL work kernels each finish at about twice one alone (0.101 s)."""
+    alone = Simulator()
+    (solo,) = [launch(alone, 1, 100, cost=WORK)]
+    alone.run()
+    assert solo[-1].ended == pytest.approx(0.101)
+    sim = Simulator()
+    a = launch(sim, 1, 100, cost=WORK)
+    b = launch(sim, 2, 100, cost=WORK)
+    sim.run()
+    assert a[-1].ended == pytest.approx(0.19901)
+    assert b[-1].ended == pytest.approx(0.20001)
+
+
+def test_fixed_and_shared_blocks_coexist():
+    """Fixed-cost (spin) blocks do not take issue rate from co-resident work blocks."""
+    sim = Simulator()
+    (w,) = launch(sim, 1, 1, blocks=132, cost=WORK)
+    (s,) = launch(sim, 2, 1, blocks=132, cost=SPIN)
+    sim.run()
+    assert w.ended == pytest.approx(OVERHEAD + 0.5 * MS)
+    assert s.ended == pytest.approx(OVERHEAD + 1 * MS)
+
+
+def test_memory_bound_kernel_time_does_not_depend_on_grid():
+    """fill_f32 over 4.8 GB takes 1 ms at full bandwidth whether in one wave or two."""
+    n = 1_200_000_000
+    for blocks in (264, 528):
+        sim = Simulator()
+        cost = kernel_cost(H200, "fill_f32", blocks, 1024, [0, 0.0, n])
+        (k,) = launch(sim, 1, 1, blocks=blocks, cost=cost)
+        sim.run()
+        assert k.ended - k.started == pytest.approx(1 * MS)
+
+
+def test_stream_priority_wins_freed_capacity():
+    """When a wave ends, a pending high-priority kernel is placed before the rest of a low-priority grid."""
+    short = BlockCost(0.1 * MS)
+    for priority, expected_end in ((-1, 1.11 * MS), (0, 2.11 * MS)):
+        sim = Simulator()
+        (big,) = launch(sim, 1, 1, blocks=2 * FULL)
+        sim.advance(0.5 * MS)
+        (urgent,) = launch(sim, 2, 1, blocks=QUARTER, cost=short, priority=priority)
+        sim.run()
+        assert urgent.started == pytest.approx(expected_end - 0.1 * MS)
+        assert urgent.ended == pytest.approx(expected_end)
+    # Without priority the big grid goes first and the urgent kernel starts after it.
+    assert big.ended == pytest.approx(2.01 * MS)
+
+
+def test_big_grid_back_fills_around_urgent_kernel():
+    """After an urgent kernel takes 66 slots, the low-priority grid's last 66 blocks start when it ends."""
+    sim = Simulator()
+    (big,) = launch(sim, 1, 1, blocks=2 * FULL)
+    sim.advance(0.5 * MS)
+    launch(sim, 2, 1, blocks=QUARTER, cost=BlockCost(0.1 * MS), priority=-1)
+    sim.run()
+    assert big.ended == pytest.approx(2.11 * MS)
+
+
+def test_no_preemption():
+    """A high-priority kernel arriving on a full GPU waits for the running blocks to end."""
+    sim = Simulator()
+    launch(sim, 1, 3)
+    sim.advance(0.3 * MS)
+    (urgent,) = launch(sim, 2, 1, blocks=8, cost=BlockCost(0.1 * MS), priority=-5)
+    sim.run()
+    assert urgent.started == pytest.approx(1.01 * MS)
+    assert urgent.ended == pytest.approx(1.11 * MS)
+
+
+def test_cap_counts_distinct_sms_not_blocks():
+    """A capped client stacks blocks on the SMs it holds: 8 blocks of 256 threads on 2 SMs at cap 2."""
+    sim = Simulator(record=True)
+    k = Kernel(client=1, stream=0, blocks=16, threads=256, cost=SPIN, sm_cap=2)
+    sim.submit(k)
+    sim.run()
+    assert {g.sm for g in sim.trace} == {0, 1}
+    assert k.ended == pytest.approx(OVERHEAD + 1 * MS)
+
+
+def test_launch_shape_validation():
+    """Kernels with no blocks or blocks that cannot fit are rejected at submit."""
+    sim = Simulator()
+    with pytest.raises(ValueError):
+        sim.submit(Kernel(client=1, stream=0, blocks=0, threads=32, cost=SPIN))
+    with pytest.raises(ValueError):
+        sim.submit(Kernel(client=1, stream=0, blocks=1, threads=2048, cost=SPIN))
+    with pytest.raises(ValueError):
+        sim.submit(Kernel(client=1, stream=0, blocks=1, threads=32, cost=SPIN, smem=300_000))
+    with pytest.raises(ValueError):
+        Simulator(policy="nope")

@@ -1,0 +1,220 @@
+"""Stream order, `after` dependencies, markers, copy engines, cancel() and the clock."""
+
+import pytest
+
+from mpsd.sim import H200, BlockCost, Copy, Kernel, Marker, Simulator
+
+MS = 1e-3
+OVERHEAD = H200.kernel_overhead
+SPIN = BlockCost(1 * MS)
+
+
+def kernel(client=1, stream=0, blocks=66, cost=SPIN, **kw):
+    """A QUARTER-sized 1024-thread kernel."""
+    return Kernel(client=client, stream=stream, blocks=blocks, threads=1024, cost=cost, **kw)
+
+
+def submit(sim, *ops):
+    for op in ops:
+        sim.submit(op)
+    return ops
+
+
+def test_stream_runs_in_order():
+    """The second kernel of a stream starts one launch overhead after the first ends."""
+    sim = Simulator()
+    a, b = submit(sim, kernel(), kernel())
+    assert sim.run() == [a, b]
+    assert b.started == pytest.approx(a.ended + OVERHEAD)
+    assert b.ended == pytest.approx(2 * (1 * MS + OVERHEAD))
+
+
+def test_streams_run_concurrently():
+    """Kernels on different streams of one client overlap."""
+    sim = Simulator()
+    a, b = submit(sim, kernel(stream=0), kernel(stream=1))
+    sim.run()
+    assert a.started == b.started == pytest.approx(OVERHEAD)
+    assert a.ended == b.ended == pytest.approx(OVERHEAD + MS)
+
+
+def test_same_stream_id_of_two_clients_is_two_streams():
+    """Stream identity is (client, stream): clients' default streams do not serialise each other."""
+    sim = Simulator()
+    a, b = submit(sim, kernel(client=1), kernel(client=2))
+    sim.run()
+    assert a.ended == b.ended == pytest.approx(OVERHEAD + MS)
+
+
+def test_after_waits_for_other_stream():
+    """An op with after=(x,) on another stream starts only once x has completed."""
+    sim = Simulator()
+    a = kernel(stream=0)
+    b = kernel(stream=1, after=(a,))
+    c = kernel(stream=2)
+    submit(sim, a, b, c)
+    assert sim.run() == [a, c, b]
+    assert b.started == pytest.approx(a.ended + OVERHEAD)
+
+
+def test_after_on_already_done_op():
+    """A dependency that completed before submission is satisfied at once."""
+    sim = Simulator()
+    (a,) = submit(sim, kernel())
+    sim.run()
+    (b,) = submit(sim, kernel(stream=1, after=(a,)))
+    sim.run()
+    assert b.started == pytest.approx(a.ended + OVERHEAD)
+
+
+def test_after_across_clients():
+    """after= may name another client's op (IPC events)."""
+    sim = Simulator()
+    a = kernel(client=1)
+    b = kernel(client=2, after=(a,))
+    submit(sim, a, b)
+    sim.run()
+    assert b.started == pytest.approx(a.ended + OVERHEAD)
+
+
+def test_marker_completes_with_its_stream():
+    """A marker behind a kernel completes when the kernel does, taking no time."""
+    sim = Simulator()
+    k, m, k2 = submit(sim, kernel(), Marker(client=1, stream=0), kernel())
+    assert sim.run() == [k, m, k2]
+    assert m.started == m.ended == k.ended
+    assert k2.started == pytest.approx(k.ended + OVERHEAD)
+
+
+def test_marker_on_idle_stream_completes_at_submit():
+    """A marker on an idle stream completes at submission and is returned by the next advance."""
+    sim = Simulator()
+    sim.advance(1.0)
+    (m,) = submit(sim, Marker(client=1, stream=0))
+    assert m.done and m.ended == 1.0
+    assert sim.next_time() == 1.0
+    assert sim.advance(1.0) == [m]
+    assert sim.next_time() is None
+
+
+def test_marker_with_after_waits_on_other_stream():
+    """A marker with after= on an idle stream completes when its dependency does."""
+    sim = Simulator()
+    k = kernel(stream=0)
+    m = Marker(client=1, stream=1, after=(k,))
+    submit(sim, k, m)
+    assert sim.run() == [k, m]
+    assert m.ended == k.ended
+
+
+def test_copy_durations():
+    """h2d/d2h run at PCIe bandwidth, d2d at half the memory bandwidth, each plus the fixed latency."""
+    sim = Simulator()
+    h2d = Copy(client=1, stream=0, engine="h2d", nbytes=55_000_000)
+    d2h = Copy(client=1, stream=1, engine="d2h", nbytes=55_000_000)
+    d2d = Copy(client=1, stream=2, engine="d2d", nbytes=2_400_000_000)
+    submit(sim, h2d, d2h, d2d)
+    sim.run()
+    for c in (h2d, d2h, d2d):
+        assert c.started == 0.0
+        assert c.ended == pytest.approx(H200.copy_latency + 1 * MS)
+    stats = sim.statistics()
+    assert stats.copies_completed == 3
+    assert stats.per_client[1].bytes_copied == 2_510_000_000
+
+
+def test_copy_engine_is_one_fifo_for_all_clients():
+    """Copies on one engine run one at a time in the order they became eligible, across clients."""
+    sim = Simulator()
+    a = Copy(client=1, stream=0, engine="h2d", nbytes=55_000_000)
+    b = Copy(client=2, stream=0, engine="h2d", nbytes=55_000)
+    c = Copy(client=1, stream=1, engine="h2d", nbytes=0)
+    submit(sim, a, b, c)
+    assert sim.run() == [a, b, c]
+    assert b.started == a.ended
+    assert c.started == b.ended
+    assert c.ended == pytest.approx(3 * H200.copy_latency + 1 * MS + 1e-6)
+
+
+def test_copy_and_kernel_share_stream_order():
+    """A kernel behind a copy in its stream becomes eligible when the copy ends."""
+    sim = Simulator()
+    c, k = submit(sim, Copy(client=1, stream=0, engine="h2d", nbytes=0), kernel())
+    sim.run()
+    assert k.started == pytest.approx(H200.copy_latency + OVERHEAD)
+
+
+def test_cancel_drops_unstarted_and_lets_running_blocks_finish():
+    """cancel() drops unstarted ops; running blocks keep their SMs to the end and are never reported."""
+    sim = Simulator()
+    a = [kernel(client=1, blocks=264) for _ in range(3)]
+    submit(sim, *a)
+    b = kernel(client=2, blocks=264)
+    sim.advance(0.5 * MS)
+    submit(sim, b)
+    sim.advance(0.6 * MS)
+    dropped = sim.cancel(1)
+    assert dropped == a[1:]
+    assert sim.busy_sms(1) == 132
+    done = sim.run()
+    assert done == [b]
+    assert b.started == pytest.approx(1.01 * MS)
+    assert not any(k.done for k in a)
+    assert sim.busy_sms() == 0
+    stats = sim.statistics()
+    assert stats.per_client[1].kernels == 0
+    assert stats.per_client[1].blocks == 264
+
+
+def test_cancel_resolves_dependencies_of_other_clients():
+    """Other clients' ops after a dropped op go at once; after a running cancelled op, when it ends."""
+    sim = Simulator()
+    running, queued = kernel(client=1), kernel(client=1)
+    submit(sim, running, queued)
+    on_running = Marker(client=2, stream=0, after=(running,))
+    on_queued = Marker(client=2, stream=1, after=(queued,))
+    submit(sim, on_running, on_queued)
+    sim.advance(0.5 * MS)
+    assert sim.cancel(1) == [queued]
+    assert sim.advance(0.5 * MS) == [on_queued]
+    assert sim.run() == [on_running]
+    assert on_running.ended == pytest.approx(OVERHEAD + MS)
+
+
+def test_cancel_copies():
+    """A queued copy of a cancelled client is dropped; one in flight finishes unreported."""
+    sim = Simulator()
+    flying = Copy(client=1, stream=0, engine="h2d", nbytes=55_000_000)
+    queued = Copy(client=1, stream=1, engine="h2d", nbytes=55_000_000)
+    other = Copy(client=2, stream=0, engine="h2d", nbytes=0)
+    submit(sim, flying, queued, other)
+    sim.advance(0.1 * MS)
+    assert sim.cancel(1) == [queued]
+    assert sim.run() == [other]
+    assert other.started == pytest.approx(H200.copy_latency + 1 * MS)
+
+
+def test_advance_never_goes_backwards():
+    """advance() to an earlier time is an error; to a later time moves the clock there."""
+    sim = Simulator()
+    (k,) = submit(sim, kernel())
+    assert sim.advance(0.5 * MS) == []
+    assert sim.now == 0.5 * MS
+    with pytest.raises(ValueError):
+        sim.advance(0.4 * MS)
+    assert sim.next_time() == pytest.approx(OVERHEAD + MS)
+    assert sim.advance(2 * MS) == [k]
+    assert sim.now == 2 * MS
+    assert sim.next_time() is None
+
+
+def test_submit_stamps_time_and_rejects_resubmission():
+    """submit() stamps the current time; an op cannot be submitted twice; copies need a known engine."""
+    sim = Simulator()
+    sim.advance(3.0)
+    (k,) = submit(sim, kernel())
+    assert k.submitted == 3.0
+    with pytest.raises(ValueError):
+        sim.submit(k)
+    with pytest.raises(ValueError):
+        sim.submit(Copy(client=1, stream=0, engine="p2p", nbytes=1))
