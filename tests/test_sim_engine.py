@@ -13,7 +13,10 @@ FULL, QUARTER = 264, 66
 
 def launch(sim, client, n, blocks=FULL, cost=SPIN, stream=0, **kw):
     """Submit n identical kernels on one stream; return them."""
-    ks = [Kernel(client=client, stream=stream, blocks=blocks, threads=1024, cost=cost, **kw) for _ in range(n)]
+    ks = [
+        Kernel(client=client, stream=stream, blocks=blocks, threads=1024, cost=cost, **kw)
+        for _ in range(n)
+    ]
     for k in ks:
         sim.submit(k)
     return ks
@@ -63,7 +66,9 @@ def test_two_clients_at_half_cap_run_side_by_side():
     sim.run()
     assert a[-1].ended == pytest.approx(0.201)
     assert b[-1].ended == pytest.approx(0.201)
-    assert {g.sm for g in sim.trace if g.op.client == 1}.isdisjoint({g.sm for g in sim.trace if g.op.client == 2})
+    sms_of = {c: {g.sm for g in sim.trace if g.op.client == c} for c in (1, 2)}
+    assert len(sms_of[1]) == len(sms_of[2]) == 66
+    assert sms_of[1].isdisjoint(sms_of[2])
 
 
 def test_two_clients_full_spin_alternate_waves():
@@ -142,7 +147,7 @@ def test_processor_sharing_rates_change_midway():
 def test_two_clients_full_work_take_twice_as_long():
     """Two clients of FULL work kernels each finish at about twice one alone (0.101 s)."""
     alone = Simulator()
-    (solo,) = [launch(alone, 1, 100, cost=WORK)]
+    solo = launch(alone, 1, 100, cost=WORK)
     alone.run()
     assert solo[-1].ended == pytest.approx(0.101)
     sim = Simulator()

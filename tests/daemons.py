@@ -1,0 +1,91 @@
+# Helpers for tests that need real processes. Real parts only: the daemon runs as its own process (`python -m mpsd`) on a private pipe directory, and
+# tests talk to it over its real socket, from this process or from worker processes they spawn. A daemon is
+# ready when it prints its ready line: tests wait for that line, never sleep-and-poll.
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+from dataclasses import dataclass, field
+from pathlib import Path
+
+READY_TIMEOUT = 30.0
+
+
+@dataclass
+class DaemonProcess:
+    """A running `mpsd` and where to find it."""
+
+    proc: subprocess.Popen[str]
+    pipe_dir: Path
+    log_dir: Path
+    stderr_lines: list[str] = field(default_factory=list)
+
+    @property
+    def socket_path(self) -> Path:
+        return self.pipe_dir / "mpsd.sock"
+
+    def server_log(self) -> str:
+        path = self.log_dir / "server.log"
+        return path.read_text() if path.exists() else ""
+
+    def stop(self, timeout: float = 20.0) -> int:
+        """SIGTERM, wait, and return the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise AssertionError("the daemon did not exit within 20 s of SIGTERM")
+        assert self.proc.stderr is not None
+        self.stderr_lines.extend(self.proc.stderr.read().splitlines())
+        return self.proc.returncode
+
+
+def short_tempdir() -> Path:
+    # Unix socket paths are limited to 107 bytes; pytest's tmp_path can be longer than that.
+    return Path(tempfile.mkdtemp(prefix="mpsd-t-", dir="/tmp"))
+
+
+def start_daemon(*args: str, pipe_dir: Path | None = None, env: dict[str, str] | None = None) -> DaemonProcess:
+    """Start `python -m mpsd` and return once it says it is ready."""
+    pipe_dir = pipe_dir or short_tempdir() / "pipe"
+    log_dir = pipe_dir.parent / "log"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mpsd", "--pipe-dir", str(pipe_dir), "--log-dir", str(log_dir), *args],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, **(env or {})},
+    )
+    daemon = DaemonProcess(proc, pipe_dir, log_dir)
+    assert proc.stderr is not None
+    line = proc.stderr.readline()  # blocks until the ready line, or EOF if it died
+    daemon.stderr_lines.append(line.rstrip("\n"))
+    if not line.startswith("mpsd: ready on"):
+        proc.wait(READY_TIMEOUT)
+        rest = proc.stderr.read()
+        raise AssertionError(f"daemon did not start (exit {proc.returncode}): {line}{rest}")
+    return daemon
+
+
+def run_worker(code: str, pipe_dir: Path, *args: str, env: dict[str, str] | None = None,
+               timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+    """Run `code` in a fresh Python process with MPSD_PIPE_DIRECTORY set; returns its result."""
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        env={**os.environ, "MPSD_PIPE_DIRECTORY": str(pipe_dir), **(env or {})},
+        capture_output=True, text=True, timeout=timeout,
+    )
+
+
+def spawn_worker(code: str, pipe_dir: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    """Start `code` in a fresh Python process (stdin, stdout and stderr are pipes)."""
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        env={**os.environ, "MPSD_PIPE_DIRECTORY": str(pipe_dir), **(env or {})},
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
