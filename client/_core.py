@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import itertools
-import mmap
 import os
 from typing import Any, Generator
 
@@ -119,7 +118,7 @@ class Core:
 
     # -- memory ----------------------------------------------------------------------------------------
     def malloc(self, nbytes: int) -> Op:
-        addr = yield from self.call("malloc", {"nbytes": nbytes})
+        addr = yield from self.call("malloc", {"nbytes": _count(nbytes, "malloc size")})
         return DevicePointer(addr, nbytes)
 
     def free(self, ptr: int) -> Op:
@@ -204,11 +203,15 @@ class Core:
             self._staging.append(staging)
 
     def memcpy_dtod(self, dst: int, src: int, nbytes: int, stream: Stream | None) -> Op:
-        yield from self.call("memcpy_dtod", {"dst": _address(dst), "src": _address(src), "nbytes": nbytes,
+        yield from self.call("memcpy_dtod", {"dst": _address(dst), "src": _address(src),
+                                             "nbytes": _count(nbytes, "memcpy_dtod size"),
                                              "stream": self._stream(stream)})
 
     def memset(self, ptr: int, value: int, nbytes: int, stream: Stream | None) -> Op:
-        yield from self.call("memset", {"ptr": _address(ptr), "value": value, "nbytes": nbytes,
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise InvalidValueError(f"memset value {value!r:.40} is not an int")
+        yield from self.call("memset", {"ptr": _address(ptr), "value": value & 0xFF,
+                                        "nbytes": _count(nbytes, "memset size"),
                                         "stream": self._stream(stream)})
 
     # -- streams and events ----------------------------------------------------------------------------
@@ -259,6 +262,12 @@ class Core:
         grid3, block3, checked = check_launch(name, params, grid, block, args, shared_mem, self.properties)
         yield Notification("launch", {"name": name, "grid": grid3, "block": block3, "args": checked,
                                       "shared_mem": shared_mem, "stream": self._stream(stream)})
+
+
+def _count(n: Any, what: str) -> int:
+    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n < 2**63:
+        raise InvalidValueError(f"{what} {n!r:.40} is not a byte count")
+    return int(n)
 
 
 def _address(ptr: Any) -> int:

@@ -27,10 +27,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             # One line that says the daemon is ready: scripts and tests wait for it instead of polling.
             print(f"mpsd: ready on {path}", file=sys.stderr, flush=True)
 
+    failure: DaemonError | None = None
     try:
         trio.run(serve)
-    except DaemonError as exc:
-        print(f"mpsd: {exc}", file=sys.stderr)
+    except* DaemonError as group:  # raised inside the nursery, so it arrives in a group
+        failure = group.exceptions[0]  # type: ignore[assignment]
+    if failure is not None:
+        print(f"mpsd: {failure}", file=sys.stderr)
         return 1
     return 0
 

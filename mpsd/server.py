@@ -4,6 +4,7 @@
 # removes the socket file and returns, so the process exits 0.
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -131,30 +132,41 @@ class Daemon:
         self.log.server(f"Server {self.log.pid} started on {len(self.devices)} device(s): "
                         + ", ".join(d.spec.name for d in self.devices)
                         + f"; policy {self.config.policy}, time scale {self.config.time_scale}")
+        received = (trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) if handle_signals
+                    else contextlib.nullcontext(None))
         try:
-            async with trio.open_nursery() as engines:
-                for device in self.devices:
-                    await engines.start(device.engine.run)
-                async with trio.open_nursery() as sessions:
-                    async with trio.open_nursery() as front:  # the tasks that end when shutdown begins
-                        front.start_soon(self._accept, listener, sessions)
-                        if handle_signals:
-                            front.start_soon(self._watch_signals)
-                        notify("READY=1\nSTATUS=accepting clients")
-                        task_status.started(self.config.socket_path)
-                        await self._stop.wait()
-                        front.cancel_scope.cancel()
-                    notify("STOPPING=1")
-                    self.log.server("Shutting down")
-                    for session in list(self.sessions):
-                        session.reader_scope.cancel()
-                    sessions.cancel_scope.deadline = trio.current_time() + SHUTDOWN_GRACE
-                engines.cancel_scope.cancel()
+            # The signal receiver is installed before we say we are ready, so an early SIGTERM is never lost.
+            with received as signals:
+                async with trio.open_nursery() as engines:
+                    for device in self.devices:
+                        await engines.start(device.engine.run)
+                    await self._serve_clients(listener, signals, task_status)
+                    engines.cancel_scope.cancel()
         finally:
+            if handle_signals:  # we are on our way out: a second signal must not cut the clean-up short
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
             listener.close()
             _unlink(self.config.socket_path)
             self.log.server("Server exited")
             self.log.close()
+
+    async def _serve_clients(self, listener: trio.socket.SocketType, signals: Any,
+                             task_status: trio.TaskStatus[Path]) -> None:
+        async with trio.open_nursery() as sessions:
+            async with trio.open_nursery() as front:  # the tasks that end when shutdown begins
+                front.start_soon(self._accept, listener, sessions)
+                if signals is not None:
+                    front.start_soon(self._watch_signals, signals)
+                notify("READY=1\nSTATUS=accepting clients")
+                task_status.started(self.config.socket_path)
+                await self._stop.wait()
+                front.cancel_scope.cancel()
+            notify("STOPPING=1")
+            self.log.server("Shutting down")
+            for session in list(self.sessions):
+                session.reader_scope.cancel()
+            sessions.cancel_scope.deadline = trio.current_time() + SHUTDOWN_GRACE
 
     async def _accept(self, listener: trio.socket.SocketType, nursery: trio.Nursery) -> None:
         while True:
@@ -180,12 +192,11 @@ class Daemon:
         finally:
             self.sessions.discard(session)
 
-    async def _watch_signals(self) -> None:
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-            async for signum in signals:
-                self.log.server(f"Received {signal.Signals(signum).name}")
-                self.stop()
-                return
+    async def _watch_signals(self, signals: Any) -> None:
+        async for signum in signals:
+            self.log.server(f"Received {signal.Signals(signum).name}")
+            self.stop()
+            return
 
 
 async def _listen(pipe_dir: Path, path: Path) -> trio.socket.SocketType:

@@ -32,10 +32,10 @@ class DaemonProcess:
         path = self.log_dir / "server.log"
         return path.read_text() if path.exists() else ""
 
-    def stop(self, timeout: float = 20.0) -> int:
-        """SIGTERM, wait, and return the exit code."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+    def stop(self, timeout: float = 20.0, signum: int | None = signal.SIGTERM) -> int:
+        """Send `signum` (None: none, it was sent already), wait, and return the exit code."""
+        if self.proc.poll() is None and signum is not None:
+            self.proc.send_signal(signum)
         try:
             self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -44,6 +44,7 @@ class DaemonProcess:
             raise AssertionError("the daemon did not exit within 20 s of SIGTERM")
         assert self.proc.stderr is not None
         self.stderr_lines.extend(self.proc.stderr.read().splitlines())
+        self.proc.stderr.close()
         return self.proc.returncode
 
 
@@ -68,6 +69,7 @@ def start_daemon(*args: str, pipe_dir: Path | None = None, env: dict[str, str] |
     if not line.startswith("mpsd: ready on"):
         proc.wait(READY_TIMEOUT)
         rest = proc.stderr.read()
+        proc.stderr.close()
         raise AssertionError(f"daemon did not start (exit {proc.returncode}): {line}{rest}")
     return daemon
 

@@ -1,0 +1,228 @@
+# The daemon as a process: start-up, options, shutdown, bad input from a peer, and reclaiming what a killed
+# client held. Everything runs over the real socket of a real `python -m mpsd`.
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import time
+
+import msgpack
+import pytest
+
+import mpsd_client
+import mpsd_protocol as p
+from daemons import run_worker, short_tempdir, spawn_worker, start_daemon
+
+
+def raw_socket(daemon) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(20)
+    sock.connect(str(daemon.socket_path))
+    return sock
+
+
+def read_until_closed(sock: socket.socket) -> list[object]:
+    """Every message the daemon sends until it closes the connection."""
+    conn = p.Connection(p.Role.CLIENT)
+    conn._sent_first = True  # this raw peer sent its own bytes
+    messages = []
+    while True:
+        event = conn.next_event()
+        if event is p.NEED_DATA:
+            conn.receive_data(sock.recv(65536))
+        elif event is p.CLOSED:
+            return messages
+        else:
+            messages.append(event)
+
+
+def wait_for_log(daemon, text: str, timeout: float = 20.0) -> str:
+    """The server log once it contains `text` (the daemon writes whole lines, flushed)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        log = daemon.server_log()
+        if text in log:
+            return log
+        time.sleep(0.02)
+    raise AssertionError(f"{text!r} never appeared in server.log:\n{daemon.server_log()}")
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_signal_shuts_down_cleanly(daemon_factory, signum):
+    """SIGTERM and SIGINT end the daemon with exit 0, its socket file removed and the exit logged."""
+    d = start_daemon()
+    ctx = mpsd_client.connect(d.pipe_dir)
+    ctx.malloc(1 << 20)
+    assert d.stop(signum=signum) == 0
+    assert not d.socket_path.exists()
+    assert "Server exited" in d.server_log()
+    with pytest.raises(mpsd_client.MpsRpcFailureError):
+        ctx.mem_get_info()
+    ctx.close()
+
+
+def test_in_flight_reply_finishes_during_shutdown(daemon_factory):
+    """A synchronize already waiting when SIGTERM arrives still gets its reply before the daemon exits."""
+    d = start_daemon("--time-scale", "1")
+    worker = spawn_worker("""
+        import mpsd_client, time
+        ctx = mpsd_client.connect()
+        ctx.launch("spin", 264, 1024, [int(0.8 * 1.98e9)])   # 0.8 s of simulated (= wall) time
+        print("launched", flush=True)
+        t = time.monotonic(); ctx.synchronize(); print("synchronized", round(time.monotonic() - t, 2))
+    """, d.pipe_dir)
+    assert worker.stdout.readline().strip() == "launched"
+    d.proc.send_signal(signal.SIGTERM)
+    out, err = worker.communicate(timeout=30)
+    assert worker.returncode == 0, err
+    assert out.startswith("synchronized")
+    assert d.stop(signum=None) == 0
+
+
+def test_second_daemon_on_the_same_pipe_directory_is_refused(daemon):
+    """Starting a daemon where one listens fails with exit 1 and one line, leaving the first untouched."""
+    proc = subprocess.run([sys.executable, "-m", "mpsd", "--pipe-dir", str(daemon.pipe_dir)],
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == f"mpsd: another mpsd is already listening on {daemon.socket_path}"
+    with mpsd_client.connect(daemon.pipe_dir) as ctx:
+        assert ctx.mem_get_info()[1] > 0
+
+
+def test_stale_socket_file_is_replaced_and_pipe_dir_is_private(daemon_factory):
+    """A socket file left by a dead daemon is replaced; the pipe directory is created 0700."""
+    pipe = short_tempdir() / "pipe"
+    pipe.mkdir(mode=0o755)
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(str(pipe / "mpsd.sock"))
+    stale.close()
+    d = start_daemon(pipe_dir=pipe)
+    daemon_factory.append(d)
+    assert stat.S_IMODE(os.stat(pipe).st_mode) == 0o700
+    with mpsd_client.connect(pipe) as ctx:
+        assert ctx.device_properties()["name"] == "NVIDIA H200"
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--time-scale", "-1"], "mpsd: --time-scale must be positive, not -1.0"),
+    (["--devices", "gpu9"], "mpsd: unknown device model 'gpu9' (known: h200)"),
+    (["--active-thread-percentage", "150"], "mpsd: --active-thread-percentage must be in (0, 100], not 150.0"),
+    (["--pinned-mem-limit", "lots"], "mpsd: --pinned-mem-limit: not a size: 'lots' (expected e.g. 512M or 1G)"),
+])
+def test_bad_options_exit_2_with_one_line(args, message):
+    """A user mistake in the options gives exit 2 and one line, never a traceback."""
+    proc = subprocess.run([sys.executable, "-m", "mpsd", "--pipe-dir", str(short_tempdir()), *args],
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == message
+
+
+def test_malformed_frame_closes_only_that_connection(ctx, daemon):
+    """Garbage from one peer gets a protocol_error notice and a closed socket; other clients carry on."""
+    p_before = ctx.malloc(4096)
+    sock = raw_socket(daemon)
+    hello = p.Connection(p.Role.CLIENT).send(p.Request(0, "hello", {"version": p.PROTOCOL_VERSION}))
+    sock.sendall(hello + p.HEADER.pack(5, 0) + b"\xc1\xc1\xc1\xc1\xc1")
+    messages = read_until_closed(sock)
+    assert isinstance(messages[0], p.Reply) and messages[0].error is None
+    assert isinstance(messages[-1], p.Notification) and messages[-1].op == "protocol_error"
+    assert "undecodable" in messages[-1].args["message"]
+    sock.close()
+    ctx.memset(p_before, 1, 4096)
+    ctx.synchronize()
+    assert ctx.mem_get_info()[0] > 0
+
+
+@pytest.mark.parametrize("frame", [
+    p.HEADER.pack(len(b := msgpack.packb([0, 1, "malloc", {"nbytes": 4}])), 0) + b,   # no hello first
+    p.HEADER.pack(0xFFFFFFFF, 0),                                                     # absurd length
+    p.HEADER.pack(len(b := msgpack.packb([2, "launch", {}])), 9) + b,                 # fds that never came
+    b"\x00" * 3,                                                                      # a torn header, then EOF
+])
+def test_bad_first_frames_never_hurt_the_daemon(daemon, frame):
+    """Frames that break the rules close that connection; the daemon keeps serving."""
+    sock = raw_socket(daemon)
+    sock.sendall(frame)
+    sock.shutdown(socket.SHUT_WR)
+    read_until_closed(sock)
+    sock.close()
+    with mpsd_client.connect(daemon.pipe_dir) as ctx:
+        assert ctx.malloc(16)
+
+
+def test_protocol_version_mismatch_is_an_mps_connection_error(daemon):
+    """A client speaking another protocol version is refused with cudaErrorMpsConnectionFailed."""
+    sock = raw_socket(daemon)
+    sock.sendall(p.Connection(p.Role.CLIENT).send(p.Request(0, "hello", {"version": 99})))
+    (reply,) = read_until_closed(sock)
+    assert reply.error["code"] == 805 and "version 99" in reply.error["message"]
+    sock.close()
+
+
+def test_unknown_requests_and_malformed_arguments_get_invalid_value(ctx):
+    """Requests the daemon does not know, or with missing or mistyped arguments, get cudaErrorInvalidValue."""
+    for op, args in [("no_such_call", {}), ("malloc", {}), ("malloc", {"nbytes": "many"}),
+                     ("memset", {"ptr": 1, "value": 0, "nbytes": [1]}), ("free", {"ptr": None})]:
+        with pytest.raises(mpsd_client.InvalidValueError):
+            ctx._drive(ctx._core.call(op, args))
+    assert ctx.malloc(16)
+
+
+def test_peer_credentials_are_trusted_not_the_claimed_pid(daemon):
+    """The daemon logs the pid from SO_PEERCRED, and notes a different pid the client claimed."""
+    sock = raw_socket(daemon)
+    sock.sendall(p.Connection(p.Role.CLIENT).send(p.Request(0, "hello", {"version": p.PROTOCOL_VERSION,
+                                                                         "pid": 1})))
+    wait_for_log(daemon, f"New client {os.getpid()} connected")
+    assert "it claimed pid 1" in daemon.server_log()
+    sock.close()
+
+
+def test_killed_client_is_reclaimed(ctx, daemon):
+    """SIGKILL mid-work frees the client's memory, streams, events and buffers, and the daemon logs it."""
+    free_before = ctx.mem_get_info()[0]
+    worker = spawn_worker("""
+        import mpsd_client
+        ctx = mpsd_client.connect()
+        ptrs = [ctx.malloc(256 << 20) for _ in range(4)]
+        streams = [ctx.create_stream() for _ in range(3)]
+        events = [ctx.create_event() for _ in range(2)]
+        host = ctx.host_alloc(1 << 20)
+        for s in streams:
+            ctx.launch("spin", 264, 1024, [10**12], stream=s)   # still running when we die
+        print(ctx.mem_get_info()[0], flush=True)
+        input()
+    """, daemon.pipe_dir)
+    free_during = int(worker.stdout.readline())
+    assert free_during == free_before - (1 << 30)
+    worker.kill()
+    worker.communicate()
+    log = wait_for_log(daemon, f"Client {worker.pid} disconnected")
+    assert (f"Client {worker.pid} disconnected; reclaimed 4 allocations (1 GiB), 3 streams, 2 events, "
+            "1 host buffers") in log
+    assert ctx.mem_get_info()[0] == free_before
+    ctx.launch("spin", 264, 1024, [1000])
+    ctx.synchronize()  # the dead client's endless kernels no longer hold the GPU's queues
+
+
+def test_many_clients_come_and_go(daemon):
+    """Sixteen worker processes connect, work and exit; afterwards the device is as free as before."""
+    with mpsd_client.connect(daemon.pipe_dir) as ctx:
+        free = ctx.mem_get_info()[0]
+        workers = [spawn_worker("""
+            import mpsd_client, numpy as np
+            with mpsd_client.connect() as ctx:
+                p = ctx.malloc(1 << 20)
+                ctx.launch("fill_f32", 64, 256, [p, 3.0, 1 << 18])
+                out = np.empty(1 << 18, np.float32)
+                ctx.memcpy_dtoh(out, p)
+                print(bool((out == 3.0).all()))
+        """, daemon.pipe_dir) for _ in range(16)]
+        for w in workers:
+            out, err = w.communicate(timeout=60)
+            assert w.returncode == 0 and out.strip() == "True", err
+        assert ctx.mem_get_info()[0] == free
