@@ -210,9 +210,10 @@ def client_profile(profile_dir: Path | None, py_spy_dir: Path | None, name: str)
 # -- options, statistics and the report ----------------------------------------------------------------------
 def parser(description: str, n: int, repeat: int, warmup: int) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description)
-    p.add_argument("--n", type=int, default=n, help=f"measured iterations per repeat (default {n})")
-    p.add_argument("--repeat", type=int, default=repeat, help=f"repeats of each side (default {repeat})")
-    p.add_argument("--warmup", type=int, default=warmup, help=f"warm-up iterations per repeat (default {warmup})")
+    p.add_argument("--n", type=int, default=n, help=f"measured iterations per block (default {n})")
+    p.add_argument("--repeat", type=int, default=repeat,
+                   help=f"measured blocks of each side, alternating (default {repeat})")
+    p.add_argument("--warmup", type=int, default=warmup, help=f"warm-up iterations per block (default {warmup})")
     p.add_argument("--json", action="store_true", help="also print one machine-readable JSON line")
     p.add_argument("--profile", type=Path, metavar="DIR",
                    help="write cProfile data: DIR/daemon.prof (whole daemon) and DIR/<bench>.prof (client loop)")
@@ -228,16 +229,25 @@ def percentile(sorted_values: list[float], q: float) -> float:
     return sorted_values[index]
 
 
+def percentiles(blocks: list[list[float]]) -> tuple[float, float]:
+    """p50 and p99 over every sample of every block."""
+    pooled = sorted(v for block in blocks for v in block)
+    return percentile(pooled, 50), percentile(pooled, 99)
+
+
 def median(values: list[float]) -> float:
     return statistics.median(values)
 
 
-def report(title: str, rows: list[tuple[str, str]], verdict: bool, json_line: dict[str, Any] | None) -> None:
+def report(title: str, rows: list[tuple[str, str]], verdict: bool | None,
+           json_line: dict[str, Any] | None) -> None:
+    """Print the one result block (and the JSON line if asked); verdict None means no baseline was run."""
     width = max(len(k) for k, _ in rows)
     print(f"== {title} ==")
     for key, value in rows:
         print(f"  {key:<{width}}  {value}")
-    print(f"  {'result':<{width}}  {'PASS' if verdict else 'MISS'}")
+    result = "n/a (no baseline measured)" if verdict is None else "PASS" if verdict else "MISS"
+    print(f"  {'result':<{width}}  {result}")
     if json_line is not None:
         print(json.dumps(json_line, sort_keys=True))
     sys.stdout.flush()

@@ -111,7 +111,9 @@ class Core:
 
     def get_last_error(self, clear: bool) -> Op:
         remote = yield from self.call("get_last_error", {"clear": clear})
-        error = self.last_error or (error_from_wire(remote) if remote else None)
+        # An error the daemon holds came from fire-and-forget work and was never raised here, so it wins
+        # over the last error this side raised.
+        error = error_from_wire(remote) if remote else self.last_error
         if clear:
             self.last_error = None
         return error

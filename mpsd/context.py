@@ -87,6 +87,7 @@ class Context:
         self.host: dict[int, HostBuffer] = {}
         self.streams: dict[int, Stream] = {0: Stream(0, 0, True, (client_id, 0))}
         self.events: dict[int, Event] = {}
+        self._orphans: list[Op] = []  # last ops of destroyed streams: their work still counts
         self.sticky: CudaError | None = None
         self.last_error: CudaError | None = None  # from fire-and-forget calls, for get_last_error
         self.counters = Counters()
@@ -305,7 +306,7 @@ class Context:
 
     def _enqueue(self, stream: Stream, op: Op) -> Op:
         if stream.id == 0:
-            deps = [s.tail for s in self.streams.values() if s.blocking and s.id != 0 and s.tail is not None]
+            deps = [s.tail for s in self.streams.values() if s.blocking and s.id != 0] + self._orphans
         elif stream.blocking:
             deps = [self.streams[0].tail]
         else:
@@ -326,8 +327,12 @@ class Context:
 
     def destroy_stream(self, stream: int) -> None:
         # Work already queued still runs, as with cudaStreamDestroy; the handle is gone at once.
-        if stream == 0 or self.streams.pop(stream, None) is None:
+        gone = self.streams.pop(stream, None) if stream != 0 and isinstance(stream, int) else None
+        if gone is None:
             raise InvalidResourceHandleError(f"no stream {stream!r:.20} to destroy")
+        self._orphans = [op for op in self._orphans if not op.done]
+        if gone.tail is not None and not gone.tail.done:
+            self._orphans.append(gone.tail)
 
     def stream_tail(self, stream: int | None) -> Op | None:
         return self._stream(stream).tail
@@ -381,7 +386,8 @@ class Context:
 
     def tails(self) -> list[Op]:
         """The last op of every stream: what a context synchronize waits for."""
-        return [s.tail for s in self.streams.values() if s.tail is not None and not s.tail.done]
+        tails = [s.tail for s in self.streams.values() if s.tail is not None] + self._orphans
+        return [op for op in tails if not op.done]
 
     # -- teardown --------------------------------------------------------------------------------------
     def close(self) -> dict[str, int]:

@@ -1,0 +1,143 @@
+# Quotas as MPS defines them, read from each client's environment and only ever tightening the daemon's:
+# the active thread percentage caps SMs in whole TPCs, the client priority is recorded, and
+# CUDA_VISIBLE_DEVICES picks and renumbers the daemon's devices.
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import mpsd_client
+from daemons import run_worker, start_daemon
+from mpsd_client import InvalidDeviceError, InvalidValueError, NoDeviceError
+
+ONE_MS = int(1e-3 * 1.98e9)
+
+# Runs in a worker process: report the quotas seen and the simulated time of one FULL spin kernel.
+PROBE = """
+import json, mpsd_client
+with mpsd_client.connect() as ctx:
+    s = ctx.create_stream()
+    start, end = ctx.create_event(), ctx.create_event()
+    ctx.launch("spin", 1, 32, [int(20 * 1.98e9)], stream=s)   # hold the stream while the rest is queued
+    start.record(s)
+    ctx.launch("spin", 264, 1024, [%d], stream=s)
+    end.record(s)
+    end.synchronize()
+    print(json.dumps({"sms": ctx.device_properties()["multiprocessor_count"], "quotas": ctx.quotas,
+                      "ms": start.elapsed_ms(end), "max_sms": ctx.statistics()["max_sms"]}))
+""" % ONE_MS
+
+
+def probe(daemon, **env: str) -> dict:
+    result = run_worker(PROBE, daemon.pipe_dir, env=env)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+@pytest.mark.parametrize("percentage,sms,waves", [("25", 32, 5), ("50", 66, 2), ("100", 132, 1), ("10", 12, 11)])
+def test_active_thread_percentage_caps_sms_in_whole_tpcs(daemon, percentage, sms, waves):
+    """25% of 132 SMs is 32 (whole TPCs, rounded down): a full-wave kernel then needs 5 waves, as measured."""
+    seen = probe(daemon, CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=percentage)
+    assert seen["sms"] == seen["quotas"]["sm_cap"] == sms
+    assert seen["max_sms"] == sms
+    assert seen["ms"] == pytest.approx(waves + 0.010, abs=1e-9)
+
+
+def test_daemon_percentage_is_a_ceiling_for_clients(daemon_factory):
+    """With the daemon at 50%, a client asking for 75% gets 50% and one asking for 25% gets 25%."""
+    d = start_daemon("--time-scale", "100", "--active-thread-percentage", "50")
+    daemon_factory.append(d)
+    assert probe(d, CUDA_MPS_ACTIVE_THREAD_PERCENTAGE="75")["sms"] == 66
+    assert probe(d, CUDA_MPS_ACTIVE_THREAD_PERCENTAGE="25")["sms"] == 32
+    assert probe(d)["sms"] == 66
+
+
+def test_client_priority_is_recorded_and_only_lowered(daemon_factory, monkeypatch):
+    """CUDA_MPS_CLIENT_PRIORITY=1 marks the client below normal; it cannot rise above the daemon's default."""
+    d = start_daemon("--time-scale", "100", "--client-priority", "1")
+    daemon_factory.append(d)
+    monkeypatch.setenv("CUDA_MPS_CLIENT_PRIORITY", "0")
+    with mpsd_client.connect(d.pipe_dir) as ctx:
+        assert ctx.quotas["priority"] == 1
+    monkeypatch.setenv("CUDA_MPS_CLIENT_PRIORITY", "1")
+    with mpsd_client.connect(d.pipe_dir) as ctx:
+        assert ctx.quotas["priority"] == 1
+
+
+@pytest.mark.parametrize("name,value", [
+    ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "lots"), ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "0"),
+    ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "101"), ("CUDA_MPS_CLIENT_PRIORITY", "2"),
+])
+def test_malformed_quota_variables_fail_connect_naming_the_variable(daemon, monkeypatch, name, value):
+    """A quota variable the runtime cannot read fails connect with cudaErrorInvalidValue naming it."""
+    monkeypatch.setenv(name, value)
+    with pytest.raises(InvalidValueError, match=name):
+        mpsd_client.connect(daemon.pipe_dir)
+
+
+def test_visible_devices_select_and_renumber(daemon_factory, monkeypatch):
+    """CUDA_VISIBLE_DEVICES=1 makes the daemon's second GPU this process's device 0."""
+    d = start_daemon("--time-scale", "100", "--devices", "h200:2")
+    daemon_factory.append(d)
+    with mpsd_client.connect(d.pipe_dir, device=1) as ctx:
+        assert ctx.device_properties()["index"] == 1
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    with mpsd_client.connect(d.pipe_dir) as ctx:
+        assert ctx.device_properties()["index"] == 1
+    with pytest.raises(InvalidDeviceError):
+        mpsd_client.connect(d.pipe_dir, device=1)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    with pytest.raises(NoDeviceError):
+        mpsd_client.connect(d.pipe_dir)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5")
+    with pytest.raises(InvalidDeviceError, match="does not exist"):
+        mpsd_client.connect(d.pipe_dir)
+
+
+def test_devices_are_separate(daemon_factory):
+    """Memory and work on one simulated GPU do not show on the other."""
+    d = start_daemon("--time-scale", "100", "--devices", "h200:2")
+    daemon_factory.append(d)
+    with mpsd_client.connect(d.pipe_dir, device=0) as a, mpsd_client.connect(d.pipe_dir, device=1) as b:
+        a.malloc(1 << 30)
+        assert b.mem_get_info()[0] == b.mem_get_info()[1]
+        assert a.mem_get_info()[0] == a.mem_get_info()[1] - (1 << 30)
+
+
+def test_no_daemon_is_an_mps_connection_error(tmp_path):
+    """Connecting where no daemon listens is cudaErrorMpsConnectionFailed, saying where it looked."""
+    with pytest.raises(mpsd_client.MpsConnectionError, match=str(tmp_path)):
+        mpsd_client.connect(tmp_path)
+
+
+def test_several_tenants_share_the_gpu_within_their_caps(daemon):
+    """Three worker processes with different quotas run at once; each computes right and stays in its cap."""
+    code = """
+        import json, mpsd_client, numpy as np
+        with mpsd_client.connect() as ctx:
+            n = 1 << 16
+            x = np.random.default_rng(ctx.client_id).standard_normal(n, dtype=np.float32)
+            p = ctx.malloc(4 * n)
+            ctx.memcpy_htod(p, x)
+            for _ in range(20):
+                ctx.launch("spin", 264, 1024, [%d])
+                ctx.launch("saxpy_f32", 256, 256, [2.0, p, p, n])
+            out = np.empty(n, np.float32)
+            ctx.memcpy_dtoh(out, p)
+            stats = ctx.statistics()
+            print(json.dumps({"ok": bool(np.allclose(out, x * 3.0**20, rtol=1e-4)), "cap": stats["sm_cap"],
+                              "max": stats["max_sms"], "kernels": stats["kernels_completed"]}))
+    """ % ONE_MS
+    from daemons import spawn_worker
+
+    workers = [spawn_worker(code, daemon.pipe_dir, env={"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": pct})
+               for pct in ("100", "50", "25")]
+    results = []
+    for w in workers:
+        out, err = w.communicate(timeout=120)
+        assert w.returncode == 0, err
+        results.append(json.loads(out))
+    assert [r["cap"] for r in results] == [132, 66, 32]
+    for r in results:
+        assert r["ok"] and r["kernels"] == 40 and 0 < r["max"] <= r["cap"]
