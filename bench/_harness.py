@@ -87,12 +87,16 @@ def _peer(fd: int) -> None:
 
 
 @contextlib.contextmanager
-def raw_peer() -> Iterator[tuple[socket.socket, FrameReader]]:
-    """A peer process at the other end of a socketpair: yields our end and a reader on it."""
+def raw_peer(cpu: int | None = None) -> Iterator[tuple[socket.socket, FrameReader]]:
+    """A peer process at the other end of a socketpair (pinned to `cpu` if given): yields our end and a
+    reader on it."""
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    proc = subprocess.Popen([sys.executable, str(HERE / "_harness.py"), str(theirs.fileno())], pass_fds=[theirs.fileno()])
+    proc = subprocess.Popen([sys.executable, str(HERE / "_harness.py"), str(theirs.fileno())],
+                            pass_fds=[theirs.fileno()])
     theirs.close()
     try:
+        if cpu is not None:
+            pin(proc.pid, cpu)
         yield ours, FrameReader(ours)
     finally:
         ours.close()
@@ -108,8 +112,8 @@ class Daemon:
 
 
 @contextlib.contextmanager
-def daemon(time_scale: float, profile_dir: Path | None = None, py_spy_dir: Path | None = None
-           ) -> Iterator[Daemon]:
+def daemon(time_scale: float, profile_dir: Path | None = None, py_spy_dir: Path | None = None,
+           cpu: int | None = None) -> Iterator[Daemon]:
     """A private `python -m mpsd` on a short temp pipe directory; stopped with SIGTERM, which must give 0."""
     pipe_dir = Path(tempfile.mkdtemp(prefix="mpsdb-", dir="/tmp"))  # socket paths are limited to 107 bytes
     cmd = [sys.executable]
@@ -120,6 +124,8 @@ def daemon(time_scale: float, profile_dir: Path | None = None, py_spy_dir: Path 
     spy = None
     try:
         _wait_ready(proc, timeout=30)
+        if cpu is not None:
+            pin(proc.pid, cpu)
         # Keep draining stderr so a chatty daemon never blocks on a full pipe; echo what it says.
         threading.Thread(target=_drain, args=(proc,), daemon=True).start()
         if py_spy_dir is not None:
@@ -219,8 +225,21 @@ def parser(description: str, n: int, repeat: int, warmup: int) -> argparse.Argum
                    help="write cProfile data: DIR/daemon.prof (whole daemon) and DIR/<bench>.prof (client loop)")
     p.add_argument("--py-spy", type=Path, metavar="DIR", dest="py_spy",
                    help="write py-spy collapsed stacks of the daemon and the client to DIR")
+    p.add_argument("--pin", action="store_true",
+                   help="pin the server side (daemon, raw peer) to CPU 0 and this client to CPU 1: steadier "
+                        "figures on a busy 2-core machine, where two processes sharing a CPU add a context "
+                        "switch to every round trip")
     p.add_argument("--skip-baseline", action="store_true", help="measure only our side (for profiling)")
     return p
+
+
+SERVER_CPU, CLIENT_CPU = 0, 1
+
+
+def pin(pid: int, cpu: int) -> None:
+    """Keep `pid` (0: this process) on one CPU, where the machine has it."""
+    if hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) > max(SERVER_CPU, CLIENT_CPU):
+        os.sched_setaffinity(pid, {cpu})
 
 
 def percentile(sorted_values: list[float], q: float) -> float:

@@ -55,10 +55,14 @@ def main() -> int:
     started = time.monotonic()
     ours: list[list[float]] = []
     raw: list[list[float]] = []
+    server_cpu = h.SERVER_CPU if args.pin else None
     with contextlib.ExitStack() as stack:
-        d = stack.enter_context(h.daemon(time_scale=1.0, profile_dir=args.profile, py_spy_dir=args.py_spy))
+        d = stack.enter_context(h.daemon(time_scale=1.0, profile_dir=args.profile, py_spy_dir=args.py_spy,
+                                         cpu=server_cpu))
         ctx = stack.enter_context(mpsd_client.connect(d.pipe_dir))
-        peer = None if args.skip_baseline else stack.enter_context(h.raw_peer())
+        peer = None if args.skip_baseline else stack.enter_context(h.raw_peer(server_cpu))
+        if args.pin:
+            h.pin(0, h.CLIENT_CPU)
         for r in range(args.repeat):
             profiling = h.client_profile(args.profile, args.py_spy, "rpc_client") if r == 0 \
                 else contextlib.nullcontext()

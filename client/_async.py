@@ -29,7 +29,7 @@ from mpsd_protocol import (  # type: ignore[attr-defined]
 
 from ._api import ContextBase
 from ._core import Core
-from ._env import physical_device, pipe_directory, requested_limits
+from ._env import check_ordinal, pipe_directory, requested_limits, visible_devices
 
 READ_SIZE = 1 << 16
 
@@ -123,8 +123,7 @@ async def open_context(pipe_dir: str | os.PathLike[str] | None = None, device: i
         MpsConnectionError: no daemon is listening, or it refused the handshake.
         NoDeviceError, InvalidDeviceError, InvalidValueError: as `mpsd_client.connect`.
     """
-    physical = physical_device(device)
-    core = Core(physical, requested_limits(device))
+    core = Core(check_ordinal(device), visible_devices(), requested_limits(device))
     path = pipe_directory(pipe_dir) / "mpsd.sock"
     sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:

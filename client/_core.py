@@ -37,8 +37,9 @@ STAGING_SIZE = 8 << 20
 class Core:
     """State and rules of one client connection, without I/O."""
 
-    def __init__(self, device: int, limits: dict[str, Any]) -> None:
+    def __init__(self, device: int, visible: list[int] | None, limits: dict[str, Any]) -> None:
         self.device = device
+        self.visible = visible
         self.limits = limits
         self._ids = itertools.count(1)
         self.client_id = 0
@@ -87,7 +88,8 @@ class Core:
     # -- context ---------------------------------------------------------------------------------------
     def hello(self) -> Op:
         result = yield from self.call("hello", {
-            "version": PROTOCOL_VERSION, "pid": os.getpid(), "device": self.device, "limits": self.limits})
+            "version": PROTOCOL_VERSION, "pid": os.getpid(), "device": self.device, "visible": self.visible,
+            "limits": self.limits})
         self.client_id = result["client_id"]
         self.server_pid = result.get("server_pid", 0)
         self.properties = result["properties"]

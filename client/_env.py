@@ -1,4 +1,5 @@
-# The environment an MPS client reads, read the same way: CUDA_VISIBLE_DEVICES picks and renumbers devices,
+# The environment an MPS client reads, read the same way: CUDA_VISIBLE_DEVICES picks and renumbers devices
+# (the daemon applies it, since only it knows which devices exist),
 # CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, CUDA_MPS_PINNED_DEVICE_MEM_LIMIT and CUDA_MPS_CLIENT_PRIORITY ask for
 # tighter quotas (the daemon never lets them loosen its own), MPSD_PIPE_DIRECTORY says where the daemon is.
 from __future__ import annotations
@@ -7,7 +8,7 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
-from mpsd_protocol import InvalidDeviceError, InvalidValueError, NoDeviceError, parse_mem_limits  # type: ignore
+from mpsd_protocol import InvalidDeviceError, InvalidValueError, parse_mem_limits  # type: ignore
 
 DEFAULT_PIPE_DIRECTORY = "/tmp/mpsd"
 
@@ -16,28 +17,28 @@ def pipe_directory(pipe_dir: str | os.PathLike[str] | None, environ: Mapping[str
     return Path(pipe_dir or environ.get("MPSD_PIPE_DIRECTORY") or DEFAULT_PIPE_DIRECTORY)
 
 
-def physical_device(device: int, environ: Mapping[str, str] = os.environ) -> int:
-    """The daemon's device index for this process's device ordinal `device`.
+def visible_devices(environ: Mapping[str, str] = os.environ) -> list[int] | None:
+    """The daemon's device indices CUDA_VISIBLE_DEVICES names, in order (None when it is unset).
 
-    Raises:
-        NoDeviceError: CUDA_VISIBLE_DEVICES hides every device.
-        InvalidDeviceError: `device` is not a visible ordinal.
+    Like CUDA, the list ends at the first entry that is not a device index; the daemon drops the indices
+    it does not have (and what follows them), then renumbers what is left from 0.
     """
-    if not isinstance(device, int) or isinstance(device, bool) or device < 0:
-        raise InvalidDeviceError(f"device ordinal {device!r:.20} is not a non-negative int")
     visible = environ.get("CUDA_VISIBLE_DEVICES")
     if visible is None:
-        return device
+        return None
     ordinals: list[int] = []
     for part in (p.strip() for p in visible.split(",")):
         if not part.isdigit():
-            break  # like CUDA, an invalid entry ends the list
+            break
         ordinals.append(int(part))
-    if not ordinals:
-        raise NoDeviceError(f"CUDA_VISIBLE_DEVICES={visible!r} makes no device visible")
-    if device >= len(ordinals):
-        raise InvalidDeviceError(f"device {device} is not visible (CUDA_VISIBLE_DEVICES={visible!r})")
-    return ordinals[device]
+    return ordinals
+
+
+def check_ordinal(device: object) -> int:
+    """Raises InvalidDeviceError unless `device` is a non-negative int."""
+    if not isinstance(device, int) or isinstance(device, bool) or device < 0:
+        raise InvalidDeviceError(f"device ordinal {device!r:.20} is not a non-negative int")
+    return device
 
 
 def requested_limits(device: int, environ: Mapping[str, str] = os.environ) -> dict[str, Any]:

@@ -27,7 +27,7 @@ from mpsd_protocol import (  # type: ignore[attr-defined]
 
 from ._api import ContextBase
 from ._core import Core
-from ._env import physical_device, pipe_directory, requested_limits
+from ._env import check_ordinal, pipe_directory, requested_limits, visible_devices
 
 READ_SIZE = 1 << 16
 
@@ -124,8 +124,7 @@ def connect(pipe_dir: str | os.PathLike[str] | None = None, device: int = 0, tim
         NoDeviceError, InvalidDeviceError: the device is hidden or does not exist.
         InvalidValueError: a CUDA_MPS_* variable is malformed.
     """
-    physical = physical_device(device)
-    core = Core(physical, requested_limits(device))
+    core = Core(check_ordinal(device), visible_devices(), requested_limits(device))
     path = pipe_directory(pipe_dir) / "mpsd.sock"
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     try:

@@ -5,7 +5,8 @@
 What it does, in order:
   1. starts `python -m mpsd` on a private pipe directory under /tmp and waits for its "ready" line;
   2. starts four worker processes (examples/worker.py), each with its own CUDA_MPS_* quotas in the
-     environment, waits until all have connected, then releases them at the same instant;
+     environment (inference first: it measures its idle-GPU latency before the others start), waits until
+     all have connected, then releases them at the same instant;
   3. gathers the JSON line each worker prints and reports, per tenant, what the daemon let it use and
      whether its results were correct;
   4. stops the daemon with SIGTERM, checks that it exits 0, and shows its server.log.
@@ -18,7 +19,6 @@ import os
 import queue
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -128,6 +128,9 @@ class Worker:
                 return False
             if line is None:
                 self.problem = f"exited before it was ready (status {self.proc.wait()})"
+                self._parse()
+                if self.result and "fatal" in self.result:
+                    self.problem += f": {self.result['fatal']}"
                 return False
             if line == "READY":
                 return True
@@ -145,16 +148,22 @@ class Worker:
         except (TimeoutError, subprocess.TimeoutExpired):
             self.problem = f"still running after {RUN_TIMEOUT:.0f} s"
             return
-        for line in reversed(self.lines):
-            if line.startswith("{"):
-                self.result = json.loads(line)
-                break
+        self._parse()
         if self.result is None:
             self.problem = f"printed no result (exit status {self.proc.returncode})"
         elif "fatal" in self.result:
             self.problem = f"raised {self.result['fatal']}"
         elif self.proc.returncode not in (0, 1):
             self.problem = f"exit status {self.proc.returncode}"
+
+    def _parse(self) -> None:
+        for line in reversed(self.lines):
+            if line.startswith("{"):
+                try:
+                    self.result = json.loads(line)
+                except ValueError:
+                    continue
+                break
 
     def kill(self) -> None:
         if self.proc.poll() is None:
@@ -206,8 +215,8 @@ def explain(r: dict[str, Any], share: float) -> list[str]:
         if pct(loaded, .99) > pct(alone, .5) + block_ms or pct(alone, .99) > pct(alone, .5) + block_ms:
             lines.append(
                 "Waits beyond that are not GPU scheduling: simulated time follows the wall clock, and the daemon "
-                "(one Python event loop on a small, busy host, with 1,200 kernel launches arriving at once) most "
-                "likely answered late.")
+                f"(one Python event loop on a small, busy host, with {r['launches_all']:,} kernel launches arriving "
+                f"at once) most likely answered late.")
     else:
         lines.append(capped)
     if "bulk_sim_ms" in info:
@@ -265,6 +274,7 @@ def report(workers: list[Worker]) -> None:
       sim s = simulated time of its back-to-back kernels, from CUDA events; wall s = wall time of its work."""))
 
     for r in results:
+        r["launches_all"] = sum(x["stats"]["launches"] for x in results)
         share = r["stats"]["sm_seconds"] / total_bs
         print(f"\n{r['role']} (pid {r['pid']}, {r['info']['device']}, sees {r['info']['multiprocessor_count']} SMs):")
         for line in explain(r, share):

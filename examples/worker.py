@@ -85,7 +85,7 @@ class Tenant:
 
 def inference_setup(t: Tenant) -> None:
     """Latency probes while the other tenants are connected but idle: the 'alone' baseline."""
-    least, greatest = t.ctx.stream_priority_range()
+    _least, greatest = t.ctx.stream_priority_range()
     t.stream = t.ctx.create_stream(priority=greatest)
     t.info["stream_priority"] = greatest
     t.probe_events = (t.ctx.create_event(), t.ctx.create_event())

@@ -8,6 +8,7 @@
 # kernels) happen when the simulator completes the op, so they land in stream order.
 from __future__ import annotations
 
+import ctypes
 import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
 
 STREAM_PRIORITY_GREATEST, STREAM_PRIORITY_LEAST = -5, 0  # cudaDeviceGetStreamPriorityRange on Hopper
 NON_BLOCKING = 0x1  # cudaStreamNonBlocking
+_CHUNK = 64 << 20  # bulk byte moves go in chunks, so a huge copy never needs a huge temporary
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,7 +239,7 @@ class Context:
         def effect(op: Op) -> None:
             source, target = self.memory.view(src, nbytes), self.memory.view(dst, nbytes)
             if source is not None and target is not None and not self.closed:
-                target[:] = bytes(source)  # through a copy: the ranges may overlap
+                _move(target, source)
 
         return self._copy(s, "d2d", nbytes, effect)
 
@@ -251,7 +253,10 @@ class Context:
         def effect(op: Op) -> None:
             view = self.memory.view(ptr, nbytes)
             if view is not None and not self.closed:
-                view[:] = bytes([byte]) * nbytes
+                pattern = bytes([byte]) * min(nbytes, _CHUNK)
+                for start in range(0, nbytes, _CHUNK):
+                    end = min(start + _CHUNK, nbytes)
+                    view[start:end] = pattern[:end - start]
 
         return self._copy(s, "d2d", nbytes, effect)
 
@@ -405,3 +410,18 @@ class Context:
         self.streams.clear()
         self.events.clear()
         return reclaimed
+
+
+def _move(target: memoryview, source: memoryview) -> None:
+    """memmove: copy `source` into `target` (same length) in chunks, correct when the two overlap."""
+    n = len(source)
+    chunks = range(0, n, _CHUNK)
+    if _address(target) > _address(source):
+        chunks = reversed(chunks)  # copy from the end, so bytes are read before they are overwritten
+    for start in chunks:
+        end = min(start + _CHUNK, n)
+        target[start:end] = bytes(source[start:end])
+
+
+def _address(view: memoryview) -> int:
+    return ctypes.addressof(ctypes.c_char.from_buffer(view)) if not view.readonly and len(view) else 0

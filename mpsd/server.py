@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import logging
 import os
 import signal
@@ -21,7 +22,12 @@ from mpsd.device import Device
 from mpsd.servlog import ServerLog
 from mpsd.session import Session
 from mpsd.sim import sm_cap
-from mpsd_protocol import InvalidDeviceError, InvalidValueError, format_size  # type: ignore[attr-defined]
+from mpsd_protocol import (  # type: ignore[attr-defined]
+    InvalidDeviceError,
+    InvalidValueError,
+    NoDeviceError,
+    format_size,
+)
 
 log = logging.getLogger("mpsd")
 SHUTDOWN_GRACE = 5.0  # seconds that in-flight replies get to finish
@@ -54,10 +60,8 @@ class Daemon:
             InvalidDeviceError: no such device.
             InvalidValueError: a requested limit is malformed.
         """
-        index = hello.get("device", 0)
-        if not isinstance(index, int) or not 0 <= index < len(self.devices):
-            raise InvalidDeviceError(f"device {index!r:.20} does not exist (the daemon has {len(self.devices)})")
-        device = self.devices[index]
+        device = self.devices[self._device_index(hello.get("device", 0), hello.get("visible"))]
+        index = device.index
         percentage = self.config.active_thread_percentage
         requested = limits.get("active_thread_percentage")
         if requested is not None:
@@ -85,6 +89,27 @@ class Daemon:
                         f"pinned memory limit {format_size(memory)}, priority {priority}")
         return context
 
+    def _device_index(self, ordinal: Any, visible: Any) -> int:
+        """Our index of the client's device `ordinal`, through its CUDA_VISIBLE_DEVICES list (None: unset).
+
+        Raises:
+            NoDeviceError: the list names none of our devices.
+            InvalidDeviceError: the ordinal is not one of the visible devices.
+        """
+        count = len(self.devices)
+        if visible is None:
+            indices = list(range(count))
+        elif isinstance(visible, list) and all(isinstance(v, int) for v in visible):
+            # As in CUDA, an index that does not exist ends the list.
+            indices = list(itertools.takewhile(lambda v: 0 <= v < count, visible))
+            if not indices:
+                raise NoDeviceError(f"CUDA_VISIBLE_DEVICES names none of the daemon's {count} device(s)")
+        else:
+            raise InvalidValueError("hello: visible must be a list of device indices")
+        if not isinstance(ordinal, int) or not 0 <= ordinal < len(indices):
+            raise InvalidDeviceError(f"device {ordinal!r:.20} does not exist ({len(indices)} visible)")
+        return indices[ordinal]
+
     def detach(self, context: Context) -> None:
         """The client is gone (closed, exited or killed): reclaim everything it held."""
         reclaimed = context.close()
@@ -110,6 +135,7 @@ class Daemon:
             "launches": counters.launches, "copies": counters.copies, "bytes_copied": counters.bytes_copied,
             "kernels_completed": mine.kernels if mine else 0,
             "blocks_completed": mine.blocks if mine else 0,
+            "block_seconds": mine.block_seconds if mine else 0.0,
             "sm_seconds": mine.sm_seconds if mine else 0.0,
             "max_sms": mine.max_sms if mine else 0,
             "sim_time": stats.now,

@@ -57,8 +57,10 @@ def test_spin_and_work_take_simulated_time_and_leave_memory_alone(ctx):
     after = ctx.statistics()
     assert after["kernels_completed"] - before["kernels_completed"] == 2
     assert after["blocks_completed"] - before["blocks_completed"] == 528
-    # 264 blocks x 1 ms of spin, and 264 blocks x 1 ms of work (two blocks share each SM's issue rate)
-    assert after["sm_seconds"] - before["sm_seconds"] == pytest.approx(0.528, rel=1e-6)
+    # 264 blocks x 1 ms of spin, and 264 blocks x 1 ms of work (two blocks share each SM's issue rate);
+    # each 1024-thread block holds half an SM
+    assert after["block_seconds"] - before["block_seconds"] == pytest.approx(0.528, rel=1e-6)
+    assert after["sm_seconds"] - before["sm_seconds"] == pytest.approx(0.264, rel=1e-6)
     assert after["max_sms"] == 132
 
 

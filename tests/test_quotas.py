@@ -91,8 +91,16 @@ def test_visible_devices_select_and_renumber(daemon_factory, monkeypatch):
     with pytest.raises(NoDeviceError):
         mpsd_client.connect(d.pipe_dir)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5")
-    with pytest.raises(InvalidDeviceError, match="does not exist"):
-        mpsd_client.connect(d.pipe_dir)
+    with pytest.raises(NoDeviceError):
+        mpsd_client.connect(d.pipe_dir)  # no such device: as in CUDA, none is visible
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,7,0")
+    with mpsd_client.connect(d.pipe_dir) as ctx:
+        assert ctx.device_properties()["index"] == 1
+    with pytest.raises(InvalidDeviceError, match="1 visible"):
+        mpsd_client.connect(d.pipe_dir, device=1)  # the list ended at 7
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,x,1")
+    with pytest.raises(InvalidDeviceError):
+        mpsd_client.connect(d.pipe_dir, device=1)
 
 
 def test_devices_are_separate(daemon_factory):

@@ -36,7 +36,8 @@ def test_one_client_100_full_spin():
     assert stats.kernels_completed == 100
     assert stats.blocks_completed == 26400
     assert stats.per_client[1].max_sms == 132
-    assert stats.per_client[1].sm_seconds == pytest.approx(26.4)
+    assert stats.per_client[1].block_seconds == pytest.approx(26.4)
+    assert stats.per_client[1].sm_seconds == pytest.approx(13.2)
 
 
 def test_quarter_cap_takes_five_waves():

@@ -369,7 +369,9 @@ class Simulator:
         self._dirty = True
         c = self._counter(kernel.client)
         c.blocks += group.count
-        c.sm_seconds += group.count * (now - group.start)
+        block_seconds = group.count * (now - group.start)
+        c.block_seconds += block_seconds
+        c.sm_seconds += block_seconds * min(1.0, kernel.threads / self.spec.max_threads_per_sm)
         self._blocks += group.count
         if self._record:
             self.trace.append(BlockGroup(kernel, group.sm, group.count, group.start, now))

@@ -16,7 +16,9 @@ class ClientStatistics:
     Attributes:
         kernels: kernels completed (reported).
         blocks: blocks that ran to the end, including those of cancelled kernels.
-        sm_seconds: sum of the durations of those blocks (block-seconds, not divided by occupancy).
+        block_seconds: sum of the durations of those blocks.
+        sm_seconds: SM-time those blocks held, each block weighted by its share of an SM's threads (two
+            1024-thread blocks for 1 ms on one SM are 1 ms of SM-time).
         copies: copies completed (reported).
         bytes_copied: bytes of those copies.
         max_sms: most distinct SMs the client occupied at once.
@@ -24,6 +26,7 @@ class ClientStatistics:
 
     kernels: int = 0
     blocks: int = 0
+    block_seconds: float = 0.0
     sm_seconds: float = 0.0
     copies: int = 0
     bytes_copied: int = 0
@@ -53,6 +56,7 @@ class Counters:
 
     kernels: int = 0
     blocks: int = 0
+    block_seconds: float = 0.0
     sm_seconds: float = 0.0
     copies: int = 0
     bytes_copied: int = 0
@@ -61,5 +65,5 @@ class Counters:
     def freeze(self) -> ClientStatistics:
         """A frozen snapshot."""
         return ClientStatistics(
-            self.kernels, self.blocks, self.sm_seconds, self.copies, self.bytes_copied, self.max_sms
+            self.kernels, self.blocks, self.block_seconds, self.sm_seconds, self.copies, self.bytes_copied, self.max_sms
         )
