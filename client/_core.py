@@ -15,6 +15,7 @@ from typing import Any, Generator
 import numpy as np
 
 from mpsd_protocol import (  # type: ignore[attr-defined]
+    PROTOCOL_ERROR,
     PROTOCOL_VERSION,
     CudaError,
     InvalidDeviceFunctionError,
@@ -64,7 +65,7 @@ class Core:
 
     def notification_received(self, note: Notification) -> None:
         """The daemon told us something unasked: today only that it is closing us for a protocol error."""
-        if note.op == "protocol_error":
+        if note.op == PROTOCOL_ERROR:
             message = note.args.get("message") if isinstance(note.args, dict) else None
             self.broken = MpsRpcFailureError(f"the daemon closed the connection: {message}")
             raise self.broken

@@ -206,7 +206,9 @@ class Daemon:
                 raise
             nursery.start_soon(self._serve_session, sock)
 
-    async def _serve_session(self, sock: trio.socket.SocketType) -> None:
+    async def _serve_session(self, tsock: trio.socket.SocketType) -> None:
+        # Sessions drive the plain socket themselves (see mpsd.channel), without trio's wrapper.
+        sock = socket.socket(fileno=tsock.detach())
         try:
             session = Session(self, sock)
         except OSError:
@@ -215,6 +217,10 @@ class Daemon:
         self.sessions.add(session)
         try:
             await session.run()
+        except Exception:
+            # A bug met by one client's input ends that client's session, never the daemon.
+            log.exception("session of client %d failed", session.pid)
+            self.log.server(f"Client {session.pid}: internal error; its connection was closed")
         finally:
             self.sessions.discard(session)
 

@@ -16,19 +16,18 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import trio
 
-from mpsd.context import Context, Quotas
+from mpsd.channel import Channel
+from mpsd.context import Context
 from mpsd.kernels import signatures
 from mpsd.sim import Op
 from mpsd_protocol import (  # type: ignore[attr-defined]
-    ANCILLARY_SIZE,
     CLOSED,
     HELLO,
     NEED_DATA,
+    PROTOCOL_ERROR,
     PROTOCOL_VERSION,
-    RECV_FLAGS,
     Connection,
     CudaError,
-    InvalidDeviceError,
     InvalidValueError,
     MpsConnectionError,
     Notification,
@@ -38,15 +37,12 @@ from mpsd_protocol import (  # type: ignore[attr-defined]
     Role,
     close_fds,
     make_error,
-    pack_fds,
-    unpack_fds,
 )
 
 if TYPE_CHECKING:
     from mpsd.server import Daemon
 
 log = logging.getLogger("mpsd.session")
-READ_SIZE = 1 << 16
 # Calls that still answer after a sticky error, so the client can learn what happened.
 _STICKY_EXEMPT = frozenset({"get_last_error", "statistics", "device_properties"})
 
@@ -67,14 +63,13 @@ def peer_credentials(sock: Any) -> tuple[int, int, int]:
 class Session:
     """Serves one connected client."""
 
-    def __init__(self, daemon: Daemon, sock: trio.socket.SocketType) -> None:
+    def __init__(self, daemon: Daemon, sock: socket.socket) -> None:
         self.daemon = daemon
-        self.sock = sock
         self.pid, self.uid, self.gid = peer_credentials(sock)
+        self.channel = Channel(sock)
         self.conn = Connection(Role.SERVER)
         self.context: Context | None = None
         self.reader_scope = trio.CancelScope()
-        self._send_lock = trio.StrictFIFOLock()
         self._nursery: trio.Nursery | None = None
         self._closing = False
         self._requests: dict[str, Callable[[dict[str, Any], tuple[int, ...]], Any]] = {
@@ -120,7 +115,7 @@ class Session:
                     await self._read_loop()
         finally:
             self.conn.close_fds()
-            self.sock.close()
+            self.channel.close()
             if self.context is not None:
                 self.daemon.detach(self.context)
 
@@ -129,52 +124,43 @@ class Session:
             try:
                 event = self.conn.next_event()
                 if event is NEED_DATA:
-                    data, ancdata, flags, _ = await self.sock.recvmsg(READ_SIZE, ANCILLARY_SIZE, RECV_FLAGS)
-                    self.conn.receive_data(data, unpack_fds(ancdata, flags))
+                    self.conn.receive_data(*await self.channel.receive())
                     continue
             except ProtocolError as exc:
-                await self._protocol_error(str(exc))
+                self._protocol_error(str(exc))
                 return
             except OSError:
                 return  # the peer reset the connection: it is gone
             if event is CLOSED or self._closing:
                 return
             if isinstance(event, Request):
-                await self._request(event)
+                self._request(event)
+                if self._closing:
+                    return
             elif isinstance(event, Notification):
                 self._notification(event)
             else:
                 close_fds(event.fds)  # type: ignore[union-attr]
-                await self._protocol_error("a client does not send replies")
+                self._protocol_error("a client does not send replies")
                 return
 
-    async def _protocol_error(self, text: str) -> None:
+    def _protocol_error(self, text: str) -> None:
         """Say what was wrong, where the socket still allows it, then close this connection only."""
         self.daemon.log.server(f"Client {self.pid}: protocol error, closing its connection: {text}")
-        try:
-            await self._send(Notification("protocol_error", {"message": text}))
-        except (OSError, ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError):
-            pass
+        self._send(Notification(PROTOCOL_ERROR, {"message": text}))
 
-    async def _send(self, message: Reply | Notification) -> None:
-        data = self.conn.send(message)
-        async with self._send_lock:
-            sent = await self.sock.sendmsg([data], pack_fds(message.fds))
-            while sent < len(data):
-                data = data[sent:]
-                sent = await self.sock.send(data)
+    def _send(self, message: Reply | Notification) -> None:
+        assert self._nursery is not None
+        self.channel.send_nowait(self.conn.send(message), message.fds, self._nursery)
 
-    async def _reply(self, request_id: int, error: CudaError | None, result: Any = None,
-                     fds: tuple[int, ...] = ()) -> None:
-        try:
-            await self._send(Reply(request_id, error.to_wire() if error else None, result, fds))
-        except (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
-            pass  # the client went away; its teardown follows from the read loop
+    def _reply(self, request_id: int, error: CudaError | None, result: Any = None,
+               fds: tuple[int, ...] = ()) -> None:
+        self._send(Reply(request_id, error.to_wire() if error else None, result, fds))
 
     # -- dispatch --------------------------------------------------------------------------------------
-    async def _request(self, request: Request) -> None:
+    def _request(self, request: Request) -> None:
         if request.op == HELLO:
-            await self._hello(request)
+            self._hello(request)
             return
         handler = self._requests.get(request.op)
         try:
@@ -185,13 +171,13 @@ class Session:
             result = _call(handler, request.args, request.fds)
         except CudaError as exc:
             close_fds(request.fds)
-            await self._reply(request.id, exc)
+            self._reply(request.id, exc)
             return
         if isinstance(result, Deferred):
             assert self._nursery is not None
             self._nursery.start_soon(self._finish, request.id, result)
         else:
-            await self._reply(request.id, None, result)
+            self._reply(request.id, None, result)
 
     async def _finish(self, request_id: int, deferred: Deferred) -> None:
         await self.daemon.device_of(self._ctx).engine.wait_all(deferred.ops)
@@ -203,9 +189,9 @@ class Session:
                 raise error
             result = deferred.then()
         except CudaError as exc:
-            await self._reply(request_id, exc)
+            self._reply(request_id, exc)
         else:
-            await self._reply(request_id, None, result)
+            self._reply(request_id, None, result)
 
     def _notification(self, note: Notification) -> None:
         close_fds(note.fds)
@@ -221,7 +207,7 @@ class Session:
             if self._ctx.sticky is None:
                 self._ctx.last_error = exc
 
-    async def _hello(self, request: Request) -> None:
+    def _hello(self, request: Request) -> None:
         close_fds(request.fds)
         try:
             if self.context is not None:
@@ -232,12 +218,11 @@ class Session:
                                          f"(the daemon speaks {PROTOCOL_VERSION})")
             self.context = self.daemon.attach(self, _call(self._quotas_args, args, ()), args)
         except CudaError as exc:
-            await self._reply(request.id, exc)
+            self._reply(request.id, exc)
             self._closing = True
-            self.reader_scope.cancel()
             return
         ctx = self.context
-        await self._reply(request.id, None, {
+        self._reply(request.id, None, {
             "version": PROTOCOL_VERSION,
             "client_id": ctx.id,
             "server_pid": self.daemon.log.pid,

@@ -3,7 +3,7 @@
 No sockets and no trio here: the daemon, the blocking client and the trio client are thin I/O loops around
 `Connection`.
 """
-from ._connection import CLOSED, HEADER, HELLO, NEED_DATA, Connection, Role
+from ._connection import CLOSED, HEADER, HELLO, NEED_DATA, PROTOCOL_ERROR, Connection, Role
 from ._errors import (
     CODES_BY_NAME,
     ERROR_CLASSES,
@@ -33,7 +33,7 @@ from ._units import format_size, parse_mem_limits, parse_size
 globals().update({cls.__name__: cls for cls in ERROR_CLASSES.values()})
 
 __all__ = [
-    "CLOSED", "HEADER", "HELLO", "NEED_DATA", "Connection", "Role",
+    "CLOSED", "HEADER", "HELLO", "NEED_DATA", "PROTOCOL_ERROR", "Connection", "Role",
     "CODES_BY_NAME", "ERROR_CLASSES", "CudaError", "error_class", "error_from_wire", "error_name",
     "error_string", "make_error",
     "ANCILLARY_SIZE", "RECV_FLAGS", "close_fds", "pack_fds", "unpack_fds",

@@ -7,7 +7,8 @@
 # protocol error, the connection is dead: every queued fd is closed and every later call raises.
 #
 # Rule: the handshake is the only state. A client's first message is the `hello` request; a server's first
-# event is that request and its first message out is the reply to it. All of it lives in this file.
+# event is that request and its first message out is the reply to it (or, at any time, the protocol_error
+# notice before it closes the connection). All of it lives in this file.
 from __future__ import annotations
 
 import struct
@@ -23,6 +24,7 @@ from ._messages import (
     MAX_FDS_PER_FRAME,
     LocalProtocolError,
     Message,
+    Notification,
     RemoteProtocolError,
     Reply,
     Request,
@@ -32,6 +34,7 @@ from ._messages import (
 HEADER = struct.Struct("<II")
 DEFAULT_MAX_FRAME = 1 << 20  # bulk data travels through shared memory, never in frames
 HELLO = "hello"
+PROTOCOL_ERROR = "protocol_error"  # the notice a server sends before closing a connection that broke the rules
 
 
 class Role(Enum):
@@ -146,7 +149,8 @@ class Connection:
         if self.role is Role.SERVER and not (isinstance(message, Request) and message.op == HELLO):
             _close_all(message.fds)
             raise RemoteProtocolError(f"expected the {HELLO!r} request first")
-        if self.role is Role.CLIENT and not isinstance(message, Reply):
+        if self.role is Role.CLIENT and not (isinstance(message, Reply) or (
+                isinstance(message, Notification) and message.op == PROTOCOL_ERROR)):
             _close_all(message.fds)
             raise RemoteProtocolError("expected the reply to hello first")
 
@@ -173,7 +177,8 @@ class Connection:
         Raises:
             LocalProtocolError: the message breaks the handshake or the size limit, or cannot be encoded.
         """
-        if not self._sent_first:
+        if not self._sent_first and not (self.role is Role.SERVER and isinstance(message, Notification)
+                                         and message.op == PROTOCOL_ERROR):
             if self.role is Role.CLIENT and not (isinstance(message, Request) and message.op == HELLO):
                 raise LocalProtocolError(f"a client must send the {HELLO!r} request first")
             if self.role is Role.SERVER and not isinstance(message, Reply):

@@ -16,7 +16,7 @@ from collections import deque
 
 from .ops import ENGINES, BlockGroup, Copy, Kernel, Marker, Op
 from .policy import KernelRun, make_policy
-from .sms import SM, Group
+from .sms import SM, FitIndex, Group
 from .specs import H200, DeviceSpec, block_need, occupancy
 from .stats import Counters, SimStatistics
 from .streams import Streams
@@ -45,6 +45,7 @@ class Simulator:
         self._record = record
         self._policy = make_policy(policy)
         self._sms = [SM.empty(i, spec) for i in range(spec.sm_count)]
+        self._fit_index = FitIndex(self._sms)
         self._heap: list[tuple] = []
         self._event_seq = itertools.count()
         self._op_seq = itertools.count()
@@ -327,13 +328,14 @@ class Simulator:
         for run in self._policy.order(self._ready):
             kernel = run.kernel
             occupied = self._client_sms.setdefault(kernel.client, {})
-            placements = self._policy.place(run, sms, occupied)
+            placements = self._policy.place(run, self._fit_index.fits(run.need), occupied)
             if not placements:
                 continue
             cost = kernel.cost
             placed = 0
             for i, count in placements:
                 sms[i].take(run.need, count)
+                self._fit_index.changed(i)
                 occupied[i] = occupied.get(i, 0) + count
                 placed += count
                 group = Group(run, i, count, now)
@@ -358,6 +360,7 @@ class Simulator:
         run = group.run
         kernel = run.kernel
         self._sms[group.sm].release(run.need, group.count)
+        self._fit_index.changed(group.sm)
         occupied = self._client_sms[kernel.client]
         left = occupied[group.sm] - group.count
         if left:

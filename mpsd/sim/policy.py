@@ -8,7 +8,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .ops import Kernel
-from .sms import SM
 from .specs import BlockNeed
 
 __all__ = ["POLICIES", "KernelRun", "MpsPolicy", "make_policy"]
@@ -57,7 +56,7 @@ class MpsPolicy:
         """
         return sorted(runs, key=lambda r: (r.kernel.priority, r.eligible, r.kernel.seq))
 
-    def place(self, run: KernelRun, sms: list[SM], occupied: dict[int, int]) -> list[tuple[int, int]]:
+    def place(self, run: KernelRun, fits: list[int], occupied: dict[int, int]) -> list[tuple[int, int]]:
         """Choose SMs for as many of ``run``'s unplaced blocks as fit now.
 
         Greedy one-block-at-a-time placement on the SM with the largest remaining fit (ties by lowest
@@ -66,19 +65,26 @@ class MpsPolicy:
 
         Args:
             run: the kernel.
-            sms: every SM, by index.
+            fits: how many of its blocks fit on each SM now, by SM index.
             occupied: SM index -> resident blocks of this kernel's client.
 
         Returns:
             (SM index, block count) pairs, by SM index; the caller reserves the resources.
         """
-        need = run.need
-        fits = [sm.fit(need) for sm in sms]
         top = max(fits)
+        if top == 0:
+            return []
         left = run.unplaced
         cap = run.kernel.sm_cap
-        budget = len(sms) if cap is None else cap - len(occupied)
-        taken = [0] * len(sms)
+        budget = len(fits) if cap is None else cap - len(occupied)
+        if left == 1 and budget > 0:  # the common small kernel: the first SM with the most room
+            return [(fits.index(top), 1)]
+        return self._place_rounds(fits, top, left, budget, occupied)
+
+    @staticmethod
+    def _place_rounds(fits: list[int], top: int, left: int, budget: int,
+                      occupied: dict[int, int]) -> list[tuple[int, int]]:
+        taken = [0] * len(fits)
         for level in range(top, 0, -1):
             for i, f in enumerate(fits):
                 if f < level:

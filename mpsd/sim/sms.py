@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from .specs import BlockNeed, DeviceSpec
 
-__all__ = ["SM", "Group"]
+__all__ = ["SM", "FitIndex", "Group"]
 
 # Shared groups whose remaining service time is within this many seconds are finished (float slack).
 _EPSILON = 1e-12
@@ -127,3 +127,40 @@ class SM:
             g.rate = g.demand * scale
             soonest = min(soonest, self.last + max(g.remaining, 0.0) / g.rate)
         return soonest
+
+
+class FitIndex:
+    """For each block shape, how many more blocks fit on every SM, kept current incrementally.
+
+    Scanning all SMs for every kernel dominated the simulator's cost for small kernels; instead, SMs whose
+    resources changed are logged, and a shape's table is refreshed only at those SMs when next asked for.
+    """
+
+    _LOG_LIMIT = 1 << 14  # past this, forget every table rather than replay a long log
+    _SHAPES_LIMIT = 64
+
+    def __init__(self, sms: list[SM]) -> None:
+        self._sms = sms
+        self._log: list[int] = []
+        self._tables: dict[BlockNeed, tuple[list[int], int]] = {}
+
+    def changed(self, index: int) -> None:
+        """SM ``index`` took or released blocks."""
+        self._log.append(index)
+
+    def fits(self, need: BlockNeed) -> list[int]:
+        """Blocks of shape ``need`` that fit on each SM now, by SM index (do not modify the list)."""
+        log = self._log
+        if len(log) > self._LOG_LIMIT or len(self._tables) > self._SHAPES_LIMIT:
+            self._tables.clear()
+            log.clear()
+        entry = self._tables.get(need)
+        if entry is None:
+            fits = [sm.fit(need) for sm in self._sms]
+        else:
+            fits, seen = entry
+            if seen < len(log):
+                for i in set(log[seen:]):
+                    fits[i] = self._sms[i].fit(need)
+        self._tables[need] = (fits, len(log))
+        return fits

@@ -1,0 +1,98 @@
+# One connected Unix socket, driven from trio without trio's socket wrapper. A request's round trip should
+# cost one pass of the scheduler: read what is there, handle it, write the reply, and only when the socket
+# has nothing more (EAGAIN) park on wait_readable. Replies are written at once from synchronous code; only
+# when the socket buffer is full does the rest wait for a flush task, so the order of bytes is kept.
+from __future__ import annotations
+
+import socket
+from collections import deque
+
+import trio
+
+from mpsd_protocol import ANCILLARY_SIZE, RECV_FLAGS, pack_fds, unpack_fds
+
+READ_SIZE = 1 << 16
+_FAIR_READS = 16  # after this many reads that did not have to wait, let other tasks run
+
+
+class Channel:
+    """A non-blocking socket with fd passing, read and written from trio tasks."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        sock.setblocking(False)
+        self.sock = sock
+        self.closed = False
+        self._out: deque[tuple[bytes, tuple[int, ...]]] = deque()
+        self._flushing = False
+        self._eager_reads = 0
+
+    async def receive(self) -> tuple[bytes, list[int]]:
+        """The next bytes and fds (b"" at end of file).
+
+        Raises:
+            RemoteProtocolError: fds were truncated (MSG_CTRUNC).
+            OSError: the connection failed.
+        """
+        while True:
+            try:
+                data, ancdata, flags, _ = self.sock.recvmsg(READ_SIZE, ANCILLARY_SIZE, RECV_FLAGS)
+            except BlockingIOError:
+                self._eager_reads = 0
+                await trio.lowlevel.wait_readable(self.sock)
+                continue
+            self._eager_reads += 1
+            if self._eager_reads >= _FAIR_READS:
+                self._eager_reads = 0
+                await trio.lowlevel.checkpoint()
+            return data, unpack_fds(ancdata, flags)
+
+    def send_nowait(self, data: bytes, fds: tuple[int, ...], nursery: trio.Nursery) -> None:
+        """Write `data` (with `fds` on its first byte) now, or queue what does not fit for a flush task.
+
+        A peer that has gone away is noticed by the reader; writes to it are dropped here.
+        """
+        if self.closed:
+            return
+        if not self._out:
+            try:
+                sent = self.sock.sendmsg([data], pack_fds(fds))
+            except BlockingIOError:
+                sent = 0
+            except OSError:
+                self.closed = True
+                return
+            if sent == len(data):
+                return
+            if sent:
+                data, fds = data[sent:], ()
+        self._out.append((data, fds))
+        if not self._flushing:
+            self._flushing = True
+            nursery.start_soon(self._flush)
+
+    async def _flush(self) -> None:
+        try:
+            while self._out and not self.closed:
+                await trio.lowlevel.wait_writable(self.sock)
+                data, fds = self._out[0]
+                try:
+                    sent = self.sock.sendmsg([data], pack_fds(fds))
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    self.closed = True
+                    break
+                if sent == len(data):
+                    self._out.popleft()
+                else:
+                    self._out[0] = (data[sent:], ())
+        finally:
+            self._flushing = False
+            if self.closed:
+                self._out.clear()
+
+    def close(self) -> None:
+        if self.sock.fileno() >= 0:
+            trio.lowlevel.notify_closing(self.sock)
+            self.sock.close()
+        self.closed = True
