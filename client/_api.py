@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from mpsd_protocol import CudaError
+
 from ._core import Core
 from ._objects import DevicePointer, Event, HostBuffer, Stream
 
@@ -15,6 +17,11 @@ class ContextBase:
     _core: Core
 
     def _drive(self, op: Any) -> Any:  # pragma: no cover - each shell defines it
+        """Run a core generator to its result (blocking), or return an awaitable for it (trio)."""
+        raise NotImplementedError
+
+    def _post(self, note: Any) -> Any:  # pragma: no cover - each shell defines it
+        """Send a notification (fire-and-forget), or return an awaitable that does."""
         raise NotImplementedError
 
     @property
@@ -116,7 +123,12 @@ class ContextBase:
             InvalidConfigurationError: bad grid or block.
             InvalidValueError: wrong argument count or kinds, or too much shared memory.
         """
-        return self._drive(self._core.launch(name, grid, block, args, stream, shared_mem))
+        try:
+            note = self._core.launch(name, grid, block, args, stream, shared_mem)
+        except CudaError as exc:
+            self._core.last_error = exc
+            raise
+        return self._post(note)
 
     def synchronize(self) -> Any:
         """``cudaDeviceSynchronize``: wait for all of this context's work; raises its pending errors."""

@@ -70,6 +70,13 @@ class AsyncContext(ContextBase):
         finally:
             op.close()
 
+    async def _post(self, note: Notification) -> None:
+        try:
+            await self._send(note)
+        except CudaError as exc:
+            self._core.last_error = exc
+            raise
+
     async def _send(self, message: Request | Notification) -> None:
         data = self._conn.send(message)
         try:

@@ -25,7 +25,8 @@ from mpsd_protocol import (  # type: ignore[attr-defined]
     Notification,
     Reply,
     Request,
-    check_launch,
+    check_args,
+    check_shape,
     error_from_wire,
 )
 
@@ -52,6 +53,7 @@ class Core:
         self.broken: CudaError | None = None  # set when the connection is gone: every later call fails
         self._pinned: dict[int, HostBuffer] = {}  # by id
         self._staging: list[HostBuffer] = []
+        self._shapes: dict[tuple[Any, Any, Any], tuple[tuple[int, int, int], tuple[int, int, int]]] = {}
 
     # -- plumbing --------------------------------------------------------------------------------------
     def call(self, op: str, args: dict[str, Any], fds: tuple[int, ...] = ()) -> Op:
@@ -258,15 +260,29 @@ class Core:
         return (yield from self.call("event_elapsed", {"start": self._event(start), "end": self._event(end)}))
 
     # -- kernels ---------------------------------------------------------------------------------------
-    def launch(self, name: str, grid: Any, block: Any, args: Any, stream: Stream | None, shared_mem: int) -> Op:
+    def launch(self, name: str, grid: Any, block: Any, args: Any, stream: Stream | None,
+               shared_mem: int) -> Notification:
+        """The launch notification, validated as cudaLaunchKernel validates (the shape check is cached:
+        launches repeat the same shapes)."""
         if self.broken is not None:
             raise self.broken
         params = self.kernels.get(name)
         if params is None:
             raise InvalidDeviceFunctionError(f"no kernel named {name!r:.60}")
-        grid3, block3, checked = check_launch(name, params, grid, block, args, shared_mem, self.properties)
-        yield Notification("launch", {"name": name, "grid": grid3, "block": block3, "args": checked,
-                                      "shared_mem": shared_mem, "stream": self._stream(stream)})
+        # Only shapes of plain ints are cached: 1.0 and True compare equal to 1 but are not valid.
+        key = (grid, block, shared_mem) if _plain(grid) and _plain(block) and type(shared_mem) is int else None
+        shape = self._shapes.get(key) if key is not None else None
+        if shape is None:
+            shape = check_shape(name, grid, block, shared_mem, self.properties)
+            if key is not None:
+                self._shapes[key] = shape
+        return Notification("launch", {"name": name, "grid": shape[0], "block": shape[1],
+                                       "args": check_args(name, params, args), "shared_mem": shared_mem,
+                                       "stream": self._stream(stream)})
+
+
+def _plain(value: Any) -> bool:
+    return type(value) is int or (type(value) is tuple and all(type(v) is int for v in value))
 
 
 def _count(n: Any, what: str) -> int:

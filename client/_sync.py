@@ -57,6 +57,14 @@ class Context(ContextBase):
             finally:
                 op.close()
 
+    def _post(self, note: Notification) -> None:
+        with self._lock:
+            try:
+                self._send(note)
+            except CudaError as exc:
+                self._core.last_error = exc
+                raise
+
     def _send(self, message: Request | Notification) -> None:
         if self.closed:
             raise self._core.connection_lost("the context is closed")

@@ -22,7 +22,8 @@ from mpsd_protocol import (  # type: ignore[attr-defined]
     LaunchOutOfResourcesError,
     NotReadyError,
     OutOfMemoryError,
-    check_launch,
+    check_args,
+    check_shape,
     format_size,
 )
 from mpsd.kernels import KERNELS
@@ -274,8 +275,8 @@ class Context:
         kernel = KERNELS.get(name) if isinstance(name, str) else None
         if kernel is None:
             raise InvalidDeviceFunctionError(f"no kernel named {name!r:.60}")
-        grid3, block3, checked = check_launch(name, kernel.params, grid, block, args, shared_mem,
-                                              self.device.properties)
+        grid3, block3 = check_shape(name, grid, block, shared_mem, self.device.properties)
+        checked = check_args(name, kernel.params, args)
         s = self._stream(stream)
         blocks, threads = math.prod(grid3), math.prod(block3)
         spec = self.device.spec

@@ -15,7 +15,7 @@ from ._errors import (
     make_error,
 )
 from ._fds import ANCILLARY_SIZE, RECV_FLAGS, close_fds, pack_fds, unpack_fds
-from ._launch import PARAM_KINDS, check_launch, dims
+from ._launch import PARAM_KINDS, check_args, check_launch, check_shape, dims
 from ._messages import (
     MAX_FDS_PER_FRAME,
     PROTOCOL_VERSION,
@@ -37,7 +37,7 @@ __all__ = [
     "CODES_BY_NAME", "ERROR_CLASSES", "CudaError", "error_class", "error_from_wire", "error_name",
     "error_string", "make_error",
     "ANCILLARY_SIZE", "RECV_FLAGS", "close_fds", "pack_fds", "unpack_fds",
-    "PARAM_KINDS", "check_launch", "dims",
+    "PARAM_KINDS", "check_args", "check_launch", "check_shape", "dims",
     "MAX_FDS_PER_FRAME", "PROTOCOL_VERSION", "LocalProtocolError", "Message", "Notification", "ProtocolError",
     "RemoteProtocolError", "Reply", "Request",
     "format_size", "parse_mem_limits", "parse_size",

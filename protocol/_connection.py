@@ -128,7 +128,8 @@ class Connection:
             # Fds travel with the first byte of the write that carried them, so they are here by now.
             raise RemoteProtocolError(f"frame claims {nfds} file descriptors but {len(self._fds)} arrived")
         body_start = self._start + HEADER.size
-        body = bytes(self._buffer[body_start:body_start + length])
+        with memoryview(self._buffer) as view:
+            body = view[body_start:body_start + length].tobytes()
         self._start = body_start + length
         if self._start > 65536 and self._start * 2 > len(self._buffer):
             del self._buffer[:self._start]

@@ -18,6 +18,8 @@ def dims(value: Any, maximum: Sequence[int], what: str) -> tuple[int, int, int]:
     Raises:
         InvalidConfigurationError: a dimension is not a positive int within its limit.
     """
+    if type(value) is list and len(value) == 3 and all(type(v) is int and 0 < v <= m for v, m in zip(value, maximum)):
+        return value[0], value[1], value[2]  # the shape every launch from our client arrives in
     triple = (value,) if isinstance(value, int) else tuple(value) if isinstance(value, (tuple, list)) else None
     if triple is None or not 1 <= len(triple) <= 3:
         raise InvalidConfigurationError(f"{what} must be an int or a tuple of 1 to 3 ints, not {value!r:.60}")
@@ -28,26 +30,16 @@ def dims(value: Any, maximum: Sequence[int], what: str) -> tuple[int, int, int]:
     return triple  # type: ignore[return-value]
 
 
-def check_launch(
-    name: str, params: Sequence[str], grid: Any, block: Any, args: Any, shared_mem: Any, limits: dict[str, Any]
-) -> tuple[tuple[int, int, int], tuple[int, int, int], list[int | float]]:
-    """Validate one launch against a kernel's parameter kinds and the device's limits.
-
-    Args:
-        name: the kernel's name, for messages.
-        params: its parameter kinds, each of `PARAM_KINDS`.
-        grid, block: ints or tuples of 1 to 3 ints.
-        args: the positional arguments (pointers as ints, ints, floats).
-        shared_mem: dynamic shared memory per block, bytes.
-        limits: device properties: max_threads_per_block, max_block_dims, max_grid_dims,
-            shared_memory_per_block_optin.
+def check_shape(name: str, grid: Any, block: Any, shared_mem: Any,
+                limits: dict[str, Any]) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """Validate a launch's grid, block and dynamic shared memory against the device's limits.
 
     Returns:
-        The grid and block as triples and the arguments as a plain list.
+        The grid and block as (x, y, z) triples.
 
     Raises:
         InvalidConfigurationError: bad grid or block shape.
-        InvalidValueError: wrong argument count or kind, or too much shared memory.
+        InvalidValueError: too much shared memory.
     """
     grid3 = dims(grid, limits["max_grid_dims"], "grid")
     block3 = dims(block, limits["max_block_dims"], "block")
@@ -57,6 +49,18 @@ def check_launch(
     if not isinstance(shared_mem, int) or isinstance(shared_mem, bool) or not (
             0 <= shared_mem <= limits["shared_memory_per_block_optin"]):
         raise InvalidValueError(f"shared_mem {shared_mem!r:.40} is outside 0..{limits['shared_memory_per_block_optin']}")
+    return grid3, block3
+
+
+def check_args(name: str, params: Sequence[str], args: Any) -> list[int | float]:
+    """Validate a launch's arguments against the kernel's parameter kinds.
+
+    Returns:
+        The arguments as a plain list (pointers and i64 as ints, f32 as floats).
+
+    Raises:
+        InvalidValueError: wrong argument count or kind.
+    """
     if not isinstance(args, (list, tuple)) or len(args) != len(params):
         count = len(args) if isinstance(args, (list, tuple)) else "no list of"
         raise InvalidValueError(f"{name} takes {len(params)} arguments ({', '.join(params)}), got {count}")
@@ -76,4 +80,17 @@ def check_launch(
         if not ok:
             raise InvalidValueError(f"{name} argument {index} must be {kind}, got {arg!r:.40}")
         checked.append(arg)
-    return grid3, block3, checked
+    return checked
+
+
+def check_launch(
+    name: str, params: Sequence[str], grid: Any, block: Any, args: Any, shared_mem: Any, limits: dict[str, Any]
+) -> tuple[tuple[int, int, int], tuple[int, int, int], list[int | float]]:
+    """Validate one launch: `check_shape` and `check_args` together.
+
+    Raises:
+        InvalidConfigurationError: bad grid or block shape.
+        InvalidValueError: wrong argument count or kind, or too much shared memory.
+    """
+    grid3, block3 = check_shape(name, grid, block, shared_mem, limits)
+    return grid3, block3, check_args(name, params, args)

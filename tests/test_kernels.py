@@ -154,3 +154,12 @@ def test_fault_containment(daemon_factory, containment):
     log = d.server_log()
     assert "encountered a fatal GPU error." in log
     assert "The following client process have a sticky error set:" in log
+
+
+def test_shape_checks_are_not_fooled_by_equal_values(ctx):
+    """A float or bool grid equal to a valid int grid is still refused, even after the int one was used."""
+    ctx.launch("spin", 1, 32, [0])
+    for grid in (1.0, True, (1.0,)):
+        with pytest.raises(InvalidConfigurationError):
+            ctx.launch("spin", grid, 32, [0])
+    ctx.synchronize()
