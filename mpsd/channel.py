@@ -25,6 +25,7 @@ class Channel:
         self._out: deque[tuple[bytes, tuple[int, ...]]] = deque()
         self._flushing = False
         self._eager_reads = 0
+        self._drained = False  # the last read returned less than asked for: the socket is empty
 
     async def receive(self) -> tuple[bytes, list[int]]:
         """The next bytes and fds (b"" at end of file).
@@ -34,12 +35,17 @@ class Channel:
             OSError: the connection failed.
         """
         while True:
+            if self._drained:
+                # A short read emptied the socket: wait first rather than spend a syscall on EAGAIN.
+                self._drained = False
+                self._eager_reads = 0
+                await trio.lowlevel.wait_readable(self.sock)
             try:
                 data, ancdata, flags, _ = self.sock.recvmsg(READ_SIZE, ANCILLARY_SIZE, RECV_FLAGS)
             except BlockingIOError:
-                self._eager_reads = 0
-                await trio.lowlevel.wait_readable(self.sock)
+                self._drained = True
                 continue
+            self._drained = 0 < len(data) < READ_SIZE
             self._eager_reads += 1
             if self._eager_reads >= _FAIR_READS:
                 self._eager_reads = 0

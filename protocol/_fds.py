@@ -13,7 +13,9 @@ from ._messages import MAX_FDS_PER_FRAME, RemoteProtocolError
 # Room for a few frames' worth of fds per read; reads coalesce frames, and each frame carries at most
 # MAX_FDS_PER_FRAME.
 ANCILLARY_SIZE = socket.CMSG_SPACE(4 * MAX_FDS_PER_FRAME * 4)
-RECV_FLAGS = getattr(socket, "MSG_CMSG_CLOEXEC", 0)
+RECV_FLAGS = int(getattr(socket, "MSG_CMSG_CLOEXEC", 0))
+_CTRUNC = int(socket.MSG_CTRUNC)  # a plain int: the enum's & costs microseconds on every read
+_RIGHTS = (socket.SOL_SOCKET, socket.SCM_RIGHTS)
 
 
 def pack_fds(fds: Iterable[int]) -> list[tuple[int, int, bytes]]:
@@ -28,12 +30,14 @@ def unpack_fds(ancdata: list[tuple[int, int, bytes]], msg_flags: int) -> list[in
     Raises:
         RemoteProtocolError: the ancillary data was truncated (the fds that did arrive are closed).
     """
+    if not ancdata and not msg_flags & _CTRUNC:
+        return []
     fds: list[int] = []
     for level, kind, data in ancdata:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+        if (level, kind) == _RIGHTS:
             usable = len(data) - len(data) % 4
             fds.extend(array.array("i", data[:usable]))
-    if msg_flags & socket.MSG_CTRUNC:
+    if msg_flags & _CTRUNC:
         for fd in fds:
             try:
                 os.close(fd)
