@@ -239,14 +239,14 @@ def explain(r: dict[str, Any], share: float) -> list[str]:
             "Client priority 1 is recorded by the daemon, but under the `mps` policy it does not change the order "
             "in which blocks are scheduled (on real MPS it made no measurable difference either): compare its "
             "slowdown with training's, which has the same cap at priority 0.")
-    lines.append(f"Its share of all block-time on the GPU: {share:.0%}.")
+    lines.append(f"Its share of all SM-time on the GPU: {share:.0%}.")
     return lines
 
 
 def report(workers: list[Worker]) -> None:
     results = [w.result for w in workers if w.result and "fatal" not in w.result]
     total_bs = sum(r["stats"]["sm_seconds"] for r in results) or 1.0
-    rows = [["tenant", "pid", "ATP", "SM cap", "max SMs", "prio", "kernels", "blocks", "block-s", "share",
+    rows = [["tenant", "pid", "ATP", "SM cap", "max SMs", "prio", "kernels", "blocks", "SM-s", "share",
              "mem peak / limit", "sim s", "wall s", "checks"]]
     for r in results:
         q, st, info = r["quotas"], r["stats"], r["info"]
@@ -255,7 +255,7 @@ def report(workers: list[Worker]) -> None:
         rows.append([
             r["role"], str(r["pid"]), f"{q['active_thread_percentage']:g}%", str(q["sm_cap"]), str(st["max_sms"]),
             str(q["priority"]), f"{st['kernels_completed']:,}", f"{st['blocks_completed']:,}",
-            f"{st['sm_seconds']:.1f}", f"{st['sm_seconds'] / total_bs:.0%}",
+            f"{st['sm_seconds']:.2f}", f"{st['sm_seconds'] / total_bs:.0%}",
             f"{size(st['memory_peak'])} / {size(limit) if limit < info['total_memory'] else 'none'}",
             f"{info['bulk_sim_ms'] / 1000:.2f}" if "bulk_sim_ms" in info else "-",
             f"{r['wall_s']:.2f}", f"{ok}/{len(r['checks'])}" + ("" if ok == len(r["checks"]) else " FAIL"),
@@ -269,8 +269,8 @@ def report(workers: list[Worker]) -> None:
     print(textwrap.dedent("""
       ATP = CUDA_MPS_ACTIVE_THREAD_PERCENTAGE; SM cap = the SMs that allows (whole TPC pairs, rounded down).
       max SMs = most distinct SMs its kernels occupied at once, as the daemon counted.
-      block-s = the daemon's statistics()["sm_seconds"]: the sum of every block's run time (block-seconds; two
-        1024-thread blocks share one SM). share = this tenant's part of all tenants' block-seconds.
+      SM-s = the daemon's statistics()["sm_seconds"]: SM-time its blocks held, each block weighted by its share
+        of an SM's threads (two 1024-thread blocks for 1 ms on one SM = 1 ms). share = its part of all tenants' SM-s.
       sim s = simulated time of its back-to-back kernels, from CUDA events; wall s = wall time of its work."""))
 
     for r in results:

@@ -210,19 +210,29 @@ def test_killed_client_is_reclaimed(ctx, daemon):
 
 
 def test_many_clients_come_and_go(daemon):
-    """Sixteen worker processes connect, work and exit; afterwards the device is as free as before."""
+    """Sixteen worker processes connect, work and exit; afterwards the device is as free as before and
+    the daemon holds no more file descriptors than it did."""
+    fd_dir = f"/proc/{daemon.proc.pid}/fd"
     with mpsd_client.connect(daemon.pipe_dir) as ctx:
         free = ctx.mem_get_info()[0]
+        fds_before = len(os.listdir(fd_dir))
         workers = [spawn_worker("""
             import mpsd_client, numpy as np
             with mpsd_client.connect() as ctx:
                 p = ctx.malloc(1 << 20)
+                pinned = ctx.host_alloc(1 << 20)
                 ctx.launch("fill_f32", 64, 256, [p, 3.0, 1 << 18])
                 out = np.empty(1 << 18, np.float32)
-                ctx.memcpy_dtoh(out, p)
-                print(bool((out == 3.0).all()))
+                ctx.memcpy_dtoh(out, p)       # through a staging buffer: another memfd
+                ctx.memcpy_dtoh(pinned, p)
+                print(bool((out == 3.0).all()) and bytes(pinned[:4]) == b"\\x00\\x00\\x40\\x40")
         """, daemon.pipe_dir) for _ in range(16)]
         for w in workers:
             out, err = w.communicate(timeout=60)
             assert w.returncode == 0 and out.strip() == "True", err
+        wait_for_log(daemon, "disconnected", timeout=20)
+        deadline = time.monotonic() + 20
+        while daemon.server_log().count("disconnected") < 16 and time.monotonic() < deadline:
+            time.sleep(0.02)
         assert ctx.mem_get_info()[0] == free
+        assert len(os.listdir(fd_dir)) == fds_before
