@@ -28,7 +28,7 @@ from mpsd_protocol import (  # type: ignore[attr-defined]
 )
 from mpsd.kernels import KERNELS
 from mpsd.memory import AddressSpace, Allocation, HostBuffer, Segment
-from mpsd.sim import Copy, Kernel, Marker, Op, kernel_cost, occupancy
+from mpsd.sim import Copy, Kernel, Marker, Op, kernel_cost
 
 if TYPE_CHECKING:
     from mpsd.device import Device
@@ -280,7 +280,7 @@ class Context:
         s = self._stream(stream)
         blocks, threads = math.prod(grid3), math.prod(block3)
         spec = self.device.spec
-        if occupancy(spec, threads, 32, shared_mem) == 0:  # type: ignore[arg-type]
+        if self.device.sim.block_need(threads, 32, shared_mem) is None:  # type: ignore[arg-type]
             raise LaunchOutOfResourcesError(f"a block of {threads} threads and {shared_mem} bytes of shared "
                                             "memory does not fit on one SM")
         cost = kernel_cost(spec, name, blocks, threads, checked)

@@ -18,8 +18,11 @@ def dims(value: Any, maximum: Sequence[int], what: str) -> tuple[int, int, int]:
     Raises:
         InvalidConfigurationError: a dimension is not a positive int within its limit.
     """
-    if type(value) is list and len(value) == 3 and all(type(v) is int and 0 < v <= m for v, m in zip(value, maximum)):
-        return value[0], value[1], value[2]  # the shape every launch from our client arrives in
+    if type(value) is list and len(value) == 3:  # the shape every launch from our client arrives in
+        x, y, z = value
+        if (type(x) is int and type(y) is int and type(z) is int
+                and 0 < x <= maximum[0] and 0 < y <= maximum[1] and 0 < z <= maximum[2]):
+            return x, y, z
     triple = (value,) if isinstance(value, int) else tuple(value) if isinstance(value, (tuple, list)) else None
     if triple is None or not 1 <= len(triple) <= 3:
         raise InvalidConfigurationError(f"{what} must be an int or a tuple of 1 to 3 ints, not {value!r:.60}")

@@ -17,7 +17,7 @@ from collections import deque
 from .ops import ENGINES, BlockGroup, Copy, Kernel, Marker, Op
 from .policy import KernelRun, make_policy
 from .sms import SM, FitIndex, Group
-from .specs import H200, DeviceSpec, block_need, occupancy
+from .specs import H200, BlockNeed, DeviceSpec, block_need, occupancy
 from .stats import Counters, SimStatistics
 from .streams import Streams
 
@@ -46,6 +46,7 @@ class Simulator:
         self._policy = make_policy(policy)
         self._sms = [SM.empty(i, spec) for i in range(spec.sm_count)]
         self._fit_index = FitIndex(self._sms)
+        self._needs: dict[tuple[int, int, int], BlockNeed | None] = {}
         self._heap: list[tuple] = []
         self._event_seq = itertools.count()
         self._op_seq = itertools.count()
@@ -80,14 +81,14 @@ class Simulator:
         if isinstance(op, Kernel):
             if op.blocks < 1:
                 raise ValueError(f"kernel needs at least one block, got {op.blocks}")
-            if occupancy(self.spec, op.threads, op.regs_per_thread, op.smem) < 1:
+            need = self.block_need(op.threads, op.regs_per_thread, op.smem)
+            if need is None:
                 raise ValueError(
                     f"a block of {op.threads} threads, {op.regs_per_thread} registers/thread and "
                     f"{op.smem} bytes of shared memory cannot fit on an SM"
                 )
             if op.sm_cap is not None and op.sm_cap < 1:
                 raise ValueError(f"sm_cap must be >= 1, got {op.sm_cap}")
-            need = block_need(self.spec, op.threads, op.regs_per_thread, op.smem)
             self._runs[op] = KernelRun(op, need, unplaced=op.blocks)
         elif isinstance(op, Copy):
             if op.engine not in ENGINES:
@@ -100,6 +101,15 @@ class Simulator:
         op.submitted = self.now
         if self._streams.add(op):
             self._settle([op])
+
+    def block_need(self, threads: int, regs_per_thread: int = 32, smem: int = 0) -> BlockNeed | None:
+        """What one block of this shape takes from an SM, or None if one cannot fit (cached: every launch
+        asks)."""
+        key = (threads, regs_per_thread, smem)
+        if key not in self._needs:
+            fits = occupancy(self.spec, threads, regs_per_thread, smem) >= 1
+            self._needs[key] = block_need(self.spec, threads, regs_per_thread, smem) if fits else None
+        return self._needs[key]
 
     def next_time(self) -> float | None:
         """Time of the next internal event.

@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -84,7 +83,6 @@ class BlockNeed:
     smem: int
 
 
-@functools.lru_cache(maxsize=1024)  # pure, and asked for at every launch
 def block_need(
     spec: DeviceSpec, threads_per_block: int, regs_per_thread: int = 32, smem_per_block: int = 0
 ) -> BlockNeed:
@@ -112,7 +110,6 @@ def block_need(
     return BlockNeed(warps, regs_per_warp * warps, smem_per_block + spec.smem_reserved_per_block)
 
 
-@functools.lru_cache(maxsize=1024)
 def occupancy(
     spec: DeviceSpec, threads_per_block: int, regs_per_thread: int = 32, smem_per_block: int = 0
 ) -> int:
