@@ -1,0 +1,80 @@
+"""Measure, on a real GPU under real MPS, what a client's context costs against its pinned memory limit.
+
+Run on a machine with an NVIDIA GPU, CuPy and nvidia-cuda-mps-control, as root:
+
+    python bench/fidelity/measure_memory.py > bench/fidelity/h200_memory.json
+
+It starts an MPS control daemon on private pipe and log directories, runs one probe process per setting,
+and stops the daemon. Each probe reports cudaMemGetInfo right after context creation, the largest single
+allocation that succeeds (to 1 MiB), how much free memory a 1-byte allocation costs, and the 256 MiB then
+512 MiB sequence measured earlier. mpsd's model of context memory is calibrated from this file.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+PROBE = r"""
+import json, os
+import cupy
+rt = cupy.cuda.runtime
+MiB = 1 << 20
+cupy.cuda.Device(0).use()
+rt.free(rt.malloc(1))                # create the context
+free0, total = rt.memGetInfo()
+one = rt.malloc(1)
+free1, _ = rt.memGetInfo()
+rt.free(one)
+lo, hi = 0, free0 // MiB + 64        # largest single allocation, in MiB
+while lo < hi:
+    mid = (lo + hi + 1) // 2
+    try:
+        rt.free(rt.malloc(mid * MiB)); lo = mid
+    except cupy.cuda.runtime.CUDARuntimeError:
+        hi = mid - 1
+seq = []
+held = []
+for size in (256, 512):
+    try:
+        held.append(rt.malloc(size * MiB)); seq.append([size, "ok"])
+    except cupy.cuda.runtime.CUDARuntimeError as exc:
+        seq.append([size, str(exc)[:80]])
+for p in held:
+    rt.free(p)
+print(json.dumps({"limit_env": os.environ.get("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"), "free_after_context": free0,
+                  "total": total, "one_byte_costs": free0 - free1, "largest_malloc_mib": lo, "sequence": seq}))
+"""
+
+
+def probe(env: dict[str, str]) -> dict:
+    out = subprocess.run([sys.executable, "-c", PROBE], env={**os.environ, **env}, capture_output=True,
+                         text=True, timeout=300)
+    if out.returncode != 0:
+        return {"error": out.stderr[-500:], "env": env}
+    return json.loads(out.stdout)
+
+
+def main() -> None:
+    results = {"without_mps": probe({})}
+    base = tempfile.mkdtemp(prefix="mps-")
+    env = {"CUDA_MPS_PIPE_DIRECTORY": f"{base}/pipe", "CUDA_MPS_LOG_DIRECTORY": f"{base}/log"}
+    os.makedirs(env["CUDA_MPS_PIPE_DIRECTORY"])
+    os.makedirs(env["CUDA_MPS_LOG_DIRECTORY"])
+    subprocess.run(["nvidia-cuda-mps-control", "-d"], env={**os.environ, **env}, check=True)
+    try:
+        results["mps_no_limit"] = probe(env)
+        for limit in ("1G", "2G", "4G", "600M"):
+            results[f"mps_limit_{limit}"] = probe({**env, "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": f"0={limit}"})
+    finally:
+        subprocess.run(["nvidia-cuda-mps-control"], input="quit\n", text=True, env={**os.environ, **env})
+    for name in ("control", "server"):
+        with open(f"{base}/log/{name}.log") as f:
+            results[f"{name}_log"] = f.read().splitlines()[-40:]
+    print(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
