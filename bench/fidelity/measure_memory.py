@@ -6,8 +6,9 @@ Run on a machine with an NVIDIA GPU, CuPy and nvidia-cuda-mps-control, as root:
 
 It starts an MPS control daemon on private pipe and log directories, runs one probe process per setting,
 and stops the daemon. Each probe reports cudaMemGetInfo right after context creation, the largest single
-allocation that succeeds (to 1 MiB), how much free memory a 1-byte allocation costs, and the 256 MiB then
-512 MiB sequence measured earlier. mpsd's model of context memory is calibrated from this file.
+allocation that succeeds (to 1 MiB), how much free memory a 1-byte allocation costs, the 256 MiB then
+512 MiB sequence measured earlier, and what 16 allocations of various sizes cost and where they land.
+mpsd's model of context memory and allocation granularity (mpsd.sim.specs, mpsd.memory) comes from this.
 """
 from __future__ import annotations
 
@@ -44,8 +45,21 @@ for size in (256, 512):
         seq.append([size, str(exc)[:80]])
 for p in held:
     rt.free(p)
+granularity = {}
+for size in (1, 512, 4096, 65536, MiB, MiB + 1, 3 * MiB):
+    before, _ = rt.memGetInfo()
+    ptrs = sorted(rt.malloc(size) for _ in range(16))
+    during, _ = rt.memGetInfo()
+    for p in ptrs:
+        rt.free(p)
+    after, _ = rt.memGetInfo()
+    granularity[size] = {"cost_of_16": before - during, "not_returned_after_free": before - after,
+                         "smallest_address_gap": min(b - a for a, b in zip(ptrs, ptrs[1:])),
+                         "all_2mib_aligned": all(p % (2 * MiB) == 0 for p in ptrs)}
+props = rt.getDeviceProperties(0)
 print(json.dumps({"limit_env": os.environ.get("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"), "free_after_context": free0,
-                  "total": total, "one_byte_costs": free0 - free1, "largest_malloc_mib": lo, "sequence": seq}))
+                  "total": total, "one_byte_costs": free0 - free1, "largest_malloc_mib": lo, "sequence": seq,
+                  "granularity": granularity, "totalGlobalMem": props["totalGlobalMem"]}))
 """
 
 
