@@ -230,7 +230,8 @@ def explain(r: dict[str, Any], share: float) -> list[str]:
     if r["role"] == "batch":
         err = r["errors"][0] if r["errors"] else None
         lines.append(
-            f"Memory: limit {size(q['pinned_mem_limit'])} (mem_get_info said {size(info['mem_total'])} total); "
+            f"Memory: limit {size(q['pinned_mem_limit'])}; mem_get_info said {size(info['mem_free'])} free at the "
+            f"start, because the context itself is charged against the limit, as measured on a real H200; "
             f"{info['alloc_count']} x {size(info['alloc_chunk'])} succeeded ({size(info['alloc_held'])}), "
             + (f"{err['when']} raised {err['name']} ({err['code']}): \"{err['message'].split(': ', 1)[-1]}\"."
                if err else "no allocation was refused."))

@@ -121,10 +121,11 @@ class Context:
 
     # -- memory ----------------------------------------------------------------------------------------
     def mem_get_info(self) -> tuple[int, int]:
-        """(free, total) as this client sees them: its pinned limit caps both."""
+        """(free, total) as this client sees them. As measured under MPS on an H200, a pinned limit caps
+        free (less the context's own charge) while total stays the device's."""
         device_free = self.device.total_memory - self.device.used
-        limit = self.quotas.pinned_mem_limit
-        return max(0, min(limit - self.used, device_free)), min(limit, self.device.total_memory)
+        own_free = self.quotas.pinned_mem_limit - self.device.spec.context_memory - self.used
+        return max(0, min(own_free, device_free)), self.device.total_memory
 
     def malloc(self, nbytes: int) -> int:
         if not isinstance(nbytes, int) or nbytes < 0:
@@ -133,19 +134,21 @@ class Context:
             return 0  # cudaMalloc(0) succeeds with a null pointer
         free, _ = self.mem_get_info()
         try:
-            addr, span = self.memory.place(nbytes)
+            addr, span, charge = self.memory.plan(nbytes)
         except MemoryError:
             raise OutOfMemoryError("device address space exhausted") from None
-        if span > free:
+        if charge > free:
+            limit = self.quotas.pinned_mem_limit
             raise OutOfMemoryError(
-                f"tried to allocate {format_size(nbytes)}; {format_size(free)} free of this client's "
-                f"{format_size(self.mem_get_info()[1])}")
+                f"tried to allocate {format_size(nbytes)}; {format_size(free)} free"
+                + (f" under this client's limit of {format_size(limit)}" if limit < self.device.total_memory
+                   else " on the device"))
         try:
             segment = Segment(nbytes)
         except OSError as exc:
             raise OutOfMemoryError(f"the daemon could not back {format_size(nbytes)}: {exc.strerror}") from None
-        self.memory.insert(Allocation(addr, nbytes, span, segment, accounted=span))
-        self._charge(span)
+        self.memory.insert(Allocation(addr, nbytes, span, segment))
+        self._charge(charge)
         self.counters.mallocs += 1
         return addr
 
@@ -157,8 +160,9 @@ class Context:
         """Free an allocation; the caller has already waited for the context's work (cudaFree synchronises)."""
         if addr == 0:
             return  # cudaFree(NULL) is a no-op
-        alloc = self.memory.remove(addr)
-        self._release(alloc)
+        alloc, released = self.memory.remove(addr)
+        self._charge(-released)
+        alloc.segment.release()
         self.counters.frees += 1
 
     def _charge(self, nbytes: int) -> None:
@@ -166,10 +170,6 @@ class Context:
         self.device.used += nbytes
         self.counters.peak_used = max(self.counters.peak_used, self.used)
 
-    def _release(self, alloc: Allocation) -> None:
-        self.used -= alloc.accounted
-        self.device.used -= alloc.accounted
-        alloc.segment.release()
 
     def host_register(self, fd: int, nbytes: int) -> int:
         if not isinstance(nbytes, int) or nbytes <= 0:
@@ -400,11 +400,13 @@ class Context:
         """Release everything the client holds (it exited or was killed). Returns what was reclaimed."""
         self.closed = True
         self.device.engine.cancel(self.id)
-        allocations = self.memory.clear()
-        reclaimed = {"allocations": len(allocations), "bytes": sum(a.accounted for a in allocations),
+        allocations, charged = self.memory.clear()
+        self._charge(-charged)
+        self.device.used -= self.device.spec.context_memory
+        reclaimed = {"allocations": len(allocations), "bytes": charged,
                      "streams": len(self.streams) - 1, "events": len(self.events), "host_buffers": len(self.host)}
         for alloc in allocations:
-            self._release(alloc)
+            alloc.segment.release()
         for buffer in self.host.values():
             buffer.close()
         self.host.clear()

@@ -54,7 +54,7 @@ class Device:
         self.sim = Simulator(spec, policy=policy)
         self.engine = Engine(self.sim, time_scale)
         self.total_memory = spec.total_memory
-        self.used = 0
+        self.used = spec.server_memory  # device bytes charged: the server, every context, every allocation
         self.contexts: dict[int, Context] = {}
         self.containment = containment
         self.log = log

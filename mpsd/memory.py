@@ -12,10 +12,13 @@ from dataclasses import dataclass
 
 from mpsd_protocol import InvalidValueError  # type: ignore[attr-defined]
 
-VA_BASE = 0x7F00_0000_0000  # where device addresses start, as they do under a real driver
-VA_LIMIT = 0x7FFF_FFFF_0000
-SMALL_ALIGN = 512  # cudaMalloc returns at least 256-byte aligned pointers; we round sizes to 512 bytes
-LARGE_ALIGN = 2 << 20  # and place allocations of 2 MiB or more on 2 MiB boundaries, as the driver does
+CHUNK = 2 << 20  # the driver's page: device memory is charged in 2 MiB steps
+SMALL_MAX = 1 << 20  # allocations up to 1 MiB are packed into shared 2 MiB chunks at 512-byte granularity
+SMALL_ALIGN = 512
+# Small and large allocations live in separate address ranges, so the chunks small ones share never
+# overlap a large one (real drivers interleave them; addresses are opaque to programs either way).
+SMALL_BASE, SMALL_LIMIT = 0x7F00_0000_0000, 0x7F40_0000_0000
+LARGE_BASE, LARGE_LIMIT = 0x7F40_0000_0000, 0x7FFF_FFE0_0000
 
 
 class Segment:
@@ -49,67 +52,119 @@ class Allocation:
     size: int  # bytes the user asked for: the bounds that kernels and copies are checked against
     span: int  # bytes of address space it occupies (size rounded up)
     segment: Segment
-    accounted: int  # bytes charged to the device for it (0 for an imported mapping)
 
     @property
     def end(self) -> int:
         return self.addr + self.size
 
 
-class AddressSpace:
-    """A client's device address space: allocations by address, with first-fit placement."""
+class _Arena:
+    """Allocations in one address range, by address, with first-fit placement."""
 
-    def __init__(self) -> None:
-        self._starts: list[int] = []
-        self._allocs: dict[int, Allocation] = {}
+    def __init__(self, base: int, limit: int) -> None:
+        self.base, self.limit = base, limit
+        self.starts: list[int] = []
+        self.allocs: dict[int, Allocation] = {}
 
-    def __len__(self) -> int:
-        return len(self._allocs)
-
-    def __iter__(self):
-        return iter(list(self._allocs.values()))
-
-    def place(self, size: int) -> tuple[int, int]:
-        """A free (address, span) for `size` bytes: the lowest gap that fits, aligned."""
-        align = LARGE_ALIGN if size >= LARGE_ALIGN else SMALL_ALIGN
-        span = -(-size // align) * align
-        cursor = VA_BASE
-        for start in self._starts:
+    def place(self, span: int, align: int, within: int = 0) -> int:
+        """The lowest free address for `span` bytes at `align`; with `within`, never straddling a
+        `within`-byte boundary."""
+        cursor = self.base
+        for start in self.starts + [self.limit]:
+            if within and cursor // within != (cursor + span - 1) // within:
+                cursor = -(-cursor // within) * within
             if start - cursor >= span:
                 break
-            alloc = self._allocs[start]
-            cursor = -(-(alloc.addr + alloc.span) // align) * align
-        if cursor + span > VA_LIMIT:
+            if start == self.limit:
+                raise MemoryError("device address space exhausted")
+            alloc = self.allocs[start]
+            cursor = max(cursor, -(-(alloc.addr + alloc.span) // align) * align)
+        if cursor + span > self.limit:
             raise MemoryError("device address space exhausted")
-        return cursor, span
+        return cursor
+
+    def find(self, ptr: int) -> Allocation | None:
+        index = bisect.bisect_right(self.starts, ptr) - 1
+        if index < 0:
+            return None
+        alloc = self.allocs[self.starts[index]]
+        return alloc if ptr < alloc.end else None
 
     def insert(self, alloc: Allocation) -> None:
-        bisect.insort(self._starts, alloc.addr)
-        self._allocs[alloc.addr] = alloc
+        bisect.insort(self.starts, alloc.addr)
+        self.allocs[alloc.addr] = alloc
 
-    def remove(self, addr: int) -> Allocation:
-        """Take out the allocation whose base is `addr`.
+    def remove(self, addr: int) -> Allocation | None:
+        alloc = self.allocs.pop(addr, None)
+        if alloc is not None:
+            del self.starts[bisect.bisect_left(self.starts, addr)]
+        return alloc
+
+
+class AddressSpace:
+    """A client's device address space, and what its allocations are charged.
+
+    As measured on an H200: allocations up to 1 MiB are packed at 512-byte granularity into 2 MiB chunks,
+    and a chunk is charged while any allocation lives in it; larger ones are 2 MiB aligned and charged
+    rounded up to 2 MiB. Freed memory is charged no more.
+    """
+
+    def __init__(self) -> None:
+        self._small = _Arena(SMALL_BASE, SMALL_LIMIT)
+        self._large = _Arena(LARGE_BASE, LARGE_LIMIT)
+        self._chunks: dict[int, int] = {}  # chunk index -> live small allocations in it
+
+    def __len__(self) -> int:
+        return len(self._small.allocs) + len(self._large.allocs)
+
+    def plan(self, size: int) -> tuple[int, int, int]:
+        """Where `size` bytes would go: (address, span, bytes newly charged).
+
+        Raises:
+            MemoryError: the address range is exhausted.
+        """
+        if size <= SMALL_MAX:
+            span = -(-size // SMALL_ALIGN) * SMALL_ALIGN
+            addr = self._small.place(span, SMALL_ALIGN, within=CHUNK)
+            return addr, span, 0 if addr // CHUNK in self._chunks else CHUNK
+        span = -(-size // CHUNK) * CHUNK
+        return self._large.place(span, CHUNK), span, span
+
+    def insert(self, alloc: Allocation) -> None:
+        """Map an allocation made at a planned address."""
+        if alloc.span <= SMALL_MAX and alloc.addr < SMALL_LIMIT:
+            self._small.insert(alloc)
+            chunk = alloc.addr // CHUNK
+            self._chunks[chunk] = self._chunks.get(chunk, 0) + 1
+        else:
+            self._large.insert(alloc)
+
+    def remove(self, addr: int) -> tuple[Allocation, int]:
+        """Take out the allocation whose base is `addr`; returns it and the bytes no longer charged.
 
         Raises:
             InvalidValueError: `addr` is not the base of a live allocation.
         """
-        alloc = self._allocs.pop(addr, None)
+        alloc = self._small.remove(addr)
+        if alloc is not None:
+            chunk = addr // CHUNK
+            self._chunks[chunk] -= 1
+            if self._chunks[chunk]:
+                return alloc, 0
+            del self._chunks[chunk]
+            return alloc, CHUNK
+        alloc = self._large.remove(addr)
         if alloc is None:
             raise InvalidValueError(f"{addr:#x} is not the base of a live allocation in this context")
-        del self._starts[bisect.bisect_left(self._starts, addr)]
-        return alloc
+        return alloc, alloc.span
 
     def get(self, addr: int) -> Allocation | None:
         """The allocation whose base is exactly `addr`, if any."""
-        return self._allocs.get(addr)
+        return self._small.allocs.get(addr) or self._large.allocs.get(addr)
 
     def find(self, ptr: int) -> Allocation | None:
         """The allocation containing address `ptr`, if any."""
-        index = bisect.bisect_right(self._starts, ptr) - 1
-        if index < 0:
-            return None
-        alloc = self._allocs[self._starts[index]]
-        return alloc if ptr < alloc.end else None
+        return (self._small if ptr < SMALL_LIMIT else self._large).find(ptr)
 
     def view(self, ptr: int, nbytes: int) -> memoryview | None:
         """The bytes [ptr, ptr + nbytes) if they lie inside one allocation, else None."""
@@ -119,11 +174,12 @@ class AddressSpace:
         offset = ptr - alloc.addr
         return memoryview(alloc.segment.map)[offset:offset + nbytes]
 
-    def clear(self) -> list[Allocation]:
-        allocs = list(self._allocs.values())
-        self._allocs.clear()
-        self._starts.clear()
-        return allocs
+    def clear(self) -> tuple[list[Allocation], int]:
+        """Unmap everything; returns the allocations and the bytes that were charged for them."""
+        allocs = list(self._small.allocs.values()) + list(self._large.allocs.values())
+        charged = len(self._chunks) * CHUNK + sum(a.span for a in self._large.allocs.values())
+        self.__init__()  # type: ignore[misc]
+        return allocs, charged
 
 
 class HostBuffer:

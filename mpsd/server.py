@@ -26,6 +26,7 @@ from mpsd_protocol import (  # type: ignore[attr-defined]
     InvalidDeviceError,
     InvalidValueError,
     NoDeviceError,
+    OutOfMemoryError,
     format_size,
 )
 
@@ -79,7 +80,11 @@ class Daemon:
             raise InvalidValueError(f"client priority {priority!r:.20} must be 0 or 1")
         priority = max(self.config.client_priority, priority or 0)
         quotas = Quotas(percentage, sm_cap(device.spec, percentage), memory, priority)
+        if device.total_memory - device.used < device.spec.context_memory:
+            raise OutOfMemoryError(f"device {index} has no room for another context "
+                                   f"({format_size(device.spec.context_memory)} each)")
         context = Context(device, self._next_client, session.pid, session.uid, session.gid, quotas)
+        device.used += device.spec.context_memory
         self._next_client += 1
         device.contexts[context.id] = context
         claimed = hello.get("pid")

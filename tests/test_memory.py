@@ -12,17 +12,29 @@ GiB = 1 << 30
 MiB = 1 << 20
 
 
-def test_malloc_returns_pointers_and_mem_get_info_tracks_them(ctx):
-    """malloc gives aligned int-like pointers with their size; free memory drops by their rounded size."""
-    free0, total = ctx.mem_get_info()
-    assert total == ctx.device_properties()["total_memory"] == 143771 * MiB
+def test_a_lone_client_sees_what_a_real_h200_showed(ctx):
+    """cudaMemGetInfo for the only client of an MPS server: the H200's total, less server and context."""
+    free, total = ctx.mem_get_info()
+    assert total == ctx.device_properties()["total_memory"] == 150_109_880_320
+    assert total - free == 619_511_808  # bench/fidelity/h200_memory.json, "mps_no_limit"
+
+
+def test_malloc_is_charged_in_two_mib_chunks(ctx):
+    """Allocations up to 1 MiB share 2 MiB chunks at 512-byte steps; larger ones are rounded to 2 MiB."""
+    free0 = ctx.mem_get_info()[0]
     a = ctx.malloc(3 * MiB)
-    b = ctx.malloc(1000)
-    assert isinstance(a, DevicePointer) and a.size == 3 * MiB and a.addr == int(a)
-    assert a % (2 * MiB) == 0 and b % 512 == 0 and b >= a + 3 * MiB
-    assert ctx.mem_get_info()[0] == free0 - 4 * MiB - 1024
+    assert isinstance(a, DevicePointer) and a.size == 3 * MiB and a.addr == int(a) and a % (2 * MiB) == 0
+    assert ctx.mem_get_info()[0] == free0 - 4 * MiB
+    small = [ctx.malloc(1000) for _ in range(16)]
+    assert [p - small[0] for p in small] == [1024 * i for i in range(16)]
+    assert ctx.mem_get_info()[0] == free0 - 4 * MiB - 2 * MiB  # sixteen small ones cost one chunk
+    ones = [ctx.malloc(MiB) for _ in range(4)]
+    assert ctx.mem_get_info()[0] == free0 - 4 * MiB - 2 * MiB - 4 * MiB
+    for p in small[1:] + ones:
+        ctx.free(p)
+    assert ctx.mem_get_info()[0] == free0 - 4 * MiB - 2 * MiB  # the chunk stays while small[0] lives
+    ctx.free(small[0])
     ctx.free(a)
-    ctx.free(b)
     assert ctx.mem_get_info()[0] == free0
 
 
@@ -73,7 +85,7 @@ def test_double_free_interior_and_foreign_pointers_are_invalid_value(ctx, daemon
         ctx.free(p)
     with mpsd_client.connect(daemon.pipe_dir) as other:
         q = other.malloc(MiB)
-        assert q == ctx.malloc(2 * MiB)  # separate address spaces hand out the same first address
+        assert q == ctx.malloc(MiB)  # separate address spaces hand out the same first address
         other.free(q)
         with pytest.raises(InvalidValueError):
             other.free(q)
@@ -171,16 +183,20 @@ def test_copies_outside_live_memory_are_invalid_value(ctx):
 
 
 def test_pinned_limit_from_the_environment(daemon, monkeypatch):
-    """CUDA_MPS_PINNED_DEVICE_MEM_LIMIT caps what mem_get_info reports and what malloc grants."""
+    """CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=1G behaves as it did on a real H200: the context is charged
+    513 MiB of the limit, 256 MiB then succeeds and 512 MiB fails, and 510 MiB is the largest allocation."""
     monkeypatch.setenv("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "0=1G,1=512M")
     with mpsd_client.connect(daemon.pipe_dir) as ctx:
-        assert ctx.mem_get_info() == (GiB, GiB)
+        total = ctx.device_properties()["total_memory"]
+        assert ctx.mem_get_info() == (535_402_352, total)  # bench/fidelity/h200_memory.json, "mps_limit_1G"
         assert ctx.quotas["pinned_mem_limit"] == GiB
-        p = ctx.malloc(768 * MiB)
-        with pytest.raises(OutOfMemoryError, match="256 MiB free"):
+        p = ctx.malloc(256 * MiB)
+        with pytest.raises(OutOfMemoryError, match="under this client's limit of 1 GiB"):
             ctx.malloc(512 * MiB)
         ctx.free(p)
-        ctx.malloc(GiB)
+        ctx.free(ctx.malloc(510 * MiB))
+        with pytest.raises(OutOfMemoryError):
+            ctx.malloc(511 * MiB)
 
 
 def test_environment_only_tightens_the_daemons_limit(daemon_factory, monkeypatch):
@@ -191,10 +207,10 @@ def test_environment_only_tightens_the_daemons_limit(daemon_factory, monkeypatch
     daemon_factory.append(d)
     monkeypatch.setenv("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "4G")
     with mpsd_client.connect(d.pipe_dir) as ctx:
-        assert ctx.mem_get_info()[1] == 2 * GiB
+        assert ctx.mem_get_info()[0] == 1_609_144_176  # 2G less the context, as measured ("mps_limit_2G")
     monkeypatch.setenv("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "0=1G")
     with mpsd_client.connect(d.pipe_dir) as ctx:
-        assert ctx.mem_get_info()[1] == GiB
+        assert ctx.mem_get_info()[0] == 535_402_352
 
 
 def test_malformed_memory_limit_variable_is_reported(daemon, monkeypatch):

@@ -14,7 +14,12 @@ __all__ = ["H200", "BlockNeed", "DeviceSpec", "block_need", "occupancy", "sm_cap
 
 @dataclass(frozen=True, slots=True)
 class DeviceSpec:
-    """Static figures of one GPU model (see ``H200`` for the calibrated values)."""
+    """Static figures of one GPU model (see ``H200`` for the calibrated values).
+
+    Memory figures are what the CUDA runtime reports and charges: ``total_memory`` is
+    ``cudaDeviceProp.totalGlobalMem`` (also cudaMemGetInfo's total), ``context_memory`` what one client
+    context costs against its pinned limit and the device, ``server_memory`` what the MPS server itself holds.
+    """
 
     name: str
     compute_capability: tuple[int, int]
@@ -39,6 +44,8 @@ class DeviceSpec:
     kernel_overhead: float
     sm_issue_rate: float
     saturation_threads: int
+    context_memory: int = 0
+    server_memory: int = 0
 
 
 H200 = DeviceSpec(
@@ -58,7 +65,12 @@ H200 = DeviceSpec(
     smem_reserved_per_block=1024,
     reg_alloc_unit=256,
     clock_hz=1.98e9,
-    total_memory=143771 * 2**20,
+    # Measured on an H200 under MPS (bench/fidelity/h200_memory.json): totalGlobalMem, and the memory a
+    # client context is charged against its CUDA_MPS_PINNED_DEVICE_MEM_LIMIT (the same for 600M..4G limits);
+    # without a limit a lone client saw 619,511,808 bytes gone, the rest being the server's own.
+    total_memory=150_109_880_320,
+    context_memory=538_339_472,
+    server_memory=619_511_808 - 538_339_472,
     mem_bandwidth=4.8e12,
     pcie_bandwidth=55e9,
     copy_latency=2e-6,
