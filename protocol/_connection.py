@@ -128,13 +128,17 @@ class Connection:
             # Fds travel with the first byte of the write that carried them, so they are here by now.
             raise RemoteProtocolError(f"frame claims {nfds} file descriptors but {len(self._fds)} arrived")
         body_start = self._start + HEADER.size
-        with memoryview(self._buffer) as view:
-            body = view[body_start:body_start + length].tobytes()
-        self._start = body_start + length
-        if self._start > 65536 and self._start * 2 > len(self._buffer):
-            del self._buffer[:self._start]
+        end = body_start + length
+        body = self._buffer[body_start:end]
+        if end == len(self._buffer):
+            self._buffer.clear()  # the common case: everything read has been used
             self._start = 0
-        fds = tuple(self._fds.popleft() for _ in range(nfds))
+        else:
+            self._start = end
+            if end > 65536 and end * 2 > len(self._buffer):
+                del self._buffer[:end]
+                self._start = 0
+        fds = tuple(self._fds.popleft() for _ in range(nfds)) if nfds else ()
         try:
             message = from_wire(_decode(body, self.max_frame_size), fds)
         except RemoteProtocolError:

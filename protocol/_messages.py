@@ -25,7 +25,7 @@ class RemoteProtocolError(ProtocolError):
 
 
 def _check_fds(fds: tuple[int, ...]) -> None:
-    if len(fds) > MAX_FDS_PER_FRAME or not all(isinstance(fd, int) and fd >= 0 for fd in fds):
+    if fds and (len(fds) > MAX_FDS_PER_FRAME or not all(isinstance(fd, int) and fd >= 0 for fd in fds)):
         raise LocalProtocolError(f"bad file descriptors {fds!r}")
 
 
