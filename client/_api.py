@@ -8,7 +8,7 @@ from typing import Any
 from mpsd_protocol import CudaError
 
 from ._core import Core
-from ._objects import DevicePointer, Event, HostBuffer, Stream
+from ._objects import DevicePointer, HostBuffer, Stream
 
 
 class ContextBase:

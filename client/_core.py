@@ -8,6 +8,7 @@
 # tasks never share one).
 from __future__ import annotations
 
+import fcntl
 import itertools
 import os
 from typing import Any, Generator
@@ -134,9 +135,11 @@ class Core:
     def host_alloc(self, nbytes: int) -> Op:
         if not isinstance(nbytes, int) or nbytes <= 0:
             raise InvalidValueError(f"host_alloc size {nbytes!r:.40} is not a positive byte count")
-        fd = os.memfd_create("mpsd-host", os.MFD_CLOEXEC)
+        fd = os.memfd_create("mpsd-host", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, nbytes)
+            # The daemon maps only buffers that cannot shrink under it.
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
             buffer = HostBuffer(fd, nbytes)
             buffer.id = yield from self.call("host_register", {"nbytes": nbytes}, (fd,))
         finally:

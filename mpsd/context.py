@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 from mpsd_protocol import (  # type: ignore[attr-defined]

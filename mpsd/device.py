@@ -3,7 +3,6 @@
 # (every client sharing the GPU gets the sticky error), or per client when the daemon is told so.
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING, Any
 
 from mpsd.engine import Engine

@@ -6,12 +6,14 @@
 from __future__ import annotations
 
 import bisect
+import fcntl
 import mmap
 import os
 from dataclasses import dataclass
 
 from mpsd_protocol import InvalidValueError  # type: ignore[attr-defined]
 
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 CHUNK = 2 << 20  # the driver's page: device memory is charged in 2 MiB steps
 SMALL_MAX = 1 << 20  # allocations up to 1 MiB are packed into shared 2 MiB chunks at 512-byte granularity
 SMALL_ALIGN = 512
@@ -27,9 +29,11 @@ class Segment:
     __slots__ = ("fd", "size", "map", "refs")
 
     def __init__(self, size: int) -> None:
-        self.fd = os.memfd_create("mpsd-device", os.MFD_CLOEXEC)
+        self.fd = os.memfd_create("mpsd-device", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(self.fd, size)
+            # Sealed, so that no process this fd is ever passed to can shrink it under our mapping (SIGBUS).
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, SEALS)
             self.map = mmap.mmap(self.fd, size)
         except OSError:
             os.close(self.fd)
@@ -188,6 +192,14 @@ class HostBuffer:
     __slots__ = ("id", "size", "map")
 
     def __init__(self, buffer_id: int, fd: int, size: int) -> None:
+        # A client could shrink its file under our mapping and make us fault (SIGBUS): only memfds sealed
+        # against shrinking are mapped.
+        try:
+            sealed = fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK
+        except OSError:
+            sealed = 0
+        if not sealed:
+            raise InvalidValueError("a host buffer must be a memfd sealed with F_SEAL_SHRINK")
         if os.fstat(fd).st_size < size:
             raise InvalidValueError(f"host buffer file holds fewer than {size} bytes")
         self.id = buffer_id

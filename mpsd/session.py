@@ -81,8 +81,9 @@ class Session:
             "host_unregister": lambda a, f: self._ctx.host_unregister(a["id"]),
             "memcpy_htod": self._memcpy_htod,
             "memcpy_dtoh": self._memcpy_dtoh,
-            "memcpy_dtod": lambda a, f: self._ctx.memcpy_dtod(a["dst"], a["src"], a["nbytes"], a.get("stream")) and None,
-            "memset": lambda a, f: self._ctx.memset(a["ptr"], a["value"], a["nbytes"], a.get("stream")) and None,
+            "memcpy_dtod": lambda a, f: _queued(self._ctx.memcpy_dtod(a["dst"], a["src"], a["nbytes"],
+                                                                     a.get("stream"))),
+            "memset": lambda a, f: _queued(self._ctx.memset(a["ptr"], a["value"], a["nbytes"], a.get("stream"))),
             "create_stream": lambda a, f: list(self._ctx.create_stream(a.get("priority", 0), a.get("flags", 0))),
             "destroy_stream": lambda a, f: self._ctx.destroy_stream(a["stream"]),
             "stream_synchronize": lambda a, f: Deferred([self._ctx.stream_tail(a.get("stream"))]),
@@ -170,9 +171,10 @@ class Session:
                 self._ctx.check_usable()
             result = _call(handler, request.args, request.fds)
         except CudaError as exc:
-            close_fds(request.fds)
             self._reply(request.id, exc)
             return
+        finally:
+            close_fds(request.fds)  # whatever a handler needed from them, it has mapped by now
         if isinstance(result, Deferred):
             assert self._nursery is not None
             self._nursery.start_soon(self._finish, request.id, result)
@@ -252,10 +254,7 @@ class Session:
     def _host_register(self, args: dict[str, Any], fds: tuple[int, ...]) -> int:
         if len(fds) != 1:
             raise InvalidValueError("host_register needs exactly one file descriptor")
-        try:
-            return self._ctx.host_register(fds[0], args["nbytes"])
-        finally:
-            close_fds(fds)  # the mapping keeps the memory; the descriptor is not needed any more
+        return self._ctx.host_register(fds[0], args["nbytes"])
 
     def _memcpy_htod(self, args: dict[str, Any], fds: tuple[int, ...]) -> Deferred | None:
         staged = bool(args.get("staged"))
@@ -279,6 +278,11 @@ class Session:
     def _launch(self, args: dict[str, Any], fds: tuple[int, ...]) -> None:
         self._ctx.launch(args["name"], args["grid"], args["block"], args["args"], args.get("shared_mem", 0),
                          args.get("stream"))
+
+
+def _queued(op: Op) -> None:
+    """The reply to a call that only queues work: nothing (errors come at the next synchronising call)."""
+    return None
 
 
 def _call(handler: Callable[[dict[str, Any], tuple[int, ...]], Any], args: dict[str, Any],

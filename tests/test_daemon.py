@@ -15,7 +15,7 @@ import pytest
 
 import mpsd_client
 import mpsd_protocol as p
-from daemons import run_worker, short_tempdir, spawn_worker, start_daemon
+from daemons import short_tempdir, spawn_worker, start_daemon
 
 
 def raw_socket(daemon) -> socket.socket:
@@ -236,3 +236,46 @@ def test_many_clients_come_and_go(daemon):
             time.sleep(0.02)
         assert ctx.mem_get_info()[0] == free
         assert len(os.listdir(fd_dir)) == fds_before
+
+
+def _memfd(size: int, seals: int = 0) -> int:
+    import fcntl
+
+    fd = os.memfd_create("t", os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, size)
+    if seals:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    return fd
+
+
+def test_host_buffers_must_be_sealed_memfds(ctx, daemon):
+    """The daemon maps only memfds that cannot shrink under it; anything else is cudaErrorInvalidValue."""
+    import fcntl
+
+    register = lambda fd, n: ctx._drive(ctx._core.call("host_register", {"nbytes": n}, (fd,)))  # noqa: E731
+    r, w = os.pipe()
+    candidates = [(_memfd(4096), 4096), (r, 4096), (_memfd(4096, fcntl.F_SEAL_SHRINK), 8192)]
+    for fd, n in candidates:
+        with pytest.raises(mpsd_client.InvalidValueError):
+            register(fd, n)
+    sealed = _memfd(4096, fcntl.F_SEAL_SHRINK)
+    assert register(sealed, 4096) > 0
+    with pytest.raises(OSError):
+        os.ftruncate(sealed, 0)  # the kernel refuses: the daemon's mapping cannot be pulled away
+    for fd in [fd for fd, _ in candidates] + [w, sealed]:
+        os.close(fd)
+
+
+def test_fds_attached_to_any_request_are_not_kept(ctx, daemon):
+    """Fds a client attaches to calls that take none are closed by the daemon, never leaked."""
+    fd_dir = f"/proc/{daemon.proc.pid}/fd"
+    ctx.malloc(16)
+    before = len(os.listdir(fd_dir))
+    for _ in range(20):
+        fds = tuple(_memfd(16) for _ in range(4))
+        ctx._drive(ctx._core.call("mem_get_info", {}, fds))
+        with pytest.raises(mpsd_client.InvalidValueError):
+            ctx._drive(ctx._core.call("no_such_call", {}, fds))
+        for fd in fds:
+            os.close(fd)
+    assert len(os.listdir(fd_dir)) == before
