@@ -170,14 +170,15 @@ class Context:
         self.device.used += nbytes
         self.counters.peak_used = max(self.counters.peak_used, self.used)
 
-
     def host_register(self, fd: int, nbytes: int) -> int:
         if not isinstance(nbytes, int) or nbytes <= 0:
             raise InvalidValueError(f"host buffer size {nbytes!r:.40} is not a positive byte count")
         buffer_id = self._handle()
         try:
             self.host[buffer_id] = HostBuffer(buffer_id, fd, nbytes)
-        except (OSError, ValueError) as exc:
+        except CudaError:
+            raise
+        except (OSError, ValueError) as exc:  # not a mappable file, or the mapping failed
             raise InvalidValueError(f"cannot map the host buffer: {exc}") from None
         return buffer_id
 

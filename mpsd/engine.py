@@ -13,6 +13,9 @@ import trio
 from mpsd.sim import Op, Simulator
 
 log = logging.getLogger("mpsd.engine")
+# Instants of simulated time processed before the engine lets other tasks run. When the model falls behind
+# the wall clock (huge grids of tiny blocks), simulated time lags instead of the daemon going deaf.
+MAX_INSTANTS_PER_STEP = 16
 
 
 class Engine:
@@ -39,9 +42,13 @@ class Engine:
         return max(self.sim.now, (trio.current_time() - self._origin) * self.time_scale)
 
     def catch_up(self) -> None:
-        """Bring the simulator up to now and finish whatever completed meanwhile."""
-        for op in self.sim.advance(self.sim_now()):
+        """Bring the simulator up to now, or as far towards it as one step goes, and finish whatever
+        completed meanwhile."""
+        target = self.sim_now()
+        for op in self.sim.advance(target, MAX_INSTANTS_PER_STEP):
             self._finish(op)
+        if self.sim.now < target:
+            self._wake.set()  # behind: the run loop comes back after letting other tasks in
 
     def submit(self, op: Op) -> None:
         """Hand `op` to the simulator at the current time.

@@ -114,6 +114,10 @@ class Session:
                 self._nursery = nursery
                 with self.reader_scope:
                     await self._read_loop()
+                if not self.reader_scope.cancelled_caught:
+                    # The client went away (or broke the rules): replies still waiting on the GPU have
+                    # nobody to go to, and its work must be reclaimed now, not when that work ends.
+                    nursery.cancel_scope.cancel()
         finally:
             self.conn.close_fds()
             self.channel.close()

@@ -279,3 +279,24 @@ def test_fds_attached_to_any_request_are_not_kept(ctx, daemon):
         for fd in fds:
             os.close(fd)
     assert len(os.listdir(fd_dir)) == before
+
+
+def test_an_enormous_grid_does_not_make_the_daemon_deaf(daemon):
+    """A grid of billions of empty blocks keeps the GPU busy, but other clients are still answered and the
+    daemon still stops on SIGTERM."""
+    worker = spawn_worker("""
+        import mpsd_client
+        ctx = mpsd_client.connect()
+        ctx.launch("spin", (2**31 - 1, 65535, 1), 32, [0])
+        print("launched", flush=True)
+        ctx.synchronize()
+    """, daemon.pipe_dir)
+    assert worker.stdout.readline().strip() == "launched"
+    with mpsd_client.connect(daemon.pipe_dir) as ctx:
+        for _ in range(20):
+            assert ctx.mem_get_info()[1] > 0
+        worker.kill()  # while it waits in synchronize: its session must still end and be reclaimed at once
+        worker.communicate()
+        wait_for_log(daemon, f"Client {worker.pid} disconnected")
+        ctx.launch("spin", 264, 1024, [1000])
+        ctx.synchronize()

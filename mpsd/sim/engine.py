@@ -125,11 +125,13 @@ class Simulator:
             heapq.heappop(heap)
         return heap[0][0] if heap else None
 
-    def advance(self, until: float) -> list[Op]:
+    def advance(self, until: float, max_instants: int | None = None) -> list[Op]:
         """Process every event with time <= ``until`` and move the clock to ``until``.
 
         Args:
             until: the new simulated time.
+            max_instants: stop after this many instants with events; the clock then stays at the last
+                one processed (below ``until``), so a caller in real time can yield and come back.
 
         Returns:
             The ops completed (including those completed at submit), in completion order, ties in
@@ -142,11 +144,16 @@ class Simulator:
             raise ValueError(f"cannot go back in time from {self.now} to {until}")
         out: list[Op] = []
         heap = self._heap
+        instants = 0
         while True:
             while heap and self._stale(heap[0]):
                 heapq.heappop(heap)
             if not heap or heap[0][0] > until:
                 break
+            if max_instants is not None and instants >= max_instants:
+                out.extend(self._flush())
+                return out
+            instants += 1
             t = heap[0][0]
             if t > self.now:
                 out.extend(self._flush())
@@ -350,12 +357,12 @@ class Simulator:
                 placed += count
                 group = Group(run, i, count, now)
                 if cost.shared:
-                    group.remaining = cost.seconds
+                    group.remaining = max(cost.seconds, self.spec.min_block_time)
                     group.demand = min(1.0, kernel.threads / self.spec.saturation_threads)
                     sms[i].add_shared(group, now)
                     self._touched.add(i)
                 else:
-                    group.end = now + cost.seconds
+                    group.end = now + max(cost.seconds, self.spec.min_block_time)
                     self._push(group.end, _GROUP_END, group)
             run.unplaced -= placed
             run.running += placed

@@ -46,6 +46,9 @@ class DeviceSpec:
     saturation_threads: int
     context_memory: int = 0
     server_memory: int = 0
+    # The least time a block takes: dispatch and retirement are never free. Not a measurement; it keeps
+    # simulated time moving, so a grid of empty blocks cannot make one instant last forever.
+    min_block_time: float = 1e-7
 
 
 H200 = DeviceSpec(
