@@ -175,11 +175,12 @@ class Session:
                 self._ctx.check_usable()
             result = _call(handler, request.args, request.fds)
         except CudaError as exc:
-            self._reply(request.id, exc)
-            return
-        finally:
-            close_fds(request.fds)  # whatever a handler needed from them, it has mapped by now
-        if isinstance(result, Deferred):
+            result = exc
+        # Whatever a handler needed from the fds it has mapped by now; they go before the reply does.
+        close_fds(request.fds)
+        if isinstance(result, CudaError):
+            self._reply(request.id, result)
+        elif isinstance(result, Deferred):
             assert self._nursery is not None
             self._nursery.start_soon(self._finish, request.id, result)
         else:
