@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 STREAM_PRIORITY_GREATEST, STREAM_PRIORITY_LEAST = -5, 0  # cudaDeviceGetStreamPriorityRange on Hopper
 NON_BLOCKING = 0x1  # cudaStreamNonBlocking
 _CHUNK = 64 << 20  # bulk byte moves go in chunks, so a huge copy never needs a huge temporary
+MAX_STAGED_COPY = 64 << 20  # the client stages pageable copies in pieces of 8 MiB
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,6 +208,10 @@ class Context:
         """Copy host buffer bytes to the device. A staged (pageable) source is read now; a pinned one when
         the copy runs, as DMA from pinned memory does."""
         s = self._stream(stream)
+        if staged and isinstance(nbytes, int) and nbytes > MAX_STAGED_COPY:
+            # A staged source is copied into the daemon's memory: bounded, so no client can exhaust it.
+            raise InvalidValueError(f"a staged copy moves at most {format_size(MAX_STAGED_COPY)}; "
+                                    "larger ones go in pieces")
         self._device_view(dst, nbytes, "destination").release()
         source = self._host_view(host, offset, nbytes)
         data: bytes | memoryview = bytes(source) if staged else source

@@ -218,3 +218,13 @@ def test_malformed_memory_limit_variable_is_reported(daemon, monkeypatch):
     monkeypatch.setenv("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "0=plenty")
     with pytest.raises(InvalidValueError, match="CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"):
         mpsd_client.connect(daemon.pipe_dir)
+
+
+def test_staged_copies_are_bounded(ctx):
+    """A staged (pageable) copy larger than 64 MiB in one request is refused: the daemon never buffers more."""
+    h = ctx.host_alloc(65 * MiB)
+    p = ctx.malloc(65 * MiB)
+    with pytest.raises(InvalidValueError, match="at most 64 MiB"):
+        ctx._drive(ctx._core.call("memcpy_htod", {"dst": int(p), "host": h.id, "offset": 0, "nbytes": 65 * MiB,
+                                                  "stream": None, "staged": True}))
+    ctx.memcpy_htod(p, memoryview(h))  # the pinned path has no such bound
