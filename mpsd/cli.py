@@ -19,7 +19,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"mpsd: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.WARNING, format="mpsd: %(levelname)s: %(message)s")
-    daemon = Daemon(config)
+    try:
+        daemon = Daemon(config)
+    except DaemonError as exc:
+        print(f"mpsd: {exc}", file=sys.stderr)
+        return 1
 
     async def serve() -> None:
         async with trio.open_nursery() as nursery:

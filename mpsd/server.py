@@ -42,8 +42,16 @@ class Daemon:
     """An mpsd server for one configuration."""
 
     def __init__(self, config: Config) -> None:
+        """Set up the simulated devices and open the logs.
+
+        Raises:
+            DaemonError: the log directory cannot be written.
+        """
         self.config = config
-        self.log = ServerLog(config.log_dir)
+        try:
+            self.log = ServerLog(config.log_dir)
+        except OSError as exc:
+            raise DaemonError(f"cannot write logs in {config.log_dir}: {exc.strerror}") from None
         self.devices = [
             Device(i, spec, policy=config.policy, time_scale=config.time_scale,
                    containment=config.fault_containment, log=self.log)

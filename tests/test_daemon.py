@@ -107,6 +107,16 @@ def test_stale_socket_file_is_replaced_and_pipe_dir_is_private(daemon_factory):
         assert ctx.device_properties()["name"] == "NVIDIA H200"
 
 
+def test_unwritable_log_directory_is_one_line_and_exit_1(tmp_path):
+    """A log directory that cannot be created stops the daemon at start with one line, exit 1."""
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    proc = subprocess.run([sys.executable, "-m", "mpsd", "--pipe-dir", str(short_tempdir()), "--log-dir",
+                           str(blocker / "logs")], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 1
+    assert proc.stderr.startswith(f"mpsd: cannot write logs in {blocker / 'logs'}:") and proc.stderr.count("\n") == 1
+
+
 @pytest.mark.parametrize("args,message", [
     (["--time-scale", "-1"], "mpsd: --time-scale must be positive, not -1.0"),
     (["--devices", "gpu9"], "mpsd: unknown device model 'gpu9' (known: h200)"),
