@@ -60,7 +60,7 @@ class Core:
     def call(self, op: str, args: dict[str, Any], fds: tuple[int, ...] = ()) -> Op:
         if self.broken is not None:
             raise self.broken
-        reply = yield Request(next(self._ids), op, args, fds)
+        reply = yield Request(next(self._ids) & 0xFFFFFFFF, op, args, fds)  # ids wrap at 32 bits
         assert isinstance(reply, Reply)
         if reply.error is not None:
             raise error_from_wire(reply.error)
