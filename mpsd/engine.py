@@ -75,7 +75,7 @@ class Engine:
                 await self.wait(op)
 
     def cancel(self, client: int) -> None:
-        """Drop a client's queued work and wake everyone waiting on any of its ops."""
+        """Tear down a client's work (queued dropped, running evicted) and wake everyone waiting on it."""
         self.sim.cancel(client)
         for op in [op for op in self._waiters if op.client == client]:
             self._waiters.pop(op).set()

@@ -58,7 +58,7 @@ class Simulator:
         self._client_sms: dict[int, dict[int, int]] = {}  # client -> SM -> resident blocks
         self._copy_queues: dict[str, deque[Copy]] = {e: deque() for e in ENGINES}
         self._copy_busy: dict[str, Copy | None] = dict.fromkeys(ENGINES)
-        self._cancelled: set[Op] = set()  # started ops of cancelled clients, still running
+        self._stopped_copies: set[Copy] = set()  # copies of cancelled clients stopped in flight
         self._completed: list[Op] = []  # completions at self.now not yet returned
         self._counters: dict[int, Counters] = {}
         self._kernels = self._blocks = self._copies = 0
@@ -159,8 +159,9 @@ class Simulator:
                 out.extend(self._flush())
                 self.now = t
             while heap and heap[0][0] <= t:
-                _, _, kind, payload = heapq.heappop(heap)
-                self._handle(kind, payload)
+                event = heapq.heappop(heap)
+                if not self._stale(event):
+                    self._handle(event[2], event[3])
             self._end_instant()
         out.extend(self._flush())
         self.now = until
@@ -178,11 +179,11 @@ class Simulator:
         return out
 
     def cancel(self, client: int) -> list[Op]:
-        """A client died: drop its ops that have not started.
+        """A client's context is torn down (it died, or a fatal fault took it): drop all its work.
 
-        Its running blocks and copies run to the end and keep their resources until then, but their ops
-        are never reported. Other clients' ops that depend on a dropped op treat it as done at once, and
-        on a running one when it ends.
+        Ops not yet started are dropped; running blocks are evicted at once and a copy in flight stops, as
+        when the MPS server destroys a context. None of them is reported as completed. Other clients' ops
+        that depend on any of them go ahead now.
 
         Args:
             client: the tenant id.
@@ -194,19 +195,16 @@ class Simulator:
         resolved: list[Op] = []
         for op in self._streams.drop_client(client):
             if isinstance(op, Kernel):
-                run = self._runs[op]
+                run = self._runs.pop(op)
                 run.cancelled = True
                 run.unplaced = 0
-                if math.isnan(op.started):
-                    del self._runs[op]
-                    dropped.append(op)
-                elif run.running == 0:
-                    del self._runs[op]
-                    resolved.append(op)
-                else:
-                    self._cancelled.add(op)
+                for group in list(run.groups):
+                    self._evict(group)
+                (dropped if math.isnan(op.started) else resolved).append(op)
             elif isinstance(op, Copy) and self._copy_busy[op.engine] is op:
-                self._cancelled.add(op)
+                self._copy_busy[op.engine] = None
+                self._stopped_copies.add(op)
+                resolved.append(op)
             else:
                 if isinstance(op, Copy) and op in self._copy_queues[op.engine]:
                     self._copy_queues[op.engine].remove(op)
@@ -214,6 +212,8 @@ class Simulator:
         self._ready = [r for r in self._ready if not r.cancelled]
         for op in sorted(dropped + resolved, key=lambda o: o.seq):
             self._settle(self._streams.resolve(op))
+        for engine in ENGINES:
+            self._start_copy(engine)
         self._end_instant()
         return dropped
 
@@ -242,7 +242,11 @@ class Simulator:
         kind, payload = event[2], event[3]
         if kind == _SM:
             return self._sms[payload[0]].version != payload[1]
-        return kind == _READY and payload.cancelled
+        if kind == _GROUP_END:
+            return payload.evicted
+        if kind == _COPY_END:
+            return payload in self._stopped_copies
+        return payload.cancelled
 
     def _handle(self, kind: int, payload) -> None:
         if kind == _GROUP_END:
@@ -305,11 +309,7 @@ class Simulator:
                 self._start_copy(op.engine)
 
     def _finish(self, op: Op) -> None:
-        """``op`` ended now: report it, or if its client was cancelled, only release dependents."""
-        if op in self._cancelled:
-            self._cancelled.discard(op)
-            self._settle(self._streams.resolve(op))
-            return
+        """``op`` ended now: report it and start what it held up."""
         op.ended = self.now
         op.done = True
         self._completed.append(op)
@@ -329,11 +329,10 @@ class Simulator:
 
     def _end_copy(self, op: Copy) -> None:
         self._copy_busy[op.engine] = None
-        if op not in self._cancelled:
-            c = self._counter(op.client)
-            c.copies += 1
-            c.bytes_copied += op.nbytes
-            self._copies += 1
+        c = self._counter(op.client)
+        c.copies += 1
+        c.bytes_copied += op.nbytes
+        self._copies += 1
         self._finish(op)
         self._start_copy(op.engine)
 
@@ -356,6 +355,7 @@ class Simulator:
                 occupied[i] = occupied.get(i, 0) + count
                 placed += count
                 group = Group(run, i, count, now)
+                run.groups.add(group)
                 if cost.shared:
                     group.remaining = max(cost.seconds, self.spec.min_block_time)
                     group.demand = min(1.0, kernel.threads / self.spec.saturation_threads)
@@ -373,9 +373,31 @@ class Simulator:
         self._ready = [r for r in self._ready if r.unplaced]
 
     def _end_group(self, group: Group) -> None:
+        run = group.run
+        self._vacate(group)
+        self._blocks += group.count
+        self._counter(run.kernel.client).blocks += group.count
+        if run.running == 0 and run.unplaced == 0:
+            del self._runs[run.kernel]
+            c = self._counter(run.kernel.client)
+            c.kernels += 1
+            self._kernels += 1
+            self._finish(run.kernel)
+
+    def _evict(self, group: Group) -> None:
+        """Take a cancelled client's resident group off its SM now; it never completes."""
+        group.evicted = True
+        if group.run.kernel.cost.shared:
+            self._sms[group.sm].remove_shared(group, self.now)
+            self._touched.add(group.sm)
+        self._vacate(group)
+
+    def _vacate(self, group: Group) -> None:
+        """Give a group's SM resources back and account the SM-time it held."""
         now = self.now
         run = group.run
         kernel = run.kernel
+        run.groups.discard(group)
         self._sms[group.sm].release(run.need, group.count)
         self._fit_index.changed(group.sm)
         occupied = self._client_sms[kernel.client]
@@ -388,16 +410,8 @@ class Simulator:
         run.running -= group.count
         self._dirty = True
         c = self._counter(kernel.client)
-        c.blocks += group.count
         block_seconds = group.count * (now - group.start)
         c.block_seconds += block_seconds
         c.sm_seconds += block_seconds * min(1.0, kernel.threads / self.spec.max_threads_per_sm)
-        self._blocks += group.count
         if self._record:
             self.trace.append(BlockGroup(kernel, group.sm, group.count, group.start, now))
-        if run.running == 0 and run.unplaced == 0:
-            del self._runs[kernel]
-            if kernel not in self._cancelled:
-                c.kernels += 1
-                self._kernels += 1
-            self._finish(kernel)

@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .ops import Kernel
 from .specs import BlockNeed
@@ -24,6 +24,7 @@ class KernelRun:
         unplaced: blocks not yet placed on an SM.
         running: blocks resident now.
         cancelled: its client was cancelled; place nothing more, report nothing.
+        groups: its block groups resident now (so a cancelled client's blocks can be evicted).
     """
 
     kernel: Kernel
@@ -32,6 +33,7 @@ class KernelRun:
     unplaced: int = 0
     running: int = 0
     cancelled: bool = False
+    groups: set = field(default_factory=set)  # its groups resident now
 
 
 class MpsPolicy:

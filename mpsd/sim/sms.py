@@ -35,6 +35,7 @@ class Group:
     remaining: float = 0.0
     demand: float = 1.0
     rate: float = 1.0
+    evicted: bool = False  # its client was torn down: its end event is void
 
 
 @dataclass(eq=False, slots=True)
@@ -99,6 +100,11 @@ class SM:
         """Make ``group`` resident; call ``reschedule`` once all of this instant's changes are made."""
         self.account(now)
         self.shared.append(group)
+
+    def remove_shared(self, group: Group, now: float) -> None:
+        """Take ``group`` off this SM before it finishes; call ``reschedule`` afterwards."""
+        self.account(now)
+        self.shared.remove(group)
 
     def pop_finished(self, now: float) -> list[Group]:
         """Remove and return the shared groups whose service is complete at ``now``."""
