@@ -9,7 +9,7 @@ from collections import deque
 
 import trio
 
-from mpsd_protocol import ANCILLARY_SIZE, RECV_FLAGS, pack_fds, unpack_fds
+from mpsd_protocol import ANCILLARY_SIZE, RECV_FLAGS, close_fds, pack_fds, unpack_fds
 
 READ_SIZE = 1 << 16
 _FAIR_READS = 16  # after this many reads that did not have to wait, let other tasks run
@@ -55,9 +55,11 @@ class Channel:
     def send_nowait(self, data: bytes, fds: tuple[int, ...], nursery: trio.Nursery) -> None:
         """Write `data` (with `fds` on its first byte) now, or queue what does not fit for a flush task.
 
-        A peer that has gone away is noticed by the reader; writes to it are dropped here.
+        The channel owns `fds` from here on and closes them once they are sent (or dropped). A peer that has
+        gone away is noticed by the reader; writes to it are dropped here.
         """
         if self.closed:
+            close_fds(fds)
             return
         if not self._out:
             try:
@@ -66,10 +68,12 @@ class Channel:
                 sent = 0
             except OSError:
                 self.closed = True
-                return
-            if sent == len(data):
+                close_fds(fds)
                 return
             if sent:
+                close_fds(fds)  # the kernel has passed them on with the first byte
+                if sent == len(data):
+                    return
                 data, fds = data[sent:], ()
         self._out.append((data, fds))
         if not self._flushing:
@@ -88,6 +92,8 @@ class Channel:
                 except OSError:
                     self.closed = True
                     break
+                if sent:
+                    close_fds(fds)
                 if sent == len(data):
                     self._out.popleft()
                 else:
@@ -95,9 +101,14 @@ class Channel:
         finally:
             self._flushing = False
             if self.closed:
+                for _, fds in self._out:
+                    close_fds(fds)
                 self._out.clear()
 
     def close(self) -> None:
+        for _, fds in self._out:
+            close_fds(fds)
+        self._out.clear()
         if self.sock.fileno() >= 0:
             trio.lowlevel.notify_closing(self.sock)
             self.sock.close()

@@ -15,6 +15,7 @@ from mpsd_protocol import parse_mem_limits
 DEVICE_MODELS: dict[str, DeviceSpec] = {"h200": H200}
 POLICIES = ("mps",)  # the scheduling issue adds the rest
 CONTAINMENT = ("device", "client")
+IPC_ACCESS = ("uid", "group", "any")
 DEFAULT_PIPE_DIRECTORY = "/tmp/mpsd"
 
 
@@ -33,6 +34,7 @@ class Config:
     pinned_mem_limits: dict[int, int] = field(default_factory=dict)  # device -> bytes; -1: every device
     client_priority: int = 0
     fault_containment: str = "device"
+    ipc_access: str = "uid"
 
     @property
     def socket_path(self) -> Path:
@@ -73,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--client-priority", type=int, choices=(0, 1), help="default client priority")
     parser.add_argument("--fault-containment", choices=CONTAINMENT,
                         help="who gets a fatal GPU error: every client on the device (default) or the culprit")
+    parser.add_argument("--ipc-access", choices=IPC_ACCESS,
+                        help="who may open an IPC handle: the exporter's uid (default, as CUDA), its group, anyone")
     return parser
 
 
@@ -115,9 +119,13 @@ def load_config(argv: Sequence[str] | None = None, environ: dict[str, str] | Non
         raise ConfigError(f"unknown policy {policy!r} (known: {', '.join(POLICIES)})")
     if containment not in CONTAINMENT:
         raise ConfigError(f"fault containment must be one of {', '.join(CONTAINMENT)}")
+    ipc_access = pick("ipc_access", "uid")
+    if ipc_access not in IPC_ACCESS:
+        raise ConfigError(f"IPC access must be one of {', '.join(IPC_ACCESS)}")
     priority = int(pick("client_priority", 0))
     if priority not in (0, 1):
         raise ConfigError("client priority must be 0 or 1")
     return Config(pipe_dir=pipe_dir, log_dir=log_dir, devices=parse_devices(pick("devices", "h200")),
                   policy=policy, time_scale=time_scale, active_thread_percentage=percentage,
-                  pinned_mem_limits=limits, client_priority=priority, fault_containment=containment)
+                  pinned_mem_limits=limits, client_priority=priority, fault_containment=containment,
+                  ipc_access=ipc_access)

@@ -9,8 +9,9 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 from mpsd_protocol import (  # type: ignore[attr-defined]
@@ -32,6 +33,7 @@ from mpsd.sim import Copy, Kernel, Marker, Op, kernel_cost
 
 if TYPE_CHECKING:
     from mpsd.device import Device
+    from mpsd.ipc import Export, IpcRegistry
 
 STREAM_PRIORITY_GREATEST, STREAM_PRIORITY_LEAST = -5, 0  # cudaDeviceGetStreamPriorityRange on Hopper
 NON_BLOCKING = 0x1  # cudaStreamNonBlocking
@@ -59,11 +61,24 @@ class Stream:
 
 
 @dataclass(eq=False, slots=True)
+class EventCell:
+    """An event's latest record. IPC event handles share one cell among the processes that opened it."""
+
+    record: Marker | None = None
+    users: int = 1  # events (in any context) that use this cell
+    export: Export | None = None
+
+
+@dataclass(eq=False, slots=True)
 class Event:
     id: int
     timing: bool
     interprocess: bool
-    record: Marker | None = None
+    cell: EventCell = field(default_factory=EventCell)
+
+    @property
+    def record(self) -> Marker | None:
+        return self.cell.record
 
 
 @dataclass(slots=True)
@@ -81,8 +96,11 @@ class Counters:
 class Context:
     """One client's sub-context on one device."""
 
-    def __init__(self, device: Device, client_id: int, pid: int, uid: int, gid: int, quotas: Quotas) -> None:
+    def __init__(self, device: Device, client_id: int, pid: int, uid: int, gid: int, quotas: Quotas,
+                 ipc: IpcRegistry) -> None:
         self.device = device
+        self.ipc = ipc
+        self.imports: dict[int, Export] = {}  # address of an IPC mapping -> its export
         self.id = client_id
         self.pid, self.uid, self.gid = pid, uid, gid
         self.quotas = quotas
@@ -154,17 +172,33 @@ class Context:
         return addr
 
     def check_free(self, addr: int) -> None:
-        if addr != 0 and self.memory.get(addr) is None:
+        if addr == 0:
+            return
+        alloc = self.memory.get(addr)
+        if alloc is None:
             raise InvalidValueError(f"{addr:#x} is not the base of a live allocation in this context")
+        if alloc.imported:
+            raise InvalidValueError(f"{addr:#x} was opened from an IPC handle: close it with ipc_close_mem_handle")
 
     def free(self, addr: int) -> None:
         """Free an allocation; the caller has already waited for the context's work (cudaFree synchronises)."""
         if addr == 0:
             return  # cudaFree(NULL) is a no-op
+        self.check_free(addr)
         alloc, released = self.memory.remove(addr)
-        self._charge(-released)
-        alloc.segment.release()
+        self._drop(alloc, released)
         self.counters.frees += 1
+
+    def _drop(self, alloc: Allocation, released: int) -> None:
+        """An allocation of ours is gone from our address space; its bytes go when the last importer's do,
+        and until then the device stays charged for them (counted once, as real shared memory is)."""
+        self.ipc.allocation_freed(alloc)
+        self.used -= released
+        if alloc.segment.refs > 1:
+            alloc.segment.on_release.append(functools.partial(self.device.release_memory, released))
+        else:
+            self.device.used -= released
+        alloc.segment.release()
 
     def _charge(self, nbytes: int) -> None:
         self.used += nbytes
@@ -372,12 +406,39 @@ class Context:
         return e
 
     def destroy_event(self, event: int) -> None:
-        self._event(event)
+        self.ipc.event_destroyed(self._event(event).cell)
         del self.events[event]
 
     def record_event(self, event: int, stream: int | None) -> None:
         e, s = self._event(event), self._stream(stream)
-        e.record = self._enqueue(s, Marker(client=self.id, stream=s.key))  # type: ignore[assignment]
+        e.cell.record = self._enqueue(s, Marker(client=self.id, stream=s.key))  # type: ignore[assignment]
+
+    # -- IPC -------------------------------------------------------------------------------------------
+    def ipc_get_event_handle(self, event: int) -> bytes:
+        e = self._event(event)
+        if not e.interprocess or e.timing:
+            raise InvalidResourceHandleError("only events created with interprocess=True and disable_timing=True "
+                                             "have IPC handles")
+        return self.ipc.export_event(self, e.cell)
+
+    def ipc_open_event_handle(self, handle: object) -> int:
+        """A new event of this context sharing the exported event's records (it behaves as disable-timing)."""
+        cell = self.ipc.open_event(self, handle)
+        cell.users += 1
+        event_id = self._handle()
+        self.events[event_id] = Event(event_id, False, True, cell)
+        return event_id
+
+    def segment_of(self, ptr: int) -> Allocation:
+        """The allocation (own or imported) containing `ptr`, whose memfd the client may map.
+
+        Raises:
+            InvalidValueError: `ptr` is in no live allocation of this context.
+        """
+        alloc = self.memory.find(ptr) if isinstance(ptr, int) else None
+        if alloc is None:
+            raise InvalidValueError(f"{ptr!r:.20} is not inside a live allocation of this context")
+        return alloc
 
     def event_record_op(self, event: int) -> Marker | None:
         return self._event(event).record
@@ -406,13 +467,19 @@ class Context:
         """Release everything the client holds (it exited or was killed). Returns what was reclaimed."""
         self.closed = True
         self.device.engine.cancel(self.id)
-        allocations, charged = self.memory.clear()
-        self._charge(-charged)
-        self.device.used -= self.device.spec.context_memory
-        reclaimed = {"allocations": len(allocations), "bytes": charged,
-                     "streams": len(self.streams) - 1, "events": len(self.events), "host_buffers": len(self.host)}
+        imports = len({id(export) for export in self.imports.values()})
+        self.ipc.context_closed(self)
+        allocations = list(self.memory)
+        reclaimed_bytes = 0
         for alloc in allocations:
-            alloc.segment.release()
+            _, released = self.memory.remove(alloc.addr)
+            self._drop(alloc, released)
+            reclaimed_bytes += released
+        self.device.used -= self.device.spec.context_memory
+        for event in self.events.values():
+            self.ipc.event_destroyed(event.cell)
+        reclaimed = {"allocations": len(allocations), "bytes": reclaimed_bytes, "imports": imports,
+                     "streams": len(self.streams) - 1, "events": len(self.events), "host_buffers": len(self.host)}
         for buffer in self.host.values():
             buffer.close()
         self.host.clear()

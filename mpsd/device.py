@@ -58,6 +58,10 @@ class Device:
         self.containment = containment
         self.log = log
 
+    def release_memory(self, nbytes: int) -> None:
+        """Device memory is no longer charged for `nbytes` (an exported segment's last mapping went)."""
+        self.used -= nbytes
+
     def client_properties(self, context: Context) -> dict[str, Any]:
         """What one client sees: the SM count capped by its active thread percentage."""
         return dict(self.properties, multiprocessor_count=context.quotas.sm_cap)

@@ -10,6 +10,7 @@ import fcntl
 import mmap
 import os
 from dataclasses import dataclass
+from typing import Iterator
 
 from mpsd_protocol import InvalidValueError  # type: ignore[attr-defined]
 
@@ -26,7 +27,7 @@ LARGE_BASE, LARGE_LIMIT = 0x7F40_0000_0000, 0x7FFF_FFE0_0000
 class Segment:
     """A memfd of `size` bytes mapped in the daemon; freed when the last reference is dropped."""
 
-    __slots__ = ("fd", "size", "map", "refs")
+    __slots__ = ("fd", "size", "map", "refs", "on_release")
 
     def __init__(self, size: int) -> None:
         self.fd = os.memfd_create("mpsd-device", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
@@ -39,13 +40,16 @@ class Segment:
             os.close(self.fd)
             raise
         self.size = size
-        self.refs = 1
+        self.refs = 1  # mappings: the allocation that made it, and every IPC import of it
+        self.on_release: list = []  # called when the last mapping goes (charges that outlive the owner)
 
     def release(self) -> None:
         self.refs -= 1
         if self.refs == 0:
             _close_map(self.map)
             os.close(self.fd)
+            for callback in self.on_release:
+                callback()
 
 
 @dataclass(eq=False, slots=True)
@@ -56,6 +60,7 @@ class Allocation:
     size: int  # bytes the user asked for: the bounds that kernels and copies are checked against
     span: int  # bytes of address space it occupies (size rounded up)
     segment: Segment
+    imported: bool = False  # an IPC import: charged to its exporter, not to this client
 
     @property
     def end(self) -> int:
@@ -121,6 +126,9 @@ class AddressSpace:
     def __len__(self) -> int:
         return len(self._small.allocs) + len(self._large.allocs)
 
+    def __iter__(self) -> Iterator[Allocation]:
+        return iter(list(self._small.allocs.values()) + list(self._large.allocs.values()))
+
     def plan(self, size: int) -> tuple[int, int, int]:
         """Where `size` bytes would go: (address, span, bytes newly charged).
 
@@ -133,6 +141,13 @@ class AddressSpace:
             return addr, span, 0 if addr // CHUNK in self._chunks else CHUNK
         span = -(-size // CHUNK) * CHUNK
         return self._large.place(span, CHUNK), span, span
+
+    def map_import(self, segment: Segment, size: int) -> Allocation:
+        """Map an IPC import (2 MiB aligned, as imports are): charged to nobody here."""
+        span = -(-max(size, 1) // CHUNK) * CHUNK
+        alloc = Allocation(self._large.place(span, CHUNK), size, span, segment, imported=True)
+        self._large.insert(alloc)
+        return alloc
 
     def insert(self, alloc: Allocation) -> None:
         """Map an allocation made at a planned address."""
@@ -160,7 +175,7 @@ class AddressSpace:
         alloc = self._large.remove(addr)
         if alloc is None:
             raise InvalidValueError(f"{addr:#x} is not the base of a live allocation in this context")
-        return alloc, alloc.span
+        return alloc, 0 if alloc.imported else alloc.span
 
     def get(self, addr: int) -> Allocation | None:
         """The allocation whose base is exactly `addr`, if any."""
@@ -181,7 +196,7 @@ class AddressSpace:
     def clear(self) -> tuple[list[Allocation], int]:
         """Unmap everything; returns the allocations and the bytes that were charged for them."""
         allocs = list(self._small.allocs.values()) + list(self._large.allocs.values())
-        charged = len(self._chunks) * CHUNK + sum(a.span for a in self._large.allocs.values())
+        charged = len(self._chunks) * CHUNK + sum(a.span for a in self._large.allocs.values() if not a.imported)
         self.__init__()  # type: ignore[misc]
         return allocs, charged
 

@@ -19,6 +19,7 @@ import trio
 from mpsd.config import Config
 from mpsd.context import Context, Quotas
 from mpsd.device import Device
+from mpsd.ipc import IpcRegistry
 from mpsd.servlog import ServerLog
 from mpsd.session import Session
 from mpsd.sim import sm_cap
@@ -57,6 +58,7 @@ class Daemon:
                    containment=config.fault_containment, log=self.log)
             for i, spec in enumerate(config.devices)
         ]
+        self.ipc = IpcRegistry(config.ipc_access, self.log)
         self.sessions: set[Session] = set()
         self._next_client = 1
         self._stop = trio.Event()
@@ -91,7 +93,7 @@ class Daemon:
         if device.total_memory - device.used < device.spec.context_memory:
             raise OutOfMemoryError(f"device {index} has no room for another context "
                                    f"({format_size(device.spec.context_memory)} each)")
-        context = Context(device, self._next_client, session.pid, session.uid, session.gid, quotas)
+        context = Context(device, self._next_client, session.pid, session.uid, session.gid, quotas, self.ipc)
         device.used += device.spec.context_memory
         self._next_client += 1
         device.contexts[context.id] = context
@@ -129,8 +131,8 @@ class Daemon:
         context.device.contexts.pop(context.id, None)
         self.log.server(
             f"Client {context.pid} disconnected; reclaimed {reclaimed['allocations']} allocations "
-            f"({format_size(reclaimed['bytes'])}), {reclaimed['streams']} streams, {reclaimed['events']} events, "
-            f"{reclaimed['host_buffers']} host buffers")
+            f"({format_size(reclaimed['bytes'])}), {reclaimed['imports']} IPC imports, {reclaimed['streams']} "
+            f"streams, {reclaimed['events']} events, {reclaimed['host_buffers']} host buffers")
 
     @staticmethod
     def device_of(context: Context) -> Device:

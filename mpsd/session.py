@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import struct
 from dataclasses import dataclass
@@ -43,8 +44,17 @@ if TYPE_CHECKING:
     from mpsd.server import Daemon
 
 log = logging.getLogger("mpsd.session")
+IPC_LAZY_ENABLE_PEER_ACCESS = 0x1  # the one flag cudaIpcOpenMemHandle accepts
 # Calls that still answer after a sticky error, so the client can learn what happened.
 _STICKY_EXEMPT = frozenset({"get_last_error", "statistics", "device_properties"})
+
+
+@dataclass(frozen=True, slots=True)
+class WithFds:
+    """A result that travels with file descriptors (the session owns them until they are sent)."""
+
+    result: Any
+    fds: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +110,12 @@ class Session:
             "get_last_error": self._get_last_error,
             "statistics": lambda a, f: self.daemon.client_statistics(self._ctx),
             "launch": self._launch,
+            "mem_fd": self._mem_fd,
+            "ipc_get_mem_handle": lambda a, f: self.daemon.ipc.export_memory(self._ctx, a["ptr"]),
+            "ipc_open_mem_handle": self._ipc_open_mem_handle,
+            "ipc_close_mem_handle": self._ipc_close_mem_handle,
+            "ipc_get_event_handle": lambda a, f: self._ctx.ipc_get_event_handle(a["event"]),
+            "ipc_open_event_handle": lambda a, f: self._ctx.ipc_open_event_handle(a["handle"]),
         }
 
     @property
@@ -180,6 +196,8 @@ class Session:
         close_fds(request.fds)
         if isinstance(result, CudaError):
             self._reply(request.id, result)
+        elif isinstance(result, WithFds):
+            self._reply(request.id, None, result.result, result.fds)
         elif isinstance(result, Deferred):
             assert self._nursery is not None
             self._nursery.start_soon(self._finish, request.id, result)
@@ -275,6 +293,24 @@ class Session:
         op = self._ctx.memcpy_dtoh(args["host"], args["offset"], args["src"], args["nbytes"], stream)
         # Device-to-pageable copies are synchronous even on a stream (the bytes land in staging).
         return Deferred([op]) if stream is None or staged else None
+
+    def _mem_fd(self, args: dict[str, Any], fds: tuple[int, ...]) -> WithFds:
+        """The memfd behind a device pointer, so the client can map the same bytes (host_view)."""
+        alloc = self._ctx.segment_of(args["ptr"])
+        return WithFds({"base": alloc.addr, "size": alloc.size}, (os.dup(alloc.segment.fd),))
+
+    def _ipc_open_mem_handle(self, args: dict[str, Any], fds: tuple[int, ...]) -> WithFds:
+        if args.get("flags", 1) != IPC_LAZY_ENABLE_PEER_ACCESS:
+            raise InvalidValueError("ipc_open_mem_handle takes flags=1 (cudaIpcMemLazyEnablePeerAccess) only")
+        mapping = self.daemon.ipc.open_memory(self._ctx, args["handle"])
+        return WithFds({"ptr": mapping.addr, "size": mapping.size}, (os.dup(mapping.segment.fd),))
+
+    def _ipc_close_mem_handle(self, args: dict[str, Any], fds: tuple[int, ...]) -> Deferred:
+        ptr = args["ptr"]
+        if ptr not in self._ctx.imports:
+            raise InvalidValueError(f"{ptr!r:.20} is not a pointer opened from an IPC handle in this context")
+        # Like cudaFree, the mapping goes only after the work queued before it, which may still use it.
+        return Deferred(self._ctx.tails(), lambda: self.daemon.ipc.close_memory(self._ctx, ptr))
 
     def _get_last_error(self, args: dict[str, Any], fds: tuple[int, ...]) -> dict[str, Any] | None:
         error = self._ctx.take_last_error(clear=bool(args.get("clear", True)))

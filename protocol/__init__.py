@@ -15,6 +15,7 @@ from ._errors import (
     make_error,
 )
 from ._fds import ANCILLARY_SIZE, RECV_FLAGS, close_fds, pack_fds, unpack_fds
+from ._ipc import EVENT, IPC_HANDLE_SIZE, MEMORY, IpcHandle
 from ._launch import PARAM_KINDS, check_args, check_launch, check_shape, dims
 from ._messages import (
     MAX_FDS_PER_FRAME,
@@ -37,6 +38,7 @@ __all__ = [
     "CODES_BY_NAME", "ERROR_CLASSES", "CudaError", "error_class", "error_from_wire", "error_name",
     "error_string", "make_error",
     "ANCILLARY_SIZE", "RECV_FLAGS", "close_fds", "pack_fds", "unpack_fds",
+    "EVENT", "IPC_HANDLE_SIZE", "MEMORY", "IpcHandle",
     "PARAM_KINDS", "check_args", "check_launch", "check_shape", "dims",
     "MAX_FDS_PER_FRAME", "PROTOCOL_VERSION", "LocalProtocolError", "Message", "Notification", "ProtocolError",
     "RemoteProtocolError", "Reply", "Request",

@@ -64,6 +64,7 @@ _TABLE: list[tuple[int, str, str, str, type[BaseException] | None, bool]] = [
     (709, "cudaErrorContextIsDestroyed", "context is destroyed", "ContextIsDestroyedError", None, False),
     (710, "cudaErrorAssert", "device-side assert triggered", "DeviceAssertError", None, True),
     (719, "cudaErrorLaunchFailure", "unspecified launch failure", "LaunchFailureError", None, True),
+    (800, "cudaErrorNotPermitted", "operation not permitted", "NotPermittedError", PermissionError, False),
     (801, "cudaErrorNotSupported", "operation not supported", "NotSupportedError", None, False),
     (805, "cudaErrorMpsConnectionFailed",
      "MPS client failed to connect to the MPS control daemon or the MPS server", "MpsConnectionError",

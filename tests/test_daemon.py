@@ -212,7 +212,7 @@ def test_killed_client_is_reclaimed(ctx, daemon):
     worker.kill()
     worker.communicate()
     log = wait_for_log(daemon, f"Client {worker.pid} disconnected")
-    assert (f"Client {worker.pid} disconnected; reclaimed 4 allocations (1 GiB), 3 streams, 2 events, "
+    assert (f"Client {worker.pid} disconnected; reclaimed 4 allocations (1 GiB), 0 IPC imports, 3 streams, 2 events, "
             "1 host buffers") in log
     assert ctx.mem_get_info()[0] == free_before
     ctx.launch("spin", 264, 1024, [1000])

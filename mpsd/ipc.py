@@ -1,0 +1,182 @@
+# CUDA IPC across client processes: exports of device allocations and of interprocess events, held by the
+# daemon and named by 64-byte handles with a random secret. Opening a memory handle maps the exporter's memfd
+# segment into the importer's address space (the same bytes, charged once, to the exporter) and passes the
+# memfd itself back over SCM_RIGHTS. An event handle shares the event's record cell, so records, waits and
+# queries in any process see the same marker in the simulator.
+#
+# Lifetime (where CUDA says "undefined"): the bytes live until the exporter has freed the allocation (or
+# exited) and every importer has closed it (or exited); an importer never loses data to the exporter's exit.
+from __future__ import annotations
+
+import hmac
+import itertools
+import secrets
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from mpsd.memory import Allocation
+from mpsd_protocol import (  # type: ignore[attr-defined]
+    EVENT,
+    MEMORY,
+    DeviceUninitializedError,
+    InvalidResourceHandleError,
+    InvalidValueError,
+    IpcHandle,
+    NotPermittedError,
+)
+
+if TYPE_CHECKING:
+    from mpsd.context import Context, EventCell
+    from mpsd.servlog import ServerLog
+
+
+
+@dataclass(eq=False)
+class Export:
+    """One exported allocation or event."""
+
+    id: int
+    kind: int
+    secret: bytes
+    device: int
+    pid: int
+    uid: int
+    gid: int
+    allocation: Allocation | None = None  # memory exports
+    cell: EventCell | None = None  # event exports
+    importers: dict[int, Allocation] = field(default_factory=dict)  # context id -> its mapping
+    counts: dict[int, int] = field(default_factory=dict)  # context id -> opens not yet closed
+
+    def handle(self) -> bytes:
+        return IpcHandle(self.kind, self.device, self.id, self.secret).to_bytes()
+
+
+class IpcRegistry:
+    """Every export of one daemon."""
+
+    def __init__(self, access: str, log: ServerLog) -> None:
+        self.access = access  # who may open a handle: "uid" (the exporter's, CUDA's rule), "group", "any"
+        self.log = log
+        self._ids = itertools.count(1)
+        self._exports: dict[int, Export] = {}
+        self._by_allocation: dict[Allocation, Export] = {}
+
+    # -- memory ----------------------------------------------------------------------------------------
+    def export_memory(self, ctx: Context, ptr: int) -> bytes:
+        """``cudaIpcGetMemHandle``: the handle of the allocation based at `ptr` (the same one each time).
+
+        Raises:
+            InvalidValueError: `ptr` is not the base of an allocation this context made.
+        """
+        alloc = ctx.memory.get(ptr) if isinstance(ptr, int) else None
+        if alloc is None or alloc.imported:
+            raise InvalidValueError(f"{ptr!r:.20} is not the base of an allocation made by this context")
+        export = self._by_allocation.get(alloc)
+        if export is None:
+            export = self._new(ctx, MEMORY, allocation=alloc)
+            self._by_allocation[alloc] = export
+        return export.handle()
+
+    def open_memory(self, ctx: Context, handle: object) -> Allocation:
+        """``cudaIpcOpenMemHandle``: map the export into `ctx` (again: the same mapping, one more reference).
+
+        Raises:
+            InvalidValueError: malformed handle, or one for another device.
+            InvalidResourceHandleError: no such export (forged, or its memory is gone).
+            DeviceUninitializedError: opened in the exporting process.
+            NotPermittedError: the access policy refuses this client.
+        """
+        export = self._find(ctx, handle, MEMORY)
+        if export.pid == ctx.pid:
+            raise DeviceUninitializedError("an IPC memory handle cannot be opened in the process that exported it")
+        mapping = export.importers.get(ctx.id)
+        if mapping is None:
+            assert export.allocation is not None  # _find refuses exports whose memory was freed
+            segment = export.allocation.segment
+            mapping = ctx.memory.map_import(segment, export.allocation.size)
+            segment.refs += 1
+            export.importers[ctx.id] = mapping
+            ctx.imports[mapping.addr] = export
+        export.counts[ctx.id] = export.counts.get(ctx.id, 0) + 1
+        return mapping
+
+    def close_memory(self, ctx: Context, ptr: int) -> None:
+        """``cudaIpcCloseMemHandle``: one reference less; the mapping goes with the last.
+
+        Raises:
+            InvalidValueError: `ptr` is not a pointer this context opened.
+        """
+        export = ctx.imports.get(ptr) if isinstance(ptr, int) else None
+        if export is None:
+            raise InvalidValueError(f"{ptr!r:.20} is not a pointer opened from an IPC handle in this context")
+        export.counts[ctx.id] -= 1
+        if export.counts[ctx.id] == 0:
+            self._unmap(ctx, export)
+
+    def _unmap(self, ctx: Context, export: Export) -> None:
+        del export.counts[ctx.id]
+        mapping = export.importers.pop(ctx.id)
+        del ctx.imports[mapping.addr]
+        ctx.memory.remove(mapping.addr)
+        mapping.segment.release()
+        if export.allocation is None and not export.importers:
+            del self._exports[export.id]
+
+    def allocation_freed(self, alloc: Allocation) -> None:
+        """The exporter freed (or lost) an allocation: no new opens; existing mappings live on."""
+        export = self._by_allocation.pop(alloc, None)
+        if export is not None:
+            export.allocation = None
+            if not export.importers:
+                del self._exports[export.id]
+
+    # -- events ----------------------------------------------------------------------------------------
+    def export_event(self, ctx: Context, cell: EventCell) -> bytes:
+        """``cudaIpcGetEventHandle`` for an interprocess event's record cell."""
+        export = cell.export
+        if export is None:
+            export = cell.export = self._new(ctx, EVENT, cell=cell)
+        return export.handle()
+
+    def open_event(self, ctx: Context, handle: object) -> EventCell:
+        """``cudaIpcOpenEventHandle``: the shared record cell, for a new event in `ctx`."""
+        export = self._find(ctx, handle, EVENT)
+        assert export.cell is not None
+        return export.cell
+
+    def event_destroyed(self, cell: EventCell) -> None:
+        """An event was destroyed; the export goes when no event shares its cell any more."""
+        cell.users -= 1
+        if cell.users == 0 and cell.export is not None:
+            self._exports.pop(cell.export.id, None)
+
+    # -- clients ---------------------------------------------------------------------------------------
+    def context_closed(self, ctx: Context) -> None:
+        """Close everything a departing client imported; its own exports end with its allocations."""
+        for export in {id(e): e for e in ctx.imports.values()}.values():
+            self._unmap(ctx, export)
+
+    # -- shared ----------------------------------------------------------------------------------------
+    def _new(self, ctx: Context, kind: int, **what: object) -> Export:
+        export = Export(next(self._ids), kind, secrets.token_bytes(16), ctx.device.index, ctx.pid, ctx.uid,
+                        ctx.gid, **what)  # type: ignore[arg-type]
+        self._exports[export.id] = export
+        return export
+
+    def _find(self, ctx: Context, handle: object, kind: int) -> Export:
+        parsed = IpcHandle.from_bytes(handle, kind)
+        export = self._exports.get(parsed.export_id)
+        if export is None or not hmac.compare_digest(export.secret, parsed.secret) or (
+                kind == MEMORY and export.allocation is None):
+            raise InvalidResourceHandleError("no such IPC export (the handle is stale or forged)")
+        if parsed.device != ctx.device.index:
+            raise InvalidValueError(f"the handle is for device {parsed.device}, this context is on "
+                                    f"device {ctx.device.index}")
+        allowed = (self.access == "any" or ctx.uid == export.uid
+                   or (self.access == "group" and ctx.gid == export.gid))
+        if not allowed:
+            self.log.server(f"Client {ctx.pid} (uid {ctx.uid}) was refused an IPC handle exported by "
+                            f"client {export.pid} (uid {export.uid}); access policy: {self.access}")
+            raise NotPermittedError(f"the IPC access policy ({self.access}) does not let uid {ctx.uid} open a "
+                                    f"handle exported by uid {export.uid}")
+        return export
