@@ -8,7 +8,7 @@ from typing import Any
 from mpsd_protocol import CudaError
 
 from ._core import Core
-from ._objects import DevicePointer, HostBuffer, Stream
+from ._objects import DevicePointer, Event, HostBuffer, Stream
 
 
 class ContextBase:
@@ -59,7 +59,7 @@ class ContextBase:
             OutOfMemoryError: beyond the device's free memory or this client's pinned limit.
             InvalidValueError: `nbytes` is not a byte count.
         """
-        return self._drive(self._core.malloc(nbytes))
+        return self._drive(self._core.malloc(self, nbytes))
 
     def free(self, ptr: DevicePointer | int) -> Any:
         """``cudaFree``: waits for this context's work, then frees the allocation based at `ptr`.
@@ -68,6 +68,53 @@ class ContextBase:
             InvalidValueError: `ptr` is not the base of a live allocation of this context.
         """
         return self._drive(self._core.free(ptr))
+
+    def host_view(self, ptr: DevicePointer | int) -> Any:
+        """A writable memoryview of the device bytes from `ptr` to the end of its allocation (local or opened
+        from an IPC handle): the daemon's memfd, mapped here, so reading it copies nothing.
+
+        Raises:
+            InvalidValueError: `ptr` is in no live allocation of this context.
+        """
+        return self._drive(self._core.host_view(ptr))
+
+    def ipc_get_mem_handle(self, ptr: DevicePointer | int) -> Any:
+        """``cudaIpcGetMemHandle``: 64 bytes another process can open (the same handle for one allocation).
+
+        Raises:
+            InvalidValueError: `ptr` is not the base of an allocation this context made.
+        """
+        return self._drive(self._core.ipc_get_mem_handle(ptr))
+
+    def ipc_open_mem_handle(self, handle: bytes, flags: int = 1) -> Any:
+        """``cudaIpcOpenMemHandle``: the exported memory as a pointer in this context (opening it again gives
+        the same pointer and counts a reference). Its memfd is mapped here too, for `host_view`.
+
+        Raises:
+            InvalidValueError: a malformed handle, one for another device, or flags other than 1.
+            InvalidResourceHandleError: a stale or forged handle.
+            DeviceUninitializedError: opened in the process that exported it.
+            NotPermittedError: the daemon's IPC access policy refuses this process.
+        """
+        return self._drive(self._core.ipc_open_mem_handle(self, handle, flags))
+
+    def ipc_close_mem_handle(self, ptr: DevicePointer | int) -> Any:
+        """``cudaIpcCloseMemHandle``: one reference less; the mapping goes with the last (after the work queued
+        before it). The bytes live on while the exporter or another importer holds them."""
+        return self._drive(self._core.ipc_close_mem_handle(ptr))
+
+    def ipc_get_event_handle(self, event: Event) -> Any:
+        """``cudaIpcGetEventHandle``: for events created with ``interprocess=True, disable_timing=True``.
+
+        Raises:
+            InvalidResourceHandleError: the event is not an interprocess, disable-timing event.
+        """
+        return self._drive(self._core.ipc_get_event_handle(event))
+
+    def ipc_open_event_handle(self, handle: bytes) -> Any:
+        """``cudaIpcOpenEventHandle``: an Event of this context that shares the exported event's records
+        (record, synchronize, query and stream.wait_event work across processes; it disables timing)."""
+        return self._drive(self._core.ipc_open_event_handle(self, handle))
 
     def host_alloc(self, nbytes: int) -> Any:
         """``cudaHostAlloc``: a pinned `HostBuffer` of `nbytes`, shared with the daemon."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import fcntl
 import itertools
+import mmap
 import os
 from typing import Any, Generator
 
@@ -28,6 +29,7 @@ from mpsd_protocol import (  # type: ignore[attr-defined]
     Request,
     check_args,
     check_shape,
+    close_fds,
     error_from_wire,
 )
 
@@ -54,17 +56,26 @@ class Core:
         self.broken: CudaError | None = None  # set when the connection is gone: every later call fails
         self._pinned: dict[int, HostBuffer] = {}  # by id
         self._staging: list[HostBuffer] = []
+        self._maps: dict[int, tuple[mmap.mmap, int]] = {}  # base address -> mapping of its memfd, size
+        self._opens: dict[int, int] = {}  # IPC mapping -> opens not yet closed (the daemon counts the same)
         self._shapes: dict[tuple[Any, Any, Any], tuple[tuple[int, int, int], tuple[int, int, int]]] = {}
 
     # -- plumbing --------------------------------------------------------------------------------------
     def call(self, op: str, args: dict[str, Any], fds: tuple[int, ...] = ()) -> Op:
+        reply = yield from self.call_with_fds(op, args, fds)
+        close_fds(reply.fds)  # a reply carries fds only when asked for
+        return reply.result
+
+    def call_with_fds(self, op: str, args: dict[str, Any], fds: tuple[int, ...] = ()) -> Op:
+        """Like `call`, but returns the whole Reply: its fds are the caller's to close."""
         if self.broken is not None:
             raise self.broken
         reply = yield Request(next(self._ids) & 0xFFFFFFFF, op, args, fds)  # ids wrap at 32 bits
         assert isinstance(reply, Reply)
         if reply.error is not None:
+            close_fds(reply.fds)
             raise error_from_wire(reply.error)
-        return reply.result
+        return reply
 
     def notification_received(self, note: Notification) -> None:
         """The daemon told us something unasked: today only that it is closing us for a protocol error."""
@@ -125,12 +136,77 @@ class Core:
         return error
 
     # -- memory ----------------------------------------------------------------------------------------
-    def malloc(self, nbytes: int) -> Op:
+    def malloc(self, ctx: Any, nbytes: int) -> Op:
         addr = yield from self.call("malloc", {"nbytes": _count(nbytes, "malloc size")})
-        return DevicePointer(addr, nbytes)
+        return DevicePointer(addr, nbytes, ctx)
 
     def free(self, ptr: int) -> Op:
         yield from self.call("free", {"ptr": _address(ptr)})
+        self._unmap(int(ptr))
+
+    # -- mappings of device memory in this process (host_view, IPC) ------------------------------------
+    def _map(self, base: int, size: int, fd: int) -> mmap.mmap:
+        try:
+            mapping = mmap.mmap(fd, size) if size else mmap.mmap(-1, 1)
+        finally:
+            os.close(fd)
+        self._maps[base] = (mapping, size)
+        return mapping
+
+    def _unmap(self, base: int) -> None:
+        entry = self._maps.pop(base, None)
+        if entry is not None:
+            try:
+                entry[0].close()
+            except BufferError:
+                pass  # the user still holds a view; the mapping goes with it
+
+    def host_view(self, ptr: int) -> Op:
+        """A writable memoryview of the device bytes from `ptr` to the end of its allocation: the same
+        memory the daemon's kernels and copies use, mapped from its memfd."""
+        addr = _address(ptr)
+        for base, (mapping, size) in self._maps.items():
+            if base <= addr < base + size:
+                return memoryview(mapping)[addr - base:size]
+        reply = yield from self.call_with_fds("mem_fd", {"ptr": addr})
+        if len(reply.fds) != 1:
+            close_fds(reply.fds)
+            raise MpsRpcFailureError("the daemon sent no file descriptor for the mapping")
+        base, size = reply.result["base"], reply.result["size"]
+        mapping = self._map(base, size, reply.fds[0])
+        return memoryview(mapping)[addr - base:size]
+
+    def ipc_get_mem_handle(self, ptr: int) -> Op:
+        return bytes((yield from self.call("ipc_get_mem_handle", {"ptr": _address(ptr)})))
+
+    def ipc_open_mem_handle(self, ctx: Any, handle: bytes, flags: int) -> Op:
+        reply = yield from self.call_with_fds("ipc_open_mem_handle", {"handle": _handle_bytes(handle),
+                                                                      "flags": flags})
+        if len(reply.fds) != 1:
+            close_fds(reply.fds)
+            raise MpsRpcFailureError("the daemon sent no file descriptor for the IPC mapping")
+        ptr, size = reply.result["ptr"], reply.result["size"]
+        if ptr in self._maps:
+            os.close(reply.fds[0])  # opened before: the same mapping, one more reference
+        else:
+            self._map(ptr, size, reply.fds[0])
+        self._opens[ptr] = self._opens.get(ptr, 0) + 1
+        return DevicePointer(ptr, size, ctx)
+
+    def ipc_close_mem_handle(self, ptr: int) -> Op:
+        yield from self.call("ipc_close_mem_handle", {"ptr": _address(ptr)})
+        left = self._opens.pop(int(ptr), 1) - 1
+        if left:
+            self._opens[int(ptr)] = left
+        else:
+            self._unmap(int(ptr))
+
+    def ipc_get_event_handle(self, event: Event) -> Op:
+        return bytes((yield from self.call("ipc_get_event_handle", {"event": self._event(event)})))
+
+    def ipc_open_event_handle(self, ctx: Any, handle: bytes) -> Op:
+        handle_id = yield from self.call("ipc_open_event_handle", {"handle": _handle_bytes(handle)})
+        return Event(ctx, handle_id, True, True)
 
     def host_alloc(self, nbytes: int) -> Op:
         if not isinstance(nbytes, int) or nbytes <= 0:
@@ -282,6 +358,13 @@ class Core:
         return Notification("launch", {"name": name, "grid": shape[0], "block": shape[1],
                                        "args": check_args(name, params, args), "shared_mem": shared_mem,
                                        "stream": self._stream(stream)})
+
+
+def _handle_bytes(handle: Any) -> bytes:
+    try:
+        return bytes(handle)
+    except TypeError:
+        raise InvalidValueError(f"{type(handle).__name__} is not an IPC handle (64 bytes)") from None
 
 
 def _plain(value: Any) -> bool:

@@ -17,11 +17,26 @@ class DevicePointer(int):
     """
 
     size: int
+    ctx: ContextBase | None
 
-    def __new__(cls, addr: int, size: int = 0) -> DevicePointer:
+    def __new__(cls, addr: int, size: int = 0, ctx: ContextBase | None = None) -> DevicePointer:
         self = super().__new__(cls, addr)
         self.size = max(int(size), 0)
+        self.ctx = ctx
         return self
+
+    def host_view(self) -> Any:
+        """A writable memoryview of the device bytes from here to the end of the allocation, shared with the
+        daemon (no copy): what a kernel wrote is there once it has completed. Awaitable on an AsyncContext.
+
+        Raises:
+            InvalidValueError: the pointer was not made by a context (build one with ``ctx.host_view(p)``).
+        """
+        if self.ctx is None:
+            from mpsd_protocol import InvalidValueError  # type: ignore[attr-defined]
+
+            raise InvalidValueError("this pointer belongs to no context: use ctx.host_view(ptr)")
+        return self.ctx.host_view(self)
 
     @property
     def addr(self) -> int:
@@ -30,7 +45,7 @@ class DevicePointer(int):
     def __add__(self, offset: object) -> DevicePointer:
         if not isinstance(offset, int):
             return NotImplemented
-        return DevicePointer(int(self) + offset, self.size - offset)
+        return DevicePointer(int(self) + offset, self.size - offset, self.ctx)
 
     __radd__ = __add__
 
@@ -39,7 +54,7 @@ class DevicePointer(int):
             return int(self) - int(offset)  # a distance, like pointer subtraction in C
         if not isinstance(offset, int):
             return NotImplemented
-        return DevicePointer(int(self) - offset, self.size + offset)
+        return DevicePointer(int(self) - offset, self.size + offset, self.ctx)
 
     def __repr__(self) -> str:
         return f"DevicePointer({int(self):#x}, size={self.size})"
