@@ -1,0 +1,372 @@
+# CUDA IPC across real processes: memory handles (the memfd really passed over SCM_RIGHTS and mapped), event
+# handles ordering work across processes, lifetimes past the exporter, CUDA's error cases, the access policy
+# with a real second user, and no file descriptor leaks in either process.
+from __future__ import annotations
+
+import gc
+import json
+import os
+import pwd
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import mpsd_client
+from daemons import spawn_worker, start_daemon
+from mpsd_client import (
+    DeviceUninitializedError,
+    InvalidResourceHandleError,
+    InvalidValueError,
+)
+
+MiB = 1 << 20
+
+
+def export_from_worker(daemon, code: str) -> tuple[subprocess.Popen[str], list[str]]:
+    """Start an exporting worker; it prints lines (handles as hex) and then waits for a line on stdin."""
+    worker = spawn_worker(code, daemon.pipe_dir)
+    lines = []
+    while (line := worker.stdout.readline().strip()) != "ready":
+        assert line, worker.stderr.read()
+        lines.append(line)
+    return worker, lines
+
+
+def finish(worker: subprocess.Popen[str]) -> str:
+    out, err = worker.communicate("go\n", timeout=60)
+    assert worker.returncode == 0, err
+    return out
+
+
+EXPORTER = """
+    import mpsd_client
+    ctx = mpsd_client.connect()
+    p = ctx.malloc(4 * MiB)
+    ctx.launch("fill_f32", 1024, 1024, [p, 2.5, MiB])
+    ctx.synchronize()
+    print(ctx.ipc_get_mem_handle(p).hex())
+    print("ready", flush=True)
+    input()
+""".replace("MiB", str(MiB))
+
+
+def test_imported_memory_is_the_same_bytes(daemon):
+    """An importer sees the exporter's bytes, through kernels, copies and a zero-copy host_view, and its
+    writes are seen by the exporter."""
+    worker, (handle,) = export_from_worker(daemon, EXPORTER + """
+    print(float(__import__("numpy").frombuffer(p.host_view(), "float32")[:4].sum()))
+    """)
+    with mpsd_client.connect(daemon.pipe_dir) as ctx:
+        q = ctx.ipc_open_mem_handle(bytes.fromhex(handle))
+        assert q.size == 4 * MiB
+        view = np.frombuffer(q.host_view(), np.float32)
+        assert view.shape == (MiB,) and (view == 2.5).all()
+        out = ctx.malloc(4)
+        ctx.launch("reduce_sum_f32", 256, 256, [q, out, MiB])
+        total = np.empty(1, np.float32)
+        ctx.memcpy_dtoh(total, out)
+        assert total[0] == 2.5 * MiB
+        ctx.launch("fill_f32", 1, 4, [q, 1.0, 4])  # write through the import
+        ctx.synchronize()
+        assert view[:5].tolist() == [1.0, 1.0, 1.0, 1.0, 2.5]
+        del view
+        ctx.ipc_close_mem_handle(q)
+    assert finish(worker).strip() == "4.0"
+
+
+def test_opening_twice_gives_the_same_pointer_and_counts(daemon):
+    """Opening a handle again in one context returns the same pointer; it stays mapped until closed as often."""
+    worker, (handle,) = export_from_worker(daemon, EXPORTER)
+    with mpsd_client.connect(daemon.pipe_dir) as ctx:
+        q1 = ctx.ipc_open_mem_handle(bytes.fromhex(handle))
+        q2 = ctx.ipc_open_mem_handle(bytes.fromhex(handle))
+        assert q1 == q2
+        ctx.ipc_close_mem_handle(q1)
+        ctx.memset(q2, 0, 16)  # still mapped
+        ctx.ipc_close_mem_handle(q2)
+        with pytest.raises(InvalidValueError):
+            ctx.memset(q2, 0, 16)  # gone now
+        with pytest.raises(InvalidValueError):
+            ctx.ipc_close_mem_handle(q2)
+    finish(worker)
+
+
+def test_handles_follow_cuda_rules_in_the_exporter(ctx):
+    """Handles only for allocation bases; the same handle each time; a new one for a new allocation at a
+    reused address; no opening in the exporting process."""
+    p = ctx.malloc(MiB)
+    with pytest.raises(InvalidValueError):
+        ctx.ipc_get_mem_handle(p + 512)
+    handle = ctx.ipc_get_mem_handle(p)
+    assert len(handle) == 64 and ctx.ipc_get_mem_handle(p) == handle
+    with pytest.raises(DeviceUninitializedError):
+        ctx.ipc_open_mem_handle(handle)
+    ctx.free(p)
+    p2 = ctx.malloc(MiB)
+    assert p2 == p and ctx.ipc_get_mem_handle(p2) != handle
+
+
+def test_bad_handles_are_errors_not_crashes(daemon_factory):
+    """Forged, stale, malformed and foreign-device handles and bad flags get CUDA's errors."""
+    d = start_daemon("--time-scale", "100", "--devices", "h200:2")
+    daemon_factory.append(d)
+    worker, (handle_hex, stale_hex) = export_from_worker(d, """
+        import mpsd_client
+        ctx = mpsd_client.connect()
+        p, gone = ctx.malloc(4096), ctx.malloc(4096)
+        print(ctx.ipc_get_mem_handle(p).hex())
+        print(ctx.ipc_get_mem_handle(gone).hex())
+        ctx.free(gone)
+        print("ready", flush=True)
+        input()
+    """)
+    handle, stale = bytes.fromhex(handle_hex), bytes.fromhex(stale_hex)
+    forged = handle[:16] + bytes(16) + handle[32:]
+    with mpsd_client.connect(d.pipe_dir) as ctx, mpsd_client.connect(d.pipe_dir, device=1) as other_device:
+        for bad, error in ((forged, InvalidResourceHandleError), (stale, InvalidResourceHandleError),
+                           (b"\x00" * 64, InvalidValueError), (handle[:63], InvalidValueError),
+                           (b"x" * 64, InvalidValueError)):
+            with pytest.raises(error):
+                ctx.ipc_open_mem_handle(bad)
+        with pytest.raises(InvalidValueError):
+            ctx.ipc_open_mem_handle(handle, flags=0)
+        with pytest.raises(InvalidValueError):
+            other_device.ipc_open_mem_handle(handle)
+        q = ctx.ipc_open_mem_handle(handle)
+        with pytest.raises(InvalidValueError):
+            ctx.free(q)  # an import is closed, not freed
+        e = ctx.create_event()
+        with pytest.raises(InvalidResourceHandleError):
+            ctx.ipc_get_event_handle(e)  # not interprocess
+        with pytest.raises(InvalidValueError):
+            ctx.ipc_open_event_handle(handle)  # a memory handle is not an event handle
+        ctx.ipc_close_mem_handle(q)
+    finish(worker)
+
+
+def test_importer_keeps_the_bytes_after_the_exporter_dies(daemon):
+    """SIGKILL the exporter while an importer holds the memory: the importer reads on, and the memory is
+    counted once until the importer closes it."""
+    worker, (handle,) = export_from_worker(daemon, EXPORTER)
+    with mpsd_client.connect(daemon.pipe_dir) as ctx:
+        free_with_exporter = ctx.mem_get_info()[0]
+        q = ctx.ipc_open_mem_handle(bytes.fromhex(handle))
+        assert ctx.mem_get_info()[0] == free_with_exporter  # importing costs nothing more
+        worker.kill()
+        worker.communicate()
+        from test_daemon import wait_for_log
+
+        wait_for_log(daemon, f"Client {worker.pid} disconnected")
+        # the exporter's context is gone, its 4 MiB are not: still counted until we close
+        assert ctx.mem_get_info()[0] == free_with_exporter + 538_339_472
+        out = np.empty(MiB, np.float32)
+        ctx.memcpy_dtoh(out, q)
+        assert (out == 2.5).all()
+        ctx.ipc_close_mem_handle(q)
+        assert ctx.mem_get_info()[0] == free_with_exporter + 538_339_472 + 4 * MiB
+        with pytest.raises(InvalidResourceHandleError):
+            ctx.ipc_open_mem_handle(bytes.fromhex(handle))  # nothing left to open
+
+
+def test_shared_weights_are_counted_once(daemon):
+    """Four workers open one exported buffer: the device is charged for it once, and they for nothing."""
+    worker, (handle,) = export_from_worker(daemon, EXPORTER)
+    with mpsd_client.connect(daemon.pipe_dir) as observer:
+        free = observer.mem_get_info()[0]
+        code = """
+            import json, sys, mpsd_client
+            ctx = mpsd_client.connect()
+            q = ctx.ipc_open_mem_handle(bytes.fromhex(sys.argv[1]))
+            print(json.dumps({"used": ctx.statistics()["memory_used"], "first": list(q.host_view()[:4])}),
+                  flush=True)
+            input()
+        """
+        readers = [spawn_worker(code, daemon.pipe_dir, handle) for _ in range(4)]
+        reports = [json.loads(r.stdout.readline()) for r in readers]
+        assert all(r["used"] == 0 and r["first"] == [0, 0, 32, 64] for r in reports)  # 2.5 as float32
+        assert observer.mem_get_info()[0] == free - 4 * 538_339_472  # their contexts, not the weights again
+        for r in readers:
+            r.communicate("\n", timeout=60)
+    finish(worker)
+
+
+def test_simple_ipc_ring(daemon):
+    """simpleIPC: N processes each wait on buffer (i+id)%N's IPC event, fill it with byte id and record the
+    event; at the end each finds its own buffer holds (id+1)%N."""
+    n = 4
+    code = """
+        import sys, mpsd_client
+        rank, n = int(sys.argv[1]), int(sys.argv[2])
+        ctx = mpsd_client.connect()
+        mine = ctx.malloc(1 << 16)
+        ctx.memset(mine, 255, 1 << 16)
+        done = ctx.create_event(disable_timing=True, interprocess=True)
+        done.record()                      # "my buffer is ready"
+        ctx.synchronize()
+        print(ctx.ipc_get_mem_handle(mine).hex(), ctx.ipc_get_event_handle(done).hex(), flush=True)
+        peers = [line.split() for line in sys.stdin.readline().strip().split(";")]
+        target = (rank + 1) % n            # the ring: buffer (i + id) % N with i = 1
+        buf = ctx.ipc_open_mem_handle(bytes.fromhex(peers[target][0]))
+        event = ctx.ipc_open_event_handle(bytes.fromhex(peers[target][1]))
+        s = ctx.create_stream()
+        s.wait_event(event)                # wait until its owner has finished with it
+        ctx.memset(buf, rank, 1 << 16, stream=s)
+        event.record(s)                    # records into the shared event
+        s.synchronize()
+        print("wrote", flush=True)
+        sys.stdin.readline()               # everyone has written
+        writer = (rank - 1) % n
+        got = set(ctx.host_view(mine))
+        print("ok" if got == {writer} else f"bad {got}", flush=True)
+    """
+    workers = [spawn_worker(code, daemon.pipe_dir, str(rank), str(n)) for rank in range(n)]
+    handles = [w.stdout.readline().strip() for w in workers]
+    table = ";".join(handles) + "\n"
+    for w in workers:
+        w.stdin.write(table)
+        w.stdin.flush()
+    assert [w.stdout.readline().strip() for w in workers] == ["wrote"] * n
+    results = [w.communicate("\n", timeout=60) for w in workers]
+    assert [out.strip() for out, _ in results] == ["ok"] * n, [err for _, err in results]
+
+
+def test_events_order_work_across_processes(realtime_daemon):
+    """A consumer's stream waits on the producer's interprocess event: its kernel starts only after the
+    producer's long kernel, and its query and synchronize follow the producer's record."""
+    worker = spawn_worker("""
+        import mpsd_client
+        ctx = mpsd_client.connect()
+        e = ctx.create_event(disable_timing=True, interprocess=True)
+        print(ctx.ipc_get_event_handle(e).hex(), flush=True)
+        input()
+        ctx.launch("spin", 1, 32, [int(0.3 * 1.98e9)])   # 0.3 s
+        e.record()
+        print("recorded", flush=True)
+        input()
+    """, realtime_daemon.pipe_dir)
+    handle = bytes.fromhex(worker.stdout.readline().strip())
+    with mpsd_client.connect(realtime_daemon.pipe_dir) as ctx:
+        event = ctx.ipc_open_event_handle(handle)
+        assert event.query()  # never recorded yet: complete
+        worker.stdin.write("\n")
+        worker.stdin.flush()
+        assert worker.stdout.readline().strip() == "recorded"
+        assert not event.query()
+        s = ctx.create_stream()
+        s.wait_event(event)
+        p = ctx.malloc(16)
+        ctx.launch("fill_f32", 1, 4, [p, 9.0, 4], stream=s)
+        assert not s.query()
+        event.synchronize()
+        s.synchronize()
+        assert np.frombuffer(p.host_view(), np.float32).tolist() == [9.0] * 4
+        with pytest.raises(InvalidResourceHandleError):
+            event.elapsed_ms(event)  # an opened event disables timing
+    worker.communicate("\n", timeout=60)
+
+
+def _fds(pid: int) -> int:
+    gc.collect()  # objects of earlier tests closing their fds late must not count here
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def test_no_fd_leaks_over_thousands_of_cycles(daemon):
+    """Two thousand get/open/host_view/close cycles leave the importer's and the daemon's fd counts as
+    they were."""
+    worker, (handle_hex,) = export_from_worker(daemon, EXPORTER)
+    handle = bytes.fromhex(handle_hex)
+    with mpsd_client.connect(daemon.pipe_dir) as ctx:
+        q = ctx.ipc_open_mem_handle(handle)
+        ctx.ipc_close_mem_handle(q)  # warm: the first calls create what stays (staging and so on)
+        ours, theirs = _fds(os.getpid()), _fds(daemon.proc.pid)
+        for _ in range(2000):
+            q = ctx.ipc_open_mem_handle(handle)
+            assert q.host_view()[0] == 0
+            ctx.ipc_close_mem_handle(q)
+        assert (_fds(os.getpid()), _fds(daemon.proc.pid)) == (ours, theirs)
+    finish(worker)
+
+
+SECOND_USER = "mpsd-ipc-test"
+
+
+def _second_user() -> pwd.struct_passwd | None:
+    """A real second user, created when we are root; None (with the test skipped) otherwise."""
+    if os.geteuid() != 0:
+        return None
+    try:
+        return pwd.getpwnam(SECOND_USER)
+    except KeyError:
+        pass
+    if shutil.which("useradd") is None:
+        return None
+    subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", SECOND_USER],
+                   check=True, capture_output=True)
+    return pwd.getpwnam(SECOND_USER)
+
+
+def _try_open(pipe_dir, handle: bytes) -> str:
+    with mpsd_client.connect(pipe_dir) as ctx:
+        try:
+            return f"opened {ctx.ipc_open_mem_handle(handle).host_view()[3]}"
+        except mpsd_client.CudaError as exc:
+            return exc.name
+
+
+def _as_user(user: pwd.struct_passwd, work) -> str:
+    """Run `work` in a forked child that has become `user` (the interpreter is already loaded, so the child
+    needs no access to where Python lives), and return what it returned."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        status = 1
+        try:
+            os.close(read)
+            os.setgroups([])
+            os.setgid(user.pw_gid)
+            os.setuid(user.pw_uid)
+            os.write(write, work().encode())
+            status = 0
+        finally:
+            os._exit(status)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        answer = pipe.read()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, answer
+    return answer
+
+
+@pytest.mark.parametrize("access,allowed", [("uid", False), ("group", False), ("any", True)])
+def test_access_policy_with_a_real_second_user(daemon_factory, access, allowed):
+    """By default only the exporter's uid may open its handles; a denied open is cudaErrorNotPermitted and
+    logged; --ipc-access any lets another user in."""
+    user = _second_user()
+    if user is None:
+        pytest.skip("needs root to create a second user (useradd)")
+    d = start_daemon("--time-scale", "100", "--ipc-access", access)
+    daemon_factory.append(d)
+    for path in (d.pipe_dir.parent, d.pipe_dir):
+        os.chmod(path, 0o755)  # let the second user reach the socket at all: the policy is what is tested
+    os.chmod(d.socket_path, 0o777)
+    worker, (handle,) = export_from_worker(d, EXPORTER)
+    assert _as_user(user, lambda: _try_open(d.pipe_dir, bytes.fromhex(handle))) == (
+        "opened 64" if allowed else "cudaErrorNotPermitted")
+    if not allowed:
+        assert f"(uid {user.pw_uid}) was refused an IPC handle" in d.server_log()
+    finish(worker)
+
+
+def test_example_pipeline_runs():
+    """examples/ipc_pipeline.py, the example users run, completes and checks its own results."""
+    from pathlib import Path
+
+    example = Path(__file__).parent.parent / "examples" / "ipc_pipeline.py"
+    if not example.exists():
+        pytest.skip("examples/ipc_pipeline.py is not written yet")
+    result = subprocess.run([sys.executable, str(example)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
