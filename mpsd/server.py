@@ -147,6 +147,8 @@ class Daemon:
             "sm_cap": context.quotas.sm_cap, "pinned_mem_limit": context.quotas.pinned_mem_limit,
             "priority": context.quotas.priority,
             "memory_used": context.used, "memory_peak": counters.peak_used,
+            "memory_imported": sum(export.importers[context.id].size for export in
+                                   {id(e): e for e in context.imports.values()}.values()),
             "launches": counters.launches, "copies": counters.copies, "bytes_copied": counters.bytes_copied,
             "kernels_completed": mine.kernels if mine else 0,
             "blocks_completed": mine.blocks if mine else 0,

@@ -181,13 +181,15 @@ def test_shared_weights_are_counted_once(daemon):
             import json, sys, mpsd_client
             ctx = mpsd_client.connect()
             q = ctx.ipc_open_mem_handle(bytes.fromhex(sys.argv[1]))
-            print(json.dumps({"used": ctx.statistics()["memory_used"], "first": list(q.host_view()[:4])}),
-                  flush=True)
+            stats = ctx.statistics()
+            print(json.dumps({"used": stats["memory_used"], "imported": stats["memory_imported"],
+                              "first": list(q.host_view()[:4])}), flush=True)
             input()
         """
         readers = [spawn_worker(code, daemon.pipe_dir, handle) for _ in range(4)]
         reports = [json.loads(r.stdout.readline()) for r in readers]
-        assert all(r["used"] == 0 and r["first"] == [0, 0, 32, 64] for r in reports)  # 2.5 as float32
+        assert all(r["used"] == 0 and r["imported"] == 4 * MiB and r["first"] == [0, 0, 32, 64]  # 2.5 as f32
+                   for r in reports)
         assert observer.mem_get_info()[0] == free - 4 * 538_339_472  # their contexts, not the weights again
         for r in readers:
             r.communicate("\n", timeout=60)
