@@ -57,6 +57,7 @@ class Core:
         self._pinned: dict[int, HostBuffer] = {}  # by id
         self._staging: list[HostBuffer] = []
         self._maps: dict[int, tuple[mmap.mmap, int]] = {}  # base address -> mapping of its memfd, size
+        self._handles: dict[int, bytes] = {}  # allocation base -> its IPC handle
         self._opens: dict[int, int] = {}  # IPC mapping -> opens not yet closed (the daemon counts the same)
         self._shapes: dict[tuple[Any, Any, Any], tuple[tuple[int, int, int], tuple[int, int, int]]] = {}
 
@@ -143,6 +144,7 @@ class Core:
     def free(self, ptr: int) -> Op:
         yield from self.call("free", {"ptr": _address(ptr)})
         self._unmap(int(ptr))
+        self._handles.pop(int(ptr), None)
 
     # -- mappings of device memory in this process (host_view, IPC) ------------------------------------
     def _map(self, base: int, size: int, fd: int) -> mmap.mmap:
@@ -177,7 +179,11 @@ class Core:
         return memoryview(mapping)[addr - base:size]
 
     def ipc_get_mem_handle(self, ptr: int) -> Op:
-        return bytes((yield from self.call("ipc_get_mem_handle", {"ptr": _address(ptr)})))
+        addr = _address(ptr)
+        handle = self._handles.get(addr)
+        if handle is None:  # one allocation has one handle: ask once (free forgets it)
+            handle = self._handles[addr] = bytes((yield from self.call("ipc_get_mem_handle", {"ptr": addr})))
+        return handle
 
     def ipc_open_mem_handle(self, ctx: Any, handle: bytes, flags: int) -> Op:
         reply = yield from self.call_with_fds("ipc_open_mem_handle", {"handle": _handle_bytes(handle),
@@ -194,8 +200,12 @@ class Core:
         return DevicePointer(ptr, size, ctx)
 
     def ipc_close_mem_handle(self, ptr: int) -> Op:
-        yield from self.call("ipc_close_mem_handle", {"ptr": _address(ptr)})
-        left = self._opens.pop(int(ptr), 1) - 1
+        addr = _address(ptr)
+        if addr not in self._opens:
+            raise InvalidValueError(f"{addr:#x} is not a pointer opened from an IPC handle in this context")
+        # Known good here, so the daemon needs no round trip: it unmaps once the work queued before is done.
+        yield Notification("ipc_close_mem_handle", {"ptr": addr})
+        left = self._opens.pop(addr) - 1
         if left:
             self._opens[int(ptr)] = left
         else:

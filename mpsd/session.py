@@ -64,6 +64,9 @@ class Deferred:
     ops: list[Op | None]
     then: Callable[[], Any] = lambda: None
 
+    def ready(self) -> bool:
+        return all(op is None or op.done for op in self.ops)
+
 
 def peer_credentials(sock: Any) -> tuple[int, int, int]:
     """(pid, uid, gid) of the process at the other end, from SO_PEERCRED: the only identity we trust."""
@@ -199,13 +202,19 @@ class Session:
         elif isinstance(result, WithFds):
             self._reply(request.id, None, result.result, result.fds)
         elif isinstance(result, Deferred):
-            assert self._nursery is not None
-            self._nursery.start_soon(self._finish, request.id, result)
+            if result.ready():
+                self._complete(request.id, result)  # nothing to wait for: answer now, in order
+            else:
+                assert self._nursery is not None
+                self._nursery.start_soon(self._finish, request.id, result)
         else:
             self._reply(request.id, None, result)
 
     async def _finish(self, request_id: int, deferred: Deferred) -> None:
         await self.daemon.device_of(self._ctx).engine.wait_all(deferred.ops)
+        self._complete(request_id, deferred)
+
+    def _complete(self, request_id: int, deferred: Deferred) -> None:
         try:
             self._ctx.check_usable()
             if self._ctx.last_error is not None:
@@ -227,7 +236,27 @@ class Session:
             if handler is None:
                 raise InvalidValueError(f"unknown notification {note.op!r:.60}")
             self._ctx.check_usable()
-            _call(handler, note.args, ())
+            result = _call(handler, note.args, ())
+        except CudaError as exc:
+            if self._ctx.sticky is None:
+                self._ctx.last_error = exc
+            return
+        if isinstance(result, Deferred):  # fire-and-forget work that must wait for the GPU first
+            if result.ready():
+                self._complete_quietly(result)
+            else:
+                assert self._nursery is not None
+                self._nursery.start_soon(self._finish_quietly, result)
+        elif isinstance(result, WithFds):
+            close_fds(result.fds)
+
+    async def _finish_quietly(self, deferred: Deferred) -> None:
+        await self.daemon.device_of(self._ctx).engine.wait_all(deferred.ops)
+        self._complete_quietly(deferred)
+
+    def _complete_quietly(self, deferred: Deferred) -> None:
+        try:
+            deferred.then()
         except CudaError as exc:
             if self._ctx.sticky is None:
                 self._ctx.last_error = exc

@@ -1,0 +1,180 @@
+"""IPC open: p50 and p99 of get-handle + open + host_view + close of a 1 MiB buffer exported by another process,
+beside a raw SCM_RIGHTS pass of a memfd plus mmap between two processes, measured in the same run.
+
+    .venv/bin/python bench/ipc_open.py [--n 1000] [--repeat 5] [--json]
+
+One exporter process (this file run with `--exporter`) serves both sides over one Unix socketpair. It holds a
+1 MiB device buffer (filled with 1.5 on the GPU) and a 1 MiB memfd (filled with 1.5 by hand). The benchmark
+process is the importer, and a sample is the same interval on both sides, from sending a one-byte request to
+the exporter until the buffer is gone again here:
+
+    mpsd  request -> exporter: ctx.ipc_get_mem_handle(p), 64 bytes back -> ipc_open_mem_handle -> host_view()
+          -> read the first and the last byte -> release the view -> ipc_close_mem_handle
+    raw   request -> exporter: 64 bytes + the memfd by SCM_RIGHTS back -> mmap 1 MiB, close the fd
+          -> read the first and the last byte -> munmap
+
+(ipc_open_mem_handle maps the daemon's memfd, which comes with its reply, and closes the fd; host_view then
+hands out a view of that mapping without another request, and the last close unmaps it.) The two sides
+alternate, block by block, as in rpc_latency. Target: our p50 at most 2x the raw p50.
+"""
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _harness as h  # noqa: E402
+
+TARGET = 2.0           # our p50 / raw p50, at most
+SIZE = 1 << 20         # the buffer: 1 MiB
+HANDLE_SIZE = 64       # a cudaIpcMemHandle_t; the raw side sends as many bytes with its fd
+FILL = 1.5             # float32 0x3fc00000: little-endian bytes 00 00 c0 3f
+FIRST, LAST = 0x00, 0x3F
+OURS, RAW = b"o", b"r"  # the importer's requests
+
+
+# -- the exporter (a separate process) -----------------------------------------------------------------------
+def _exporter(fd: int, pipe_dir: str) -> None:
+    """Serve requests until end of file: `o` -> ctx.ipc_get_mem_handle(p); `r` -> 64 bytes and the memfd."""
+    import numpy as np
+
+    import mpsd_client
+
+    sock = socket.socket(fileno=fd)
+    with mpsd_client.connect(pipe_dir) as ctx:
+        p = ctx.malloc(SIZE)
+        ctx.launch("fill_f32", SIZE // 4 // 256, 256, [p, FILL, SIZE // 4])
+        ctx.synchronize()
+        memfd = os.memfd_create("ipc-open-raw", os.MFD_CLOEXEC)
+        os.ftruncate(memfd, SIZE)
+        with mmap.mmap(memfd, SIZE) as m:
+            np.frombuffer(m, np.float32)[:] = FILL  # touch every page, as the daemon's fill did
+        payload = [bytes(HANDLE_SIZE)]
+        sock.sendall(b"!")  # ready
+        while request := sock.recv(1):
+            if request == OURS:
+                sock.sendall(ctx.ipc_get_mem_handle(p))
+            else:
+                socket.send_fds(sock, payload, [memfd])
+
+
+@contextlib.contextmanager
+def exporter(pipe_dir: Path, cpu: int | None) -> Iterator[socket.socket]:
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    proc = subprocess.Popen([sys.executable, __file__, "--exporter", str(theirs.fileno()), str(pipe_dir)],
+                            pass_fds=[theirs.fileno()])
+    theirs.close()
+    try:
+        if ours.recv(1) != b"!":
+            raise RuntimeError("the exporter did not start")
+        if cpu is not None:
+            h.pin(proc.pid, cpu)
+        yield ours
+    finally:
+        ours.close()
+        if proc.wait(timeout=10) != 0:
+            raise RuntimeError(f"the exporter exited {proc.returncode}")
+
+
+# -- the two sides, as seen by the importer ------------------------------------------------------------------
+def block_ours(ctx, sock: socket.socket, n: int, warmup: int) -> list[float]:
+    clock = time.perf_counter_ns
+    samples = [0.0] * n
+    for i in range(-warmup, n):
+        t0 = clock()
+        sock.sendall(OURS)
+        handle = sock.recv(HANDLE_SIZE, socket.MSG_WAITALL)
+        q = ctx.ipc_open_mem_handle(handle)
+        view = q.host_view()
+        first, last = view[0], view[SIZE - 1]
+        view.release()
+        ctx.ipc_close_mem_handle(q)
+        elapsed = (clock() - t0) / 1000.0
+        assert (first, last) == (FIRST, LAST), (first, last)
+        if i >= 0:
+            samples[i] = elapsed
+    return samples
+
+
+def block_raw(sock: socket.socket, n: int, warmup: int) -> list[float]:
+    clock = time.perf_counter_ns
+    samples = [0.0] * n
+    for i in range(-warmup, n):
+        t0 = clock()
+        sock.sendall(RAW)
+        _payload, fds, _flags, _addr = socket.recv_fds(sock, HANDLE_SIZE, 1, socket.MSG_WAITALL)
+        try:
+            mapping = mmap.mmap(fds[0], SIZE)
+        finally:
+            os.close(fds[0])
+        first, last = mapping[0], mapping[SIZE - 1]
+        mapping.close()
+        elapsed = (clock() - t0) / 1000.0
+        assert (first, last) == (FIRST, LAST), (first, last)
+        if i >= 0:
+            samples[i] = elapsed
+    return samples
+
+
+def main() -> int:
+    args = h.parser(__doc__.splitlines()[0], n=1000, repeat=5, warmup=50).parse_args()
+    h.prepare_dirs(args)
+    import mpsd_client
+
+    started = time.monotonic()
+    ours: list[list[float]] = []
+    raw: list[list[float]] = []
+    server_cpu = h.SERVER_CPU if args.pin else None
+    with contextlib.ExitStack() as stack:
+        d = stack.enter_context(h.daemon(time_scale=1.0, profile_dir=args.profile, py_spy_dir=args.py_spy,
+                                         cpu=server_cpu))
+        ctx = stack.enter_context(mpsd_client.connect(d.pipe_dir))
+        sock = stack.enter_context(exporter(d.pipe_dir, server_cpu))
+        if args.pin:
+            h.pin(0, h.CLIENT_CPU)
+        for r in range(args.repeat):
+            profiling = h.client_profile(args.profile, args.py_spy, "ipc_open_client") if r == 0 \
+                else contextlib.nullcontext()
+            with profiling:
+                ours.append(block_ours(ctx, sock, args.n, args.warmup))
+            if not args.skip_baseline:
+                raw.append(block_raw(sock, args.n, args.warmup))
+
+    o50, o99 = h.percentiles(ours)
+    rows = [("sample", ("request -> exporter's ipc_get_mem_handle -> ipc_open_mem_handle -> host_view, read 2 "
+                        "bytes -> ipc_close_mem_handle (1 MiB, private daemon, blocking clients)")),
+            ("samples", f"{args.repeat} x {args.n} per side, alternating blocks, {args.warmup} warm-up per block"),
+            ("mpsd p50 / p99", f"{o50:.1f} us / {o99:.1f} us")]
+    line = {"bench": "ipc_open", "n": args.n, "repeat": args.repeat, "size": SIZE, "p50_us": round(o50, 2),
+            "p99_us": round(o99, 2), "target_ratio": TARGET}
+    verdict = None
+    if raw:
+        r50, r99 = h.percentiles(raw)
+        ratio50, ratio99 = o50 / r50, o99 / r99
+        per_block = [h.percentile(sorted(a), 50) / h.percentile(sorted(b), 50) for a, b in zip(ours, raw)]
+        verdict = ratio50 <= TARGET
+        rows += [("raw p50 / p99", (f"{r50:.1f} us / {r99:.1f} us   (request -> memfd by SCM_RIGHTS -> mmap, "
+                                    "read 2 bytes, munmap; 2 processes over a socketpair)")),
+                 ("ratio p50 (p99)", f"{ratio50:.2f}x ({ratio99:.2f}x);  p50 ratio per block "
+                                     + " ".join(f"{v:.2f}" for v in per_block)),
+                 ("target", f"p50 ratio <= {TARGET:.1f}x")]
+        line.update({"raw_p50_us": round(r50, 2), "raw_p99_us": round(r99, 2), "ratio_p50": round(ratio50, 3),
+                     "ratio_p99": round(ratio99, 3), "ratio_p50_blocks": [round(v, 3) for v in per_block],
+                     "pass": verdict})
+    rows.append(("wall time", f"{time.monotonic() - started:.1f} s"))
+    h.report("ipc_open", rows, verdict, line if args.json else None)
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--exporter":
+        _exporter(int(sys.argv[2]), sys.argv[3])
+        sys.exit(0)
+    sys.exit(main())
