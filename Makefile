@@ -21,6 +21,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python bench/rpc_latency.py
 	$(BIN)/python bench/launch_rate.py
+	$(BIN)/python bench/ipc_open.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
