@@ -9,11 +9,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from mpsd.sim import H200, DeviceSpec
+from mpsd.sim import H200, POLICIES as SIM_POLICIES, DeviceSpec
 from mpsd_protocol import parse_mem_limits
 
 DEVICE_MODELS: dict[str, DeviceSpec] = {"h200": H200}
-POLICIES = ("mps",)  # the scheduling issue adds the rest
+POLICIES = tuple(SIM_POLICIES)  # whatever the simulator offers
 CONTAINMENT = ("device", "client")
 IPC_ACCESS = ("uid", "group", "any")
 DEFAULT_PIPE_DIRECTORY = "/tmp/mpsd"
