@@ -57,6 +57,7 @@ class Device:
         self.contexts: dict[int, Context] = {}
         self.containment = containment
         self.log = log
+        self.last_look: tuple[float, float] = (0.0, 0.0)  # (simulated time, SM-seconds) when mpsd-smi last looked
 
     def release_memory(self, nbytes: int) -> None:
         """Device memory is no longer charged for `nbytes` (an exported segment's last mapping went)."""

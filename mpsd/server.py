@@ -18,20 +18,25 @@ import trio
 
 from mpsd.config import Config
 from mpsd.context import Context, Quotas
+from mpsd.control import Control, Settings
 from mpsd.device import Device
 from mpsd.ipc import IpcRegistry
+from mpsd.listeners import Listeners, ListenError, open_listeners
 from mpsd.servlog import ServerLog
-from mpsd.session import Session
+from mpsd.session import Session, peer_credentials
 from mpsd.sim import sm_cap
 from mpsd_protocol import (  # type: ignore[attr-defined]
     InvalidDeviceError,
     InvalidValueError,
+    MpsClientTerminatedError,
+    MpsServerNotReadyError,
     NoDeviceError,
     OutOfMemoryError,
     format_size,
 )
 
 log = logging.getLogger("mpsd")
+CONTROL_PACKET = 1 << 16
 SHUTDOWN_GRACE = 5.0  # seconds that in-flight replies get to finish
 
 
@@ -59,6 +64,12 @@ class Daemon:
             for i, spec in enumerate(config.devices)
         ]
         self.ipc = IpcRegistry(config.ipc_access, self.log)
+        self.owner_uid = os.geteuid()
+        self.settings = Settings(config.active_thread_percentage, {
+            i: limit for i in range(len(self.devices)) if (limit := config.pinned_mem_limit(i)) is not None
+        }, config.client_priority)
+        self.control = Control(self)
+        self._grace = SHUTDOWN_GRACE
         self.sessions: set[Session] = set()
         self._next_client = 1
         self._stop = trio.Event()
@@ -71,15 +82,17 @@ class Daemon:
             InvalidDeviceError: no such device.
             InvalidValueError: a requested limit is malformed.
         """
+        if self.control.server.shutting_down:
+            raise MpsServerNotReadyError("the MPS server is shutting down")
         device = self.devices[self._device_index(hello.get("device", 0), hello.get("visible"))]
         index = device.index
-        percentage = self.config.active_thread_percentage
+        percentage = self.control.percentage_for_new_client()
         requested = limits.get("active_thread_percentage")
         if requested is not None:
             if not isinstance(requested, (int, float)) or not 0 < requested <= 100:
                 raise InvalidValueError(f"active thread percentage {requested!r:.20} is outside (0, 100]")
             percentage = min(percentage, float(requested))
-        memory = self.config.pinned_mem_limit(index) or device.total_memory
+        memory = self.control.memory_limit_for_new_client(index) or device.total_memory
         requested = limits.get("pinned_mem_limit")
         if requested is not None:
             if not isinstance(requested, int) or requested < 0:
@@ -88,7 +101,7 @@ class Daemon:
         priority = limits.get("priority")
         if priority is not None and priority not in (0, 1):
             raise InvalidValueError(f"client priority {priority!r:.20} must be 0 or 1")
-        priority = max(self.config.client_priority, priority or 0)
+        priority = max(self.settings.client_priority, priority or 0)
         quotas = Quotas(percentage, sm_cap(device.spec, percentage), memory, priority)
         if device.total_memory - device.used < device.spec.context_memory:
             raise OutOfMemoryError(f"device {index} has no room for another context "
@@ -97,6 +110,7 @@ class Daemon:
         device.used += device.spec.context_memory
         self._next_client += 1
         device.contexts[context.id] = context
+        self.control.client_arrived(session.pid, session.uid)
         claimed = hello.get("pid")
         self.log.server(f"New client {session.pid} connected (context {context.id}, uid {session.uid}, "
                         f"device {index})" + (f"; it claimed pid {claimed!r:.20}" if claimed != session.pid else ""))
@@ -129,14 +143,48 @@ class Daemon:
         """The client is gone (closed, exited or killed): reclaim everything it held."""
         reclaimed = context.close()
         context.device.contexts.pop(context.id, None)
+        self.control.client_left()
         self.log.server(
             f"Client {context.pid} disconnected; reclaimed {reclaimed['allocations']} allocations "
             f"({format_size(reclaimed['bytes'])}), {reclaimed['imports']} IPC imports, {reclaimed['streams']} "
             f"streams, {reclaimed['events']} events, {reclaimed['host_buffers']} host buffers")
 
+    def terminate(self, context: Context, why: str) -> None:
+        """Terminate a client (terminate_client): its work is torn down and every later call of it fails with
+        the sticky cudaErrorMpsClientTerminated. Its memory goes when it disconnects."""
+        context.set_sticky(MpsClientTerminatedError(f"terminated by the control daemon ({why})"))
+        context.device.engine.cancel(context.id)
+        self.log.server(f"Client {{PID: {context.pid}, Context: {context.id}}} terminated: {why}")
+
     @staticmethod
     def device_of(context: Context) -> Device:
         return context.device
+
+    def status(self) -> dict[str, Any]:
+        """Devices and processes, for mpsd-smi: memory, SM utilisation since the last look, quotas."""
+        devices, processes = [], []
+        for device in self.devices:
+            busy = sum(c.sm_seconds for c in device.sim.statistics().per_client.values())
+            now = device.engine.sim_now()
+            last_time, last_busy = device.last_look
+            device.last_look = (now, busy)
+            span = (now - last_time) * device.spec.sm_count
+            devices.append({
+                "index": device.index, "name": device.spec.name, "uuid": device.properties["uuid"],
+                "memory_used": device.used, "memory_total": device.total_memory,
+                # SM-time of the blocks that ended since the last look, over the SM-time that passed
+                "sm_utilization": min(1.0, (busy - last_busy) / span) if span > 0 else 0.0,
+                "sms_busy": device.sim.busy_sms(),
+                "policy": self.config.policy, "clients": len(device.contexts), "sim_time": now,
+            })
+            for ctx in device.contexts.values():
+                processes.append({
+                    "pid": ctx.pid, "device": device.index, "type": "M+C", "uid": ctx.uid,
+                    "memory": ctx.used, "sm_cap": ctx.quotas.sm_cap,
+                    "active_thread_percentage": ctx.quotas.active_thread_percentage,
+                    "priority": ctx.quotas.priority, "sticky_error": ctx.sticky.name if ctx.sticky else None,
+                })
+        return {"server_pid": self.log.pid, "devices": devices, "processes": processes}
 
     def client_statistics(self, context: Context) -> dict[str, Any]:
         stats = context.device.sim.statistics()
@@ -160,8 +208,10 @@ class Daemon:
         }
 
     # -- serving ---------------------------------------------------------------------------------------
-    def stop(self) -> None:
-        """Begin a clean shutdown."""
+    def stop(self, grace: float | None = None) -> None:
+        """Begin a clean shutdown; in-flight replies get `grace` seconds (default 5) to finish."""
+        if grace is not None:
+            self._grace = grace
         self._stop.set()
 
     async def serve(self, *, handle_signals: bool = True,
@@ -171,7 +221,12 @@ class Daemon:
         Raises:
             DaemonError: the pipe directory or socket cannot be set up.
         """
-        listener = await _listen(self.config.pipe_dir, self.config.socket_path)
+        try:
+            listeners = await open_listeners(self.config.pipe_dir)
+        except ListenError as exc:
+            raise DaemonError(str(exc)) from None
+        self.log.control(f"Starting control daemon {self.log.pid}"
+                         + (" (sockets from systemd)" if listeners.activated else ""))
         self.log.server(f"Server {self.log.pid} started on {len(self.devices)} device(s): "
                         + ", ".join(d.spec.name for d in self.devices)
                         + f"; policy {self.config.policy}, time scale {self.config.time_scale}")
@@ -183,22 +238,23 @@ class Daemon:
                 async with trio.open_nursery() as engines:
                     for device in self.devices:
                         await engines.start(device.engine.run)
-                    await self._serve_clients(listener, signals, task_status)
+                    await self._serve_clients(listeners, signals, task_status)
                     engines.cancel_scope.cancel()
         finally:
             if handle_signals:  # we are on our way out: a second signal must not cut the clean-up short
                 signal.signal(signal.SIGTERM, signal.SIG_IGN)
                 signal.signal(signal.SIGINT, signal.SIG_IGN)
-            listener.close()
-            _unlink(self.config.socket_path)
+            listeners.close()
             self.log.server("Server exited")
+            self.log.control("Exit with status 0")
             self.log.close()
 
-    async def _serve_clients(self, listener: trio.socket.SocketType, signals: Any,
+    async def _serve_clients(self, listeners: Listeners, signals: Any,
                              task_status: trio.TaskStatus[Path]) -> None:
         async with trio.open_nursery() as sessions:
             async with trio.open_nursery() as front:  # the tasks that end when shutdown begins
-                front.start_soon(self._accept, listener, sessions)
+                front.start_soon(self._accept, listeners.clients, sessions, self._serve_session)
+                front.start_soon(self._accept, listeners.control, sessions, self._serve_control)
                 if signals is not None:
                     front.start_soon(self._watch_signals, signals)
                 notify("READY=1\nSTATUS=accepting clients")
@@ -209,9 +265,9 @@ class Daemon:
             self.log.server("Shutting down")
             for session in list(self.sessions):
                 session.reader_scope.cancel()
-            sessions.cancel_scope.deadline = trio.current_time() + SHUTDOWN_GRACE
+            sessions.cancel_scope.deadline = trio.current_time() + self._grace
 
-    async def _accept(self, listener: trio.socket.SocketType, nursery: trio.Nursery) -> None:
+    async def _accept(self, listener: trio.socket.SocketType, nursery: trio.Nursery, serve: Any) -> None:
         while True:
             try:
                 sock, _ = await listener.accept()
@@ -221,7 +277,7 @@ class Daemon:
                     await trio.sleep(0.1)
                     continue
                 raise
-            nursery.start_soon(self._serve_session, sock)
+            nursery.start_soon(serve, sock)
 
     async def _serve_session(self, tsock: trio.socket.SocketType) -> None:
         # Sessions drive the plain socket themselves (see mpsd.channel), without trio's wrapper.
@@ -241,45 +297,23 @@ class Daemon:
         finally:
             self.sessions.discard(session)
 
+    async def _serve_control(self, sock: trio.socket.SocketType) -> None:
+        """One control connection: a command per packet in, its output per packet out (after a one-byte
+        marker, since an empty packet would read as end of file)."""
+        with sock:
+            try:
+                uid = peer_credentials(sock)[1]
+                while packet := await sock.recv(CONTROL_PACKET):
+                    output = self.control.execute(packet.decode(errors="replace"), uid)
+                    await sock.send(b"=" + output.encode()[:CONTROL_PACKET - 1])
+            except OSError:
+                pass  # the control client went away
+
     async def _watch_signals(self, signals: Any) -> None:
         async for signum in signals:
             self.log.server(f"Received {signal.Signals(signum).name}")
             self.stop()
             return
-
-
-async def _listen(pipe_dir: Path, path: Path) -> trio.socket.SocketType:
-    try:
-        pipe_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        if pipe_dir.stat().st_uid == os.geteuid():
-            pipe_dir.chmod(0o700)
-    except OSError as exc:
-        raise DaemonError(f"cannot create the pipe directory {pipe_dir}: {exc.strerror}") from None
-    if path.exists() or path.is_symlink():
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            probe.connect(str(path))
-        except OSError:
-            _unlink(path)  # a stale socket from a daemon that died
-        else:
-            raise DaemonError(f"another mpsd is already listening on {path}")
-        finally:
-            probe.close()
-    sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        await sock.bind(str(path))
-        sock.listen(128)
-    except OSError as exc:
-        sock.close()
-        raise DaemonError(f"cannot listen on {path}: {exc.strerror}") from None
-    return sock
-
-
-def _unlink(path: Path) -> None:
-    try:
-        path.unlink()
-    except FileNotFoundError:
-        pass
 
 
 def notify(state: str) -> None:

@@ -1,0 +1,315 @@
+# The nvidia-cuda-mps-control command language, over the daemon's state. One line in, the tool's output out
+# (often nothing), with each command and its outcome in control.log. Settings change what clients created
+# afterwards get, as in MPS; running clients keep their quotas. The socket that carries the lines lives in
+# the server module; this one holds only the language.
+#
+# One logical MPS server serves every client (MPS's multi-user server); it comes into being with its first
+# client, as MPS starts a server on demand, and its PID is the daemon's. Per-user servers, with clients of
+# other users queued, are not modelled yet.
+from __future__ import annotations
+
+import json
+import os
+import shlex
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
+
+from mpsd_protocol import parse_size
+
+if TYPE_CHECKING:
+    from mpsd.server import Daemon
+
+# Commands any user may send; the rest change state and need root or the daemon's owner.
+READ_ONLY = frozenset({
+    "mpsd_status",
+    "get_server_list", "get_server_status", "get_client_list", "get_device_client_list", "ps",
+    "get_default_active_thread_percentage", "get_active_thread_percentage", "get_default_device_pinned_mem_limit",
+    "get_device_pinned_mem_limit", "get_default_client_priority",
+})
+
+
+class CommandError(Exception):
+    """A command's arguments are wrong: the message is printed, as the real tool prints its complaints."""
+
+
+@dataclass
+class Settings:
+    """What new clients get: the daemon's options, changed at run time by control commands."""
+
+    active_thread_percentage: float
+    pinned_mem_limits: dict[int, int] = field(default_factory=dict)  # device -> bytes; absent: none
+    client_priority: int = 0
+
+
+@dataclass
+class Server:
+    """The logical MPS server: its own overrides of the defaults, for its clients created afterwards."""
+
+    pid: int
+    active_thread_percentage: float | None = None
+    pinned_mem_limits: dict[int, int] = field(default_factory=dict)
+    started: bool = False
+    shutting_down: bool = False
+
+
+def _percentage(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise CommandError(f"Invalid active thread percentage {text!r}") from None
+    if not 0 < value <= 100:
+        raise CommandError(f"Invalid active thread percentage {text!r}")
+    return value
+
+
+def _limit(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError:
+        raise CommandError(f"Invalid memory limit {text!r}") from None
+
+
+def _size_text(nbytes: int) -> str:
+    """A limit as MPS prints it: the largest whole unit (10G, 900M, 4096)."""
+    for unit, scale in (("T", 1 << 40), ("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if nbytes % scale == 0:
+            return f"{nbytes // scale}{unit}"
+    return str(nbytes)
+
+
+class Control:
+    """Executes control commands against a daemon."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        self.daemon = daemon
+        self.server = Server(daemon.log.pid)
+        self._commands: dict[str, Callable[[list[str]], str]] = {
+            name[4:]: getattr(self, name) for name in dir(self) if name.startswith("cmd_")
+        }
+
+    def execute(self, line: str, uid: int) -> str:
+        """Run one command line from a client of uid `uid`; returns what the tool prints (maybe nothing)."""
+        log = self.daemon.log
+        try:
+            words = shlex.split(line)
+        except ValueError:
+            words = line.split()
+        if not words:
+            return ""
+        name, args = words[0], words[1:]
+        log.control(f"Cmd:{line.strip()}")
+        command = self._commands.get(name)
+        if command is None:
+            return f'Unknown command "{name}"'
+        if name not in READ_ONLY and uid not in (0, self.daemon.owner_uid):
+            log.control(f"User {uid} is not allowed to run {name}")
+            return f"Permission denied: {name} needs root or the daemon's owner"
+        try:
+            return command(args)
+        except CommandError as exc:
+            log.control(str(exc))
+            return str(exc)
+
+    # -- helpers ---------------------------------------------------------------------------------------
+    def _server_pid(self, text: str) -> Server:
+        if not text.isdigit() or int(text) != self.server.pid or not self.server.started:
+            raise CommandError(f"Server {text} not found")
+        return self.server
+
+    @staticmethod
+    def _args(args: list[str], count: int, usage: str) -> list[str]:
+        if len(args) != count:
+            raise CommandError(f"Usage: {usage}")
+        return args
+
+    def _device(self, text: str) -> int:
+        if not text.isdigit() or int(text) >= len(self.daemon.devices):
+            raise CommandError(f"Invalid device {text!r}")
+        return int(text)
+
+    def _contexts(self):
+        return [ctx for device in self.daemon.devices for ctx in device.contexts.values()]
+
+    # -- servers and clients ---------------------------------------------------------------------------
+    def cmd_get_server_list(self, args: list[str]) -> str:
+        return str(self.server.pid) if self.server.started else ""
+
+    def cmd_get_server_status(self, args: list[str]) -> str:
+        (pid,) = self._args(args, 1, "get_server_status <PID>")
+        self._server_pid(pid)
+        faulted = any(ctx.sticky is not None for ctx in self._contexts())
+        return "FAULT" if faulted else "ACTIVE"
+
+    def cmd_start_server(self, args: list[str]) -> str:
+        if len(args) != 2 or args[0] != "-uid" or not args[1].isdigit():
+            raise CommandError("Usage: start_server -uid <uid>")
+        if not self.server.started:
+            self.server.started = True
+            self.daemon.log.control(f"Starting new server {self.server.pid} for user {args[1]}")
+        return ""
+
+    def cmd_shutdown_server(self, args: list[str]) -> str:
+        if not args or len(args) > 2 or (len(args) == 2 and args[1] != "-f"):
+            raise CommandError("Usage: shutdown_server <PID> [-f]")
+        server = self._server_pid(args[0])
+        if len(args) == 2:  # -f: its clients are terminated now
+            for ctx in self._contexts():
+                self.daemon.terminate(ctx, "the server was shut down with -f")
+            server.started = False
+        else:
+            server.shutting_down = True  # new clients are refused; it goes when its clients have
+            if not self._contexts():
+                server.started = server.shutting_down = False
+        self.daemon.log.control(f"Server {server.pid} is shutting down")
+        return ""
+
+    def cmd_get_client_list(self, args: list[str]) -> str:
+        (pid,) = self._args(args, 1, "get_client_list <PID>")
+        self._server_pid(pid)
+        return "\n".join(str(ctx.pid) for ctx in self._contexts())
+
+    def cmd_get_device_client_list(self, args: list[str]) -> str:
+        if len(args) > 1:
+            raise CommandError("Usage: get_device_client_list [<PID>]")
+        if args:
+            self._server_pid(args[0])
+        lines = []
+        for device in self.daemon.devices:
+            pids = [str(ctx.pid) for ctx in device.contexts.values()]
+            if pids:
+                lines.append(f"{device.properties['uuid']}:")
+                lines.extend(f"    {pid}" for pid in pids)
+        return "\n".join(lines)
+
+    def cmd_terminate_client(self, args: list[str]) -> str:
+        server_pid, client_pid = self._args(args, 2, "terminate_client <server PID> <client PID>")
+        self._server_pid(server_pid)
+        victims = [ctx for ctx in self._contexts() if str(ctx.pid) == client_pid]
+        if not victims:
+            raise CommandError(f"Client {client_pid} not found")
+        for ctx in victims:
+            self.daemon.terminate(ctx, "terminate_client")
+        return "0"
+
+    def cmd_ps(self, args: list[str]) -> str:
+        if args and (len(args) != 2 or args[0] != "-p"):
+            raise CommandError("Usage: ps [-p PID]")
+        rows = ["PID ID SERVER DEVICE NAMESPACE COMMAND"]
+        for ctx in self._contexts():
+            if args and str(ctx.pid) != args[1]:
+                continue
+            rows.append(f"{ctx.pid} {ctx.id} {self.server.pid} {ctx.device.properties['uuid']} "
+                        f"{_namespace(ctx.pid)} {_command(ctx.pid)}")
+        return "\n".join(rows)
+
+    # -- settings --------------------------------------------------------------------------------------
+    def cmd_get_default_active_thread_percentage(self, args: list[str]) -> str:
+        self._args(args, 0, "get_default_active_thread_percentage")
+        return f"{self.daemon.settings.active_thread_percentage:.1f}"
+
+    def cmd_set_default_active_thread_percentage(self, args: list[str]) -> str:
+        (text,) = self._args(args, 1, "set_default_active_thread_percentage <percentage>")
+        self.daemon.settings.active_thread_percentage = _percentage(text)
+        return f"{self.daemon.settings.active_thread_percentage:.1f}"
+
+    def cmd_get_active_thread_percentage(self, args: list[str]) -> str:
+        (pid,) = self._args(args, 1, "get_active_thread_percentage <PID>")
+        server = self._server_pid(pid)
+        value = server.active_thread_percentage
+        return f"{self.daemon.settings.active_thread_percentage if value is None else value:.1f}"
+
+    def cmd_set_active_thread_percentage(self, args: list[str]) -> str:
+        pid, text = self._args(args, 2, "set_active_thread_percentage <PID> <percentage>")
+        server = self._server_pid(pid)
+        server.active_thread_percentage = _percentage(text)
+        return f"{server.active_thread_percentage:.1f}"
+
+    def cmd_get_default_device_pinned_mem_limit(self, args: list[str]) -> str:
+        (device,) = self._args(args, 1, "get_default_device_pinned_mem_limit <device>")
+        limit = self.daemon.settings.pinned_mem_limits.get(self._device(device))
+        if limit is None:
+            self.daemon.log.control("No default pinned memory limit set for the device!")
+            return ""
+        return _size_text(limit)
+
+    def cmd_set_default_device_pinned_mem_limit(self, args: list[str]) -> str:
+        device, text = self._args(args, 2, "set_default_device_pinned_mem_limit <device> <value>")
+        self.daemon.settings.pinned_mem_limits[self._device(device)] = _limit(text)
+        return ""
+
+    def cmd_get_device_pinned_mem_limit(self, args: list[str]) -> str:
+        pid, device = self._args(args, 2, "get_device_pinned_mem_limit <PID> <device>")
+        server = self._server_pid(pid)
+        index = self._device(device)
+        limit = server.pinned_mem_limits.get(index, self.daemon.settings.pinned_mem_limits.get(index))
+        if limit is None:
+            self.daemon.log.control("No pinned memory limit set for the device!")
+            return ""
+        return _size_text(limit)
+
+    def cmd_set_device_pinned_mem_limit(self, args: list[str]) -> str:
+        pid, device, text = self._args(args, 3, "set_device_pinned_mem_limit <PID> <device> <value>")
+        self._server_pid(pid).pinned_mem_limits[self._device(device)] = _limit(text)
+        return ""
+
+    def cmd_get_default_client_priority(self, args: list[str]) -> str:
+        self._args(args, 0, "get_default_client_priority")
+        return str(self.daemon.settings.client_priority)
+
+    def cmd_set_default_client_priority(self, args: list[str]) -> str:
+        (text,) = self._args(args, 1, "set_default_client_priority <0|1>")
+        if text not in ("0", "1"):
+            raise CommandError(f"Invalid client priority {text!r}")
+        self.daemon.settings.client_priority = int(text)
+        return ""
+
+    def cmd_mpsd_status(self, args: list[str]) -> str:
+        """Not MPS's: the state mpsd-smi shows, as JSON."""
+        return json.dumps(self.daemon.status())
+
+    def cmd_quit(self, args: list[str]) -> str:
+        if args and (len(args) != 2 or args[0] != "-t" or not args[1].isdigit()):
+            raise CommandError("Usage: quit [-t <timeout in seconds>]")
+        self.daemon.stop(float(args[1]) if args else None)
+        return ""
+
+    # -- what new clients get --------------------------------------------------------------------------
+    def percentage_for_new_client(self) -> float:
+        value = self.server.active_thread_percentage
+        return self.daemon.settings.active_thread_percentage if value is None else value
+
+    def memory_limit_for_new_client(self, device: int) -> int | None:
+        return self.server.pinned_mem_limits.get(device, self.daemon.settings.pinned_mem_limits.get(device))
+
+    def client_arrived(self, pid: int, uid: int) -> None:
+        if self.server.started:
+            self.daemon.log.control(f"NEW CLIENT {pid} from user {uid}: Server already exists")
+        else:
+            self.daemon.log.control(f"NEW CLIENT {pid} from user {uid}: Server is not ready, push client to "
+                                    "pending list")
+            self.server.started = True
+            self.daemon.log.control(f"Starting new server {self.server.pid} for user {uid}")
+
+    def client_left(self) -> None:
+        if self.server.shutting_down and not self._contexts():
+            self.server.started = self.server.shutting_down = False
+            self.daemon.log.control(f"Server {self.server.pid} exited")
+
+
+def _namespace(pid: int) -> str:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/pid").split("[")[-1].rstrip("]")
+    except OSError:
+        return "-"
+
+
+def _command(pid: int) -> str:
+    """The client's command line on one line, shortened, as ps shows it."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            words = f.read().decode(errors="replace").split("\0")
+    except OSError:
+        return "-"
+    text = " ".join(" ".join(words).split())
+    return (text[:77] + "...") if len(text) > 80 else text or "-"
+

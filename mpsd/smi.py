@@ -1,0 +1,81 @@
+# `mpsd-smi`: a status table in the spirit of nvidia-smi, from the daemon's control socket. Devices (memory,
+# SM utilisation since the last look, counted from the blocks that ended; SMs busy now; policy) and processes (type M+C as MPS clients show, memory, SM cap,
+# priority, sticky error). `--json` prints the same data for programs; `-l SECONDS` refreshes.
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from mpsd_protocol import format_size
+
+
+def query(pipe_dir: Path) -> dict[str, Any]:
+    """The daemon's status.
+
+    Raises:
+        OSError: no daemon answers at `pipe_dir`.
+    """
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
+        sock.settimeout(10)
+        sock.connect(str(pipe_dir / "control"))
+        sock.send(b"mpsd_status")
+        reply = sock.recv(1 << 16)
+    if not reply:
+        raise ConnectionError("the daemon closed the control connection")
+    return json.loads(reply[1:])
+
+
+def render(status: dict[str, Any]) -> str:
+    """The table people read."""
+    lines = [f"mpsd-smi   server pid {status['server_pid']}   {time.strftime('%Y-%m-%d %H:%M:%S')}", ""]
+    lines.append(f"{'GPU':>3}  {'Name':<12} {'Memory used / total':>26}  {'SM util':>7}  {'SMs busy':>8}  "
+                 f"{'Policy':<10} {'Clients':>7}")
+    for d in status["devices"]:
+        memory = f"{format_size(d['memory_used'])} / {format_size(d['memory_total'])}"
+        lines.append(f"{d['index']:>3}  {d['name']:<12} {memory:>26}  {d['sm_utilization']:>6.0%}  "
+                     f"{d['sms_busy']:>8}  {d['policy']:<10} {d['clients']:>7}")
+    lines += ["", f"{'GPU':>3}  {'PID':>8}  {'Type':<4}  {'UID':>6}  {'Memory':>10}  {'SMs':>4}  {'ATP':>6}  "
+                  f"{'Prio':>4}  Sticky error"]
+    if not status["processes"]:
+        lines.append("     no processes")
+    for p in status["processes"]:
+        lines.append(f"{p['device']:>3}  {p['pid']:>8}  {p['type']:<4}  {p['uid']:>6}  {format_size(p['memory']):>10}  "
+                     f"{p['sm_cap']:>4}  {p['active_thread_percentage']:>5.1f}%  {p['priority']:>4}  "
+                     f"{p['sticky_error'] or '-'}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="mpsd-smi", description="Show mpsd's devices and client processes.")
+    parser.add_argument("--pipe-dir", help="the daemon's pipe directory (default $MPSD_PIPE_DIRECTORY, /tmp/mpsd)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("-l", "--loop", type=float, metavar="SECONDS", help="refresh every SECONDS until stopped")
+    options = parser.parse_args(argv)
+    if options.loop is not None and not options.loop > 0:
+        parser.error("-l needs a positive number of seconds")
+    pipe_dir = Path(options.pipe_dir or os.environ.get("MPSD_PIPE_DIRECTORY") or "/tmp/mpsd")
+    try:
+        while True:
+            try:
+                status = query(pipe_dir)
+            except (OSError, ValueError) as exc:
+                print(f"mpsd-smi: no mpsd daemon answers at {pipe_dir}: {exc}", file=sys.stderr)
+                return 1
+            print(json.dumps(status) if options.json else render(status), flush=True)
+            if options.loop is None:
+                return 0
+            time.sleep(options.loop)
+            if not options.json:
+                print()
+    except KeyboardInterrupt:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,215 @@
+# The control plane as operators use it: mpsd-control and mpsd-smi run as subprocesses against a real daemon,
+# with exact outputs and exit codes; settings that apply to clients created afterwards; terminate_client;
+# quit; the background mode; privileges with a real second user; and systemd socket activation.
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import mpsd_client
+from daemons import short_tempdir, start_daemon
+from test_daemon import wait_for_log
+from test_ipc import _as_user, _second_user
+
+BIN = Path(sys.executable).parent
+UNITS = Path(__file__).parent.parent / "systemd"
+
+
+def control(daemon_or_dir, commands: str, **kwargs) -> subprocess.CompletedProcess[str]:
+    pipe_dir = getattr(daemon_or_dir, "pipe_dir", daemon_or_dir)
+    return subprocess.run([BIN / "mpsd-control"], input=commands, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "MPSD_PIPE_DIRECTORY": str(pipe_dir)}, **kwargs)
+
+
+def test_outputs_match_the_real_tool(daemon):
+    """Defaults echo as nvidia-cuda-mps-control prints them; unknown commands and unset limits too."""
+    result = control(daemon, "get_server_list\nget_default_active_thread_percentage\n"
+                             "set_default_active_thread_percentage 50\nget_default_active_thread_percentage\n"
+                             "help\nget_default_device_pinned_mem_limit 0\nget_default_client_priority\n")
+    assert result.returncode == 0 and result.stderr == ""
+    assert result.stdout == '100.0\n50.0\n50.0\nUnknown command "help"\n0\n'  # no server yet; no limit set
+    log = (daemon.log_dir / "control.log").read_text()
+    assert "Cmd:set_default_active_thread_percentage 50" in log
+    assert "No default pinned memory limit set for the device!" in log
+
+
+def test_settings_apply_to_clients_created_afterwards(daemon):
+    """New defaults reach clients that connect later; a client already connected keeps its quotas."""
+    with mpsd_client.connect(daemon.pipe_dir) as before:
+        result = control(daemon, "set_default_active_thread_percentage 25\n"
+                                 "set_default_device_pinned_mem_limit 0 2G\nget_default_device_pinned_mem_limit 0\n"
+                                 "set_default_client_priority 1\n")
+        assert result.stdout == "25.0\n2G\n"
+        with mpsd_client.connect(daemon.pipe_dir) as after:
+            assert after.device_properties()["multiprocessor_count"] == 32
+            assert after.mem_get_info()[0] == 1_609_144_176  # 2G less the context, as measured
+            assert after.quotas["priority"] == 1
+        assert before.device_properties()["multiprocessor_count"] == 132
+        server = control(daemon, "get_server_list\n").stdout.strip()
+        assert server == str(daemon.proc.pid)
+        result = control(daemon, f"set_active_thread_percentage {server} 50\nget_active_thread_percentage {server}\n"
+                                 f"set_device_pinned_mem_limit {server} 0 4G\nget_device_pinned_mem_limit {server} 0\n")
+        assert result.stdout == "50.0\n50.0\n4G\n"
+        with mpsd_client.connect(daemon.pipe_dir) as third:
+            assert third.quotas["sm_cap"] == 66 and third.quotas["pinned_mem_limit"] == 4 << 30
+
+
+def test_clients_servers_and_ps(daemon):
+    """get_server_list, get_server_status, get_client_list and ps describe the connected clients."""
+    with mpsd_client.connect(daemon.pipe_dir):
+        server = str(daemon.proc.pid)
+        result = control(daemon, f"get_server_list\nget_server_status {server}\nget_client_list {server}\nps\n"
+                                 "get_server_status 1\n")
+        lines = result.stdout.splitlines()
+        assert lines[:4] == [server, "ACTIVE", str(os.getpid()), "PID ID SERVER DEVICE NAMESPACE COMMAND"]
+        assert lines[4].split()[:3] == [str(os.getpid()), "1", server]
+        assert lines[5] == "Server 1 not found"
+    assert "NEW CLIENT" in (daemon.log_dir / "control.log").read_text()
+
+
+def test_terminate_client_makes_its_calls_fail(daemon):
+    """terminate_client prints 0; the client then gets the sticky cudaErrorMpsClientTerminated."""
+    with mpsd_client.connect(daemon.pipe_dir) as ctx:
+        ctx.launch("spin", 264, 1024, [10**12])
+        result = control(daemon, f"terminate_client {daemon.proc.pid} {os.getpid()}\n")
+        assert result.stdout == "0\n"
+        for _ in range(2):
+            with pytest.raises(mpsd_client.MpsClientTerminatedError) as info:
+                ctx.synchronize()
+            assert info.value.code == 810
+    assert control(daemon, f"terminate_client {daemon.proc.pid} 1\n").stdout == "Client 1 not found\n"
+
+
+def test_quit_stops_the_daemon_cleanly(daemon_factory):
+    """quit ends the daemon with exit 0 and its sockets removed."""
+    d = start_daemon()
+    assert control(d, "quit\n").returncode == 0
+    assert d.stop(signum=None) == 0
+    assert not (d.pipe_dir / "mpsd.sock").exists() and not (d.pipe_dir / "control").exists()
+    shutil.rmtree(d.pipe_dir.parent)
+
+
+def test_background_mode_and_no_daemon():
+    """mpsd-control -d returns once the daemon is ready; without a daemon a command exits 1 with one line."""
+    pipe = short_tempdir() / "pipe"
+    result = control(pipe, "get_server_list\n")
+    assert result.returncode == 1 and result.stderr.startswith("mpsd-control: cannot reach the control daemon")
+    started = subprocess.run([BIN / "mpsd-control", "-d", "--pipe-dir", str(pipe), "--time-scale", "100"],
+                             capture_output=True, text=True, timeout=60)
+    assert started.returncode == 0, started.stderr
+    with mpsd_client.connect(pipe) as ctx:
+        assert ctx.malloc(16)
+    assert control(pipe, "quit\n").returncode == 0
+    again = subprocess.run([BIN / "mpsd-control", "-d", "--pipe-dir", str(pipe), "--time-scale", "-1"],
+                           capture_output=True, text=True, timeout=60)
+    assert again.returncode == 1 and "--time-scale must be positive" in again.stderr
+    shutil.rmtree(pipe.parent)
+
+
+def test_privileged_commands_need_root_or_the_owner(daemon):
+    """Another user may ask, but not change: set commands are refused and logged."""
+    user = _second_user()
+    if user is None:
+        pytest.skip("needs root to create a second user (useradd)")
+    for path in (daemon.pipe_dir.parent, daemon.pipe_dir):
+        os.chmod(path, 0o755)
+    os.chmod(daemon.pipe_dir / "control", 0o777)
+
+    def ask() -> str:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
+            sock.connect(str(daemon.pipe_dir / "control"))
+            answers = []
+            for command in (b"get_default_active_thread_percentage", b"set_default_active_thread_percentage 10"):
+                sock.send(command)
+                answers.append(sock.recv(4096)[1:].decode())
+            return "\n".join(answers)
+
+    assert _as_user(user, ask) == ("100.0\nPermission denied: set_default_active_thread_percentage needs root or "
+                                   "the daemon's owner")
+    assert control(daemon, "get_default_active_thread_percentage\n").stdout == "100.0\n"
+
+
+def test_smi_shows_devices_and_processes(daemon):
+    """mpsd-smi lists the device and each client with its memory, SM cap and priority; --json has it all."""
+    env = {**os.environ, "MPSD_PIPE_DIRECTORY": str(daemon.pipe_dir)}
+    with mpsd_client.connect(daemon.pipe_dir) as ctx:
+        ctx.malloc(1 << 30)
+        table = subprocess.run([BIN / "mpsd-smi"], capture_output=True, text=True, env=env, timeout=60)
+        raw = subprocess.run([BIN / "mpsd-smi", "--json"], capture_output=True, text=True, env=env, timeout=60)
+    assert table.returncode == 0 and "NVIDIA H200" in table.stdout
+    row = next(line.split() for line in table.stdout.splitlines() if str(os.getpid()) in line.split())
+    assert row[2:5] == ["M+C", str(os.getuid()), "1"] and row[5:7] == ["GiB", "132"]
+    status = json.loads(raw.stdout)
+    (process,) = status["processes"]
+    assert process["pid"] == os.getpid() and process["memory"] == 1 << 30 and process["sticky_error"] is None
+    assert status["devices"][0]["memory_total"] == 150_109_880_320
+    missing = subprocess.run([BIN / "mpsd-smi", "--pipe-dir", str(short_tempdir())], capture_output=True,
+                             text=True, timeout=60)
+    assert missing.returncode == 1 and missing.stderr.startswith("mpsd-smi: no mpsd daemon answers")
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
+def test_socket_unit_verifies_without_a_word(tmp_path):
+    """systemd-analyze verify accepts mpsd.socket with its service, with nothing on stderr."""
+    for name in ("mpsd.service", "mpsd.socket"):
+        text = (UNITS / name).read_text().replace("/usr/local/bin/mpsd", str(BIN / "mpsd"))
+        (tmp_path / name).write_text(text)
+    result = subprocess.run(["systemd-analyze", "verify", str(tmp_path / "mpsd.socket"),
+                             str(tmp_path / "mpsd.service")], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stderr == ""
+
+
+@pytest.mark.skipif(shutil.which("systemd-socket-activate") is None, reason="systemd-socket-activate is missing")
+def test_socket_activation_serves_the_first_client():
+    """Under systemd-socket-activate the daemon starts at the first connection, adopts the socket (LISTEN_FDS),
+    serves that client, notifies READY=1 and STOPPING=1, and leaves the socket file to its owner."""
+    base = short_tempdir()
+    pipe = base / "pipe"
+    pipe.mkdir(mode=0o700)
+    notify_path = base / "notify"
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(notify_path))
+    notify.settimeout(30)
+    activator = subprocess.Popen(
+        ["systemd-socket-activate", "-l", str(pipe / "mpsd.sock"), "--fdname=mpsd",
+         "-E", f"NOTIFY_SOCKET={notify_path}", sys.executable, "-m", "mpsd", "--pipe-dir", str(pipe),
+         "--time-scale", "100"],
+        stderr=subprocess.PIPE, text=True)
+    try:
+        assert "Listening on" in activator.stderr.readline()
+        with mpsd_client.connect(pipe) as ctx:  # this connection is what starts the daemon
+            assert notify.recv(4096).decode().splitlines()[0] == "READY=1"
+            p = ctx.malloc(64)
+            ctx.memset(p, 7, 64)
+            ctx.synchronize()
+            assert bytes(ctx.host_view(p)[:4]) == b"\x07" * 4
+            assert "control daemon" in wait_for_log_dir(pipe, "sockets from systemd")
+        activator.send_signal(signal.SIGTERM)
+        assert activator.wait(30) == 0
+        assert notify.recv(4096).decode() == "STOPPING=1"
+        assert (pipe / "mpsd.sock").exists()  # systemd's socket, not ours to remove
+        assert not (pipe / "control").exists()  # ours: bound beside it, and removed
+    finally:
+        if activator.poll() is None:
+            activator.kill()
+            activator.wait()
+        activator.stderr.close()
+        notify.close()
+        shutil.rmtree(base)
+
+
+def wait_for_log_dir(pipe: Path, text: str) -> str:
+    class Logs:
+        def server_log(self) -> str:
+            path = pipe / "control.log"
+            return path.read_text() if path.exists() else ""
+
+    return wait_for_log(Logs(), text)
