@@ -203,8 +203,9 @@ class Core:
         addr = _address(ptr)
         if addr not in self._opens:
             raise InvalidValueError(f"{addr:#x} is not a pointer opened from an IPC handle in this context")
-        # Known good here, so the daemon needs no round trip: it unmaps once the work queued before is done.
-        yield Notification("ipc_close_mem_handle", {"ptr": addr})
+        # A request, not a notification: once this returns the pointer is invalid, as cudaIpcCloseMemHandle
+        # promises, even when work queued before it still has to finish with the mapping.
+        yield from self.call("ipc_close_mem_handle", {"ptr": addr})
         left = self._opens.pop(addr) - 1
         if left:
             self._opens[int(ptr)] = left

@@ -241,25 +241,11 @@ class Session:
             if self._ctx.sticky is None:
                 self._ctx.last_error = exc
             return
-        if isinstance(result, Deferred):  # fire-and-forget work that must wait for the GPU first
-            if result.ready():
-                self._complete_quietly(result)
-            else:
-                assert self._nursery is not None
-                self._nursery.start_soon(self._finish_quietly, result)
-        elif isinstance(result, WithFds):
-            close_fds(result.fds)
-
-    async def _finish_quietly(self, deferred: Deferred) -> None:
-        await self.daemon.device_of(self._ctx).engine.wait_all(deferred.ops)
-        self._complete_quietly(deferred)
-
-    def _complete_quietly(self, deferred: Deferred) -> None:
-        try:
-            deferred.then()
-        except CudaError as exc:
+        if isinstance(result, (Deferred, WithFds)):
+            # Only calls that merely queue work may come as notifications; the rest need their reply.
+            close_fds(result.fds if isinstance(result, WithFds) else ())
             if self._ctx.sticky is None:
-                self._ctx.last_error = exc
+                self._ctx.last_error = InvalidValueError(f"{note.op} needs a request, not a notification")
 
     def _hello(self, request: Request) -> None:
         close_fds(request.fds)
