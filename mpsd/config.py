@@ -35,6 +35,7 @@ class Config:
     client_priority: int = 0
     fault_containment: str = "device"
     ipc_access: str = "uid"
+    max_clients: int = 48  # per device, as Volta+ MPS (CUDA 13.0, measured driver)
 
     @property
     def socket_path(self) -> Path:
@@ -75,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--client-priority", type=int, choices=(0, 1), help="default client priority")
     parser.add_argument("--fault-containment", choices=CONTAINMENT,
                         help="who gets a fatal GPU error: every client on the device (default) or the culprit")
+    parser.add_argument("--max-clients", type=int, help="clients per device (default 48, as Volta+ MPS)")
     parser.add_argument("--ipc-access", choices=IPC_ACCESS,
                         help="who may open an IPC handle: the exporter's uid (default, as CUDA), its group, anyone")
     return parser
@@ -122,10 +124,13 @@ def load_config(argv: Sequence[str] | None = None, environ: dict[str, str] | Non
     ipc_access = pick("ipc_access", "uid")
     if ipc_access not in IPC_ACCESS:
         raise ConfigError(f"IPC access must be one of {', '.join(IPC_ACCESS)}")
+    max_clients = int(pick("max_clients", 48))
+    if not 1 <= max_clients <= 4096:
+        raise ConfigError(f"--max-clients must be between 1 and 4096, not {max_clients}")
     priority = int(pick("client_priority", 0))
     if priority not in (0, 1):
         raise ConfigError("client priority must be 0 or 1")
     return Config(pipe_dir=pipe_dir, log_dir=log_dir, devices=parse_devices(pick("devices", "h200")),
                   policy=policy, time_scale=time_scale, active_thread_percentage=percentage,
                   pinned_mem_limits=limits, client_priority=priority, fault_containment=containment,
-                  ipc_access=ipc_access)
+                  ipc_access=ipc_access, max_clients=max_clients)

@@ -137,8 +137,7 @@ class Control:
     def cmd_get_server_status(self, args: list[str]) -> str:
         (pid,) = self._args(args, 1, "get_server_status <PID>")
         self._server_pid(pid)
-        faulted = any(ctx.sticky is not None for ctx in self._contexts())
-        return "FAULT" if faulted else "ACTIVE"
+        return "FAULT" if any(device.faulted for device in self.daemon.devices) else "ACTIVE"
 
     def cmd_start_server(self, args: list[str]) -> str:
         if len(args) != 2 or args[0] != "-uid" or not args[1].isdigit():

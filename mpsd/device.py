@@ -58,6 +58,9 @@ class Device:
         self.containment = containment
         self.log = log
         self.last_look: tuple[float, float] = (0.0, 0.0)  # (simulated time, SM-seconds) when mpsd-smi last looked
+        # Contexts torn down by a fatal fault and not yet gone: while any is, the server is in FAULT and new
+        # clients are refused, as MPS refuses them until the faulting clients have exited.
+        self.faulted: set[int] = set()
 
     def release_memory(self, nbytes: int) -> None:
         """Device memory is no longer charged for `nbytes` (an exported segment's last mapping went)."""
@@ -79,6 +82,7 @@ class Device:
             self.log.server(f"Client {{PID: {context.pid}, Context: {context.id}}} on device {self.index} "
                             "to be torn down")
             context.set_sticky(error)
+            self.faulted.add(context.id)
             self.engine.cancel(context.id)
         if self.containment == "device":
             self.log.server(f"The following devices will be reset: {self.index}")

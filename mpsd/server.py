@@ -29,6 +29,7 @@ from mpsd_protocol import (  # type: ignore[attr-defined]
     InvalidDeviceError,
     InvalidValueError,
     MpsClientTerminatedError,
+    MpsMaxClientsReachedError,
     MpsServerNotReadyError,
     NoDeviceError,
     OutOfMemoryError,
@@ -86,6 +87,11 @@ class Daemon:
             raise MpsServerNotReadyError("the MPS server is shutting down")
         device = self.devices[self._device_index(hello.get("device", 0), hello.get("visible"))]
         index = device.index
+        if device.faulted:
+            raise MpsServerNotReadyError(f"the server is handling a fatal GPU error on device {index}; new "
+                                         "clients wait until the faulting clients have exited")
+        if len(device.contexts) >= self.config.max_clients:
+            raise MpsMaxClientsReachedError(f"device {index} already has {self.config.max_clients} clients")
         percentage = self.control.percentage_for_new_client()
         requested = limits.get("active_thread_percentage")
         if requested is not None:
@@ -111,6 +117,7 @@ class Daemon:
         self._next_client += 1
         device.contexts[context.id] = context
         self.control.client_arrived(session.pid, session.uid)
+        notify(f"STATUS={self.client_count()} clients")
         claimed = hello.get("pid")
         self.log.server(f"New client {session.pid} connected (context {context.id}, uid {session.uid}, "
                         f"device {index})" + (f"; it claimed pid {claimed!r:.20}" if claimed != session.pid else ""))
@@ -143,11 +150,16 @@ class Daemon:
         """The client is gone (closed, exited or killed): reclaim everything it held."""
         reclaimed = context.close()
         context.device.contexts.pop(context.id, None)
+        context.device.faulted.discard(context.id)
         self.control.client_left()
+        notify(f"STATUS={self.client_count()} clients")
         self.log.server(
             f"Client {context.pid} disconnected; reclaimed {reclaimed['allocations']} allocations "
             f"({format_size(reclaimed['bytes'])}), {reclaimed['imports']} IPC imports, {reclaimed['streams']} "
             f"streams, {reclaimed['events']} events, {reclaimed['host_buffers']} host buffers")
+
+    def client_count(self) -> int:
+        return sum(len(device.contexts) for device in self.devices)
 
     def terminate(self, context: Context, why: str) -> None:
         """Terminate a client (terminate_client): its work is torn down and every later call of it fails with
@@ -257,6 +269,9 @@ class Daemon:
                 front.start_soon(self._accept, listeners.control, sessions, self._serve_control)
                 if signals is not None:
                     front.start_soon(self._watch_signals, signals)
+                watchdog = _watchdog_interval()
+                if watchdog:
+                    front.start_soon(_keep_watchdog_fed, watchdog)
                 notify("READY=1\nSTATUS=accepting clients")
                 task_status.started(self.config.socket_path)
                 await self._stop.wait()
@@ -314,6 +329,21 @@ class Daemon:
             self.log.server(f"Received {signal.Signals(signum).name}")
             self.stop()
             return
+
+
+def _watchdog_interval() -> float | None:
+    """Seconds between WATCHDOG=1 pings when systemd asked for them (WatchdogSec=), else None."""
+    usec, pid = os.environ.get("WATCHDOG_USEC"), os.environ.get("WATCHDOG_PID")
+    if not usec or not usec.isdigit() or (pid and pid != str(os.getpid())):
+        return None
+    return int(usec) / 1e6 / 2  # twice per period, as sd_watchdog_enabled(3) advises
+
+
+async def _keep_watchdog_fed(interval: float) -> None:
+    # Runs on the event loop, so a loop that stops turning stops the pings and systemd notices.
+    while True:
+        notify("WATCHDOG=1")
+        await trio.sleep(interval)
 
 
 def notify(state: str) -> None:

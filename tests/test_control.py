@@ -194,7 +194,10 @@ def test_socket_activation_serves_the_first_client():
             assert "control daemon" in wait_for_log_dir(pipe, "sockets from systemd")
         activator.send_signal(signal.SIGTERM)
         assert activator.wait(30) == 0
-        assert notify.recv(4096).decode() == "STOPPING=1"
+        states = []
+        while "STOPPING=1" not in states:
+            states.append(notify.recv(4096).decode())
+        assert states == ["STATUS=1 clients", "STATUS=0 clients", "STOPPING=1"]
         assert (pipe / "mpsd.sock").exists()  # systemd's socket, not ours to remove
         assert not (pipe / "control").exists()  # ours: bound beside it, and removed
     finally:

@@ -310,3 +310,14 @@ def test_an_enormous_grid_does_not_make_the_daemon_deaf(daemon):
         wait_for_log(daemon, f"Client {worker.pid} disconnected")
         ctx.launch("spin", 264, 1024, [1000])
         ctx.synchronize()
+
+
+def test_client_limit_per_device(daemon_factory):
+    """The client limit per device gives cudaErrorMpsMaxClientsReached to the one beyond it."""
+    d = start_daemon("--time-scale", "100", "--max-clients", "3")
+    daemon_factory.append(d)
+    clients = [mpsd_client.connect(d.pipe_dir) for _ in range(3)]
+    with pytest.raises(mpsd_client.MpsMaxClientsReachedError):
+        mpsd_client.connect(d.pipe_dir)
+    for c in clients:
+        c.close()

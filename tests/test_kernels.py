@@ -3,6 +3,8 @@
 # contained per device (every client on it, as Volta+ MPS does) or per client.
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -134,7 +136,8 @@ def test_kernel_on_freed_memory_is_an_illegal_address(ctx):
 
 @pytest.mark.parametrize("containment", ["device", "client"])
 def test_fault_containment(daemon_factory, containment):
-    """A fault reaches every client on the device (Volta+ MPS) or, under `client`, only the culprit."""
+    """A fault reaches every client on the device (Volta+ MPS) or, under `client`, only the culprit; until
+    the faulted clients have gone the server is in FAULT and refuses newcomers, then it serves them again."""
     d = start_daemon("--time-scale", "100", "--fault-containment", containment)
     daemon_factory.append(d)
     with mpsd_client.connect(d.pipe_dir) as bystander, mpsd_client.connect(d.pipe_dir) as culprit:
@@ -149,8 +152,13 @@ def test_fault_containment(daemon_factory, containment):
         else:
             bystander.memset(q, 0, 64)
             bystander.synchronize()
-        with mpsd_client.connect(d.pipe_dir) as newcomer:  # a client arriving afterwards starts clean
-            newcomer.synchronize()
+        with pytest.raises(mpsd_client.MpsServerNotReadyError):
+            mpsd_client.connect(d.pipe_dir)
+    deadline = time.monotonic() + 20
+    while d.server_log().count("disconnected") < 3 and time.monotonic() < deadline:
+        time.sleep(0.02)  # the two clients' exits reach the daemon asynchronously
+    with mpsd_client.connect(d.pipe_dir) as newcomer:  # the faulted clients are gone: it starts clean
+        newcomer.synchronize()
     log = d.server_log()
     assert "encountered a fatal GPU error." in log
     assert "The following client process have a sticky error set:" in log

@@ -38,3 +38,22 @@ def test_daemon_notifies_ready_and_stopping(daemon_factory):
     listener.close()
     shutil.rmtree(path.parent)
     shutil.rmtree(d.pipe_dir.parent)
+
+
+def test_watchdog_and_status_notifications(daemon_factory):
+    """With WATCHDOG_USEC set the daemon pings WATCHDOG=1; STATUS= reports the number of clients."""
+    import mpsd_client
+
+    path = short_tempdir() / "notify"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    listener.bind(str(path))
+    listener.settimeout(20)
+    d = start_daemon(env={"NOTIFY_SOCKET": str(path), "WATCHDOG_USEC": "200000"})
+    seen = set()
+    with mpsd_client.connect(d.pipe_dir):
+        while not {"WATCHDOG=1", "STATUS=1 clients"} <= seen:
+            seen.update(listener.recv(4096).decode().splitlines())
+    assert d.stop() == 0
+    listener.close()
+    shutil.rmtree(path.parent)
+    shutil.rmtree(d.pipe_dir.parent)

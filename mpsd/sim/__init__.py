@@ -5,7 +5,7 @@
 from .costs import KERNEL_COSTS, BlockCost, kernel_cost
 from .engine import Simulator
 from .ops import ENGINES, BlockGroup, Copy, Kernel, Marker, Op
-from .policy import POLICIES
+from .policies import MIG_PROFILES, POLICIES, ClientConfig, MigPartition, mig_layout
 from .specs import H200, BlockNeed, DeviceSpec, block_need, occupancy, sm_cap
 from .stats import ClientStatistics, SimStatistics
 
@@ -13,20 +13,24 @@ __all__ = [
     "ENGINES",
     "H200",
     "KERNEL_COSTS",
+    "MIG_PROFILES",
     "POLICIES",
     "BlockCost",
     "BlockGroup",
     "BlockNeed",
+    "ClientConfig",
     "ClientStatistics",
     "Copy",
     "DeviceSpec",
     "Kernel",
     "Marker",
+    "MigPartition",
     "Op",
     "SimStatistics",
     "Simulator",
     "block_need",
     "kernel_cost",
+    "mig_layout",
     "occupancy",
     "sm_cap",
 ]

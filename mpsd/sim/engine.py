@@ -3,8 +3,9 @@
 # event at time t is processed first (blocks ending, kernels passing their launch overhead, copies
 # ending), then freed capacity is dispatched once, so blocks that end together free their SMs together.
 # The engine owns time and bookkeeping; stream order lives in streams.py, SM accounting and processor
-# sharing in sms.py, the choice of which kernel and which SMs in policy.py. The clock is the caller's:
-# virtual time with run(), or any external clock driving advance().
+# sharing in sms.py, the choice of which kernel goes next and which SMs a client may use in policies/.
+# Policies act only through _place, _set_timer and _preempt; the engine does the accounting for them.
+# The clock is the caller's: virtual time with run(), or any external clock driving advance().
 """The simulation engine."""
 
 from __future__ import annotations
@@ -13,17 +14,19 @@ import heapq
 import itertools
 import math
 from collections import deque
+from typing import Any
 
 from .ops import ENGINES, BlockGroup, Copy, Kernel, Marker, Op
-from .policy import KernelRun, make_policy
-from .sms import SM, FitIndex, Group
+from .policies import DEFAULT_CLIENT, ClientConfig, KernelRun, Policy, make_policy
+from .policies.base import spread
+from .sms import _EPSILON, SM, FitIndex, Group
 from .specs import H200, BlockNeed, DeviceSpec, block_need, occupancy
 from .stats import Counters, SimStatistics
 from .streams import Streams
 
 __all__ = ["Simulator"]
 
-_READY, _GROUP_END, _SM, _COPY_END = range(4)
+_READY, _GROUP_END, _SM, _COPY_END, _TIMER = range(5)
 
 
 class Simulator:
@@ -31,19 +34,25 @@ class Simulator:
 
     Args:
         spec: the device model.
-        policy: dispatch policy name (only "mps" for now).
-        record: keep a trace of every block group in ``trace``.
+        policy: dispatch policy name, a key of ``POLICIES``: "mps", "round-robin", "priority", "fair",
+            "exclusive", "mig" or "timeslice".
+        record: keep a trace of every block group in ``trace`` (a block preempted and resumed appears once
+            per stretch it ran).
+        policy_options: the policy's settings, e.g. ``{"aging": 0.005}`` for "priority",
+            ``{"partitions": ["3g.71gb", "3g.71gb"]}`` for "mig", ``{"timeslice": 1e-3, "switch": 25e-6}``
+            for "timeslice".
 
     Raises:
-        ValueError: unknown policy.
+        ValueError: unknown policy, or an option it does not know or accept.
     """
 
-    def __init__(self, spec: DeviceSpec = H200, policy: str = "mps", record: bool = False) -> None:
+    def __init__(self, spec: DeviceSpec = H200, policy: str = "mps", record: bool = False,
+                 policy_options: dict[str, Any] | None = None) -> None:
         self.spec = spec
         self.now = 0.0
         self.trace: list[BlockGroup] = []
         self._record = record
-        self._policy = make_policy(policy)
+        self._clients: dict[int, ClientConfig] = {}
         self._sms = [SM.empty(i, spec) for i in range(spec.sm_count)]
         self._fit_index = FitIndex(self._sms)
         self._needs: dict[tuple[int, int, int], BlockNeed | None] = {}
@@ -56,12 +65,17 @@ class Simulator:
         self._dirty = False  # capacity freed or a kernel became ready since the last dispatch
         self._touched: set[int] = set()  # SMs whose shared groups changed this instant
         self._client_sms: dict[int, dict[int, int]] = {}  # client -> SM -> resident blocks
-        self._copy_queues: dict[str, deque[Copy]] = {e: deque() for e in ENGINES}
-        self._copy_busy: dict[str, Copy | None] = dict.fromkeys(ENGINES)
+        self._copy_queues: dict[tuple[str, int], deque[Copy]] = {}  # (engine, lane) -> FIFO
+        self._copy_busy: dict[tuple[str, int], Copy | None] = {}
+        self._copy_lane: dict[Copy, tuple[str, int]] = {}  # copies queued or in flight -> their FIFO
         self._stopped_copies: set[Copy] = set()  # copies of cancelled clients stopped in flight
         self._completed: list[Op] = []  # completions at self.now not yet returned
         self._counters: dict[int, Counters] = {}
         self._kernels = self._blocks = self._copies = 0
+        # (block shape, SM window) found with no room during this dispatch: placing only takes capacity,
+        # so they stay full until it ends, and every later kernel of that shape is turned away at once.
+        self._full: set[tuple] = set()
+        self._policy: Policy = make_policy(policy, self, policy_options)
 
     # --- public API ------------------------------------------------------------------------
 
@@ -110,6 +124,38 @@ class Simulator:
             fits = occupancy(self.spec, threads, regs_per_thread, smem) >= 1
             self._needs[key] = block_need(self.spec, threads, regs_per_thread, smem) if fits else None
         return self._needs[key]
+
+    def configure_client(self, client: int, *, priority: int = 0, weight: float = 1.0,
+                         partition: str | int | None = None) -> None:
+        """Set how the policy treats ``client`` (call when it attaches; unconfigured clients get the defaults).
+
+        Takes effect for blocks placed from now on; blocks already resident stay where they are.
+
+        Args:
+            client: the tenant id.
+            priority: lower is more urgent: 0 normal, 1 below normal (CUDA_MPS_CLIENT_PRIORITY), other
+                integers for finer daemon-side levels (used by "priority").
+            weight: share of SM-time, > 0 (used by "fair").
+            partition: MIG partition: index, its decimal string or a profile name; None for partition 0
+                (used by "mig").
+
+        Raises:
+            ValueError: a non-integer priority, a weight that is not positive and finite, or a partition
+                the MIG layout does not have.
+        """
+        config = ClientConfig(priority, weight, partition)
+        self._policy.configure(client, config)
+        self._clients[client] = config
+        self._dirty = True
+
+    def client_config(self, client: int) -> ClientConfig:
+        """The configuration ``client`` was given, or the defaults."""
+        return self._clients.get(client, DEFAULT_CLIENT)
+
+    @property
+    def policy(self) -> Policy:
+        """The policy in force (its name is ``policy.name``)."""
+        return self._policy
 
     def next_time(self) -> float | None:
         """Time of the next internal event.
@@ -201,19 +247,24 @@ class Simulator:
                 for group in list(run.groups):
                     self._evict(group)
                 (dropped if math.isnan(op.started) else resolved).append(op)
-            elif isinstance(op, Copy) and self._copy_busy[op.engine] is op:
-                self._copy_busy[op.engine] = None
-                self._stopped_copies.add(op)
-                resolved.append(op)
+                self._policy.retired(run)
+            elif isinstance(op, Copy) and op in self._copy_lane:
+                lane = self._copy_lane.pop(op)
+                if self._copy_busy[lane] is op:
+                    self._copy_busy[lane] = None
+                    self._stopped_copies.add(op)
+                    resolved.append(op)
+                else:
+                    self._copy_queues[lane].remove(op)
+                    dropped.append(op)
             else:
-                if isinstance(op, Copy) and op in self._copy_queues[op.engine]:
-                    self._copy_queues[op.engine].remove(op)
                 dropped.append(op)
         self._ready = [r for r in self._ready if not r.cancelled]
         for op in sorted(dropped + resolved, key=lambda o: o.seq):
             self._settle(self._streams.resolve(op))
-        for engine in ENGINES:
-            self._start_copy(engine)
+        for lane in list(self._copy_queues):
+            self._start_copy(lane)
+        self._dirty = True
         self._end_instant()
         return dropped
 
@@ -233,13 +284,36 @@ class Simulator:
             return sum(1 for sm in self._sms if sm.resident)
         return len(self._client_sms.get(client, ()))
 
+    def stranded_blocks(self) -> int:
+        """Blocks of ready kernels that would fit now on SMs their client may use (its MIG window, its SM
+        cap), yet wait: idle capacity while work is queued. Always 0 between calls under the
+        work-conserving policies ("mps", "round-robin", "fair", "mig", and "priority" without aging)."""
+        total = 0
+        for run in self._ready:
+            if run.cancelled or not run.unplaced:
+                continue
+            client = run.kernel.client
+            occupied = self._client_sms.get(client, {})
+            fits = self._fit_index.fits(run.need)
+            cap = run.kernel.sm_cap
+            budget = len(fits) if cap is None else cap - len(occupied)
+            window = self._policy.window(client) or (0, None)
+            total += sum(n for _, n in spread(fits, run.unplaced, budget, occupied, *window))
+        return total
+
     # --- events ------------------------------------------------------------------------------
 
     def _push(self, time: float, kind: int, payload: object) -> None:
         heapq.heappush(self._heap, (time, next(self._event_seq), kind, payload))
 
+    def _set_timer(self, time: float, token: object) -> None:
+        """Call the policy's ``on_timer(token)`` at ``time`` (>= now), unless it says the token is stale."""
+        self._push(time, _TIMER, token)
+
     def _stale(self, event: tuple) -> bool:
         kind, payload = event[2], event[3]
+        if kind == _TIMER:
+            return self._policy.timer_stale(payload)
         if kind == _SM:
             return self._sms[payload[0]].version != payload[1]
         if kind == _GROUP_END:
@@ -262,12 +336,17 @@ class Simulator:
             if not payload.cancelled:
                 self._ready.append(payload)
                 self._dirty = True
+        elif kind == _TIMER:
+            self._policy.on_timer(payload)
+            self._dirty = True
         else:
             self._end_copy(payload)
 
     def _end_instant(self) -> None:
-        if self._dirty and self._ready:
-            self._dispatch()
+        if self._dirty and (self._ready or self._policy.dispatch_when_idle):
+            self._full.clear()
+            self._policy.dispatch(self._ready)
+            self._ready = [r for r in self._ready if r.unplaced]
         self._dirty = False
         for i in sorted(self._touched):
             soonest = self._sms[i].reschedule()
@@ -303,10 +382,16 @@ class Simulator:
             elif isinstance(op, Kernel):
                 run = self._runs[op]
                 run.eligible = self.now
+                self._policy.eligible(run)
                 self._push(self.now + self.spec.kernel_overhead, _READY, run)
             else:
-                self._copy_queues[op.engine].append(op)
-                self._start_copy(op.engine)
+                lane = self._copy_lane[op] = (op.engine, self._policy.copy_lane(op.client))
+                queue = self._copy_queues.get(lane)
+                if queue is None:
+                    queue = self._copy_queues[lane] = deque()
+                    self._copy_busy[lane] = None
+                queue.append(op)
+                self._start_copy(lane)
 
     def _finish(self, op: Op) -> None:
         """``op`` ended now: report it and start what it held up."""
@@ -317,60 +402,123 @@ class Simulator:
 
     # --- copies ------------------------------------------------------------------------------
 
-    def _start_copy(self, engine: str) -> None:
-        queue = self._copy_queues[engine]
-        if self._copy_busy[engine] is not None or not queue:
+    def _start_copy(self, lane: tuple[str, int]) -> None:
+        queue = self._copy_queues[lane]
+        if self._copy_busy[lane] is not None or not queue:
             return
         op = queue.popleft()
-        self._copy_busy[engine] = op
+        self._copy_busy[lane] = op
         op.started = self.now
-        bandwidth = self.spec.mem_bandwidth / 2 if engine == "d2d" else self.spec.pcie_bandwidth
+        bandwidth = self.spec.mem_bandwidth / 2 if op.engine == "d2d" else self.spec.pcie_bandwidth
         self._push(self.now + self.spec.copy_latency + op.nbytes / bandwidth, _COPY_END, op)
 
     def _end_copy(self, op: Copy) -> None:
-        self._copy_busy[op.engine] = None
+        lane = self._copy_lane.pop(op)
+        self._copy_busy[lane] = None
         c = self._counter(op.client)
         c.copies += 1
         c.bytes_copied += op.nbytes
         self._copies += 1
         self._finish(op)
-        self._start_copy(op.engine)
+        self._start_copy(lane)
 
     # --- blocks ------------------------------------------------------------------------------
 
-    def _dispatch(self) -> None:
+    def _place(self, run: KernelRun, limit: int) -> int:
+        """Place up to ``limit`` of ``run``'s unplaced blocks where they fit, within its client's SM cap and
+        the SMs the policy lets it use; blocks preempted earlier go first, with the work they had left.
+
+        Returns:
+            Blocks placed.
+        """
+        left = min(limit, run.unplaced)
+        if left <= 0:
+            return 0
+        kernel = run.kernel
+        client = kernel.client
+        window = self._policy.window(client)
+        full_key = (run.need, window)
+        if full_key in self._full:
+            return 0
+        occupied = self._client_sms.get(client)
+        if occupied is None:
+            occupied = self._client_sms[client] = {}
+        fits = self._fit_index.fits(run.need)
+        cap = kernel.sm_cap
+        budget = len(fits) if cap is None else cap - len(occupied)
+        if window is None:
+            placements = spread(fits, left, budget, occupied)
+        else:
+            placements = spread(fits, left, budget, occupied, *window)
+        if not placements:
+            if budget > 0:  # not the cap: no SM in the window has room for this shape
+                self._full.add(full_key)
+            return 0
         now = self.now
         sms = self._sms
-        for run in self._policy.order(self._ready):
-            kernel = run.kernel
-            occupied = self._client_sms.setdefault(kernel.client, {})
-            placements = self._policy.place(run, self._fit_index.fits(run.need), occupied)
-            if not placements:
-                continue
-            cost = kernel.cost
-            placed = 0
-            for i, count in placements:
-                sms[i].take(run.need, count)
-                self._fit_index.changed(i)
-                occupied[i] = occupied.get(i, 0) + count
-                placed += count
-                group = Group(run, i, count, now)
-                run.groups.add(group)
+        cost = kernel.cost
+        fresh = max(cost.seconds, self.spec.min_block_time)
+        partial = run.partial
+        placed = 0
+        for i, count in placements:
+            sms[i].take(run.need, count)
+            self._fit_index.changed(i)
+            occupied[i] = occupied.get(i, 0) + count
+            placed += count
+            while count:
+                if partial:
+                    entry = partial[0]
+                    n, seconds = min(count, entry[0]), entry[1]
+                    entry[0] -= n
+                    if not entry[0]:
+                        partial.pop(0)
+                else:
+                    n, seconds = count, fresh
+                count -= n
+                group = Group(run, i, n, now, planned=seconds)
+                run.groups[group] = None
                 if cost.shared:
-                    group.remaining = max(cost.seconds, self.spec.min_block_time)
+                    group.remaining = seconds
                     group.demand = min(1.0, kernel.threads / self.spec.saturation_threads)
                     sms[i].add_shared(group, now)
                     self._touched.add(i)
                 else:
-                    group.end = now + max(cost.seconds, self.spec.min_block_time)
+                    group.end = now + seconds
                     self._push(group.end, _GROUP_END, group)
-            run.unplaced -= placed
-            run.running += placed
-            if math.isnan(kernel.started):
-                kernel.started = now
-            c = self._counter(kernel.client)
-            c.max_sms = max(c.max_sms, len(occupied))
-        self._ready = [r for r in self._ready if r.unplaced]
+                self._policy.placed(group)
+        run.unplaced -= placed
+        run.running += placed
+        if math.isnan(kernel.started):
+            kernel.started = now
+        c = self._counter(client)
+        c.max_sms = max(c.max_sms, len(occupied))
+        return placed
+
+    def _preempt(self, client: int | None) -> None:
+        """Take ``client``'s resident blocks off their SMs now; each resumes later with the work it had left
+        (blocks whose work is already done end normally instead)."""
+        now = self.now
+        for run in list(self._runs.values()):
+            if run.kernel.client != client or not run.groups:
+                continue
+            for group in list(run.groups):
+                if run.kernel.cost.shared:
+                    self._sms[group.sm].remove_shared(group, now)
+                    self._touched.add(group.sm)
+                    left = group.remaining
+                    if left <= _EPSILON * group.rate:
+                        self._end_group(group)
+                        continue
+                else:
+                    left = group.end - now
+                    if left <= 0.0:
+                        continue  # its end event is due this very instant
+                group.evicted = True
+                self._vacate(group)
+                if not run.unplaced:
+                    self._ready.append(run)
+                run.unplaced += group.count
+                run.partial.append([group.count, left])
 
     def _end_group(self, group: Group) -> None:
         run = group.run
@@ -382,6 +530,7 @@ class Simulator:
             c = self._counter(run.kernel.client)
             c.kernels += 1
             self._kernels += 1
+            self._policy.retired(run)
             self._finish(run.kernel)
 
     def _evict(self, group: Group) -> None:
@@ -397,7 +546,7 @@ class Simulator:
         now = self.now
         run = group.run
         kernel = run.kernel
-        run.groups.discard(group)
+        del run.groups[group]
         self._sms[group.sm].release(run.need, group.count)
         self._fit_index.changed(group.sm)
         occupied = self._client_sms[kernel.client]
@@ -409,6 +558,7 @@ class Simulator:
         group.end = now
         run.running -= group.count
         self._dirty = True
+        self._policy.vacated(group)
         c = self._counter(kernel.client)
         block_seconds = group.count * (now - group.start)
         c.block_seconds += block_seconds

@@ -24,7 +24,8 @@ class Group:
     """Blocks of one kernel placed together on one SM at one instant.
 
     ``remaining`` (full-rate seconds of service still owed per block), ``demand`` and ``rate`` are used
-    for shared groups only.
+    for shared groups only. ``planned`` is the work per block the group was placed with (a block resumed
+    after preemption is placed with what it had left).
     """
 
     run: object  # the engine's per-kernel state (KernelRun)
@@ -35,7 +36,8 @@ class Group:
     remaining: float = 0.0
     demand: float = 1.0
     rate: float = 1.0
-    evicted: bool = False  # its client was torn down: its end event is void
+    evicted: bool = False  # torn down or preempted: its end event is void
+    planned: float = 0.0  # seconds of work per block when placed (full-rate seconds if shared)
 
 
 @dataclass(eq=False, slots=True)

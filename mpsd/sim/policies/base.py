@@ -1,0 +1,197 @@
+# What every policy shares: the engine's per-kernel record, the per-client configuration, the placement rule
+# (spread a grid over the SMs with the most room, within an SM window and a cap), and the base class whose
+# hooks the engine calls. A policy decides only which kernel gets freed capacity next and which SMs a client
+# may use; the engine owns time, events, SM accounting and preemption, so each policy stays a small class.
+"""Policy base class, per-client configuration and block placement."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from ..ops import Kernel
+from ..specs import BlockNeed, DeviceSpec
+
+if TYPE_CHECKING:
+    from ..engine import Simulator
+    from ..sms import Group
+
+__all__ = ["ClientConfig", "KernelRun", "Policy", "mps_key", "spread"]
+
+
+@dataclass(eq=False, slots=True)
+class KernelRun:
+    """The engine's state of one submitted kernel.
+
+    Attributes:
+        kernel: the op.
+        need: resources one of its blocks takes.
+        eligible: when it became eligible (head of stream, dependencies done).
+        unplaced: blocks not on an SM now (fresh ones plus preempted ones waiting to resume).
+        running: blocks resident now.
+        cancelled: its client was cancelled; place nothing more, report nothing.
+        groups: its block groups resident now, in placement order (an ordered set: values are None).
+        partial: preempted blocks waiting to resume, as [count, seconds of work left per block] entries,
+            oldest first; they are placed before fresh blocks.
+    """
+
+    kernel: Kernel
+    need: BlockNeed
+    eligible: float = 0.0
+    unplaced: int = 0
+    running: int = 0
+    cancelled: bool = False
+    groups: dict = field(default_factory=dict)
+    partial: list = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class ClientConfig:
+    """How a policy treats one client (``Simulator.configure_client``).
+
+    Attributes:
+        priority: client priority, lower is more urgent: 0 normal, 1 below normal (CUDA_MPS_CLIENT_PRIORITY),
+            any other integer for finer daemon-side levels.
+        weight: share of SM-time under ``fair`` (> 0).
+        partition: MIG partition under ``mig``: an index into the layout, its decimal string, or a profile
+            name (the first partition of that profile); None for partition 0.
+    """
+
+    priority: int = 0
+    weight: float = 1.0
+    partition: str | int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
+            raise ValueError(f"priority must be an integer, got {self.priority!r}")  # noqa: TRY004
+        if not (isinstance(self.weight, (int, float)) and 0.0 < self.weight < math.inf):
+            raise ValueError(f"weight must be a positive finite number, got {self.weight!r}")
+        if self.partition is not None and (isinstance(self.partition, bool)
+                                           or not isinstance(self.partition, (int, str))):
+            raise ValueError(f"partition must be an index, a profile name or None, got {self.partition!r}")
+
+
+DEFAULT_CLIENT = ClientConfig()
+
+
+def mps_key(run: KernelRun) -> tuple[int, float, int]:
+    """The hardware's order among pending kernels: stream priority, then when eligible, then launch order."""
+    return (run.kernel.priority, run.eligible, run.kernel.seq)
+
+
+class Policy:
+    """Base of every policy: the hooks the engine calls, all no-ops here.
+
+    Subclasses implement ``dispatch``. The engine's methods a policy may call are ``sim._place(run, limit)``
+    (place up to ``limit`` blocks, returns how many it placed), ``sim._set_timer(time, token)`` (calls
+    ``on_timer(token)`` at ``time`` unless ``timer_stale(token)``), ``sim._preempt(client)`` (take the
+    client's resident blocks off, to resume later with the work they had left) and ``sim.client_config(c)``.
+
+    Args:
+        sim: the simulator this policy serves.
+        options: policy-specific settings (see each policy); unknown keys are an error.
+
+    Raises:
+        ValueError: an unknown or invalid option.
+    """
+
+    name = "base"
+    options: ClassVar[dict[str, Any]] = {}
+    # Call dispatch at the end of every instant where something changed, even with no kernel ready
+    # (policies that hand the GPU from client to client must notice an owner running out of work).
+    dispatch_when_idle = False
+
+    def __init__(self, sim: Simulator, options: dict[str, Any] | None = None) -> None:
+        self.sim = sim
+        self.spec: DeviceSpec = sim.spec
+        given = dict(options or {})
+        unknown = sorted(set(given) - set(self.options))
+        if unknown:
+            raise ValueError(f"unknown option(s) {unknown} for policy {self.name!r}; known: {sorted(self.options)}")
+        self.settings = {**self.options, **given}
+
+    def dispatch(self, ready: list[KernelRun]) -> None:
+        """Offer the free capacity to ``ready`` kernels by calling ``sim._place``.
+
+        Args:
+            ready: kernels past their launch overhead with blocks left to place (do not modify the list).
+        """
+        raise NotImplementedError
+
+    def configure(self, client: int, config: ClientConfig) -> None:
+        """Check a client's configuration against this policy.
+
+        Raises:
+            ValueError: the configuration makes no sense here (a partition that does not exist).
+        """
+
+    def window(self, client: int) -> tuple[int, int] | None:
+        """SMs ``client`` may use, as a half-open index range; None for all."""
+        return None
+
+    def copy_lane(self, client: int) -> int:
+        """Which set of copy engines serves ``client`` (0: the device's one set)."""
+        return 0
+
+    def eligible(self, run: KernelRun) -> None:
+        """``run`` became eligible (head of its stream, dependencies done)."""
+
+    def retired(self, run: KernelRun) -> None:
+        """``run`` completed or its client was cancelled."""
+
+    def placed(self, group: Group) -> None:
+        """``group`` was just placed."""
+
+    def vacated(self, group: Group) -> None:
+        """``group`` left its SM (ended, preempted or evicted); ``group.end`` is now."""
+
+    def on_timer(self, token: object) -> None:
+        """A timer set with ``sim._set_timer`` fired."""
+
+    def timer_stale(self, token: object) -> bool:
+        """True if the timer ``token`` no longer matters (the engine then drops it unhandled)."""
+        return False
+
+
+def spread(fits: list[int], left: int, budget: int, occupied: dict[int, int],
+           lo: int = 0, hi: int | None = None) -> list[tuple[int, int]]:
+    """Choose SMs for up to ``left`` blocks: greedy, one block at a time, on the SM with the most room.
+
+    Computed in rounds: at level L every usable SM whose fit is at least L takes one block, in index order,
+    for L from the largest fit down to 1; so ties go to the lowest index and a grid spreads before it stacks.
+    SMs the client does not occupy yet cost one unit of ``budget`` each; once it is spent only occupied SMs
+    take blocks (an MPS SM cap counts distinct SMs).
+
+    Args:
+        fits: how many blocks of the kernel's shape fit on each SM now, by SM index.
+        left: most blocks to place (>= 1).
+        budget: SMs the client may still add.
+        occupied: SM index -> the client's resident blocks there.
+        lo, hi: the SM window the client may use (default: all).
+
+    Returns:
+        (SM index, block count) pairs, by SM index; the caller reserves the resources.
+    """
+    window = fits if lo == 0 and hi is None else fits[lo:hi]
+    top = max(window)
+    if top == 0:
+        return []
+    if left == 1 and budget > 0:  # the common small kernel: the first SM with the most room
+        return [(window.index(top) + lo, 1)]
+    taken = [0] * len(window)
+    for level in range(top, 0, -1):
+        for j, f in enumerate(window):
+            if f < level:
+                continue
+            if not taken[j] and j + lo not in occupied:
+                if budget <= 0:
+                    continue
+                budget -= 1
+            taken[j] += 1
+            left -= 1
+            if not left:
+                break
+        if not left:
+            break
+    return [(j + lo, n) for j, n in enumerate(taken) if n]

@@ -1,0 +1,108 @@
+"""Exact timelines of the timeslice policy: slices, context switches, preemption and resumption with the
+work left, and the measured two-tenant time-slicing row."""
+
+import dataclasses
+
+import pytest
+
+from mpsd.sim import H200, BlockCost, Kernel, Simulator, kernel_cost
+
+MS = 1e-3
+OVERHEAD = H200.kernel_overhead
+SPEC = dataclasses.replace(H200, sm_count=4)
+SPIN = BlockCost(1 * MS)
+OPTS = {"timeslice": 0.5 * MS, "switch": 0.1 * MS}
+
+
+def launch(sim, client, n=1, blocks=16, cost=SPIN, stream=0):
+    ks = [Kernel(client=client, stream=stream, blocks=blocks, threads=1024, cost=cost) for _ in range(n)]
+    for k in ks:
+        sim.submit(k)
+    return ks
+
+
+def pieces(sim, client):
+    return [(g.sm, g.count, round(g.start / MS, 6), round(g.end / MS, 6))
+            for g in sorted(sim.trace, key=lambda g: (g.start, g.sm)) if g.op.client == client]
+
+
+def test_one_client_never_switches():
+    """Alone, a client keeps the GPU slice after slice: the same timeline as mps."""
+    sim = Simulator(SPEC, "timeslice", policy_options=OPTS)
+    (k,) = launch(sim, 1)
+    sim.run()
+    assert k.ended == pytest.approx(OVERHEAD + 2 * MS)
+    assert sim.policy.switches == 0
+
+
+def test_two_clients_alternate_slices_with_preemption():
+    """Slices of 0.5 ms with 0.1 ms switches; preempted blocks resume with the 0.5 ms they had left."""
+    sim = Simulator(SPEC, "timeslice", record=True, policy_options=OPTS)
+    (a,), (b,) = launch(sim, 1), launch(sim, 2)
+    sim.run()
+    assert pieces(sim, 1)[:4] == [(i, 2, 0.01, 0.51) for i in range(4)]
+    assert pieces(sim, 2)[:4] == [(i, 2, 0.61, 1.11) for i in range(4)]
+    assert pieces(sim, 1)[4:8] == [(i, 2, 1.21, 1.71) for i in range(4)]  # the first wave's second half
+    assert pieces(sim, 1)[8:12] == [(i, 2, 2.41, 2.91) for i in range(4)]  # wave 2, after 2 ends a slice
+    assert a.ended == pytest.approx(4.11 * MS)
+    assert b.ended == pytest.approx(4.71 * MS)
+    # Every block got exactly its 1 ms, in pieces: preempted blocks were resumed, not restarted.
+    assert sim.statistics().per_client[1].block_seconds == pytest.approx(16 * MS)
+    assert sim.statistics().blocks_completed == 32
+
+
+def test_owner_out_of_work_hands_over_at_once():
+    """A client whose work ends mid-slice gives the GPU up then, paying one switch."""
+    sim = Simulator(SPEC, "timeslice", policy_options=OPTS)
+    (a,) = launch(sim, 1, blocks=8, cost=BlockCost(0.2 * MS))
+    (b,) = launch(sim, 2, blocks=8, cost=BlockCost(0.2 * MS))
+    sim.run()
+    assert a.ended == pytest.approx(0.21 * MS)
+    assert b.started == pytest.approx(0.31 * MS)
+    assert b.ended == pytest.approx(0.51 * MS)
+
+
+def test_back_to_the_resident_context_costs_nothing():
+    """If the client that last held the GPU comes back to an idle GPU, no switch is paid."""
+    sim = Simulator(SPEC, "timeslice", policy_options=OPTS)
+    (_a,) = launch(sim, 1, blocks=8)
+    sim.advance(2 * MS)
+    (b,) = launch(sim, 1, blocks=8)
+    sim.run()
+    assert b.started == pytest.approx(2 * MS + OVERHEAD)
+    assert sim.policy.switches == 0
+
+
+def test_shared_blocks_resume_with_remaining_service():
+    """A throughput-bound block preempted halfway needs only its remaining half afterwards."""
+    work = BlockCost(0.8 * MS, shared=True)  # 1024 threads: two co-resident blocks share an SM's issue
+    sim = Simulator(SPEC, "timeslice", record=True, policy_options=OPTS)
+    (a,) = launch(sim, 1, blocks=8, cost=work)  # 8 blocks on 4 SMs: each at half rate, 1.6 ms alone
+    (b,) = launch(sim, 2, blocks=8, cost=BlockCost(0.3 * MS))
+    sim.run()
+    # a: 0.01..0.51 (0.25 ms of service each), b: 0.61..0.91, a resumes at 1.01 with 0.55 ms left each
+    # at half rate: 1.1 ms -> ends at 2.11.
+    assert b.started == pytest.approx(0.61 * MS)
+    assert a.ended == pytest.approx(2.11 * MS)
+
+
+def test_cancel_during_switch():
+    """Cancelling the incoming client mid-switch leaves the GPU to whoever has work."""
+    sim = Simulator(SPEC, "timeslice", policy_options=OPTS)
+    (a,) = launch(sim, 1)
+    (b,) = launch(sim, 2)
+    sim.advance(0.55 * MS)  # client 2 is being switched in
+    sim.cancel(2)
+    sim.run()
+    assert a.done and not b.done
+    assert sim.busy_sms() == 0
+
+
+def test_two_tenants_full_work_as_measured():
+    """Measured without MPS on an H200: 2 tenants x 100 FULL work kernels took 0.220 and 0.222 s."""
+    work = kernel_cost(H200, "work", 264, 1024, [93638])
+    sim = Simulator(policy="timeslice")
+    per = [launch(sim, c, 100, blocks=264, cost=work) for c in (1, 2)]
+    sim.run()
+    assert per[0][-1].ended == pytest.approx(0.220, rel=0.02)
+    assert per[1][-1].ended == pytest.approx(0.222, rel=0.02)
