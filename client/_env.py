@@ -65,6 +65,11 @@ def requested_limits(device: int, environ: Mapping[str, str] = os.environ) -> di
         limit = per_device.get(device, per_device.get(-1))
         if limit is not None:
             limits["pinned_mem_limit"] = limit
+    text = environ.get("MPSD_MIG_PARTITION")
+    if text:
+        if not text.strip().isdigit():
+            raise InvalidValueError(f"MPSD_MIG_PARTITION={text!r} must be a partition index")
+        limits["partition"] = int(text)
     text = environ.get("CUDA_MPS_CLIENT_PRIORITY")
     if text:
         if text.strip() not in ("0", "1"):

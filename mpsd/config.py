@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from mpsd.sim import H200, POLICIES as SIM_POLICIES, DeviceSpec
+from mpsd.sim import H200, POLICIES as SIM_POLICIES, DeviceSpec, Simulator
 from mpsd_protocol import parse_mem_limits
 
 DEVICE_MODELS: dict[str, DeviceSpec] = {"h200": H200}
@@ -36,6 +36,7 @@ class Config:
     fault_containment: str = "device"
     ipc_access: str = "uid"
     max_clients: int = 48  # per device, as Volta+ MPS (CUDA 13.0, measured driver)
+    policy_options: dict[str, Any] = field(default_factory=dict)  # e.g. {"timeslice": 0.001}
 
     @property
     def socket_path(self) -> Path:
@@ -69,6 +70,14 @@ def build_parser() -> argparse.ArgumentParser:
                                           "(default $MPSD_LOG_DIRECTORY or the pipe directory)")
     parser.add_argument("--devices", help="simulated GPUs, e.g. h200 or h200:2 (default h200)")
     parser.add_argument("--policy", choices=POLICIES, help="scheduling policy (default mps)")
+    parser.add_argument("--timeslice", type=float, metavar="SECONDS",
+                        help="timeslice policy: length of a slice (default 0.001024)")
+    parser.add_argument("--context-switch", type=float, metavar="SECONDS",
+                        help="timeslice policy: cost of a context switch (default 0.0001)")
+    parser.add_argument("--aging", type=float, metavar="SECONDS",
+                        help="priority policy: wait after which a low-priority kernel is served first")
+    parser.add_argument("--mig-partitions", metavar="PROFILES",
+                        help="mig policy: GPU instances, e.g. 3g.71gb,2g.35gb,1g.18gb (default two 3g.71gb)")
     parser.add_argument("--time-scale", type=float, help="simulated seconds per wall second (default 1.0)")
     parser.add_argument("--active-thread-percentage", type=float,
                         help="default CUDA_MPS_ACTIVE_THREAD_PERCENTAGE for clients (default 100)")
@@ -124,13 +133,28 @@ def load_config(argv: Sequence[str] | None = None, environ: dict[str, str] | Non
     ipc_access = pick("ipc_access", "uid")
     if ipc_access not in IPC_ACCESS:
         raise ConfigError(f"IPC access must be one of {', '.join(IPC_ACCESS)}")
+    policy_options: dict[str, Any] = {}
+    for name, key in (("timeslice", "timeslice"), ("context_switch", "switch"), ("aging", "aging")):
+        value = pick(name)
+        if value is not None:
+            if not float(value) >= 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be a non-negative number of seconds")
+            policy_options[key] = float(value)
+    partitions = pick("mig_partitions")
+    if partitions:
+        policy_options["partitions"] = [p.strip() for p in str(partitions).split(",") if p.strip()]
+    devices = parse_devices(pick("devices", "h200"))
+    try:  # the simulator judges its own settings; asking it now turns a mistake into a usage error
+        Simulator(devices[0], policy=policy, policy_options=policy_options)
+    except ValueError as exc:
+        raise ConfigError(f"--policy {policy}: {exc}") from None
     max_clients = int(pick("max_clients", 48))
     if not 1 <= max_clients <= 4096:
         raise ConfigError(f"--max-clients must be between 1 and 4096, not {max_clients}")
     priority = int(pick("client_priority", 0))
     if priority not in (0, 1):
         raise ConfigError("client priority must be 0 or 1")
-    return Config(pipe_dir=pipe_dir, log_dir=log_dir, devices=parse_devices(pick("devices", "h200")),
+    return Config(pipe_dir=pipe_dir, log_dir=log_dir, devices=devices,
                   policy=policy, time_scale=time_scale, active_thread_percentage=percentage,
                   pinned_mem_limits=limits, client_priority=priority, fault_containment=containment,
-                  ipc_access=ipc_access, max_clients=max_clients)
+                  ipc_access=ipc_access, max_clients=max_clients, policy_options=policy_options)

@@ -46,11 +46,11 @@ class Device:
     """A simulated GPU shared by the daemon's clients."""
 
     def __init__(self, index: int, spec: DeviceSpec, *, policy: str, time_scale: float,
-                 containment: str, log: ServerLog) -> None:
+                 containment: str, log: ServerLog, policy_options: dict[str, Any] | None = None) -> None:
         self.index = index
         self.spec = spec
         self.properties = device_properties(spec, index)
-        self.sim = Simulator(spec, policy=policy)
+        self.sim = Simulator(spec, policy=policy, policy_options=policy_options)
         self.engine = Engine(self.sim, time_scale)
         self.total_memory = spec.total_memory
         self.used = spec.server_memory  # device bytes charged: the server, every context, every allocation
@@ -66,8 +66,13 @@ class Device:
         """Device memory is no longer charged for `nbytes` (an exported segment's last mapping went)."""
         self.used -= nbytes
 
+    def partition_sms(self, partition: int | None) -> int:
+        """SMs a client bound to `partition` can use: its MIG instance's, or the whole GPU's."""
+        partitions = getattr(self.sim.policy, "partitions", None)
+        return partitions[partition or 0].sm_count if partitions else self.spec.sm_count
+
     def client_properties(self, context: Context) -> dict[str, Any]:
-        """What one client sees: the SM count capped by its active thread percentage."""
+        """What one client sees: the SM count capped by its active thread percentage (and MIG instance)."""
         return dict(self.properties, multiprocessor_count=context.quotas.sm_cap)
 
     def sm_cap(self, active_thread_percentage: float) -> int:

@@ -61,7 +61,7 @@ class Daemon:
             raise DaemonError(f"cannot write logs in {config.log_dir}: {exc.strerror}") from None
         self.devices = [
             Device(i, spec, policy=config.policy, time_scale=config.time_scale,
-                   containment=config.fault_containment, log=self.log)
+                   containment=config.fault_containment, log=self.log, policy_options=config.policy_options)
             for i, spec in enumerate(config.devices)
         ]
         self.ipc = IpcRegistry(config.ipc_access, self.log)
@@ -108,11 +108,17 @@ class Daemon:
         if priority is not None and priority not in (0, 1):
             raise InvalidValueError(f"client priority {priority!r:.20} must be 0 or 1")
         priority = max(self.settings.client_priority, priority or 0)
-        quotas = Quotas(percentage, sm_cap(device.spec, percentage), memory, priority)
+        partition = limits.get("partition")
+        if partition is not None and (not isinstance(partition, int) or not 0 <= partition < len(
+                getattr(device.sim.policy, "partitions", ()))):
+            raise InvalidValueError(f"MIG partition {partition!r:.20} does not exist on device {index}")
+        cap = min(sm_cap(device.spec, percentage), device.partition_sms(partition))
+        quotas = Quotas(percentage, cap, memory, priority)
         if device.total_memory - device.used < device.spec.context_memory:
             raise OutOfMemoryError(f"device {index} has no room for another context "
                                    f"({format_size(device.spec.context_memory)} each)")
         context = Context(device, self._next_client, session.pid, session.uid, session.gid, quotas, self.ipc)
+        device.sim.configure_client(context.id, priority=priority, partition=partition)
         device.used += device.spec.context_memory
         self._next_client += 1
         device.contexts[context.id] = context
