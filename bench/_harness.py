@@ -29,7 +29,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Callable, Any, Iterator
 
 import msgpack
 
@@ -214,6 +214,21 @@ def client_profile(profile_dir: Path | None, py_spy_dir: Path | None, name: str)
 
 
 # -- options, statistics and the report ----------------------------------------------------------------------
+def alternate(args: argparse.Namespace, name: str, ours: Callable[[], Any],
+              raw: Callable[[], Any] | None) -> tuple[list[Any], list[Any]]:
+    """Measure `ours` and `raw` in alternating blocks, so load on the machine hits both alike; the first of
+    our blocks is profiled when asked (--profile, --py-spy)."""
+    mine: list[Any] = []
+    theirs: list[Any] = []
+    for r in range(args.repeat):
+        profiling = client_profile(args.profile, args.py_spy, name) if r == 0 else contextlib.nullcontext()
+        with profiling:
+            mine.append(ours())
+        if raw is not None:
+            theirs.append(raw())
+    return mine, theirs
+
+
 def parser(description: str, n: int, repeat: int, warmup: int) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--n", type=int, default=n, help=f"measured iterations per block (default {n})")

@@ -129,8 +129,6 @@ def main() -> int:
     import mpsd_client
 
     started = time.monotonic()
-    ours: list[list[float]] = []
-    raw: list[list[float]] = []
     server_cpu = h.SERVER_CPU if args.pin else None
     with contextlib.ExitStack() as stack:
         d = stack.enter_context(h.daemon(time_scale=1.0, profile_dir=args.profile, py_spy_dir=args.py_spy,
@@ -139,13 +137,8 @@ def main() -> int:
         sock = stack.enter_context(exporter(d.pipe_dir, server_cpu))
         if args.pin:
             h.pin(0, h.CLIENT_CPU)
-        for r in range(args.repeat):
-            profiling = h.client_profile(args.profile, args.py_spy, "ipc_open_client") if r == 0 \
-                else contextlib.nullcontext()
-            with profiling:
-                ours.append(block_ours(ctx, sock, args.n, args.warmup))
-            if not args.skip_baseline:
-                raw.append(block_raw(sock, args.n, args.warmup))
+        ours, raw = h.alternate(args, "ipc_open_client", lambda: block_ours(ctx, sock, args.n, args.warmup),
+                                None if args.skip_baseline else lambda: block_raw(sock, args.n, args.warmup))
 
     o50, o99 = h.percentiles(ours)
     rows = [("sample", ("request -> exporter's ipc_get_mem_handle -> ipc_open_mem_handle -> host_view, read 2 "

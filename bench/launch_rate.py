@@ -67,8 +67,6 @@ def main() -> int:
     import mpsd_client
 
     started = time.monotonic()
-    ours: list[float] = []
-    raw: list[float] = []
     server_cpu = h.SERVER_CPU if args.pin else None
     with contextlib.ExitStack() as stack:
         d = stack.enter_context(h.daemon(time_scale=args.time_scale, profile_dir=args.profile,
@@ -77,13 +75,8 @@ def main() -> int:
         peer = None if args.skip_baseline else stack.enter_context(h.raw_peer(server_cpu))
         if args.pin:
             h.pin(0, h.CLIENT_CPU)
-        for r in range(args.repeat):
-            profiling = h.client_profile(args.profile, args.py_spy, "launch_client") if r == 0 \
-                else contextlib.nullcontext()
-            with profiling:
-                ours.append(block_ours(ctx, args.n, args.warmup))
-            if peer is not None:
-                raw.append(block_raw(*peer, args.n, args.warmup))
+        ours, raw = h.alternate(args, "launch_client", lambda: block_ours(ctx, args.n, args.warmup),
+                                None if peer is None else lambda: block_raw(*peer, args.n, args.warmup))
         done = ctx.statistics().get("kernels_completed")
         expected = args.repeat * (args.n + args.warmup)
         if done is not None and done != expected:

@@ -53,8 +53,6 @@ def main() -> int:
     import mpsd_client
 
     started = time.monotonic()
-    ours: list[list[float]] = []
-    raw: list[list[float]] = []
     server_cpu = h.SERVER_CPU if args.pin else None
     with contextlib.ExitStack() as stack:
         d = stack.enter_context(h.daemon(time_scale=1.0, profile_dir=args.profile, py_spy_dir=args.py_spy,
@@ -63,13 +61,8 @@ def main() -> int:
         peer = None if args.skip_baseline else stack.enter_context(h.raw_peer(server_cpu))
         if args.pin:
             h.pin(0, h.CLIENT_CPU)
-        for r in range(args.repeat):
-            profiling = h.client_profile(args.profile, args.py_spy, "rpc_client") if r == 0 \
-                else contextlib.nullcontext()
-            with profiling:
-                ours.append(block_ours(ctx, args.n, args.warmup))
-            if peer is not None:
-                raw.append(block_raw(*peer, args.n, args.warmup))
+        ours, raw = h.alternate(args, "rpc_client", lambda: block_ours(ctx, args.n, args.warmup),
+                                None if peer is None else lambda: block_raw(*peer, args.n, args.warmup))
 
     o50, o99 = h.percentiles(ours)
     rows = [("request", "ctx.mem_get_info() through a private daemon (blocking client, its own process)"),

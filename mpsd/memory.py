@@ -193,12 +193,6 @@ class AddressSpace:
         offset = ptr - alloc.addr
         return memoryview(alloc.segment.map)[offset:offset + nbytes]
 
-    def clear(self) -> tuple[list[Allocation], int]:
-        """Unmap everything; returns the allocations and the bytes that were charged for them."""
-        allocs = list(self._small.allocs.values()) + list(self._large.allocs.values())
-        charged = len(self._chunks) * CHUNK + sum(a.span for a in self._large.allocs.values() if not a.imported)
-        self.__init__()  # type: ignore[misc]
-        return allocs, charged
 
 
 class HostBuffer:

@@ -10,7 +10,6 @@ import pwd
 import shutil
 import subprocess
 import sys
-import textwrap
 
 import numpy as np
 import pytest
