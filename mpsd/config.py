@@ -35,6 +35,7 @@ class Config:
     client_priority: int = 0
     fault_containment: str = "device"
     ipc_access: str = "uid"
+    multiuser: bool = False  # one server for every user, instead of one user's server at a time
     max_clients: int = 48  # per device, as Volta+ MPS (CUDA 13.0, measured driver)
     policy_options: dict[str, Any] = field(default_factory=dict)  # e.g. {"timeslice": 0.001}
 
@@ -85,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--client-priority", type=int, choices=(0, 1), help="default client priority")
     parser.add_argument("--fault-containment", choices=CONTAINMENT,
                         help="who gets a fatal GPU error: every client on the device (default) or the culprit")
+    parser.add_argument("--multiuser", action="store_true", default=None,
+                        help="one server serves every user (otherwise other users' clients wait their turn)")
     parser.add_argument("--max-clients", type=int, help="clients per device (default 48, as Volta+ MPS)")
     parser.add_argument("--ipc-access", choices=IPC_ACCESS,
                         help="who may open an IPC handle: the exporter's uid (default, as CUDA), its group, anyone")
@@ -157,4 +160,5 @@ def load_config(argv: Sequence[str] | None = None, environ: dict[str, str] | Non
     return Config(pipe_dir=pipe_dir, log_dir=log_dir, devices=devices,
                   policy=policy, time_scale=time_scale, active_thread_percentage=percentage,
                   pinned_mem_limits=limits, client_priority=priority, fault_containment=containment,
-                  ipc_access=ipc_access, max_clients=max_clients, policy_options=policy_options)
+                  ipc_access=ipc_access, max_clients=max_clients, policy_options=policy_options,
+                  multiuser=bool(pick("multiuser", False)))

@@ -3,9 +3,10 @@
 # afterwards get, as in MPS; running clients keep their quotas. The socket that carries the lines lives in
 # the server module; this one holds only the language.
 #
-# One logical MPS server serves every client (MPS's multi-user server); it comes into being with its first
-# client, as MPS starts a server on demand, and its PID is the daemon's. Per-user servers, with clients of
-# other users queued, are not modelled yet.
+# Servers as MPS runs them: one logical server at a time, started on demand for the user of its first client,
+# serving only that user's clients; a client of another user waits (pending) until the server's last client
+# has gone and the server has exited, then a server for the next user starts. With --multiuser one server
+# serves every user. A server's PID is the daemon's own (the daemon plays every server in turn).
 from __future__ import annotations
 
 import json
@@ -46,6 +47,7 @@ class Server:
     """The logical MPS server: its own overrides of the defaults, for its clients created afterwards."""
 
     pid: int
+    uid: int | None = None  # the user it serves (None: every user, --multiuser)
     active_thread_percentage: float | None = None
     pinned_mem_limits: dict[int, int] = field(default_factory=dict)
     started: bool = False
@@ -144,6 +146,7 @@ class Control:
             raise CommandError("Usage: start_server -uid <uid>")
         if not self.server.started:
             self.server.started = True
+            self.server.uid = None if self.daemon.config.multiuser else int(args[1])
             self.daemon.log.control(f"Starting new server {self.server.pid} for user {args[1]}")
         return ""
 
@@ -280,19 +283,40 @@ class Control:
     def memory_limit_for_new_client(self, device: int) -> int | None:
         return self.server.pinned_mem_limits.get(device, self.daemon.settings.pinned_mem_limits.get(device))
 
+    def admits(self, uid: int) -> bool:
+        """Whether a client of `uid` may attach now (else it waits for the current server to exit)."""
+        server = self.server
+        return not server.started or server.uid is None or server.uid == uid or (
+            not self._contexts() and not server.shutting_down)
+
     def client_arrived(self, pid: int, uid: int) -> None:
-        if self.server.started:
+        server = self.server
+        if server.started and (server.uid is None or server.uid == uid):
             self.daemon.log.control(f"NEW CLIENT {pid} from user {uid}: Server already exists")
-        else:
-            self.daemon.log.control(f"NEW CLIENT {pid} from user {uid}: Server is not ready, push client to "
-                                    "pending list")
-            self.server.started = True
-            self.daemon.log.control(f"Starting new server {self.server.pid} for user {uid}")
+            return
+        if server.started:  # idle, serving another user: it makes way
+            self._exit_server()
+        self.daemon.log.control(f"NEW CLIENT {pid} from user {uid}: Server is not ready, push client to "
+                                "pending list")
+        server.started = True
+        server.uid = None if self.daemon.config.multiuser else uid
+        self.daemon.log.control(f"Starting new server {server.pid} for user {uid}")
+
+    def client_waiting(self, pid: int, uid: int) -> None:
+        self.daemon.log.control(f"NEW CLIENT {pid} from user {uid}: Server {self.server.pid} serves user "
+                                f"{self.server.uid}, push client to pending list")
 
     def client_left(self) -> None:
-        if self.server.shutting_down and not self._contexts():
-            self.server.started = self.server.shutting_down = False
-            self.daemon.log.control(f"Server {self.server.pid} exited")
+        if self._contexts():
+            return
+        if self.server.shutting_down or self.daemon.pending_clients:
+            self._exit_server()
+
+    def _exit_server(self) -> None:
+        server = self.server
+        server.started = server.shutting_down = False
+        self.daemon.log.control(f"Server {server.pid} exited with status 0")
+        self.daemon.server_changed()
 
 
 def _namespace(pid: int) -> str:

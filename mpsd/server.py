@@ -70,6 +70,8 @@ class Daemon:
             i: limit for i in range(len(self.devices)) if (limit := config.pinned_mem_limit(i)) is not None
         }, config.client_priority)
         self.control = Control(self)
+        self.pending_clients = 0  # clients of another user waiting for the current server to exit
+        self._server_change = trio.Event()
         self._grace = SHUTDOWN_GRACE
         self.sessions: set[Session] = set()
         self._next_client = 1
@@ -163,6 +165,22 @@ class Daemon:
             f"Client {context.pid} disconnected; reclaimed {reclaimed['allocations']} allocations "
             f"({format_size(reclaimed['bytes'])}), {reclaimed['imports']} IPC imports, {reclaimed['streams']} "
             f"streams, {reclaimed['events']} events, {reclaimed['host_buffers']} host buffers")
+
+    async def wait_turn(self, pid: int, uid: int) -> None:
+        """Return when a client of `uid` may attach: at once, or once the other user's server has exited."""
+        if self.control.admits(uid):
+            return
+        self.control.client_waiting(pid, uid)
+        self.pending_clients += 1
+        try:
+            while not self.control.admits(uid):
+                await self._server_change.wait()
+        finally:
+            self.pending_clients -= 1
+
+    def server_changed(self) -> None:
+        self._server_change.set()
+        self._server_change = trio.Event()
 
     def client_count(self) -> int:
         return sum(len(device.contexts) for device in self.devices)

@@ -85,6 +85,7 @@ class Session:
         self.reader_scope = trio.CancelScope()
         self._nursery: trio.Nursery | None = None
         self._closing = False
+        self._admitting = False
         self._requests: dict[str, Callable[[dict[str, Any], tuple[int, ...]], Any]] = {
             "device_properties": self._device_properties,
             "mem_get_info": lambda a, f: list(self._ctx.mem_get_info()),
@@ -249,9 +250,25 @@ class Session:
 
     def _hello(self, request: Request) -> None:
         close_fds(request.fds)
+        if self.context is not None or self._admitting:
+            self._reply(request.id, InvalidValueError("hello was already said"))
+            self._closing = True
+            return
+        self._admitting = True
+        if self.daemon.control.admits(self.uid):
+            self._attach(request)
+        else:  # a client of another user than the current server's waits, as MPS keeps it pending
+            assert self._nursery is not None
+            self._nursery.start_soon(self._admit, request)
+
+    async def _admit(self, request: Request) -> None:
+        await self.daemon.wait_turn(self.pid, self.uid)
+        self._attach(request)
+        if self._closing:
+            self.reader_scope.cancel()
+
+    def _attach(self, request: Request) -> None:
         try:
-            if self.context is not None:
-                raise InvalidValueError("hello was already said")
             args = request.args
             if args.get("version") != PROTOCOL_VERSION:
                 raise MpsConnectionError(f"protocol version {args.get('version')!r:.20} is not supported "

@@ -137,6 +137,35 @@ def test_privileged_commands_need_root_or_the_owner(daemon):
     assert control(daemon, "get_default_active_thread_percentage\n").stdout == "100.0\n"
 
 
+def test_another_users_client_waits_for_the_server(daemon):
+    """One user's server at a time: a second user's client is pending until the first user's clients have
+    gone and their server has exited; then a server for the second user starts."""
+    user = _second_user()
+    if user is None:
+        pytest.skip("needs root to create a second user (useradd)")
+    for path in (daemon.pipe_dir.parent, daemon.pipe_dir):
+        os.chmod(path, 0o755)
+    os.chmod(daemon.socket_path, 0o777)
+    first = mpsd_client.connect(daemon.pipe_dir)
+
+    def connect_when_admitted() -> str:
+        import time
+
+        first._sock.close()  # the fork's copy of root's connection: only the parent's close must count
+        started = time.monotonic()
+        with mpsd_client.connect(daemon.pipe_dir, timeout=30) as ctx:
+            return f"{time.monotonic() - started:.2f} {ctx.malloc(16) > 0}"
+
+    import threading
+
+    threading.Timer(1.0, first.close).start()  # root's only client leaves after a second
+    waited, worked = _as_user(user, connect_when_admitted).split()
+    assert float(waited) >= 0.9 and worked == "True"
+    log = (daemon.log_dir / "control.log").read_text()
+    assert f"from user {user.pw_uid}: Server {daemon.proc.pid} serves user 0, push client to pending list" in log
+    assert f"Starting new server {daemon.proc.pid} for user {user.pw_uid}" in log
+
+
 def test_smi_shows_devices_and_processes(daemon):
     """mpsd-smi lists the device and each client with its memory, SM cap and priority; --json has it all."""
     env = {**os.environ, "MPSD_PIPE_DIRECTORY": str(daemon.pipe_dir)}

@@ -332,6 +332,8 @@ def _as_user(user: pwd.struct_passwd, work) -> str:
             os.setuid(user.pw_uid)
             os.write(write, work().encode())
             status = 0
+        except BaseException as exc:  # say what went wrong: the parent's assertion shows it
+            os.write(write, repr(exc).encode())
         finally:
             os._exit(status)
     os.close(write)
@@ -349,7 +351,7 @@ def test_access_policy_with_a_real_second_user(daemon_factory, access, allowed):
     user = _second_user()
     if user is None:
         pytest.skip("needs root to create a second user (useradd)")
-    d = start_daemon("--time-scale", "100", "--ipc-access", access)
+    d = start_daemon("--time-scale", "100", "--ipc-access", access, "--multiuser")  # both users at once
     daemon_factory.append(d)
     for path in (d.pipe_dir.parent, d.pipe_dir):
         os.chmod(path, 0o755)  # let the second user reach the socket at all: the policy is what is tested
