@@ -31,6 +31,7 @@ from mpsd_protocol import (  # type: ignore[attr-defined]
     CudaError,
     InvalidValueError,
     MpsConnectionError,
+    MpsServerNotReadyError,
     Notification,
     ProtocolError,
     Reply,
@@ -124,7 +125,8 @@ class Session:
 
     @property
     def _ctx(self) -> Context:
-        assert self.context is not None  # the protocol guarantees hello came first
+        if self.context is None:  # hello came first (the protocol sees to it), but may still be pending
+            raise MpsServerNotReadyError("this client is still waiting for its server")
         return self.context
 
     # -- the I/O loop ----------------------------------------------------------------------------------
