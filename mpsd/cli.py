@@ -13,8 +13,13 @@ from mpsd.server import Daemon, DaemonError
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["simulate"]:  # the GPU model alone, in virtual time (mpsd.simulate)
+        from mpsd.simulate import main as simulate
+
+        return simulate(args[1:])
     try:
-        config = load_config(argv)
+        config = load_config(args)
     except ConfigError as exc:
         print(f"mpsd: {exc}", file=sys.stderr)
         return 2

@@ -1,0 +1,147 @@
+# `mpsd simulate SCENARIO.toml`: the daemon's GPU model alone, in virtual time, as fast as it can run. A
+# scheduling question about many tenants is answered in seconds, identically on every run: the same engine and
+# policies the daemon drives in real time, fed from a file instead of from client processes.
+#
+#   [device]                       model = "h200", policy = "mps", [device.policy_options] (as the daemon's)
+#   [[tenant]]                     name, count (copies), active_thread_percentage, priority, weight, partition
+#   [[tenant.kernel]]              name (a built-in), grid, block, args, repeat, stream, stream_priority,
+#                                  at (first submission, s), period (s between submissions: open loop;
+#                                  without it the repeats queue back to back on their stream)
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from mpsd.config import DEVICE_MODELS
+from mpsd.sim import Kernel, Simulator, kernel_cost, sm_cap
+
+
+class ScenarioError(Exception):
+    """The scenario file is wrong; the message says where."""
+
+
+@dataclass
+class TenantResult:
+    name: str
+    client: int
+    kernels: int = 0
+    latencies: list[float] = field(default_factory=list)  # end - submission, seconds
+    last_end: float = 0.0
+
+    def summary(self, sm_seconds: float, total_sm_seconds: float) -> dict[str, Any]:
+        ordered = sorted(self.latencies)
+
+        def pct(q: float) -> float:
+            return ordered[min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1)] * 1e3 if ordered else 0.0
+
+        return {"tenant": self.name, "client": self.client, "kernels": self.kernels,
+                "makespan_ms": self.last_end * 1e3, "latency_p50_ms": pct(0.5), "latency_p99_ms": pct(0.99),
+                "sm_seconds": sm_seconds, "sm_share": sm_seconds / total_sm_seconds if total_sm_seconds else 0.0}
+
+
+def run_scenario(scenario: dict[str, Any]) -> dict[str, Any]:
+    """Simulate a parsed scenario; returns per-tenant results and the device's figures.
+
+    Raises:
+        ScenarioError: a missing or invalid setting.
+    """
+    device = scenario.get("device", {})
+    spec = DEVICE_MODELS.get(str(device.get("model", "h200")).lower())
+    if spec is None:
+        raise ScenarioError(f"unknown device model {device.get('model')!r}")
+    try:
+        sim = Simulator(spec, policy=device.get("policy", "mps"), policy_options=device.get("policy_options"))
+    except ValueError as exc:
+        raise ScenarioError(f"[device]: {exc}") from None
+    arrivals: list[tuple[float, int, Kernel]] = []
+    results: dict[int, TenantResult] = {}
+    for t_index, tenant in enumerate(scenario.get("tenant", [])):
+        for copy in range(int(tenant.get("count", 1))):
+            client = len(results) + 1
+            name = tenant.get("name", f"tenant{t_index}") + (f"#{copy}" if tenant.get("count", 1) > 1 else "")
+            results[client] = TenantResult(name, client)
+            try:
+                sim.configure_client(client, priority=int(tenant.get("priority", 0)),
+                                     weight=float(tenant.get("weight", 1.0)), partition=tenant.get("partition"))
+                cap = sm_cap(spec, float(tenant.get("active_thread_percentage", 100)))
+            except ValueError as exc:
+                raise ScenarioError(f"tenant {name}: {exc}") from None
+            for k in tenant.get("kernel", []):
+                arrivals.extend(_kernels(sim, spec, client, cap, k, name, len(arrivals)))
+    if not arrivals:
+        raise ScenarioError("the scenario launches no kernels")
+    arrivals.sort(key=lambda a: (a[0], a[1]))
+    done = []
+    for at, _, op in arrivals:
+        done += sim.advance(max(at, sim.now))
+        sim.submit(op)
+    done += sim.run()
+    for op in done:
+        result = results[op.client]
+        result.kernels += 1
+        result.latencies.append(op.ended - op.submitted)
+        result.last_end = max(result.last_end, op.ended)
+    stats = sim.statistics()
+    total = sum(c.sm_seconds for c in stats.per_client.values())
+    return {
+        "policy": device.get("policy", "mps"), "simulated_seconds": stats.now,
+        "blocks": stats.blocks_completed, "kernels": stats.kernels_completed,
+        "tenants": [r.summary(stats.per_client[c].sm_seconds if c in stats.per_client else 0.0, total)
+                    for c, r in results.items()],
+    }
+
+
+def _kernels(sim: Simulator, spec, client: int, cap: int, k: dict[str, Any], tenant: str,
+             seq: int) -> list[tuple[float, int, Kernel]]:
+    try:
+        grid, block = _count(k.get("grid", 1)), _count(k.get("block", 256))
+        args = list(k.get("args", []))
+        cost = kernel_cost(spec, k["name"], grid, block, args)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ScenarioError(f"tenant {tenant}: kernel {k.get('name')!r}: {exc}") from None
+    at, period = float(k.get("at", 0.0)), k.get("period")
+    out = []
+    for i in range(int(k.get("repeat", 1))):
+        op = Kernel(client=client, stream=int(k.get("stream", 0)), blocks=grid, threads=block, cost=cost,
+                    priority=int(k.get("stream_priority", 0)), sm_cap=cap)
+        out.append((at + (i * float(period) if period else 0.0), seq + i, op))
+    return out
+
+
+def _count(value: Any) -> int:
+    dims = value if isinstance(value, list) else [value]
+    if not dims or not all(isinstance(d, int) and d > 0 for d in dims):
+        raise ValueError(f"{value!r} is not a positive size")
+    return math.prod(dims)
+
+
+def render(result: dict[str, Any]) -> str:
+    lines = [f"policy {result['policy']}: {result['kernels']} kernels, {result['blocks']} blocks, "
+             f"{result['simulated_seconds'] * 1e3:.3f} ms simulated", "",
+             f"{'tenant':<16} {'kernels':>7} {'makespan ms':>12} {'p50 ms':>9} {'p99 ms':>9} {'SM share':>8}"]
+    for t in result["tenants"]:
+        lines.append(f"{t['tenant']:<16} {t['kernels']:>7} {t['makespan_ms']:>12.3f} {t['latency_p50_ms']:>9.3f} "
+                     f"{t['latency_p99_ms']:>9.3f} {t['sm_share']:>8.1%}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(prog="mpsd simulate", description="Run a scenario on the GPU model alone, "
+                                                                       "in virtual time.")
+    parser.add_argument("scenario", type=Path, help="a TOML scenario file")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    options = parser.parse_args(argv)
+    try:
+        scenario = tomllib.loads(options.scenario.read_text())
+        result = run_scenario(scenario)
+    except (OSError, tomllib.TOMLDecodeError, ScenarioError) as exc:
+        print(f"mpsd simulate: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(result) if options.json else render(result))
+    return 0
