@@ -34,8 +34,10 @@ def _wait_behind_other_client(d) -> float:
 @pytest.mark.parametrize("policy,waits", [("mps", False), ("exclusive", True), ("timeslice", True)])
 def test_sharing_policies_as_clients_see_them(daemon_factory, policy, waits):
     """Under MPS a small kernel runs beside another client's; exclusive and time-sliced GPUs make it wait."""
-    d = start_daemon("--time-scale", "1", "--policy", policy, "--timeslice", "0.05") if policy == "timeslice" \
-        else start_daemon("--time-scale", "1", "--policy", policy)
+    # A slice longer than the other client's kernel: we must wait for that kernel, never for a slice boundary
+    # that might come at any moment.
+    extra = ["--timeslice", "1.0"] if policy == "timeslice" else []
+    d = start_daemon("--time-scale", "1", "--policy", policy, *extra)
     daemon_factory.append(d)
     elapsed = _wait_behind_other_client(d)
     if waits:
