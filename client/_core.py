@@ -63,8 +63,13 @@ class Core:
 
     # -- plumbing --------------------------------------------------------------------------------------
     def call(self, op: str, args: dict[str, Any], fds: tuple[int, ...] = ()) -> Op:
-        reply = yield from self.call_with_fds(op, args, fds)
-        close_fds(reply.fds)  # a reply carries fds only when asked for
+        if self.broken is not None:
+            raise self.broken
+        reply = yield Request(next(self._ids) & 0xFFFFFFFF, op, args, fds)  # ids wrap at 32 bits
+        if reply.fds:
+            close_fds(reply.fds)  # a reply carries fds only when asked for (call_with_fds)
+        if reply.error is not None:
+            raise error_from_wire(reply.error)
         return reply.result
 
     def call_with_fds(self, op: str, args: dict[str, Any], fds: tuple[int, ...] = ()) -> Op:

@@ -39,7 +39,7 @@ class Context(ContextBase):
         self._sock = sock
         self._core = core
         self._conn = Connection(Role.CLIENT)
-        self._lock = threading.RLock()
+        self._lock = threading.Lock()  # calls never nest: one at a time per context
         self.closed = False
 
     def _drive(self, op: Any) -> Any:
