@@ -29,7 +29,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Any, Iterator
+from typing import Any, Callable, Iterator
 
 import msgpack
 
@@ -285,6 +285,16 @@ def report(title: str, rows: list[tuple[str, str]], verdict: bool | None,
     if json_line is not None:
         print(json.dumps(json_line, sort_keys=True))
     sys.stdout.flush()
+
+
+def daemon_and_client(stack: contextlib.ExitStack, args: argparse.Namespace, time_scale: float) -> tuple[Any, Any]:
+    """A private daemon (on the server CPU with --pin, profiled when asked) and a blocking client of it,
+    both closed when `stack` closes."""
+    import mpsd_client
+
+    d = stack.enter_context(daemon(time_scale=time_scale, profile_dir=args.profile, py_spy_dir=args.py_spy,
+                                   cpu=SERVER_CPU if args.pin else None))
+    return d, stack.enter_context(mpsd_client.connect(d.pipe_dir))
 
 
 def prepare_dirs(args: argparse.Namespace) -> None:

@@ -126,14 +126,11 @@ def block_raw(sock: socket.socket, n: int, warmup: int) -> list[float]:
 def main() -> int:
     args = h.parser(__doc__.splitlines()[0], n=1000, repeat=5, warmup=50).parse_args()
     h.prepare_dirs(args)
-    import mpsd_client
 
     started = time.monotonic()
     server_cpu = h.SERVER_CPU if args.pin else None
     with contextlib.ExitStack() as stack:
-        d = stack.enter_context(h.daemon(time_scale=1.0, profile_dir=args.profile, py_spy_dir=args.py_spy,
-                                         cpu=server_cpu))
-        ctx = stack.enter_context(mpsd_client.connect(d.pipe_dir))
+        d, ctx = h.daemon_and_client(stack, args, time_scale=1.0)
         sock = stack.enter_context(exporter(d.pipe_dir, server_cpu))
         if args.pin:
             h.pin(0, h.CLIENT_CPU)

@@ -64,14 +64,11 @@ def main() -> int:
                         "kernel at scale 1, becomes 10 ns of wall time and cannot bound the rate)")
     args = p.parse_args()
     h.prepare_dirs(args)
-    import mpsd_client
 
     started = time.monotonic()
     server_cpu = h.SERVER_CPU if args.pin else None
     with contextlib.ExitStack() as stack:
-        d = stack.enter_context(h.daemon(time_scale=args.time_scale, profile_dir=args.profile,
-                                         py_spy_dir=args.py_spy, cpu=server_cpu))
-        ctx = stack.enter_context(mpsd_client.connect(d.pipe_dir))
+        d, ctx = h.daemon_and_client(stack, args, time_scale=args.time_scale)
         peer = None if args.skip_baseline else stack.enter_context(h.raw_peer(server_cpu))
         if args.pin:
             h.pin(0, h.CLIENT_CPU)

@@ -234,6 +234,7 @@ class Daemon:
             "memory_imported": sum(export.importers[context.id].size for export in
                                    {id(e): e for e in context.imports.values()}.values()),
             "launches": counters.launches, "copies": counters.copies, "bytes_copied": counters.bytes_copied,
+            "mallocs": counters.mallocs, "frees": counters.frees,
             "kernels_completed": mine.kernels if mine else 0,
             "blocks_completed": mine.blocks if mine else 0,
             "block_seconds": mine.block_seconds if mine else 0.0,

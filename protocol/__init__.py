@@ -16,7 +16,7 @@ from ._errors import (
 )
 from ._fds import ANCILLARY_SIZE, RECV_FLAGS, close_fds, pack_fds, unpack_fds
 from ._ipc import EVENT, IPC_HANDLE_SIZE, MEMORY, IpcHandle
-from ._launch import PARAM_KINDS, check_args, check_launch, check_shape, dims
+from ._launch import PARAM_KINDS, check_args, check_shape, dims
 from ._messages import (
     MAX_FDS_PER_FRAME,
     PROTOCOL_VERSION,
@@ -39,7 +39,7 @@ __all__ = [
     "error_string", "make_error",
     "ANCILLARY_SIZE", "RECV_FLAGS", "close_fds", "pack_fds", "unpack_fds",
     "EVENT", "IPC_HANDLE_SIZE", "MEMORY", "IpcHandle",
-    "PARAM_KINDS", "check_args", "check_launch", "check_shape", "dims",
+    "PARAM_KINDS", "check_args", "check_shape", "dims",
     "MAX_FDS_PER_FRAME", "PROTOCOL_VERSION", "LocalProtocolError", "Message", "Notification", "ProtocolError",
     "RemoteProtocolError", "Reply", "Request",
     "format_size", "parse_mem_limits", "parse_size",

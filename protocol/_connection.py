@@ -170,11 +170,6 @@ class Connection:
         _close_all(self._fds)
         self._fds.clear()
 
-    @property
-    def pending_fds(self) -> int:
-        """Received fds not yet paired with a frame."""
-        return len(self._fds)
-
     # -- outgoing ---------------------------------------------------------------------------------------
     def send(self, message: Message) -> bytes:
         """The frame for `message`; its ``fds`` must go out attached to the first byte of these bytes.

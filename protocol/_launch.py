@@ -1,6 +1,6 @@
-# Launch validation, shared by both ends: the client checks a launch before it leaves (so a bad launch
-# raises at the call, as cudaLaunchKernel returns its error), and the daemon checks again because it trusts
-# no client. Kernel signatures come from the daemon in the handshake: a list of parameter kinds per kernel.
+# Launch validation (shape, then arguments), shared by both ends: the client checks a launch before it
+# leaves (so a bad launch raises at the call, as cudaLaunchKernel returns its error), and the daemon checks
+# again because it trusts no client. Kernel signatures come from the daemon in the handshake: a list of parameter kinds per kernel.
 from __future__ import annotations
 
 from typing import Any, Sequence
@@ -84,16 +84,3 @@ def check_args(name: str, params: Sequence[str], args: Any) -> list[int | float]
             raise InvalidValueError(f"{name} argument {index} must be {kind}, got {arg!r:.40}")
         checked.append(arg)
     return checked
-
-
-def check_launch(
-    name: str, params: Sequence[str], grid: Any, block: Any, args: Any, shared_mem: Any, limits: dict[str, Any]
-) -> tuple[tuple[int, int, int], tuple[int, int, int], list[int | float]]:
-    """Validate one launch: `check_shape` and `check_args` together.
-
-    Raises:
-        InvalidConfigurationError: bad grid or block shape.
-        InvalidValueError: wrong argument count or kind, or too much shared memory.
-    """
-    grid3, block3 = check_shape(name, grid, block, shared_mem, limits)
-    return grid3, block3, check_args(name, params, args)

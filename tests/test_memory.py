@@ -36,6 +36,8 @@ def test_malloc_is_charged_in_two_mib_chunks(ctx):
     ctx.free(small[0])
     ctx.free(a)
     assert ctx.mem_get_info()[0] == free0
+    stats = ctx.statistics()
+    assert (stats["mallocs"], stats["frees"], stats["memory_used"]) == (21, 21, 0)
 
 
 def test_pointer_arithmetic_keeps_the_remaining_size(ctx):
