@@ -38,6 +38,8 @@ class Config:
     multiuser: bool = False  # one server for every user, instead of one user's server at a time
     max_clients: int = 48  # per device, as Volta+ MPS (CUDA 13.0, measured driver)
     policy_options: dict[str, Any] = field(default_factory=dict)  # e.g. {"timeslice": 0.001}
+    # Per-device policy and options from [mpsd.device.N] sections; devices without one use the two above.
+    device_policies: dict[int, tuple[str, dict[str, Any]]] = field(default_factory=dict)
 
     @property
     def socket_path(self) -> Path:
@@ -45,6 +47,10 @@ class Config:
 
     def pinned_mem_limit(self, device: int) -> int | None:
         return self.pinned_mem_limits.get(device, self.pinned_mem_limits.get(-1))
+
+    def device_policy(self, device: int) -> tuple[str, dict[str, Any]]:
+        """The scheduling policy of `device` and its options: its own section's, else the defaults."""
+        return self.device_policies.get(device, (self.policy, self.policy_options))
 
 
 def parse_devices(text: str) -> tuple[DeviceSpec, ...]:
@@ -64,7 +70,11 @@ def parse_devices(text: str) -> tuple[DeviceSpec, ...]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="mpsd", description="An emulated MPS server: shares simulated GPUs among client processes.")
+        prog="mpsd", description="An emulated MPS server: shares simulated GPUs among client processes.",
+        epilog="Per-device policies go in the --config file: a [mpsd.device.N] table (N the device index) "
+               "may set policy, timeslice, context-switch, aging and mig-partitions for that device. The "
+               "policy options given here (or under [mpsd]) are the defaults for every device; a device "
+               "inherits those its policy accepts.")
     parser.add_argument("--config", type=Path, help="TOML file with the same settings (options win)")
     parser.add_argument("--pipe-dir", help="directory for the sockets (default $MPSD_PIPE_DIRECTORY or /tmp/mpsd)")
     parser.add_argument("--log-dir", help="directory for control.log and server.log "
@@ -145,12 +155,13 @@ def load_config(argv: Sequence[str] | None = None, environ: dict[str, str] | Non
             policy_options[key] = float(value)
     partitions = pick("mig_partitions")
     if partitions:
-        policy_options["partitions"] = [p.strip() for p in str(partitions).split(",") if p.strip()]
+        policy_options["partitions"] = _partitions(partitions)
     devices = parse_devices(pick("devices", "h200"))
     try:  # the simulator judges its own settings; asking it now turns a mistake into a usage error
         Simulator(devices[0], policy=policy, policy_options=policy_options)
     except ValueError as exc:
         raise ConfigError(f"--policy {policy}: {exc}") from None
+    device_policies = _device_policies(file_settings.get("device", {}), devices, policy, policy_options)
     max_clients = int(pick("max_clients", 48))
     if not 1 <= max_clients <= 4096:
         raise ConfigError(f"--max-clients must be between 1 and 4096, not {max_clients}")
@@ -161,4 +172,59 @@ def load_config(argv: Sequence[str] | None = None, environ: dict[str, str] | Non
                   policy=policy, time_scale=time_scale, active_thread_percentage=percentage,
                   pinned_mem_limits=limits, client_priority=priority, fault_containment=containment,
                   ipc_access=ipc_access, max_clients=max_clients, policy_options=policy_options,
-                  multiuser=bool(pick("multiuser", False)))
+                  multiuser=bool(pick("multiuser", False)), device_policies=device_policies)
+
+
+# What a [mpsd.device.N] table may hold: its key -> the simulator's option name (None: the policy itself).
+DEVICE_KEYS = {"policy": None, "timeslice": "timeslice", "context-switch": "switch", "aging": "aging",
+               "mig-partitions": "partitions"}
+
+
+def _partitions(value: Any) -> list[str]:
+    """MIG profiles from ``"3g.71gb,2g.35gb"`` or a TOML list of them."""
+    parts = value if isinstance(value, list) else str(value).split(",")
+    return [str(p).strip() for p in parts if str(p).strip()]
+
+
+def _device_policies(tables: Any, devices: tuple[DeviceSpec, ...], policy: str,
+                     options: dict[str, Any]) -> dict[int, tuple[str, dict[str, Any]]]:
+    """Each [mpsd.device.N] table as (policy, options). A device keeps the default policy unless its table
+    names another, and inherits the default options its policy accepts; its own options come on top.
+
+    Raises:
+        ConfigError: a table names a device that does not exist, holds an unknown key, or a setting the
+            simulator refuses.
+    """
+    if not isinstance(tables, dict):
+        raise ConfigError("[mpsd.device] must hold one table per device index, e.g. [mpsd.device.1]")
+    out: dict[int, tuple[str, dict[str, Any]]] = {}
+    for key, table in tables.items():
+        where = f"[mpsd.device.{key}]"
+        if not (key.isdigit() and int(key) < len(devices)) or not isinstance(table, dict):
+            raise ConfigError(f"{where}: there is no device {key} (devices 0 to {len(devices) - 1})")
+        unknown = sorted(set(table) - set(DEVICE_KEYS))
+        if unknown:
+            raise ConfigError(f"{where}: unknown setting(s) {', '.join(unknown)} "
+                              f"(known: {', '.join(DEVICE_KEYS)})")
+        name = table.get("policy", policy)
+        if name not in POLICIES:
+            raise ConfigError(f"{where}: unknown policy {name!r} (known: {', '.join(POLICIES)})")
+        accepted = SIM_POLICIES[name].options
+        merged = {k: v for k, v in options.items() if k in accepted}
+        for setting, option in DEVICE_KEYS.items():
+            if option is None or setting not in table:
+                continue
+            value = table[setting]
+            if option == "partitions":
+                merged[option] = _partitions(value)
+            elif isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise ConfigError(f"{where}: {setting} must be a non-negative number of seconds")
+            else:
+                merged[option] = float(value)
+        index = int(key)
+        try:
+            Simulator(devices[index], policy=name, policy_options=merged)
+        except ValueError as exc:
+            raise ConfigError(f"{where}: policy {name}: {exc}") from None
+        out[index] = (name, merged)
+    return out

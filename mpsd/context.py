@@ -48,7 +48,8 @@ class Quotas:
     active_thread_percentage: float
     sm_cap: int
     pinned_mem_limit: int  # bytes
-    priority: int  # CUDA_MPS_CLIENT_PRIORITY: 0 normal, 1 below normal
+    priority: int  # CUDA_MPS_CLIENT_PRIORITY: 0 normal, 1 below normal; other levels set by the daemon only
+    weight: float = 1.0  # share of SM-time under the fair policy, set by the daemon only
 
 
 @dataclass(eq=False, slots=True)
@@ -97,8 +98,10 @@ class Context:
     """One client's sub-context on one device."""
 
     def __init__(self, device: Device, client_id: int, pid: int, uid: int, gid: int, quotas: Quotas,
-                 ipc: IpcRegistry) -> None:
+                 ipc: IpcRegistry, partition: int | None = None, requested_priority: int | None = None) -> None:
         self.device = device
+        self.partition = partition  # the MIG instance it is bound to (None: no MIG)
+        self.requested_priority = requested_priority  # CUDA_MPS_CLIENT_PRIORITY, which daemon levels only tighten
         self.ipc = ipc
         self.imports: dict[int, Export] = {}  # address of an IPC mapping -> its export
         self.id = client_id
@@ -141,10 +144,11 @@ class Context:
     # -- memory ----------------------------------------------------------------------------------------
     def mem_get_info(self) -> tuple[int, int]:
         """(free, total) as this client sees them. As measured under MPS on an H200, a pinned limit caps
-        free (less the context's own charge) while total stays the device's."""
-        device_free = self.device.total_memory - self.device.used
+        free (less the context's own charge) while total stays the device's; a MIG instance's client sees
+        the instance's memory as the total, shared with the instance's other clients."""
+        device_free = self.device.memory_free(self.partition)
         own_free = self.quotas.pinned_mem_limit - self.device.spec.context_memory - self.used
-        return max(0, min(own_free, device_free)), self.device.total_memory
+        return max(0, min(own_free, device_free)), self.device.memory_total(self.partition)
 
     def malloc(self, nbytes: int) -> int:
         if not isinstance(nbytes, int) or nbytes < 0:
@@ -160,8 +164,9 @@ class Context:
             limit = self.quotas.pinned_mem_limit
             raise OutOfMemoryError(
                 f"tried to allocate {format_size(nbytes)}; {format_size(free)} free"
-                + (f" under this client's limit of {format_size(limit)}" if limit < self.device.total_memory
-                   else " on the device"))
+                + (f" under this client's limit of {format_size(limit)}"
+                   if limit < self.device.memory_total(self.partition)
+                   else " in its MIG instance" if self.partition is not None else " on the device"))
         try:
             segment = Segment(nbytes)
         except OSError as exc:
@@ -195,14 +200,15 @@ class Context:
         self.ipc.allocation_freed(alloc)
         self.used -= released
         if alloc.segment.refs > 1:
-            alloc.segment.on_release.append(functools.partial(self.device.release_memory, released))
+            alloc.segment.on_release.append(functools.partial(self.device.release_memory, released,
+                                                              self.partition))
         else:
-            self.device.used -= released
+            self.device.release_memory(released, self.partition)
         alloc.segment.release()
 
     def _charge(self, nbytes: int) -> None:
         self.used += nbytes
-        self.device.used += nbytes
+        self.device.charge(nbytes, self.partition)
         self.counters.peak_used = max(self.counters.peak_used, self.used)
 
     def host_register(self, fd: int, nbytes: int) -> int:
@@ -475,7 +481,7 @@ class Context:
             _, released = self.memory.remove(alloc.addr)
             self._drop(alloc, released)
             reclaimed_bytes += released
-        self.device.used -= self.device.spec.context_memory
+        self.device.release_memory(self.device.spec.context_memory, self.partition)
         for event in self.events.values():
             self.ipc.event_destroyed(event.cell)
         reclaimed = {"allocations": len(allocations), "bytes": reclaimed_bytes, "imports": imports,

@@ -7,13 +7,18 @@
 # serving only that user's clients; a client of another user waits (pending) until the server's last client
 # has gone and the server has exited, then a server for the next user starts. With --multiuser one server
 # serves every user. A server's PID is the daemon's own (the daemon plays every server in turn).
+#
+# mpsd's extensions to the language (MPS has no such commands) set, per client pid or per user, a finer
+# priority level (for the priority policy) and a fair-share weight (for the fair policy). Unlike MPS's
+# settings they reach running clients too, from their next block on, since the scheduler can re-read them
+# at any time; a tester can re-prioritise a job mid-run.
 from __future__ import annotations
 
 import json
 import os
 import shlex
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from mpsd_protocol import parse_size
 
@@ -25,8 +30,9 @@ READ_ONLY = frozenset({
     "mpsd_status",
     "get_server_list", "get_server_status", "get_client_list", "get_device_client_list", "ps",
     "get_default_active_thread_percentage", "get_active_thread_percentage", "get_default_device_pinned_mem_limit",
-    "get_device_pinned_mem_limit", "get_default_client_priority",
+    "get_device_pinned_mem_limit", "get_default_client_priority", "get_client_priority", "get_client_weight",
 })
+MAX_LEVEL = 1 << 31  # priority levels are plain integers, kept to a sane range
 
 
 class CommandError(Exception):
@@ -40,6 +46,17 @@ class Settings:
     active_thread_percentage: float
     pinned_mem_limits: dict[int, int] = field(default_factory=dict)  # device -> bytes; absent: none
     client_priority: int = 0
+    # mpsd extensions, keyed by ("pid", n) or ("uid", n); a pid's setting beats its user's.
+    priorities: dict[tuple[str, int], int] = field(default_factory=dict)
+    weights: dict[tuple[str, int], float] = field(default_factory=dict)
+
+    def priority_for(self, pid: int, uid: int) -> int:
+        """The daemon-side priority level of a client of `pid` and `uid`."""
+        return self.priorities.get(("pid", pid), self.priorities.get(("uid", uid), self.client_priority))
+
+    def weight_for(self, pid: int, uid: int) -> float:
+        """The fair-share weight of a client of `pid` and `uid`."""
+        return self.weights.get(("pid", pid), self.weights.get(("uid", uid), 1.0))
 
 
 @dataclass
@@ -69,6 +86,34 @@ def _limit(text: str) -> int:
         return parse_size(text)
     except ValueError:
         raise CommandError(f"Invalid memory limit {text!r}") from None
+
+
+def _target(text: str) -> tuple[str, int]:
+    """A client pid (``1234``) or a user (``uid:1000``), as the extension commands name whom they set."""
+    kind, _, number = text.rpartition(":")
+    if kind in ("", "uid") and number.isdigit():
+        return ("uid" if kind else "pid", int(number))
+    raise CommandError(f"Invalid client {text!r}: a pid, or uid:<uid>")
+
+
+def _level(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise CommandError(f"Invalid client priority {text!r}") from None
+    if abs(value) >= MAX_LEVEL:
+        raise CommandError(f"Invalid client priority {text!r}")
+    return value
+
+
+def _weight(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise CommandError(f"Invalid client weight {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise CommandError(f"Invalid client weight {text!r}")
+    return value
 
 
 def _size_text(nbytes: int) -> str:
@@ -264,6 +309,44 @@ class Control:
             raise CommandError(f"Invalid client priority {text!r}")
         self.daemon.settings.client_priority = int(text)
         return ""
+
+    # -- mpsd extensions: finer priorities and fair-share weights, per client pid or per user ---------------
+    def cmd_set_client_priority(self, args: list[str]) -> str:
+        """Not MPS's: the priority level (lower is more urgent) of a pid's or a user's clients."""
+        target, text = self._args(args, 2, "set_client_priority <PID|uid:UID> <level>")
+        self.daemon.settings.priorities[_target(target)] = _level(text)
+        self._reconfigure(_target(target))
+        return ""
+
+    def cmd_get_client_priority(self, args: list[str]) -> str:
+        (target,) = self._args(args, 1, "get_client_priority <PID|uid:UID>")
+        return str(self._resolve(_target(target), self.daemon.settings.priority_for))
+
+    def cmd_set_client_weight(self, args: list[str]) -> str:
+        """Not MPS's: the fair-share weight (> 0) of a pid's or a user's clients."""
+        target, text = self._args(args, 2, "set_client_weight <PID|uid:UID> <weight>")
+        self.daemon.settings.weights[_target(target)] = _weight(text)
+        self._reconfigure(_target(target))
+        return ""
+
+    def cmd_get_client_weight(self, args: list[str]) -> str:
+        (target,) = self._args(args, 1, "get_client_weight <PID|uid:UID>")
+        return f"{self._resolve(_target(target), self.daemon.settings.weight_for):g}"
+
+    def _resolve(self, target: tuple[str, int], setting: Callable[[int, int], Any]) -> Any:
+        """A setting as a client of `target` gets it; for a pid, through its user's when it is connected."""
+        kind, number = target
+        if kind == "uid":
+            return setting(-1, number)
+        uid = next((ctx.uid for ctx in self._contexts() if ctx.pid == number), -1)
+        return setting(number, uid)
+
+    def _reconfigure(self, target: tuple[str, int]) -> None:
+        """Give the connected clients of `target` their new level and weight."""
+        kind, number = target
+        for ctx in self._contexts():
+            if (ctx.pid if kind == "pid" else ctx.uid) == number:
+                self.daemon.reconfigure(ctx)
 
     def cmd_mpsd_status(self, args: list[str]) -> str:
         """Not MPS's: the state mpsd-smi shows, as JSON."""

@@ -1,6 +1,10 @@
 # One GPU as the daemon holds it: the simulator and its engine, the memory every client has allocated on it,
 # the clients attached to it, and fatal-fault handling. Faults are contained per device, as on Volta+ MPS
 # (every client sharing the GPU gets the sticky error), or per client when the daemon is told so.
+#
+# Memory is counted twice: for the whole device (what mpsd-smi shows) and, under the mig policy, for each
+# GPU instance, which owns its profile's eighths of the device's memory. Every charge goes through
+# `charge`/`release_memory` with the partition it belongs to, so the two counts never drift apart.
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
@@ -51,9 +55,14 @@ class Device:
         self.spec = spec
         self.properties = device_properties(spec, index)
         self.sim = Simulator(spec, policy=policy, policy_options=policy_options)
+        self.policy = policy
         self.engine = Engine(self.sim, time_scale)
         self.total_memory = spec.total_memory
         self.used = spec.server_memory  # device bytes charged: the server, every context, every allocation
+        # MIG instances' memory (custom partitions given as SM counts have none of their own: they share
+        # the device's), and the bytes charged in each.
+        self.partitions = getattr(self.sim.policy, "partitions", ())
+        self.partition_used = [0] * len(self.partitions)
         self.contexts: dict[int, Context] = {}
         self.containment = containment
         self.log = log
@@ -62,18 +71,45 @@ class Device:
         # clients are refused, as MPS refuses them until the faulting clients have exited.
         self.faulted: set[int] = set()
 
-    def release_memory(self, nbytes: int) -> None:
-        """Device memory is no longer charged for `nbytes` (an exported segment's last mapping went)."""
-        self.used -= nbytes
+    def _instance(self, partition: int | None) -> int | None:
+        """`partition` if it is a MIG instance with memory of its own, else None (the device's memory)."""
+        if partition is None or partition >= len(self.partitions) or not self.partitions[partition].memory:
+            return None
+        return partition
+
+    def charge(self, nbytes: int, partition: int | None) -> None:
+        """Charge `nbytes` of device memory, in MIG instance `partition` if it has memory of its own."""
+        self.used += nbytes
+        instance = self._instance(partition)
+        if instance is not None:
+            self.partition_used[instance] += nbytes
+
+    def release_memory(self, nbytes: int, partition: int | None = None) -> None:
+        """Device memory is no longer charged for `nbytes` (freed, or an exported segment's last mapping went)."""
+        self.charge(-nbytes, partition)
+
+    def memory_total(self, partition: int | None) -> int:
+        """Device memory a client bound to `partition` sees: its MIG instance's, or the whole GPU's."""
+        instance = self._instance(partition)
+        return self.total_memory if instance is None else self.partitions[instance].memory
+
+    def memory_free(self, partition: int | None) -> int:
+        """Bytes still free where a client bound to `partition` allocates: its instance and the device."""
+        free = self.total_memory - self.used
+        instance = self._instance(partition)
+        if instance is not None:
+            free = min(free, self.partitions[instance].memory - self.partition_used[instance])
+        return free
 
     def partition_sms(self, partition: int | None) -> int:
         """SMs a client bound to `partition` can use: its MIG instance's, or the whole GPU's."""
-        partitions = getattr(self.sim.policy, "partitions", None)
-        return partitions[partition or 0].sm_count if partitions else self.spec.sm_count
+        return self.partitions[partition or 0].sm_count if self.partitions else self.spec.sm_count
 
     def client_properties(self, context: Context) -> dict[str, Any]:
-        """What one client sees: the SM count capped by its active thread percentage (and MIG instance)."""
-        return dict(self.properties, multiprocessor_count=context.quotas.sm_cap)
+        """What one client sees: the SM count capped by its active thread percentage, and under MIG its GPU
+        instance's memory, as a MIG instance reports them."""
+        return dict(self.properties, multiprocessor_count=context.quotas.sm_cap,
+                    total_memory=self.memory_total(context.partition))
 
     def sm_cap(self, active_thread_percentage: float) -> int:
         return sm_cap(self.spec, active_thread_percentage)

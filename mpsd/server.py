@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import itertools
 import logging
@@ -60,8 +61,8 @@ class Daemon:
         except OSError as exc:
             raise DaemonError(f"cannot write logs in {config.log_dir}: {exc.strerror}") from None
         self.devices = [
-            Device(i, spec, policy=config.policy, time_scale=config.time_scale,
-                   containment=config.fault_containment, log=self.log, policy_options=config.policy_options)
+            Device(i, spec, policy=config.device_policy(i)[0], time_scale=config.time_scale,
+                   containment=config.fault_containment, log=self.log, policy_options=config.device_policy(i)[1])
             for i, spec in enumerate(config.devices)
         ]
         self.ipc = IpcRegistry(config.ipc_access, self.log)
@@ -100,28 +101,33 @@ class Daemon:
             if not isinstance(requested, (int, float)) or not 0 < requested <= 100:
                 raise InvalidValueError(f"active thread percentage {requested!r:.20} is outside (0, 100]")
             percentage = min(percentage, float(requested))
-        memory = self.control.memory_limit_for_new_client(index) or device.total_memory
+        partition = limits.get("partition")
+        if partition is not None and (not isinstance(partition, int) or not 0 <= partition < len(
+                getattr(device.sim.policy, "partitions", ()))):
+            raise InvalidValueError(f"MIG partition {partition!r:.20} does not exist on device {index}")
+        if device.partitions and partition is None:
+            partition = 0  # as the mig policy binds a client that names no instance
+        memory = self.control.memory_limit_for_new_client(index) or device.memory_total(partition)
         requested = limits.get("pinned_mem_limit")
         if requested is not None:
             if not isinstance(requested, int) or requested < 0:
                 raise InvalidValueError(f"pinned memory limit {requested!r:.20} is not a byte count")
             memory = min(memory, requested)
-        priority = limits.get("priority")
-        if priority is not None and priority not in (0, 1):
-            raise InvalidValueError(f"client priority {priority!r:.20} must be 0 or 1")
-        priority = max(self.settings.client_priority, priority or 0)
-        partition = limits.get("partition")
-        if partition is not None and (not isinstance(partition, int) or not 0 <= partition < len(
-                getattr(device.sim.policy, "partitions", ()))):
-            raise InvalidValueError(f"MIG partition {partition!r:.20} does not exist on device {index}")
+        requested_priority = limits.get("priority")
+        if requested_priority is not None and requested_priority not in (0, 1):
+            raise InvalidValueError(f"client priority {requested_priority!r:.20} must be 0 or 1")
+        priority = _tighter(self.settings.priority_for(session.pid, session.uid), requested_priority)
+        weight = self.settings.weight_for(session.pid, session.uid)
         cap = min(sm_cap(device.spec, percentage), device.partition_sms(partition))
-        quotas = Quotas(percentage, cap, memory, priority)
-        if device.total_memory - device.used < device.spec.context_memory:
+        quotas = Quotas(percentage, cap, memory, priority, weight)
+        if device.memory_free(partition) < device.spec.context_memory:
             raise OutOfMemoryError(f"device {index} has no room for another context "
-                                   f"({format_size(device.spec.context_memory)} each)")
-        context = Context(device, self._next_client, session.pid, session.uid, session.gid, quotas, self.ipc)
-        device.sim.configure_client(context.id, priority=priority, partition=partition)
-        device.used += device.spec.context_memory
+                                   f"({format_size(device.spec.context_memory)} each)"
+                                   + (f" in MIG instance {partition}" if partition is not None else ""))
+        context = Context(device, self._next_client, session.pid, session.uid, session.gid, quotas, self.ipc,
+                          partition, requested_priority)
+        device.sim.configure_client(context.id, priority=priority, weight=weight, partition=partition)
+        device.charge(device.spec.context_memory, partition)
         self._next_client += 1
         device.contexts[context.id] = context
         self.control.client_arrived(session.pid, session.uid)
@@ -130,8 +136,23 @@ class Daemon:
         self.log.server(f"New client {session.pid} connected (context {context.id}, uid {session.uid}, "
                         f"device {index})" + (f"; it claimed pid {claimed!r:.20}" if claimed != session.pid else ""))
         self.log.server(f"Client {session.pid}: active thread percentage {percentage:.1f} ({quotas.sm_cap} SMs), "
-                        f"pinned memory limit {format_size(memory)}, priority {priority}")
+                        f"pinned memory limit {format_size(memory)}, priority {priority}"
+                        + (f", weight {weight:g}" if weight != 1.0 else "")
+                        + (f", MIG instance {partition}" if partition is not None else ""))
         return context
+
+    def reconfigure(self, context: Context) -> None:
+        """Give a connected client the priority level and weight the control plane sets for it now; the
+        scheduler uses them from its next placement on."""
+        priority = _tighter(self.settings.priority_for(context.pid, context.uid), context.requested_priority)
+        weight = self.settings.weight_for(context.pid, context.uid)
+        if (priority, weight) == (context.quotas.priority, context.quotas.weight):
+            return
+        context.quotas = dataclasses.replace(context.quotas, priority=priority, weight=weight)
+        device = context.device
+        device.engine.catch_up()  # what happened until now happened under the old settings
+        device.sim.configure_client(context.id, priority=priority, weight=weight, partition=context.partition)
+        self.log.server(f"Client {context.pid}: priority {priority}, weight {weight:g}")
 
     def _device_index(self, ordinal: Any, visible: Any) -> int:
         """Our index of the client's device `ordinal`, through its CUDA_VISIBLE_DEVICES list (None: unset).
@@ -211,14 +232,15 @@ class Daemon:
                 # SM-time of the blocks that ended since the last look, over the SM-time that passed
                 "sm_utilization": min(1.0, (busy - last_busy) / span) if span > 0 else 0.0,
                 "sms_busy": device.sim.busy_sms(),
-                "policy": self.config.policy, "clients": len(device.contexts), "sim_time": now,
+                "policy": device.policy, "clients": len(device.contexts), "sim_time": now,
             })
             for ctx in device.contexts.values():
                 processes.append({
                     "pid": ctx.pid, "device": device.index, "type": "M+C", "uid": ctx.uid,
                     "memory": ctx.used, "sm_cap": ctx.quotas.sm_cap,
                     "active_thread_percentage": ctx.quotas.active_thread_percentage,
-                    "priority": ctx.quotas.priority, "sticky_error": ctx.sticky.name if ctx.sticky else None,
+                    "priority": ctx.quotas.priority, "weight": ctx.quotas.weight, "partition": ctx.partition,
+                    "sticky_error": ctx.sticky.name if ctx.sticky else None,
                 })
         return {"server_pid": self.log.pid, "devices": devices, "processes": processes}
 
@@ -229,7 +251,7 @@ class Daemon:
         return {
             "client_id": context.id, "pid": context.pid, "device": context.device.index,
             "sm_cap": context.quotas.sm_cap, "pinned_mem_limit": context.quotas.pinned_mem_limit,
-            "priority": context.quotas.priority,
+            "priority": context.quotas.priority, "weight": context.quotas.weight,
             "memory_used": context.used, "memory_peak": counters.peak_used,
             "memory_imported": sum(export.importers[context.id].size for export in
                                    {id(e): e for e in context.imports.values()}.values()),
@@ -266,7 +288,8 @@ class Daemon:
                          + (" (sockets from systemd)" if listeners.activated else ""))
         self.log.server(f"Server {self.log.pid} started on {len(self.devices)} device(s): "
                         + ", ".join(d.spec.name for d in self.devices)
-                        + f"; policy {self.config.policy}, time scale {self.config.time_scale}")
+                        + "; policy " + ", ".join(dict.fromkeys(d.policy for d in self.devices))
+                        + f", time scale {self.config.time_scale}")
         received = (trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) if handle_signals
                     else contextlib.nullcontext(None))
         try:
@@ -354,6 +377,11 @@ class Daemon:
             self.log.server(f"Received {signal.Signals(signum).name}")
             self.stop()
             return
+
+
+def _tighter(level: int, requested: int | None) -> int:
+    """A client's priority: the daemon's level, or the less urgent level its environment asks for."""
+    return level if requested is None else max(level, requested)
 
 
 def _watchdog_interval() -> float | None:

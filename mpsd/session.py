@@ -289,7 +289,7 @@ class Session:
             "kernels": signatures(),
             "quotas": {"active_thread_percentage": ctx.quotas.active_thread_percentage,
                        "sm_cap": ctx.quotas.sm_cap, "pinned_mem_limit": ctx.quotas.pinned_mem_limit,
-                       "priority": ctx.quotas.priority},
+                       "priority": ctx.quotas.priority, "weight": ctx.quotas.weight},
         })
 
     def _quotas_args(self, args: dict[str, Any], fds: tuple[int, ...]) -> dict[str, Any]:
