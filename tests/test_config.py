@@ -1,0 +1,100 @@
+# Per-device policies in the TOML file: each [mpsd.device.N] table gives one device its policy and options,
+# the command line and [mpsd] staying the defaults for the others. Parsing is checked on load_config itself;
+# that the daemon really runs each device under its own policy is checked with a real daemon and clients.
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import mpsd_client
+from daemons import short_tempdir, start_daemon
+from mpsd.config import ConfigError, load_config
+from mpsd.sim import H200, MIG_PROFILES
+
+BIN = Path(sys.executable).parent
+
+
+def _config(tmp_path: Path, text: str, *argv: str):
+    path = tmp_path / "mpsd.toml"
+    path.write_text(text)
+    return load_config(["--config", str(path), *argv], environ={})
+
+
+def test_device_tables_override_the_defaults_for_their_device(tmp_path):
+    """A [mpsd.device.1] table sets device 1's policy and options; device 0 keeps the command line's."""
+    config = _config(tmp_path, """
+        [mpsd]
+        devices = "h200:3"
+        [mpsd.device.1]
+        policy = "timeslice"
+        timeslice = 0.002
+        context-switch = 0.0003
+        [mpsd.device.2]
+        policy = "mig"
+        mig-partitions = ["3g.71gb", "1g.18gb"]
+    """.replace("\n        ", "\n"), "--policy", "priority", "--aging", "0.01")
+    assert config.device_policy(0) == ("priority", {"aging": 0.01})
+    assert config.device_policy(1) == ("timeslice", {"timeslice": 0.002, "switch": 0.0003})
+    assert config.device_policy(2) == ("mig", {"partitions": ["3g.71gb", "1g.18gb"]})
+
+
+def test_a_device_inherits_the_default_options_its_policy_takes(tmp_path):
+    """A table that keeps the default policy keeps its options; one that only changes an option changes that."""
+    config = _config(tmp_path, '[mpsd]\ndevices = "h200:2"\n[mpsd.device.1]\ncontext-switch = 0.0005\n',
+                     "--policy", "timeslice", "--timeslice", "0.004")
+    assert config.device_policy(0) == ("timeslice", {"timeslice": 0.004})
+    assert config.device_policy(1) == ("timeslice", {"timeslice": 0.004, "switch": 0.0005})
+
+
+@pytest.mark.parametrize("table,message", [
+    ('[mpsd.device.2]\npolicy = "fair"\n', "[mpsd.device.2]: there is no device 2"),
+    ('[mpsd.device.1]\nweight = 2\n', "[mpsd.device.1]: unknown setting(s) weight"),
+    ('[mpsd.device.1]\npolicy = "lottery"\n', "[mpsd.device.1]: unknown policy 'lottery'"),
+    ('[mpsd.device.1]\naging = 0.1\n', "[mpsd.device.1]: policy mps: unknown option(s) ['aging']"),
+    ('[mpsd.device.1]\npolicy = "timeslice"\ntimeslice = "long"\n', "timeslice must be a non-negative number"),
+    ('[mpsd.device.0]\npolicy = "mig"\nmig-partitions = "7g.141gb,1g.18gb"\n', "does not fit"),
+])
+def test_bad_device_tables_are_config_errors(tmp_path, table, message):
+    """Each mistake in a device table names the table and what is wrong with it."""
+    with pytest.raises(ConfigError) as caught:
+        _config(tmp_path, '[mpsd]\ndevices = "h200:2"\n' + table)
+    assert message in str(caught.value)
+
+
+def test_help_documents_device_tables():
+    """`mpsd --help` says where per-device policies go."""
+    result = subprocess.run([BIN / "mpsd", "--help"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and "[mpsd.device.N]" in result.stdout
+
+
+def test_a_bad_device_table_stops_the_daemon_with_one_line(tmp_path):
+    """The daemon refuses to start on a bad device table: exit 2 and one line on stderr."""
+    path = tmp_path / "mpsd.toml"
+    path.write_text('[mpsd.device.3]\npolicy = "fair"\n')
+    result = subprocess.run([BIN / "mpsd", "--config", str(path), "--pipe-dir", str(short_tempdir() / "p")],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == ["mpsd: [mpsd.device.3]: there is no device 3 (devices 0 to 0)"]
+
+
+def test_each_device_runs_its_own_policy(daemon_factory, tmp_path):
+    """Device 1 under mig with a 1g instance, device 0 under the default mps: clients see each device's own
+    SMs and memory, and mpsd-smi shows each device's policy."""
+    path = tmp_path / "mpsd.toml"
+    path.write_text('[mpsd]\ndevices = "h200:2"\n[mpsd.device.1]\npolicy = "mig"\nmig-partitions = "1g.18gb"\n')
+    d = start_daemon("--time-scale", "100", "--config", str(path))
+    daemon_factory.append(d)
+    sms, _, eighths = MIG_PROFILES["1g.18gb"]
+    with mpsd_client.connect(d.pipe_dir, device=0) as whole, mpsd_client.connect(d.pipe_dir, device=1) as mig:
+        assert whole.device_properties()["multiprocessor_count"] == H200.sm_count
+        assert mig.device_properties()["multiprocessor_count"] == sms
+        assert mig.mem_get_info()[1] == H200.total_memory * eighths // 8
+        status = subprocess.run([BIN / "mpsd-smi", "--json"], capture_output=True, text=True, timeout=60,
+                                env={**os.environ, "MPSD_PIPE_DIRECTORY": str(d.pipe_dir)})
+    assert [dev["policy"] for dev in json.loads(status.stdout)["devices"]] == ["mps", "mig"]
+    assert "policy mps, mig" in d.server_log()
