@@ -338,7 +338,12 @@ class Control:
         kind, number = target
         if kind == "uid":
             return setting(-1, number)
-        uid = next((ctx.uid for ctx in self._contexts() if ctx.pid == number), -1)
+        uid = next((ctx.uid for ctx in self._contexts() if ctx.pid == number), None)
+        if uid is None:
+            try:  # not connected (yet): the user of the process with that pid, if there is one
+                uid = os.stat(f"/proc/{number}").st_uid
+            except OSError:
+                uid = -1
         return setting(number, uid)
 
     def _reconfigure(self, target: tuple[str, int]) -> None:

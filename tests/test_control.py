@@ -62,6 +62,99 @@ def test_settings_apply_to_clients_created_afterwards(daemon):
             assert third.quotas["sm_cap"] == 66 and third.quotas["pinned_mem_limit"] == 4 << 30
 
 
+def test_priority_and_weight_extensions_outputs(daemon):
+    """mpsd's own commands: per-pid and per-uid settings, a pid's beating its user's, and the complaints."""
+    uid, pid = os.getuid(), os.getpid()
+    result = control(daemon, f"get_client_priority {pid}\nget_client_weight uid:{uid}\n"
+                             f"set_client_priority uid:{uid} 2\nset_client_weight uid:{uid} 0.5\n"
+                             f"get_client_priority {pid}\nget_client_weight {pid}\n"
+                             f"set_client_priority 99999 -3\nget_client_priority 99999\nget_client_priority uid:{uid}\n"
+                             "set_client_priority x 1\nset_client_priority 1 high\nset_client_weight 1 0\n"
+                             "set_client_priority 1\n")
+    assert result.returncode == 0 and result.stderr == ""
+    assert result.stdout.splitlines() == [
+        "0", "1", "2", "0.5", "-3", "2",
+        "Invalid client 'x': a pid, or uid:<uid>", "Invalid client priority 'high'", "Invalid client weight '0'",
+        "Usage: set_client_priority <PID|uid:UID> <level>"]
+
+
+def test_priority_and_weight_reach_running_and_later_clients(daemon, monkeypatch):
+    """set_client_priority/weight change a connected client's quotas at once and a later client's at
+    connect; CUDA_MPS_CLIENT_PRIORITY can only make a client less urgent than the daemon says."""
+    pid = os.getpid()
+    with mpsd_client.connect(daemon.pipe_dir) as running:
+        assert control(daemon, f"set_client_priority {pid} -3\nset_client_weight {pid} 2.5\n").stdout == ""
+        stats = running.statistics()
+        assert (stats["priority"], stats["weight"]) == (-3, 2.5)
+        with mpsd_client.connect(daemon.pipe_dir) as later:
+            assert (later.quotas["priority"], later.quotas["weight"]) == (-3, 2.5)
+            status = json.loads(subprocess.run(
+                [BIN / "mpsd-smi", "--json"], capture_output=True, text=True, timeout=60,
+                env={**os.environ, "MPSD_PIPE_DIRECTORY": str(daemon.pipe_dir)}).stdout)
+            assert [(p["priority"], p["weight"]) for p in status["processes"]] == [(-3, 2.5)] * 2
+    monkeypatch.setenv("CUDA_MPS_CLIENT_PRIORITY", "1")
+    with mpsd_client.connect(daemon.pipe_dir) as lowered:
+        assert lowered.quotas["priority"] == 1
+    control(daemon, f"set_client_priority {pid} 3\n")
+    monkeypatch.setenv("CUDA_MPS_CLIENT_PRIORITY", "0")
+    with mpsd_client.connect(daemon.pipe_dir) as kept:
+        assert kept.quotas["priority"] == 3
+    assert f"Client {pid}: priority -3, weight 2.5" in daemon.server_log()
+
+
+# A worker whose pid the test sets rules for: it connects, says its pid, queues its backlog when told, and
+# reports its statistics once the backlog is done. Backlogs go round four streams, so a client always has
+# more ready blocks than its share and the scheduler, not stream order, decides who runs.
+BACKLOG = """
+import json, os, sys, mpsd_client
+with mpsd_client.connect() as ctx:
+    print(os.getpid(), flush=True)
+    streams = [ctx.create_stream() for _ in range(4)]
+    sys.stdin.readline()
+    for i in range(int(sys.argv[1])):
+        ctx.launch("spin", 264, 1024, [int(sys.argv[2])], stream=streams[i % 4])
+    ctx.synchronize()
+    print(json.dumps(ctx.statistics()), flush=True)
+    sys.stdin.readline()
+"""
+
+
+@pytest.mark.parametrize("policy,command", [("priority", "set_client_priority {pid} -1"),
+                                            ("fair", "set_client_weight {pid} 4")])
+def test_priority_and_weight_reach_the_scheduler(daemon_factory, policy, command):
+    """A worker favoured through the control plane gets most of the GPU while another client competes: when
+    its backlog is done the other client has done less than half of the same backlog (with equal settings
+    the two would finish together)."""
+    from daemons import spawn_worker
+    from mpsd.sim import H200
+
+    d = start_daemon("--time-scale", "1", "--policy", policy)
+    daemon_factory.append(d)
+    kernels, cycles = 20, int(5e-3 * H200.clock_hz)  # full waves of 5 ms each
+    worker = spawn_worker(BACKLOG, d.pipe_dir, str(kernels), str(cycles))
+    assert worker.stdout is not None and worker.stdin is not None
+    try:
+        wpid = int(worker.stdout.readline())
+        assert control(d, command.format(pid=wpid) + "\n").stdout == ""
+        with mpsd_client.connect(d.pipe_dir) as blocker, mpsd_client.connect(d.pipe_dir) as other:
+            # The blocker fills every SM for 200 ms, so both backlogs are queued before either runs.
+            blocker.launch("spin", 264, 1024, [int(0.2 * H200.clock_hz)])
+            streams = [other.create_stream() for _ in range(4)]
+            for i in range(kernels):
+                other.launch("spin", 264, 1024, [cycles], stream=streams[i % 4])
+            worker.stdin.write("go\n")
+            worker.stdin.flush()
+            favoured = json.loads(worker.stdout.readline())
+            done = other.statistics()["kernels_completed"]
+            worker.stdin.write("done\n")
+            worker.stdin.flush()
+            other.synchronize()
+        assert favoured["kernels_completed"] == kernels
+        assert done < kernels // 2
+    finally:
+        worker.communicate(timeout=60)
+
+
 def test_clients_servers_and_ps(daemon):
     """get_server_list, get_server_status, get_client_list and ps describe the connected clients."""
     with mpsd_client.connect(daemon.pipe_dir):
