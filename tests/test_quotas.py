@@ -3,13 +3,20 @@
 # CUDA_VISIBLE_DEVICES picks and renumbers the daemon's devices.
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import shutil
 
 import pytest
+from hypothesis import HealthCheck, event, example, given, settings, strategies as st
 
 import mpsd_client
 from daemons import run_worker, start_daemon
+from mpsd.memory import CHUNK
+from mpsd.sim import H200
 from mpsd_client import InvalidDeviceError, InvalidValueError, NoDeviceError
+from mpsd_protocol import parse_mem_limits
 
 ONE_MS = int(1e-3 * 1.98e9)
 
@@ -150,3 +157,76 @@ def test_several_tenants_share_the_gpu_within_their_caps(daemon):
     assert [r["cap"] for r in results] == [132, 66, 32]
     for r in results:
         assert r["ok"] and r["kernels"] == 40 and 0 < r["max"] <= r["cap"]
+
+
+# -- a client never allocates past its limit, whatever the interleaving ---------------------------------------
+# Three clients of one daemon (its default limit, a tighter one from the environment, a looser one that the
+# daemon must not grant) allocate and free in an order Hypothesis picks. After every step each client's
+# charge stays within its limit, a refused allocation changes nothing, and one is refused only when the
+# memory it needs (whole 2 MiB pages, at most) is not free.
+
+# A limit counts the context's own charge: leave each client a few allocations' worth above it.
+_CONTEXT_MIB = -(-H200.context_memory // (1 << 20))
+DAEMON_LIMIT = (_CONTEXT_MIB + 16) << 20
+CLIENT_LIMITS = (None, f"0={_CONTEXT_MIB + 8}M", f"0={2 * _CONTEXT_MIB}M")  # what each environment asks for
+
+
+@pytest.fixture(scope="module")
+def limited_daemon():
+    d = start_daemon("--time-scale", "100", "--pinned-mem-limit", f"{DAEMON_LIMIT >> 20}M")
+    yield d
+    assert d.stop() == 0
+    shutil.rmtree(d.pipe_dir.parent, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _environment(name: str, value: str | None):
+    old = os.environ.pop(name, None)
+    if value is not None:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        os.environ.pop(name, None)
+        if old is not None:
+            os.environ[name] = old
+
+
+# Sizes on both sides of the 1 MiB line between packed small allocations and page-rounded large ones;
+# mallocs outnumber frees, so the limits are reached.
+MALLOC = st.tuples(st.just("malloc"), st.integers(1, 1 << 20) | st.integers(1 << 20, 6 << 20))
+STEPS = st.lists(st.tuples(
+    st.integers(0, len(CLIENT_LIMITS) - 1),
+    st.one_of(MALLOC, MALLOC, st.tuples(st.just("free"), st.integers(0, 15))),
+), min_size=8, max_size=40)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(steps=STEPS)
+@example(steps=[(who, ("malloc", 6 << 20)) for who in (0, 1, 2) * 4] + [(1, ("free", 0)), (1, ("malloc", 6 << 20))])
+def test_no_client_allocates_past_its_limit(limited_daemon, steps):
+    """Under any interleaving of mallocs and frees, each client stays within min(daemon limit, its request)."""
+    clients = []
+    with contextlib.ExitStack() as stack:
+        for request in CLIENT_LIMITS:
+            with _environment("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", request):
+                clients.append(stack.enter_context(mpsd_client.connect(limited_daemon.pipe_dir)))
+        limits = [min([DAEMON_LIMIT] + ([parse_mem_limits(r)[0]] if r else [])) for r in CLIENT_LIMITS]
+        assert [c.quotas["pinned_mem_limit"] for c in clients] == limits
+        live: list[list[int]] = [[] for _ in clients]
+        for who, (action, value) in steps:
+            ctx = clients[who]
+            used = ctx.statistics()["memory_used"]
+            if action == "free":
+                if live[who]:
+                    ctx.free(live[who].pop(value % len(live[who])))
+            else:
+                free, _ = ctx.mem_get_info()
+                try:
+                    live[who].append(ctx.malloc(value))
+                except mpsd_client.OutOfMemoryError:
+                    event("an allocation was refused")
+                    assert ctx.statistics()["memory_used"] == used
+                    assert free < -(-value // CHUNK) * CHUNK
+            for c, limit in zip(clients, limits):
+                assert c.statistics()["memory_used"] + H200.context_memory <= limit
