@@ -1,7 +1,10 @@
 # The environment an MPS client reads, read the same way: CUDA_VISIBLE_DEVICES picks and renumbers devices
 # (the daemon applies it, since only it knows which devices exist),
 # CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, CUDA_MPS_PINNED_DEVICE_MEM_LIMIT and CUDA_MPS_CLIENT_PRIORITY ask for
-# tighter quotas (the daemon never lets them loosen its own), MPSD_PIPE_DIRECTORY says where the daemon is.
+# tighter quotas (the daemon never lets them loosen its own: a smaller share, a smaller limit, a less urgent
+# priority than the daemon's level, whose finer levels only the control plane sets), MPSD_MIG_PARTITION picks
+# a MIG instance, MPSD_PIPE_DIRECTORY says where the daemon is. Only the daemon applies the rules; this
+# module only reads and checks the variables.
 from __future__ import annotations
 
 import os

@@ -1,6 +1,8 @@
 # `mpsd-smi`: a status table in the spirit of nvidia-smi, from the daemon's control socket. Devices (memory,
-# SM utilisation since the last look, counted from the blocks that ended; SMs busy now; policy) and processes (type M+C as MPS clients show, memory, SM cap,
-# priority, sticky error). `--json` prints the same data for programs; `-l SECONDS` refreshes.
+# SM utilisation since the last look, counted from the blocks that ended; SMs busy now; the device's own
+# policy) and processes (type M+C as MPS clients show, memory, SM cap, priority, sticky error). `--json`
+# prints the same data, with each process's fair-share weight and MIG instance, for programs; `-l SECONDS`
+# refreshes.
 from __future__ import annotations
 
 import argparse
@@ -35,11 +37,11 @@ def render(status: dict[str, Any]) -> str:
     """The table people read."""
     lines = [f"mpsd-smi   server pid {status['server_pid']}   {time.strftime('%Y-%m-%d %H:%M:%S')}", ""]
     lines.append(f"{'GPU':>3}  {'Name':<12} {'Memory used / total':>26}  {'SM util':>7}  {'SMs busy':>8}  "
-                 f"{'Policy':<10} {'Clients':>7}")
+                 f"{'Policy':<11} {'Clients':>7}")
     for d in status["devices"]:
         memory = f"{format_size(d['memory_used'])} / {format_size(d['memory_total'])}"
         lines.append(f"{d['index']:>3}  {d['name']:<12} {memory:>26}  {d['sm_utilization']:>6.0%}  "
-                     f"{d['sms_busy']:>8}  {d['policy']:<10} {d['clients']:>7}")
+                     f"{d['sms_busy']:>8}  {d['policy']:<11} {d['clients']:>7}")
     lines += ["", f"{'GPU':>3}  {'PID':>8}  {'Type':<4}  {'UID':>6}  {'Memory':>10}  {'SMs':>4}  {'ATP':>6}  "
                   f"{'Prio':>4}  Sticky error"]
     if not status["processes"]:
