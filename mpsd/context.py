@@ -341,6 +341,8 @@ class Context:
         op = Kernel(client=self.id, stream=s.key, tag=effect, blocks=blocks, threads=threads, cost=cost,
                     smem=shared_mem, priority=s.priority, sm_cap=self.quotas.sm_cap)  # type: ignore[arg-type]
         self.counters.launches += 1
+        if self.device.recorder is not None:
+            self.device.recorder.launched(self, op, name)
         return self._enqueue(s, op)
 
     # -- streams and events ----------------------------------------------------------------------------
