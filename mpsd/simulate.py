@@ -19,9 +19,10 @@ import json
 import math
 import sys
 import tomllib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from mpsd.config import DEVICE_MODELS
 from mpsd.sim import Kernel, Simulator, kernel_cost, sm_cap

@@ -21,11 +21,11 @@ Everything else (latency of longer kernels alone, latency beside a saturating te
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
 from pathlib import Path
-from typing import Any
 
 from mpsd.sim import H200
 from mpsd.simulate import run_scenario
@@ -76,7 +76,7 @@ def calibration() -> dict[str, float]:
         n = len(e["tenants"])
         for t in e["tenants"]:
             gaps = t["results"][0]["gaps_ms"]
-            runs_ms = [b[0] - (a[0] + a[1]) for a, b in zip(gaps, gaps[1:])]
+            runs_ms = [b[0] - (a[0] + a[1]) for a, b in itertools.pairwise(gaps)]
             own = statistics.median(runs_ms)
             slices.append(own)
             # Switched out: every other context's slice, and one switch into each of them and back.

@@ -3,6 +3,8 @@
 Run on a machine with an NVIDIA GPU, CuPy and nvidia-cuda-mps-control, as root:
 
     python bench/fidelity/measure_timing.py --out bench/fidelity/h200_timing_extra.json
+    python bench/fidelity/measure_timing.py --only "gaps,closed loop,1 tenant alone" \
+        --out bench/fidelity/h200_timing_repeat.json      # the second run: a subset, again
 
 It extends the team's reference (h200_timing.json) with what the model needs besides: the host's launch and
 synchronise latency for a tiny kernel alone (what calibrates ``DeviceSpec.launch_latency`` and
@@ -393,13 +395,12 @@ def run_tenants(tenants: list[dict], base_env: dict[str, str]) -> list:
 def device_facts() -> dict:
     query = "name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,power.draw,compute_mode"
     smi = subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader"], capture_output=True,
-                         text=True)
-    versions = subprocess.run([sys.executable, "-c", "import cupy; r = cupy.cuda.runtime; "
-                               "print(r.runtimeGetVersion(), r.driverGetVersion(), cupy.__version__)"],
-                              capture_output=True, text=True)
+                         text=True, check=False)
+    code = "import cupy; r = cupy.cuda.runtime; print(r.runtimeGetVersion(), r.driverGetVersion(), cupy.__version__)"
+    versions = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     return {"nvidia_smi": dict(zip(query.split(","), [s.strip() for s in smi.stdout.split(",")])),
             "cuda_runtime_driver_cupy": versions.stdout.split(), "python": sys.version.split()[0],
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
 
 
 def main() -> None:
@@ -438,7 +439,7 @@ def main() -> None:
         t0 = time.monotonic()
         try:
             outcome = run_tenants(e["tenants"], env)
-        except Exception as exc:  # keep what the other experiments measured
+        except Exception as exc:  # noqa: BLE001 - keep what the other experiments measured
             outcome = [{"error": repr(exc)[:800]}]
         results[mode].append({"name": e["name"], "tenants": [
             {"env": t["env"], "steps": t["steps"], "results": r} for t, r in zip(e["tenants"], outcome)],
@@ -463,7 +464,7 @@ def main() -> None:
         for e in chosen([single] + multi_experiments(True) + gaps_experiments() + latency_experiments(True)):
             experiment("mps", e, env)
     finally:
-        subprocess.run(["nvidia-cuda-mps-control"], input="quit\n", text=True, env={**os.environ, **env})
+        subprocess.run(["nvidia-cuda-mps-control"], input="quit\n", text=True, env={**os.environ, **env}, check=False)
         time.sleep(1)
         for name in ("control", "server"):
             try:
