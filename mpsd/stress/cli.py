@@ -153,11 +153,10 @@ def _solo_p99(tenants: list[TenantSpec], play: Callable[[list[TenantSpec], str],
     out: dict[str, float] = {}
     by_name = {t.name: t for t in tenants}
     for t in tenants:
-        alone = [dataclasses.replace(t, count=1)]
-        if t.ipc == "consumer" and t.ipc_peer in by_name:
-            alone.insert(0, by_name[t.ipc_peer])
+        one = dataclasses.replace(t, count=1)
+        alone = [by_name[t.ipc_peer], one] if t.ipc == "consumer" and t.ipc_peer in by_name else [one]
         timeline = play(alone, f"{t.name} alone")
-        latencies = [r.latency for r in timeline.requests if r.tenant == t.instance(0) and r.error is None]
+        latencies = [r.latency for r in timeline.requests if r.tenant == one.instance(0) and r.error is None]
         p99 = latency_summary(latencies)["p99"]
         if p99 is not None:
             out.update({t.instance(c): p99 / 1e3 for c in range(t.count)})
@@ -282,3 +281,7 @@ def _progress_table(progress: Progress) -> Any:
         rate = done / elapsed if elapsed > 0 else 0.0
         table.add_row(group, str(len(names)), str(done), str(failed), f"{rate:.1f}")
     return table
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -218,8 +218,10 @@ def _span_arrays(timeline: Timeline, index: dict[str, int]) -> dict[str, np.ndar
         "tenant": np.array([index.get(s.tenant, missing) for s in kept], dtype=np.int64),
         "sm": np.array([s.sm for s in kept], dtype=np.int64),
         "kernel": np.array([s.kernel for s in kept], dtype=np.int64),
-        "start": np.array([s.start for s in kept], dtype=float),
-        "end": np.array([s.end for s in kept], dtype=float),
+        # To the nanosecond (the trace's resolution): a group ending as the next starts must meet it exactly,
+        # and times that went through the trace's microseconds or a clock shift can be an ulp apart.
+        "start": np.round(np.array([s.start for s in kept], dtype=float) * 1e9) / 1e9,
+        "end": np.round(np.array([s.end for s in kept], dtype=float) * 1e9) / 1e9,
         "fraction": np.array([s.sm_fraction for s in kept], dtype=float),
     }
 
