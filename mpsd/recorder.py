@@ -39,15 +39,17 @@ class Recorder:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.contexts: dict[int, Context] = {}  # every client that launched anything, gone or not
+        self.contexts: dict[int, Context] = {}  # every client that attached, gone or not
         self.kernels: list[tuple[Kernel, str]] = []
         self.dropped = 0
 
-    def launched(self, context: Context, op: Kernel, name: str) -> None:
+    def attached(self, context: Context) -> None:
+        self.contexts[context.id] = context
+
+    def launched(self, op: Kernel, name: str) -> None:
         if len(self.kernels) >= MAX_KERNELS:
             self.dropped += 1
             return
-        self.contexts.setdefault(context.id, context)
         self.kernels.append((op, name))
 
     def timeline(self, device: Device) -> Timeline:

@@ -81,6 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if str(options.json) == "-":
             print(text)
         else:
+            options.json.parent.mkdir(parents=True, exist_ok=True)
             options.json.write_text(text)
     if options.report is not None:
         from mpsd.stress.report import write_report  # matplotlib only when a report is asked for
