@@ -12,8 +12,12 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
+# The point of the project in under a minute: a latency-critical inference service beside two training jobs,
+# as real processes on the simulated H200, under MPS and under time-slicing; tables here, plots and Perfetto
+# traces in demo-report/. (examples/demo.py is the tour of the client API: quotas, memory limits, kernels.)
 demo: $(STAMP)
-	$(BIN)/python examples/demo.py
+	$(BIN)/mpsd-stress examples/workloads/inference_training.toml --compare-policies mps,timeslice \
+		--duration 2 --json demo-report/results.json --report demo-report
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider

@@ -38,12 +38,19 @@ class Config:
     multiuser: bool = False  # one server for every user, instead of one user's server at a time
     max_clients: int = 48  # per device, as Volta+ MPS (CUDA 13.0, measured driver)
     policy_options: dict[str, Any] = field(default_factory=dict)  # e.g. {"timeslice": 0.001}
-    # Per-device policy and options from [mpsd.device.N] sections; devices without one use the two above.
+    trace: Path | None = None  # record the device timeline; written there at exit
+    # Per-device policy and options from [mpsd.device.N] sections; devices without one use policy and policy_options.
     device_policies: dict[int, tuple[str, dict[str, Any]]] = field(default_factory=dict)
 
     @property
     def socket_path(self) -> Path:
         return self.pipe_dir / "mpsd.sock"
+
+    def trace_path(self, device: int) -> Path | None:
+        """Device 0's trace goes to the file named; device N's beside it, as NAME.devN.json."""
+        if self.trace is None or device == 0:
+            return self.trace
+        return self.trace.with_name(f"{self.trace.stem}.dev{device}{self.trace.suffix or '.json'}")
 
     def pinned_mem_limit(self, device: int) -> int | None:
         return self.pinned_mem_limits.get(device, self.pinned_mem_limits.get(-1))
@@ -99,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--multiuser", action="store_true", default=None,
                         help="one server serves every user (otherwise other users' clients wait their turn)")
     parser.add_argument("--max-clients", type=int, help="clients per device (default 48, as Volta+ MPS)")
+    parser.add_argument("--trace", metavar="FILE",
+                        help="record every device's timeline and write it at exit as Chrome/Perfetto trace JSON "
+                             "(opens in ui.perfetto.dev)")
     parser.add_argument("--ipc-access", choices=IPC_ACCESS,
                         help="who may open an IPC handle: the exporter's uid (default, as CUDA), its group, anyone")
     return parser
@@ -172,7 +182,8 @@ def load_config(argv: Sequence[str] | None = None, environ: dict[str, str] | Non
                   policy=policy, time_scale=time_scale, active_thread_percentage=percentage,
                   pinned_mem_limits=limits, client_priority=priority, fault_containment=containment,
                   ipc_access=ipc_access, max_clients=max_clients, policy_options=policy_options,
-                  multiuser=bool(pick("multiuser", False)), device_policies=device_policies)
+                  multiuser=bool(pick("multiuser", False)), device_policies=device_policies,
+                  trace=Path(trace) if (trace := pick("trace")) else None)
 
 
 # What a [mpsd.device.N] table may hold: its key -> the simulator's option name (None: the policy itself).

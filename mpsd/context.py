@@ -118,6 +118,8 @@ class Context:
         self.counters = Counters()
         self._next_handle = 1
         self.closed = False
+        if device.recorder is not None:
+            device.recorder.attached(self)
 
     # -- errors ----------------------------------------------------------------------------------------
     def check_usable(self) -> None:
@@ -347,6 +349,8 @@ class Context:
         op = Kernel(client=self.id, stream=s.key, tag=effect, blocks=blocks, threads=threads, cost=cost,
                     smem=shared_mem, priority=s.priority, sm_cap=self.quotas.sm_cap)  # type: ignore[arg-type]
         self.counters.launches += 1
+        if self.device.recorder is not None:
+            self.device.recorder.launched(op, name)
         return self._enqueue(s, op)
 
     # -- streams and events ----------------------------------------------------------------------------

@@ -7,9 +7,11 @@
 # `charge`/`release_memory` with the partition it belongs to, so the two counts never drift apart.
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mpsd.engine import Engine
+from mpsd.recorder import Recorder
 from mpsd.sim import DeviceSpec, Simulator, sm_cap
 from mpsd_protocol import CudaError
 
@@ -50,11 +52,13 @@ class Device:
     """A simulated GPU shared by the daemon's clients."""
 
     def __init__(self, index: int, spec: DeviceSpec, *, policy: str, time_scale: float,
-                 containment: str, log: ServerLog, policy_options: dict[str, Any] | None = None) -> None:
+                 containment: str, log: ServerLog, policy_options: dict[str, Any] | None = None,
+                 trace: Path | None = None) -> None:
         self.index = index
         self.spec = spec
         self.properties = device_properties(spec, index)
-        self.sim = Simulator(spec, policy=policy, policy_options=policy_options)
+        self.recorder = Recorder(trace) if trace is not None else None
+        self.sim = Simulator(spec, policy=policy, policy_options=policy_options, record=trace is not None)
         self.policy = policy
         self.engine = Engine(self.sim, time_scale)
         self.total_memory = spec.total_memory

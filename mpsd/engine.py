@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from typing import Callable, Iterable
 
 import trio
@@ -40,6 +41,12 @@ class Engine:
         if self._origin is None:
             return self.sim.now
         return max(self.sim.now, (trio.current_time() - self._origin) * self.time_scale)
+
+    def monotonic_origin(self) -> float:
+        """``time.monotonic()`` at simulated time 0 (trio's clock has an offset of its own)."""
+        now = trio.current_time()
+        origin = now if self._origin is None else self._origin
+        return time.monotonic() - (now - origin)
 
     def catch_up(self) -> None:
         """Bring the simulator up to now, or as far towards it as one step goes, and finish whatever

@@ -62,7 +62,8 @@ class Daemon:
             raise DaemonError(f"cannot write logs in {config.log_dir}: {exc.strerror}") from None
         self.devices = [
             Device(i, spec, policy=config.device_policy(i)[0], time_scale=config.time_scale,
-                   containment=config.fault_containment, log=self.log, policy_options=config.device_policy(i)[1])
+                   containment=config.fault_containment, log=self.log, policy_options=config.device_policy(i)[1],
+                   trace=config.trace_path(i))
             for i, spec in enumerate(config.devices)
         ]
         self.ipc = IpcRegistry(config.ipc_access, self.log)
@@ -305,9 +306,19 @@ class Daemon:
                 signal.signal(signal.SIGTERM, signal.SIG_IGN)
                 signal.signal(signal.SIGINT, signal.SIG_IGN)
             listeners.close()
+            self._write_traces()
             self.log.server("Server exited")
             self.log.control("Exit with status 0")
             self.log.close()
+
+    def _write_traces(self) -> None:
+        for device in self.devices:
+            if device.recorder is not None:
+                try:
+                    device.recorder.write(device)
+                    self.log.server(f"Trace of device {device.index} written to {device.recorder.path}")
+                except OSError as exc:
+                    self.log.server(f"Cannot write the trace of device {device.index}: {exc}")
 
     async def _serve_clients(self, listeners: Listeners, signals: Any,
                              task_status: trio.TaskStatus[Path]) -> None:

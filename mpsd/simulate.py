@@ -6,17 +6,23 @@
 #   [[tenant]]                     name, count (copies), active_thread_percentage, priority, weight, partition
 #   [[tenant.kernel]]              name (a built-in), grid, block, args, repeat, stream, stream_priority,
 #                                  at (first submission, s), period (s between submissions: open loop;
-#                                  without it the repeats queue back to back on their stream)
+#                                  without it the repeats queue back to back on their stream), sleep (s
+#                                  after each synchronise before the next launch: closed loop)
+# Times are what the tenant observes: each launch reaches the device `launch_latency` after the tenant's
+# call, and a synchronise returns `sync_latency` after the kernel ends (DeviceSpec, measured on a real H200).
 from __future__ import annotations
 
 import argparse
+import heapq
+import itertools
 import json
 import math
 import sys
 import tomllib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from mpsd.config import DEVICE_MODELS
 from mpsd.sim import Kernel, Simulator, kernel_cost, sm_cap
@@ -31,7 +37,7 @@ class TenantResult:
     name: str
     client: int
     kernels: int = 0
-    latencies: list[float] = field(default_factory=list)  # end - submission, seconds
+    latencies: list[float] = field(default_factory=list)  # synchronise returned - launch called, seconds
     last_end: float = 0.0
 
     def summary(self, sm_seconds: float, total_sm_seconds: float) -> dict[str, Any]:
@@ -43,6 +49,15 @@ class TenantResult:
         return {"tenant": self.name, "client": self.client, "kernels": self.kernels,
                 "makespan_ms": self.last_end * 1e3, "latency_p50_ms": pct(0.5), "latency_p99_ms": pct(0.99),
                 "sm_seconds": sm_seconds, "sm_share": sm_seconds / total_sm_seconds if total_sm_seconds else 0.0}
+
+
+@dataclass
+class _Loop:
+    """A closed-loop kernel: each launch follows the previous one's synchronise and a sleep."""
+
+    make: Callable[[], Kernel]
+    left: int
+    sleep: float
 
 
 def run_scenario(scenario: dict[str, Any]) -> dict[str, Any]:
@@ -59,7 +74,7 @@ def run_scenario(scenario: dict[str, Any]) -> dict[str, Any]:
         sim = Simulator(spec, policy=device.get("policy", "mps"), policy_options=device.get("policy_options"))
     except ValueError as exc:
         raise ScenarioError(f"[device]: {exc}") from None
-    arrivals: list[tuple[float, int, Kernel]] = []
+    arrivals: list[tuple[float, int, Kernel, _Loop | None]] = []  # (launch called, seq, op, loop)
     results: dict[int, TenantResult] = {}
     for t_index, tenant in enumerate(scenario.get("tenant", [])):
         for copy in range(int(tenant.get("count", 1))):
@@ -73,20 +88,47 @@ def run_scenario(scenario: dict[str, Any]) -> dict[str, Any]:
             except ValueError as exc:
                 raise ScenarioError(f"tenant {name}: {exc}") from None
             for k in tenant.get("kernel", []):
-                arrivals.extend(_kernels(sim, spec, client, cap, k, name, len(arrivals)))
+                arrivals.extend(_kernels(spec, client, cap, k, name, len(arrivals)))
     if not arrivals:
         raise ScenarioError("the scenario launches no kernels")
-    arrivals.sort(key=lambda a: (a[0], a[1]))
-    done = []
-    for at, _, op in arrivals:
-        done += sim.advance(max(at, sim.now))
-        sim.submit(op)
-    done += sim.run()
+    called: dict[int, float] = {}  # id(op) -> when the tenant called launch
+    following: dict[int, tuple[Kernel, _Loop]] = {}  # closed loops waiting for their op to end
+    seq = itertools.count(len(arrivals))
+    heapq.heapify(arrivals)
+    done: list = []
+
+    def finished(ops: list) -> None:
+        # A closed loop's next launch: the synchronise returns, the tenant sleeps, then calls launch.
+        done.extend(ops)
+        for op in ops:
+            follow = following.pop(id(op), None)
+            if follow is not None and follow[1].left > 0:
+                loop = follow[1]
+                at = op.ended + spec.sync_latency + loop.sleep
+                heapq.heappush(arrivals, (at, next(seq), loop.make(), _Loop(loop.make, loop.left - 1, loop.sleep)))
+
+    while arrivals:
+        while arrivals or following:
+            # Step event by event only while a closed loop waits on its kernel; otherwise jump to the next launch.
+            t_sim = sim.next_time() if following else None
+            if t_sim is not None and (not arrivals or t_sim < arrivals[0][0] + spec.launch_latency):
+                finished(sim.advance(t_sim))
+                continue
+            if not arrivals:
+                break
+            at, _, op, loop = heapq.heappop(arrivals)
+            finished(sim.advance(max(at + spec.launch_latency, sim.now)))
+            sim.submit(op)
+            called[id(op)] = at
+            if loop is not None:
+                following[id(op)] = (op, loop)
+        finished(sim.run())
     for op in done:
         result = results[op.client]
         result.kernels += 1
-        result.latencies.append(op.ended - op.submitted)
-        result.last_end = max(result.last_end, op.ended)
+        returned = op.ended + spec.sync_latency
+        result.latencies.append(returned - called[id(op)])
+        result.last_end = max(result.last_end, returned)
     stats = sim.statistics()
     total = sum(c.sm_seconds for c in stats.per_client.values())
     return {
@@ -97,21 +139,28 @@ def run_scenario(scenario: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _kernels(sim: Simulator, spec, client: int, cap: int, k: dict[str, Any], tenant: str,
-             seq: int) -> list[tuple[float, int, Kernel]]:
+def _kernels(spec, client: int, cap: int, k: dict[str, Any], tenant: str,
+             seq: int) -> list[tuple[float, int, Kernel, _Loop | None]]:
     try:
         grid, block = _count(k.get("grid", 1)), _count(k.get("block", 256))
         args = list(k.get("args", []))
         cost = kernel_cost(spec, k["name"], grid, block, args)
+        at, period, sleep = float(k.get("at", 0.0)), k.get("period"), k.get("sleep")
+        if period is not None and sleep is not None:
+            raise ValueError("give period (open loop) or sleep (closed loop), not both")
+        if sleep is not None and not float(sleep) >= 0.0:
+            raise ValueError(f"sleep must be >= 0, got {sleep!r}")
     except (KeyError, TypeError, ValueError) as exc:
         raise ScenarioError(f"tenant {tenant}: kernel {k.get('name')!r}: {exc}") from None
-    at, period = float(k.get("at", 0.0)), k.get("period")
-    out = []
-    for i in range(int(k.get("repeat", 1))):
-        op = Kernel(client=client, stream=int(k.get("stream", 0)), blocks=grid, threads=block, cost=cost,
-                    priority=int(k.get("stream_priority", 0)), sm_cap=cap)
-        out.append((at + (i * float(period) if period else 0.0), seq + i, op))
-    return out
+
+    def make() -> Kernel:
+        return Kernel(client=client, stream=int(k.get("stream", 0)), blocks=grid, threads=block, cost=cost,
+                      priority=int(k.get("stream_priority", 0)), sm_cap=cap)
+
+    repeat = int(k.get("repeat", 1))
+    if sleep is not None:
+        return [(at, seq, make(), _Loop(make, repeat - 1, float(sleep)))] if repeat > 0 else []
+    return [(at + (i * float(period) if period else 0.0), seq + i, make(), None) for i in range(repeat)]
 
 
 def _count(value: Any) -> int:

@@ -1,4 +1,5 @@
-# `make demo` is the project's front door: it must keep working, end to end, with real processes.
+# examples/demo.py is the tour of the client API (quotas, memory limits, kernels checked against numpy): it must
+# keep working, end to end, with real processes. (`make demo` runs mpsd-stress; see test_stress_run.py.)
 from __future__ import annotations
 
 import subprocess

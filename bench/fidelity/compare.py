@@ -1,71 +1,219 @@
 """Measured (a real H200, with and without MPS) against simulated (mpsd's model), row by row.
 
-    .venv/bin/python bench/fidelity/compare.py [--json]
+    .venv/bin/python bench/fidelity/compare.py [--json] [--calibration]
 
-Each row is a workload from the measurements (h200_timing.json, copied from the team's reference
-h200-mps-measurements.md, one run each, about 1% noise). It is run on the simulator alone in virtual time
-(mpsd.simulate); the error is per figure. Issue 4's target is every row within 5%, wave counts exact.
+Three sources of measurements, each a real H200 with CuPy, one process per tenant, tenants released together:
+the team's reference (h200_timing.json, copied from h200-mps-measurements.md), and two runs of
+measure_timing.py (h200_timing_extra.json: everything; h200_timing_repeat.json: host latency, latency under
+load and time-slicing again, a later machine, to show run-to-run spread). Every workload is run on the
+simulator alone in virtual time (mpsd.simulate): MPS rows under the `mps` policy, no-MPS rows under
+`timeslice`. Issue 4's target is every row within 5%, wave counts exact.
+
+What is calibrated, and from what (never from a row that is then called a match):
+- host launch and synchronise latency (DeviceSpec.launch_latency, .sync_latency): a 1-block empty kernel
+  alone; these rows are printed marked `cal` and not counted;
+- a closed-loop tenant's think time (its `time.sleep(0.005)` and loop, 5.1 ms): the gaps between launches of
+  the probes alone, a host figure and not the GPU's;
+- the time slice and the context-switch cost of the `timeslice` policy: one 100-ms kernel per process in 2
+  and 3 processes, each logging when globaltimer jumps (its context switched out).
+Everything else (latency of longer kernels alone, latency beside a saturating tenant, batch times) is predicted.
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import statistics
 import sys
 from pathlib import Path
 
+from mpsd.sim import H200
 from mpsd.simulate import run_scenario
 
-DATA = Path(__file__).with_name("h200_timing.json")
+HERE = Path(__file__).parent
+REFERENCE, RUN1, RUN2 = HERE / "h200_timing.json", HERE / "h200_timing_extra.json", HERE / "h200_timing_repeat.json"
 MS = 1.98e6  # spin cycles per millisecond at 1.98 GHz
 FULL, QUARTER = 264, 66
-WORK_ITERS = 93638  # one FULL wave of `work` takes 1 ms on the real GPU
+WORK_ITERS = 93638  # the model's `work` iterations for one 1-ms FULL wave
+CALIBRATION_STEP = "empty kernel, sleep 5 ms"
+TOLERANCE = 0.05
 
 
-def tenant(name: str, kernel: str, blocks: int, repeat: int, **quotas) -> dict:
-    arg = int(MS) if kernel == "spin" else WORK_ITERS
-    return {"name": name, **quotas,
-            "kernel": [{"name": kernel, "grid": blocks, "block": 1024, "args": [arg], "repeat": repeat}]}
+def _alone_steps(data: dict, mode: str) -> list[tuple[dict, dict]]:
+    for e in data[mode]:
+        if e["name"] == "1 tenant alone":
+            t = e["tenants"][0]
+            return list(zip(t["steps"], t["results"]))
+    return []
 
 
-def latency_tenant(period: float = 0.005, samples: int = 100) -> dict:
-    # 8 blocks of ~0.1 ms, launched every 5 ms
-    return {"name": "latency", "kernel": [{"name": "spin", "grid": 8, "block": 1024, "args": [int(0.1 * MS)],
-                                           "repeat": samples, "period": period}]}
+def calibration() -> dict[str, float]:
+    """Host latency, closed-loop think time and time-slicing figures, derived from the measurements.
+
+    Returns:
+        launch_latency, sync_latency (s: DeviceSpec's figures as the measurements give them), think_5ms
+        (s between a synchronise's return and the next launch call for `sleep(0.005)`), timeslice and
+        switch (s: the `timeslice` policy's options).
+    """
+    runs = [json.loads(RUN1.read_text()), json.loads(RUN2.read_text())]
+    total, after_call, think = [], [], []
+    for data in runs:
+        for mode in ("no-mps", "mps"):
+            for step, res in _alone_steps(data, mode):
+                if step.get("name") == CALIBRATION_STEP:
+                    total.append(res["latency_ms"]["p50"] / 1e3)
+                    after_call.append((res["latency_ms"]["p50"] - res["launch_call_ms"]["p50"]) / 1e3)
+                if step["mode"] == "probe" and step.get("sleep") == 0.005:
+                    at, lat = res["launched_at_s"], res["samples_ms"]
+                    think += [at[i + 1] - at[i] - lat[i] / 1e3 for i in range(len(at) - 1)]
+    # The model's own device time for that kernel is the engine's launch overhead plus the least block time.
+    host = statistics.mean(total) - H200.kernel_overhead - H200.min_block_time
+    sync = statistics.mean(after_call)
+    slices, switches = [], []
+    for e in runs[1]["no-mps"]:
+        if not e["name"].startswith("gaps") or len(e["tenants"]) < 2:
+            continue
+        n = len(e["tenants"])
+        for t in e["tenants"]:
+            gaps = t["results"][0]["gaps_ms"]
+            runs_ms = [b[0] - (a[0] + a[1]) for a, b in itertools.pairwise(gaps)]
+            own = statistics.median(runs_ms)
+            slices.append(own)
+            # Switched out: every other context's slice, and one switch into each of them and back.
+            switches.append((statistics.median(g[1] for g in gaps) - (n - 1) * own) / n)
+    return {"launch_latency": host - sync, "sync_latency": sync, "think_5ms": statistics.median(think),
+            "timeslice": statistics.median(slices) / 1e3, "switch": statistics.median(switches) / 1e3}
 
 
-def saturating_tenant(seconds: float = 0.6) -> dict:
-    return {"name": "saturating", "kernel": [{"name": "spin", "grid": FULL, "block": 1024, "args": [int(MS)],
-                                              "repeat": int(seconds * 1000)}]}
+def _policy(mode: str, cal: dict) -> dict:
+    if mode == "mps":
+        return {"policy": "mps"}
+    return {"policy": "timeslice", "policy_options": {"timeslice": cal["timeslice"], "switch": cal["switch"]}}
 
 
-def simulate(policy: str, tenants: list[dict]) -> dict[str, dict]:
-    result = run_scenario({"device": {"policy": policy}, "tenant": tenants})
+def _kernel(k: dict, **extra) -> dict:
+    args = [k["arg"]] if k["kernel"] == "spin" else [k["model_iters"]]
+    return {"name": k["kernel"], "grid": k["grid"], "block": k["block"], "args": args, **extra}
+
+
+def _tenant(name: str, env: dict, steps: list[dict], cal: dict) -> dict:
+    """A measured tenant (its steps) as a scenario tenant; None where it has nothing the model runs."""
+    kernels = []
+    for step in steps:
+        if step["mode"] == "batch":
+            if len(step["kernels"]) == 1:
+                kernels.append(_kernel(step["kernels"][0], repeat=step["repeat"]))
+            else:
+                kernels += [_kernel(k) for _ in range(step["repeat"]) for k in step["kernels"]]
+        elif step["mode"] == "overhead":
+            kernels.append(_kernel(step["kernel"], repeat=step["repeat"]))
+        elif step["mode"] == "probe":
+            loop = {"period": step["period"]} if "period" in step else {"sleep": cal["think_5ms"] if step.get(
+                "sleep") == 0.005 else float(step.get("sleep", 0.0))}
+            kernels.append(_kernel(step["kernel"], repeat=step["samples"], at=step.get("delay", 0.0), **loop))
+        elif step["mode"] == "saturate":
+            kernels.append(_kernel(step["kernel"], repeat=int(step["duration"] * 1000) + 10))
+    quotas = {}
+    if "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" in env:
+        quotas["active_thread_percentage"] = float(env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"])
+    if "CUDA_MPS_CLIENT_PRIORITY" in env:
+        quotas["priority"] = int(env["CUDA_MPS_CLIENT_PRIORITY"])
+    return {"name": name, **quotas, "kernel": kernels}
+
+
+def _simulate(mode: str, tenants: list[dict], cal: dict) -> dict[str, dict]:
+    result = run_scenario({"device": _policy(mode, cal), "tenant": tenants})
     return {t["tenant"]: t for t in result["tenants"]}
 
 
-def rows() -> list[dict]:
-    """Every comparable figure: (row, mode, measured, simulated)."""
-    measured = json.loads(DATA.read_text())
+def _figures(source: str, row: str, mode: str, step: dict, res: dict, sim: dict) -> list[dict]:
+    out = []
+    if step["mode"] == "batch":
+        out.append({"figure": "s", "measured": res["seconds"], "simulated": sim["makespan_ms"] / 1e3})
+    elif step["mode"] == "overhead":
+        host_ms = (H200.launch_latency + H200.sync_latency) * 1e3
+        out.append({"figure": "ms per kernel", "measured": res["ms_per_kernel"],
+                    "simulated": (sim["makespan_ms"] - host_ms) / step["repeat"]})
+    elif step["mode"] == "probe":
+        for q in ("p50", "p99"):
+            out.append({"figure": f"{q} ms", "measured": res["latency_ms"][q], "simulated": sim[f"latency_{q}_ms"]})
+    cal = step.get("name") == CALIBRATION_STEP
+    return [{"source": source, "row": row, "mode": mode, "calibration": cal, **f} for f in out]
+
+
+def _measured_rows(source: str, path: Path, cal: dict) -> list[dict]:
+    data = json.loads(path.read_text())
+    out = []
+    for mode in ("no-mps", "mps"):
+        for e in data[mode]:
+            if e["name"].startswith("gaps"):
+                continue  # calibration of the time slice, not a workload with a comparable figure
+            if len(e["tenants"]) == 1:  # one process's steps ran one after another: one simulation each
+                t = e["tenants"][0]
+                for step, res in zip(t["steps"], t["results"]):
+                    tenant = _tenant("t0", t["env"], [step], cal)
+                    if tenant["kernel"]:
+                        sim = _simulate(mode, [tenant], cal)["t0"]
+                        out += _figures(source, f"alone: {step['name']}", mode, step, res, sim)
+                continue
+            tenants = [_tenant(f"t{i}", t["env"], t["steps"], cal) for i, t in enumerate(e["tenants"])]
+            sim = _simulate(mode, tenants, cal)
+            figures = []
+            for i, t in enumerate(e["tenants"]):
+                step, res = t["steps"][0], t["results"][0]
+                if step["mode"] == "saturate":
+                    continue
+                label = e["name"] + (f" [tenant {i}]" if step["mode"] == "batch" else "")
+                figures.append(_figures(source, label, mode, step, res, sim[f"t{i}"]))
+            if all(t["steps"] == e["tenants"][0]["steps"] and t["env"] == e["tenants"][0]["env"] for t in e["tenants"]):
+                # Identical tenants released together: which one the GPU serves first is a race, so the
+                # k-th fastest measured is set against the k-th fastest simulated.
+                by_time = sorted(f[0]["simulated"] for f in figures)
+                measured = sorted(f[0]["measured"] for f in figures)
+                for f, m, sim_s in zip(figures, measured, by_time):
+                    f[0].update(measured=m, simulated=sim_s)
+            out += [r for f in figures for r in f]
+    return out
+
+
+def _reference_rows(cal: dict) -> list[dict]:
+    measured = json.loads(REFERENCE.read_text())
     out = []
     for row in measured["batch_seconds"]:
-        tenants = [tenant(f"t{i}", row["kernel"], FULL if row["size"] == "FULL" else QUARTER, row["repeat"],
-                          **row.get("quotas", [{}] * row["tenants"])[i]) for i in range(row["tenants"])]
-        for mode, policy in (("mps", "mps"), ("no-mps", "timeslice")):
+        arg = int(MS) if row["kernel"] == "spin" else WORK_ITERS
+        blocks = FULL if row["size"] == "FULL" else QUARTER
+        tenants = [{"name": f"t{i}", **row.get("quotas", [{}] * row["tenants"])[i],
+                    "kernel": [{"name": row["kernel"], "grid": blocks, "block": 1024, "args": [arg],
+                                "repeat": row["repeat"]}]} for i in range(row["tenants"])]
+        for mode in ("mps", "no-mps"):
             if row.get(mode) is None:
                 continue
-            sim = simulate(policy, tenants)
+            sim = _simulate(mode, tenants, cal)
             for i, figure in enumerate(row[mode]):
-                out.append({"row": row["name"], "mode": mode, "figure": f"tenant {i} s", "measured": figure,
-                            "simulated": sim[f"t{i}"]["makespan_ms"] / 1e3})
+                out.append({"source": "reference", "row": row["name"], "mode": mode, "figure": f"tenant {i} s",
+                            "calibration": False, "measured": figure, "simulated": sim[f"t{i}"]["makespan_ms"] / 1e3})
+    # The reference's probe (8 x 0.1 ms) was launched, synchronised, then slept 5 ms: a closed loop. Its tight
+    # p50-p99 spread beside the saturating tenant is that loop's phase lock; measure_timing.py's closed loop
+    # gives the same figures without MPS (1.629 / 1.655 ms against the reference's 1.632 / 1.655).
+    probe = {"name": "latency", "kernel": [{"name": "spin", "grid": 8, "block": 1024, "args": [int(0.1 * MS)],
+                                            "repeat": 100, "sleep": cal["think_5ms"], "at": 0.05}]}
+    saturating = {"name": "saturating", "kernel": [{"name": "spin", "grid": FULL, "block": 1024, "args": [int(MS)],
+                                                    "repeat": 1000}]}
     for row in measured["latency_ms"]:
-        tenants = [latency_tenant()] + ([saturating_tenant()] if row["beside_saturating"] else [])
-        for mode, policy in (("mps", "mps"), ("no-mps", "timeslice")):
+        for mode in ("mps", "no-mps"):
             if row.get(mode) is None:
                 continue
-            sim = simulate(policy, tenants)["latency"]
-            for figure, key in zip(("p50", "p99"), ("latency_p50_ms", "latency_p99_ms")):
-                out.append({"row": row["name"], "mode": mode, "figure": f"{figure} ms",
-                            "measured": row[mode][figure], "simulated": sim[key]})
+            sim = _simulate(mode, [probe] + ([saturating] if row["beside_saturating"] else []), cal)["latency"]
+            for q in ("p50", "p99"):
+                out.append({"source": "reference", "row": row["name"], "mode": mode, "figure": f"{q} ms",
+                            "calibration": False, "measured": row[mode][q], "simulated": sim[f"latency_{q}_ms"]})
+    return out
+
+
+def rows() -> list[dict]:
+    """Every comparable figure: source, row, mode, figure, measured, simulated, error, calibration."""
+    cal = calibration()
+    out = _reference_rows(cal) + _measured_rows("run 1", RUN1, cal) + _measured_rows("run 2", RUN2, cal)
     for r in out:
         r["error"] = (r["simulated"] - r["measured"]) / r["measured"]
     return out
@@ -74,18 +222,35 @@ def rows() -> list[dict]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
+    parser.add_argument("--calibration", action="store_true", help="print only what the measurements calibrate")
     args = parser.parse_args()
+    cal = calibration()
+    if args.calibration or not args.json:
+        print(f"calibration: host launch {cal['launch_latency'] * 1e6:.1f} us (DeviceSpec: "
+              f"{H200.launch_latency * 1e6:.1f}), synchronise {cal['sync_latency'] * 1e6:.1f} us "
+              f"({H200.sync_latency * 1e6:.1f}); sleep(5 ms) loop {cal['think_5ms'] * 1e3:.3f} ms; time slice "
+              f"{cal['timeslice'] * 1e3:.3f} ms, context switch {cal['switch'] * 1e6:.0f} us")
+        if args.calibration:
+            return 0
     table = rows()
     if args.json:
         print(json.dumps(table))
         return 0
-    print(f"{'workload':<46} {'mode':<7} {'figure':<11} {'measured':>9} {'simulated':>9} {'error':>7}")
+    print(f"\n{'source':<9} {'workload':<78} {'mode':<6} {'figure':<13} {'measured':>9} {'simulated':>9} {'error':>7}")
     for r in table:
-        flag = "" if abs(r["error"]) <= 0.05 else "  > 5%"
-        print(f"{r['row']:<46} {r['mode']:<7} {r['figure']:<11} {r['measured']:>9.3f} {r['simulated']:>9.3f} "
-              f"{r['error']:>+7.1%}{flag}")
-    within = sum(abs(r["error"]) <= 0.05 for r in table)
-    print(f"\n{within} of {len(table)} figures within 5% (target: all)")
+        flag = "  cal" if r["calibration"] else ("" if abs(r["error"]) <= TOLERANCE else "  > 5%")
+        print(f"{r['source']:<9} {r['row'][:78]:<78} {r['mode']:<6} {r['figure']:<13} {r['measured']:>9.4f} "
+              f"{r['simulated']:>9.4f} {r['error']:>+7.1%}{flag}")
+    print()
+    for label, pick in (("reference", lambda r: r["source"] == "reference"),
+                        ("new (runs 1 and 2)", lambda r: r["source"] != "reference")):
+        for mode in ("mps", "no-mps"):
+            chosen = [r for r in table if pick(r) and r["mode"] == mode and not r["calibration"]]
+            within = sum(abs(r["error"]) <= TOLERANCE for r in chosen)
+            print(f"{label:<19} {mode:<7} {within:>3} of {len(chosen):>3} figures within 5%")
+    counted = [r for r in table if not r["calibration"]]
+    print(f"{'all':<27} {sum(abs(r['error']) <= TOLERANCE for r in counted):>3} of {len(counted):>3} "
+          f"(target: all; calibration rows not counted)")
     return 0
 
 

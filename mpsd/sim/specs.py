@@ -49,6 +49,13 @@ class DeviceSpec:
     # The least time a block takes: dispatch and retirement are never free. Not a measurement; it keeps
     # simulated time moving, so a grid of empty blocks cannot make one instant last forever.
     min_block_time: float = 1e-7
+    # Host time a tenant pays around the device's work, outside the GPU: from its launch call until the work
+    # reaches the device (``launch_latency``; the device's own ``kernel_overhead`` follows), and from the
+    # kernel's end until its synchronise returns (``sync_latency``). Only virtual-time answers to "what does a
+    # tenant observe" add them (``mpsd simulate``, bench/fidelity): the daemon's clients are real processes
+    # and pay real host time.
+    launch_latency: float = 0.0
+    sync_latency: float = 0.0
 
 
 H200 = DeviceSpec(
@@ -80,6 +87,13 @@ H200 = DeviceSpec(
     kernel_overhead=10e-6,
     sm_issue_rate=2 * 1024 * 93638 / 1e-3,
     saturation_threads=1024,
+    # Calibrated on a real H200 (bench/fidelity/measure_timing.py; bench/fidelity/compare.py --calibration
+    # derives them): a 1-block empty kernel, launched and synchronised from CuPy after a 5 ms sleep, alone,
+    # took 0.0643 ms at the median (mean of two runs x with/without MPS). Less the model's device time for
+    # it (kernel_overhead + min_block_time), that leaves 54.2 us of host time; the part after the launch
+    # call returned (8.7 us, same runs) is the synchronise, the rest the launch.
+    launch_latency=45.5e-6,
+    sync_latency=8.7e-6,
 )
 
 

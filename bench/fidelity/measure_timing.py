@@ -1,0 +1,480 @@
+"""Measure, on a real GPU with and without real MPS, the timings mpsd's model is calibrated and checked against.
+
+Run on a machine with an NVIDIA GPU, CuPy and nvidia-cuda-mps-control, as root:
+
+    python bench/fidelity/measure_timing.py --out bench/fidelity/h200_timing_extra.json
+    python bench/fidelity/measure_timing.py --only "gaps,closed loop,1 tenant alone" \
+        --out bench/fidelity/h200_timing_repeat.json      # the second run: a subset, again
+
+It extends the team's reference (h200_timing.json) with what the model needs besides: the host's launch and
+synchronise latency for a tiny kernel alone (what calibrates ``DeviceSpec.launch_latency`` and
+``sync_latency``), the latency of longer kernels alone and beside a saturating tenant (what the model must
+predict from that calibration), active thread percentages, grid sizes either side of a wave boundary, mixed
+kernel durations, and time-slicing between two or three processes with small and large kernels.
+
+Shape: every tenant is its own process (as real MPS clients are), started from the ``WORKER`` program below
+with its steps as JSON, warmed up, then released by the parent at one CLOCK_MONOTONIC instant (shared by all
+processes of one machine). Single-process experiments run their steps in one process to save start-up time.
+Everything without MPS runs first (no pipe directory in the environment, so the GPU is time-sliced between
+contexts); then one MPS control daemon on private pipe and log directories serves every MPS experiment. The
+results are written after each experiment, so a run cut short still leaves what it measured.
+
+The kernels are the model's built-ins (``mpsd.sim.costs``): ``spin(cycles)`` busy-waits on clock64 per block,
+``work(iters)`` is a dependent FMA chain per thread, whose iterations are calibrated here so that one full wave
+of 264 blocks x 1024 threads takes 1 ms; a step names ``work`` by the model's iterations (93,638 per such
+millisecond) and the real count is scaled from the calibration.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+WORKER = r"""
+import json, math, sys, time
+import numpy
+import cupy
+
+SOURCE = '''
+extern "C" __global__ void spin(long long cycles) {
+    long long start = clock64();
+    while (clock64() - start < cycles) { }
+}
+extern "C" __global__ void work(int iters, float *sink) {
+    float a = threadIdx.x * 1e-3f;
+    for (int i = 0; i < iters; ++i) a = fmaf(a, 0.9999f, 1e-4f);
+    if (a == -1.0f) sink[0] = a;
+}
+extern "C" __global__ void gaps(long long duration_ns, long long threshold_ns, unsigned long long *log, int cap) {
+    unsigned long long t0, prev, now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    prev = t0;
+    int n = 0;
+    bool rec = blockIdx.x == 0 && threadIdx.x == 0;
+    do {
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+        if (rec && now - prev > threshold_ns && n < cap) { log[2 * n + 1] = prev - t0; log[2 * n + 2] = now - prev; n++; }
+        prev = now;
+    } while (now - t0 < duration_ns);
+    if (rec) log[0] = n;
+}
+extern "C" __global__ void stamp(unsigned long long *out) {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    out[0] = t;
+}
+'''
+steps = json.loads(sys.argv[1])
+module = cupy.RawModule(code=SOURCE)
+fns = {name: module.get_function(name) for name in ("spin", "work", "stamp", "gaps")}
+sink = cupy.zeros(1, dtype=cupy.float32)
+stamps = cupy.zeros(1, dtype=cupy.uint64)
+stream = cupy.cuda.Stream(non_blocking=True)
+stream.use()
+
+
+def launch(k):
+    if k["kernel"] == "spin":
+        args = (numpy.int64(k["arg"]),)
+    elif k["kernel"] == "work":
+        args = (numpy.int32(k["arg"]), sink)
+    else:
+        args = (stamps,)
+    fns[k["kernel"]]((k["grid"],), (k["block"],), args)
+
+
+def pct(values, q):
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+def summary(ms):
+    return {"p50": pct(ms, 0.5), "p99": pct(ms, 0.99), "mean": sum(ms) / len(ms), "min": min(ms), "max": max(ms),
+            "n": len(ms)}
+
+
+def event_ms(kernels, repeat):
+    a, b = cupy.cuda.Event(), cupy.cuda.Event()
+    a.record()
+    for _ in range(repeat):
+        for k in kernels:
+            launch(k)
+    b.record()
+    b.synchronize()
+    return cupy.cuda.get_elapsed_time(a, b)
+
+
+def wait_until(t):
+    while True:
+        left = t - time.monotonic()
+        if left <= 0:
+            return
+        if left > 0.0005:
+            time.sleep(left - 0.0004)
+
+
+def run_step(step, go):
+    mode = step["mode"]
+    if mode == "batch":
+        t0 = time.monotonic()
+        a, b = cupy.cuda.Event(), cupy.cuda.Event()
+        a.record()
+        for _ in range(step["repeat"]):
+            for k in step["kernels"]:
+                launch(k)
+        b.record()
+        stream.synchronize()
+        t1 = time.monotonic()
+        return {"seconds": t1 - t0, "gpu_seconds": cupy.cuda.get_elapsed_time(a, b) / 1e3,
+                "started": t0 - go, "ended": t1 - go}
+    if mode == "probe":
+        # Launch, synchronise, then sleep (closed loop) or wait for the next tick (open loop, fixed period).
+        k = step["kernel"]
+        wait_until(go + step.get("delay", 0.0))
+        base = time.monotonic()
+        lat, call, at = [], [], []
+        for i in range(step["samples"]):
+            if "period" in step:
+                wait_until(base + i * step["period"])
+            t0 = time.monotonic()
+            launch(k)
+            t1 = time.monotonic()
+            stream.synchronize()
+            t2 = time.monotonic()
+            lat.append((t2 - t0) * 1e3)
+            call.append((t1 - t0) * 1e3)
+            at.append(t0 - go)
+            if "sleep" in step:
+                time.sleep(step["sleep"])
+        out = {"latency_ms": summary(lat), "launch_call_ms": summary(call), "samples_ms": lat,
+               "launched_at_s": at, "ended": time.monotonic() - go}
+        if step.get("device_time"):
+            dev = [event_ms([k], 1) for _ in range(50)]
+            out["device_ms"] = summary(dev)
+        return out
+    if mode == "saturate":
+        # Back-to-back kernels with at most `depth` queued, until `duration` after the release.
+        k, depth = step["kernel"], step.get("depth", 4)
+        events, n = [], 0
+        while time.monotonic() < go + step["duration"]:
+            launch(k)
+            e = cupy.cuda.Event(disable_timing=True)
+            e.record()
+            events.append(e)
+            n += 1
+            if len(events) > depth:
+                events.pop(0).synchronize()
+        stream.synchronize()
+        return {"kernels": n, "ended": time.monotonic() - go}
+    if mode == "stamp":
+        # Split launch-to-start and start-to-return with the GPU's globaltimer against the host's
+        # CLOCK_REALTIME; meaningful only if the driver keeps the two in step (checked by the caller).
+        k = {"kernel": "stamp", "grid": 1, "block": 1}
+        before, after = [], []
+        for _ in range(step["samples"]):
+            h0 = time.time_ns()
+            launch(k)
+            stream.synchronize()
+            h2 = time.time_ns()
+            g = int(stamps.get()[0])
+            before.append((g - h0) / 1e6)
+            after.append((h2 - g) / 1e6)
+            time.sleep(step.get("sleep", 0.0))
+        return {"launch_to_start_ms": summary(before), "start_to_return_ms": summary(after)}
+    if mode == "overhead":
+        # Device time per kernel, back to back on one stream (CUDA events around the lot).
+        k = step["kernel"]
+        event_ms([k], 10)
+        return {"ms_per_kernel": event_ms([k], step["repeat"]) / step["repeat"]}
+    if mode == "clock":
+        # SM cycles per second: one block spinning a known number of cycles, timed with events.
+        k = {"kernel": "spin", "grid": step.get("grid", 1), "block": 1024, "arg": step["cycles"]}
+        ms = [event_ms([k], 1) for _ in range(3)]
+        return {"hz": step["cycles"] / (min(ms) / 1e3), "ms": ms}
+    if mode == "gaps":
+        # One kernel that watches globaltimer in every thread; block 0 logs each jump longer than the
+        # threshold: the time its context was switched out (time-slicing), as (offset, length) in ms.
+        cap = 2000
+        log = cupy.zeros(2 * cap + 1, dtype=cupy.uint64)
+        t0 = time.monotonic()
+        fns["gaps"]((step["grid"],), (1024,), (numpy.int64(step["duration_ms"] * 1e6),
+                                                 numpy.int64(step["threshold_us"] * 1e3), log, numpy.int32(cap)))
+        stream.synchronize()
+        t1 = time.monotonic()
+        host = log.get()
+        n = int(host[0])
+        pairs = [[int(host[2 * i + 1]) / 1e6, int(host[2 * i + 2]) / 1e6] for i in range(n)]
+        return {"seconds": t1 - t0, "started": t0 - go, "ended": t1 - go, "gaps_ms": pairs}
+    if mode == "calibrate_work":
+        out = {}
+        for iters in step["iters"]:
+            k = {"kernel": "work", "grid": step["grid"], "block": 1024, "arg": iters}
+            event_ms([k], 2)
+            out[str(iters)] = min(event_ms([k], 1) for _ in range(5))
+        return {"ms": out}
+    raise ValueError(mode)
+
+
+for step in steps:                         # warm up every kernel this process will launch
+    for k in step.get("kernels", [step.get("kernel")]):
+        if k:
+            launch(dict(k, arg=min(int(k["arg"]), 1000), grid=1))
+launch({"kernel": "stamp", "grid": 1, "block": 1})
+stream.synchronize()
+print("ready", flush=True)
+go = float(sys.stdin.readline())
+wait_until(go)
+results = []
+for step in steps:
+    results.append(run_step(step, go))
+print(json.dumps(results), flush=True)
+"""
+
+MS = 1.98e6                  # spin cycles per millisecond at the model's 1.98 GHz (mpsd.sim.specs.H200.clock_hz)
+MODEL_WORK_ITERS = 93638     # the model's `work` iterations for one 1-ms FULL wave
+FULL, QUARTER = 264, 66
+
+
+def spin(ms: float, grid: int = FULL, block: int = 1024) -> dict:
+    return {"kernel": "spin", "grid": grid, "block": block, "arg": int(ms * MS)}
+
+
+def work(model_iters: int, grid: int = FULL) -> dict:
+    # `arg` is filled in from the calibration; `model_iters` is what compare.py gives the model.
+    return {"kernel": "work", "grid": grid, "block": 1024, "model_iters": int(model_iters)}
+
+
+EMPTY = {"kernel": "spin", "grid": 1, "block": 32, "arg": 0}
+PROBE = spin(0.1, grid=8)
+
+
+def batch(name: str, kernels: list[dict], repeat: int) -> dict:
+    return {"mode": "batch", "name": name, "kernels": kernels, "repeat": repeat}
+
+
+def single_steps() -> list[dict]:
+    """One process alone, both modes: host latency, clock, overheads, latency alone, grids, mixed durations."""
+    return [
+        {"mode": "clock", "name": "clock, 1 block", "cycles": int(200 * MS)},
+        {"mode": "clock", "name": "clock, full wave", "cycles": int(20 * MS), "grid": FULL},
+        {"mode": "overhead", "name": "empty kernel back to back", "kernel": EMPTY, "repeat": 2000},
+        {"mode": "overhead", "name": "FULL 1-ms spin back to back", "kernel": spin(1.0), "repeat": 50},
+        {"mode": "probe", "name": "empty kernel, sleep 5 ms", "kernel": EMPTY, "samples": 300, "sleep": 0.005},
+        {"mode": "probe", "name": "empty kernel, back to back", "kernel": EMPTY, "samples": 1000},
+        {"mode": "stamp", "name": "globaltimer split", "samples": 200, "sleep": 0.005},
+        *[{"mode": "probe", "name": f"8 x {ms} ms spin, sleep 5 ms", "kernel": spin(ms, grid=8), "samples": 200,
+           "sleep": 0.005, "device_time": True} for ms in (0.01, 0.1, 1.0)],
+        {"mode": "probe", "name": "FULL 0.1 ms spin, sleep 5 ms", "kernel": spin(0.1), "samples": 200,
+         "sleep": 0.005, "device_time": True},
+        batch("100 x FULL spin 1 ms", [spin(1.0)], 100),
+        *[batch(f"20 x {g} blocks spin 1 ms", [spin(1.0, grid=g)], 20) for g in (132, 263, 264, 265, 396, 528, 529)],
+        *[batch(f"20 x {g} blocks of 256 spin 1 ms", [spin(1.0, grid=g, block=256)], 20) for g in (1056, 1057)],
+        batch("100 x FULL spin 0.05 ms", [spin(0.05)], 100),
+        batch("50 x FULL spin 0.2 ms", [spin(0.2)], 50),
+        batch("10 x FULL spin 2 ms", [spin(2.0)], 10),
+        batch("50 x (FULL 0.05 ms + QUARTER 1 ms) spin", [spin(0.05), spin(1.0, grid=QUARTER)], 50),
+        batch("100 x FULL work 1 ms", [work(MODEL_WORK_ITERS)], 100),
+        batch("200 x QUARTER work 0.1 ms-wave", [work(MODEL_WORK_ITERS // 10, grid=QUARTER)], 200),
+    ]
+
+
+def tenants_batch(name: str, kernels: list[list[dict]], repeats: list[int], envs: list[dict] | None = None) -> dict:
+    envs = envs or [{}] * len(kernels)
+    return {"name": name, "tenants": [{"env": e, "steps": [batch(name, ks, r)]}
+                                      for ks, r, e in zip(kernels, repeats, envs)]}
+
+
+def multi_experiments(mps: bool) -> list[dict]:
+    """Several processes released together: time-slicing (or MPS sharing) with small and large kernels."""
+    w1 = work(MODEL_WORK_ITERS)
+    out = [
+        tenants_batch("2 tenants, 100 x FULL work 1 ms each", [[w1]] * 2, [100] * 2),
+        tenants_batch("3 tenants, 100 x FULL work 1 ms each", [[w1]] * 3, [100] * 3),
+        tenants_batch("2 tenants, 200 x QUARTER work 0.1 ms-wave each",
+                      [[work(MODEL_WORK_ITERS // 10, grid=QUARTER)]] * 2, [200] * 2),
+        tenants_batch("2 tenants, 5 x FULL work 20 ms each", [[work(20 * MODEL_WORK_ITERS)]] * 2, [5] * 2),
+        tenants_batch("2 tenants, FULL work 1 ms x 100 beside QUARTER work 0.1 ms-wave x 400",
+                      [[w1], [work(MODEL_WORK_ITERS // 10, grid=QUARTER)]], [100, 400]),
+    ]
+    if mps:
+        out += [
+            tenants_batch("2 tenants, 100 x FULL spin 1 ms each", [[spin(1.0)]] * 2, [100] * 2),
+            tenants_batch("2 tenants, FULL spin 1 ms x 100 beside QUARTER spin 0.25 ms x 400",
+                          [[spin(1.0)], [spin(0.25, grid=QUARTER)]], [100, 400]),
+            tenants_batch("2 tenants, 20 x FULL spin 1 ms, ATP 25 and 75", [[spin(1.0)]] * 2, [20] * 2,
+                          [{"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "25"}, {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "75"}]),
+            tenants_batch("3 tenants, 20 x FULL spin 1 ms, ATP 33 each", [[spin(1.0)]] * 3, [20] * 3,
+                          [{"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "33"}] * 3),
+        ]
+        for atp in (10, 25, 33, 50, 75):
+            out.append({"name": f"1 tenant, ATP {atp}", "tenants": [{
+                "env": {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(atp)},
+                "steps": [batch(f"20 x FULL spin 1 ms, ATP {atp}", [spin(1.0)], 20),
+                          batch(f"20 x QUARTER spin 1 ms, ATP {atp}", [spin(1.0, grid=QUARTER)], 20)]}]})
+    return out
+
+
+def gaps_experiments() -> list[dict]:
+    """Time-slicing seen from inside: 1, 2 and 3 processes each run one 100-ms full-GPU kernel that logs the
+    globaltimer jumps of its first block (the time its context was switched out)."""
+    step = {"mode": "gaps", "grid": FULL, "duration_ms": 100, "threshold_us": 5}
+    return [{"name": f"gaps, {n} tenants, one 100-ms FULL kernel each",
+             "tenants": [{"env": {}, "steps": [dict(step, name="gaps")]} for _ in range(n)]} for n in (1, 2, 3)]
+
+
+def latency_experiments(mps: bool) -> list[dict]:
+    """The 8 x 0.1 ms probe beside a tenant saturating the GPU with back-to-back FULL 1-ms kernels."""
+    closed = {"mode": "probe", "kernel": PROBE, "samples": 200, "sleep": 0.005, "delay": 0.05}
+    opened = {"mode": "probe", "kernel": PROBE, "samples": 200, "period": 0.0053, "delay": 0.05}
+    out = []
+    loads = [("spin", spin(1.0))] + ([] if mps else [("work", work(MODEL_WORK_ITERS))])
+    for load_name, load in loads:
+        for loop_name, probe in (("closed loop, sleep 5 ms", closed), ("open loop, period 5.3 ms", opened)):
+            name = f"probe beside FULL 1-ms {load_name}, {loop_name}"
+            out.append({"name": name, "tenants": [
+                {"env": {}, "steps": [dict(probe, name=name)]},
+                {"env": {}, "steps": [{"mode": "saturate", "name": "saturating", "kernel": load, "duration": 1.6}]}]})
+    if mps:
+        name = "probe beside FULL 1-ms spin at CLIENT_PRIORITY 1, closed loop, sleep 5 ms"
+        out.append({"name": name, "tenants": [
+            {"env": {}, "steps": [dict(closed, name=name)]},
+            {"env": {"CUDA_MPS_CLIENT_PRIORITY": "1"},
+             "steps": [{"mode": "saturate", "name": "saturating", "kernel": spin(1.0), "duration": 1.6}]}]})
+    return out
+
+
+def with_work_iters(obj, real_per_model: float):
+    """Fill in each `work` kernel's real iteration count from the calibration."""
+    if isinstance(obj, dict):
+        out = {k: with_work_iters(v, real_per_model) for k, v in obj.items()}
+        if out.get("kernel") == "work" and "model_iters" in out:
+            out["arg"] = max(1, round(out["model_iters"] * real_per_model))
+        return out
+    if isinstance(obj, list):
+        return [with_work_iters(v, real_per_model) for v in obj]
+    return obj
+
+
+def run_tenants(tenants: list[dict], base_env: dict[str, str]) -> list:
+    """Start one process per tenant, wait until all are warm, release them together, collect their steps."""
+    procs = []
+    for t in tenants:
+        env = {**os.environ, **base_env, **t["env"]}
+        procs.append(subprocess.Popen([sys.executable, "-c", WORKER, json.dumps(t["steps"])], env=env,
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
+    try:
+        for p in procs:
+            line = p.stdout.readline()
+            if line.strip() != "ready":
+                raise RuntimeError(f"worker did not start: {line!r} {p.stderr.read()[-800:]}")
+        go = time.monotonic() + 0.05
+        for p in procs:
+            p.stdin.write(f"{go}\n")
+            p.stdin.flush()
+        out = []
+        for p in procs:
+            stdout, stderr = p.communicate(timeout=120)
+            if p.returncode != 0:
+                out.append({"error": stderr[-800:]})
+            else:
+                out.append(json.loads(stdout.strip().splitlines()[-1]))
+        return out
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def device_facts() -> dict:
+    query = "name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,power.draw,compute_mode"
+    smi = subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader"], capture_output=True,
+                         text=True, check=False)
+    code = "import cupy; r = cupy.cuda.runtime; print(r.runtimeGetVersion(), r.driverGetVersion(), cupy.__version__)"
+    versions = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    return {"nvidia_smi": dict(zip(query.split(","), [s.strip() for s in smi.stdout.split(",")])),
+            "cuda_runtime_driver_cupy": versions.stdout.split(), "python": sys.version.split()[0],
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="the JSON file to write (rewritten after each experiment)")
+    parser.add_argument("--only", default="", help="comma-separated name fragments: run only the multi-process "
+                                                   "experiments whose names hold one (the single-process steps are skipped)")
+    parser.add_argument("--plan", action="store_true", help="print the experiments and exit (no GPU needed)")
+    args = parser.parse_args()
+    if args.plan:
+        for mps in (False, True):
+            for e in multi_experiments(mps) + gaps_experiments() + latency_experiments(mps):
+                print("mps" if mps else "no-mps", e["name"], [len(t["steps"]) for t in e["tenants"]])
+        print(len(single_steps()), "single-process steps per mode")
+        return
+    results: dict = {"device": device_facts(), "source": "bench/fidelity/measure_timing.py", "spin_cycles_per_ms": MS,
+                     "model_work_iters_per_ms": MODEL_WORK_ITERS, "full": FULL, "quarter": QUARTER,
+                     "no-mps": [], "mps": []}
+
+    def save() -> None:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+    started = time.monotonic()
+    (cal,) = run_tenants([{"env": {}, "steps": [{"mode": "calibrate_work", "grid": FULL,
+                                                 "iters": [50_000, 200_000]}]}], {})
+    ms = {int(k): v for k, v in cal[0]["ms"].items()}
+    slope = (ms[200_000] - ms[50_000]) / 150_000        # ms per real iteration, fixed costs cancelled
+    real_per_model = (1.0 / slope) / MODEL_WORK_ITERS
+    results["work_calibration"] = {"full_wave_ms": ms, "real_iters_per_ms": 1.0 / slope,
+                                   "real_iters_per_model_iter": real_per_model}
+    save()
+
+    def experiment(mode: str, e: dict, env: dict) -> None:
+        e = with_work_iters(e, real_per_model)
+        t0 = time.monotonic()
+        try:
+            outcome = run_tenants(e["tenants"], env)
+        except Exception as exc:  # noqa: BLE001 - keep what the other experiments measured
+            outcome = [{"error": repr(exc)[:800]}]
+        results[mode].append({"name": e["name"], "tenants": [
+            {"env": t["env"], "steps": t["steps"], "results": r} for t, r in zip(e["tenants"], outcome)],
+            "wall_s": time.monotonic() - t0})
+        save()
+        print(f"{mode:7} {time.monotonic() - started:6.1f}s {e['name']}", file=sys.stderr, flush=True)
+
+    def chosen(es: list[dict]) -> list[dict]:
+        if not args.only:
+            return es
+        return [e for e in es if any(f in e["name"] for f in args.only.split(","))]
+
+    single = {"name": "1 tenant alone", "tenants": [{"env": {}, "steps": single_steps()}]}
+    for e in chosen([single] + multi_experiments(False) + gaps_experiments() + latency_experiments(False)):
+        experiment("no-mps", e, {})
+    base = tempfile.mkdtemp(prefix="mps-")
+    env = {"CUDA_MPS_PIPE_DIRECTORY": f"{base}/pipe", "CUDA_MPS_LOG_DIRECTORY": f"{base}/log"}
+    os.makedirs(env["CUDA_MPS_PIPE_DIRECTORY"])
+    os.makedirs(env["CUDA_MPS_LOG_DIRECTORY"])
+    subprocess.run(["nvidia-cuda-mps-control", "-d"], env={**os.environ, **env}, check=True)
+    try:
+        for e in chosen([single] + multi_experiments(True) + gaps_experiments() + latency_experiments(True)):
+            experiment("mps", e, env)
+    finally:
+        subprocess.run(["nvidia-cuda-mps-control"], input="quit\n", text=True, env={**os.environ, **env}, check=False)
+        time.sleep(1)
+        for name in ("control", "server"):
+            try:
+                with open(f"{base}/log/{name}.log") as f:
+                    results[f"{name}_log_tail"] = f.read().splitlines()[-30:]
+            except OSError as exc:
+                results[f"{name}_log_tail"] = [repr(exc)]
+        results["total_wall_s"] = time.monotonic() - started
+        save()
+
+
+if __name__ == "__main__":
+    main()

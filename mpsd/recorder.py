@@ -1,0 +1,97 @@
+# The daemon's timeline, kept on request (`mpsd --trace FILE`) and written when the daemon exits, as a
+# Chrome/Perfetto trace (mpsd.trace): one row per SM, every block group a slice named after its client. The
+# simulator already records block groups when asked; this adds what only the daemon knows (which client is
+# which process, its quotas, the kernel's name, how much memory it held) and the clock that maps simulated
+# time onto the host's monotonic clock, so a stress run can line the device up with what its tenants saw.
+"""Recording the daemon's device timeline."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from mpsd.sim import Kernel
+from mpsd.stress.timeline import KernelRecord, Span, TenantInfo, Timeline
+from mpsd.trace import chrome_trace
+
+if TYPE_CHECKING:
+    from mpsd.context import Context
+    from mpsd.device import Device
+
+# A trace is kept in memory until exit; past this many kernels a long-running daemon stops adding to it
+# (the file then says so) rather than grow without bound.
+MAX_KERNELS = 2_000_000
+
+
+def client_name(context: Context) -> str:
+    return f"client {context.id} (pid {context.pid})"
+
+
+class Recorder:
+    """What one device's trace needs beyond the simulator's block groups.
+
+    Args:
+        path: where ``write`` puts the trace.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.contexts: dict[int, Context] = {}  # every client that attached, gone or not
+        self.kernels: list[tuple[Kernel, str]] = []
+        self.dropped = 0
+
+    def attached(self, context: Context) -> None:
+        self.contexts[context.id] = context
+
+    def launched(self, op: Kernel, name: str) -> None:
+        if len(self.kernels) >= MAX_KERNELS:
+            self.dropped += 1
+            return
+        self.kernels.append((op, name))
+
+    def timeline(self, device: Device) -> Timeline:
+        """The device's timeline so far, in simulated seconds."""
+        sim = device.sim
+        names = {c.id: client_name(c) for c in self.contexts.values()}
+        tenants = [TenantInfo(name=names[c.id], group=f"pid {c.pid}", sm_cap=c.quotas.sm_cap,
+                              mem_limit=c.quotas.pinned_mem_limit, entitlement=1 / len(names), priority=c.quotas.priority)
+                   for c in self.contexts.values()]
+        ids = {}
+        kernels = []
+        for n, (op, name) in enumerate(self.kernels):
+            ids[op] = n
+            kernels.append(KernelRecord(names[op.client], n, name, op.blocks, op.submitted,
+                                        op.started, op.ended if op.done else math.nan))
+        max_threads = device.spec.max_threads_per_sm
+        spans = [Span(names[g.op.client], ids[g.op], g.sm, g.count, min(1.0, g.count * g.op.threads / max_threads),
+                      g.start, g.end) for g in sim.trace if g.op in ids]
+        partitions = [(f"{i}: {p.profile}", p.first_sm, p.first_sm + p.sm_count)
+                      for i, p in enumerate(getattr(sim.policy, "partitions", None) or ())]
+        return Timeline(policy=sim.policy.name, sm_count=device.spec.sm_count, duration=sim.now,
+                        launch_overhead=device.spec.kernel_overhead, tenants=tenants, kernels=kernels, spans=spans,
+                        memory_high_water={names[c.id]: c.counters.peak_used for c in self.contexts.values()},
+                        partitions=partitions)
+
+    def write(self, device: Device) -> None:
+        """Write the trace (atomically: a reader never sees half a file).
+
+        Raises:
+            OSError: the file cannot be written.
+        """
+        data = chrome_trace(self.timeline(device))
+        data["otherData"]["mpsd"] = {
+            "device": device.index,
+            # time.monotonic() at simulated time 0, and simulated seconds per second: maps the trace onto the
+            # clock the clients stamp their requests with
+            "monotonic_origin": device.engine.monotonic_origin(),
+            "time_scale": device.engine.time_scale,
+            "clients": {client_name(c): {"client": c.id, "pid": c.pid, "uid": c.uid}
+                        for c in self.contexts.values()},
+            "kernels_not_recorded": self.dropped,
+        }
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(data, separators=(",", ":")))
+        tmp.replace(self.path)

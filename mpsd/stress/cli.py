@@ -1,0 +1,288 @@
+# `mpsd-stress WORKLOAD.toml`: the question users come with, "what happens to my latency-critical service
+# when a training job shares the GPU, under MPS, time-slicing or MIG, with these quotas?", answered by
+# playing the workload under each policy asked for (real processes against a fresh daemon, or the model alone
+# with --virtual-time), each tenant group also alone for its isolation baseline, then one table per policy,
+# one table across policies, and on request every figure as JSON and a report directory of plots and traces.
+# Exit codes: 0 done, 1 a run failed, 2 a bad workload or option (one line on stderr, no traceback).
+"""The mpsd-stress command."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from mpsd.sim import H200, POLICIES, Simulator
+from mpsd.stress.metrics import latency_summary, summarize
+from mpsd.stress.runner import Progress, RunError, run_real
+from mpsd.stress.timeline import Timeline
+from mpsd.stress.virtual import run_virtual
+from mpsd.stress.workload import TenantSpec, Workload, WorkloadError, load_workload
+from mpsd_protocol import format_size
+
+__all__ = ["main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mpsd-stress", description="Run a multi-tenant workload on mpsd's GPU under one or more scheduling "
+                                        "policies and report latency, throughput, fairness and isolation.")
+    parser.add_argument("workload", type=Path, help="a workload TOML file (see examples/workloads/)")
+    parser.add_argument("--policy", choices=list(POLICIES), help="the policy (default: the workload's, or mps)")
+    parser.add_argument("--compare-policies", metavar="P1,P2,...",
+                        help="run the workload under each policy and compare them side by side")
+    parser.add_argument("--virtual-time", action="store_true",
+                        help="run on the GPU model alone, in virtual time: no daemon, no processes, deterministic")
+    parser.add_argument("--duration", type=float, metavar="SECONDS", help="override [run] duration")
+    parser.add_argument("--scale", type=int, default=1, metavar="K", help="K times as many copies of every tenant")
+    parser.add_argument("--no-solo", action="store_true",
+                        help="skip the runs of each tenant group alone (no isolation figures)")
+    parser.add_argument("--json", type=Path, metavar="FILE", help="write every figure as JSON ('-' for stdout)")
+    parser.add_argument("--report", type=Path, metavar="DIR",
+                        help="write latency CDFs, SM occupancy plots and Perfetto traces there")
+    parser.add_argument("--quiet", action="store_true", help="no live progress display")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    options = build_parser().parse_args(argv)
+    try:
+        workload = _adjust(load_workload(options.workload), options)
+        policies = _policies(workload, options)
+    except WorkloadError as exc:
+        print(f"mpsd-stress: {exc}", file=sys.stderr)
+        return 2
+    console = _console(options)
+    results: dict[str, Any] = {"workload": workload.source, "virtual": options.virtual_time,
+                               "duration_s": workload.duration, "runs": {}}
+    runs: dict[str, Timeline] = {}
+    try:
+        for policy, policy_options in policies.items():
+            tenants = _place_in_partitions(workload.tenants, policy, policy_options)
+            play = _player(workload, policy, policy_options, options, console)
+            solo = {} if options.no_solo or not workload.solo else _solo_p99(tenants, play)
+            timeline = play(tenants, policy)
+            runs[policy] = timeline
+            summary = summarize(timeline, solo)
+            summary["solo_p99_ms"] = {name: p99 * 1e3 for name, p99 in solo.items()}
+            results["runs"][policy] = summary
+            console.print(render_run(summary))
+    except (RunError, ValueError) as exc:
+        print(f"mpsd-stress: {exc}", file=sys.stderr)
+        return 1
+    if len(runs) > 1:
+        console.print(render_comparison(results["runs"], runs))
+    if options.json is not None:
+        text = json.dumps(results, indent=1, default=_jsonable)
+        if str(options.json) == "-":
+            print(text)
+        else:
+            options.json.parent.mkdir(parents=True, exist_ok=True)
+            options.json.write_text(text)
+    if options.report is not None:
+        from mpsd.stress.report import write_report  # matplotlib only when a report is asked for
+
+        written = write_report(options.report, runs, results["runs"])
+        console.print(f"report: {len(written)} files in {options.report}/")
+    return 0
+
+
+# -- set-up -----------------------------------------------------------------------------------------------
+
+def _adjust(workload: Workload, options: argparse.Namespace) -> Workload:
+    if options.scale < 1:
+        raise WorkloadError("--scale must be at least 1")
+    if options.duration is not None and not options.duration > 0:
+        raise WorkloadError("--duration must be positive")
+    tenants = tuple(t if t.ipc == "producer" else dataclasses.replace(t, count=t.count * options.scale)
+                    for t in workload.tenants)
+    return dataclasses.replace(workload, tenants=tenants, duration=options.duration or workload.duration)
+
+
+def _policies(workload: Workload, options: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """Policy -> its options ([run.policy_options.<policy>] of the workload), checked by the simulator."""
+    if options.compare_policies:
+        names = [p.strip() for p in options.compare_policies.split(",") if p.strip()]
+    else:
+        names = [options.policy or workload.policy]
+    out = {}
+    for name in names:
+        if name not in POLICIES:
+            raise WorkloadError(f"unknown policy {name!r} (known: {', '.join(POLICIES)})")
+        settings = workload.policy_options.get(name, {})
+        if not isinstance(settings, dict):
+            raise WorkloadError(f"[run.policy_options.{name}] must be a table")
+        try:
+            Simulator(H200, policy=name, policy_options=settings)
+        except ValueError as exc:
+            raise WorkloadError(f"[run.policy_options.{name}]: {exc}") from None
+        out[name] = settings
+    return out
+
+
+def _place_in_partitions(tenants: tuple[TenantSpec, ...], policy: str,
+                         options: dict[str, Any]) -> list[TenantSpec]:
+    """Under mig, tenants without a partition are dealt out over the partitions, one tenant group each in
+    turn, as an administrator would place them; the others run as written."""
+    if policy != "mig":
+        return list(tenants)
+    count = len(Simulator(H200, policy="mig", policy_options=options).policy.partitions)
+    return [t if t.partition is not None else dataclasses.replace(t, partition=i % count)
+            for i, t in enumerate(tenants)]
+
+
+def _player(workload: Workload, policy: str, policy_options: dict[str, Any], options: argparse.Namespace,
+            console: Any) -> Callable[[list[TenantSpec], str], Timeline]:
+    """A function that plays some of the workload's tenants under the policy and returns the timeline."""
+    if options.virtual_time:
+        return lambda tenants, label: run_virtual(workload, policy, policy_options, tenants)
+
+    def play(tenants: list[TenantSpec], label: str) -> Timeline:
+        with _live(console, options.quiet) as show:
+            return run_real(workload, policy, policy_options, tenants, on_progress=show, label=label)
+
+    return play
+
+
+def _solo_p99(tenants: list[TenantSpec], play: Callable[[list[TenantSpec], str], Timeline]) -> dict[str, float]:
+    """Each tenant group alone (one copy, with its IPC producer if it needs one): its p99, in seconds, for every
+    copy of the group."""
+    out: dict[str, float] = {}
+    by_name = {t.name: t for t in tenants}
+    for t in tenants:
+        one = dataclasses.replace(t, count=1)
+        alone = [by_name[t.ipc_peer], one] if t.ipc == "consumer" and t.ipc_peer in by_name else [one]
+        timeline = play(alone, f"{t.name} alone")
+        latencies = [r.latency for r in timeline.requests if r.tenant == one.instance(0) and r.error is None]
+        p99 = latency_summary(latencies)["p99"]
+        if p99 is not None:
+            out.update({t.instance(c): p99 / 1e3 for c in range(t.count)})
+    return out
+
+
+# -- output -----------------------------------------------------------------------------------------------
+
+def render_run(summary: dict[str, Any]) -> Any:
+    """One policy's run: a row per tenant and one for everyone."""
+    from rich.table import Table
+
+    mode = "virtual time" if summary["virtual"] else "real processes"
+    table = Table(title=f"policy {summary['policy']} ({mode}, {summary['duration_s']:.2f} s)", title_justify="left")
+    for column in ("tenant", "done", "err", "req/s", "p50 ms", "p99 ms", "p99.9 ms", "SLO", "isolation",
+                   "SM share", "due", "SMs/cap", "wait ms", "mem high"):
+        table.add_column(column, justify="left" if column == "tenant" else "right")
+    for t in summary["tenants"]:
+        lat = t["latency_ms"]
+        table.add_row(t["tenant"], str(t["completed"]), str(t["errors"]), f"{t['throughput_per_s']:.1f}",
+                      _ms(lat["p50"]), _ms(lat["p99"]), _ms(lat["p99.9"]), _pct(t["slo_attainment"]),
+                      "-" if t["isolation"] is None else f"{t['isolation']:.2f}x", _pct(t["sm_share"]),
+                      _pct(t["entitlement"]), f"{t['max_sms']}/{t['sm_cap'] if t['sm_cap'] is not None else '-'}",
+                      f"{t['longest_wait_ms']:.2f}", format_size(t["memory_high_water"]))
+    lat = summary["latency_ms"]
+    table.add_row("all", str(summary["completed"]), str(summary["errors"]), f"{summary['throughput_per_s']:.1f}",
+                  _ms(lat["p50"]), _ms(lat["p99"]), _ms(lat["p99.9"]), "", "", "", "", "", "", "", style="bold")
+    table.caption = (f"Jain's fairness {summary['jain_index']:.3f} · SM-time used {summary['sm_seconds']:.2f} s · "
+                     f"idle SM-time while work was queued {summary['idle_sm_seconds_while_queued']:.3f} s · "
+                     f"quota violations {summary['quota_violations']}")
+    table.caption_justify = "left"
+    return table
+
+
+def render_comparison(summaries: dict[str, dict[str, Any]], runs: dict[str, Timeline]) -> Any:
+    """Policies side by side: per tenant group, p99 and throughput; then the device-wide figures."""
+    from rich.table import Table
+
+    table = Table(title="policies compared", title_justify="left")
+    table.add_column("", justify="left")
+    for policy in summaries:
+        table.add_column(policy, justify="right")
+    groups = list(dict.fromkeys(t["group"] for s in summaries.values() for t in s["tenants"]))
+    for group in groups:
+        p99, rate, slo = [], [], []
+        for policy, summary in summaries.items():
+            rows = [t for t in summary["tenants"] if t["group"] == group]
+            names = {t["tenant"] for t in rows}
+            latencies = [r.latency for r in runs[policy].requests if r.tenant in names and r.error is None]
+            p99.append(_ms(latency_summary(latencies)["p99"]))
+            rate.append(f"{sum(t['throughput_per_s'] for t in rows):.1f}")
+            attained = [t["slo_attainment"] for t in rows if t["slo_attainment"] is not None]
+            slo.append(_pct(sum(attained) / len(attained)) if attained else "-")
+        table.add_row(f"{group} p99 ms", *p99)
+        table.add_row(f"{group} req/s", *rate)
+        if any(s != "-" for s in slo):
+            table.add_row(f"{group} SLO", *slo)
+    table.add_row("Jain's fairness", *(f"{s['jain_index']:.3f}" for s in summaries.values()))
+    table.add_row("SM-time used s", *(f"{s['sm_seconds']:.2f}" for s in summaries.values()))
+    table.add_row("idle SM-s, work queued", *(f"{s['idle_sm_seconds_while_queued']:.3f}" for s in summaries.values()))
+    table.add_row("quota violations", *(str(s["quota_violations"]) for s in summaries.values()))
+    return table
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1%}"
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    raise TypeError(f"cannot write {type(value).__name__} as JSON")
+
+
+def _console(options: argparse.Namespace) -> Any:
+    from rich.console import Console
+
+    # With the JSON on stdout, the tables go to stderr so that stdout stays parseable. Piped into a file or
+    # a CI log, the tables keep their full width instead of rich's 80 columns.
+    console = Console(stderr=str(options.json) == "-", highlight=False)
+    if not console.is_terminal:
+        console = Console(stderr=str(options.json) == "-", highlight=False, width=180)
+    return console
+
+
+class _live:
+    """The live display of a real run: tenants' progress as they report it."""
+
+    def __init__(self, console: Any, quiet: bool) -> None:
+        self.console, self.quiet = console, quiet
+        self.live: Any = None
+
+    def __enter__(self) -> Callable[[Progress], None]:
+        if self.quiet or not self.console.is_terminal:
+            return lambda progress: None
+        from rich.live import Live
+
+        self.live = Live(console=self.console, refresh_per_second=8, transient=True)
+        self.live.__enter__()
+        return lambda progress: self.live.update(_progress_table(progress))
+
+    def __exit__(self, *exc: object) -> None:
+        if self.live is not None:
+            self.live.__exit__(*exc)
+
+
+def _progress_table(progress: Progress) -> Any:
+    from rich.table import Table
+
+    elapsed = progress.elapsed()
+    table = Table(title=f"{progress.policy}: {progress.phase}, {min(elapsed, progress.duration):.1f} / "
+                        f"{progress.duration:.1f} s", title_justify="left")
+    for column in ("tenant group", "processes", "done", "failed", "req/s"):
+        table.add_column(column, justify="left" if column == "tenant group" else "right")
+    for group, names in progress.groups.items():
+        done = sum(progress.completed.get(n, 0) for n in names)
+        failed = sum(progress.failed.get(n, 0) for n in names)
+        rate = done / elapsed if elapsed > 0 else 0.0
+        table.add_row(group, str(len(names)), str(done), str(failed), f"{rate:.1f}")
+    return table
+
+
+if __name__ == "__main__":
+    sys.exit(main())

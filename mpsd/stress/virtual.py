@@ -1,0 +1,178 @@
+# A workload played on the GPU model alone, in virtual time: no daemon, no processes, as fast as the simulator
+# runs, identical on every run. Each tenant instance behaves as its process would: one request at a time, its
+# kernels submitted together after the host's launch latency, the request complete when the host would see
+# its synchronize return; closed loops issue the next request when the last completes (plus think time), open
+# loops when it is due or when the last completes, whichever is later (so queueing in the tenant counts).
+# Memory is checked against the tenant's limit as the daemon checks it, charged as the daemon charges it.
+"""Running a stress workload in virtual time."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import random
+from dataclasses import dataclass
+from typing import Any
+
+from mpsd.sim import H200, DeviceSpec, Kernel, Simulator, kernel_cost
+from mpsd.stress.timeline import KernelRecord, Request, Span, TenantInfo, Timeline
+from mpsd.stress.workload import POINTER_KERNELS, TenantSpec, Workload, arrival_times, entitlements
+
+__all__ = ["run_virtual"]
+
+CHUNK = 2 << 20  # device memory is charged in 2 MiB pages (allocations of 1 MiB or less share them: ignored here)
+OOM = "cudaErrorMemoryAllocation"
+
+
+@dataclass
+class _Instance:
+    client: int
+    name: str
+    spec: TenantSpec
+    arrivals: list[float] | None
+    cap: int
+    charged: int = 0
+    high_water: int = 0
+    issued: int = 0  # requests issued so far
+
+    def charge(self, nbytes: int, limit: int) -> bool:
+        """Allocate ``nbytes`` against ``limit``, as the daemon would; False if it does not fit."""
+        charge = _pages(nbytes)
+        if self.charged + charge > limit:
+            return False
+        self.charged += charge
+        self.high_water = max(self.high_water, self.charged)
+        return True
+
+
+def run_virtual(workload: Workload, policy: str, policy_options: dict[str, Any],
+                tenants: list[TenantSpec] | None = None, spec: DeviceSpec = H200) -> Timeline:
+    """Simulate ``tenants`` (default: all the workload's) under ``policy``.
+
+    Raises:
+        ValueError: the policy, its options or a tenant's partition is not valid.
+    """
+    specs = list(workload.tenants if tenants is None else tenants)
+    sim = Simulator(spec, policy=policy, policy_options=policy_options, record=True)
+    rng = random.Random(workload.seed)
+    launch = getattr(spec, "launch_latency", 0.0)  # host call -> the device has the kernel
+    sync = getattr(spec, "sync_latency", 0.0)  # the device is done -> the host's synchronize returns
+    instances: list[_Instance] = []
+    requests: list[Request] = []
+    names: dict[Kernel, tuple[str, str]] = {}  # every kernel -> (instance, kernel name)
+    pending: list[tuple[float, int, int, float]] = []  # (host issue time, seq, instance, submission stamp)
+    outstanding: dict[Kernel, tuple[_Instance, float]] = {}  # a request's last kernel -> whose, its stamp
+    order = itertools.count()
+
+    def schedule(inst: _Instance, now: float) -> None:
+        """Queue the instance's next request, if it has one: closed loops until the end, open loops until
+        their arrivals run out."""
+        if inst.arrivals is None:
+            at = now + (inst.spec.think if inst.issued else 0.0)
+            if at < workload.duration:
+                heapq.heappush(pending, (at, next(order), inst.client - 1, at))
+        elif inst.issued < len(inst.arrivals):
+            due = inst.arrivals[inst.issued]
+            heapq.heappush(pending, (max(due, now), next(order), inst.client - 1, due))
+
+    for t in specs:
+        limit = _limit(t, spec)
+        for copy in range(t.count):
+            inst = _Instance(len(instances) + 1, t.instance(copy), t, arrival_times(t, workload.duration, rng),
+                             t.sm_cap(spec))
+            sim.configure_client(inst.client, priority=t.priority, weight=t.weight, partition=t.partition)
+            instances.append(inst)
+            for nbytes in _setup_allocations(t):
+                if not inst.charge(nbytes, limit):
+                    requests.append(Request(inst.name, 0.0, math.nan, OOM))
+            schedule(inst, 0.0)
+
+    while pending or outstanding:
+        next_event = sim.next_time()
+        if pending and (next_event is None or pending[0][0] + launch <= next_event):
+            at, _, index, stamp = heapq.heappop(pending)
+            inst = instances[index]
+            done = sim.advance(max(sim.now, at + launch))
+            inst.issued += 1
+            t = inst.spec
+            if t.churn and not inst.charge(t.churn, _limit(t, spec)):
+                requests.append(Request(inst.name, stamp, math.nan, OOM))
+                schedule(inst, at)
+            else:
+                for name, grid, block, args, repeat in _request_kernels(t):
+                    cost = kernel_cost(spec, name, grid, block, args)
+                    for _ in range(repeat):
+                        op = Kernel(client=inst.client, stream=0, blocks=grid, threads=block, cost=cost,
+                                    priority=t.stream_priority, sm_cap=inst.cap)
+                        names[op] = (inst.name, name)
+                        sim.submit(op)
+                outstanding[op] = (inst, stamp)
+        else:
+            done = sim.advance(next_event)
+        for op in done:
+            if op in outstanding:
+                inst, stamp = outstanding.pop(op)
+                completed = op.ended + sync
+                requests.append(Request(inst.name, stamp, completed))
+                if inst.spec.churn:
+                    inst.charged -= _pages(inst.spec.churn)
+                schedule(inst, completed)
+    return _timeline(workload, policy, sim, specs, instances, requests, names)
+
+
+def _pages(nbytes: int) -> int:
+    return -(-nbytes // CHUNK) * CHUNK
+
+
+def _limit(t: TenantSpec, spec: DeviceSpec) -> int:
+    """Bytes the tenant may allocate: its pinned limit (or the device) less what its context takes."""
+    limit = spec.total_memory if t.pinned_mem_limit is None else min(t.pinned_mem_limit, spec.total_memory)
+    return limit - spec.context_memory
+
+
+def _setup_allocations(t: TenantSpec) -> list[int]:
+    """What the tenant process allocates before its first request, in its order."""
+    out = [t.memory] if t.memory else []
+    for k in t.kernels:
+        out += [4 * k.scalar] * POINTER_KERNELS.get(k.name, 0)
+    if t.ipc == "producer":
+        out.append(t.ipc_size)
+    elif t.ipc == "consumer":
+        out.append(4)
+    return out
+
+
+def _request_kernels(t: TenantSpec) -> list[tuple[str, int, int, list[Any], int]]:
+    """(name, grid, block, args, repeat) of one request, as the tenant process launches them (pointers are
+    placeholders: only the sizes matter to the model)."""
+    out: list[tuple[str, int, int, list[Any], int]] = []
+    n = t.ipc_size // 4
+    if t.ipc == "producer":
+        out.append(("fill_f32", 132, 256, [0, 1.0, n], 1))
+    elif t.ipc == "consumer":
+        out.append(("reduce_sum_f32", 132, 256, [0, 0, n], 1))
+    out += [(k.name, k.grid, k.block, k.args((0, 0, 0)), k.repeat) for k in t.kernels]
+    return out
+
+
+def _timeline(workload: Workload, policy: str, sim: Simulator, specs: list[TenantSpec], instances: list[_Instance],
+              requests: list[Request], names: dict[Kernel, tuple[str, str]]) -> Timeline:
+    entitlement = entitlements(specs)
+    by_client = {i.client: i.name for i in instances}
+    ids = {op: n for n, op in enumerate(names)}
+    kernels = [KernelRecord(tenant, ids[op], name, op.blocks, op.submitted, op.started, op.ended)
+               for op, (tenant, name) in names.items()]
+    per_sm = sim.spec.max_threads_per_sm
+    spans = [Span(by_client[g.op.client], ids[g.op], g.sm, g.count, min(1.0, g.count * g.op.threads / per_sm),
+                  g.start, g.end) for g in sim.trace]
+    partitions = [(f"{i}: {p.profile}", p.first_sm, p.first_sm + p.sm_count)
+                  for i, p in enumerate(getattr(sim.policy, "partitions", None) or ())]
+    tenants = [TenantInfo(name=i.name, group=i.spec.name, sm_cap=i.cap, mem_limit=i.spec.pinned_mem_limit,
+                          entitlement=entitlement[i.name], deadline=i.spec.deadline, priority=i.spec.priority)
+               for i in instances]
+    ends = [r.completed for r in requests if not math.isnan(r.completed)]
+    return Timeline(policy=policy, sm_count=sim.spec.sm_count, duration=max([workload.duration, *ends]),
+                    launch_overhead=sim.spec.kernel_overhead, tenants=tenants, requests=requests, kernels=kernels,
+                    spans=spans, memory_high_water={i.name: i.high_water for i in instances},
+                    partitions=partitions, virtual=True)

@@ -1,0 +1,349 @@
+# The workload file: who the tenants are, what they are promised and what they run. Parsed once, checked
+# completely (every mistake names its tenant and setting), and turned into plain frozen records that both
+# runners (real processes, virtual time) read, so a workload means the same thing either way.
+#
+#   [run]        duration (s), seed, policy, solo (bool: also run each group alone, for isolation),
+#                [run.policy_options.<policy>] (that policy's settings, as `mpsd simulate` takes them)
+#   [[tenant]]   name, count, active_thread_percentage, pinned_mem_limit, priority, weight, partition,
+#                deadline_ms, memory, churn, stream_priority,
+#                arrival = "closed" | "uniform" | "poisson" | "bursty" | "trace", rate, burst, trace, think_ms,
+#                ipc = "producer" | "consumer", ipc_size, ipc_peer
+#   [[tenant.kernel]]  name, grid, block, repeat, and per kernel: duration_ms or cycles (spin),
+#                iterations (work), elements (fill_f32, vector_add_f32, saxpy_f32, reduce_sum_f32)
+"""Stress workloads: parsing and checking the TOML file."""
+
+from __future__ import annotations
+
+import math
+import random
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mpsd.sim import H200, DeviceSpec, sm_cap
+from mpsd_protocol import parse_size
+
+__all__ = ["ARRIVALS", "KernelSpec", "TenantSpec", "Workload", "WorkloadError", "arrival_times", "entitlements", "load_workload",
+           "parse_workload"]
+
+ARRIVALS = ("closed", "uniform", "poisson", "bursty", "trace")
+POINTER_KERNELS = {"fill_f32": 1, "vector_add_f32": 3, "saxpy_f32": 2, "reduce_sum_f32": 2}  # buffers each needs
+
+
+class WorkloadError(Exception):
+    """The workload file is wrong; the message says where."""
+
+
+@dataclass(frozen=True, slots=True)
+class KernelSpec:
+    """One kernel of a request.
+
+    Attributes:
+        name: a built-in kernel.
+        grid, block: blocks and threads per block (flattened).
+        repeat: launches of it in a row.
+        scalar: its scalar argument: cycles (spin), iterations (work) or elements (the pointer kernels).
+    """
+
+    name: str
+    grid: int
+    block: int
+    repeat: int
+    scalar: int
+
+    def args(self, pointers: tuple[int, ...] = ()) -> list[Any]:
+        """The launch's argument list, given the buffers a pointer kernel works on."""
+        if self.name in ("spin", "work"):
+            return [self.scalar]
+        if self.name == "fill_f32":
+            return [pointers[0], 1.0, self.scalar]
+        if self.name == "vector_add_f32":
+            return [*pointers[:3], self.scalar]
+        if self.name == "saxpy_f32":
+            return [2.0, *pointers[:2], self.scalar]
+        return [*pointers[:2], self.scalar]  # reduce_sum_f32: x, out, n
+
+    def buffer_bytes(self) -> int:
+        """Device memory the tenant allocates once so this kernel has something to work on."""
+        return POINTER_KERNELS.get(self.name, 0) * 4 * self.scalar
+
+
+@dataclass(frozen=True, slots=True)
+class TenantSpec:
+    """One workload entry (``count`` copies of it run).
+
+    Times are seconds, sizes bytes; None means unset (the daemon's default, or none).
+    """
+
+    name: str
+    count: int = 1
+    active_thread_percentage: float = 100.0
+    pinned_mem_limit: int | None = None
+    priority: int = 0
+    weight: float = 1.0
+    partition: int | None = None
+    deadline: float | None = None
+    memory: int = 0
+    churn: int = 0
+    stream_priority: int = 0
+    arrival: str = "closed"
+    rate: float = 0.0
+    burst: int = 1
+    trace: tuple[float, ...] = ()
+    think: float = 0.0
+    ipc: str | None = None
+    ipc_size: int = 4 << 20
+    ipc_peer: str | None = None
+    kernels: tuple[KernelSpec, ...] = ()
+
+    def instance(self, copy: int) -> str:
+        """The name of copy ``copy`` (0-based): the entry's name alone when there is one copy."""
+        return self.name if self.count == 1 else f"{self.name}#{copy}"
+
+    def sm_cap(self, spec: DeviceSpec = H200) -> int:
+        return sm_cap(spec, self.active_thread_percentage)
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    """A parsed workload file."""
+
+    tenants: tuple[TenantSpec, ...]
+    duration: float = 2.0
+    seed: int = 1
+    policy: str = "mps"
+    policy_options: dict[str, Any] = field(default_factory=dict)
+    solo: bool = True
+    source: str = "<workload>"
+
+    @property
+    def instances(self) -> int:
+        return sum(t.count for t in self.tenants)
+
+
+def load_workload(path: Path) -> Workload:
+    """Read and check a workload file.
+
+    Raises:
+        WorkloadError: unreadable, not TOML, or a setting is wrong.
+    """
+    try:
+        data = tomllib.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise WorkloadError(f"{path}: {exc}") from None
+    return parse_workload(data, base=path.parent, source=str(path))
+
+
+def parse_workload(data: dict[str, Any], base: Path = Path("."), source: str = "<workload>") -> Workload:
+    """Check a parsed TOML document and build the Workload (trace files are read relative to ``base``).
+
+    Raises:
+        WorkloadError: a setting is missing, unknown or out of range.
+    """
+    run = _table(data, "run", "the file")
+    _known(data, {"run", "tenant"}, "the file")
+    _known(run, {"duration", "seed", "policy", "policy_options", "solo"}, "[run]")
+    duration = _number(run, "duration", "[run]", 2.0, low=0.0)
+    if duration <= 0:
+        raise WorkloadError("[run] duration must be positive")
+    entries = data.get("tenant")
+    if not isinstance(entries, list) or not entries:
+        raise WorkloadError("the workload has no [[tenant]]")
+    tenants = tuple(_tenant(entry, i, base) for i, entry in enumerate(entries))
+    names = [t.name for t in tenants]
+    if len(set(names)) != len(names):
+        raise WorkloadError(f"tenant names must be unique: {names}")
+    for t in tenants:
+        if t.ipc == "consumer" and (t.ipc_peer not in names or _by_name(tenants, t.ipc_peer).ipc != "producer"):
+            raise WorkloadError(f"tenant {t.name}: ipc_peer must name a tenant with ipc = \"producer\"")
+        if t.ipc == "producer" and t.count != 1:
+            raise WorkloadError(f"tenant {t.name}: an IPC producer must have count = 1")
+    options = run.get("policy_options", {})
+    if not isinstance(options, dict):
+        raise WorkloadError("[run.policy_options] must be a table")
+    seed = run.get("seed", 1)
+    if not isinstance(seed, int):
+        raise WorkloadError("[run] seed must be an integer")
+    solo = run.get("solo", True)
+    if not isinstance(solo, bool):
+        raise WorkloadError("[run] solo must be true or false")
+    return Workload(tenants, duration, seed, str(run.get("policy", "mps")), dict(options), solo, source)
+
+
+def entitlements(tenants: list[TenantSpec]) -> dict[str, float]:
+    """Each instance's due share of SM-time: its weight over the sum of every instance's weight."""
+    total = sum(t.weight * t.count for t in tenants)
+    return {t.instance(c): t.weight / total for t in tenants for c in range(t.count)}
+
+
+def arrival_times(tenant: TenantSpec, duration: float, rng: random.Random) -> list[float] | None:
+    """When an open-loop tenant's requests are due, in seconds from the start, within ``duration``;
+    None for a closed loop (each request follows the last)."""
+    if tenant.arrival == "closed":
+        return None
+    if tenant.arrival == "trace":
+        return [t for t in tenant.trace if t < duration]
+    out: list[float] = []
+    if tenant.arrival == "uniform":
+        step = 1.0 / tenant.rate
+        t = rng.uniform(0.0, step)  # a random phase, so copies of one tenant do not arrive in lockstep
+        while t < duration:
+            out.append(t)
+            t += step
+        return out
+    per_event = tenant.burst if tenant.arrival == "bursty" else 1  # bursts arrive as Poisson at rate / burst
+    t = rng.expovariate(tenant.rate / per_event)
+    while t < duration:
+        out.extend([t] * per_event)
+        t += rng.expovariate(tenant.rate / per_event)
+    return out
+
+
+# -- checking ---------------------------------------------------------------------------------------------
+
+_TENANT_KEYS = {"name", "count", "active_thread_percentage", "pinned_mem_limit", "priority", "weight", "partition",
+                "deadline_ms", "memory", "churn", "stream_priority", "arrival", "rate", "burst", "trace", "think_ms",
+                "ipc", "ipc_size", "ipc_peer", "kernel"}
+_KERNEL_KEYS = {"name", "grid", "block", "repeat", "duration_ms", "cycles", "iterations", "elements"}
+
+
+def _tenant(entry: Any, index: int, base: Path) -> TenantSpec:
+    if not isinstance(entry, dict):
+        raise WorkloadError(f"tenant {index} is not a table")
+    name = entry.get("name", f"tenant{index}")
+    if not isinstance(name, str) or not name or any(c in name for c in "#\n "):
+        raise WorkloadError(f"tenant {index}: name must be a word without '#' or spaces")
+    where = f"tenant {name}"
+    _known(entry, _TENANT_KEYS, where)
+    count = _integer(entry, "count", where, 1, low=1)
+    percentage = _number(entry, "active_thread_percentage", where, 100.0, low=0.0)
+    if not 0 < percentage <= 100:
+        raise WorkloadError(f"{where}: active_thread_percentage must be in (0, 100]")
+    arrival = entry.get("arrival", "closed")
+    if arrival not in ARRIVALS:
+        raise WorkloadError(f"{where}: arrival must be one of {', '.join(ARRIVALS)}")
+    rate = _number(entry, "rate", where, 0.0, low=0.0)
+    if arrival in ("uniform", "poisson", "bursty") and rate <= 0:
+        raise WorkloadError(f"{where}: arrival = {arrival!r} needs a positive rate (requests per second)")
+    trace: tuple[float, ...] = ()
+    if arrival == "trace":
+        trace = _trace(entry.get("trace"), base, where)
+    ipc = entry.get("ipc")
+    if ipc not in (None, "producer", "consumer"):
+        raise WorkloadError(f"{where}: ipc must be \"producer\" or \"consumer\"")
+    kernels = entry.get("kernel", [])
+    if not isinstance(kernels, list) or not kernels:
+        raise WorkloadError(f"{where}: needs at least one [[tenant.kernel]]")
+    deadline = entry.get("deadline_ms")
+    partition = entry.get("partition")
+    if partition is not None and (not isinstance(partition, int) or partition < 0):
+        raise WorkloadError(f"{where}: partition must be a MIG partition index")
+    limit = entry.get("pinned_mem_limit")
+    return TenantSpec(
+        name=name, count=count, active_thread_percentage=percentage,
+        pinned_mem_limit=None if limit is None else _size(entry, "pinned_mem_limit", where),
+        priority=_integer(entry, "priority", where, 0), weight=_number(entry, "weight", where, 1.0, low=1e-9),
+        partition=partition,
+        deadline=None if deadline is None else _number(entry, "deadline_ms", where, 0.0, low=1e-9) / 1e3,
+        memory=_size(entry, "memory", where), churn=_size(entry, "churn", where),
+        stream_priority=_integer(entry, "stream_priority", where, 0),
+        arrival=arrival, rate=rate, burst=_integer(entry, "burst", where, 1, low=1), trace=trace,
+        think=_number(entry, "think_ms", where, 0.0, low=0.0) / 1e3,
+        ipc=ipc, ipc_size=_size(entry, "ipc_size", where, 4 << 20), ipc_peer=entry.get("ipc_peer"),
+        kernels=tuple(_kernel(k, j, where) for j, k in enumerate(kernels)),
+    )
+
+
+def _kernel(entry: Any, index: int, tenant: str) -> KernelSpec:
+    if not isinstance(entry, dict):
+        raise WorkloadError(f"{tenant}: kernel {index} is not a table")
+    name = entry.get("name")
+    where = f"{tenant}: kernel {index} ({name})"
+    _known(entry, _KERNEL_KEYS, where)
+    grid, block = _dims(entry, "grid", where, 1), _dims(entry, "block", where, 256)
+    repeat = _integer(entry, "repeat", where, 1, low=1)
+    if name == "spin":
+        if "cycles" in entry:
+            scalar = _integer(entry, "cycles", where, 0, low=0)
+        else:
+            scalar = round(_number(entry, "duration_ms", where, None, low=0.0) * 1e-3 * H200.clock_hz)
+    elif name == "work":
+        scalar = _integer(entry, "iterations", where, None, low=0)
+    elif name in POINTER_KERNELS:
+        scalar = _integer(entry, "elements", where, None, low=1)
+    else:
+        raise WorkloadError(f"{where}: unknown kernel; known: spin, work, {', '.join(POINTER_KERNELS)}")
+    return KernelSpec(name, grid, block, repeat, scalar)
+
+
+def _trace(value: Any, base: Path, where: str) -> tuple[float, ...]:
+    if isinstance(value, list):
+        times = value
+    elif isinstance(value, str):
+        try:
+            lines = (base / value).read_text().split()
+            times = [float(x) for x in lines]
+        except (OSError, ValueError) as exc:
+            raise WorkloadError(f"{where}: trace file {value!r}: {exc}") from None
+    else:
+        raise WorkloadError(f"{where}: arrival = \"trace\" needs trace = a file of times or a list of seconds")
+    if not all(isinstance(t, (int, float)) and math.isfinite(t) and t >= 0 for t in times):
+        raise WorkloadError(f"{where}: trace times must be non-negative seconds")
+    return tuple(sorted(float(t) for t in times))
+
+
+def _by_name(tenants: tuple[TenantSpec, ...], name: str | None) -> TenantSpec:
+    return next(t for t in tenants if t.name == name)
+
+
+def _known(table: dict[str, Any], keys: set[str], where: str) -> None:
+    unknown = sorted(set(table) - keys)
+    if unknown:
+        raise WorkloadError(f"{where}: unknown setting(s) {', '.join(unknown)}")
+
+
+def _table(data: dict[str, Any], key: str, where: str) -> dict[str, Any]:
+    value = data.get(key, {})
+    if not isinstance(value, dict):
+        raise WorkloadError(f"{where}: [{key}] must be a table")
+    return value
+
+
+def _number(table: dict[str, Any], key: str, where: str, default: float | None, low: float = -math.inf) -> float:
+    value = table.get(key, default)
+    if value is None:
+        raise WorkloadError(f"{where}: needs {key}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (low <= value < math.inf):
+        raise WorkloadError(f"{where}: {key} must be a number >= {low:g}, not {value!r}")
+    return float(value)
+
+
+def _integer(table: dict[str, Any], key: str, where: str, default: int | None, low: int | None = None) -> int:
+    value = table.get(key, default)
+    if value is None:
+        raise WorkloadError(f"{where}: needs {key}")
+    if isinstance(value, bool) or not isinstance(value, int) or (low is not None and value < low):
+        raise WorkloadError(f"{where}: {key} must be an integer" + (f" >= {low}" if low is not None else "")
+                            + f", not {value!r}")
+    return value
+
+
+def _dims(table: dict[str, Any], key: str, where: str, default: int) -> int:
+    value = table.get(key, default)
+    dims = value if isinstance(value, list) else [value]
+    if not dims or len(dims) > 3 or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in dims):
+        raise WorkloadError(f"{where}: {key} must be a positive size or a list of up to 3, not {value!r}")
+    return math.prod(dims)
+
+
+def _size(table: dict[str, Any], key: str, where: str, default: int = 0) -> int:
+    value = table.get(key, default)
+    if isinstance(value, bool):
+        raise WorkloadError(f"{where}: {key} must be a size such as \"512M\"")
+    if isinstance(value, int) and value >= 0:
+        return value
+    try:
+        return parse_size(str(value))
+    except ValueError as exc:
+        raise WorkloadError(f"{where}: {key}: {exc}") from None

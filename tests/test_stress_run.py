@@ -1,0 +1,126 @@
+# mpsd-stress end to end: the command, a real daemon of its own, real tenant processes, the JSON and the report.
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mpsd.trace import load_trace
+
+MIX = """
+[run]
+duration = 0.6
+seed = 2
+
+[[tenant]]
+name = "latency"
+arrival = "uniform"
+rate = 100
+deadline_ms = 50
+[[tenant.kernel]]
+name = "spin"
+grid = 8
+block = 1024
+duration_ms = 0.2
+
+[[tenant]]
+name = "batch"
+count = 2
+active_thread_percentage = 25
+pinned_mem_limit = "2G"
+memory = "256M"
+churn = "64M"
+[[tenant.kernel]]
+name = "work"
+grid = 132
+block = 1024
+iterations = 20000
+"""
+
+
+def stress(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "mpsd.stress.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_a_small_mix_with_real_processes(tmp_path):
+    (tmp_path / "mix.toml").write_text(MIX)
+    done = stress(str(tmp_path / "mix.toml"), "--compare-policies", "mps,timeslice", "--json", "-",
+                  "--report", str(tmp_path / "report"))
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["virtual"] is False and set(result["runs"]) == {"mps", "timeslice"}
+    for policy, run in result["runs"].items():
+        tenants = {t["tenant"]: t for t in run["tenants"]}
+        assert set(tenants) == {"latency", "batch#0", "batch#1"}
+        assert run["quota_violations"] == 0 and run["errors"] == 0
+        latency = tenants["latency"]
+        assert latency["requests"] == 60  # uniform at 100/s for 0.6 s
+        assert latency["completed"] == 60 and 0 < latency["latency_ms"]["p50"] <= latency["latency_ms"]["p99"]
+        assert latency["isolation"] is not None and latency["isolation"] > 0  # the solo run happened
+        assert run["solo_p99_ms"]["batch#0"] == run["solo_p99_ms"]["batch#1"] > 0
+        for name in ("batch#0", "batch#1"):
+            batch = tenants[name]
+            assert batch["completed"] > 0 and batch["sm_cap"] == 32 and 0 < batch["max_sms"] <= 32
+            # What the daemon charged: 256 MiB held, plus 64 MiB of churn at a time.
+            assert batch["memory_high_water"] == (256 + 64) << 20
+            assert batch["kernels"] >= batch["completed"] and batch["sm_seconds"] > 0
+        assert sum(t["sm_share"] for t in tenants.values()) == pytest.approx(1.0)
+    assert "policies compared" in done.stderr and "latency p99 ms" in done.stderr
+    report = tmp_path / "report"
+    assert {p.name for p in report.iterdir()} == {"latency_cdf_mps.png", "occupancy_mps.png", "trace_mps.json",
+                                                  "latency_cdf_timeslice.png", "occupancy_timeslice.png",
+                                                  "trace_timeslice.json", "compare.png"}
+    timeline = load_trace(report / "trace_mps.json")
+    assert {s.tenant for s in timeline.spans} == {"latency", "batch#0", "batch#1"}
+    assert all(0 <= s.sm < 132 and s.start <= s.end for s in timeline.spans)
+    # Device time and the tenants' clock line up: every kernel ran inside a request of its tenant.
+    windows = {}
+    for r in timeline.requests:
+        lo, hi = windows.get(r.tenant, (r.submitted, r.completed))
+        windows[r.tenant] = (min(lo, r.submitted), max(hi, r.completed))
+    for k in timeline.kernels:
+        lo, hi = windows[k.tenant]
+        assert lo - 0.005 <= k.submitted and k.ended <= hi + 0.005
+
+
+def test_sixty_four_tenant_processes(tmp_path):
+    """The issue's scale: 64 concurrent tenant processes against one daemon on this 2-core machine."""
+    (tmp_path / "many.toml").write_text("""
+[run]
+duration = 1.0
+[[tenant]]
+name = "small"
+count = 64
+think_ms = 10
+[[tenant.kernel]]
+name = "spin"
+grid = 4
+block = 256
+duration_ms = 0.1
+""")
+    done = stress(str(tmp_path / "many.toml"), "--no-solo", "--json", str(tmp_path / "out.json"))
+    assert done.returncode == 0, done.stderr
+    run = json.loads((tmp_path / "out.json").read_text())["runs"]["mps"]
+    assert len(run["tenants"]) == 64
+    assert all(t["completed"] > 0 and t["errors"] == 0 for t in run["tenants"])
+    assert run["quota_violations"] == 0
+
+
+def test_bad_workload_is_a_usage_error(tmp_path):
+    (tmp_path / "bad.toml").write_text("[[tenant]]\nname = 'x'\n")
+    done = stress(str(tmp_path / "bad.toml"))
+    assert done.returncode == 2 and done.stderr.startswith("mpsd-stress: tenant x: needs at least one")
+    done = stress(str(tmp_path / "bad.toml"), "--compare-policies", "mps,nope")
+    assert done.returncode == 2
+
+
+def test_virtual_time_from_the_command_line(tmp_path):
+    (tmp_path / "mix.toml").write_text(MIX)
+    done = stress(str(tmp_path / "mix.toml"), "--virtual-time", "--scale", "10", "--no-solo", "--json", "-")
+    assert done.returncode == 0, done.stderr
+    run = json.loads(done.stdout)["runs"]["mps"]
+    assert run["virtual"] is True and len(run["tenants"]) == 3 * 10

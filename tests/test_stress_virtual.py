@@ -1,0 +1,136 @@
+# mpsd-stress's workload files and its virtual-time runner: what a workload means, checked on the model alone,
+# where every figure is exact and every run the same.
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from mpsd.sim import H200
+from mpsd.stress.metrics import summarize
+from mpsd.stress.virtual import run_virtual
+from mpsd.stress.workload import WorkloadError, arrival_times, load_workload, parse_workload
+
+WORKLOADS = Path(__file__).parent.parent / "examples" / "workloads"
+HOST = getattr(H200, "launch_latency", 0.0) + getattr(H200, "sync_latency", 0.0)
+
+
+def workload(*tenants: dict, **run) -> object:
+    return parse_workload({"run": {"duration": 0.05, **run}, "tenant": list(tenants)})
+
+
+def spin(ms: float, grid: int = 264, repeat: int = 1) -> dict:
+    return {"name": "spin", "grid": grid, "block": 1024, "duration_ms": ms, "repeat": repeat}
+
+
+@pytest.mark.parametrize("path", sorted(WORKLOADS.glob("*.toml")), ids=lambda p: p.stem)
+def test_shipped_workloads_parse(path):
+    w = load_workload(path)
+    assert w.tenants and w.duration > 0
+
+
+@pytest.mark.parametrize("data,message", [
+    ({"tenant": []}, "no [[tenant]]"),
+    ({"run": {"duration": 0}, "tenant": [{"kernel": [spin(1)]}]}, "duration must be positive"),
+    ({"run": {"bogus": 1}, "tenant": [{"kernel": [spin(1)]}]}, "unknown setting(s) bogus"),
+    ({"tenant": [{"name": "a", "kernel": [spin(1)], "colour": "red"}]}, "tenant a: unknown setting(s) colour"),
+    ({"tenant": [{"name": "a", "kernel": []}]}, "tenant a: needs at least one"),
+    ({"tenant": [{"name": "a", "arrival": "poisson", "kernel": [spin(1)]}]}, "needs a positive rate"),
+    ({"tenant": [{"name": "a", "arrival": "sometimes", "kernel": [spin(1)]}]}, "arrival must be one of"),
+    ({"tenant": [{"name": "a", "kernel": [{"name": "nope"}]}]}, "unknown kernel"),
+    ({"tenant": [{"name": "a", "kernel": [{"name": "spin"}]}]}, "needs duration_ms"),
+    ({"tenant": [{"name": "a", "active_thread_percentage": 0, "kernel": [spin(1)]}]}, "(0, 100]"),
+    ({"tenant": [{"name": "a", "memory": "lots", "kernel": [spin(1)]}]}, "tenant a: memory"),
+    ({"tenant": [{"name": "a", "kernel": [spin(1)]}, {"name": "a", "kernel": [spin(1)]}]}, "unique"),
+    ({"tenant": [{"name": "c", "ipc": "consumer", "ipc_peer": "p", "kernel": [spin(1)]}]}, "ipc_peer"),
+])
+def test_a_bad_workload_says_what_is_wrong(data, message):
+    with pytest.raises(WorkloadError) as info:
+        parse_workload(data)
+    assert message in str(info.value)
+
+
+def test_arrival_processes():
+    w = parse_workload({"tenant": [
+        {"name": "u", "arrival": "uniform", "rate": 100, "kernel": [spin(1)]},
+        {"name": "p", "arrival": "poisson", "rate": 1000, "kernel": [spin(1)]},
+        {"name": "b", "arrival": "bursty", "rate": 1000, "burst": 10, "kernel": [spin(1)]},
+        {"name": "t", "arrival": "trace", "trace": [0.5, 0.1, 3.0], "kernel": [spin(1)]},
+        {"name": "c", "kernel": [spin(1)]},
+    ]})
+    u, p, b, t, c = (arrival_times(x, 2.0, random.Random(1)) for x in w.tenants)
+    assert len(u) == 200 and all(y - x == pytest.approx(0.01) for x, y in zip(u, u[1:]))
+    assert 1800 < len(p) < 2200 and p == sorted(p) and p == arrival_times(w.tenants[1], 2.0, random.Random(1))
+    assert len(b) % 10 == 0 and all(b[i] == b[i - i % 10] for i in range(len(b)))  # bursts of ten at one instant
+    assert t == [0.1, 0.5]  # sorted, and cut at the end of the run
+    assert c is None  # closed loop
+
+
+def test_trace_file_is_read_relative_to_the_workload(tmp_path):
+    (tmp_path / "times.txt").write_text("0.25\n0.001\n")
+    (tmp_path / "w.toml").write_text('[[tenant]]\narrival = "trace"\ntrace = "times.txt"\n'
+                                     '[[tenant.kernel]]\nname = "spin"\nduration_ms = 1\n')
+    assert load_workload(tmp_path / "w.toml").tenants[0].trace == (0.001, 0.25)
+
+
+def test_a_closed_loop_alone_takes_exactly_what_the_model_says():
+    """One full wave of 1 ms blocks per request: each request is the kernel's launch overhead plus 1 ms plus the
+    host's latency, back to back until the end of the run."""
+    timeline = run_virtual(workload({"name": "a", "kernel": [spin(1.0)]}), "mps", {})
+    per_request = H200.kernel_overhead + 1e-3 + HOST
+    latencies = [r.latency for r in timeline.requests]
+    assert latencies == pytest.approx([per_request] * math.ceil(0.05 / per_request))
+    assert timeline.requests[1].submitted == pytest.approx(timeline.requests[0].completed)
+
+
+def test_open_loop_requests_queue_in_the_tenant():
+    """Arrivals due while the last request runs wait for it, and the wait counts as latency."""
+    timeline = run_virtual(workload({"name": "a", "arrival": "trace", "trace": [0.0, 0.0005],
+                                     "kernel": [spin(1.0)]}), "mps", {})
+    first, second = sorted(timeline.requests, key=lambda r: r.submitted)
+    assert second.submitted == 0.0005
+    assert second.completed == pytest.approx(first.completed + H200.kernel_overhead + 1e-3 + HOST)
+
+
+def test_caps_and_partitions_hold_and_are_reported():
+    w = workload({"name": "small", "active_thread_percentage": 25, "kernel": [spin(0.5)]},
+                 {"name": "big", "kernel": [spin(0.5, grid=528)]})
+    for policy, options, partition_sms in (("mps", {}, None), ("mig", {"partitions": ["3g.71gb", "4g.71gb"]}, 60)):
+        tenants = [t if partition_sms is None else replace(t, partition=i) for i, t in enumerate(w.tenants)]
+        summary = summarize(run_virtual(w, policy, options, tenants))
+        small, big = summary["tenants"]
+        assert summary["quota_violations"] == 0
+        assert small["max_sms"] == small["sm_cap"] == 32
+        assert big["max_sms"] == (132 if partition_sms is None else 64)
+
+
+def test_same_workload_same_figures():
+    w = load_workload(WORKLOADS / "disb_c.toml")
+    short = replace(w, duration=0.2)
+    assert summarize(run_virtual(short, "priority", {"aging": 0.05})) == \
+        summarize(run_virtual(short, "priority", {"aging": 0.05}))
+
+
+def test_memory_past_the_limit_fails_each_request_and_nobody_else():
+    w = workload({"name": "hog", "pinned_mem_limit": "2G", "memory": "1G", "churn": "1536M", "think_ms": 1,
+                  "kernel": [spin(0.1, grid=8)]},
+                 {"name": "calm", "pinned_mem_limit": "2G", "memory": "1G", "churn": "64M",
+                  "kernel": [spin(0.1, grid=8)]})
+    hog, calm = summarize(run_virtual(w, "mps", {}))["tenants"]
+    assert hog["completed"] == 0 and hog["errors"] == hog["requests"] > 0
+    assert calm["errors"] == 0 and calm["completed"] > 0
+    assert calm["memory_high_water"] == (1 << 30) + (64 << 20) and hog["memory_high_water"] == 1 << 30
+    assert hog["memory_violations"] == calm["memory_violations"] == 0
+
+
+def test_timeslicing_hurts_the_latency_tenant_more_than_mps():
+    """The seed's point, in numbers: beside training, inference's p99 under time-slicing is several times its
+    p99 under MPS."""
+    w = load_workload(WORKLOADS / "inference_training.toml")
+    w = replace(w, duration=0.5)
+    p99 = {policy: summarize(run_virtual(w, policy, {}))["tenants"][0]["latency_ms"]["p99"]
+           for policy in ("mps", "timeslice")}
+    assert p99["timeslice"] > 3 * p99["mps"]
