@@ -13,12 +13,13 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+from bisect import insort
 from collections import deque
 from typing import Any
 
 from .ops import ENGINES, BlockGroup, Copy, Kernel, Marker, Op
 from .policies import DEFAULT_CLIENT, ClientConfig, KernelRun, Policy, make_policy
-from .policies.base import spread
+from .policies.base import mps_key, spread
 from .sms import _EPSILON, SM, FitIndex, Group
 from .specs import H200, BlockNeed, DeviceSpec, block_need, occupancy
 from .stats import Counters, SimStatistics
@@ -56,12 +57,17 @@ class Simulator:
         self._sms = [SM.empty(i, spec) for i in range(spec.sm_count)]
         self._fit_index = FitIndex(self._sms)
         self._needs: dict[tuple[int, int, int], BlockNeed | None] = {}
+        self._shapes: dict[BlockNeed, int] = {}  # every block shape seen -> a small integer naming it
+        self._shape_needs: list[BlockNeed] = []  # and back
         self._heap: list[tuple] = []
         self._event_seq = itertools.count()
         self._op_seq = itertools.count()
         self._streams = Streams()
         self._runs: dict[Kernel, KernelRun] = {}
-        self._ready: list[KernelRun] = []  # past launch overhead, blocks left to place
+        self._ready: list[KernelRun] = []  # past launch overhead, blocks left to place; by mps_key
+        self._ready_keys: dict[tuple, int] = {}  # run.key -> ready kernels with that key and blocks unplaced
+        self._drained = False  # a ready kernel placed its last block during this dispatch
+        self._windows: dict[int, tuple[int, int] | None] = {}  # client -> policy.window(client), cached
         self._dirty = False  # capacity freed or a kernel became ready since the last dispatch
         self._touched: set[int] = set()  # SMs whose shared groups changed this instant
         self._client_sms: dict[int, dict[int, int]] = {}  # client -> SM -> resident blocks
@@ -74,8 +80,13 @@ class Simulator:
         self._kernels = self._blocks = self._copies = 0
         # (block shape, SM window) found with no room during this dispatch: placing only takes capacity,
         # so they stay full until it ends, and every later kernel of that shape is turned away at once.
+        # Once every key of the ready kernels is here, nothing more can be placed (see _saturated).
         self._full: set[tuple] = set()
         self._policy: Policy = make_policy(policy, self, policy_options)
+        # The policy's per-group hooks, or None where it keeps the base class's no-ops (most do).
+        cls = type(self._policy)
+        self._placed_hook = self._policy.placed if cls.placed is not Policy.placed else None
+        self._vacated_hook = self._policy.vacated if cls.vacated is not Policy.vacated else None
 
     # --- public API ------------------------------------------------------------------------
 
@@ -103,7 +114,11 @@ class Simulator:
                 )
             if op.sm_cap is not None and op.sm_cap < 1:
                 raise ValueError(f"sm_cap must be >= 1, got {op.sm_cap}")
-            self._runs[op] = KernelRun(op, need, unplaced=op.blocks)
+            shape = self._shapes.get(need)
+            if shape is None:
+                shape = self._shapes[need] = len(self._shapes)
+                self._shape_needs.append(need)
+            self._runs[op] = KernelRun(op, need, unplaced=op.blocks, shape=shape)
         elif isinstance(op, Copy):
             if op.engine not in ENGINES:
                 raise ValueError(f"unknown copy engine {op.engine!r}; known: {ENGINES}")
@@ -146,6 +161,8 @@ class Simulator:
         config = ClientConfig(priority, weight, partition)
         self._policy.configure(client, config)
         self._clients[client] = config
+        self._windows.clear()  # the policy's windows follow the configuration
+        self._rekey()
         self._dirty = True
 
     def client_config(self, client: int) -> ClientConfig:
@@ -166,10 +183,7 @@ class Simulator:
         """
         if self._completed:
             return self.now
-        heap = self._heap
-        while heap and self._stale(heap[0]):
-            heapq.heappop(heap)
-        return heap[0][0] if heap else None
+        return self._peek()
 
     def advance(self, until: float, max_instants: int | None = None) -> list[Op]:
         """Process every event with time <= ``until`` and move the clock to ``until``.
@@ -189,26 +203,19 @@ class Simulator:
         if not until >= self.now:
             raise ValueError(f"cannot go back in time from {self.now} to {until}")
         out: list[Op] = []
-        heap = self._heap
         instants = 0
         while True:
-            while heap and self._stale(heap[0]):
-                heapq.heappop(heap)
-            if not heap or heap[0][0] > until:
+            t = self._peek()
+            if t is None or t > until:
                 break
             if max_instants is not None and instants >= max_instants:
                 out.extend(self._flush())
                 return out
             instants += 1
-            t = heap[0][0]
             if t > self.now:
                 out.extend(self._flush())
                 self.now = t
-            while heap and heap[0][0] <= t:
-                event = heapq.heappop(heap)
-                if not self._stale(event):
-                    self._handle(event[2], event[3])
-            self._end_instant()
+            self._instant(t)
         out.extend(self._flush())
         self.now = until
         return out
@@ -219,9 +226,15 @@ class Simulator:
         Returns:
             Every op completed, in completion order.
         """
+        # advance(next_time()) until None, without the per-call set-up: completions are flushed whenever
+        # the clock moves, exactly where those calls would have returned them.
         out: list[Op] = []
-        while (t := self.next_time()) is not None:
-            out.extend(self.advance(t))
+        while (t := self._peek()) is not None:
+            if t > self.now:
+                out.extend(self._flush())
+                self.now = t
+            self._instant(t)
+        out.extend(self._flush())
         return out
 
     def cancel(self, client: int) -> list[Op]:
@@ -260,6 +273,7 @@ class Simulator:
             else:
                 dropped.append(op)
         self._ready = [r for r in self._ready if not r.cancelled]
+        self._rekey()
         for op in sorted(dropped + resolved, key=lambda o: o.seq):
             self._settle(self._streams.resolve(op))
         for lane in list(self._copy_queues):
@@ -294,11 +308,11 @@ class Simulator:
                 continue
             client = run.kernel.client
             occupied = self._client_sms.get(client, {})
-            fits = self._fit_index.fits(run.need)
+            fits, room = self._fit_index.lookup(run.shape, run.need)
             cap = run.kernel.sm_cap
             budget = len(fits) if cap is None else cap - len(occupied)
-            window = self._policy.window(client) or (0, None)
-            total += sum(n for _, n in spread(fits, run.unplaced, budget, occupied, *window))
+            window = self._window(client) or (0, None)
+            total += sum(n for _, n in spread(fits, run.unplaced, budget, occupied, *window, room))
         return total
 
     # --- events ------------------------------------------------------------------------------
@@ -312,47 +326,129 @@ class Simulator:
 
     def _stale(self, event: tuple) -> bool:
         kind, payload = event[2], event[3]
-        if kind == _TIMER:
-            return self._policy.timer_stale(payload)
+        if kind == _GROUP_END:
+            for group in payload:
+                if not group.evicted:
+                    return False
+            return True
         if kind == _SM:
             return self._sms[payload[0]].version != payload[1]
-        if kind == _GROUP_END:
-            return payload.evicted
+        if kind == _TIMER:
+            return self._policy.timer_stale(payload)
         if kind == _COPY_END:
             return payload in self._stopped_copies
         return payload.cancelled
 
-    def _handle(self, kind: int, payload) -> None:
-        if kind == _GROUP_END:
-            self._end_group(payload)
-        elif kind == _SM:
-            sm = self._sms[payload[0]]
-            if sm.version != payload[1]:
-                return
-            for group in sm.pop_finished(self.now):
-                self._end_group(group)
-            self._touched.add(sm.index)
-        elif kind == _READY:
-            if not payload.cancelled:
-                self._ready.append(payload)
-                self._dirty = True
-        elif kind == _TIMER:
-            self._policy.on_timer(payload)
-            self._dirty = True
-        else:
-            self._end_copy(payload)
+    def _peek(self) -> float | None:
+        """Time of the earliest event that still matters (stale ones are dropped), or None."""
+        heap = self._heap
+        while heap and self._stale(heap[0]):
+            heapq.heappop(heap)
+        return heap[0][0] if heap else None
+
+    def _instant(self, t: float) -> None:
+        """Handle every event due at ``t`` (== now), those they add at ``t`` too, then dispatch once."""
+        heap = self._heap
+        pop = heapq.heappop
+        while heap and heap[0][0] <= t:
+            _, _, kind, payload = pop(heap)
+            if kind == _GROUP_END:
+                for group in payload:
+                    if not group.evicted:
+                        self._end_group(group)
+            elif kind == _SM:
+                sm = self._sms[payload[0]]
+                if sm.version != payload[1]:
+                    continue
+                for group in sm.pop_finished(t):
+                    self._end_group(group)
+                self._touched.add(sm.index)
+            elif kind == _READY:
+                if not payload.cancelled:
+                    self._ready_add(payload)
+                    self._dirty = True
+            elif kind == _TIMER:
+                if not self._policy.timer_stale(payload):
+                    self._policy.on_timer(payload)
+                    self._dirty = True
+            elif payload not in self._stopped_copies:
+                self._end_copy(payload)
+        self._end_instant()
 
     def _end_instant(self) -> None:
         if self._dirty and (self._ready or self._policy.dispatch_when_idle):
             self._full.clear()
             self._policy.dispatch(self._ready)
-            self._ready = [r for r in self._ready if r.unplaced]
+            if self._drained:
+                self._ready = [r for r in self._ready if r.unplaced]
+                self._drained = False
         self._dirty = False
-        for i in sorted(self._touched):
-            soonest = self._sms[i].reschedule()
-            if soonest is not None:
-                self._push(soonest, _SM, (i, self._sms[i].version))
-        self._touched.clear()
+        if self._touched:
+            for i in sorted(self._touched):
+                soonest = self._sms[i].reschedule()
+                if soonest is not None:
+                    self._push(soonest, _SM, (i, self._sms[i].version))
+            self._touched.clear()
+
+    # --- ready kernels -----------------------------------------------------------------------
+
+    def _window(self, client: int) -> tuple[int, int] | None:
+        window = self._windows.get(client, 0)
+        if window == 0:
+            window = self._windows[client] = self._policy.window(client)
+        return window
+
+    def _ready_add(self, run: KernelRun) -> None:
+        """``run`` has blocks to place: file it in hardware order, and count its key."""
+        run.key = key = (run.shape, self._window(run.kernel.client))
+        insort(self._ready, run, key=mps_key)
+        self._ready_keys[key] = self._ready_keys.get(key, 0) + 1
+
+    def _rekey(self) -> None:
+        """Recount the keys of the ready kernels (a window or the ready set changed wholesale)."""
+        self._ready_keys = {}
+        for run in self._ready:
+            if run.unplaced:
+                run.key = key = (run.shape, self._window(run.kernel.client))
+                self._ready_keys[key] = self._ready_keys.get(key, 0) + 1
+
+    def _has_room(self, key: tuple) -> bool:
+        """True if a block of ``key``'s shape fits somewhere in its window now (a cap may still bar it)."""
+        shape, window = key
+        room = self._fit_index.lookup(shape, self._shape_needs[shape])[1]
+        if window is None:
+            return bool(room)
+        lo, hi = window
+        for i in room:
+            if lo <= i < hi:
+                return True
+        return False
+
+    def _open_keys(self) -> set[tuple]:
+        """The keys of ready kernels that still have room in this dispatch (the others are filed full)."""
+        full = self._full
+        open_keys = set()
+        for key in self._ready_keys:
+            if key in full:
+                continue
+            if self._has_room(key):
+                open_keys.add(key)
+            else:
+                full.add(key)
+        return open_keys
+
+    def _close_keys(self, open_keys: set[tuple]) -> None:
+        """Drop from ``open_keys`` (and file full) the keys a placement has just filled up."""
+        for key in list(open_keys):
+            if not self._has_room(key):
+                open_keys.discard(key)
+                self._full.add(key)
+
+    def _saturated(self) -> bool:
+        """True if no ready kernel can place another block in this dispatch: every (shape, window) they
+        have was found full, and placing only takes room. A policy may stop offering capacity then; every
+        further ``_place`` would return 0 and change nothing."""
+        return len(self._full) >= len(self._ready_keys)
 
     def _flush(self) -> list[Op]:
         done = self._completed
@@ -434,39 +530,58 @@ class Simulator:
         left = min(limit, run.unplaced)
         if left <= 0:
             return 0
+        key = run.key
+        if key in self._full:
+            return 0
+        fits, room = self._fit_index.lookup(run.shape, run.need)
+        window = key[1]
+        if window is None:
+            lo, hi = 0, None
+            if not room:
+                self._full.add(key)
+                return 0
+        else:
+            lo, hi = window
+            for i in room:
+                if lo <= i < hi:
+                    break
+            else:
+                self._full.add(key)
+                return 0
         kernel = run.kernel
         client = kernel.client
-        window = self._policy.window(client)
-        full_key = (run.need, window)
-        if full_key in self._full:
-            return 0
         occupied = self._client_sms.get(client)
         if occupied is None:
             occupied = self._client_sms[client] = {}
-        fits = self._fit_index.fits(run.need)
         cap = kernel.sm_cap
         budget = len(fits) if cap is None else cap - len(occupied)
-        if window is None:
-            placements = spread(fits, left, budget, occupied)
-        else:
-            placements = spread(fits, left, budget, occupied, *window)
-        if not placements:
-            if budget > 0:  # not the cap: no SM in the window has room for this shape
-                self._full.add(full_key)
+        placements = spread(fits, left, budget, occupied, lo, hi, room)
+        if not placements:  # its SM cap: the room is on SMs it may not add
             return 0
         now = self.now
         sms = self._sms
+        need = run.need
+        changed = self._fit_index.changed
+        hook = self._placed_hook
         cost = kernel.cost
+        shared = cost.shared
         fresh = max(cost.seconds, self.spec.min_block_time)
         partial = run.partial
+        groups = run.groups
+        # Fresh fixed-cost groups placed now all end at now + fresh: one heap event carries them all (a
+        # wave), handled in placement order, which is the order their own events would have had, since
+        # nothing else is pushed while they are placed. Resumed blocks (partial) come first, each with
+        # the work it had left, and keep an event apiece.
+        wave: list[Group] = []
         placed = 0
         for i, count in placements:
-            sms[i].take(run.need, count)
-            self._fit_index.changed(i)
+            sms[i].take(need, count)
+            changed(i)
             occupied[i] = occupied.get(i, 0) + count
             placed += count
             while count:
-                if partial:
+                resumed = bool(partial)
+                if resumed:
                     entry = partial[0]
                     n, seconds = min(count, entry[0]), entry[1]
                     entry[0] -= n
@@ -476,22 +591,38 @@ class Simulator:
                     n, seconds = count, fresh
                 count -= n
                 group = Group(run, i, n, now, planned=seconds)
-                run.groups[group] = None
-                if cost.shared:
+                groups[group] = None
+                if shared:
                     group.remaining = seconds
                     group.demand = min(1.0, kernel.threads / self.spec.saturation_threads)
                     sms[i].add_shared(group, now)
                     self._touched.add(i)
-                else:
+                elif resumed:
                     group.end = now + seconds
-                    self._push(group.end, _GROUP_END, group)
-                self._policy.placed(group)
+                    self._push(group.end, _GROUP_END, [group])
+                else:
+                    group.end = now + fresh
+                    wave.append(group)
+                if hook is not None:
+                    hook(group)
+        if wave:
+            self._push(now + fresh, _GROUP_END, wave)
         run.unplaced -= placed
         run.running += placed
+        if not run.unplaced:
+            self._drained = True
+            n = self._ready_keys[key] - 1
+            if n:
+                self._ready_keys[key] = n
+            else:
+                del self._ready_keys[key]
         if math.isnan(kernel.started):
             kernel.started = now
-        c = self._counter(client)
-        c.max_sms = max(c.max_sms, len(occupied))
+        c = run.counters
+        if c is None:
+            c = run.counters = self._counter(client)
+        if len(occupied) > c.max_sms:
+            c.max_sms = len(occupied)
         return placed
 
     def _preempt(self, client: int | None) -> None:
@@ -516,7 +647,7 @@ class Simulator:
                 group.evicted = True
                 self._vacate(group)
                 if not run.unplaced:
-                    self._ready.append(run)
+                    self._ready_add(run)
                 run.unplaced += group.count
                 run.partial.append([group.count, left])
 
@@ -524,10 +655,10 @@ class Simulator:
         run = group.run
         self._vacate(group)
         self._blocks += group.count
-        self._counter(run.kernel.client).blocks += group.count
+        c = run.counters
+        c.blocks += group.count
         if run.running == 0 and run.unplaced == 0:
             del self._runs[run.kernel]
-            c = self._counter(run.kernel.client)
             c.kernels += 1
             self._kernels += 1
             self._policy.retired(run)
@@ -546,22 +677,25 @@ class Simulator:
         now = self.now
         run = group.run
         kernel = run.kernel
+        count = group.count
+        i = group.sm
         del run.groups[group]
-        self._sms[group.sm].release(run.need, group.count)
-        self._fit_index.changed(group.sm)
+        self._sms[i].release(run.need, count)
+        self._fit_index.changed(i)
         occupied = self._client_sms[kernel.client]
-        left = occupied[group.sm] - group.count
+        left = occupied[i] - count
         if left:
-            occupied[group.sm] = left
+            occupied[i] = left
         else:
-            del occupied[group.sm]
+            del occupied[i]
         group.end = now
-        run.running -= group.count
+        run.running -= count
         self._dirty = True
-        self._policy.vacated(group)
-        c = self._counter(kernel.client)
-        block_seconds = group.count * (now - group.start)
+        if self._vacated_hook is not None:
+            self._vacated_hook(group)
+        c = run.counters
+        block_seconds = count * (now - group.start)
         c.block_seconds += block_seconds
         c.sm_seconds += block_seconds * min(1.0, kernel.threads / self.spec.max_threads_per_sm)
         if self._record:
-            self.trace.append(BlockGroup(kernel, group.sm, group.count, group.start, now))
+            self.trace.append(BlockGroup(kernel, i, count, group.start, now))

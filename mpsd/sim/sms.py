@@ -138,37 +138,67 @@ class SM:
 
 
 class FitIndex:
-    """For each block shape, how many more blocks fit on every SM, kept current incrementally.
+    """For each block shape, how many more blocks fit on every SM, and which SMs have room, kept current
+    incrementally.
 
-    Scanning all SMs for every kernel dominated the simulator's cost for small kernels; instead, SMs whose
-    resources changed are logged, and a shape's table is refreshed only at those SMs when next asked for.
+    Scanning all SMs for every kernel dominated the simulator's cost; instead, SMs whose resources changed
+    are logged, and a shape's table is refreshed only at those SMs when next asked for. Each table also
+    keeps the set of SMs with room for at least one block: on a busy device that set is small (often
+    empty), so "is this shape full?" and the placement search cost what is free, not what the device holds.
     """
 
-    _LOG_LIMIT = 1 << 14  # past this, forget every table rather than replay a long log
-    _SHAPES_LIMIT = 64
+    _LOG_LIMIT = 1 << 14  # past this, bring every table up to date and start the log afresh
+    _SHAPES_LIMIT = 64  # past this many shapes, forget them all (rebuilt when next asked for)
 
     def __init__(self, sms: list[SM]) -> None:
         self._sms = sms
         self._log: list[int] = []
-        self._tables: dict[BlockNeed, tuple[list[int], int]] = {}
+        self._tables: dict[object, list] = {}  # shape key -> [fits, room, log entries seen, need]
 
     def changed(self, index: int) -> None:
         """SM ``index`` took or released blocks."""
-        self._log.append(index)
+        log = self._log
+        log.append(index)
+        if len(log) > self._LOG_LIMIT:
+            self._trim()
 
     def fits(self, need: BlockNeed) -> list[int]:
         """Blocks of shape ``need`` that fit on each SM now, by SM index (do not modify the list)."""
-        log = self._log
-        if len(log) > self._LOG_LIMIT or len(self._tables) > self._SHAPES_LIMIT:
-            self._tables.clear()
-            log.clear()
-        entry = self._tables.get(need)
+        return self.lookup(need, need)[0]
+
+    def lookup(self, key: object, need: BlockNeed) -> tuple[list[int], set[int]]:
+        """The table of shape ``need``, filed under ``key`` (any hashable naming that shape; the engine uses
+        a small integer, cheaper to hash than a BlockNeed).
+
+        Returns:
+            (fits, room): blocks that fit on each SM by index, and the indices where at least one fits
+            (current until the next change; do not modify either).
+        """
+        entry = self._tables.get(key)
         if entry is None:
+            if len(self._tables) >= self._SHAPES_LIMIT:
+                self._tables.clear()
             fits = [sm.fit(need) for sm in self._sms]
-        else:
-            fits, seen = entry
-            if seen < len(log):
-                for i in set(log[seen:]):
-                    fits[i] = self._sms[i].fit(need)
-        self._tables[need] = (fits, len(log))
-        return fits
+            entry = self._tables[key] = [fits, {i for i, f in enumerate(fits) if f}, len(self._log), need]
+        elif entry[2] < len(self._log):
+            self._catch_up(entry)
+        return entry[0], entry[1]
+
+    def _catch_up(self, entry: list) -> None:
+        log = self._log
+        fits, room, seen, need = entry
+        sms = self._sms
+        for i in (log[seen:] if len(log) - seen == 1 else set(log[seen:])):
+            f = fits[i] = sms[i].fit(need)
+            if f:
+                room.add(i)
+            else:
+                room.discard(i)
+        entry[2] = len(log)
+
+    def _trim(self) -> None:
+        """Bring every table up to date and start the log afresh, so it never grows without bound."""
+        for entry in self._tables.values():
+            self._catch_up(entry)
+            entry[2] = 0
+        self._log.clear()

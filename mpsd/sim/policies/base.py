@@ -34,6 +34,11 @@ class KernelRun:
         groups: its block groups resident now, in placement order (an ordered set: values are None).
         partial: preempted blocks waiting to resume, as [count, seconds of work left per block] entries,
             oldest first; they are placed before fresh blocks.
+        shape: the engine's small-integer name for ``need`` (cheaper to hash than the BlockNeed).
+        key: (shape, SM window of its client) while it is ready: kernels with equal keys compete for the
+            very same room, so one found full stands for all (set by the engine).
+        counters: its client's statistics counters once it has placed a block (the engine's, kept here
+            to save a lookup per group).
     """
 
     kernel: Kernel
@@ -44,6 +49,9 @@ class KernelRun:
     cancelled: bool = False
     groups: dict = field(default_factory=dict)
     partial: list = field(default_factory=list)
+    shape: int = 0
+    key: tuple = ()
+    counters: Any = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,7 +123,8 @@ class Policy:
         """Offer the free capacity to ``ready`` kernels by calling ``sim._place``.
 
         Args:
-            ready: kernels past their launch overhead with blocks left to place (do not modify the list).
+            ready: kernels past their launch overhead with blocks left to place, in hardware order
+                (``mps_key``); do not modify the list.
         """
         raise NotImplementedError
 
@@ -155,13 +164,14 @@ class Policy:
 
 
 def spread(fits: list[int], left: int, budget: int, occupied: dict[int, int],
-           lo: int = 0, hi: int | None = None) -> list[tuple[int, int]]:
+           lo: int = 0, hi: int | None = None, room: set[int] | None = None) -> list[tuple[int, int]]:
     """Choose SMs for up to ``left`` blocks: greedy, one block at a time, on the SM with the most room.
 
     Computed in rounds: at level L every usable SM whose fit is at least L takes one block, in index order,
     for L from the largest fit down to 1; so ties go to the lowest index and a grid spreads before it stacks.
     SMs the client does not occupy yet cost one unit of ``budget`` each; once it is spent only occupied SMs
-    take blocks (an MPS SM cap counts distinct SMs).
+    take blocks (an MPS SM cap counts distinct SMs). Only SMs with room can take a block, so the rounds run
+    over those alone (``room``, when the caller knows it: on a busy device it is a handful of SMs).
 
     Args:
         fits: how many blocks of the kernel's shape fit on each SM now, by SM index.
@@ -169,29 +179,41 @@ def spread(fits: list[int], left: int, budget: int, occupied: dict[int, int],
         budget: SMs the client may still add.
         occupied: SM index -> the client's resident blocks there.
         lo, hi: the SM window the client may use (default: all).
+        room: the indices of ``fits`` that are not 0, if known (any order).
 
     Returns:
         (SM index, block count) pairs, by SM index; the caller reserves the resources.
     """
-    window = fits if lo == 0 and hi is None else fits[lo:hi]
-    top = max(window)
-    if top == 0:
+    if hi is None:
+        hi = len(fits)
+    if room is None:
+        cand = [i for i in range(lo, hi) if fits[i]]
+    elif lo == 0 and hi == len(fits):
+        cand = sorted(room)
+    else:
+        cand = sorted(i for i in room if lo <= i < hi)
+    if not cand:
         return []
     if left == 1 and budget > 0:  # the common small kernel: the first SM with the most room
-        return [(window.index(top) + lo, 1)]
-    taken = [0] * len(window)
-    for level in range(top, 0, -1):
-        for j, f in enumerate(window):
-            if f < level:
+        best = cand[0]
+        for i in cand:
+            if fits[i] > fits[best]:
+                best = i
+        return [(best, 1)]
+    taken: dict[int, int] = {}
+    for level in range(max(fits[i] for i in cand), 0, -1):
+        for i in cand:
+            if fits[i] < level:
                 continue
-            if not taken[j] and j + lo not in occupied:
+            n = taken.get(i, 0)
+            if not n and i not in occupied:
                 if budget <= 0:
                     continue
                 budget -= 1
-            taken[j] += 1
+            taken[i] = n + 1
             left -= 1
             if not left:
                 break
         if not left:
             break
-    return [(j + lo, n) for j, n in enumerate(taken) if n]
+    return [(i, taken[i]) for i in cand if i in taken]
