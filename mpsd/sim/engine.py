@@ -65,7 +65,9 @@ class Simulator:
         self._streams = Streams()
         self._runs: dict[Kernel, KernelRun] = {}
         self._ready: list[KernelRun] = []  # past launch overhead, blocks left to place; by mps_key
-        self._ready_keys: dict[tuple, int] = {}  # run.key -> ready kernels with that key and blocks unplaced
+        self._ready_keys: dict[int, int] = {}  # run.key -> ready kernels with that key and blocks unplaced
+        self._keys: dict[tuple, int] = {}  # (shape, window) -> a small integer naming it (a run's key)
+        self._key_parts: list[tuple] = []  # and back
         self._drained = False  # a ready kernel placed its last block during this dispatch
         self._windows: dict[int, tuple[int, int] | None] = {}  # client -> policy.window(client), cached
         self._dirty = False  # capacity freed or a kernel became ready since the last dispatch
@@ -81,7 +83,7 @@ class Simulator:
         # (block shape, SM window) found with no room during this dispatch: placing only takes capacity,
         # so they stay full until it ends, and every later kernel of that shape is turned away at once.
         # Once every key of the ready kernels is here, nothing more can be placed (see _saturated).
-        self._full: set[tuple] = set()
+        self._full: set[int] = set()
         self._policy: Policy = make_policy(policy, self, policy_options)
         # The policy's per-group hooks, or None where it keeps the base class's no-ops (most do).
         cls = type(self._policy)
@@ -398,9 +400,18 @@ class Simulator:
             window = self._windows[client] = self._policy.window(client)
         return window
 
+    def _key(self, run: KernelRun) -> int:
+        """``run``'s key: a small integer naming (its shape, its client's window)."""
+        parts = (run.shape, self._window(run.kernel.client))
+        key = self._keys.get(parts)
+        if key is None:
+            key = self._keys[parts] = len(self._key_parts)
+            self._key_parts.append(parts)
+        return key
+
     def _ready_add(self, run: KernelRun) -> None:
         """``run`` has blocks to place: file it in hardware order, and count its key."""
-        run.key = key = (run.shape, self._window(run.kernel.client))
+        run.key = key = self._key(run)
         insort(self._ready, run, key=mps_key)
         self._ready_keys[key] = self._ready_keys.get(key, 0) + 1
 
@@ -409,12 +420,12 @@ class Simulator:
         self._ready_keys = {}
         for run in self._ready:
             if run.unplaced:
-                run.key = key = (run.shape, self._window(run.kernel.client))
+                run.key = key = self._key(run)
                 self._ready_keys[key] = self._ready_keys.get(key, 0) + 1
 
-    def _has_room(self, key: tuple) -> bool:
+    def _has_room(self, key: int) -> bool:
         """True if a block of ``key``'s shape fits somewhere in its window now (a cap may still bar it)."""
-        shape, window = key
+        shape, window = self._key_parts[key]
         room = self._fit_index.lookup(shape, self._shape_needs[shape])[1]
         if window is None:
             return bool(room)
@@ -424,7 +435,7 @@ class Simulator:
                 return True
         return False
 
-    def _open_keys(self) -> set[tuple]:
+    def _open_keys(self) -> set[int]:
         """The keys of ready kernels that still have room in this dispatch (the others are filed full)."""
         full = self._full
         open_keys = set()
@@ -437,7 +448,7 @@ class Simulator:
                 full.add(key)
         return open_keys
 
-    def _close_keys(self, open_keys: set[tuple]) -> None:
+    def _close_keys(self, open_keys: set[int]) -> None:
         """Drop from ``open_keys`` (and file full) the keys a placement has just filled up."""
         for key in list(open_keys):
             if not self._has_room(key):
@@ -534,7 +545,7 @@ class Simulator:
         if key in self._full:
             return 0
         fits, room = self._fit_index.lookup(run.shape, run.need)
-        window = key[1]
+        window = self._key_parts[key][1]
         if window is None:
             lo, hi = 0, None
             if not room:

@@ -138,29 +138,49 @@ class SM:
 
 
 class FitIndex:
-    """For each block shape, how many more blocks fit on every SM, and which SMs have room, kept current
-    incrementally.
+    """For each block shape in use, how many more blocks fit on every SM and which SMs have room, kept
+    current as SMs take and release blocks.
 
-    Scanning all SMs for every kernel dominated the simulator's cost; instead, SMs whose resources changed
-    are logged, and a shape's table is refreshed only at those SMs when next asked for. Each table also
-    keeps the set of SMs with room for at least one block: on a busy device that set is small (often
-    empty), so "is this shape full?" and the placement search cost what is free, not what the device holds.
+    Scanning all SMs for every kernel dominated the simulator's cost; instead each SM that changes updates
+    its entry in every table at once (a handful of shapes are in use at a time: tables not asked for during
+    a while are dropped, and rebuilt if asked for again). The set of SMs with room is small on a busy
+    device (often empty), so "is this shape full?" and the placement search cost what is free, not what
+    the device holds.
     """
 
-    _LOG_LIMIT = 1 << 14  # past this, bring every table up to date and start the log afresh
-    _SHAPES_LIMIT = 64  # past this many shapes, forget them all (rebuilt when next asked for)
+    _SWEEP = 1 << 12  # changes between sweeps for tables nobody asked for since the last one
 
     def __init__(self, sms: list[SM]) -> None:
         self._sms = sms
-        self._log: list[int] = []
-        self._tables: dict[object, list] = {}  # shape key -> [fits, room, log entries seen, need]
+        # shape key -> [fits, room, warps, regs, smem, changes count when last asked for]
+        self._tables: dict[object, list] = {}
+        self._changes = 0
 
     def changed(self, index: int) -> None:
         """SM ``index`` took or released blocks."""
-        log = self._log
-        log.append(index)
-        if len(log) > self._LOG_LIMIT:
-            self._trim()
+        sm = self._sms[index]
+        blocks, warps, regs, smem = sm.free_blocks, sm.free_warps, sm.free_regs, sm.free_smem
+        for table in self._tables.values():  # SM.fit, inlined: this runs for every group placed or ended
+            f = warps // table[2]
+            if blocks < f:
+                f = blocks
+            n = smem // table[4]
+            if n < f:
+                f = n
+            if table[3]:
+                n = regs // table[3]
+                if n < f:
+                    f = n
+            table[0][index] = f
+            if f:
+                table[1].add(index)
+            else:
+                table[1].discard(index)
+        self._changes += 1
+        if not self._changes % self._SWEEP:
+            stale = self._changes - self._SWEEP
+            for key in [k for k, t in self._tables.items() if t[5] < stale]:
+                del self._tables[key]
 
     def fits(self, need: BlockNeed) -> list[int]:
         """Blocks of shape ``need`` that fit on each SM now, by SM index (do not modify the list)."""
@@ -172,33 +192,12 @@ class FitIndex:
 
         Returns:
             (fits, room): blocks that fit on each SM by index, and the indices where at least one fits
-            (current until the next change; do not modify either).
+            (kept current as SMs change; do not modify either).
         """
-        entry = self._tables.get(key)
-        if entry is None:
-            if len(self._tables) >= self._SHAPES_LIMIT:
-                self._tables.clear()
+        table = self._tables.get(key)
+        if table is None:
             fits = [sm.fit(need) for sm in self._sms]
-            entry = self._tables[key] = [fits, {i for i, f in enumerate(fits) if f}, len(self._log), need]
-        elif entry[2] < len(self._log):
-            self._catch_up(entry)
-        return entry[0], entry[1]
-
-    def _catch_up(self, entry: list) -> None:
-        log = self._log
-        fits, room, seen, need = entry
-        sms = self._sms
-        for i in (log[seen:] if len(log) - seen == 1 else set(log[seen:])):
-            f = fits[i] = sms[i].fit(need)
-            if f:
-                room.add(i)
-            else:
-                room.discard(i)
-        entry[2] = len(log)
-
-    def _trim(self) -> None:
-        """Bring every table up to date and start the log afresh, so it never grows without bound."""
-        for entry in self._tables.values():
-            self._catch_up(entry)
-            entry[2] = 0
-        self._log.clear()
+            table = self._tables[key] = [fits, {i for i, f in enumerate(fits) if f}, need.warps, need.regs,
+                                         need.smem, 0]
+        table[5] = self._changes
+        return table[0], table[1]

@@ -35,8 +35,8 @@ class KernelRun:
         partial: preempted blocks waiting to resume, as [count, seconds of work left per block] entries,
             oldest first; they are placed before fresh blocks.
         shape: the engine's small-integer name for ``need`` (cheaper to hash than the BlockNeed).
-        key: (shape, SM window of its client) while it is ready: kernels with equal keys compete for the
-            very same room, so one found full stands for all (set by the engine).
+        key: the engine's small-integer name for (shape, SM window of its client), set while it is ready:
+            kernels with equal keys compete for the very same room, so one found full stands for all.
         counters: its client's statistics counters once it has placed a block (the engine's, kept here
             to save a lookup per group).
     """
@@ -50,7 +50,7 @@ class KernelRun:
     groups: dict = field(default_factory=dict)
     partial: list = field(default_factory=list)
     shape: int = 0
-    key: tuple = ()
+    key: int = -1
     counters: Any = None
 
 
