@@ -28,6 +28,7 @@ from .streams import Streams
 __all__ = ["Simulator"]
 
 _READY, _GROUP_END, _SM, _COPY_END, _TIMER = range(5)
+_SWEEP = 1 << 12  # SM changes between sweeps of the fit tables no ready kernel needs
 
 
 class Simulator:
@@ -67,7 +68,8 @@ class Simulator:
         self._ready: list[KernelRun] = []  # past launch overhead, blocks left to place; by mps_key
         self._ready_keys: dict[int, int] = {}  # run.key -> ready kernels with that key and blocks unplaced
         self._keys: dict[tuple, int] = {}  # (shape, window) -> a small integer naming it (a run's key)
-        self._key_parts: list[tuple] = []  # and back
+        self._key_parts: list[tuple] = []  # and back: key -> (shape, window, need, lo, hi)
+        self._next_sweep = _SWEEP
         self._drained = False  # a ready kernel placed its last block during this dispatch
         self._windows: dict[int, tuple[int, int] | None] = {}  # client -> policy.window(client), cached
         self._dirty = False  # capacity freed or a kernel became ready since the last dispatch
@@ -310,11 +312,11 @@ class Simulator:
                 continue
             client = run.kernel.client
             occupied = self._client_sms.get(client, {})
-            fits, room = self._fit_index.lookup(run.shape, run.need)
+            fits, room = self._lookup(run.key)
             cap = run.kernel.sm_cap
             budget = len(fits) if cap is None else cap - len(occupied)
-            window = self._window(client) or (0, None)
-            total += sum(n for _, n in spread(fits, run.unplaced, budget, occupied, *window, room))
+            lo, hi = self._key_parts[run.key][3:]
+            total += sum(n for _, n in spread(fits, run.unplaced, budget, occupied, lo, hi, room))
         return total
 
     # --- events ------------------------------------------------------------------------------
@@ -385,6 +387,9 @@ class Simulator:
                 self._ready = [r for r in self._ready if r.unplaced]
                 self._drained = False
         self._dirty = False
+        if self._fit_index.changes >= self._next_sweep:
+            self._fit_index.sweep(self._ready_keys)
+            self._next_sweep = self._fit_index.changes + _SWEEP
         if self._touched:
             for i in sorted(self._touched):
                 soonest = self._sms[i].reschedule()
@@ -402,12 +407,18 @@ class Simulator:
 
     def _key(self, run: KernelRun) -> int:
         """``run``'s key: a small integer naming (its shape, its client's window)."""
-        parts = (run.shape, self._window(run.kernel.client))
-        key = self._keys.get(parts)
+        window = self._window(run.kernel.client)
+        key = self._keys.get((run.shape, window))
         if key is None:
-            key = self._keys[parts] = len(self._key_parts)
-            self._key_parts.append(parts)
+            key = self._keys[run.shape, window] = len(self._key_parts)
+            lo, hi = window or (0, len(self._sms))
+            self._key_parts.append((run.shape, window, run.need, lo, hi))
         return key
+
+    def _lookup(self, key: int) -> tuple[list[int], set[int]]:
+        """The fit table of ``key``'s shape in its window: (fits by SM, SMs of the window with room)."""
+        _, _, need, lo, hi = self._key_parts[key]
+        return self._fit_index.lookup(key, need, lo, hi)
 
     def _ready_add(self, run: KernelRun) -> None:
         """``run`` has blocks to place: file it in hardware order, and count its key."""
@@ -423,26 +434,18 @@ class Simulator:
                 run.key = key = self._key(run)
                 self._ready_keys[key] = self._ready_keys.get(key, 0) + 1
 
-    def _has_room(self, key: int) -> bool:
-        """True if a block of ``key``'s shape fits somewhere in its window now (a cap may still bar it)."""
-        shape, window = self._key_parts[key]
-        room = self._fit_index.lookup(shape, self._shape_needs[shape])[1]
-        if window is None:
-            return bool(room)
-        lo, hi = window
-        for i in room:
-            if lo <= i < hi:
-                return True
-        return False
-
     def _open_keys(self) -> set[int]:
-        """The keys of ready kernels that still have room in this dispatch (the others are filed full)."""
+        """The keys of ready kernels that have room in their window (the others are filed full)."""
         full = self._full
+        rooms = self._fit_index.rooms
         open_keys = set()
         for key in self._ready_keys:
             if key in full:
                 continue
-            if self._has_room(key):
+            room = rooms.get(key)
+            if room is None:
+                room = self._lookup(key)[1]
+            if room:
                 open_keys.add(key)
             else:
                 full.add(key)
@@ -450,10 +453,10 @@ class Simulator:
 
     def _close_keys(self, open_keys: set[int]) -> None:
         """Drop from ``open_keys`` (and file full) the keys a placement has just filled up."""
-        for key in list(open_keys):
-            if not self._has_room(key):
-                open_keys.discard(key)
-                self._full.add(key)
+        rooms = self._fit_index.rooms
+        for key in [k for k in open_keys if not rooms[k]]:
+            open_keys.discard(key)
+            self._full.add(key)
 
     def _saturated(self) -> bool:
         """True if no ready kernel can place another block in this dispatch: every (shape, window) they
@@ -544,21 +547,10 @@ class Simulator:
         key = run.key
         if key in self._full:
             return 0
-        fits, room = self._fit_index.lookup(run.shape, run.need)
-        window = self._key_parts[key][1]
-        if window is None:
-            lo, hi = 0, None
-            if not room:
-                self._full.add(key)
-                return 0
-        else:
-            lo, hi = window
-            for i in room:
-                if lo <= i < hi:
-                    break
-            else:
-                self._full.add(key)
-                return 0
+        fits, room = self._lookup(key)  # room: SMs of the client's window with room for one block
+        if not room:
+            self._full.add(key)
+            return 0
         kernel = run.kernel
         client = kernel.client
         occupied = self._client_sms.get(client)
@@ -566,7 +558,7 @@ class Simulator:
             occupied = self._client_sms[client] = {}
         cap = kernel.sm_cap
         budget = len(fits) if cap is None else cap - len(occupied)
-        placements = spread(fits, left, budget, occupied, lo, hi, room)
+        placements = spread(fits, left, budget, occupied, room=room)
         if not placements:  # its SM cap: the room is on SMs it may not add
             return 0
         now = self.now

@@ -138,29 +138,29 @@ class SM:
 
 
 class FitIndex:
-    """For each block shape in use, how many more blocks fit on every SM and which SMs have room, kept
-    current as SMs take and release blocks.
+    """For each block shape in use, within an SM window, how many more blocks fit on every SM and which
+    SMs of the window have room, kept current as SMs take and release blocks.
 
     Scanning all SMs for every kernel dominated the simulator's cost; instead each SM that changes updates
-    its entry in every table at once (a handful of shapes are in use at a time: tables not asked for during
-    a while are dropped, and rebuilt if asked for again). The set of SMs with room is small on a busy
-    device (often empty), so "is this shape full?" and the placement search cost what is free, not what
-    the device holds.
+    its entry in every table at once (a handful of shapes are in use at a time; ``sweep`` drops the others).
+    The set of SMs with room is small on a busy device (often empty), so "is this shape full?" and the
+    placement search cost what is free, not what the device holds.
     """
-
-    _SWEEP = 1 << 12  # changes between sweeps for tables nobody asked for since the last one
 
     def __init__(self, sms: list[SM]) -> None:
         self._sms = sms
-        # shape key -> [fits, room, warps, regs, smem, changes count when last asked for]
+        # table key -> [fits, room, warps, regs, smem, lo, hi, asked since the last sweep]
         self._tables: dict[object, list] = {}
-        self._changes = 0
+        self.rooms: dict[object, set[int]] = {}  # table key -> its room set (read-only for callers)
+        self.changes = 0  # calls to changed(), ever
 
     def changed(self, index: int) -> None:
         """SM ``index`` took or released blocks."""
         sm = self._sms[index]
         blocks, warps, regs, smem = sm.free_blocks, sm.free_warps, sm.free_regs, sm.free_smem
         for table in self._tables.values():  # SM.fit, inlined: this runs for every group placed or ended
+            if not table[5] <= index < table[6]:
+                continue
             f = warps // table[2]
             if blocks < f:
                 f = blocks
@@ -176,28 +176,38 @@ class FitIndex:
                 table[1].add(index)
             else:
                 table[1].discard(index)
-        self._changes += 1
-        if not self._changes % self._SWEEP:
-            stale = self._changes - self._SWEEP
-            for key in [k for k, t in self._tables.items() if t[5] < stale]:
-                del self._tables[key]
+        self.changes += 1
 
     def fits(self, need: BlockNeed) -> list[int]:
         """Blocks of shape ``need`` that fit on each SM now, by SM index (do not modify the list)."""
         return self.lookup(need, need)[0]
 
-    def lookup(self, key: object, need: BlockNeed) -> tuple[list[int], set[int]]:
-        """The table of shape ``need``, filed under ``key`` (any hashable naming that shape; the engine uses
-        a small integer, cheaper to hash than a BlockNeed).
+    def lookup(self, key: object, need: BlockNeed, lo: int = 0, hi: int | None = None
+               ) -> tuple[list[int], set[int]]:
+        """The table of shape ``need`` in SMs ``lo`` .. ``hi - 1``, filed under ``key`` (any hashable that
+        names this shape and window; the engine uses a small integer, cheaper to hash than a BlockNeed).
 
         Returns:
-            (fits, room): blocks that fit on each SM by index, and the indices where at least one fits
-            (kept current as SMs change; do not modify either).
+            (fits, room): blocks that fit on each SM by index (0 outside the window), and the indices in
+            the window where at least one fits; both kept current as SMs change (do not modify either).
         """
         table = self._tables.get(key)
         if table is None:
-            fits = [sm.fit(need) for sm in self._sms]
-            table = self._tables[key] = [fits, {i for i, f in enumerate(fits) if f}, need.warps, need.regs,
-                                         need.smem, 0]
-        table[5] = self._changes
+            if hi is None:
+                hi = len(self._sms)
+            fits = [sm.fit(need) if lo <= sm.index < hi else 0 for sm in self._sms]
+            room = {i for i, f in enumerate(fits) if f}
+            table = self._tables[key] = [fits, room, need.warps, need.regs, need.smem, lo, hi, True]
+            self.rooms[key] = room
+        table[7] = True
         return table[0], table[1]
+
+    def sweep(self, keep) -> None:
+        """Drop the tables not asked for since the last sweep, except those whose keys are in ``keep``;
+        the rest stay (and count as not asked for yet)."""
+        for key in list(self._tables):
+            table = self._tables[key]
+            if not table[7] and key not in keep:
+                del self._tables[key]
+                del self.rooms[key]
+            table[7] = False

@@ -194,6 +194,11 @@ def spread(fits: list[int], left: int, budget: int, occupied: dict[int, int],
         cand = sorted(i for i in room if lo <= i < hi)
     if not cand:
         return []
+    if len(cand) == 1:  # a busy device: one SM has room; it takes what fits, if the client may use it
+        i = cand[0]
+        return [(i, min(fits[i], left))] if budget > 0 or i in occupied else []
+    if budget >= len(cand) or budget >= sum(1 for i in cand if i not in occupied):
+        return _spread_uncapped(fits, left, cand)
     if left == 1 and budget > 0:  # the common small kernel: the first SM with the most room
         best = cand[0]
         for i in cand:
@@ -217,3 +222,37 @@ def spread(fits: list[int], left: int, budget: int, occupied: dict[int, int],
         if not left:
             break
     return [(i, taken[i]) for i in cand if i in taken]
+
+
+def _spread_uncapped(fits: list[int], left: int, cand: list[int]) -> list[tuple[int, int]]:
+    """``spread`` where the budget cannot run out, in closed form rather than block by block.
+
+    Every level above the one where ``left`` runs out is taken in full (an SM of fit f takes one block at
+    each level from f down), so only the last level is partial: its first SMs in index order take one more.
+    """
+    top = max(fits[i] for i in cand)
+    at_level = [0] * (top + 1)  # SMs whose fit is exactly L
+    for i in cand:
+        at_level[fits[i]] += 1
+    above = 0  # blocks taken at the levels done so far
+    reach = 0  # SMs taking a block at the current level (fit >= level)
+    level = top
+    while level:
+        reach += at_level[level]
+        if above + reach >= left:
+            break
+        above += reach
+        level -= 1
+    if not level:  # everything fits
+        return [(i, fits[i]) for i in cand]
+    extra = left - above  # SMs at the last level that take one more
+    out = []
+    for i in cand:
+        f = fits[i]
+        n = f - level if f > level else 0
+        if extra and f >= level:
+            n += 1
+            extra -= 1
+        if n:
+            out.append((i, n))
+    return out
