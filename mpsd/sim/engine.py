@@ -122,7 +122,11 @@ class Simulator:
             if shape is None:
                 shape = self._shapes[need] = len(self._shapes)
                 self._shape_needs.append(need)
-            self._runs[op] = KernelRun(op, need, unplaced=op.blocks, shape=shape)
+            spec = self.spec
+            self._runs[op] = KernelRun(op, need, unplaced=op.blocks, shape=shape,
+                                       seconds=max(op.cost.seconds, spec.min_block_time),
+                                       demand=min(1.0, op.threads / spec.saturation_threads),
+                                       sm_share=min(1.0, op.threads / spec.max_threads_per_sm))
         elif isinstance(op, Copy):
             if op.engine not in ENGINES:
                 raise ValueError(f"unknown copy engine {op.engine!r}; known: {ENGINES}")
@@ -547,7 +551,8 @@ class Simulator:
         key = run.key
         if key in self._full:
             return 0
-        fits, room = self._lookup(key)  # room: SMs of the client's window with room for one block
+        table = self._fit_index.tables.get(key)
+        fits, room = self._lookup(key) if table is None else table[:2]  # room: SMs of its window with room
         if not room:
             self._full.add(key)
             return 0
@@ -566,9 +571,8 @@ class Simulator:
         need = run.need
         changed = self._fit_index.changed
         hook = self._placed_hook
-        cost = kernel.cost
-        shared = cost.shared
-        fresh = max(cost.seconds, self.spec.min_block_time)
+        shared = kernel.cost.shared
+        fresh = run.seconds
         partial = run.partial
         groups = run.groups
         # Fresh fixed-cost groups placed now all end at now + fresh: one heap event carries them all (a
@@ -593,19 +597,17 @@ class Simulator:
                 else:
                     n, seconds = count, fresh
                 count -= n
-                group = Group(run, i, n, now, planned=seconds)
-                groups[group] = None
                 if shared:
-                    group.remaining = seconds
-                    group.demand = min(1.0, kernel.threads / self.spec.saturation_threads)
+                    group = Group(run, i, n, now, math.nan, seconds, run.demand, 1.0, False, seconds)
                     sms[i].add_shared(group, now)
                     self._touched.add(i)
                 elif resumed:
-                    group.end = now + seconds
+                    group = Group(run, i, n, now, now + seconds, 0.0, 1.0, 1.0, False, seconds)
                     self._push(group.end, _GROUP_END, [group])
                 else:
-                    group.end = now + fresh
+                    group = Group(run, i, n, now, now + fresh, 0.0, 1.0, 1.0, False, seconds)
                     wave.append(group)
+                groups[group] = None
                 if hook is not None:
                     hook(group)
         if wave:
@@ -699,6 +701,6 @@ class Simulator:
         c = run.counters
         block_seconds = count * (now - group.start)
         c.block_seconds += block_seconds
-        c.sm_seconds += block_seconds * min(1.0, kernel.threads / self.spec.max_threads_per_sm)
+        c.sm_seconds += block_seconds * run.sm_share
         if self._record:
             self.trace.append(BlockGroup(kernel, i, count, group.start, now))

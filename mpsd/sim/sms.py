@@ -150,7 +150,7 @@ class FitIndex:
     def __init__(self, sms: list[SM]) -> None:
         self._sms = sms
         # table key -> [fits, room, warps, regs, smem, lo, hi, asked since the last sweep]
-        self._tables: dict[object, list] = {}
+        self.tables: dict[object, list] = {}  # (read-only for callers)
         self.rooms: dict[object, set[int]] = {}  # table key -> its room set (read-only for callers)
         self.changes = 0  # calls to changed(), ever
 
@@ -158,7 +158,7 @@ class FitIndex:
         """SM ``index`` took or released blocks."""
         sm = self._sms[index]
         blocks, warps, regs, smem = sm.free_blocks, sm.free_warps, sm.free_regs, sm.free_smem
-        for table in self._tables.values():  # SM.fit, inlined: this runs for every group placed or ended
+        for table in self.tables.values():  # SM.fit, inlined: this runs for every group placed or ended
             if not table[5] <= index < table[6]:
                 continue
             f = warps // table[2]
@@ -191,13 +191,13 @@ class FitIndex:
             (fits, room): blocks that fit on each SM by index (0 outside the window), and the indices in
             the window where at least one fits; both kept current as SMs change (do not modify either).
         """
-        table = self._tables.get(key)
+        table = self.tables.get(key)
         if table is None:
             if hi is None:
                 hi = len(self._sms)
             fits = [sm.fit(need) if lo <= sm.index < hi else 0 for sm in self._sms]
             room = {i for i, f in enumerate(fits) if f}
-            table = self._tables[key] = [fits, room, need.warps, need.regs, need.smem, lo, hi, True]
+            table = self.tables[key] = [fits, room, need.warps, need.regs, need.smem, lo, hi, True]
             self.rooms[key] = room
         table[7] = True
         return table[0], table[1]
@@ -205,9 +205,9 @@ class FitIndex:
     def sweep(self, keep) -> None:
         """Drop the tables not asked for since the last sweep, except those whose keys are in ``keep``;
         the rest stay (and count as not asked for yet)."""
-        for key in list(self._tables):
-            table = self._tables[key]
+        for key in list(self.tables):
+            table = self.tables[key]
             if not table[7] and key not in keep:
-                del self._tables[key]
+                del self.tables[key]
                 del self.rooms[key]
             table[7] = False

@@ -34,6 +34,9 @@ class KernelRun:
         groups: its block groups resident now, in placement order (an ordered set: values are None).
         partial: preempted blocks waiting to resume, as [count, seconds of work left per block] entries,
             oldest first; they are placed before fresh blocks.
+        seconds: a fresh block's duration (full-rate seconds if shared), at least the device's minimum.
+        demand: share of an SM's issue rate one of its blocks asks for (shared kernels).
+        sm_share: share of an SM's threads one of its blocks holds (for SM-time statistics).
         shape: the engine's small-integer name for ``need`` (cheaper to hash than the BlockNeed).
         key: the engine's small-integer name for (shape, SM window of its client), set while it is ready:
             kernels with equal keys compete for the very same room, so one found full stands for all.
@@ -50,6 +53,9 @@ class KernelRun:
     groups: dict = field(default_factory=dict)
     partial: list = field(default_factory=list)
     shape: int = 0
+    seconds: float = 0.0
+    demand: float = 1.0
+    sm_share: float = 1.0
     key: int = -1
     counters: Any = None
 
