@@ -60,6 +60,7 @@ class Simulator:
         self._needs: dict[tuple[int, int, int], BlockNeed | None] = {}
         self._shapes: dict[BlockNeed, int] = {}  # every block shape seen -> a small integer naming it
         self._shape_needs: list[BlockNeed] = []  # and back
+        self._launch_shapes: dict[tuple[int, int, int], tuple] = {}  # (threads, regs, smem) -> _launch_shape
         self._heap: list[tuple] = []
         self._event_seq = itertools.count()
         self._op_seq = itertools.count()
@@ -110,23 +111,15 @@ class Simulator:
         if isinstance(op, Kernel):
             if op.blocks < 1:
                 raise ValueError(f"kernel needs at least one block, got {op.blocks}")
-            need = self.block_need(op.threads, op.regs_per_thread, op.smem)
-            if need is None:
-                raise ValueError(
-                    f"a block of {op.threads} threads, {op.regs_per_thread} registers/thread and "
-                    f"{op.smem} bytes of shared memory cannot fit on an SM"
-                )
+            launch = self._launch_shapes.get((op.threads, op.regs_per_thread, op.smem))
+            if launch is None:
+                launch = self._launch_shape(op.threads, op.regs_per_thread, op.smem)
             if op.sm_cap is not None and op.sm_cap < 1:
                 raise ValueError(f"sm_cap must be >= 1, got {op.sm_cap}")
-            shape = self._shapes.get(need)
-            if shape is None:
-                shape = self._shapes[need] = len(self._shapes)
-                self._shape_needs.append(need)
-            spec = self.spec
+            shape, need, demand, sm_share = launch
             self._runs[op] = KernelRun(op, need, unplaced=op.blocks, shape=shape,
-                                       seconds=max(op.cost.seconds, spec.min_block_time),
-                                       demand=min(1.0, op.threads / spec.saturation_threads),
-                                       sm_share=min(1.0, op.threads / spec.max_threads_per_sm))
+                                       seconds=max(op.cost.seconds, self.spec.min_block_time),
+                                       demand=demand, sm_share=sm_share)
         elif isinstance(op, Copy):
             if op.engine not in ENGINES:
                 raise ValueError(f"unknown copy engine {op.engine!r}; known: {ENGINES}")
@@ -138,6 +131,27 @@ class Simulator:
         op.submitted = self.now
         if self._streams.add(op):
             self._settle([op])
+
+    def _launch_shape(self, threads: int, regs_per_thread: int, smem: int) -> tuple:
+        """(shape, need, demand, sm_share) of a launch shape, cached: every launch asks.
+
+        Raises:
+            ValueError: a block of this shape cannot fit on an SM.
+        """
+        need = self.block_need(threads, regs_per_thread, smem)
+        if need is None:
+            raise ValueError(
+                f"a block of {threads} threads, {regs_per_thread} registers/thread and "
+                f"{smem} bytes of shared memory cannot fit on an SM"
+            )
+        shape = self._shapes.get(need)
+        if shape is None:
+            shape = self._shapes[need] = len(self._shapes)
+            self._shape_needs.append(need)
+        spec = self.spec
+        launch = (shape, need, min(1.0, threads / spec.saturation_threads), min(1.0, threads / spec.max_threads_per_sm))
+        self._launch_shapes[threads, regs_per_thread, smem] = launch
+        return launch
 
     def block_need(self, threads: int, regs_per_thread: int = 32, smem: int = 0) -> BlockNeed | None:
         """What one block of this shape takes from an SM, or None if one cannot fit (cached: every launch

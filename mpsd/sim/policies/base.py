@@ -192,6 +192,10 @@ def spread(fits: list[int], left: int, budget: int, occupied: dict[int, int],
     """
     if hi is None:
         hi = len(fits)
+    if left == 1 and budget > 0:  # the common small kernel: the first SM with the most room
+        window = fits if lo == 0 and hi == len(fits) else fits[lo:hi]
+        top = max(window, default=0)
+        return [(window.index(top) + lo, 1)] if top else []
     if room is None:
         cand = [i for i in range(lo, hi) if fits[i]]
     elif lo == 0 and hi == len(fits):
@@ -205,12 +209,6 @@ def spread(fits: list[int], left: int, budget: int, occupied: dict[int, int],
         return [(i, min(fits[i], left))] if budget > 0 or i in occupied else []
     if budget >= len(cand) or budget >= sum(1 for i in cand if i not in occupied):
         return _spread_uncapped(fits, left, cand)
-    if left == 1 and budget > 0:  # the common small kernel: the first SM with the most room
-        best = cand[0]
-        for i in cand:
-            if fits[i] > fits[best]:
-                best = i
-        return [(best, 1)]
     taken: dict[int, int] = {}
     for level in range(max(fits[i] for i in cand), 0, -1):
         for i in cand:
