@@ -5,6 +5,12 @@
 # The engine owns time and bookkeeping; stream order lives in streams.py, SM accounting and processor
 # sharing in sms.py, the choice of which kernel goes next and which SMs a client may use in policies/.
 # Policies act only through _place, _set_timer and _preempt; the engine does the accounting for them.
+# What keeps an instant cheap on a busy device (each of these is exact, not an approximation): ready
+# kernels are kept in hardware order, so policies never sort; each ready kernel carries a key naming its
+# block shape and SM window, and a key whose window has no room for one block is filed full for the rest
+# of the dispatch (placing only takes room), so a pass stops as soon as every key is full instead of
+# offering capacity to a long queue that cannot start; the fit tables say which SMs have room; and the
+# fixed-cost groups of one placement, which all end at the same time, share one heap event.
 # The clock is the caller's: virtual time with run(), or any external clock driving advance().
 """The simulation engine."""
 

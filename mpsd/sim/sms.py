@@ -1,6 +1,7 @@
 # SM state: free resources and the blocks resident on each SM. Blocks are never simulated one by one:
 # blocks of one kernel placed on one SM at one instant form a Group with a single end time. Fixed-cost
-# groups get one heap event each; throughput-bound ("shared") groups on an SM divide its issue rate, so
+# groups placed together share one heap event (see Simulator._place); throughput-bound ("shared") groups
+# on an SM divide its issue rate, so
 # their end times move whenever the SM's membership changes. Each SM therefore keeps a version counter:
 # the engine pushes one event per reschedule and ignores any event whose version is stale (lazy
 # invalidation), instead of searching the heap.
