@@ -211,7 +211,8 @@ class Simulator:
         """
         if self._completed:
             return self.now
-        return self._peek()
+        heap = self._heap
+        return heap[0][0] if heap and not self._stale(heap[0]) else self._peek()
 
     def advance(self, until: float, max_instants: int | None = None) -> list[Op]:
         """Process every event with time <= ``until`` and move the clock to ``until``.
@@ -231,9 +232,10 @@ class Simulator:
         if not until >= self.now:
             raise ValueError(f"cannot go back in time from {self.now} to {until}")
         out: list[Op] = []
+        heap = self._heap
         instants = 0
         while True:
-            t = self._peek()
+            t = heap[0][0] if heap and not self._stale(heap[0]) else self._peek()
             if t is None or t > until:
                 break
             if max_instants is not None and instants >= max_instants:
@@ -447,7 +449,11 @@ class Simulator:
     def _ready_add(self, run: KernelRun) -> None:
         """``run`` has blocks to place: file it in hardware order, and count its key."""
         run.key = key = self._key(run)
-        insort(self._ready, run, key=mps_key)
+        ready = self._ready
+        if ready and mps_key(run) < mps_key(ready[-1]):
+            insort(ready, run, key=mps_key)
+        else:  # the usual case: it became ready after every kernel already waiting
+            ready.append(run)
         self._ready_keys[key] = self._ready_keys.get(key, 0) + 1
 
     def _rekey(self) -> None:
@@ -572,7 +578,7 @@ class Simulator:
         if key in self._full:
             return 0
         table = self._fit_index.tables.get(key)
-        fits, room = self._lookup(key) if table is None else table[:2]  # room: SMs of its window with room
+        fits, room = self._lookup(key) if table is None else (table[0], table[1])  # room: SMs of its window
         if not room:
             self._full.add(key)
             return 0

@@ -140,6 +140,9 @@ class MigPolicy(Policy):
         # every kernel in turn, without walking a long queue of kernels that cannot start.
         sim = self.sim
         place = sim._place
+        if len(ready) == 1:  # a lone kernel (the daemon's common case): nothing to skip
+            place(ready[0], ready[0].unplaced)
+            return
         open_keys = sim._open_keys()
         if not open_keys:
             return
