@@ -5,6 +5,12 @@
 # The engine owns time and bookkeeping; stream order lives in streams.py, SM accounting and processor
 # sharing in sms.py, the choice of which kernel goes next and which SMs a client may use in policies/.
 # Policies act only through _place, _set_timer and _preempt; the engine does the accounting for them.
+# What keeps an instant cheap on a busy device (each of these is exact, not an approximation): ready
+# kernels are kept in hardware order, so policies never sort; each ready kernel carries a key naming its
+# block shape and SM window, and a key whose window has no room for one block is filed full for the rest
+# of the dispatch (placing only takes room), so a pass stops as soon as every key is full instead of
+# offering capacity to a long queue that cannot start; the fit tables say which SMs have room; and the
+# fixed-cost groups of one placement, which all end at the same time, share one heap event.
 # The clock is the caller's: virtual time with run(), or any external clock driving advance().
 """The simulation engine."""
 
@@ -13,12 +19,13 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+from bisect import insort
 from collections import deque
 from typing import Any
 
 from .ops import ENGINES, BlockGroup, Copy, Kernel, Marker, Op
 from .policies import DEFAULT_CLIENT, ClientConfig, KernelRun, Policy, make_policy
-from .policies.base import spread
+from .policies.base import mps_key, spread
 from .sms import _EPSILON, SM, FitIndex, Group
 from .specs import H200, BlockNeed, DeviceSpec, block_need, occupancy
 from .stats import Counters, SimStatistics
@@ -27,6 +34,7 @@ from .streams import Streams
 __all__ = ["Simulator"]
 
 _READY, _GROUP_END, _SM, _COPY_END, _TIMER = range(5)
+_SWEEP = 1 << 12  # SM changes between sweeps of the fit tables no ready kernel needs
 
 
 class Simulator:
@@ -56,12 +64,21 @@ class Simulator:
         self._sms = [SM.empty(i, spec) for i in range(spec.sm_count)]
         self._fit_index = FitIndex(self._sms)
         self._needs: dict[tuple[int, int, int], BlockNeed | None] = {}
+        self._shapes: dict[BlockNeed, int] = {}  # every block shape seen -> a small integer naming it
+        self._shape_needs: list[BlockNeed] = []  # and back
+        self._launch_shapes: dict[tuple[int, int, int], tuple] = {}  # (threads, regs, smem) -> _launch_shape
         self._heap: list[tuple] = []
         self._event_seq = itertools.count()
         self._op_seq = itertools.count()
         self._streams = Streams()
         self._runs: dict[Kernel, KernelRun] = {}
-        self._ready: list[KernelRun] = []  # past launch overhead, blocks left to place
+        self._ready: list[KernelRun] = []  # past launch overhead, blocks left to place; by mps_key
+        self._ready_keys: dict[int, int] = {}  # run.key -> ready kernels with that key and blocks unplaced
+        self._keys: dict[tuple, int] = {}  # (shape, window) -> a small integer naming it (a run's key)
+        self._key_parts: list[tuple] = []  # and back: key -> (shape, window, need, lo, hi)
+        self._next_sweep = _SWEEP
+        self._drained = False  # a ready kernel placed its last block during this dispatch
+        self._windows: dict[int, tuple[int, int] | None] = {}  # client -> policy.window(client), cached
         self._dirty = False  # capacity freed or a kernel became ready since the last dispatch
         self._touched: set[int] = set()  # SMs whose shared groups changed this instant
         self._client_sms: dict[int, dict[int, int]] = {}  # client -> SM -> resident blocks
@@ -74,8 +91,13 @@ class Simulator:
         self._kernels = self._blocks = self._copies = 0
         # (block shape, SM window) found with no room during this dispatch: placing only takes capacity,
         # so they stay full until it ends, and every later kernel of that shape is turned away at once.
-        self._full: set[tuple] = set()
+        # Once every key of the ready kernels is here, nothing more can be placed (see _saturated).
+        self._full: set[int] = set()
         self._policy: Policy = make_policy(policy, self, policy_options)
+        # The policy's per-group hooks, or None where it keeps the base class's no-ops (most do).
+        cls = type(self._policy)
+        self._placed_hook = self._policy.placed if cls.placed is not Policy.placed else None
+        self._vacated_hook = self._policy.vacated if cls.vacated is not Policy.vacated else None
 
     # --- public API ------------------------------------------------------------------------
 
@@ -95,15 +117,15 @@ class Simulator:
         if isinstance(op, Kernel):
             if op.blocks < 1:
                 raise ValueError(f"kernel needs at least one block, got {op.blocks}")
-            need = self.block_need(op.threads, op.regs_per_thread, op.smem)
-            if need is None:
-                raise ValueError(
-                    f"a block of {op.threads} threads, {op.regs_per_thread} registers/thread and "
-                    f"{op.smem} bytes of shared memory cannot fit on an SM"
-                )
+            launch = self._launch_shapes.get((op.threads, op.regs_per_thread, op.smem))
+            if launch is None:
+                launch = self._launch_shape(op.threads, op.regs_per_thread, op.smem)
             if op.sm_cap is not None and op.sm_cap < 1:
                 raise ValueError(f"sm_cap must be >= 1, got {op.sm_cap}")
-            self._runs[op] = KernelRun(op, need, unplaced=op.blocks)
+            shape, need, demand, sm_share = launch
+            self._runs[op] = KernelRun(op, need, unplaced=op.blocks, shape=shape,
+                                       seconds=max(op.cost.seconds, self.spec.min_block_time),
+                                       demand=demand, sm_share=sm_share)
         elif isinstance(op, Copy):
             if op.engine not in ENGINES:
                 raise ValueError(f"unknown copy engine {op.engine!r}; known: {ENGINES}")
@@ -115,6 +137,27 @@ class Simulator:
         op.submitted = self.now
         if self._streams.add(op):
             self._settle([op])
+
+    def _launch_shape(self, threads: int, regs_per_thread: int, smem: int) -> tuple:
+        """(shape, need, demand, sm_share) of a launch shape, cached: every launch asks.
+
+        Raises:
+            ValueError: a block of this shape cannot fit on an SM.
+        """
+        need = self.block_need(threads, regs_per_thread, smem)
+        if need is None:
+            raise ValueError(
+                f"a block of {threads} threads, {regs_per_thread} registers/thread and "
+                f"{smem} bytes of shared memory cannot fit on an SM"
+            )
+        shape = self._shapes.get(need)
+        if shape is None:
+            shape = self._shapes[need] = len(self._shapes)
+            self._shape_needs.append(need)
+        spec = self.spec
+        launch = (shape, need, min(1.0, threads / spec.saturation_threads), min(1.0, threads / spec.max_threads_per_sm))
+        self._launch_shapes[threads, regs_per_thread, smem] = launch
+        return launch
 
     def block_need(self, threads: int, regs_per_thread: int = 32, smem: int = 0) -> BlockNeed | None:
         """What one block of this shape takes from an SM, or None if one cannot fit (cached: every launch
@@ -146,6 +189,8 @@ class Simulator:
         config = ClientConfig(priority, weight, partition)
         self._policy.configure(client, config)
         self._clients[client] = config
+        self._windows.clear()  # the policy's windows follow the configuration
+        self._rekey()
         self._dirty = True
 
     def client_config(self, client: int) -> ClientConfig:
@@ -167,9 +212,7 @@ class Simulator:
         if self._completed:
             return self.now
         heap = self._heap
-        while heap and self._stale(heap[0]):
-            heapq.heappop(heap)
-        return heap[0][0] if heap else None
+        return heap[0][0] if heap and not self._stale(heap[0]) else self._peek()
 
     def advance(self, until: float, max_instants: int | None = None) -> list[Op]:
         """Process every event with time <= ``until`` and move the clock to ``until``.
@@ -192,23 +235,17 @@ class Simulator:
         heap = self._heap
         instants = 0
         while True:
-            while heap and self._stale(heap[0]):
-                heapq.heappop(heap)
-            if not heap or heap[0][0] > until:
+            t = heap[0][0] if heap and not self._stale(heap[0]) else self._peek()
+            if t is None or t > until:
                 break
             if max_instants is not None and instants >= max_instants:
                 out.extend(self._flush())
                 return out
             instants += 1
-            t = heap[0][0]
             if t > self.now:
                 out.extend(self._flush())
                 self.now = t
-            while heap and heap[0][0] <= t:
-                event = heapq.heappop(heap)
-                if not self._stale(event):
-                    self._handle(event[2], event[3])
-            self._end_instant()
+            self._instant(t)
         out.extend(self._flush())
         self.now = until
         return out
@@ -219,9 +256,15 @@ class Simulator:
         Returns:
             Every op completed, in completion order.
         """
+        # advance(next_time()) until None, without the per-call set-up: completions are flushed whenever
+        # the clock moves, exactly where those calls would have returned them.
         out: list[Op] = []
-        while (t := self.next_time()) is not None:
-            out.extend(self.advance(t))
+        while (t := self._peek()) is not None:
+            if t > self.now:
+                out.extend(self._flush())
+                self.now = t
+            self._instant(t)
+        out.extend(self._flush())
         return out
 
     def cancel(self, client: int) -> list[Op]:
@@ -260,6 +303,7 @@ class Simulator:
             else:
                 dropped.append(op)
         self._ready = [r for r in self._ready if not r.cancelled]
+        self._rekey()
         for op in sorted(dropped + resolved, key=lambda o: o.seq):
             self._settle(self._streams.resolve(op))
         for lane in list(self._copy_queues):
@@ -294,11 +338,11 @@ class Simulator:
                 continue
             client = run.kernel.client
             occupied = self._client_sms.get(client, {})
-            fits = self._fit_index.fits(run.need)
+            fits, room = self._lookup(run.key)
             cap = run.kernel.sm_cap
             budget = len(fits) if cap is None else cap - len(occupied)
-            window = self._policy.window(client) or (0, None)
-            total += sum(n for _, n in spread(fits, run.unplaced, budget, occupied, *window))
+            lo, hi = self._key_parts[run.key][3:]
+            total += sum(n for _, n in spread(fits, run.unplaced, budget, occupied, lo, hi, room))
         return total
 
     # --- events ------------------------------------------------------------------------------
@@ -312,47 +356,143 @@ class Simulator:
 
     def _stale(self, event: tuple) -> bool:
         kind, payload = event[2], event[3]
-        if kind == _TIMER:
-            return self._policy.timer_stale(payload)
+        if kind == _GROUP_END:
+            for group in payload:
+                if not group.evicted:
+                    return False
+            return True
         if kind == _SM:
             return self._sms[payload[0]].version != payload[1]
-        if kind == _GROUP_END:
-            return payload.evicted
+        if kind == _TIMER:
+            return self._policy.timer_stale(payload)
         if kind == _COPY_END:
             return payload in self._stopped_copies
         return payload.cancelled
 
-    def _handle(self, kind: int, payload) -> None:
-        if kind == _GROUP_END:
-            self._end_group(payload)
-        elif kind == _SM:
-            sm = self._sms[payload[0]]
-            if sm.version != payload[1]:
-                return
-            for group in sm.pop_finished(self.now):
-                self._end_group(group)
-            self._touched.add(sm.index)
-        elif kind == _READY:
-            if not payload.cancelled:
-                self._ready.append(payload)
-                self._dirty = True
-        elif kind == _TIMER:
-            self._policy.on_timer(payload)
-            self._dirty = True
-        else:
-            self._end_copy(payload)
+    def _peek(self) -> float | None:
+        """Time of the earliest event that still matters (stale ones are dropped), or None."""
+        heap = self._heap
+        while heap and self._stale(heap[0]):
+            heapq.heappop(heap)
+        return heap[0][0] if heap else None
+
+    def _instant(self, t: float) -> None:
+        """Handle every event due at ``t`` (== now), those they add at ``t`` too, then dispatch once."""
+        heap = self._heap
+        pop = heapq.heappop
+        while heap and heap[0][0] <= t:
+            _, _, kind, payload = pop(heap)
+            if kind == _GROUP_END:
+                for group in payload:
+                    if not group.evicted:
+                        self._end_group(group)
+            elif kind == _SM:
+                sm = self._sms[payload[0]]
+                if sm.version != payload[1]:
+                    continue
+                for group in sm.pop_finished(t):
+                    self._end_group(group)
+                self._touched.add(sm.index)
+            elif kind == _READY:
+                if not payload.cancelled:
+                    self._ready_add(payload)
+                    self._dirty = True
+            elif kind == _TIMER:
+                if not self._policy.timer_stale(payload):
+                    self._policy.on_timer(payload)
+                    self._dirty = True
+            elif payload not in self._stopped_copies:
+                self._end_copy(payload)
+        self._end_instant()
 
     def _end_instant(self) -> None:
         if self._dirty and (self._ready or self._policy.dispatch_when_idle):
             self._full.clear()
             self._policy.dispatch(self._ready)
-            self._ready = [r for r in self._ready if r.unplaced]
+            if self._drained:
+                self._ready = [r for r in self._ready if r.unplaced]
+                self._drained = False
         self._dirty = False
-        for i in sorted(self._touched):
-            soonest = self._sms[i].reschedule()
-            if soonest is not None:
-                self._push(soonest, _SM, (i, self._sms[i].version))
-        self._touched.clear()
+        if self._fit_index.changes >= self._next_sweep:
+            self._fit_index.sweep(self._ready_keys)
+            self._next_sweep = self._fit_index.changes + _SWEEP
+        if self._touched:
+            for i in sorted(self._touched):
+                soonest = self._sms[i].reschedule()
+                if soonest is not None:
+                    self._push(soonest, _SM, (i, self._sms[i].version))
+            self._touched.clear()
+
+    # --- ready kernels -----------------------------------------------------------------------
+
+    def _window(self, client: int) -> tuple[int, int] | None:
+        window = self._windows.get(client, 0)
+        if window == 0:
+            window = self._windows[client] = self._policy.window(client)
+        return window
+
+    def _key(self, run: KernelRun) -> int:
+        """``run``'s key: a small integer naming (its shape, its client's window)."""
+        window = self._window(run.kernel.client)
+        key = self._keys.get((run.shape, window))
+        if key is None:
+            key = self._keys[run.shape, window] = len(self._key_parts)
+            lo, hi = window or (0, len(self._sms))
+            self._key_parts.append((run.shape, window, run.need, lo, hi))
+        return key
+
+    def _lookup(self, key: int) -> tuple[list[int], set[int]]:
+        """The fit table of ``key``'s shape in its window: (fits by SM, SMs of the window with room)."""
+        _, _, need, lo, hi = self._key_parts[key]
+        return self._fit_index.lookup(key, need, lo, hi)
+
+    def _ready_add(self, run: KernelRun) -> None:
+        """``run`` has blocks to place: file it in hardware order, and count its key."""
+        run.key = key = self._key(run)
+        ready = self._ready
+        if ready and mps_key(run) < mps_key(ready[-1]):
+            insort(ready, run, key=mps_key)
+        else:  # the usual case: it became ready after every kernel already waiting
+            ready.append(run)
+        self._ready_keys[key] = self._ready_keys.get(key, 0) + 1
+
+    def _rekey(self) -> None:
+        """Recount the keys of the ready kernels (a window or the ready set changed wholesale)."""
+        self._ready_keys = {}
+        for run in self._ready:
+            if run.unplaced:
+                run.key = key = self._key(run)
+                self._ready_keys[key] = self._ready_keys.get(key, 0) + 1
+
+    def _open_keys(self) -> set[int]:
+        """The keys of ready kernels that have room in their window (the others are filed full)."""
+        full = self._full
+        rooms = self._fit_index.rooms
+        open_keys = set()
+        for key in self._ready_keys:
+            if key in full:
+                continue
+            room = rooms.get(key)
+            if room is None:
+                room = self._lookup(key)[1]
+            if room:
+                open_keys.add(key)
+            else:
+                full.add(key)
+        return open_keys
+
+    def _close_keys(self, open_keys: set[int]) -> None:
+        """Drop from ``open_keys`` (and file full) the keys a placement has just filled up."""
+        rooms = self._fit_index.rooms
+        for key in [k for k in open_keys if not rooms[k]]:
+            open_keys.discard(key)
+            self._full.add(key)
+
+    def _saturated(self) -> bool:
+        """True if no ready kernel can place another block in this dispatch: every (shape, window) they
+        have was found full, and placing only takes room. A policy may stop offering capacity then; every
+        further ``_place`` would return 0 and change nothing."""
+        return len(self._full) >= len(self._ready_keys)
 
     def _flush(self) -> list[Op]:
         done = self._completed
@@ -434,39 +574,47 @@ class Simulator:
         left = min(limit, run.unplaced)
         if left <= 0:
             return 0
+        key = run.key
+        if key in self._full:
+            return 0
+        table = self._fit_index.tables.get(key)
+        fits, room = self._lookup(key) if table is None else (table[0], table[1])  # room: SMs of its window
+        if not room:
+            self._full.add(key)
+            return 0
         kernel = run.kernel
         client = kernel.client
-        window = self._policy.window(client)
-        full_key = (run.need, window)
-        if full_key in self._full:
-            return 0
         occupied = self._client_sms.get(client)
         if occupied is None:
             occupied = self._client_sms[client] = {}
-        fits = self._fit_index.fits(run.need)
         cap = kernel.sm_cap
         budget = len(fits) if cap is None else cap - len(occupied)
-        if window is None:
-            placements = spread(fits, left, budget, occupied)
-        else:
-            placements = spread(fits, left, budget, occupied, *window)
-        if not placements:
-            if budget > 0:  # not the cap: no SM in the window has room for this shape
-                self._full.add(full_key)
+        placements = spread(fits, left, budget, occupied, room=room)
+        if not placements:  # its SM cap: the room is on SMs it may not add
             return 0
         now = self.now
         sms = self._sms
-        cost = kernel.cost
-        fresh = max(cost.seconds, self.spec.min_block_time)
+        need = run.need
+        changed = self._fit_index.changed
+        hook = self._placed_hook
+        shared = kernel.cost.shared
+        fresh = run.seconds
         partial = run.partial
+        groups = run.groups
+        # Fresh fixed-cost groups placed now all end at now + fresh: one heap event carries them all (a
+        # wave), handled in placement order, which is the order their own events would have had, since
+        # nothing else is pushed while they are placed. Resumed blocks (partial) come first, each with
+        # the work it had left, and keep an event apiece.
+        wave: list[Group] = []
         placed = 0
         for i, count in placements:
-            sms[i].take(run.need, count)
-            self._fit_index.changed(i)
+            sms[i].take(need, count)
+            changed(i)
             occupied[i] = occupied.get(i, 0) + count
             placed += count
             while count:
-                if partial:
+                resumed = bool(partial)
+                if resumed:
                     entry = partial[0]
                     n, seconds = min(count, entry[0]), entry[1]
                     entry[0] -= n
@@ -475,23 +623,37 @@ class Simulator:
                 else:
                     n, seconds = count, fresh
                 count -= n
-                group = Group(run, i, n, now, planned=seconds)
-                run.groups[group] = None
-                if cost.shared:
-                    group.remaining = seconds
-                    group.demand = min(1.0, kernel.threads / self.spec.saturation_threads)
+                if shared:
+                    group = Group(run, i, n, now, math.nan, seconds, run.demand, 1.0, False, seconds)
                     sms[i].add_shared(group, now)
                     self._touched.add(i)
+                elif resumed:
+                    group = Group(run, i, n, now, now + seconds, 0.0, 1.0, 1.0, False, seconds)
+                    self._push(group.end, _GROUP_END, [group])
                 else:
-                    group.end = now + seconds
-                    self._push(group.end, _GROUP_END, group)
-                self._policy.placed(group)
+                    group = Group(run, i, n, now, now + fresh, 0.0, 1.0, 1.0, False, seconds)
+                    wave.append(group)
+                groups[group] = None
+                if hook is not None:
+                    hook(group)
+        if wave:
+            self._push(now + fresh, _GROUP_END, wave)
         run.unplaced -= placed
         run.running += placed
+        if not run.unplaced:
+            self._drained = True
+            n = self._ready_keys[key] - 1
+            if n:
+                self._ready_keys[key] = n
+            else:
+                del self._ready_keys[key]
         if math.isnan(kernel.started):
             kernel.started = now
-        c = self._counter(client)
-        c.max_sms = max(c.max_sms, len(occupied))
+        c = run.counters
+        if c is None:
+            c = run.counters = self._counter(client)
+        if len(occupied) > c.max_sms:
+            c.max_sms = len(occupied)
         return placed
 
     def _preempt(self, client: int | None) -> None:
@@ -516,7 +678,7 @@ class Simulator:
                 group.evicted = True
                 self._vacate(group)
                 if not run.unplaced:
-                    self._ready.append(run)
+                    self._ready_add(run)
                 run.unplaced += group.count
                 run.partial.append([group.count, left])
 
@@ -524,10 +686,10 @@ class Simulator:
         run = group.run
         self._vacate(group)
         self._blocks += group.count
-        self._counter(run.kernel.client).blocks += group.count
+        c = run.counters
+        c.blocks += group.count
         if run.running == 0 and run.unplaced == 0:
             del self._runs[run.kernel]
-            c = self._counter(run.kernel.client)
             c.kernels += 1
             self._kernels += 1
             self._policy.retired(run)
@@ -546,22 +708,25 @@ class Simulator:
         now = self.now
         run = group.run
         kernel = run.kernel
+        count = group.count
+        i = group.sm
         del run.groups[group]
-        self._sms[group.sm].release(run.need, group.count)
-        self._fit_index.changed(group.sm)
+        self._sms[i].release(run.need, count)
+        self._fit_index.changed(i)
         occupied = self._client_sms[kernel.client]
-        left = occupied[group.sm] - group.count
+        left = occupied[i] - count
         if left:
-            occupied[group.sm] = left
+            occupied[i] = left
         else:
-            del occupied[group.sm]
+            del occupied[i]
         group.end = now
-        run.running -= group.count
+        run.running -= count
         self._dirty = True
-        self._policy.vacated(group)
-        c = self._counter(kernel.client)
-        block_seconds = group.count * (now - group.start)
+        if self._vacated_hook is not None:
+            self._vacated_hook(group)
+        c = run.counters
+        block_seconds = count * (now - group.start)
         c.block_seconds += block_seconds
-        c.sm_seconds += block_seconds * min(1.0, kernel.threads / self.spec.max_threads_per_sm)
+        c.sm_seconds += block_seconds * run.sm_share
         if self._record:
-            self.trace.append(BlockGroup(kernel, group.sm, group.count, group.start, now))
+            self.trace.append(BlockGroup(kernel, i, count, group.start, now))

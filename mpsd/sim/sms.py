@@ -1,6 +1,7 @@
 # SM state: free resources and the blocks resident on each SM. Blocks are never simulated one by one:
 # blocks of one kernel placed on one SM at one instant form a Group with a single end time. Fixed-cost
-# groups get one heap event each; throughput-bound ("shared") groups on an SM divide its issue rate, so
+# groups placed together share one heap event (see Simulator._place); throughput-bound ("shared") groups
+# on an SM divide its issue rate, so
 # their end times move whenever the SM's membership changes. Each SM therefore keeps a version counter:
 # the engine pushes one event per reschedule and ignores any event whose version is stale (lazy
 # invalidation), instead of searching the heap.
@@ -138,37 +139,76 @@ class SM:
 
 
 class FitIndex:
-    """For each block shape, how many more blocks fit on every SM, kept current incrementally.
+    """For each block shape in use, within an SM window, how many more blocks fit on every SM and which
+    SMs of the window have room, kept current as SMs take and release blocks.
 
-    Scanning all SMs for every kernel dominated the simulator's cost for small kernels; instead, SMs whose
-    resources changed are logged, and a shape's table is refreshed only at those SMs when next asked for.
+    Scanning all SMs for every kernel dominated the simulator's cost; instead each SM that changes updates
+    its entry in every table at once (a handful of shapes are in use at a time; ``sweep`` drops the others).
+    The set of SMs with room is small on a busy device (often empty), so "is this shape full?" and the
+    placement search cost what is free, not what the device holds.
     """
-
-    _LOG_LIMIT = 1 << 14  # past this, forget every table rather than replay a long log
-    _SHAPES_LIMIT = 64
 
     def __init__(self, sms: list[SM]) -> None:
         self._sms = sms
-        self._log: list[int] = []
-        self._tables: dict[BlockNeed, tuple[list[int], int]] = {}
+        # table key -> [fits, room, warps, regs, smem, lo, hi, asked since the last sweep]
+        self.tables: dict[object, list] = {}  # (read-only for callers)
+        self.rooms: dict[object, set[int]] = {}  # table key -> its room set (read-only for callers)
+        self.changes = 0  # calls to changed(), ever
 
     def changed(self, index: int) -> None:
         """SM ``index`` took or released blocks."""
-        self._log.append(index)
+        sm = self._sms[index]
+        blocks, warps, regs, smem = sm.free_blocks, sm.free_warps, sm.free_regs, sm.free_smem
+        for table in self.tables.values():  # SM.fit, inlined: this runs for every group placed or ended
+            if not table[5] <= index < table[6]:
+                continue
+            f = warps // table[2]
+            if blocks < f:
+                f = blocks
+            n = smem // table[4]
+            if n < f:
+                f = n
+            if table[3]:
+                n = regs // table[3]
+                if n < f:
+                    f = n
+            table[0][index] = f
+            if f:
+                table[1].add(index)
+            else:
+                table[1].discard(index)
+        self.changes += 1
 
     def fits(self, need: BlockNeed) -> list[int]:
         """Blocks of shape ``need`` that fit on each SM now, by SM index (do not modify the list)."""
-        log = self._log
-        if len(log) > self._LOG_LIMIT or len(self._tables) > self._SHAPES_LIMIT:
-            self._tables.clear()
-            log.clear()
-        entry = self._tables.get(need)
-        if entry is None:
-            fits = [sm.fit(need) for sm in self._sms]
-        else:
-            fits, seen = entry
-            if seen < len(log):
-                for i in set(log[seen:]):
-                    fits[i] = self._sms[i].fit(need)
-        self._tables[need] = (fits, len(log))
-        return fits
+        return self.lookup(need, need)[0]
+
+    def lookup(self, key: object, need: BlockNeed, lo: int = 0, hi: int | None = None
+               ) -> tuple[list[int], set[int]]:
+        """The table of shape ``need`` in SMs ``lo`` .. ``hi - 1``, filed under ``key`` (any hashable that
+        names this shape and window; the engine uses a small integer, cheaper to hash than a BlockNeed).
+
+        Returns:
+            (fits, room): blocks that fit on each SM by index (0 outside the window), and the indices in
+            the window where at least one fits; both kept current as SMs change (do not modify either).
+        """
+        table = self.tables.get(key)
+        if table is None:
+            if hi is None:
+                hi = len(self._sms)
+            fits = [sm.fit(need) if lo <= sm.index < hi else 0 for sm in self._sms]
+            room = {i for i, f in enumerate(fits) if f}
+            table = self.tables[key] = [fits, room, need.warps, need.regs, need.smem, lo, hi, True]
+            self.rooms[key] = room
+        table[7] = True
+        return table[0], table[1]
+
+    def sweep(self, keep) -> None:
+        """Drop the tables not asked for since the last sweep, except those whose keys are in ``keep``;
+        the rest stay (and count as not asked for yet)."""
+        for key in list(self.tables):
+            table = self.tables[key]
+            if not table[7] and key not in keep:
+                del self.tables[key]
+                del self.rooms[key]
+            table[7] = False

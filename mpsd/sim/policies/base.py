@@ -34,6 +34,14 @@ class KernelRun:
         groups: its block groups resident now, in placement order (an ordered set: values are None).
         partial: preempted blocks waiting to resume, as [count, seconds of work left per block] entries,
             oldest first; they are placed before fresh blocks.
+        seconds: a fresh block's duration (full-rate seconds if shared), at least the device's minimum.
+        demand: share of an SM's issue rate one of its blocks asks for (shared kernels).
+        sm_share: share of an SM's threads one of its blocks holds (for SM-time statistics).
+        shape: the engine's small-integer name for ``need`` (cheaper to hash than the BlockNeed).
+        key: the engine's small-integer name for (shape, SM window of its client), set while it is ready:
+            kernels with equal keys compete for the very same room, so one found full stands for all.
+        counters: its client's statistics counters once it has placed a block (the engine's, kept here
+            to save a lookup per group).
     """
 
     kernel: Kernel
@@ -44,6 +52,12 @@ class KernelRun:
     cancelled: bool = False
     groups: dict = field(default_factory=dict)
     partial: list = field(default_factory=list)
+    shape: int = 0
+    seconds: float = 0.0
+    demand: float = 1.0
+    sm_share: float = 1.0
+    key: int = -1
+    counters: Any = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,7 +129,8 @@ class Policy:
         """Offer the free capacity to ``ready`` kernels by calling ``sim._place``.
 
         Args:
-            ready: kernels past their launch overhead with blocks left to place (do not modify the list).
+            ready: kernels past their launch overhead with blocks left to place, in hardware order
+                (``mps_key``); do not modify the list.
         """
         raise NotImplementedError
 
@@ -155,13 +170,14 @@ class Policy:
 
 
 def spread(fits: list[int], left: int, budget: int, occupied: dict[int, int],
-           lo: int = 0, hi: int | None = None) -> list[tuple[int, int]]:
+           lo: int = 0, hi: int | None = None, room: set[int] | None = None) -> list[tuple[int, int]]:
     """Choose SMs for up to ``left`` blocks: greedy, one block at a time, on the SM with the most room.
 
     Computed in rounds: at level L every usable SM whose fit is at least L takes one block, in index order,
     for L from the largest fit down to 1; so ties go to the lowest index and a grid spreads before it stacks.
     SMs the client does not occupy yet cost one unit of ``budget`` each; once it is spent only occupied SMs
-    take blocks (an MPS SM cap counts distinct SMs).
+    take blocks (an MPS SM cap counts distinct SMs). Only SMs with room can take a block, so the rounds run
+    over those alone (``room``, when the caller knows it: on a busy device it is a handful of SMs).
 
     Args:
         fits: how many blocks of the kernel's shape fit on each SM now, by SM index.
@@ -169,29 +185,78 @@ def spread(fits: list[int], left: int, budget: int, occupied: dict[int, int],
         budget: SMs the client may still add.
         occupied: SM index -> the client's resident blocks there.
         lo, hi: the SM window the client may use (default: all).
+        room: the indices of ``fits`` that are not 0, if known (any order).
 
     Returns:
         (SM index, block count) pairs, by SM index; the caller reserves the resources.
     """
-    window = fits if lo == 0 and hi is None else fits[lo:hi]
-    top = max(window)
-    if top == 0:
-        return []
+    if hi is None:
+        hi = len(fits)
     if left == 1 and budget > 0:  # the common small kernel: the first SM with the most room
-        return [(window.index(top) + lo, 1)]
-    taken = [0] * len(window)
-    for level in range(top, 0, -1):
-        for j, f in enumerate(window):
-            if f < level:
+        window = fits if lo == 0 and hi == len(fits) else fits[lo:hi]
+        top = max(window, default=0)
+        return [(window.index(top) + lo, 1)] if top else []
+    if room is None:
+        cand = [i for i in range(lo, hi) if fits[i]]
+    elif lo == 0 and hi == len(fits):
+        cand = sorted(room)
+    else:
+        cand = sorted(i for i in room if lo <= i < hi)
+    if not cand:
+        return []
+    if len(cand) == 1:  # a busy device: one SM has room; it takes what fits, if the client may use it
+        i = cand[0]
+        return [(i, min(fits[i], left))] if budget > 0 or i in occupied else []
+    if budget >= len(cand) or budget >= sum(1 for i in cand if i not in occupied):
+        return _spread_uncapped(fits, left, cand)
+    taken: dict[int, int] = {}
+    for level in range(max(fits[i] for i in cand), 0, -1):
+        for i in cand:
+            if fits[i] < level:
                 continue
-            if not taken[j] and j + lo not in occupied:
+            n = taken.get(i, 0)
+            if not n and i not in occupied:
                 if budget <= 0:
                     continue
                 budget -= 1
-            taken[j] += 1
+            taken[i] = n + 1
             left -= 1
             if not left:
                 break
         if not left:
             break
-    return [(j + lo, n) for j, n in enumerate(taken) if n]
+    return [(i, taken[i]) for i in cand if i in taken]
+
+
+def _spread_uncapped(fits: list[int], left: int, cand: list[int]) -> list[tuple[int, int]]:
+    """``spread`` where the budget cannot run out, in closed form rather than block by block.
+
+    Every level above the one where ``left`` runs out is taken in full (an SM of fit f takes one block at
+    each level from f down), so only the last level is partial: its first SMs in index order take one more.
+    """
+    top = max(fits[i] for i in cand)
+    at_level = [0] * (top + 1)  # SMs whose fit is exactly L
+    for i in cand:
+        at_level[fits[i]] += 1
+    above = 0  # blocks taken at the levels done so far
+    reach = 0  # SMs taking a block at the current level (fit >= level)
+    level = top
+    while level:
+        reach += at_level[level]
+        if above + reach >= left:
+            break
+        above += reach
+        level -= 1
+    if not level:  # everything fits
+        return [(i, fits[i]) for i in cand]
+    extra = left - above  # SMs at the last level that take one more
+    out = []
+    for i in cand:
+        f = fits[i]
+        n = f - level if f > level else 0
+        if extra and f >= level:
+            n += 1
+            extra -= 1
+        if n:
+            out.append((i, n))
+    return out

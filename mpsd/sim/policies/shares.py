@@ -12,15 +12,16 @@ import math
 from typing import Any, ClassVar
 
 from ..sms import Group
-from .base import KernelRun, Policy, mps_key
+from .base import KernelRun, Policy
 
 __all__ = ["FairPolicy", "PriorityPolicy", "RoundRobinPolicy"]
 
 
 def client_queues(runs: list[KernelRun]) -> dict[int, list[KernelRun]]:
-    """Ready kernels by client, each client's in hardware order (stream priority, eligibility, launch)."""
+    """Ready kernels by client, each client's in hardware order (stream priority, eligibility, launch);
+    ``runs`` is in that order already (the engine keeps its ready list so)."""
     queues: dict[int, list[KernelRun]] = {}
-    for run in sorted(runs, key=mps_key):
+    for run in runs:
         queues.setdefault(run.kernel.client, []).append(run)
     return queues
 
@@ -48,14 +49,21 @@ def take_turns(sim, queues: dict[int, list[KernelRun]], after: int | None) -> in
     Returns:
         The last client that placed a block (``after`` if none did).
     """
+    # Once every shape of the ready kernels is full (sim._saturated), no client can place anything more
+    # in this dispatch: the rounds left would all fail and change nothing, so they are skipped.
+    if not sim._open_keys():
+        return after
     clients = sorted(queues)
     if after is not None:
         cut = next((i for i, c in enumerate(clients) if c > after), len(clients))
         clients = clients[cut:] + clients[:cut]
     last = after
+    saturated = sim._saturated
     while len(clients) > 1:
         still = []
         for c in clients:
+            if saturated():
+                return last
             if serve_one(sim, queues[c]):
                 still.append(c)
                 last = c
@@ -179,7 +187,7 @@ class FairPolicy(Policy):
                     self._service[c] = max(self.service(c), floor * weight[c])
         heap = [(self.service(c) / weight[c], c) for c in queues]
         heapq.heapify(heap)
-        while len(heap) > 1:
+        while len(heap) > 1 and not sim._saturated():  # saturated: nobody could place a block
             _, c = heapq.heappop(heap)
             if serve_one(sim, queues[c]):
                 heapq.heappush(heap, (self.service(c) / weight[c], c))

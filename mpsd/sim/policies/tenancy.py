@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any, ClassVar
 
-from .base import KernelRun, Policy, mps_key
+from .base import KernelRun, Policy
 
 __all__ = ["ExclusivePolicy", "TimeslicePolicy"]
 
@@ -43,8 +43,10 @@ class _Tenancy(Policy):
 
     def _place_owner(self, ready: list[KernelRun]) -> None:
         place = self.sim._place
-        for run in sorted((r for r in ready if r.kernel.client == self.owner), key=mps_key):
-            place(run, run.unplaced)
+        owner = self.owner
+        for run in ready:  # already in hardware order
+            if run.kernel.client == owner:
+                place(run, run.unplaced)
 
 
 class ExclusivePolicy(_Tenancy):
