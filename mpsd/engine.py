@@ -35,6 +35,9 @@ class Engine:
         self._origin: float | None = None
         self._wake = trio.Event()
         self._waiters: dict[Op, trio.Event] = {}
+        # The furthest simulated time has fallen behind the clock (seconds of simulated time): the model
+        # could not keep up with the work given (huge grids of short blocks), so completions came late.
+        self.max_lag = 0.0
 
     def sim_now(self) -> float:
         """The simulated time that corresponds to now."""
@@ -56,6 +59,7 @@ class Engine:
             self._finish(op)
         if self.sim.now < target:
             self._wake.set()  # behind: the run loop comes back after letting other tasks in
+            self.max_lag = max(self.max_lag, target - self.sim.now)
 
     def submit(self, op: Op) -> None:
         """Hand `op` to the simulator at the current time.
@@ -83,9 +87,11 @@ class Engine:
 
     def cancel(self, client: int) -> None:
         """Tear down a client's work (queued dropped, running evicted) and wake everyone waiting on it."""
+        self.catch_up()  # the teardown happens now, not at the simulator's last instant
         self.sim.cancel(client)
         for op in [op for op in self._waiters if op.client == client]:
             self._waiters.pop(op).set()
+        self._wake.set()  # the freed SMs go to the others now: the run loop must dispatch and re-plan its wait
 
     def _finish(self, op: Op) -> None:
         callback: Callable[[Op], None] | None = op.tag  # type: ignore[assignment]

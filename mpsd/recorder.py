@@ -88,6 +88,7 @@ class Recorder:
             # clock the clients stamp their requests with
             "monotonic_origin": device.engine.monotonic_origin(),
             "time_scale": device.engine.time_scale,
+            "max_lag": device.engine.max_lag,
             "clients": {client_name(c): {"client": c.id, "pid": c.pid, "uid": c.uid}
                         for c in self.contexts.values()},
             "kernels_not_recorded": self.dropped,

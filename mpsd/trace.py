@@ -64,7 +64,7 @@ def read_chrome_trace(data: dict[str, Any]) -> Timeline:
     try:
         timeline = Timeline(
             policy=other["policy"], sm_count=other["sm_count"], duration=other["duration"],
-            launch_overhead=other["launch_overhead"], virtual=other["virtual"],
+            launch_overhead=other["launch_overhead"], virtual=other["virtual"], lag=other.get("lag", 0.0),
             tenants=[TenantInfo(**t) for t in other["tenants"]],
             kernels=[KernelRecord(**{f: _float_or_nan(v) if f in ("submitted", "started", "ended") else v
                                      for f, v in zip(KERNEL_FIELDS, k)}) for k in other["kernels"]],
@@ -203,7 +203,7 @@ def _other_data(timeline: Timeline) -> dict[str, Any]:
     return {
         "format": FORMAT,
         "policy": timeline.policy, "sm_count": timeline.sm_count, "duration": timeline.duration,
-        "launch_overhead": timeline.launch_overhead, "virtual": timeline.virtual,
+        "launch_overhead": timeline.launch_overhead, "virtual": timeline.virtual, "lag": timeline.lag,
         "tenants": [{"name": t.name, "group": t.group, "sm_cap": t.sm_cap, "mem_limit": t.mem_limit,
                      "entitlement": t.entitlement, "deadline": t.deadline, "priority": t.priority}
                     for t in timeline.tenants],

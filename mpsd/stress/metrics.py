@@ -155,7 +155,7 @@ def summarize(timeline: Timeline, solo_p99: dict[str, float] | None = None) -> d
 
     completed_all = [x for per_tenant in latencies for x in per_tenant]
     return {
-        "policy": timeline.policy, "virtual": timeline.virtual, "duration_s": duration,
+        "policy": timeline.policy, "virtual": timeline.virtual, "duration_s": duration, "lag_ms": timeline.lag * 1e3,
         "requests": sum(requests), "completed": len(completed_all), "errors": sum(errors),
         "throughput_per_s": len(completed_all) / duration if duration > 0 else 0.0,
         "latency_ms": latency_summary(completed_all),

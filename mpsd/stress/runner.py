@@ -54,18 +54,24 @@ class Progress:
 
 
 def run_real(workload: Workload, policy: str, policy_options: dict[str, Any], tenants: list[TenantSpec] | None = None,
-             on_progress: Callable[[Progress], None] = lambda p: None, label: str | None = None) -> Timeline:
+             on_progress: Callable[[Progress], None] = lambda p: None, label: str | None = None,
+             time_scale: float = 1.0) -> Timeline:
     """Run ``tenants`` (default: all of the workload's) against a fresh daemon under ``policy``.
+
+    With ``time_scale`` below 1 the daemon's GPU runs that much slower than the wall clock (the daemon's
+    ``--time-scale``) and the tenants' clocks are scaled to match: the workload's times (duration, arrivals,
+    think time) are simulated seconds, and so is every time in the timeline. Host time, Python's included,
+    then weighs ``time_scale`` times as much against device time as it would at full speed.
 
     Raises:
         RunError: the daemon or a tenant failed in a way that leaves no run to measure.
     """
     specs = list(workload.tenants if tenants is None else tenants)
     instances = [(t, c, t.instance(c)) for t in specs for c in range(t.count)]
-    progress = Progress(label or policy, workload.duration, {t.name: [t.instance(c) for c in range(t.count)] for t in specs})
+    progress = Progress(label or policy, workload.duration / time_scale, {t.name: [t.instance(c) for c in range(t.count)] for t in specs})
     work = Path(tempfile.mkdtemp(prefix="mpsd-stress-", dir="/tmp"))  # socket paths are limited to 107 bytes
     trace_path = work / "trace.json"
-    daemon = _start_daemon(work, policy, policy_options, trace_path, max_clients=max(48, len(instances)))
+    daemon = _start_daemon(work, policy, policy_options, trace_path, max(48, len(instances)), time_scale)
     procs: dict[str, _TenantProcess] = {}
     try:
         rng = random.Random(workload.seed)
@@ -76,13 +82,16 @@ def run_real(workload: Workload, policy: str, policy_options: dict[str, Any], te
         handles: dict[str, str | None] = {}
         for spec, copy, name in order:
             arrivals = arrival_times(spec, workload.duration, rng)
-            setup = {"spec": asdict(spec), "instance": name, "arrivals": arrivals, "duration": workload.duration,
+            wall_spec = asdict(spec) | {"think": spec.think / time_scale}
+            setup = {"spec": wall_spec, "instance": name, "duration": workload.duration / time_scale,
+                     "arrivals": None if arrivals is None else [a / time_scale for a in arrivals],
                      "ipc_handle": handles.get(spec.ipc_peer) if spec.ipc == "consumer" else None}
             procs[name] = _TenantProcess(name, spec, work, setup, lines)
             if spec.ipc == "producer":  # wait for its handle before starting anyone who needs it
                 ready[name] = _await_ready(procs, lines, {name}, progress, on_progress)[name]
                 handles[spec.name] = ready[name].get("ipc_handle")
         ready.update(_await_ready(procs, lines, set(procs) - set(ready), progress, on_progress))
+        _configure(work, {name: (spec, ready[name].get("pid")) for spec, _, name in instances})
         t0 = time.monotonic() + START_DELAY
         for proc in procs.values():
             proc.send(f"GO {t0!r}")
@@ -96,16 +105,17 @@ def run_real(workload: Workload, policy: str, policy_options: dict[str, Any], te
         trace = json.loads(trace_path.read_text())
     except (OSError, ValueError) as exc:
         raise RunError(f"the daemon left no trace: {exc}; its log is in {work}") from None
-    timeline = _timeline(workload, policy, specs, instances, ready, done, trace, t0)
+    timeline = _timeline(workload, policy, specs, instances, ready, done, trace, t0, time_scale)
     shutil.rmtree(work, ignore_errors=True)
     return timeline
 
 
 # -- the daemon -------------------------------------------------------------------------------------------
 
-def _start_daemon(work: Path, policy: str, options: dict[str, Any], trace: Path, max_clients: int) -> subprocess.Popen:
+def _start_daemon(work: Path, policy: str, options: dict[str, Any], trace: Path, max_clients: int,
+                  time_scale: float) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "mpsd", "--pipe-dir", str(work), "--policy", policy, "--trace", str(trace),
-           "--max-clients", str(max_clients)]
+           "--max-clients", str(max_clients), "--time-scale", repr(time_scale)]
     for key, value in options.items():
         if key == "partitions":
             cmd += ["--mig-partitions", ",".join(str(p) for p in value)]
@@ -125,6 +135,25 @@ def _start_daemon(work: Path, policy: str, options: dict[str, Any], trace: Path,
             break
     proc.kill()
     raise RunError(f"the daemon did not start: {line.strip() if 'line' in locals() else 'no output'}")
+
+
+def _configure(work: Path, tenants: dict[str, tuple[TenantSpec, int | None]]) -> None:
+    """What the environment cannot say, through the control plane (mpsd's extension commands): priority
+    levels other than MPS's 0 and 1, and fair-share weights."""
+    commands = []
+    for spec, pid in tenants.values():
+        if pid is None:
+            continue
+        if spec.priority not in (0, 1):
+            commands.append(f"set_client_priority {pid} {spec.priority}")
+        if spec.weight != 1.0:
+            commands.append(f"set_client_weight {pid} {spec.weight!r}")
+    if not commands:
+        return
+    done = subprocess.run([sys.executable, "-m", "mpsd.control_cli"], input="\n".join(commands) + "\n",
+                          capture_output=True, text=True, timeout=60, env=dict(os.environ, MPSD_PIPE_DIRECTORY=str(work)))
+    if done.returncode != 0 or done.stdout.strip():
+        raise RunError(f"the daemon refused the tenants' priorities or weights: {(done.stdout + done.stderr).strip()}")
 
 
 def _stop_daemon(proc: subprocess.Popen) -> None:
@@ -153,8 +182,8 @@ class _TenantProcess:
             env.pop(key, None)
         if spec.pinned_mem_limit is not None:
             env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = str(spec.pinned_mem_limit)
-        if spec.priority:
-            env["CUDA_MPS_CLIENT_PRIORITY"] = str(min(1, spec.priority))
+        if spec.priority == 1:  # MPS's below-normal; other levels go through the control plane (_configure)
+            env["CUDA_MPS_CLIENT_PRIORITY"] = "1"
         if spec.partition is not None:
             env["MPSD_MIG_PARTITION"] = str(spec.partition)
         self.stderr = open(work / f"{name}.stderr", "w+")  # noqa: SIM115 - closed in kill()
@@ -240,11 +269,12 @@ def _collect(procs: dict[str, _TenantProcess], lines: queue.Queue, progress: Pro
 
 def _timeline(workload: Workload, policy: str, specs: list[TenantSpec], instances: list[tuple[TenantSpec, int, str]],
               ready: dict[str, dict[str, Any]], done: dict[str, dict[str, Any]], trace: dict[str, Any],
-              t0: float) -> Timeline:
-    """Tenants' requests and the daemon's device, on one clock: seconds from t0."""
+              t0: float, scale: float) -> Timeline:
+    """Tenants' requests and the daemon's device, on one clock: simulated seconds from t0 (the daemon's
+    simulated time s happened at wall time origin + s / scale; a tenant's wall time w is w x scale)."""
     device = read_chrome_trace(trace)
     meta = trace["otherData"]["mpsd"]
-    shift = meta["monotonic_origin"] - t0  # the daemon runs at time scale 1 here
+    shift = (meta["monotonic_origin"] - t0) * scale
     by_pid = {info["pid"]: name for name, info in ready.items() if info.get("pid") is not None}
     rename = {client: by_pid.get(info["pid"]) for client, info in meta["clients"].items()}
     daemon_tenants = {t.name: t for t in device.tenants}
@@ -256,7 +286,8 @@ def _timeline(workload: Workload, policy: str, specs: list[TenantSpec], instance
                                   mem_limit=seen.mem_limit if seen else spec.pinned_mem_limit,
                                   entitlement=entitlement[name], deadline=spec.deadline, priority=spec.priority))
         for submitted, completed, error in done[name]["requests"]:
-            requests.append(Request(name, submitted, float("nan") if completed is None else completed, error))
+            requests.append(Request(name, submitted * scale, float("nan") if completed is None else completed * scale,
+                                    error))
         for error in ready[name].get("setup_errors", []):
             requests.append(Request(name, 0.0, float("nan"), error))
     kernels = [KernelRecord(rename[k.tenant], k.kernel, k.name, k.blocks, k.submitted + shift, k.started + shift,
@@ -266,5 +297,5 @@ def _timeline(workload: Workload, policy: str, specs: list[TenantSpec], instance
     ends = [r.completed for r in requests if r.completed == r.completed]
     return Timeline(policy=policy, sm_count=device.sm_count, duration=max([workload.duration, *ends]),
                     launch_overhead=device.launch_overhead, tenants=tenants, requests=requests, kernels=kernels,
-                    spans=spans, partitions=device.partitions,
+                    spans=spans, partitions=device.partitions, lag=meta.get("max_lag", 0.0),
                     memory_high_water={rename[c]: v for c, v in device.memory_high_water.items() if rename.get(c)})

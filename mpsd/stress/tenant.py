@@ -2,6 +2,7 @@
 # come from the CUDA_MPS_* environment the runner sets, exactly as for any MPS client. It talks to the runner
 # in lines, so that every tenant starts at the same instant and the runner can show progress:
 #   stdin  <- one JSON line: {"spec": TenantSpec fields, "instance", "arrivals", "duration", "ipc_handle"}
+#             (every time in it is wall-clock seconds: the runner has already applied the daemon's time scale)
 #   stdout -> READY {"pid", "client", "ipc_handle", "setup_errors"}   (connected, memory allocated)
 #   stdin  <- GO <t0>        (time.monotonic() at which the run starts; every time it reports is relative to it)
 #   stdout -> P <completed> <failed>  (now and then), then DONE {"requests": [[submitted, completed, error]], ...}

@@ -118,6 +118,8 @@ class Timeline:
         memory_high_water: tenant name -> most device memory charged to it at once, bytes.
         partitions: MIG partitions as (name, first SM, end SM), for trace rows; empty without MIG.
         virtual: True if the run was the simulator alone (requests stamped in simulated time).
+        lag: the furthest the daemon's model fell behind the clock, seconds (0 in virtual time): when the
+            model cannot keep up with the work in real time, completions come late and device times stretch.
     """
 
     policy: str
@@ -131,3 +133,4 @@ class Timeline:
     memory_high_water: dict[str, int] = field(default_factory=dict)
     partitions: list[tuple[str, int, int]] = field(default_factory=list)
     virtual: bool = False
+    lag: float = 0.0
