@@ -89,9 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--devices", help="simulated GPUs, e.g. h200 or h200:2 (default h200)")
     parser.add_argument("--policy", choices=POLICIES, help="scheduling policy (default mps)")
     parser.add_argument("--timeslice", type=float, metavar="SECONDS",
-                        help="timeslice policy: length of a slice (default 0.001024)")
+                        help="timeslice policy: length of a slice (default 0.00205, measured on an H200 without MPS)")
     parser.add_argument("--context-switch", type=float, metavar="SECONDS",
-                        help="timeslice policy: cost of a context switch (default 0.0001)")
+                        help="timeslice policy: cost of a context switch (default 0.000227, measured likewise)")
     parser.add_argument("--aging", type=float, metavar="SECONDS",
                         help="priority policy: wait after which a low-priority kernel is served first")
     parser.add_argument("--mig-partitions", metavar="PROFILES",

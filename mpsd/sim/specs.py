@@ -84,15 +84,24 @@ H200 = DeviceSpec(
     mem_bandwidth=4.8e12,
     pcie_bandwidth=55e9,
     copy_latency=2e-6,
-    kernel_overhead=10e-6,
+    # The device's gap between back-to-back kernels of one stream, from CUDA-event timings on a real H200
+    # (bench/fidelity/h200_timing_extra.json and h200_timing_repeat.json, "1 tenant alone", both modes):
+    # time per kernel less the spin's cycles at the measured clock ("clock, 1 block", 1.9786 GHz). Over
+    # "100 x FULL spin 0.05 ms" and "50 x FULL spin 0.2 ms", where a 0.1% clock error moves it by 0.2 us at
+    # most, that is 2.05 us at the median (1.7 to 2.5 us, 8 figures); the rows of longer kernels agree
+    # within their clock error ("100 x FULL spin 1 ms": 0.9 to 2.2 us; "50 x (FULL 0.05 ms + QUARTER 1 ms)
+    # spin": 1.7 to 3.2 us a kernel). "empty kernel back to back" (5.6 to 8.9 us a kernel) measures the
+    # host's launch rate instead: CuPy's launch call alone took 5.3 to 7.8 us ("empty kernel, back to back",
+    # launch_call_ms p50), so the device never had a queue to drain.
+    kernel_overhead=2e-6,
     sm_issue_rate=2 * 1024 * 93638 / 1e-3,
     saturation_threads=1024,
     # Calibrated on a real H200 (bench/fidelity/measure_timing.py; bench/fidelity/compare.py --calibration
     # derives them): a 1-block empty kernel, launched and synchronised from CuPy after a 5 ms sleep, alone,
     # took 0.0643 ms at the median (mean of two runs x with/without MPS). Less the model's device time for
-    # it (kernel_overhead + min_block_time), that leaves 54.2 us of host time; the part after the launch
+    # it (kernel_overhead + min_block_time), that leaves 62.2 us of host time; the part after the launch
     # call returned (8.7 us, same runs) is the synchronise, the rest the launch.
-    launch_latency=45.5e-6,
+    launch_latency=53.5e-6,
     sync_latency=8.7e-6,
 )
 

@@ -81,14 +81,18 @@ class TimeslicePolicy(_Tenancy):
     back to the context that last held it costs nothing.
 
     Options:
-        timeslice: seconds per slice (default 1024 us, the Tegra nvgpu default).
-        switch: seconds a context switch leaves the GPU idle (default 100 us: with it two tenants of
-            100 FULL `work` kernels finish at 0.221 and 0.222 s, as measured without MPS on an H200,
-            reference/h200-mps-measurements.md: 0.220, 0.222).
+        timeslice: seconds per slice (default 2.05 ms).
+        switch: seconds a context switch leaves the GPU idle (default 227 us).
+
+    Both defaults are what a real H200 showed without MPS (bench/fidelity/h200_timing_repeat.json, rows
+    "gaps, 2 tenants" and "gaps, 3 tenants"; ``bench/fidelity/compare.py --calibration`` derives them): each
+    process ran one 100-ms kernel that logged the jumps of the GPU's globaltimer, the times its context was
+    switched out. The median run between two jumps is the slice (2.050 ms); a jump is every other context's
+    slice plus one switch into each, which leaves 227 us a switch, the same from 2 and from 3 processes.
     """
 
     name = "timeslice"
-    options: ClassVar[dict[str, Any]] = {"timeslice": 1.024e-3, "switch": 100e-6}
+    options: ClassVar[dict[str, Any]] = {"timeslice": 2.05e-3, "switch": 227e-6}
 
     def __init__(self, sim, options=None) -> None:
         super().__init__(sim, options)
