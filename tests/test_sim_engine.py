@@ -23,15 +23,15 @@ def launch(sim, client, n, blocks=FULL, cost=SPIN, stream=0, **kw):
 
 
 def test_one_client_100_full_spin():
-    """100 back-to-back FULL 1-ms spin kernels take 100 x (1 ms + launch overhead) = 0.101 s."""
+    """100 back-to-back FULL 1-ms spin kernels take 100 x (1 ms + launch overhead)."""
     sim = Simulator()
     ks = launch(sim, 1, 100)
     done = sim.run()
     assert done == ks
     for i, k in enumerate(ks):
-        assert k.started == pytest.approx(i * 1.01 * MS + OVERHEAD)
-        assert k.ended == pytest.approx((i + 1) * 1.01 * MS)
-    assert sim.now == pytest.approx(0.101)
+        assert k.started == pytest.approx(i * (MS + OVERHEAD) + OVERHEAD)
+        assert k.ended == pytest.approx((i + 1) * (MS + OVERHEAD))
+    assert sim.now == pytest.approx(100 * (MS + OVERHEAD))
     stats = sim.statistics()
     assert stats.kernels_completed == 100
     assert stats.blocks_completed == 26400
@@ -41,22 +41,22 @@ def test_one_client_100_full_spin():
 
 
 def test_quarter_cap_takes_five_waves():
-    """At 25% (32 SMs, 64 resident blocks) a FULL kernel needs 5 waves: 0.501 s for 100."""
+    """At 25% (32 SMs, 64 resident blocks) a FULL kernel needs 5 waves: 100 x (5 ms + overhead)."""
     sim = Simulator()
     ks = launch(sim, 1, 100, sm_cap=sm_cap(H200, 25))
     sim.run()
     assert ks[0].ended == pytest.approx(OVERHEAD + 5 * MS)
-    assert ks[-1].ended == pytest.approx(0.501)
+    assert ks[-1].ended == pytest.approx(100 * (OVERHEAD + 5 * MS))
     assert sim.statistics().per_client[1].max_sms == 32
 
 
 def test_half_cap_takes_two_waves():
-    """At 50% (66 SMs) a FULL kernel needs exactly 2 waves: 0.201 s for 100."""
+    """At 50% (66 SMs) a FULL kernel needs exactly 2 waves: 100 x (2 ms + overhead)."""
     sim = Simulator()
     ks = launch(sim, 1, 100, sm_cap=sm_cap(H200, 50))
     sim.run()
     assert ks[0].ended == pytest.approx(OVERHEAD + 2 * MS)
-    assert ks[-1].ended == pytest.approx(0.201)
+    assert ks[-1].ended == pytest.approx(100 * (OVERHEAD + 2 * MS))
 
 
 def test_two_clients_at_half_cap_run_side_by_side():
@@ -65,33 +65,34 @@ def test_two_clients_at_half_cap_run_side_by_side():
     a = launch(sim, 1, 100, sm_cap=66)
     b = launch(sim, 2, 100, sm_cap=66)
     sim.run()
-    assert a[-1].ended == pytest.approx(0.201)
-    assert b[-1].ended == pytest.approx(0.201)
+    assert a[-1].ended == pytest.approx(100 * (OVERHEAD + 2 * MS))
+    assert b[-1].ended == pytest.approx(100 * (OVERHEAD + 2 * MS))
     sms_of = {c: {g.sm for g in sim.trace if g.op.client == c} for c in (1, 2)}
     assert len(sms_of[1]) == len(sms_of[2]) == 66
     assert sms_of[1].isdisjoint(sms_of[2])
 
 
 def test_two_clients_full_spin_alternate_waves():
-    """Two clients of FULL kernels alternate whole waves: both finish at about twice one alone."""
+    """Two clients of FULL kernels alternate whole waves: both finish at about twice one alone. Each
+    client's next kernel pays its launch overhead while the other's wave runs, so only the first one shows."""
     sim = Simulator()
     a = launch(sim, 1, 100)
     b = launch(sim, 2, 100)
     sim.run()
-    assert a[0].ended == pytest.approx(1.01 * MS)
-    assert b[0].ended == pytest.approx(2.01 * MS)
-    assert a[-1].ended == pytest.approx(0.19901)
-    assert b[-1].ended == pytest.approx(0.20001)
+    assert a[0].ended == pytest.approx(OVERHEAD + MS)
+    assert b[0].ended == pytest.approx(OVERHEAD + 2 * MS)
+    assert a[-1].ended == pytest.approx(OVERHEAD + 199 * MS)
+    assert b[-1].ended == pytest.approx(OVERHEAD + 200 * MS)
 
 
 @pytest.mark.parametrize("clients", [1, 2, 4])
 def test_quarter_kernels_run_concurrently(clients):
-    """1, 2 or 4 clients of QUARTER kernels fit side by side: each finishes as if alone (0.202 s)."""
+    """1, 2 or 4 clients of QUARTER kernels fit side by side: each finishes as if alone."""
     sim = Simulator()
     per = [launch(sim, c, 200, blocks=QUARTER) for c in range(clients)]
     sim.run()
     for ks in per:
-        assert ks[-1].ended == pytest.approx(200 * 1.01 * MS)
+        assert ks[-1].ended == pytest.approx(200 * (MS + OVERHEAD))
 
 
 def test_quarter_grid_spreads_one_block_per_sm():
@@ -138,25 +139,25 @@ def test_processor_sharing_rates_change_midway():
     sim.advance(0.25 * MS)
     (b,) = launch(sim, 2, 1, blocks=132, cost=WORK)
     sim.run()
-    # a: 0.25 ms alone, then 0.25 ms of service at half rate -> ends at 0.26 + 0.5 ms.
-    assert a.ended == pytest.approx(0.76 * MS)
-    # b: from 0.26 ms, half rate until 0.76 (0.25 of service), then full rate for the remaining 0.25.
-    assert b.started == pytest.approx(0.26 * MS)
-    assert b.ended == pytest.approx(1.01 * MS)
+    # a: 0.25 ms alone (until b is ready), then 0.25 ms of service at half rate, which takes 0.5 ms.
+    assert a.ended == pytest.approx(OVERHEAD + 0.75 * MS)
+    # b: half rate until a ends (0.25 of service), then full rate for the remaining 0.25.
+    assert b.started == pytest.approx(0.25 * MS + OVERHEAD)
+    assert b.ended == pytest.approx(OVERHEAD + 1 * MS)
 
 
 def test_two_clients_full_work_take_twice_as_long():
-    """Two clients of FULL work kernels each finish at about twice one alone (0.101 s)."""
+    """Two clients of FULL work kernels each finish at about twice one alone."""
     alone = Simulator()
     solo = launch(alone, 1, 100, cost=WORK)
     alone.run()
-    assert solo[-1].ended == pytest.approx(0.101)
+    assert solo[-1].ended == pytest.approx(100 * (MS + OVERHEAD))
     sim = Simulator()
     a = launch(sim, 1, 100, cost=WORK)
     b = launch(sim, 2, 100, cost=WORK)
     sim.run()
-    assert a[-1].ended == pytest.approx(0.19901)
-    assert b[-1].ended == pytest.approx(0.20001)
+    assert a[-1].ended == pytest.approx(OVERHEAD + 199 * MS)
+    assert b[-1].ended == pytest.approx(OVERHEAD + 200 * MS)
 
 
 def test_fixed_and_shared_blocks_coexist():
@@ -183,7 +184,7 @@ def test_memory_bound_kernel_time_does_not_depend_on_grid():
 def test_stream_priority_wins_freed_capacity():
     """When a wave ends, a pending high-priority kernel is placed before the rest of a low-priority grid."""
     short = BlockCost(0.1 * MS)
-    for priority, expected_end in ((-1, 1.11 * MS), (0, 2.11 * MS)):
+    for priority, expected_end in ((-1, OVERHEAD + 1.1 * MS), (0, OVERHEAD + 2.1 * MS)):
         sim = Simulator()
         (big,) = launch(sim, 1, 1, blocks=2 * FULL)
         sim.advance(0.5 * MS)
@@ -192,7 +193,7 @@ def test_stream_priority_wins_freed_capacity():
         assert urgent.started == pytest.approx(expected_end - 0.1 * MS)
         assert urgent.ended == pytest.approx(expected_end)
     # Without priority the big grid goes first and the urgent kernel starts after it.
-    assert big.ended == pytest.approx(2.01 * MS)
+    assert big.ended == pytest.approx(OVERHEAD + 2 * MS)
 
 
 def test_big_grid_back_fills_around_urgent_kernel():
@@ -202,7 +203,7 @@ def test_big_grid_back_fills_around_urgent_kernel():
     sim.advance(0.5 * MS)
     launch(sim, 2, 1, blocks=QUARTER, cost=BlockCost(0.1 * MS), priority=-1)
     sim.run()
-    assert big.ended == pytest.approx(2.11 * MS)
+    assert big.ended == pytest.approx(OVERHEAD + 2.1 * MS)
 
 
 def test_no_preemption():
@@ -212,8 +213,8 @@ def test_no_preemption():
     sim.advance(0.3 * MS)
     (urgent,) = launch(sim, 2, 1, blocks=8, cost=BlockCost(0.1 * MS), priority=-5)
     sim.run()
-    assert urgent.started == pytest.approx(1.01 * MS)
-    assert urgent.ended == pytest.approx(1.11 * MS)
+    assert urgent.started == pytest.approx(OVERHEAD + 1 * MS)
+    assert urgent.ended == pytest.approx(OVERHEAD + 1.1 * MS)
 
 
 def test_cap_counts_distinct_sms_not_blocks():

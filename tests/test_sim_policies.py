@@ -44,7 +44,7 @@ def test_mps_serves_launch_order():
     sim = Simulator(SPEC, record=True)
     (a,), (b,) = launch(sim, 1), launch(sim, 2)
     sim.run()
-    assert (a.ended, b.started, b.ended) == pytest.approx((2.01 * MS, 2.01 * MS, 4.01 * MS))
+    assert (a.ended, b.started, b.ended) == pytest.approx((OVERHEAD + 2 * MS, OVERHEAD + 2 * MS, OVERHEAD + 4 * MS))
 
 
 def test_round_robin_alternates_blocks():
@@ -55,7 +55,7 @@ def test_round_robin_alternates_blocks():
     first = at(sim, OVERHEAD)
     assert first == [(1, 0, 1), (2, 1, 1), (1, 2, 1), (2, 3, 1)] * 2
     assert a.started == b.started == pytest.approx(OVERHEAD)
-    assert a.ended == b.ended == pytest.approx(4.01 * MS)
+    assert a.ended == b.ended == pytest.approx(OVERHEAD + 4 * MS)
 
 
 def test_round_robin_rotation_resumes_after_last_served():
@@ -66,10 +66,10 @@ def test_round_robin_rotation_resumes_after_last_served():
     for c in (1, 2, 3):
         launch(sim, c, blocks=4, stream=1)
     sim.run()
-    # At 0.51 ms one slot is free: client 1 was served last, so client 2 gets it.
-    assert at(sim, 0.51 * MS) == [(2, 3, 1)]
-    # At 1.01 ms the 7 slots free: rotation goes on from client 2: 3, 1, 2, 3, 1, 2, 3.
-    assert [c for c, _, _ in at(sim, 1.01 * MS)] == [3, 1, 2, 3, 1, 2, 3]
+    # When the three are ready one slot is free: client 1 was served last, so client 2 gets it.
+    assert at(sim, 0.5 * MS + OVERHEAD) == [(2, 3, 1)]
+    # When the 7 slots free: rotation goes on from client 2: 3, 1, 2, 3, 1, 2, 3.
+    assert [c for c, _, _ in at(sim, 1 * MS + OVERHEAD)] == [3, 1, 2, 3, 1, 2, 3]
 
 
 def test_priority_urgent_client_first_then_round_robin_within_level():
@@ -82,10 +82,11 @@ def test_priority_urgent_client_first_then_round_robin_within_level():
     (urgent,) = launch(sim, 3, blocks=4)
     launch(sim, 4, blocks=8)
     sim.run()
-    assert urgent.started == pytest.approx(1.01 * MS)
-    assert at(sim, 1.01 * MS)[:4] == [(3, 0, 1), (3, 1, 1), (3, 2, 1), (3, 3, 1)]
-    assert [c for c, _, _ in at(sim, 1.01 * MS)[4:]] == [2, 4, 2, 4]
-    assert low.ended == pytest.approx(1.01 * MS)
+    freed = OVERHEAD + 1 * MS  # the low client's grid ends
+    assert urgent.started == pytest.approx(freed)
+    assert at(sim, freed)[:4] == [(3, 0, 1), (3, 1, 1), (3, 2, 1), (3, 3, 1)]
+    assert [c for c, _, _ in at(sim, freed)[4:]] == [2, 4, 2, 4]
+    assert low.ended == pytest.approx(freed)
 
 
 def two_stream_hog(sim, client, n):
@@ -93,7 +94,7 @@ def two_stream_hog(sim, client, n):
     return launch(sim, client, n, blocks=8, stream=0) + launch(sim, client, n, blocks=8, stream=1)
 
 
-@pytest.mark.parametrize("aging, start", [(None, 20.01 * MS), (3 * MS, 3.01 * MS)])
+@pytest.mark.parametrize("aging, start", [(None, OVERHEAD + 20 * MS), (3 * MS, OVERHEAD + 3 * MS)])
 def test_priority_aging(aging, start):
     """Below-normal work starves behind a busy normal client without aging; with aging it runs once aged."""
     sim = Simulator(SPEC, "priority", policy_options={"aging": aging})
@@ -110,7 +111,7 @@ def test_priority_without_aging_matches_mps_for_one_level():
     sim = Simulator(SPEC, "priority")
     (a,), (b,) = launch(sim, 1, blocks=4), launch(sim, 2, blocks=4)
     sim.run()
-    assert a.ended == b.ended == pytest.approx(1.01 * MS)
+    assert a.ended == b.ended == pytest.approx(OVERHEAD + 1 * MS)
 
 
 def test_fair_weights_split_sm_time():
@@ -140,7 +141,7 @@ def test_fair_newcomer_does_not_monopolise():
     sim.advance(10 * MS)
     two_stream_hog(sim, 2, 20)
     sim.advance(20 * MS)
-    late = [g for g in sim.trace if g.start >= 10.01 * MS - 1e-12]
+    late = [g for g in sim.trace if g.start >= 10 * MS + OVERHEAD - 1e-12]
     share = {c: sum(g.count * (g.end - g.start) for g in late if g.op.client == c) for c in (1, 2)}
     assert share[1] == pytest.approx(share[2], rel=0.1)
 
@@ -151,9 +152,9 @@ def test_exclusive_waits_for_owner_to_drain():
     _k1, k2 = launch(sim, 1, 2, blocks=4)
     (other,) = launch(sim, 2, blocks=4)
     sim.run()
-    assert k2.started == pytest.approx(1.02 * MS)
-    assert other.started == pytest.approx(2.02 * MS)
-    assert other.ended == pytest.approx(3.02 * MS)
+    assert k2.started == pytest.approx(2 * OVERHEAD + 1 * MS)  # each of client 1's kernels pays the overhead
+    assert other.started == pytest.approx(2 * OVERHEAD + 2 * MS)
+    assert other.ended == pytest.approx(2 * OVERHEAD + 3 * MS)
     assert sim.stranded_blocks() == 0
 
 

@@ -165,7 +165,7 @@ def test_cancel_drops_queued_work_and_evicts_running_blocks():
     stats = sim.statistics()
     assert stats.per_client[1].kernels == 0
     assert stats.per_client[1].blocks == 0  # evicted blocks never completed
-    assert stats.per_client[1].block_seconds == pytest.approx(264 * (0.6 - 0.01) * MS)  # but held SMs
+    assert stats.per_client[1].block_seconds == pytest.approx(264 * (0.6 * MS - OVERHEAD))  # but held SMs
 
 
 def test_cancel_resolves_dependencies_of_other_clients():

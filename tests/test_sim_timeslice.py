@@ -21,6 +21,11 @@ def launch(sim, client, n=1, blocks=16, cost=SPIN, stream=0):
     return ks
 
 
+def ms(t):
+    """A time in ms, counted from the moment the first kernel is ready (its launch overhead paid)."""
+    return round(t + OVERHEAD / MS, 6)
+
+
 def pieces(sim, client):
     return [(g.sm, g.count, round(g.start / MS, 6), round(g.end / MS, 6))
             for g in sorted(sim.trace, key=lambda g: (g.start, g.sm)) if g.op.client == client]
@@ -40,12 +45,12 @@ def test_two_clients_alternate_slices_with_preemption():
     sim = Simulator(SPEC, "timeslice", record=True, policy_options=OPTS)
     (a,), (b,) = launch(sim, 1), launch(sim, 2)
     sim.run()
-    assert pieces(sim, 1)[:4] == [(i, 2, 0.01, 0.51) for i in range(4)]
-    assert pieces(sim, 2)[:4] == [(i, 2, 0.61, 1.11) for i in range(4)]
-    assert pieces(sim, 1)[4:8] == [(i, 2, 1.21, 1.71) for i in range(4)]  # the first wave's second half
-    assert pieces(sim, 1)[8:12] == [(i, 2, 2.41, 2.91) for i in range(4)]  # wave 2, after 2 ends a slice
-    assert a.ended == pytest.approx(4.11 * MS)
-    assert b.ended == pytest.approx(4.71 * MS)
+    assert pieces(sim, 1)[:4] == [(i, 2, ms(0), ms(0.5)) for i in range(4)]
+    assert pieces(sim, 2)[:4] == [(i, 2, ms(0.6), ms(1.1)) for i in range(4)]
+    assert pieces(sim, 1)[4:8] == [(i, 2, ms(1.2), ms(1.7)) for i in range(4)]  # the first wave's second half
+    assert pieces(sim, 1)[8:12] == [(i, 2, ms(2.4), ms(2.9)) for i in range(4)]  # wave 2, after 2 ends a slice
+    assert a.ended == pytest.approx(OVERHEAD + 4.1 * MS)
+    assert b.ended == pytest.approx(OVERHEAD + 4.7 * MS)
     # Every block got exactly its 1 ms, in pieces: preempted blocks were resumed, not restarted.
     assert sim.statistics().per_client[1].block_seconds == pytest.approx(16 * MS)
     assert sim.statistics().blocks_completed == 32
@@ -57,9 +62,9 @@ def test_owner_out_of_work_hands_over_at_once():
     (a,) = launch(sim, 1, blocks=8, cost=BlockCost(0.2 * MS))
     (b,) = launch(sim, 2, blocks=8, cost=BlockCost(0.2 * MS))
     sim.run()
-    assert a.ended == pytest.approx(0.21 * MS)
-    assert b.started == pytest.approx(0.31 * MS)
-    assert b.ended == pytest.approx(0.51 * MS)
+    assert a.ended == pytest.approx(OVERHEAD + 0.2 * MS)
+    assert b.started == pytest.approx(OVERHEAD + 0.3 * MS)
+    assert b.ended == pytest.approx(OVERHEAD + 0.5 * MS)
 
 
 def test_back_to_the_resident_context_costs_nothing():
@@ -80,10 +85,10 @@ def test_shared_blocks_resume_with_remaining_service():
     (a,) = launch(sim, 1, blocks=8, cost=work)  # 8 blocks on 4 SMs: each at half rate, 1.6 ms alone
     (b,) = launch(sim, 2, blocks=8, cost=BlockCost(0.3 * MS))
     sim.run()
-    # a: 0.01..0.51 (0.25 ms of service each), b: 0.61..0.91, a resumes at 1.01 with 0.55 ms left each
-    # at half rate: 1.1 ms -> ends at 2.11.
-    assert b.started == pytest.approx(0.61 * MS)
-    assert a.ended == pytest.approx(2.11 * MS)
+    # From the launch overhead on: a 0..0.5 ms (0.25 ms of service each), b 0.6..0.9, a resumes at 1.0 with
+    # 0.55 ms left each at half rate: 1.1 ms -> ends at 2.1.
+    assert b.started == pytest.approx(OVERHEAD + 0.6 * MS)
+    assert a.ended == pytest.approx(OVERHEAD + 2.1 * MS)
 
 
 def test_cancel_during_switch():

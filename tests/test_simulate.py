@@ -12,6 +12,7 @@ from mpsd.sim import H200
 from mpsd.simulate import ScenarioError, run_scenario
 
 HOST_MS = (H200.launch_latency + H200.sync_latency) * 1e3  # what the tenant pays on the host, once per wait
+OVERHEAD_MS = H200.kernel_overhead * 1e3  # what the device pays before each kernel of a stream
 EXAMPLE = Path(__file__).parent.parent / "examples" / "scenarios" / "inference_beside_training.toml"
 MPSD = Path(sys.executable).with_name("mpsd")
 
@@ -22,12 +23,12 @@ def full_waves(repeat: int, **tenant) -> dict:
 
 
 def test_back_to_back_kernels_take_what_the_model_says():
-    """Ten full waves of 1 ms blocks end at 10 x (1 ms + the 10 us launch overhead), plus one launch and one
+    """Ten full waves of 1 ms blocks end at 10 x (1 ms + the device's launch overhead), plus one launch and one
     synchronise on the host; 25% makes 5 waves each."""
     (fast,) = run_scenario({"tenant": [full_waves(10)]})["tenants"]
     (capped,) = run_scenario({"tenant": [full_waves(2, active_thread_percentage=25)]})["tenants"]
-    assert fast["kernels"] == 10 and fast["makespan_ms"] == pytest.approx(10 * 1.01 + HOST_MS, abs=1e-6)
-    assert capped["kernels"] == 2 and capped["makespan_ms"] == pytest.approx(2 * 5.01 + HOST_MS, abs=1e-6)
+    assert fast["kernels"] == 10 and fast["makespan_ms"] == pytest.approx(10 * (1 + OVERHEAD_MS) + HOST_MS, abs=1e-6)
+    assert capped["kernels"] == 2 and capped["makespan_ms"] == pytest.approx(2 * (5 + OVERHEAD_MS) + HOST_MS, abs=1e-6)
 
 
 def test_a_lone_kernel_costs_host_launch_device_and_synchronise():
@@ -53,13 +54,14 @@ def test_closed_loop_launches_after_synchronise_and_sleep():
 
 def test_closed_loop_beside_full_waves_waits_for_the_running_wave():
     """A closed-loop probe beside back-to-back full waves never preempts them under MPS: each wait is at
-    most one wave (1.01 ms) plus its own 0.1 ms and the host latencies."""
+    most one wave (1 ms and its launch overhead) plus its own 0.1 ms and the host latencies."""
     probe = {"name": "p", "at": 0.02, "kernel": [{"name": "spin", "grid": 8, "block": 1024, "args": [198_000],
                                                   "repeat": 20, "sleep": 0.005, "at": 0.02}]}
     result = run_scenario({"tenant": [probe, full_waves(200)]})
     p = result["tenants"][0]
     assert p["kernels"] == 20
-    assert 0.11 < p["latency_p50_ms"] <= p["latency_p99_ms"] <= 1.01 + 0.11 + HOST_MS + 1e-9
+    own = 0.1 + OVERHEAD_MS
+    assert own < p["latency_p50_ms"] <= p["latency_p99_ms"] <= (1 + OVERHEAD_MS) + own + HOST_MS + 1e-9
 
 
 def test_same_scenario_same_answer():

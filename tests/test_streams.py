@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 
 import mpsd_client
+from mpsd.sim import H200
 from mpsd_client import InvalidResourceHandleError, NotReadyError
 
 ONE_MS = int(1e-3 * 1.98e9)  # spin cycles for 1 ms at the H200's 1.98 GHz
-OVERHEAD_MS = 0.010  # the model's per-kernel launch overhead
+OVERHEAD_MS = H200.kernel_overhead * 1e3  # the model's per-kernel launch overhead
 FULL, QUARTER = 264, 66  # blocks of 1024 threads: one wave on 132 SMs, a quarter of it
 
 
