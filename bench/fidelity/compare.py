@@ -10,15 +10,16 @@ simulator alone in virtual time (mpsd.simulate): MPS rows under the `mps` policy
 `timeslice`. Issue 4's target is every row within 5%, wave counts exact.
 
 What is calibrated, and from what (never from a row that is then called a match):
+- the device's gap between back-to-back kernels (DeviceSpec.kernel_overhead): CUDA-event time per kernel
+  of the batches of short FULL spins alone, less the spin's cycles at the measured clock; these batch rows
+  are printed marked `cal` and not counted;
 - host launch and synchronise latency (DeviceSpec.launch_latency, .sync_latency): a 1-block empty kernel
-  alone; these rows are printed marked `cal` and not counted;
+  alone, less the model's device time for it; these rows are printed marked `cal` and not counted;
 - a closed-loop tenant's think time (its `time.sleep(0.005)` and loop, 5.1 ms): the gaps between launches of
   the probes alone, a host figure and not the GPU's;
 - the time slice and the context-switch cost of the `timeslice` policy (its defaults, which the rows use):
   one 100-ms kernel per process in 2 and 3 processes, each logging when globaltimer jumps (its context
   switched out).
-The device's gap between back-to-back kernels (DeviceSpec.kernel_overhead) is read from the batch rows of
-short kernels by hand (the comment beside it says which), so those rows are calibration too, in part.
 Everything else (latency of longer kernels alone, latency beside a saturating tenant, batch times) is predicted.
 """
 from __future__ import annotations
@@ -40,6 +41,8 @@ MS = 1.98e6  # spin cycles per millisecond at 1.98 GHz
 FULL, QUARTER = 264, 66
 WORK_ITERS = 93638  # the model's `work` iterations for one 1-ms FULL wave
 CALIBRATION_STEP = "empty kernel, sleep 5 ms"
+# Short kernels, so that the clock's error (0.1% is 0.2 us on a 0.2-ms spin) does not hide the gap.
+OVERHEAD_STEPS = ("100 x FULL spin 0.05 ms", "50 x FULL spin 0.2 ms")
 TOLERANCE = 0.05
 
 
@@ -52,18 +55,23 @@ def _alone_steps(data: dict, mode: str) -> list[tuple[dict, dict]]:
 
 
 def calibration() -> dict[str, float]:
-    """Host latency, closed-loop think time and time-slicing figures, derived from the measurements.
+    """Kernel overhead, host latency, closed-loop think time and time-slicing figures, from the measurements.
 
     Returns:
-        launch_latency, sync_latency (s: DeviceSpec's figures as the measurements give them), think_5ms
-        (s between a synchronise's return and the next launch call for `sleep(0.005)`), timeslice and
-        switch (s: the `timeslice` policy's options).
+        kernel_overhead, launch_latency, sync_latency (s: DeviceSpec's figures as the measurements give
+        them), think_5ms (s between a synchronise's return and the next launch call for `sleep(0.005)`),
+        timeslice and switch (s: the `timeslice` policy's defaults).
     """
     runs = [json.loads(RUN1.read_text()), json.loads(RUN2.read_text())]
-    total, after_call, think = [], [], []
+    total, after_call, think, between = [], [], [], []
     for data in runs:
         for mode in ("no-mps", "mps"):
-            for step, res in _alone_steps(data, mode):
+            steps = _alone_steps(data, mode)
+            hz = next(res["hz"] for step, res in steps if step["name"] == "clock, 1 block")
+            for step, res in steps:
+                if step["name"] in OVERHEAD_STEPS:
+                    (k,) = step["kernels"]
+                    between.append(res["gpu_seconds"] / step["repeat"] - k["arg"] / hz)
                 if step.get("name") == CALIBRATION_STEP:
                     total.append(res["latency_ms"]["p50"] / 1e3)
                     after_call.append((res["latency_ms"]["p50"] - res["launch_call_ms"]["p50"]) / 1e3)
@@ -85,8 +93,8 @@ def calibration() -> dict[str, float]:
             slices.append(own)
             # Switched out: every other context's slice, and one switch into each of them and back.
             switches.append((statistics.median(g[1] for g in gaps) - (n - 1) * own) / n)
-    return {"launch_latency": host - sync, "sync_latency": sync, "think_5ms": statistics.median(think),
-            "timeslice": statistics.median(slices) / 1e3, "switch": statistics.median(switches) / 1e3}
+    return {"kernel_overhead": statistics.median(between), "launch_latency": host - sync,
+            "sync_latency": sync, "think_5ms": statistics.median(think), "timeslice": statistics.median(slices) / 1e3, "switch": statistics.median(switches) / 1e3}
 
 
 def _policy(mode: str) -> dict:
@@ -140,7 +148,7 @@ def _figures(source: str, row: str, mode: str, step: dict, res: dict, sim: dict)
     elif step["mode"] == "probe":
         for q in ("p50", "p99"):
             out.append({"figure": f"{q} ms", "measured": res["latency_ms"][q], "simulated": sim[f"latency_{q}_ms"]})
-    cal = step.get("name") == CALIBRATION_STEP
+    cal = step.get("name") == CALIBRATION_STEP or step.get("name") in OVERHEAD_STEPS
     return [{"source": source, "row": row, "mode": mode, "calibration": cal, **f} for f in out]
 
 
@@ -231,7 +239,8 @@ def main() -> int:
     if args.calibration or not args.json:
         slice_ms = POLICIES["timeslice"].options["timeslice"] * 1e3
         switch_us = POLICIES["timeslice"].options["switch"] * 1e6
-        print(f"calibration: host launch {cal['launch_latency'] * 1e6:.1f} us (DeviceSpec: "
+        print(f"calibration: kernel overhead {cal['kernel_overhead'] * 1e6:.2f} us (DeviceSpec: "
+              f"{H200.kernel_overhead * 1e6:.2f}), host launch {cal['launch_latency'] * 1e6:.1f} us ("
               f"{H200.launch_latency * 1e6:.1f}), synchronise {cal['sync_latency'] * 1e6:.1f} us "
               f"({H200.sync_latency * 1e6:.1f}); sleep(5 ms) loop {cal['think_5ms'] * 1e3:.3f} ms; time slice "
               f"{cal['timeslice'] * 1e3:.3f} ms ({slice_ms:.3f}), context switch {cal['switch'] * 1e6:.0f} us "

@@ -85,10 +85,11 @@ H200 = DeviceSpec(
     pcie_bandwidth=55e9,
     copy_latency=2e-6,
     # The device's gap between back-to-back kernels of one stream, from CUDA-event timings on a real H200
-    # (bench/fidelity/h200_timing_extra.json and h200_timing_repeat.json, "1 tenant alone", both modes):
-    # time per kernel less the spin's cycles at the measured clock ("clock, 1 block", 1.9786 GHz). Over
-    # "100 x FULL spin 0.05 ms" and "50 x FULL spin 0.2 ms", where a 0.1% clock error moves it by 0.2 us at
-    # most, that is 2.05 us at the median (1.7 to 2.5 us, 8 figures); the rows of longer kernels agree
+    # (bench/fidelity/h200_timing_extra.json and h200_timing_repeat.json, "1 tenant alone", both modes;
+    # bench/fidelity/compare.py --calibration derives it): time per kernel less the spin's cycles at the
+    # measured clock ("clock, 1 block", about 1.979 GHz). Over "100 x FULL spin 0.05 ms" and "50 x FULL spin
+    # 0.2 ms", where a 0.1% clock error moves it by 0.2 us at most, that is 2.05 us at the median (1.7 to
+    # 2.5 us, 8 figures), here rounded to the spread's precision; the rows of longer kernels agree
     # within their clock error ("100 x FULL spin 1 ms": 0.9 to 2.2 us; "50 x (FULL 0.05 ms + QUARTER 1 ms)
     # spin": 1.7 to 3.2 us a kernel). "empty kernel back to back" (5.6 to 8.9 us a kernel) measures the
     # host's launch rate instead: CuPy's launch call alone took 5.3 to 7.8 us ("empty kernel, back to back",
