@@ -291,7 +291,7 @@ def _timeline(workload: Workload, policy: str, specs: list[TenantSpec], instance
         for error in ready[name].get("setup_errors", []):
             requests.append(Request(name, 0.0, float("nan"), error))
     kernels = [KernelRecord(rename[k.tenant], k.kernel, k.name, k.blocks, k.submitted + shift, k.started + shift,
-                            k.ended + shift) for k in device.kernels if rename.get(k.tenant)]
+                            k.ended + shift, k.eligible + shift) for k in device.kernels if rename.get(k.tenant)]
     spans = [Span(rename[s.tenant], s.kernel, s.sm, s.blocks, s.sm_fraction, s.start + shift, s.end + shift)
              for s in device.spans if rename.get(s.tenant)]
     ends = [r.completed for r in requests if r.completed == r.completed]

@@ -161,7 +161,7 @@ def _timeline(workload: Workload, policy: str, sim: Simulator, specs: list[Tenan
     entitlement = entitlements(specs)
     by_client = {i.client: i.name for i in instances}
     ids = {op: n for n, op in enumerate(names)}
-    kernels = [KernelRecord(tenant, ids[op], name, op.blocks, op.submitted, op.started, op.ended)
+    kernels = [KernelRecord(tenant, ids[op], name, op.blocks, op.submitted, op.started, op.ended, op.eligible)
                for op, (tenant, name) in names.items()]
     per_sm = sim.spec.max_threads_per_sm
     spans = [Span(by_client[g.op.client], ids[g.op], g.sm, g.count, min(1.0, g.count * g.op.threads / per_sm),
