@@ -26,6 +26,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/rpc_latency.py
 	$(BIN)/python bench/launch_rate.py
 	$(BIN)/python bench/ipc_open.py
+	$(BIN)/python bench/sim_rate.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -64,7 +64,7 @@ class Recorder:
         for n, (op, name) in enumerate(self.kernels):
             ids[op] = n
             kernels.append(KernelRecord(names[op.client], n, name, op.blocks, op.submitted,
-                                        op.started, op.ended if op.done else math.nan))
+                                        op.started, op.ended if op.done else math.nan, op.eligible))
         max_threads = device.spec.max_threads_per_sm
         spans = [Span(names[g.op.client], ids[g.op], g.sm, g.count, min(1.0, g.count * g.op.threads / max_threads),
                       g.start, g.end) for g in sim.trace if g.op in ids]

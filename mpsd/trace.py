@@ -24,7 +24,7 @@ __all__ = ["chrome_trace", "load_trace", "read_chrome_trace", "write_trace"]
 
 FORMAT = "mpsd-timeline/1"
 # Column order of a kernel record in otherData["kernels"]: lists are a third the size of dicts.
-KERNEL_FIELDS = ("tenant", "kernel", "name", "blocks", "submitted", "started", "ended")
+KERNEL_FIELDS = ("tenant", "kernel", "name", "blocks", "submitted", "started", "ended", "eligible")
 
 
 def chrome_trace(timeline: Timeline) -> dict[str, Any]:
@@ -66,7 +66,7 @@ def read_chrome_trace(data: dict[str, Any]) -> Timeline:
             policy=other["policy"], sm_count=other["sm_count"], duration=other["duration"],
             launch_overhead=other["launch_overhead"], virtual=other["virtual"], lag=other.get("lag", 0.0),
             tenants=[TenantInfo(**t) for t in other["tenants"]],
-            kernels=[KernelRecord(**{f: _float_or_nan(v) if f in ("submitted", "started", "ended") else v
+            kernels=[KernelRecord(**{f: _float_or_nan(v) if f in ("submitted", "started", "ended", "eligible") else v
                                      for f, v in zip(KERNEL_FIELDS, k)}) for k in other["kernels"]],
             memory_high_water=dict(other["memory_high_water"]),
             partitions=[(name, first, end) for name, first, end in other["partitions"]],
@@ -210,7 +210,7 @@ def _other_data(timeline: Timeline) -> dict[str, Any]:
         "memory_high_water": dict(timeline.memory_high_water),
         "partitions": [list(p) for p in timeline.partitions],
         "kernels": [[k.tenant, k.kernel, k.name, k.blocks, _json_float(k.submitted), _json_float(k.started),
-                     _json_float(k.ended)] for k in timeline.kernels],
+                     _json_float(k.ended), _json_float(k.eligible)] for k in timeline.kernels],
     }
 
 

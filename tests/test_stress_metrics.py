@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -95,6 +96,22 @@ def test_idle_sm_time_while_kernels_are_queued():
     [2, 2.5), SMs 0 and 1 over [2.5, 3): idle 4 x 0.9 + 3 x 0.5 + 2 x 0.5 + 1 x 0.5 + 2 x 0.5.
     """
     assert summarize(hand_timeline())["idle_sm_seconds_while_queued"] == pytest.approx(3.6 + 1.5 + 1.0 + 0.5 + 1.0)
+
+
+def test_a_kernel_waits_from_its_streams_turn_not_from_its_submission():
+    """The second of two back-to-back kernels on one stream is submitted with the first, but is not queued (nor
+    starving) while the first runs: its clock starts at its turn (eligible), plus the launch overhead."""
+    t = Timeline(policy="mps", sm_count=2, duration=10.0, launch_overhead=1.0,
+                 tenants=[TenantInfo("a", "a")],
+                 kernels=[KernelRecord("a", 0, "spin", 1, submitted=0.0, started=1.0, ended=5.0, eligible=0.0),
+                          KernelRecord("a", 1, "spin", 1, submitted=0.0, started=7.0, ended=9.0, eligible=5.0)],
+                 spans=[Span("a", 0, 0, 1, 1.0, 1.0, 5.0), Span("a", 1, 0, 1, 1.0, 7.0, 9.0)])
+    s = summarize(t)
+    assert s["tenants"][0]["longest_wait_ms"] == pytest.approx(1000.0)  # kernel 1: 7 - (5 + 1)
+    # Queued: kernel 1 over [6, 7) with both SMs idle; kernel 0 over [1, 1): nothing.
+    assert s["idle_sm_seconds_while_queued"] == pytest.approx(2.0)
+    without = replace(t, kernels=[replace(k, eligible=math.nan) for k in t.kernels])  # submission stands in
+    assert summarize(without)["tenants"][0]["longest_wait_ms"] == pytest.approx(6000.0)
 
 
 def test_summary_per_tenant():

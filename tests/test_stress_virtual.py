@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import random
 from dataclasses import replace
 from pathlib import Path
 
@@ -61,9 +60,12 @@ def test_arrival_processes():
         {"name": "t", "arrival": "trace", "trace": [0.5, 0.1, 3.0], "kernel": [spin(1)]},
         {"name": "c", "kernel": [spin(1)]},
     ]})
-    u, p, b, t, c = (arrival_times(x, 2.0, random.Random(1)) for x in w.tenants)
+    u, p, b, t, c = (arrival_times(x, 2.0, seed=1) for x in w.tenants)
     assert len(u) == 200 and all(y - x == pytest.approx(0.01) for x, y in zip(u, u[1:]))
-    assert 1800 < len(p) < 2200 and p == sorted(p) and p == arrival_times(w.tenants[1], 2.0, random.Random(1))
+    assert 1800 < len(p) < 2200 and p == sorted(p) and p == arrival_times(w.tenants[1], 2.0, seed=1)
+    assert p != arrival_times(w.tenants[1], 2.0, seed=2)
+    twice = replace(w.tenants[1], count=2)  # copies of one tenant draw their own arrivals
+    assert arrival_times(twice, 2.0, seed=1, copy=0) != arrival_times(twice, 2.0, seed=1, copy=1)
     assert len(b) % 10 == 0 and all(b[i] == b[i - i % 10] for i in range(len(b)))  # bursts of ten at one instant
     assert t == [0.1, 0.5]  # sorted, and cut at the end of the run
     assert c is None  # closed loop
@@ -127,10 +129,10 @@ def test_memory_past_the_limit_fails_each_request_and_nobody_else():
 
 
 def test_timeslicing_hurts_the_latency_tenant_more_than_mps():
-    """The seed's point, in numbers: beside training, inference's p99 under time-slicing is several times its
-    p99 under MPS."""
+    """The seed's point, in numbers: beside training, inference's p99 under time-slicing is more than twice its
+    p99 under MPS (it waits for other contexts' whole slices, not for one block to end)."""
     w = load_workload(WORKLOADS / "inference_training.toml")
     w = replace(w, duration=0.5)
     p99 = {policy: summarize(run_virtual(w, policy, {}))["tenants"][0]["latency_ms"]["p99"]
            for policy in ("mps", "timeslice")}
-    assert p99["timeslice"] > 3 * p99["mps"]
+    assert p99["timeslice"] > 2 * p99["mps"]

@@ -514,6 +514,7 @@ class Simulator:
         work = deque(ops)
         while work:
             op = work.popleft()
+            op.eligible = self.now
             if isinstance(op, Marker):
                 op.started = op.ended = self.now
                 op.done = True

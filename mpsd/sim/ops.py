@@ -28,6 +28,8 @@ class Op:
         after: other ops that must complete before this one may start.
         tag: opaque to the simulator.
         submitted, started, ended: simulated times, set by the simulator (NaN until then).
+        eligible: when it reached the head of its stream with its ``after`` ops done (NaN until then); a
+            kernel's blocks can start ``kernel_overhead`` later.
         done: set by the simulator when the op is reported complete.
         seq: submission sequence number, set by the simulator (-1 until submitted).
     """
@@ -37,6 +39,7 @@ class Op:
     after: tuple = field(default=(), repr=False)
     tag: object = None
     submitted: float = field(default=math.nan, init=False)
+    eligible: float = field(default=math.nan, init=False)
     started: float = field(default=math.nan, init=False)
     ended: float = field(default=math.nan, init=False)
     done: bool = field(default=False, init=False)

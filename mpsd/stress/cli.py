@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -80,7 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if len(runs) > 1:
         console.print(render_comparison(results["runs"], runs))
     if options.json is not None:
-        text = json.dumps(results, indent=1, default=_jsonable)
+        text = json.dumps(results, indent=1, allow_nan=False)  # summaries hold None, never NaN
         if str(options.json) == "-":
             print(text)
         else:
@@ -238,12 +237,6 @@ def _ms(value: float | None) -> str:
 
 def _pct(value: float | None) -> str:
     return "-" if value is None else f"{value:.1%}"
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    raise TypeError(f"cannot write {type(value).__name__} as JSON")
 
 
 def _console(options: argparse.Namespace) -> Any:

@@ -125,8 +125,8 @@ def summarize(timeline: Timeline, solo_p99: dict[str, float] | None = None) -> d
         kernels[i] += 1
         blocks[i] += k.blocks
         # A kernel that never started waited until the end of the run: starvation must not hide.
-        first_block = k.started if math.isfinite(k.started) else max(duration, k.submitted)
-        longest_wait[i] = max(longest_wait[i], first_block - (k.submitted + timeline.launch_overhead))
+        first_block = k.started if math.isfinite(k.started) else max(duration, k.ready)
+        longest_wait[i] = max(longest_wait[i], first_block - (k.ready + timeline.launch_overhead))
 
     rows = []
     for i, t in enumerate(timeline.tenants):
@@ -265,13 +265,13 @@ def _max_sms_per_tenant(spans: dict[str, np.ndarray], sm_count: int, tenants: in
 def _idle_sm_seconds_while_queued(timeline: Timeline, spans: dict[str, np.ndarray]) -> float:
     """SM-seconds of SMs with nothing resident while at least one kernel was queued (0 = work conserving).
 
-    A kernel is queued from submitted + launch_overhead until its last span starts.
+    A kernel is queued from its stream's turn (KernelRecord.ready) + launch_overhead until its last span starts.
     """
     last_start: dict[int, float] = {}
     for kernel, start in zip(spans["kernel"].tolist(), spans["start"].tolist()):
         if start > last_start.get(kernel, -math.inf):
             last_start[kernel] = start
-    ready = [(k.submitted + timeline.launch_overhead, last_start[k.kernel])
+    ready = [(k.ready + timeline.launch_overhead, last_start[k.kernel])
              for k in timeline.kernels if k.kernel in last_start]
     queued = np.array([q for q in ready if q[1] > q[0]], dtype=float).reshape(-1, 2)
     if len(queued) == 0:

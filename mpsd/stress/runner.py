@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import queue
-import random
 import shutil
 import signal
 import subprocess
@@ -68,20 +67,20 @@ def run_real(workload: Workload, policy: str, policy_options: dict[str, Any], te
     """
     specs = list(workload.tenants if tenants is None else tenants)
     instances = [(t, c, t.instance(c)) for t in specs for c in range(t.count)]
-    progress = Progress(label or policy, workload.duration / time_scale, {t.name: [t.instance(c) for c in range(t.count)] for t in specs})
+    progress = Progress(label or policy, workload.duration / time_scale,
+                        {t.name: [t.instance(c) for c in range(t.count)] for t in specs})
     work = Path(tempfile.mkdtemp(prefix="mpsd-stress-", dir="/tmp"))  # socket paths are limited to 107 bytes
     trace_path = work / "trace.json"
     daemon = _start_daemon(work, policy, policy_options, trace_path, max(48, len(instances)), time_scale)
     procs: dict[str, _TenantProcess] = {}
     try:
-        rng = random.Random(workload.seed)
         lines: queue.Queue[tuple[str, str | None]] = queue.Queue()
         ready: dict[str, dict[str, Any]] = {}
         # Producers first: their consumers need the IPC handle they export.
         order = sorted(instances, key=lambda i: i[0].ipc != "producer")
         handles: dict[str, str | None] = {}
         for spec, copy, name in order:
-            arrivals = arrival_times(spec, workload.duration, rng)
+            arrivals = arrival_times(spec, workload.duration, workload.seed, copy)
             wall_spec = asdict(spec) | {"think": spec.think / time_scale}
             setup = {"spec": wall_spec, "instance": name, "duration": workload.duration / time_scale,
                      "arrivals": None if arrivals is None else [a / time_scale for a in arrivals],
@@ -291,7 +290,7 @@ def _timeline(workload: Workload, policy: str, specs: list[TenantSpec], instance
         for error in ready[name].get("setup_errors", []):
             requests.append(Request(name, 0.0, float("nan"), error))
     kernels = [KernelRecord(rename[k.tenant], k.kernel, k.name, k.blocks, k.submitted + shift, k.started + shift,
-                            k.ended + shift) for k in device.kernels if rename.get(k.tenant)]
+                            k.ended + shift, k.eligible + shift) for k in device.kernels if rename.get(k.tenant)]
     spans = [Span(rename[s.tenant], s.kernel, s.sm, s.blocks, s.sm_fraction, s.start + shift, s.end + shift)
              for s in device.spans if rename.get(s.tenant)]
     ends = [r.completed for r in requests if r.completed == r.completed]

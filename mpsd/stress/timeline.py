@@ -70,6 +70,8 @@ class KernelRecord:
         submitted: when it reached the device (its stream's turn still to come).
         started: when its first block started; NaN if it never did.
         ended: when its last block ended; NaN if it never did.
+        eligible: when its stream's turn came (earlier work on the stream, and what it waits for, done); its
+            blocks may start the device's launch overhead later. NaN if unknown or never: then submitted stands in.
     """
 
     tenant: str
@@ -79,6 +81,12 @@ class KernelRecord:
     submitted: float
     started: float = math.nan
     ended: float = math.nan
+    eligible: float = math.nan
+
+    @property
+    def ready(self) -> float:
+        """The earliest its blocks could start, given its stream (``launch_overhead`` still to add)."""
+        return self.submitted if math.isnan(self.eligible) else self.eligible
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,8 +119,9 @@ class Timeline:
         policy: the scheduling policy it ran under.
         sm_count: SMs on the device.
         duration: seconds from the run's start to the last request's completion (the window metrics use).
-        launch_overhead: the device's fixed delay from a kernel's arrival to its first block (seconds); a
-            kernel counts as queued from submitted + launch_overhead until its last block starts.
+        launch_overhead: the device's fixed delay from a kernel's turn to its first block (seconds); a kernel
+            counts as queued from its stream's turn (KernelRecord.ready) + launch_overhead until its last
+            block starts.
         tenants: every tenant instance, in workload order.
         requests, kernels, spans: as recorded, in no particular order.
         memory_high_water: tenant name -> most device memory charged to it at once, bytes.

@@ -11,7 +11,6 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-import random
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,7 +54,6 @@ def run_virtual(workload: Workload, policy: str, policy_options: dict[str, Any],
     """
     specs = list(workload.tenants if tenants is None else tenants)
     sim = Simulator(spec, policy=policy, policy_options=policy_options, record=True)
-    rng = random.Random(workload.seed)
     launch = getattr(spec, "launch_latency", 0.0)  # host call -> the device has the kernel
     sync = getattr(spec, "sync_latency", 0.0)  # the device is done -> the host's synchronize returns
     instances: list[_Instance] = []
@@ -79,8 +77,8 @@ def run_virtual(workload: Workload, policy: str, policy_options: dict[str, Any],
     for t in specs:
         limit = _limit(t, spec)
         for copy in range(t.count):
-            inst = _Instance(len(instances) + 1, t.instance(copy), t, arrival_times(t, workload.duration, rng),
-                             t.sm_cap(spec))
+            inst = _Instance(len(instances) + 1, t.instance(copy), t,
+                             arrival_times(t, workload.duration, workload.seed, copy), t.sm_cap(spec))
             sim.configure_client(inst.client, priority=t.priority, weight=t.weight, partition=t.partition)
             instances.append(inst)
             for nbytes in _setup_allocations(t):
@@ -161,7 +159,7 @@ def _timeline(workload: Workload, policy: str, sim: Simulator, specs: list[Tenan
     entitlement = entitlements(specs)
     by_client = {i.client: i.name for i in instances}
     ids = {op: n for n, op in enumerate(names)}
-    kernels = [KernelRecord(tenant, ids[op], name, op.blocks, op.submitted, op.started, op.ended)
+    kernels = [KernelRecord(tenant, ids[op], name, op.blocks, op.submitted, op.started, op.ended, op.eligible)
                for op, (tenant, name) in names.items()]
     per_sm = sim.spec.max_threads_per_sm
     spans = [Span(by_client[g.op.client], ids[g.op], g.sm, g.count, min(1.0, g.count * g.op.threads / per_sm),

@@ -177,9 +177,15 @@ def entitlements(tenants: list[TenantSpec]) -> dict[str, float]:
     return {t.instance(c): t.weight / total for t in tenants for c in range(t.count)}
 
 
-def arrival_times(tenant: TenantSpec, duration: float, rng: random.Random) -> list[float] | None:
-    """When an open-loop tenant's requests are due, in seconds from the start, within ``duration``;
-    None for a closed loop (each request follows the last)."""
+def arrival_times(tenant: TenantSpec, duration: float, seed: int, copy: int = 0) -> list[float] | None:
+    """When copy ``copy`` of an open-loop tenant has its requests due, in seconds from the start, within
+    ``duration``; None for a closed loop (each request follows the last).
+
+    Drawn from a generator of its own, seeded by the workload's seed and the instance's name: the same
+    instance gets the same arrivals whoever else runs (alone for its isolation baseline, or under another
+    policy), and on every run.
+    """
+    rng = random.Random(f"{seed}:{tenant.instance(copy)}")
     if tenant.arrival == "closed":
         return None
     if tenant.arrival == "trace":
