@@ -190,7 +190,7 @@ def test_a_terminated_clients_sms_go_to_the_others_at_once(daemon):
         blocker_pid = int(blocker.stdout.readline())
         assert waiter.stdout.readline() == "queued\n"
         assert control(daemon, f"terminate_client {daemon.proc.pid} {blocker_pid}\n").stdout == "0\n"
-        out, _ = waiter.communicate(timeout=5)
+        out, _ = waiter.communicate(timeout=60)  # before the fix it waited forever: nothing else was due
         assert out == "ran\n"
     finally:
         for process in (waiter, blocker):
