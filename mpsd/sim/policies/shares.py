@@ -49,16 +49,16 @@ def take_turns(sim, queues: dict[int, list[KernelRun]], after: int | None) -> in
     Returns:
         The last client that placed a block (``after`` if none did).
     """
-    # Once every shape of the ready kernels is full (sim._saturated), no client can place anything more
-    # in this dispatch: the rounds left would all fail and change nothing, so they are skipped.
-    if not sim._open_keys():
+    # Once every shape of the ready kernels is full (sim._queue.saturated), no client can place anything
+    # more in this dispatch: the rounds left would all fail and change nothing, so they are skipped.
+    if not sim._queue.open_keys():
         return after
     clients = sorted(queues)
     if after is not None:
         cut = next((i for i, c in enumerate(clients) if c > after), len(clients))
         clients = clients[cut:] + clients[:cut]
     last = after
-    saturated = sim._saturated
+    saturated = sim._queue.saturated
     while len(clients) > 1:
         still = []
         for c in clients:
@@ -187,7 +187,7 @@ class FairPolicy(Policy):
                     self._service[c] = max(self.service(c), floor * weight[c])
         heap = [(self.service(c) / weight[c], c) for c in queues]
         heapq.heapify(heap)
-        while len(heap) > 1 and not sim._saturated():  # saturated: nobody could place a block
+        while len(heap) > 1 and not sim._queue.saturated():  # saturated: nobody could place a block
             _, c = heapq.heappop(heap)
             if serve_one(sim, queues[c]):
                 heapq.heappush(heap, (self.service(c) / weight[c], c))
