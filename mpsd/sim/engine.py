@@ -481,6 +481,27 @@ class Simulator:
         # the work it had left, and keep an event apiece.
         wave: list[Group] = []
         placed = 0
+        if not partial and not shared:
+            # The usual case, fresh fixed-cost blocks only: the loop below with its branches decided
+            # (one group per SM, all in the wave), the same steps in the same order.
+            end = now + fresh
+            warps, regs, smem = need.warps, need.regs, need.smem
+            for i, count in placements:
+                sm = sms[i]  # SM.take, inlined
+                sm.free_blocks -= count
+                sm.free_warps -= warps * count
+                sm.free_regs -= regs * count
+                sm.free_smem -= smem * count
+                sm.resident += count
+                changed(i)
+                occupied[i] = occupied.get(i, 0) + count
+                placed += count
+                group = Group(run, i, count, now, end, 0.0, 1.0, 1.0, False, fresh)
+                wave.append(group)
+                groups[group] = None
+                if hook is not None:
+                    hook(group)
+            placements = ()
         for i, count in placements:
             sms[i].take(need, count)
             changed(i)

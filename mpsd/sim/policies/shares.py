@@ -158,20 +158,22 @@ class FairPolicy(Policy):
         """SM-seconds charged to ``client`` so far (nominal for blocks still resident)."""
         return self._service.get(client, 0.0)
 
-    def _share(self, run: KernelRun) -> float:
-        return min(1.0, run.kernel.threads / self.spec.max_threads_per_sm)
+    # A block's share of an SM's threads is ``run.sm_share``, min(1, threads / max_threads_per_sm), which
+    # the engine computed once per launch shape: the very same float as computing it here per group.
 
     def placed(self, group: Group) -> None:
         """Charge the group's nominal SM-time."""
-        c = group.run.kernel.client
-        self._service[c] = self._service.get(c, 0.0) + group.count * group.planned * self._share(group.run)
+        run = group.run
+        c = run.kernel.client
+        self._service[c] = self._service.get(c, 0.0) + group.count * group.planned * run.sm_share
         self._resident[c] = self._resident.get(c, 0) + group.count
 
     def vacated(self, group: Group) -> None:
         """Replace the nominal charge by the time the group really held its SM."""
-        c = group.run.kernel.client
+        run = group.run
+        c = run.kernel.client
         held = group.end - group.start
-        self._service[c] += group.count * (held - group.planned) * self._share(group.run)
+        self._service[c] += group.count * (held - group.planned) * run.sm_share
         self._resident[c] -= group.count
 
     def dispatch(self, ready: list[KernelRun]) -> None:
