@@ -463,7 +463,11 @@ class Simulator:
             occupied = self._client_sms[client] = {}
         cap = kernel.sm_cap
         budget = len(fits) if cap is None else cap - len(occupied)
-        placements = spread(fits, left, budget, occupied, room=room)
+        if left == 1 and budget > 0:  # spread's first case, inlined (one block at a time, policies that share)
+            top = max(fits)  # > 0: room is not empty
+            placements = [(fits.index(top), 1)]
+        else:
+            placements = spread(fits, left, budget, occupied, room=room)
         if not placements:  # its SM cap: the room is on SMs it may not add
             return 0
         now = self.now
