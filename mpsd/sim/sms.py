@@ -196,7 +196,7 @@ class FitIndex:
         if row is None:
             row = self._row(state)
         for (fits, room, lo, hi), f in zip(self._slots, row):  # runs for every group placed or ended
-            if lo <= index < hi:
+            if f != fits[index] and lo <= index < hi:  # an equal fit has its room entry right already
                 fits[index] = f
                 if f:
                     room.add(index)
