@@ -3,8 +3,9 @@
 # event at time t is processed first (blocks ending, kernels passing their launch overhead, copies
 # ending), then freed capacity is dispatched once, so blocks that end together free their SMs together.
 # The engine owns time and bookkeeping; stream order lives in streams.py, SM accounting and processor
-# sharing in sms.py, the ready kernels and their keys in ready.py, copy FIFOs in copies.py, the choice of
-# which kernel goes next and which SMs a client may use in policies/.
+# sharing in sms.py, placing blocks and taking them off in blocks.py, the ready kernels and their keys in
+# ready.py, copy FIFOs in copies.py, the choice of which kernel goes next and which SMs a client may use
+# in policies/.
 # Policies act only through _place, _set_timer and _preempt (and read the ready queue); the engine does
 # the accounting for them.
 # What keeps an instant cheap on a busy device (each of these is exact, not an approximation): ready
@@ -23,13 +24,13 @@ import math
 from collections import deque
 from typing import Any
 
+from .blocks import Blocks
 from .copies import CopyEngines
 from .ops import ENGINES, BlockGroup, Copy, Kernel, Marker, Op
 from .policies import DEFAULT_CLIENT, ClientConfig, KernelRun, Policy, make_policy
-from .policies.base import spread
 from .ready import ReadyQueue
 from .shapes import Shapes
-from .sms import _EPSILON, SM, FitIndex, Group
+from .sms import SM, FitIndex, Group
 from .specs import H200, BlockNeed, DeviceSpec
 from .stats import Counters, SimStatistics
 from .streams import Streams
@@ -40,7 +41,7 @@ _READY, _GROUP_END, _SM, _COPY_END, _TIMER = range(5)
 _SWEEP = 1 << 12  # SM changes between sweeps of the fit tables no ready kernel needs
 
 
-class Simulator:
+class Simulator(Blocks):
     """A simulated GPU shared by many clients.
 
     Args:
@@ -434,252 +435,3 @@ class Simulator:
         self._copies += 1
         self._finish(op)
         self._copy_engines.start(lane, self.now)
-
-    # --- blocks ------------------------------------------------------------------------------
-
-    def _place(self, run: KernelRun, limit: int) -> int:
-        """Place up to ``limit`` of ``run``'s unplaced blocks where they fit, within its client's SM cap and
-        the SMs the policy lets it use; blocks preempted earlier go first, with the work they had left.
-
-        Returns:
-            Blocks placed.
-        """
-        left = min(limit, run.unplaced)
-        if left <= 0:
-            return 0
-        key = run.key
-        queue = self._queue
-        if key in queue.full:
-            return 0
-        table = self._fit_index.tables.get(key)
-        fits, room = queue.lookup(key) if table is None else (table[0], table[1])  # room: SMs of its window
-        if not room:
-            queue.full.add(key)
-            return 0
-        kernel = run.kernel
-        client = kernel.client
-        occupied = self._client_sms.get(client)
-        if occupied is None:
-            occupied = self._client_sms[client] = {}
-        cap = kernel.sm_cap
-        budget = len(fits) if cap is None else cap - len(occupied)
-        if left == 1 and budget > 0:  # spread's first case, inlined (one block at a time, policies that share)
-            top = max(fits)  # > 0: room is not empty
-            placements = [(fits.index(top), 1)]
-        else:
-            placements = spread(fits, left, budget, occupied, room=room)
-        if not placements:  # its SM cap: the room is on SMs it may not add
-            return 0
-        now = self.now
-        sms = self._sms
-        need = run.need
-        changed = self._fit_index.changed
-        hook = self._placed_hook
-        shared = kernel.cost.shared
-        fresh = run.seconds
-        partial = run.partial
-        groups = run.groups
-        # Fresh fixed-cost groups placed now all end at now + fresh: one heap event carries them all (a
-        # wave), handled in placement order, which is the order their own events would have had, since
-        # nothing else is pushed while they are placed. Resumed blocks (partial) come first, each with
-        # the work it had left, and keep an event apiece.
-        wave: list[Group] = []
-        placed = 0
-        if not partial and not shared:
-            # The usual case, fresh fixed-cost blocks only: the loop below with its branches decided
-            # (one group per SM, all in the wave), the same steps in the same order.
-            end = now + fresh
-            warps, regs, smem = need.warps, need.regs, need.smem
-            for i, count in placements:
-                sm = sms[i]  # SM.take, inlined
-                sm.free_blocks -= count
-                sm.free_warps -= warps * count
-                sm.free_regs -= regs * count
-                sm.free_smem -= smem * count
-                sm.resident += count
-                changed(i)
-                occupied[i] = occupied.get(i, 0) + count
-                placed += count
-                group = Group(run, i, count, now, end, 0.0, 1.0, 1.0, False, fresh)
-                wave.append(group)
-                groups[group] = None
-                if hook is not None:
-                    hook(group)
-            placements = ()
-        for i, count in placements:
-            sms[i].take(need, count)
-            changed(i)
-            occupied[i] = occupied.get(i, 0) + count
-            placed += count
-            while count:
-                resumed = bool(partial)
-                if resumed:
-                    entry = partial[0]
-                    n, seconds = min(count, entry[0]), entry[1]
-                    entry[0] -= n
-                    if not entry[0]:
-                        partial.pop(0)
-                else:
-                    n, seconds = count, fresh
-                count -= n
-                if shared:
-                    group = Group(run, i, n, now, math.nan, seconds, run.demand, 1.0, False, seconds)
-                    sms[i].add_shared(group, now)
-                    self._touched.add(i)
-                elif resumed:
-                    group = Group(run, i, n, now, now + seconds, 0.0, 1.0, 1.0, False, seconds)
-                    self._push_groups(group.end, [group])
-                else:
-                    group = Group(run, i, n, now, now + fresh, 0.0, 1.0, 1.0, False, seconds)
-                    wave.append(group)
-                groups[group] = None
-                if hook is not None:
-                    hook(group)
-        if wave:
-            self._push_groups(now + fresh, wave)
-        run.unplaced -= placed
-        run.running += placed
-        if not run.unplaced:
-            queue.drained_key(key)
-        if math.isnan(kernel.started):
-            kernel.started = now
-        c = run.counters
-        if c is None:
-            c = run.counters = self._counter(client)
-        if len(occupied) > c.max_sms:
-            c.max_sms = len(occupied)
-        return placed
-
-    def _preempt(self, client: int | None) -> None:
-        """Take ``client``'s resident blocks off their SMs now; each resumes later with the work it had left
-        (blocks whose work is already done end normally instead)."""
-        now = self.now
-        for run in list(self._runs.values()):
-            if run.kernel.client != client or not run.groups:
-                continue
-            for group in list(run.groups):
-                if run.kernel.cost.shared:
-                    self._sms[group.sm].remove_shared(group, now)
-                    self._touched.add(group.sm)
-                    left = group.remaining
-                    if left <= _EPSILON * group.rate:
-                        self._end_group(group)
-                        continue
-                else:
-                    left = group.end - now
-                    if left <= 0.0:
-                        continue  # its end event is due this very instant
-                group.evicted = True
-                self._vacate(group)
-                if not run.unplaced:
-                    self._queue.add(run)
-                run.unplaced += group.count
-                run.partial.append([group.count, left])
-
-    def _end_fixed(self, groups: list[Group]) -> None:
-        """Fixed-cost ``groups`` (one event's, often a whole wave) end now: ``_end_group`` for each, in
-        order, skipping evicted ones.
-
-        The same steps as ``_vacate`` then ``_end_group``, group by group in the same order (so the fit
-        tables, counters, float sums, trace and completions are the very same), inlined: a wave of a
-        large grid ends on every SM at once, and the calls cost more than the work.
-        """
-        now = self.now
-        sms = self._sms
-        changed = self._fit_index.changed
-        client_sms = self._client_sms
-        hook = self._vacated_hook
-        trace = self.trace if self._record else None
-        ended = 0
-        for group in groups:
-            if group.evicted:
-                continue
-            run = group.run
-            count = group.count
-            i = group.sm
-            del run.groups[group]
-            need = run.need
-            sm = sms[i]  # SM.release, inlined
-            sm.free_blocks += count
-            sm.free_warps += need.warps * count
-            sm.free_regs += need.regs * count
-            sm.free_smem += need.smem * count
-            sm.resident -= count
-            changed(i)
-            kernel = run.kernel
-            occupied = client_sms[kernel.client]
-            left = occupied[i] - count
-            if left:
-                occupied[i] = left
-            else:
-                del occupied[i]
-            group.end = now
-            run.running -= count
-            if hook is not None:
-                hook(group)
-            c = run.counters
-            block_seconds = count * (now - group.start)
-            c.block_seconds += block_seconds
-            c.sm_seconds += block_seconds * run.sm_share
-            if trace is not None:
-                trace.append(BlockGroup(kernel, i, count, group.start, now))
-            ended += 1
-            self._blocks += count
-            c.blocks += count
-            if run.running == 0 and run.unplaced == 0:
-                del self._runs[kernel]
-                c.kernels += 1
-                self._kernels += 1
-                self._policy.retired(run)
-                self._finish(kernel)
-        if ended:
-            self._dirty = True
-
-    def _end_group(self, group: Group) -> None:
-        run = group.run
-        self._vacate(group)
-        self._blocks += group.count
-        c = run.counters
-        c.blocks += group.count
-        if run.running == 0 and run.unplaced == 0:
-            del self._runs[run.kernel]
-            c.kernels += 1
-            self._kernels += 1
-            self._policy.retired(run)
-            self._finish(run.kernel)
-
-    def _evict(self, group: Group) -> None:
-        """Take a cancelled client's resident group off its SM now; it never completes."""
-        group.evicted = True
-        if group.run.kernel.cost.shared:
-            self._sms[group.sm].remove_shared(group, self.now)
-            self._touched.add(group.sm)
-        self._vacate(group)
-
-    def _vacate(self, group: Group) -> None:
-        """Give a group's SM resources back and account the SM-time it held."""
-        now = self.now
-        run = group.run
-        kernel = run.kernel
-        count = group.count
-        i = group.sm
-        del run.groups[group]
-        self._sms[i].release(run.need, count)
-        self._fit_index.changed(i)
-        occupied = self._client_sms[kernel.client]
-        left = occupied[i] - count
-        if left:
-            occupied[i] = left
-        else:
-            del occupied[i]
-        group.end = now
-        run.running -= count
-        self._dirty = True
-        if self._vacated_hook is not None:
-            self._vacated_hook(group)
-        c = run.counters
-        block_seconds = count * (now - group.start)
-        c.block_seconds += block_seconds
-        c.sm_seconds += block_seconds * run.sm_share
-        if self._record:
-            self.trace.append(BlockGroup(kernel, i, count, group.start, now))
