@@ -31,7 +31,9 @@ class Blocks:
         Returns:
             Blocks placed.
         """
-        left = min(limit, run.unplaced)
+        left = run.unplaced
+        if limit < left:
+            left = limit
         if left <= 0:
             return 0
         key = run.key
@@ -39,7 +41,11 @@ class Blocks:
         if key in queue.full:
             return 0
         table = self._fit_index.tables.get(key)
-        fits, room = queue.lookup(key) if table is None else (table[0], table[1])  # room: SMs of its window
+        if table is None:
+            fits, room = queue.lookup(key)  # room: SMs of its window
+        else:
+            fits = table[0]
+            room = table[1]
         if not room:
             queue.full.add(key)
             return 0
@@ -50,9 +56,19 @@ class Blocks:
             occupied = self._client_sms[client] = {}
         cap = kernel.sm_cap
         budget = len(fits) if cap is None else cap - len(occupied)
-        if left == 1 and budget > 0:  # spread's first case, inlined (one block at a time, policies that share)
+        # spread's first two cases, inlined, in its order (fits is 0 outside the window, so spread over
+        # the whole list is what the engine asks of it): one block at a time (policies that share), and a
+        # busy device where a single SM has room.
+        if left == 1 and budget > 0:
             top = max(fits)  # > 0: room is not empty
             placements = [(fits.index(top), 1)]
+        elif len(room) == 1:
+            for i in room:
+                break
+            if budget <= 0 and i not in occupied:
+                return 0  # its SM cap: the room is on an SM it may not add
+            f = fits[i]
+            placements = [(i, f if f < left else left)]
         else:
             placements = spread(fits, left, budget, occupied, room=room)
         if not placements:  # its SM cap: the room is on SMs it may not add
@@ -128,7 +144,7 @@ class Blocks:
         run.running += placed
         if not run.unplaced:
             queue.drained_key(key)
-        if math.isnan(kernel.started):
+        if kernel.started != kernel.started:  # NaN: its first block
             kernel.started = now
         c = run.counters
         if c is None:
