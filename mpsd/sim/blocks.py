@@ -93,6 +93,8 @@ class Blocks:
             # (one group per SM, all in the wave), the same steps in the same order.
             end = now + fresh
             warps, regs, smem = need.warps, need.regs, need.smem
+            touched = []  # the fit tables are updated once for all of them, after the loop: nothing
+            # in it reads them (the placed hook only counts), so they end as per-SM updates leave them
             for i, count in placements:
                 sm = sms[i]  # SM.take, inlined
                 sm.free_blocks -= count
@@ -100,7 +102,7 @@ class Blocks:
                 sm.free_regs -= regs * count
                 sm.free_smem -= smem * count
                 sm.resident += count
-                changed(i)
+                touched.append(i)
                 occupied[i] = occupied.get(i, 0) + count
                 placed += count
                 group = Group(run, i, count, now, end, 0.0, 1.0, 1.0, False, fresh)
@@ -108,6 +110,7 @@ class Blocks:
                 groups[group] = None
                 if hook is not None:
                     hook(group)
+            self._fit_index.changed_many(touched)
             placements = ()
         for i, count in placements:
             sms[i].take(need, count)
@@ -189,9 +192,12 @@ class Blocks:
         """
         now = self.now
         sms = self._sms
-        changed = self._fit_index.changed
         client_sms = self._client_sms
         hook = self._vacated_hook
+        # The fit tables are updated for all the SMs at once at the end: nothing in the loop reads them
+        # (the vacated and retired hooks only count; a kernel that finishes only releases ops in stream
+        # order, which queues copies and launch-overhead events), so they end as per-group updates would.
+        touched = []
         trace = self.trace if self._record else None
         ended = 0
         for group in groups:
@@ -208,7 +214,7 @@ class Blocks:
             sm.free_regs += need.regs * count
             sm.free_smem += need.smem * count
             sm.resident -= count
-            changed(i)
+            touched.append(i)
             kernel = run.kernel
             occupied = client_sms[kernel.client]
             left = occupied[i] - count
@@ -236,6 +242,7 @@ class Blocks:
                 self._policy.retired(run)
                 self._finish(kernel)
         if ended:
+            self._fit_index.changed_many(touched)
             self._dirty = True
 
     def _end_group(self, group: Group) -> None:

@@ -204,6 +204,28 @@ class FitIndex:
                     room.discard(index)
         self.changes += 1
 
+    def changed_many(self, indices: list[int]) -> None:
+        """``changed`` for each SM of ``indices`` in turn (a wave ended or was placed): one call, not one
+        per SM. An index may repeat; the tables end as ``changed`` would leave them."""
+        sms = self._sms
+        slots = self._slots
+        memo = self._memo
+        for index in indices:
+            sm = sms[index]
+            state = (sm.free_blocks, sm.free_warps, sm.free_regs, sm.free_smem)
+            row = memo.get(state)
+            if row is None:
+                row = self._row(state)
+                memo = self._memo  # _row may have started a new one
+            for (fits, room, lo, hi), f in zip(slots, row):
+                if f != fits[index] and lo <= index < hi:
+                    fits[index] = f
+                    if f:
+                        room.add(index)
+                    else:
+                        room.discard(index)
+        self.changes += len(indices)
+
     def fits(self, need: BlockNeed) -> list[int]:
         """Blocks of shape ``need`` that fit on each SM now, by SM index (do not modify the list)."""
         return self.lookup(need, need)[0]
