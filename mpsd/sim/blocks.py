@@ -32,7 +32,7 @@ class Blocks:
             Blocks placed.
         """
         left = run.unplaced
-        if limit < left:
+        if limit < left:  # noqa: PLR1730 (min() is a call, and this runs per placement)
             left = limit
         if left <= 0:
             return 0
@@ -68,7 +68,7 @@ class Blocks:
             if budget <= 0 and i not in occupied:
                 return 0  # its SM cap: the room is on an SM it may not add
             f = fits[i]
-            placements = [(i, f if f < left else left)]
+            placements = [(i, f if f < left else left)]  # noqa: FURB136 (as above)
         else:
             placements = spread(fits, left, budget, occupied, room=room)
         if not placements:  # its SM cap: the room is on SMs it may not add
