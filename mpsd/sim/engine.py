@@ -11,8 +11,9 @@
 # What keeps an instant cheap on a busy device (each of these is exact, not an approximation): ready
 # kernels are kept in hardware order, so policies never sort; a dispatch stops as soon as every (shape,
 # window) key of the ready kernels is full (ready.py says why that is exact); the fit tables say which SMs
-# have room; and the fixed-cost groups of one placement, which all end at the same time, share one heap
-# event.
+# have room (their rows memoised by an SM's free resources); the fixed-cost groups of one placement, and
+# of placements pushed back to back with the same end time, share one heap event (_push_groups), and such
+# a wave ends in one pass with one fit-table update (blocks.py).
 # The clock is the caller's: virtual time with run(), or any external clock driving advance().
 """The simulation engine."""
 
