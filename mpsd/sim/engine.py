@@ -3,14 +3,17 @@
 # event at time t is processed first (blocks ending, kernels passing their launch overhead, copies
 # ending), then freed capacity is dispatched once, so blocks that end together free their SMs together.
 # The engine owns time and bookkeeping; stream order lives in streams.py, SM accounting and processor
-# sharing in sms.py, the choice of which kernel goes next and which SMs a client may use in policies/.
-# Policies act only through _place, _set_timer and _preempt; the engine does the accounting for them.
+# sharing in sms.py, placing blocks and taking them off in blocks.py, the ready kernels and their keys in
+# ready.py, copy FIFOs in copies.py, the choice of which kernel goes next and which SMs a client may use
+# in policies/.
+# Policies act only through _place, _set_timer and _preempt (and read the ready queue); the engine does
+# the accounting for them.
 # What keeps an instant cheap on a busy device (each of these is exact, not an approximation): ready
-# kernels are kept in hardware order, so policies never sort; each ready kernel carries a key naming its
-# block shape and SM window, and a key whose window has no room for one block is filed full for the rest
-# of the dispatch (placing only takes room), so a pass stops as soon as every key is full instead of
-# offering capacity to a long queue that cannot start; the fit tables say which SMs have room; and the
-# fixed-cost groups of one placement, which all end at the same time, share one heap event.
+# kernels are kept in hardware order, so policies never sort; a dispatch stops as soon as every (shape,
+# window) key of the ready kernels is full (ready.py says why that is exact); the fit tables say which SMs
+# have room (their rows memoised by an SM's free resources); the fixed-cost groups of one placement, and
+# of placements pushed back to back with the same end time, share one heap event (_push_groups), and such
+# a wave ends in one pass with one fit-table update (blocks.py).
 # The clock is the caller's: virtual time with run(), or any external clock driving advance().
 """The simulation engine."""
 
@@ -19,15 +22,17 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from bisect import insort
 from collections import deque
 from typing import Any
 
+from .blocks import Blocks
+from .copies import CopyEngines
 from .ops import ENGINES, BlockGroup, Copy, Kernel, Marker, Op
 from .policies import DEFAULT_CLIENT, ClientConfig, KernelRun, Policy, make_policy
-from .policies.base import mps_key, spread
-from .sms import _EPSILON, SM, FitIndex, Group
-from .specs import H200, BlockNeed, DeviceSpec, block_need, occupancy
+from .ready import ReadyQueue
+from .shapes import Shapes
+from .sms import SM, FitIndex, Group
+from .specs import H200, BlockNeed, DeviceSpec
 from .stats import Counters, SimStatistics
 from .streams import Streams
 
@@ -37,7 +42,7 @@ _READY, _GROUP_END, _SM, _COPY_END, _TIMER = range(5)
 _SWEEP = 1 << 12  # SM changes between sweeps of the fit tables no ready kernel needs
 
 
-class Simulator:
+class Simulator(Blocks):
     """A simulated GPU shared by many clients.
 
     Args:
@@ -63,37 +68,25 @@ class Simulator:
         self._clients: dict[int, ClientConfig] = {}
         self._sms = [SM.empty(i, spec) for i in range(spec.sm_count)]
         self._fit_index = FitIndex(self._sms)
-        self._needs: dict[tuple[int, int, int], BlockNeed | None] = {}
-        self._shapes: dict[BlockNeed, int] = {}  # every block shape seen -> a small integer naming it
-        self._shape_needs: list[BlockNeed] = []  # and back
-        self._launch_shapes: dict[tuple[int, int, int], tuple] = {}  # (threads, regs, smem) -> _launch_shape
+        self._shapes = Shapes(spec)
         self._heap: list[tuple] = []
+        self._last: tuple | None = None  # the event pushed last, while it is surely still in the heap
         self._event_seq = itertools.count()
         self._op_seq = itertools.count()
         self._streams = Streams()
         self._runs: dict[Kernel, KernelRun] = {}
-        self._ready: list[KernelRun] = []  # past launch overhead, blocks left to place; by mps_key
-        self._ready_keys: dict[int, int] = {}  # run.key -> ready kernels with that key and blocks unplaced
-        self._keys: dict[tuple, int] = {}  # (shape, window) -> a small integer naming it (a run's key)
-        self._key_parts: list[tuple] = []  # and back: key -> (shape, window, need, lo, hi)
         self._next_sweep = _SWEEP
-        self._drained = False  # a ready kernel placed its last block during this dispatch
-        self._windows: dict[int, tuple[int, int] | None] = {}  # client -> policy.window(client), cached
         self._dirty = False  # capacity freed or a kernel became ready since the last dispatch
         self._touched: set[int] = set()  # SMs whose shared groups changed this instant
         self._client_sms: dict[int, dict[int, int]] = {}  # client -> SM -> resident blocks
-        self._copy_queues: dict[tuple[str, int], deque[Copy]] = {}  # (engine, lane) -> FIFO
-        self._copy_busy: dict[tuple[str, int], Copy | None] = {}
-        self._copy_lane: dict[Copy, tuple[str, int]] = {}  # copies queued or in flight -> their FIFO
-        self._stopped_copies: set[Copy] = set()  # copies of cancelled clients stopped in flight
+        self._copy_engines = CopyEngines(spec, lambda end, op: self._push(end, _COPY_END, op))
         self._completed: list[Op] = []  # completions at self.now not yet returned
         self._counters: dict[int, Counters] = {}
         self._kernels = self._blocks = self._copies = 0
-        # (block shape, SM window) found with no room during this dispatch: placing only takes capacity,
-        # so they stay full until it ends, and every later kernel of that shape is turned away at once.
-        # Once every key of the ready kernels is here, nothing more can be placed (see _saturated).
-        self._full: set[int] = set()
         self._policy: Policy = make_policy(policy, self, policy_options)
+        # Kernels past their launch overhead with blocks to place; policies read ``_queue.runs`` and ask
+        # it ``open_keys``, ``close_keys`` and ``saturated``.
+        self._queue = ReadyQueue(self._fit_index, spec.sm_count, self._policy.window)
         # The policy's per-group hooks, or None where it keeps the base class's no-ops (most do).
         cls = type(self._policy)
         self._placed_hook = self._policy.placed if cls.placed is not Policy.placed else None
@@ -117,9 +110,9 @@ class Simulator:
         if isinstance(op, Kernel):
             if op.blocks < 1:
                 raise ValueError(f"kernel needs at least one block, got {op.blocks}")
-            launch = self._launch_shapes.get((op.threads, op.regs_per_thread, op.smem))
+            launch = self._shapes.launches.get((op.threads, op.regs_per_thread, op.smem))
             if launch is None:
-                launch = self._launch_shape(op.threads, op.regs_per_thread, op.smem)
+                launch = self._shapes.launch(op.threads, op.regs_per_thread, op.smem)
             if op.sm_cap is not None and op.sm_cap < 1:
                 raise ValueError(f"sm_cap must be >= 1, got {op.sm_cap}")
             shape, need, demand, sm_share = launch
@@ -138,35 +131,10 @@ class Simulator:
         if self._streams.add(op):
             self._settle([op])
 
-    def _launch_shape(self, threads: int, regs_per_thread: int, smem: int) -> tuple:
-        """(shape, need, demand, sm_share) of a launch shape, cached: every launch asks.
-
-        Raises:
-            ValueError: a block of this shape cannot fit on an SM.
-        """
-        need = self.block_need(threads, regs_per_thread, smem)
-        if need is None:
-            raise ValueError(
-                f"a block of {threads} threads, {regs_per_thread} registers/thread and "
-                f"{smem} bytes of shared memory cannot fit on an SM"
-            )
-        shape = self._shapes.get(need)
-        if shape is None:
-            shape = self._shapes[need] = len(self._shapes)
-            self._shape_needs.append(need)
-        spec = self.spec
-        launch = (shape, need, min(1.0, threads / spec.saturation_threads), min(1.0, threads / spec.max_threads_per_sm))
-        self._launch_shapes[threads, regs_per_thread, smem] = launch
-        return launch
-
     def block_need(self, threads: int, regs_per_thread: int = 32, smem: int = 0) -> BlockNeed | None:
         """What one block of this shape takes from an SM, or None if one cannot fit (cached: every launch
         asks)."""
-        key = (threads, regs_per_thread, smem)
-        if key not in self._needs:
-            fits = occupancy(self.spec, threads, regs_per_thread, smem) >= 1
-            self._needs[key] = block_need(self.spec, threads, regs_per_thread, smem) if fits else None
-        return self._needs[key]
+        return self._shapes.block_need(threads, regs_per_thread, smem)
 
     def configure_client(self, client: int, *, priority: int = 0, weight: float = 1.0,
                          partition: str | int | None = None) -> None:
@@ -189,8 +157,7 @@ class Simulator:
         config = ClientConfig(priority, weight, partition)
         self._policy.configure(client, config)
         self._clients[client] = config
-        self._windows.clear()  # the policy's windows follow the configuration
-        self._rekey()
+        self._queue.forget_windows()  # the policy's windows follow the configuration
         self._dirty = True
 
     def client_config(self, client: int) -> ClientConfig:
@@ -291,23 +258,14 @@ class Simulator:
                     self._evict(group)
                 (dropped if math.isnan(op.started) else resolved).append(op)
                 self._policy.retired(run)
-            elif isinstance(op, Copy) and op in self._copy_lane:
-                lane = self._copy_lane.pop(op)
-                if self._copy_busy[lane] is op:
-                    self._copy_busy[lane] = None
-                    self._stopped_copies.add(op)
-                    resolved.append(op)
-                else:
-                    self._copy_queues[lane].remove(op)
-                    dropped.append(op)
+            elif isinstance(op, Copy) and self._copy_engines.cancel(op):
+                resolved.append(op)  # stopped in flight
             else:
                 dropped.append(op)
-        self._ready = [r for r in self._ready if not r.cancelled]
-        self._rekey()
+        self._queue.drop_cancelled()
         for op in sorted(dropped + resolved, key=lambda o: o.seq):
             self._settle(self._streams.resolve(op))
-        for lane in list(self._copy_queues):
-            self._start_copy(lane)
+        self._copy_engines.start_all(self.now)
         self._dirty = True
         self._end_instant()
         return dropped
@@ -332,23 +290,28 @@ class Simulator:
         """Blocks of ready kernels that would fit now on SMs their client may use (its MIG window, its SM
         cap), yet wait: idle capacity while work is queued. Always 0 between calls under the
         work-conserving policies ("mps", "round-robin", "fair", "mig", and "priority" without aging)."""
-        total = 0
-        for run in self._ready:
-            if run.cancelled or not run.unplaced:
-                continue
-            client = run.kernel.client
-            occupied = self._client_sms.get(client, {})
-            fits, room = self._lookup(run.key)
-            cap = run.kernel.sm_cap
-            budget = len(fits) if cap is None else cap - len(occupied)
-            lo, hi = self._key_parts[run.key][3:]
-            total += sum(n for _, n in spread(fits, run.unplaced, budget, occupied, lo, hi, room))
-        return total
+        return self._queue.stranded(self._client_sms)
 
     # --- events ------------------------------------------------------------------------------
 
     def _push(self, time: float, kind: int, payload: object) -> None:
-        heapq.heappush(self._heap, (time, next(self._event_seq), kind, payload))
+        self._last = event = (time, next(self._event_seq), kind, payload)
+        heapq.heappush(self._heap, event)
+
+    def _push_groups(self, time: float, groups: list[Group]) -> None:
+        """Schedule the end of fixed-cost ``groups`` at ``time``, in one event with those pushed just before.
+
+        Exact: if the last event pushed ends groups at this same time and is still in the heap, a new
+        event would come right after it in (time, seq) order, nothing between them, so both would be
+        handled one after the other in that order: appending to its list does the same with one event.
+        (Its stale check asks whether every group is evicted; a partly evicted list still has live
+        groups at that time, as the separate events would.)
+        """
+        last = self._last
+        if last is not None and last[0] == time and last[2] == _GROUP_END:
+            last[3].extend(groups)
+        else:
+            self._push(time, _GROUP_END, groups)
 
     def _set_timer(self, time: float, token: object) -> None:
         """Call the policy's ``on_timer(token)`` at ``time`` (>= now), unless it says the token is stale."""
@@ -366,7 +329,7 @@ class Simulator:
         if kind == _TIMER:
             return self._policy.timer_stale(payload)
         if kind == _COPY_END:
-            return payload in self._stopped_copies
+            return self._copy_engines.stopped(payload)
         return payload.cancelled
 
     def _peek(self) -> float | None:
@@ -374,6 +337,7 @@ class Simulator:
         heap = self._heap
         while heap and self._stale(heap[0]):
             heapq.heappop(heap)
+            self._last = None  # it may have been the last pushed: _push_groups must not extend it
         return heap[0][0] if heap else None
 
     def _instant(self, t: float) -> None:
@@ -382,10 +346,9 @@ class Simulator:
         pop = heapq.heappop
         while heap and heap[0][0] <= t:
             _, _, kind, payload = pop(heap)
+            self._last = None  # see _push_groups
             if kind == _GROUP_END:
-                for group in payload:
-                    if not group.evicted:
-                        self._end_group(group)
+                self._end_fixed(payload)
             elif kind == _SM:
                 sm = self._sms[payload[0]]
                 if sm.version != payload[1]:
@@ -395,26 +358,25 @@ class Simulator:
                 self._touched.add(sm.index)
             elif kind == _READY:
                 if not payload.cancelled:
-                    self._ready_add(payload)
+                    self._queue.add(payload)
                     self._dirty = True
             elif kind == _TIMER:
                 if not self._policy.timer_stale(payload):
                     self._policy.on_timer(payload)
                     self._dirty = True
-            elif payload not in self._stopped_copies:
+            elif not self._copy_engines.stopped(payload):
                 self._end_copy(payload)
         self._end_instant()
 
     def _end_instant(self) -> None:
-        if self._dirty and (self._ready or self._policy.dispatch_when_idle):
-            self._full.clear()
-            self._policy.dispatch(self._ready)
-            if self._drained:
-                self._ready = [r for r in self._ready if r.unplaced]
-                self._drained = False
+        queue = self._queue
+        if self._dirty and (queue.runs or self._policy.dispatch_when_idle):
+            queue.full.clear()
+            self._policy.dispatch(queue.runs)
+            queue.prune()
         self._dirty = False
         if self._fit_index.changes >= self._next_sweep:
-            self._fit_index.sweep(self._ready_keys)
+            self._fit_index.sweep(queue.counts)
             self._next_sweep = self._fit_index.changes + _SWEEP
         if self._touched:
             for i in sorted(self._touched):
@@ -422,77 +384,6 @@ class Simulator:
                 if soonest is not None:
                     self._push(soonest, _SM, (i, self._sms[i].version))
             self._touched.clear()
-
-    # --- ready kernels -----------------------------------------------------------------------
-
-    def _window(self, client: int) -> tuple[int, int] | None:
-        window = self._windows.get(client, 0)
-        if window == 0:
-            window = self._windows[client] = self._policy.window(client)
-        return window
-
-    def _key(self, run: KernelRun) -> int:
-        """``run``'s key: a small integer naming (its shape, its client's window)."""
-        window = self._window(run.kernel.client)
-        key = self._keys.get((run.shape, window))
-        if key is None:
-            key = self._keys[run.shape, window] = len(self._key_parts)
-            lo, hi = window or (0, len(self._sms))
-            self._key_parts.append((run.shape, window, run.need, lo, hi))
-        return key
-
-    def _lookup(self, key: int) -> tuple[list[int], set[int]]:
-        """The fit table of ``key``'s shape in its window: (fits by SM, SMs of the window with room)."""
-        _, _, need, lo, hi = self._key_parts[key]
-        return self._fit_index.lookup(key, need, lo, hi)
-
-    def _ready_add(self, run: KernelRun) -> None:
-        """``run`` has blocks to place: file it in hardware order, and count its key."""
-        run.key = key = self._key(run)
-        ready = self._ready
-        if ready and mps_key(run) < mps_key(ready[-1]):
-            insort(ready, run, key=mps_key)
-        else:  # the usual case: it became ready after every kernel already waiting
-            ready.append(run)
-        self._ready_keys[key] = self._ready_keys.get(key, 0) + 1
-
-    def _rekey(self) -> None:
-        """Recount the keys of the ready kernels (a window or the ready set changed wholesale)."""
-        self._ready_keys = {}
-        for run in self._ready:
-            if run.unplaced:
-                run.key = key = self._key(run)
-                self._ready_keys[key] = self._ready_keys.get(key, 0) + 1
-
-    def _open_keys(self) -> set[int]:
-        """The keys of ready kernels that have room in their window (the others are filed full)."""
-        full = self._full
-        rooms = self._fit_index.rooms
-        open_keys = set()
-        for key in self._ready_keys:
-            if key in full:
-                continue
-            room = rooms.get(key)
-            if room is None:
-                room = self._lookup(key)[1]
-            if room:
-                open_keys.add(key)
-            else:
-                full.add(key)
-        return open_keys
-
-    def _close_keys(self, open_keys: set[int]) -> None:
-        """Drop from ``open_keys`` (and file full) the keys a placement has just filled up."""
-        rooms = self._fit_index.rooms
-        for key in [k for k in open_keys if not rooms[k]]:
-            open_keys.discard(key)
-            self._full.add(key)
-
-    def _saturated(self) -> bool:
-        """True if no ready kernel can place another block in this dispatch: every (shape, window) they
-        have was found full, and placing only takes room. A policy may stop offering capacity then; every
-        further ``_place`` would return 0 and change nothing."""
-        return len(self._full) >= len(self._ready_keys)
 
     def _flush(self) -> list[Op]:
         done = self._completed
@@ -526,13 +417,7 @@ class Simulator:
                 self._policy.eligible(run)
                 self._push(self.now + self.spec.kernel_overhead, _READY, run)
             else:
-                lane = self._copy_lane[op] = (op.engine, self._policy.copy_lane(op.client))
-                queue = self._copy_queues.get(lane)
-                if queue is None:
-                    queue = self._copy_queues[lane] = deque()
-                    self._copy_busy[lane] = None
-                queue.append(op)
-                self._start_copy(lane)
+                self._copy_engines.enqueue(op, (op.engine, self._policy.copy_lane(op.client)), self.now)
 
     def _finish(self, op: Op) -> None:
         """``op`` ended now: report it and start what it held up."""
@@ -543,191 +428,11 @@ class Simulator:
 
     # --- copies ------------------------------------------------------------------------------
 
-    def _start_copy(self, lane: tuple[str, int]) -> None:
-        queue = self._copy_queues[lane]
-        if self._copy_busy[lane] is not None or not queue:
-            return
-        op = queue.popleft()
-        self._copy_busy[lane] = op
-        op.started = self.now
-        bandwidth = self.spec.mem_bandwidth / 2 if op.engine == "d2d" else self.spec.pcie_bandwidth
-        self._push(self.now + self.spec.copy_latency + op.nbytes / bandwidth, _COPY_END, op)
-
     def _end_copy(self, op: Copy) -> None:
-        lane = self._copy_lane.pop(op)
-        self._copy_busy[lane] = None
+        lane = self._copy_engines.end(op)
         c = self._counter(op.client)
         c.copies += 1
         c.bytes_copied += op.nbytes
         self._copies += 1
         self._finish(op)
-        self._start_copy(lane)
-
-    # --- blocks ------------------------------------------------------------------------------
-
-    def _place(self, run: KernelRun, limit: int) -> int:
-        """Place up to ``limit`` of ``run``'s unplaced blocks where they fit, within its client's SM cap and
-        the SMs the policy lets it use; blocks preempted earlier go first, with the work they had left.
-
-        Returns:
-            Blocks placed.
-        """
-        left = min(limit, run.unplaced)
-        if left <= 0:
-            return 0
-        key = run.key
-        if key in self._full:
-            return 0
-        table = self._fit_index.tables.get(key)
-        fits, room = self._lookup(key) if table is None else (table[0], table[1])  # room: SMs of its window
-        if not room:
-            self._full.add(key)
-            return 0
-        kernel = run.kernel
-        client = kernel.client
-        occupied = self._client_sms.get(client)
-        if occupied is None:
-            occupied = self._client_sms[client] = {}
-        cap = kernel.sm_cap
-        budget = len(fits) if cap is None else cap - len(occupied)
-        placements = spread(fits, left, budget, occupied, room=room)
-        if not placements:  # its SM cap: the room is on SMs it may not add
-            return 0
-        now = self.now
-        sms = self._sms
-        need = run.need
-        changed = self._fit_index.changed
-        hook = self._placed_hook
-        shared = kernel.cost.shared
-        fresh = run.seconds
-        partial = run.partial
-        groups = run.groups
-        # Fresh fixed-cost groups placed now all end at now + fresh: one heap event carries them all (a
-        # wave), handled in placement order, which is the order their own events would have had, since
-        # nothing else is pushed while they are placed. Resumed blocks (partial) come first, each with
-        # the work it had left, and keep an event apiece.
-        wave: list[Group] = []
-        placed = 0
-        for i, count in placements:
-            sms[i].take(need, count)
-            changed(i)
-            occupied[i] = occupied.get(i, 0) + count
-            placed += count
-            while count:
-                resumed = bool(partial)
-                if resumed:
-                    entry = partial[0]
-                    n, seconds = min(count, entry[0]), entry[1]
-                    entry[0] -= n
-                    if not entry[0]:
-                        partial.pop(0)
-                else:
-                    n, seconds = count, fresh
-                count -= n
-                if shared:
-                    group = Group(run, i, n, now, math.nan, seconds, run.demand, 1.0, False, seconds)
-                    sms[i].add_shared(group, now)
-                    self._touched.add(i)
-                elif resumed:
-                    group = Group(run, i, n, now, now + seconds, 0.0, 1.0, 1.0, False, seconds)
-                    self._push(group.end, _GROUP_END, [group])
-                else:
-                    group = Group(run, i, n, now, now + fresh, 0.0, 1.0, 1.0, False, seconds)
-                    wave.append(group)
-                groups[group] = None
-                if hook is not None:
-                    hook(group)
-        if wave:
-            self._push(now + fresh, _GROUP_END, wave)
-        run.unplaced -= placed
-        run.running += placed
-        if not run.unplaced:
-            self._drained = True
-            n = self._ready_keys[key] - 1
-            if n:
-                self._ready_keys[key] = n
-            else:
-                del self._ready_keys[key]
-        if math.isnan(kernel.started):
-            kernel.started = now
-        c = run.counters
-        if c is None:
-            c = run.counters = self._counter(client)
-        if len(occupied) > c.max_sms:
-            c.max_sms = len(occupied)
-        return placed
-
-    def _preempt(self, client: int | None) -> None:
-        """Take ``client``'s resident blocks off their SMs now; each resumes later with the work it had left
-        (blocks whose work is already done end normally instead)."""
-        now = self.now
-        for run in list(self._runs.values()):
-            if run.kernel.client != client or not run.groups:
-                continue
-            for group in list(run.groups):
-                if run.kernel.cost.shared:
-                    self._sms[group.sm].remove_shared(group, now)
-                    self._touched.add(group.sm)
-                    left = group.remaining
-                    if left <= _EPSILON * group.rate:
-                        self._end_group(group)
-                        continue
-                else:
-                    left = group.end - now
-                    if left <= 0.0:
-                        continue  # its end event is due this very instant
-                group.evicted = True
-                self._vacate(group)
-                if not run.unplaced:
-                    self._ready_add(run)
-                run.unplaced += group.count
-                run.partial.append([group.count, left])
-
-    def _end_group(self, group: Group) -> None:
-        run = group.run
-        self._vacate(group)
-        self._blocks += group.count
-        c = run.counters
-        c.blocks += group.count
-        if run.running == 0 and run.unplaced == 0:
-            del self._runs[run.kernel]
-            c.kernels += 1
-            self._kernels += 1
-            self._policy.retired(run)
-            self._finish(run.kernel)
-
-    def _evict(self, group: Group) -> None:
-        """Take a cancelled client's resident group off its SM now; it never completes."""
-        group.evicted = True
-        if group.run.kernel.cost.shared:
-            self._sms[group.sm].remove_shared(group, self.now)
-            self._touched.add(group.sm)
-        self._vacate(group)
-
-    def _vacate(self, group: Group) -> None:
-        """Give a group's SM resources back and account the SM-time it held."""
-        now = self.now
-        run = group.run
-        kernel = run.kernel
-        count = group.count
-        i = group.sm
-        del run.groups[group]
-        self._sms[i].release(run.need, count)
-        self._fit_index.changed(i)
-        occupied = self._client_sms[kernel.client]
-        left = occupied[i] - count
-        if left:
-            occupied[i] = left
-        else:
-            del occupied[i]
-        group.end = now
-        run.running -= count
-        self._dirty = True
-        if self._vacated_hook is not None:
-            self._vacated_hook(group)
-        c = run.counters
-        block_seconds = count * (now - group.start)
-        c.block_seconds += block_seconds
-        c.sm_seconds += block_seconds * run.sm_share
-        if self._record:
-            self.trace.append(BlockGroup(kernel, i, count, group.start, now))
+        self._copy_engines.start(lane, self.now)

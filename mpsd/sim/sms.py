@@ -18,6 +18,7 @@ __all__ = ["SM", "FitIndex", "Group"]
 
 # Shared groups whose remaining service time is within this many seconds are finished (float slack).
 _EPSILON = 1e-12
+_MEMO_LIMIT = 1 << 16  # FitIndex rows remembered at most
 
 
 @dataclass(eq=False, slots=True)
@@ -154,14 +155,23 @@ class FitIndex:
         self.tables: dict[object, list] = {}  # (read-only for callers)
         self.rooms: dict[object, set[int]] = {}  # table key -> its room set (read-only for callers)
         self.changes = 0  # calls to changed(), ever
+        # What changed() walks: (fits, room, lo, hi) of every table, in the order of ``tables``; and the
+        # fits an SM's free resources give in each of them, by (blocks, warps, regs, smem). A fit is a
+        # pure function of those four numbers and the table's shape, and a busy device cycles through a
+        # few hundred such states, so looking the row up gives the very numbers computing it would.
+        # Both are rebuilt whenever a table is added or dropped.
+        self._slots: list[tuple[list[int], set[int], int, int]] = []
+        self._memo: dict[tuple[int, int, int, int], tuple[int, ...]] = {}
 
-    def changed(self, index: int) -> None:
-        """SM ``index`` took or released blocks."""
-        sm = self._sms[index]
-        blocks, warps, regs, smem = sm.free_blocks, sm.free_warps, sm.free_regs, sm.free_smem
-        for table in self.tables.values():  # SM.fit, inlined: this runs for every group placed or ended
-            if not table[5] <= index < table[6]:
-                continue
+    def _retable(self) -> None:
+        self._slots = [(t[0], t[1], t[5], t[6]) for t in self.tables.values()]
+        self._memo = {}
+
+    def _row(self, state: tuple[int, int, int, int]) -> tuple[int, ...]:
+        """The fit of every table's shape on an SM with free resources ``state`` (SM.fit, memoised)."""
+        blocks, warps, regs, smem = state
+        row = []
+        for table in self.tables.values():
             f = warps // table[2]
             if blocks < f:
                 f = blocks
@@ -172,12 +182,49 @@ class FitIndex:
                 n = regs // table[3]
                 if n < f:
                     f = n
-            table[0][index] = f
-            if f:
-                table[1].add(index)
-            else:
-                table[1].discard(index)
+            row.append(f)
+        if len(self._memo) >= _MEMO_LIMIT:  # bound its memory on odd workloads; it refills as it goes
+            self._memo = {}
+        row = self._memo[state] = tuple(row)
+        return row
+
+    def changed(self, index: int) -> None:
+        """SM ``index`` took or released blocks."""
+        sm = self._sms[index]
+        state = (sm.free_blocks, sm.free_warps, sm.free_regs, sm.free_smem)
+        row = self._memo.get(state)
+        if row is None:
+            row = self._row(state)
+        for (fits, room, lo, hi), f in zip(self._slots, row):  # runs for every group placed or ended
+            if f != fits[index] and lo <= index < hi:  # an equal fit has its room entry right already
+                fits[index] = f
+                if f:
+                    room.add(index)
+                else:
+                    room.discard(index)
         self.changes += 1
+
+    def changed_many(self, indices: list[int]) -> None:
+        """``changed`` for each SM of ``indices`` in turn (a wave ended or was placed): one call, not one
+        per SM. An index may repeat; the tables end as ``changed`` would leave them."""
+        sms = self._sms
+        slots = self._slots
+        memo = self._memo
+        for index in indices:
+            sm = sms[index]
+            state = (sm.free_blocks, sm.free_warps, sm.free_regs, sm.free_smem)
+            row = memo.get(state)
+            if row is None:
+                row = self._row(state)
+                memo = self._memo  # _row may have started a new one
+            for (fits, room, lo, hi), f in zip(slots, row):
+                if f != fits[index] and lo <= index < hi:
+                    fits[index] = f
+                    if f:
+                        room.add(index)
+                    else:
+                        room.discard(index)
+        self.changes += len(indices)
 
     def fits(self, need: BlockNeed) -> list[int]:
         """Blocks of shape ``need`` that fit on each SM now, by SM index (do not modify the list)."""
@@ -200,15 +247,20 @@ class FitIndex:
             room = {i for i, f in enumerate(fits) if f}
             table = self.tables[key] = [fits, room, need.warps, need.regs, need.smem, lo, hi, True]
             self.rooms[key] = room
+            self._retable()
         table[7] = True
         return table[0], table[1]
 
     def sweep(self, keep) -> None:
         """Drop the tables not asked for since the last sweep, except those whose keys are in ``keep``;
         the rest stay (and count as not asked for yet)."""
+        dropped = False
         for key in list(self.tables):
             table = self.tables[key]
             if not table[7] and key not in keep:
                 del self.tables[key]
                 del self.rooms[key]
+                dropped = True
             table[7] = False
+        if dropped:
+            self._retable()

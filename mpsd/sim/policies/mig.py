@@ -143,11 +143,11 @@ class MigPolicy(Policy):
         if len(ready) == 1:  # a lone kernel (the daemon's common case): nothing to skip
             place(ready[0], ready[0].unplaced)
             return
-        open_keys = sim._open_keys()
+        open_keys = sim._queue.open_keys()
         if not open_keys:
             return
         for run in ready:  # already in hardware order
             if run.key in open_keys and place(run, run.unplaced):
-                sim._close_keys(open_keys)
+                sim._queue.close_keys(open_keys)
                 if not open_keys:
                     return

@@ -12,7 +12,7 @@ import math
 from typing import Any, ClassVar
 
 from ..sms import Group
-from .base import KernelRun, Policy
+from .base import ClientConfig, KernelRun, Policy
 
 __all__ = ["FairPolicy", "PriorityPolicy", "RoundRobinPolicy"]
 
@@ -49,16 +49,16 @@ def take_turns(sim, queues: dict[int, list[KernelRun]], after: int | None) -> in
     Returns:
         The last client that placed a block (``after`` if none did).
     """
-    # Once every shape of the ready kernels is full (sim._saturated), no client can place anything more
-    # in this dispatch: the rounds left would all fail and change nothing, so they are skipped.
-    if not sim._open_keys():
+    # Once every shape of the ready kernels is full (sim._queue.saturated), no client can place anything
+    # more in this dispatch: the rounds left would all fail and change nothing, so they are skipped.
+    if not sim._queue.open_keys():
         return after
     clients = sorted(queues)
     if after is not None:
         cut = next((i for i, c in enumerate(clients) if c > after), len(clients))
         clients = clients[cut:] + clients[:cut]
     last = after
-    saturated = sim._saturated
+    saturated = sim._queue.saturated
     while len(clients) > 1:
         still = []
         for c in clients:
@@ -153,44 +153,65 @@ class FairPolicy(Policy):
         self._service: dict[int, float] = {}
         self._resident: dict[int, int] = {}  # client -> blocks resident
         self._waiting: set[int] = set()  # clients left with unplaced work after the last dispatch
+        # client -> its configured weight, the value sim.client_config(c).weight gives (configure() sees
+        # every configuration first), kept here because dispatch asks for every client every time.
+        self._weights: dict[int, float] = {}
+
+    def configure(self, client: int, config: ClientConfig) -> None:
+        """Remember the client's weight."""
+        self._weights[client] = config.weight
 
     def service(self, client: int) -> float:
         """SM-seconds charged to ``client`` so far (nominal for blocks still resident)."""
         return self._service.get(client, 0.0)
 
-    def _share(self, run: KernelRun) -> float:
-        return min(1.0, run.kernel.threads / self.spec.max_threads_per_sm)
+    # A block's share of an SM's threads is ``run.sm_share``, min(1, threads / max_threads_per_sm), which
+    # the engine computed once per launch shape: the very same float as computing it here per group.
 
     def placed(self, group: Group) -> None:
         """Charge the group's nominal SM-time."""
-        c = group.run.kernel.client
-        self._service[c] = self._service.get(c, 0.0) + group.count * group.planned * self._share(group.run)
+        run = group.run
+        c = run.kernel.client
+        self._service[c] = self._service.get(c, 0.0) + group.count * group.planned * run.sm_share
         self._resident[c] = self._resident.get(c, 0) + group.count
 
     def vacated(self, group: Group) -> None:
         """Replace the nominal charge by the time the group really held its SM."""
-        c = group.run.kernel.client
+        run = group.run
+        c = run.kernel.client
         held = group.end - group.start
-        self._service[c] += group.count * (held - group.planned) * self._share(group.run)
+        self._service[c] += group.count * (held - group.planned) * run.sm_share
         self._resident[c] -= group.count
 
     def dispatch(self, ready: list[KernelRun]) -> None:
         """Offer each block to the least-served client (by service / weight) that can place one."""
+        # The same steps as reading service() and client_config(c).weight each time, with the dicts read
+        # directly (a default weight is DEFAULT_CLIENT's 1.0) and serve_one inlined: this loop runs once
+        # per block placed.
         sim = self.sim
+        service = self._service
+        weights = self._weights
+        resident = self._resident
+        waiting = self._waiting
         queues = client_queues(ready)
-        weight = {c: sim.client_config(c).weight for c in queues}
-        active = [c for c, n in self._resident.items() if n] + [c for c in self._waiting if c in queues]
+        weight = {c: weights.get(c, 1.0) for c in queues}
+        active = [c for c, n in resident.items() if n] + [c for c in waiting if c in queues]
         if active:
-            floor = min(self.service(c) / sim.client_config(c).weight for c in active)
+            floor = min(service.get(c, 0.0) / weights.get(c, 1.0) for c in active)
             for c in queues:
-                if not self._resident.get(c) and c not in self._waiting:
-                    self._service[c] = max(self.service(c), floor * weight[c])
-        heap = [(self.service(c) / weight[c], c) for c in queues]
+                if not resident.get(c) and c not in waiting:
+                    service[c] = max(service.get(c, 0.0), floor * weight[c])
+        heap = [(service.get(c, 0.0) / weight[c], c) for c in queues]
         heapq.heapify(heap)
-        while len(heap) > 1 and not sim._saturated():  # saturated: nobody could place a block
-            _, c = heapq.heappop(heap)
-            if serve_one(sim, queues[c]):
-                heapq.heappush(heap, (self.service(c) / weight[c], c))
+        saturated = sim._queue.saturated
+        place = sim._place
+        pop, push = heapq.heappop, heapq.heappush
+        while len(heap) > 1 and not saturated():  # saturated: nobody could place a block
+            _, c = pop(heap)
+            for run in queues[c]:  # serve_one
+                if run.unplaced and place(run, 1):
+                    push(heap, (service[c] / weight[c], c))  # placed() has charged it
+                    break
         if heap:
             serve_all(sim, queues[heap[0][1]])
         self._waiting = {c for c, q in queues.items() if any(r.unplaced for r in q)}
