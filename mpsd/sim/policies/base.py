@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from ..engine import Simulator
     from ..sms import Group
 
-__all__ = ["ClientConfig", "KernelRun", "Policy", "mps_key", "spread"]
+__all__ = ["ClientConfig", "KernelRun", "Policy", "mps_key", "place_in_launch_order", "spread"]
 
 
 @dataclass(eq=False, slots=True)
@@ -264,3 +264,25 @@ def _spread_uncapped(fits: list[int], left: int, cand: list[int]) -> list[tuple[
         if n:
             out.append((i, n))
     return out
+
+
+def place_in_launch_order(sim: Simulator, ready: list[KernelRun]) -> None:
+    """Place every ready kernel's blocks as far as they fit, in the order given (hardware order): ``mps``, and
+    ``mig`` within each partition's window.
+
+    A kernel whose (shape, window) has no room would place nothing, so only the others are offered capacity,
+    and the pass ends once every shape is full: the result is the same as offering every kernel in turn,
+    without walking a long queue of kernels that cannot start.
+    """
+    place = sim._place
+    if len(ready) == 1:  # a lone kernel (the daemon's common case): nothing to skip
+        place(ready[0], ready[0].unplaced)
+        return
+    open_keys = sim._queue.open_keys()
+    if not open_keys:
+        return
+    for run in ready:
+        if run.key in open_keys and place(run, run.unplaced):
+            sim._queue.close_keys(open_keys)
+            if not open_keys:
+                return

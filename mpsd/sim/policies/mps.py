@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from .base import KernelRun, Policy
+from .base import KernelRun, Policy, place_in_launch_order
 
 __all__ = ["MpsPolicy"]
 
@@ -21,19 +21,4 @@ class MpsPolicy(Policy):
 
     def dispatch(self, ready: list[KernelRun]) -> None:
         """Place every ready kernel's blocks in launch order, as far as they fit."""
-        # A kernel whose (shape, window) has no room would place nothing, so only the others are offered
-        # capacity, and the pass ends once every shape is full: the result is the same as offering
-        # every kernel in turn, without walking a long queue of kernels that cannot start.
-        sim = self.sim
-        place = sim._place
-        if len(ready) == 1:  # a lone kernel (the daemon's common case): nothing to skip
-            place(ready[0], ready[0].unplaced)
-            return
-        open_keys = sim._queue.open_keys()
-        if not open_keys:
-            return
-        for run in ready:  # already in hardware order
-            if run.key in open_keys and place(run, run.unplaced):
-                sim._queue.close_keys(open_keys)
-                if not open_keys:
-                    return
+        place_in_launch_order(self.sim, ready)
