@@ -20,6 +20,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _harness as h  # noqa: E402
 
+from mpsd.sim import H200  # noqa: E402
+
 TARGET = 0.40  # our rate / raw rate, at least
 KERNEL = ("spin", 1, 32, [0])
 # The notification our client sends for KERNEL, so the raw stream moves the same bytes.
@@ -60,8 +62,8 @@ def block_raw(sock, reader: h.FrameReader, n: int, warmup: int) -> float:
 def main() -> int:
     p = h.parser(__doc__.splitlines()[0], n=5000, repeat=5, warmup=500)
     p.add_argument("--time-scale", type=float, default=1000.0,
-                   help="the daemon's --time-scale (default 1000: the simulated launch overhead, 10 us per "
-                        "kernel at scale 1, becomes 10 ns of wall time and cannot bound the rate)")
+                   help="the daemon's --time-scale (default 1000: the simulated launch overhead, a few us per "
+                        "kernel at scale 1, becomes nanoseconds of wall time and cannot bound the rate)")
     args = p.parse_args()
     h.prepare_dirs(args)
 
@@ -81,8 +83,8 @@ def main() -> int:
 
     rate = args.n * len(ours) / sum(ours)
     rows = [("launch", f"ctx.launch{KERNEL!r}, then ctx.synchronize(); one blocking client, its own process"),
-            ("daemon", f"--time-scale {args.time_scale:g}: simulated launch overhead 10 us / {args.time_scale:g}"
-                       " per kernel, so it does not bound the rate"),
+            ("daemon", f"--time-scale {args.time_scale:g}: simulated launch overhead "
+                       f"{H200.kernel_overhead * 1e6:g} us / {args.time_scale:g} per kernel, so it does not bound the rate"),
             ("blocks", f"{args.repeat} x {args.n} per side, alternating, {args.warmup} warm-up per block"),
             ("mpsd rate", f"{rate:,.0f} launches/s   (per block "
                           + " ".join(f"{args.n / t:,.0f}" for t in ours) + ")")]
