@@ -211,15 +211,18 @@ def render_comparison(summaries: dict[str, dict[str, Any]], runs: dict[str, Time
         table.add_column(policy, justify="right")
     groups = list(dict.fromkeys(t["group"] for s in summaries.values() for t in s["tenants"]))
     for group in groups:
-        p99, rate, slo = [], [], []
+        p50, p99, rate, slo = [], [], [], []
         for policy, summary in summaries.items():
             rows = [t for t in summary["tenants"] if t["group"] == group]
             names = {t["tenant"] for t in rows}
             latencies = [r.latency for r in runs[policy].requests if r.tenant in names and r.error is None]
-            p99.append(_ms(latency_summary(latencies)["p99"]))
+            summary = latency_summary(latencies)
+            p50.append(_ms(summary["p50"]))
+            p99.append(_ms(summary["p99"]))
             rate.append(f"{sum(t['throughput_per_s'] for t in rows):.1f}")
             attained = [t["slo_attainment"] for t in rows if t["slo_attainment"] is not None]
             slo.append(_pct(sum(attained) / len(attained)) if attained else "-")
+        table.add_row(f"{group} p50 ms", *p50)
         table.add_row(f"{group} p99 ms", *p99)
         table.add_row(f"{group} req/s", *rate)
         if any(s != "-" for s in slo):
