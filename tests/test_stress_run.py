@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -53,7 +52,7 @@ def test_a_small_mix_with_real_processes(tmp_path):
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
     assert result["virtual"] is False and set(result["runs"]) == {"mps", "timeslice"}
-    for policy, run in result["runs"].items():
+    for run in result["runs"].values():
         tenants = {t["tenant"]: t for t in run["tenants"]}
         assert set(tenants) == {"latency", "batch#0", "batch#1"}
         assert run["quota_violations"] == 0 and run["errors"] == 0
