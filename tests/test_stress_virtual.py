@@ -117,7 +117,7 @@ def test_same_workload_same_figures():
 
 
 def test_memory_past_the_limit_fails_each_request_and_nobody_else():
-    w = workload({"name": "hog", "pinned_mem_limit": "2G", "memory": "1G", "churn": "1536M", "think_ms": 1,
+    w = workload({"name": "hog", "pinned_mem_limit": "2G", "memory": "1G", "churn": "1536M",
                   "kernel": [spin(0.1, grid=8)]},
                  {"name": "calm", "pinned_mem_limit": "2G", "memory": "1G", "churn": "64M",
                   "kernel": [spin(0.1, grid=8)]})

@@ -22,6 +22,7 @@ __all__ = ["run_virtual"]
 
 CHUNK = 2 << 20  # device memory is charged in 2 MiB pages (allocations of 1 MiB or less share them: ignored here)
 OOM = "cudaErrorMemoryAllocation"
+FAILED_CALL = 1e-6  # least host time a refused call takes, so a closed loop of refusals still moves on
 
 
 @dataclass
@@ -96,7 +97,8 @@ def run_virtual(workload: Workload, policy: str, policy_options: dict[str, Any],
             t = inst.spec
             if t.churn and not inst.charge(t.churn, _limit(t, spec)):
                 requests.append(Request(inst.name, stamp, math.nan, OOM))
-                schedule(inst, at)
+                # The refusal is one round trip to the daemon: the tenant tries again no sooner.
+                schedule(inst, at + max(launch + sync, FAILED_CALL))
             else:
                 for name, grid, block, args, repeat in _request_kernels(t):
                     cost = kernel_cost(spec, name, grid, block, args)
