@@ -53,7 +53,9 @@ async def test_streams_and_events_work_awaited(daemon):
     async with mpsd_client.open_context(daemon.pipe_dir) as actx:
         s = await actx.create_stream(priority=-1)
         start, end = await actx.create_event(), await actx.create_event()
-        await actx.launch("spin", 1, 32, [int(1.98e9)], stream=s)  # hold the stream while the rest queues
+        # Hold the stream while the rest queues: 100 simulated seconds, one wall second at this daemon's time
+        # scale, so even a loaded machine queues the rest before it ends.
+        await actx.launch("spin", 1, 32, [int(1.98e11)], stream=s)
         await start.record(s)
         await actx.launch("spin", 264, 1024, [int(1.98e6)], stream=s)
         await end.record(s)
