@@ -3,7 +3,7 @@
 # playing the workload under each policy asked for (real processes against a fresh daemon, or the model alone
 # with --virtual-time), each tenant group also alone for its isolation baseline, then one table per policy,
 # one table across policies, and on request every figure as JSON and a report directory of plots and traces.
-# Exit codes: 0 done, 1 a run failed, 2 a bad workload or option (one line on stderr, no traceback).
+# Exit codes: 0 done, 1 a run failed, 2 a bad workload or option (one line on stderr, no traceback), 130 on Ctrl-C.
 """The mpsd-stress command."""
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     console = _console(options)
     results: dict[str, Any] = {"workload": workload.source, "virtual": options.virtual_time,
+                               "time_scale": 1.0 if options.virtual_time else options.time_scale,
                                "duration_s": workload.duration, "runs": {}}
     runs: dict[str, Timeline] = {}
     try:
@@ -76,6 +77,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (RunError, ValueError) as exc:
         print(f"mpsd-stress: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # the runner has already stopped its tenants and its daemon
+        print("mpsd-stress: interrupted", file=sys.stderr)
+        return 130
     if len(runs) > 1:
         console.print(render_comparison(results["runs"], runs))
     if options.json is not None:
