@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mpsd.sim import Kernel
-from mpsd.stress.timeline import KernelRecord, Span, TenantInfo, Timeline
+from mpsd.stress.timeline import KernelRecord, TenantInfo, Timeline, partitions_of, spans_of
 from mpsd.trace import chrome_trace
 
 if TYPE_CHECKING:
@@ -65,15 +65,11 @@ class Recorder:
             ids[op] = n
             kernels.append(KernelRecord(names[op.client], n, name, op.blocks, op.submitted,
                                         op.started, op.ended if op.done else math.nan, op.eligible))
-        max_threads = device.spec.max_threads_per_sm
-        spans = [Span(names[g.op.client], ids[g.op], g.sm, g.count, min(1.0, g.count * g.op.threads / max_threads),
-                      g.start, g.end) for g in sim.trace if g.op in ids]
-        partitions = [(f"{i}: {p.profile}", p.first_sm, p.first_sm + p.sm_count)
-                      for i, p in enumerate(getattr(sim.policy, "partitions", None) or ())]
         return Timeline(policy=sim.policy.name, sm_count=device.spec.sm_count, duration=sim.now,
-                        launch_overhead=device.spec.kernel_overhead, tenants=tenants, kernels=kernels, spans=spans,
+                        launch_overhead=device.spec.kernel_overhead, tenants=tenants, kernels=kernels,
+                        spans=spans_of(sim, names, ids),
                         memory_high_water={names[c.id]: c.counters.peak_used for c in self.contexts.values()},
-                        partitions=partitions)
+                        partitions=partitions_of(sim))
 
     def write(self, device: Device) -> None:
         """Write the trace (atomically: a reader never sees half a file).

@@ -276,11 +276,11 @@ def _timeline(workload: Workload, policy: str, specs: list[TenantSpec], instance
     shift = (meta["monotonic_origin"] - t0) * scale
     by_pid = {info["pid"]: name for name, info in ready.items() if info.get("pid") is not None}
     rename = {client: by_pid.get(info["pid"]) for client, info in meta["clients"].items()}
-    daemon_tenants = {t.name: t for t in device.tenants}
+    seen_as = {name: t for t in device.tenants if (name := rename.get(t.name))}  # instance -> daemon's view
     entitlement = entitlements(specs)
     tenants, requests = [], []
     for spec, _copy, name in instances:
-        seen = next((daemon_tenants[c] for c, n in rename.items() if n == name), None)
+        seen = seen_as.get(name)
         tenants.append(TenantInfo(name=name, group=spec.name, sm_cap=seen.sm_cap if seen else spec.sm_cap(),
                                   mem_limit=seen.mem_limit if seen else spec.pinned_mem_limit,
                                   entitlement=entitlement[name], deadline=spec.deadline, priority=spec.priority))

@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-__all__ = ["KernelRecord", "Request", "Span", "TenantInfo", "Timeline"]
+if TYPE_CHECKING:
+    from mpsd.sim import Kernel, Simulator
+
+__all__ = ["KernelRecord", "Request", "Span", "TenantInfo", "Timeline", "partitions_of", "spans_of"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,3 +147,17 @@ class Timeline:
     partitions: list[tuple[str, int, int]] = field(default_factory=list)
     virtual: bool = False
     lag: float = 0.0
+
+
+def spans_of(sim: Simulator, tenant_of: dict[int, str], ids: dict[Kernel, int]) -> list[Span]:
+    """The spans of a simulator that recorded its trace, for the kernels in ``ids`` (kernel -> its id), named
+    by ``tenant_of`` (client -> tenant name). The daemon's recorder and the virtual-time runner share it."""
+    per_sm = sim.spec.max_threads_per_sm
+    return [Span(tenant_of[g.op.client], ids[g.op], g.sm, g.count, min(1.0, g.count * g.op.threads / per_sm),
+                 g.start, g.end) for g in sim.trace if g.op in ids]
+
+
+def partitions_of(sim: Simulator) -> list[tuple[str, int, int]]:
+    """The simulator's MIG partitions as Timeline.partitions has them; empty under other policies."""
+    return [(f"{i}: {p.profile}", p.first_sm, p.first_sm + p.sm_count)
+            for i, p in enumerate(getattr(sim.policy, "partitions", None) or ())]

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mpsd.sim import H200, DeviceSpec, Kernel, Simulator, kernel_cost
-from mpsd.stress.timeline import KernelRecord, Request, Span, TenantInfo, Timeline
+from mpsd.stress.timeline import KernelRecord, Request, TenantInfo, Timeline, partitions_of, spans_of
 from mpsd.stress.workload import POINTER_KERNELS, TenantSpec, Workload, arrival_times, entitlements
 
 __all__ = ["run_virtual"]
@@ -163,16 +163,11 @@ def _timeline(workload: Workload, policy: str, sim: Simulator, specs: list[Tenan
     ids = {op: n for n, op in enumerate(names)}
     kernels = [KernelRecord(tenant, ids[op], name, op.blocks, op.submitted, op.started, op.ended, op.eligible)
                for op, (tenant, name) in names.items()]
-    per_sm = sim.spec.max_threads_per_sm
-    spans = [Span(by_client[g.op.client], ids[g.op], g.sm, g.count, min(1.0, g.count * g.op.threads / per_sm),
-                  g.start, g.end) for g in sim.trace]
-    partitions = [(f"{i}: {p.profile}", p.first_sm, p.first_sm + p.sm_count)
-                  for i, p in enumerate(getattr(sim.policy, "partitions", None) or ())]
     tenants = [TenantInfo(name=i.name, group=i.spec.name, sm_cap=i.cap, mem_limit=i.spec.pinned_mem_limit,
                           entitlement=entitlement[i.name], deadline=i.spec.deadline, priority=i.spec.priority)
                for i in instances]
     ends = [r.completed for r in requests if not math.isnan(r.completed)]
     return Timeline(policy=policy, sm_count=sim.spec.sm_count, duration=max([workload.duration, *ends]),
                     launch_overhead=sim.spec.kernel_overhead, tenants=tenants, requests=requests, kernels=kernels,
-                    spans=spans, memory_high_water={i.name: i.high_water for i in instances},
-                    partitions=partitions, virtual=True)
+                    spans=spans_of(sim, by_client, ids), memory_high_water={i.name: i.high_water for i in instances},
+                    partitions=partitions_of(sim), virtual=True)

@@ -64,10 +64,6 @@ class KernelSpec:
             return [2.0, *pointers[:2], self.scalar]
         return [*pointers[:2], self.scalar]  # reduce_sum_f32: x, out, n
 
-    def buffer_bytes(self) -> int:
-        """Device memory the tenant allocates once so this kernel has something to work on."""
-        return POINTER_KERNELS.get(self.name, 0) * 4 * self.scalar
-
 
 @dataclass(frozen=True, slots=True)
 class TenantSpec:
@@ -116,10 +112,6 @@ class Workload:
     policy_options: dict[str, Any] = field(default_factory=dict)
     solo: bool = True
     source: str = "<workload>"
-
-    @property
-    def instances(self) -> int:
-        return sum(t.count for t in self.tenants)
 
 
 def load_workload(path: Path) -> Workload:
