@@ -177,6 +177,7 @@ def test_a_terminated_clients_sms_go_to_the_others_at_once(daemon):
     from daemons import spawn_worker
 
     blocker = spawn_worker(BLOCKER, daemon.pipe_dir)
+    blocker_pid = int(blocker.stdout.readline())  # the GPU is full before the waiter launches
     waiter = spawn_worker("""
         import mpsd_client
         with mpsd_client.connect() as ctx:
@@ -187,11 +188,11 @@ def test_a_terminated_clients_sms_go_to_the_others_at_once(daemon):
             print("ran", flush=True)
     """, daemon.pipe_dir)
     try:
-        blocker_pid = int(blocker.stdout.readline())
         assert waiter.stdout.readline() == "queued\n"
         assert control(daemon, f"terminate_client {daemon.proc.pid} {blocker_pid}\n").stdout == "0\n"
-        out, _ = waiter.communicate(timeout=60)  # before the fix it waited forever: nothing else was due
-        assert out == "ran\n"
+        # communicate reads the pipe, not what readline buffered: "ran" must come after the terminate
+        out, err = waiter.communicate(timeout=60)  # before the fix it waited forever: nothing else was due
+        assert (out, err, waiter.returncode) == ("ran\n", "", 0)
     finally:
         for process in (waiter, blocker):
             if process.poll() is None:
