@@ -76,9 +76,11 @@ def test_sm_cap_rejects_out_of_range(pct):
 
 
 def test_spin_cost_is_fixed_cycles():
-    """spin(cycles) takes cycles / clock, not shared."""
+    """spin(cycles) takes cycles / clock, not shared, and waits on the clock."""
     cost = kernel_cost(H200, "spin", 264, 1024, [SPIN_1MS])
-    assert cost == BlockCost(SPIN_1MS / 1.98e9)
+    assert cost == BlockCost(SPIN_1MS / 1.98e9, clocked=True)
+    with pytest.raises(ValueError, match="both"):
+        BlockCost(1e-3, shared=True, clocked=True)
     assert cost.seconds == pytest.approx(1e-3)
 
 

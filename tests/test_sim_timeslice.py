@@ -56,6 +56,27 @@ def test_two_clients_alternate_slices_with_preemption():
     assert sim.statistics().blocks_completed == 32
 
 
+def test_clocked_blocks_keep_their_deadline_while_preempted():
+    """Blocks waiting on the clock (spin) are preempted as others are, but their clock runs on: back after
+    the other context's slice, a block whose millisecond has passed ends at once, and one whose has not
+    ends on time. Two 2-wave kernels finish at 2.4 and 2.8 ms instead of 4.1 and 4.7 (test above)."""
+    sim = Simulator(SPEC, "timeslice", record=True, policy_options=OPTS)
+    clocked = BlockCost(1 * MS, clocked=True)
+    (a,), (b,) = launch(sim, 1, cost=clocked), launch(sim, 2, cost=clocked)
+    sim.run()
+    least = H200.min_block_time / MS
+    assert pieces(sim, 1)[:4] == [(i, 2, ms(0), ms(0.5)) for i in range(4)]
+    assert pieces(sim, 2)[:4] == [(i, 2, ms(0.6), ms(1.1)) for i in range(4)]
+    # Back at 1.2 ms, past their 1.0-ms deadline: the first wave ends at once, the second starts.
+    assert pieces(sim, 1)[4:8] == [(i, 2, ms(1.2), ms(1.2 + least)) for i in range(4)]
+    assert pieces(sim, 1)[8:12] == [(i, 2, ms(1.2 + least), ms(1.7)) for i in range(4)]
+    # Client 2's second wave, placed at 1.8 ms, is resumed at 2.5 ms and ends at its own 2.8.
+    assert pieces(sim, 2)[-4:] == [(i, 2, ms(2.5 + least), ms(2.8 + least)) for i in range(4)]
+    assert a.ended == pytest.approx(OVERHEAD + (2.4 + least) * MS)
+    assert b.ended == pytest.approx(OVERHEAD + (2.8 + least) * MS)
+    assert sim.statistics().blocks_completed == 32
+
+
 def test_owner_out_of_work_hands_over_at_once():
     """A client whose work ends mid-slice gives the GPU up then, paying one switch."""
     sim = Simulator(SPEC, "timeslice", policy_options=OPTS)

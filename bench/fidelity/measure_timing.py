@@ -63,6 +63,16 @@ extern "C" __global__ void gaps(long long duration_ns, long long threshold_ns, u
     } while (now - t0 < duration_ns);
     if (rec) log[0] = n;
 }
+extern "C" __global__ void spin_log(long long cycles, unsigned long long *log, int i) {
+    // spin, and widen log[2i], log[2i+1] to this block's [start, end] on the GPU-wide globaltimer
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    if (threadIdx.x == 0) atomicMin(&log[2 * i], t);
+    long long start = clock64();
+    while (clock64() - start < cycles) { }
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    if (threadIdx.x == 0) atomicMax(&log[2 * i + 1], t);
+}
 extern "C" __global__ void stamp(unsigned long long *out) {
     unsigned long long t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -71,7 +81,7 @@ extern "C" __global__ void stamp(unsigned long long *out) {
 '''
 steps = json.loads(sys.argv[1])
 module = cupy.RawModule(code=SOURCE)
-fns = {name: module.get_function(name) for name in ("spin", "work", "stamp", "gaps")}
+fns = {name: module.get_function(name) for name in ("spin", "work", "stamp", "gaps", "spin_log")}
 sink = cupy.zeros(1, dtype=cupy.float32)
 stamps = cupy.zeros(1, dtype=cupy.uint64)
 stream = cupy.cuda.Stream(non_blocking=True)
@@ -151,6 +161,8 @@ def run_step(step, go):
             at.append(t0 - go)
             if "sleep" in step:
                 time.sleep(step["sleep"])
+            if "idle" in step:  # busy-wait: the host thread stays awake, only the GPU idles
+                wait_until(time.monotonic() + step["idle"])
         out = {"latency_ms": summary(lat), "launch_call_ms": summary(call), "samples_ms": lat,
                "launched_at_s": at, "ended": time.monotonic() - go}
         if step.get("device_time"):
@@ -210,6 +222,33 @@ def run_step(step, go):
         n = int(host[0])
         pairs = [[int(host[2 * i + 1]) / 1e6, int(host[2 * i + 2]) / 1e6] for i in range(n)]
         return {"seconds": t1 - t0, "started": t0 - go, "ended": t1 - go, "gaps_ms": pairs}
+    if mode == "issue":
+        # Back-to-back launches with nothing else to do: host time per launch call, device time per kernel.
+        k, n = step["kernel"], step["repeat"]
+        event_ms([k], 10)
+        a, b = cupy.cuda.Event(), cupy.cuda.Event()
+        a.record()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            launch(k)
+        t1 = time.perf_counter()
+        b.record()
+        b.synchronize()
+        return {"host_us_per_call": (t1 - t0) * 1e6 / n, "ms_per_kernel": cupy.cuda.get_elapsed_time(a, b) / n}
+    if mode == "timeline":
+        # Kernels back to back, each widening [first block's start, last block's end] on globaltimer, which
+        # every context of the device shares: the processes' timelines can be laid side by side.
+        ks, n = step["kernels"], step["repeat"] * len(step["kernels"])
+        log = cupy.zeros(2 * n, dtype=cupy.uint64)
+        log[0::2] = numpy.uint64(2**64 - 1)
+        stream.synchronize()
+        t0 = time.monotonic()
+        for i in range(n):
+            k = ks[i % len(ks)]
+            fns["spin_log"]((k["grid"],), (k["block"],), (numpy.int64(k["arg"]), log, numpy.int32(i)))
+        stream.synchronize()
+        t1 = time.monotonic()
+        return {"seconds": t1 - t0, "started": t0 - go, "ended": t1 - go, "kernels_ns": log.get().tolist()}
     if mode == "calibrate_work":
         out = {}
         for iters in step["iters"]:
@@ -225,6 +264,8 @@ for step in steps:                         # warm up every kernel this process w
         if k:
             launch(dict(k, arg=min(int(k["arg"]), 1000), grid=1))
 launch({"kernel": "stamp", "grid": 1, "block": 1})
+scratch = cupy.zeros(2, dtype=cupy.uint64)
+fns["spin_log"]((1,), (32,), (numpy.int64(0), scratch, numpy.int32(0)))
 stream.synchronize()
 print("ready", flush=True)
 go = float(sys.stdin.readline())
@@ -348,6 +389,60 @@ def latency_experiments(mps: bool) -> list[dict]:
     return out
 
 
+def host_steps() -> list[dict]:
+    """One process alone, both modes: what a launch costs the host, and how its latency grows with idle time.
+
+    The model had one host latency, measured after a 5-ms sleep; back to back the same launch and synchronise
+    took a fifth of it. Here the idle time before each launch varies, spent busy (the thread stays on its CPU,
+    only the GPU idles) or asleep (the thread is descheduled too), and launch calls are timed back to back
+    beside the device's time per kernel for kernels shorter and longer than a launch call."""
+    out = [{"mode": "probe", "name": f"empty kernel, busy {us} us", "kernel": EMPTY, "samples": 300,
+            "idle": us / 1e6} for us in (20, 100, 300, 1000, 3000)]
+    out += [{"mode": "probe", "name": f"empty kernel, sleep {ms} ms", "kernel": EMPTY, "samples": 300,
+             "sleep": ms / 1e3} for ms in (0.1, 0.3, 1, 2, 5)]
+    out += [{"mode": "probe", "name": "empty kernel, back to back", "kernel": EMPTY, "samples": 1000},
+            {"mode": "probe", "name": "8 x 0.1 ms spin, back to back", "kernel": PROBE, "samples": 300},
+            {"mode": "probe", "name": "8 x 0.1 ms spin, busy 1000 us", "kernel": PROBE, "samples": 300,
+             "idle": 1e-3}]
+    out += [{"mode": "issue", "name": f"issue: 1-block spin {us} us", "kernel": spin(us / 1e3, grid=1, block=32),
+             "repeat": 2000} for us in (0, 2, 5, 10, 20)]
+    out.append({"mode": "issue", "name": "issue: FULL spin 5 us", "kernel": spin(0.005), "repeat": 2000})
+    return out
+
+
+def timeline(name: str, kernels: list[dict], repeat: int) -> dict:
+    return {"mode": "timeline", "name": name, "kernels": kernels, "repeat": repeat}
+
+
+def switch_experiments(mps: bool) -> list[dict]:
+    """Two or three processes with back-to-back spins, every kernel's span logged on the GPU's globaltimer:
+    where time-slicing switches contexts (mid-kernel or between kernels), how long a switch leaves the GPU
+    idle, and whether that depends on the kernels' length or on how many SMs they hold. With MPS, the same
+    runs show the two processes' kernels side by side."""
+    def pair(name: str, a: tuple[list[dict], int], b: tuple[list[dict], int] | None = None, n: int = 2) -> dict:
+        b = b or a
+        tenants = [a, b] + [a] * (n - 2)
+        return {"name": f"timeline, {name}", "tenants": [{"env": {}, "steps": [timeline(name, ks, r)]}
+                                                         for ks, r in tenants]}
+    out = [
+        pair("2 x FULL spin 0.05 ms x 400", ([spin(0.05)], 400)),
+        pair("2 x QUARTER spin 0.05 ms x 400", ([spin(0.05, grid=QUARTER)], 400)),
+        pair("2 x FULL spin 1 ms x 40", ([spin(1.0)], 40)),
+        pair("FULL spin 1 ms x 40 beside QUARTER spin 0.05 ms x 400", ([spin(1.0)], 40),
+             ([spin(0.05, grid=QUARTER)], 400)),
+    ]
+    if not mps:
+        out += [
+            pair("2 x FULL spin 0.5 ms x 80", ([spin(0.5)], 80)),
+            pair("2 x 8-block spin 0.5 ms x 80", ([spin(0.5, grid=8)], 80)),
+            pair("2 x FULL spin 5 ms x 8", ([spin(5.0)], 8)),
+            pair("2 x QUARTER spin 5 ms x 8", ([spin(5.0, grid=QUARTER)], 8)),
+            pair("2 x 8-block spin 5 ms x 8", ([spin(5.0, grid=8)], 8)),
+            pair("3 x FULL spin 0.05 ms x 400", ([spin(0.05)], 400), n=3),
+        ]
+    return out
+
+
 def with_work_iters(obj, real_per_model: float):
     """Fill in each `work` kernel's real iteration count from the calibration."""
     if isinstance(obj, dict):
@@ -393,13 +488,15 @@ def run_tenants(tenants: list[dict], base_env: dict[str, str]) -> list:
 
 
 def device_facts() -> dict:
+    with open("/proc/cpuinfo") as f:
+        cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
     query = "name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,power.draw,compute_mode"
     smi = subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader"], capture_output=True,
                          text=True, check=False)
     code = "import cupy; r = cupy.cuda.runtime; print(r.runtimeGetVersion(), r.driverGetVersion(), cupy.__version__)"
     versions = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     return {"nvidia_smi": dict(zip(query.split(","), [s.strip() for s in smi.stdout.split(",")])),
-            "cuda_runtime_driver_cupy": versions.stdout.split(), "python": sys.version.split()[0],
+            "cuda_runtime_driver_cupy": versions.stdout.split(), "python": sys.version.split()[0], "cpu": cpu,
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
 
 
@@ -408,13 +505,28 @@ def main() -> None:
     parser.add_argument("--out", required=True, help="the JSON file to write (rewritten after each experiment)")
     parser.add_argument("--only", default="", help="comma-separated name fragments: run only the multi-process "
                                                    "experiments whose names hold one (the single-process steps are skipped)")
+    parser.add_argument("--set", choices=("main", "host-switch"), default="main",
+                        help="main: the experiments of h200_timing_extra.json; host-switch: host latency against "
+                             "idle time, launch cost, and time-slicing timelines (h200_timing_host.json)")
     parser.add_argument("--plan", action="store_true", help="print the experiments and exit (no GPU needed)")
     args = parser.parse_args()
+
+    def experiments(mps: bool) -> list[dict]:
+        if args.set == "host-switch":
+            return [{"name": "1 tenant alone", "tenants": [{"env": {}, "steps": host_steps()}]},
+                    *switch_experiments(mps)]
+        single = {"name": "1 tenant alone", "tenants": [{"env": {}, "steps": single_steps()}]}
+        return chosen([single] + multi_experiments(mps) + gaps_experiments() + latency_experiments(mps))
+
+    def chosen(es: list[dict]) -> list[dict]:
+        if not args.only:
+            return es
+        return [e for e in es if any(f in e["name"] for f in args.only.split(","))]
+
     if args.plan:
         for mps in (False, True):
-            for e in multi_experiments(mps) + gaps_experiments() + latency_experiments(mps):
+            for e in experiments(mps):
                 print("mps" if mps else "no-mps", e["name"], [len(t["steps"]) for t in e["tenants"]])
-        print(len(single_steps()), "single-process steps per mode")
         return
     results: dict = {"device": device_facts(), "source": "bench/fidelity/measure_timing.py", "spin_cycles_per_ms": MS,
                      "model_work_iters_per_ms": MODEL_WORK_ITERS, "full": FULL, "quarter": QUARTER,
@@ -447,13 +559,7 @@ def main() -> None:
         save()
         print(f"{mode:7} {time.monotonic() - started:6.1f}s {e['name']}", file=sys.stderr, flush=True)
 
-    def chosen(es: list[dict]) -> list[dict]:
-        if not args.only:
-            return es
-        return [e for e in es if any(f in e["name"] for f in args.only.split(","))]
-
-    single = {"name": "1 tenant alone", "tenants": [{"env": {}, "steps": single_steps()}]}
-    for e in chosen([single] + multi_experiments(False) + gaps_experiments() + latency_experiments(False)):
+    for e in experiments(False):
         experiment("no-mps", e, {})
     base = tempfile.mkdtemp(prefix="mps-")
     env = {"CUDA_MPS_PIPE_DIRECTORY": f"{base}/pipe", "CUDA_MPS_LOG_DIRECTORY": f"{base}/log"}
@@ -461,7 +567,7 @@ def main() -> None:
     os.makedirs(env["CUDA_MPS_LOG_DIRECTORY"])
     subprocess.run(["nvidia-cuda-mps-control", "-d"], env={**os.environ, **env}, check=True)
     try:
-        for e in chosen([single] + multi_experiments(True) + gaps_experiments() + latency_experiments(True)):
+        for e in experiments(True):
             experiment("mps", e, env)
     finally:
         subprocess.run(["nvidia-cuda-mps-control"], input="quit\n", text=True, env={**os.environ, **env}, check=False)

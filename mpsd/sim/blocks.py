@@ -122,6 +122,8 @@ class Blocks:
                 if resumed:
                     entry = partial[0]
                     n, seconds = min(count, entry[0]), entry[1]
+                    if kernel.cost.clocked:  # its clock ran on while it was off: entry[1] is its deadline
+                        seconds = max(seconds - now, self.spec.min_block_time)
                     entry[0] -= n
                     if not entry[0]:
                         partial.pop(0)
@@ -157,8 +159,9 @@ class Blocks:
         return placed
 
     def _preempt(self, client: int | None) -> None:
-        """Take ``client``'s resident blocks off their SMs now; each resumes later with the work it had left
-        (blocks whose work is already done end normally instead)."""
+        """Take ``client``'s resident blocks off their SMs now; each resumes later with the work it had left,
+        or, if it waits on the clock, with its deadline (blocks whose work is already done end normally
+        instead)."""
         now = self.now
         for run in list(self._runs.values()):
             if run.kernel.client != client or not run.groups:
@@ -175,6 +178,8 @@ class Blocks:
                     left = group.end - now
                     if left <= 0.0:
                         continue  # its end event is due this very instant
+                    if run.kernel.cost.clocked:
+                        left = group.end
                 group.evicted = True
                 self._vacate(group)
                 if not run.unplaced:

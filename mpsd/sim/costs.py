@@ -22,22 +22,31 @@ class BlockCost:
             block alone gets the SM's full issue rate.
         shared: True for throughput-bound blocks: co-resident shared blocks on one SM divide its issue
             rate (processor sharing, see ``mpsd.sim.sms``).
+        clocked: True for blocks that wait on the SM's clock (``spin``): the clock runs on while the block
+            is preempted, so a resumed block ends when its ``seconds`` since it started have passed, or at
+            once if they already have. Other blocks resume with the work they had left.
     """
 
     seconds: float
     shared: bool = False
+    clocked: bool = False
 
     def __post_init__(self) -> None:
         if not self.seconds >= 0.0:
             raise ValueError(f"block seconds must be >= 0, got {self.seconds}")
+        if self.shared and self.clocked:
+            raise ValueError("a block cannot both share the issue rate and wait on the clock")
 
 
 CostModel = Callable[[DeviceSpec, int, int, Sequence], BlockCost]
 
 
 def _spin(spec: DeviceSpec, blocks: int, threads: int, args: Sequence) -> BlockCost:
+    # Each block busy-waits until clock64() has advanced `cycles` past its start. Time-slicing on a real
+    # H200 showed the clock running on while a context is switched out: a preempted 5-ms spin still took
+    # 5.0 ms from start to end (bench/fidelity/h200_timing_host.json, "timeline, 2 x FULL spin 5 ms x 8").
     (cycles,) = args
-    return BlockCost(float(cycles) / spec.clock_hz)
+    return BlockCost(float(cycles) / spec.clock_hz, clocked=True)
 
 
 def _work(spec: DeviceSpec, blocks: int, threads: int, args: Sequence) -> BlockCost:

@@ -32,8 +32,9 @@ class KernelRun:
         running: blocks resident now.
         cancelled: its client was cancelled; place nothing more, report nothing.
         groups: its block groups resident now, in placement order (an ordered set: values are None).
-        partial: preempted blocks waiting to resume, as [count, seconds of work left per block] entries,
-            oldest first; they are placed before fresh blocks.
+        partial: preempted blocks waiting to resume, as [count, seconds of work left per block] entries
+            (for clocked costs, [count, the simulated time its blocks end]), oldest first; they are placed
+            before fresh blocks.
         seconds: a fresh block's duration (full-rate seconds if shared), at least the device's minimum.
         demand: share of an SM's issue rate one of its blocks asks for (shared kernels).
         sm_share: share of an SM's threads one of its blocks holds (for SM-time statistics).
@@ -100,7 +101,8 @@ class Policy:
     Subclasses implement ``dispatch``. The engine's methods a policy may call are ``sim._place(run, limit)``
     (place up to ``limit`` blocks, returns how many it placed), ``sim._set_timer(time, token)`` (calls
     ``on_timer(token)`` at ``time`` unless ``timer_stale(token)``), ``sim._preempt(client)`` (take the
-    client's resident blocks off, to resume later with the work they had left) and ``sim.client_config(c)``;
+    client's resident blocks off, to resume later with the work they had left or their deadline) and
+    ``sim.client_config(c)``;
     ``sim._queue`` (a ``ReadyQueue``) says which ready kernels could still place a block in this dispatch.
     The per-kernel and per-group hooks (``eligible``, ``retired``, ``placed``, ``vacated``) only keep the
     policy's own accounts: the engine calls them in the middle of its own bookkeeping (a wave's fit-table

@@ -75,7 +75,8 @@ class TimeslicePolicy(_Tenancy):
 
     The owner's kernels run as under ``mps`` (launch order inside the client, SM caps). When its slice ends
     and another client has work in flight, its resident blocks are preempted (they resume later with the
-    work they had left) and, after a context switch during which the GPU runs nothing, the next client in
+    work they had left; blocks that wait on the clock, like ``spin``, with their deadline: see
+    ``BlockCost.clocked``) and, after a context switch during which the GPU runs nothing, the next client in
     rotation (ascending id after the owner) gets a slice. With nobody waiting the owner's slice is renewed.
     An owner that runs out of work hands over at once. Changing context costs ``switch``; handing the GPU
     back to the context that last held it costs nothing.
