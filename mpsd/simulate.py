@@ -8,8 +8,9 @@
 #                                  at (first submission, s), period (s between submissions: open loop;
 #                                  without it the repeats queue back to back on their stream), sleep (s
 #                                  after each synchronise before the next launch: closed loop)
-# Times are what the tenant observes: each launch reaches the device `launch_latency` after the tenant's
-# call, and a synchronise returns `sync_latency` after the kernel ends (DeviceSpec, measured on a real H200).
+# Times are what the tenant observes: each tenant is one host thread whose launch calls follow one another,
+# each reaching the device as it returns, and a synchronise returns a while after the kernel ends; both cost
+# more the longer the thread was idle before (mpsd.sim.host, DeviceSpec's figures measured on a real H200).
 from __future__ import annotations
 
 import argparse
@@ -26,6 +27,7 @@ from typing import Any
 
 from mpsd.config import DEVICE_MODELS
 from mpsd.sim import Kernel, Simulator, kernel_cost, sm_cap
+from mpsd.sim.host import HostThread
 
 
 class ScenarioError(Exception):
@@ -91,11 +93,25 @@ def run_scenario(scenario: dict[str, Any]) -> dict[str, Any]:
                 arrivals.extend(_kernels(spec, client, cap, k, name, len(arrivals)))
     if not arrivals:
         raise ScenarioError("the scenario launches no kernels")
-    called: dict[int, float] = {}  # id(op) -> when the tenant called launch
+    # Each tenant is one host thread: its launch calls are made one after another (``calls``, in the order
+    # they are due), and only its next one is in ``due``, at the time its work reaches the device.
+    threads = {client: HostThread(spec) for client in results}
+    calls: dict[int, list[tuple[float, int, Kernel, _Loop | None]]] = {client: [] for client in results}
+    for call in arrivals:
+        heapq.heappush(calls[call[2].client], call)
+    due: list[tuple[float, int, float, Kernel, _Loop | None]] = []
+    calling: set[int] = set()  # the tenants with a call in `due`
+    launched: dict[int, tuple[float, float]] = {}  # id(op) -> (when the tenant called launch, its warmth)
     following: dict[int, tuple[Kernel, _Loop]] = {}  # closed loops waiting for their op to end
     seq = itertools.count(len(arrivals))
-    heapq.heapify(arrivals)
     done: list = []
+
+    def call_next(client: int) -> None:
+        if calls[client] and client not in calling:
+            calling.add(client)
+            at, n, op, loop = heapq.heappop(calls[client])
+            heapq.heappush(due, (threads[client].launch(at), n, at, op, loop))
+            launched[id(op)] = (at, threads[client].warmth)
 
     def finished(ops: list) -> None:
         # A closed loop's next launch: the synchronise returns, the tenant sleeps, then calls launch.
@@ -104,30 +120,36 @@ def run_scenario(scenario: dict[str, Any]) -> dict[str, Any]:
             follow = following.pop(id(op), None)
             if follow is not None and follow[1].left > 0:
                 loop = follow[1]
-                at = op.ended + spec.sync_latency + loop.sleep
-                heapq.heappush(arrivals, (at, next(seq), loop.make(), _Loop(loop.make, loop.left - 1, loop.sleep)))
+                at = threads[op.client].synchronize(op.ended) + loop.sleep
+                heapq.heappush(calls[op.client], (at, next(seq), loop.make(),
+                                                  _Loop(loop.make, loop.left - 1, loop.sleep)))
+                call_next(op.client)
 
-    while arrivals:
-        while arrivals or following:
+    for client in calls:
+        call_next(client)
+    while due:
+        while due or following:
             # Step event by event only while a closed loop waits on its kernel; otherwise jump to the next launch.
             t_sim = sim.next_time() if following else None
-            if t_sim is not None and (not arrivals or t_sim < arrivals[0][0] + spec.launch_latency):
+            if t_sim is not None and (not due or t_sim < due[0][0]):
                 finished(sim.advance(t_sim))
                 continue
-            if not arrivals:
+            if not due:
                 break
-            at, _, op, loop = heapq.heappop(arrivals)
-            finished(sim.advance(max(at + spec.launch_latency, sim.now)))
+            reaches, _, at, op, loop = heapq.heappop(due)
+            calling.discard(op.client)
+            finished(sim.advance(max(reaches, sim.now)))
             sim.submit(op)
-            called[id(op)] = at
             if loop is not None:
                 following[id(op)] = (op, loop)
+            call_next(op.client)
         finished(sim.run())
     for op in done:
         result = results[op.client]
         result.kernels += 1
-        returned = op.ended + spec.sync_latency
-        result.latencies.append(returned - called[id(op)])
+        at, warmth = launched[id(op)]
+        returned = op.ended + spec.sync_latency - (spec.sync_latency - spec.sync_latency_busy) * warmth
+        result.latencies.append(returned - at)
         result.last_end = max(result.last_end, returned)
     stats = sim.statistics()
     total = sum(c.sm_seconds for c in stats.per_client.values())

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +12,7 @@ import pytest
 from mpsd.sim import H200
 from mpsd.simulate import ScenarioError, run_scenario
 
-HOST_MS = (H200.launch_latency + H200.sync_latency) * 1e3  # what the tenant pays on the host, once per wait
+HOST_MS = (H200.launch_latency + H200.sync_latency) * 1e3  # what an idle tenant pays on the host, once per wait
 OVERHEAD_MS = H200.kernel_overhead * 1e3  # what the device pays before each kernel of a stream
 EXAMPLE = Path(__file__).parent.parent / "examples" / "scenarios" / "inference_beside_training.toml"
 MPSD = Path(sys.executable).with_name("mpsd")
@@ -23,18 +24,29 @@ def full_waves(repeat: int, **tenant) -> dict:
 
 
 def test_back_to_back_kernels_take_what_the_model_says():
-    """Ten full waves of 1 ms blocks end at 10 x (1 ms + the device's launch overhead), plus one launch and one
-    synchronise on the host; 25% makes 5 waves each."""
+    """Ten full waves of 1 ms blocks end at 10 x (1 ms + the device's launch overhead), plus one idle launch
+    and a synchronise right after the last launch on the host; 25% makes 5 waves each."""
     (fast,) = run_scenario({"tenant": [full_waves(10)]})["tenants"]
     (capped,) = run_scenario({"tenant": [full_waves(2, active_thread_percentage=25)]})["tenants"]
-    assert fast["kernels"] == 10 and fast["makespan_ms"] == pytest.approx(10 * (1 + OVERHEAD_MS) + HOST_MS, abs=1e-6)
-    assert capped["kernels"] == 2 and capped["makespan_ms"] == pytest.approx(2 * (5 + OVERHEAD_MS) + HOST_MS, abs=1e-6)
+    host_ms = (H200.launch_latency + H200.sync_latency_busy) * 1e3
+    assert fast["kernels"] == 10 and fast["makespan_ms"] == pytest.approx(10 * (1 + OVERHEAD_MS) + host_ms, abs=1e-6)
+    assert capped["kernels"] == 2 and capped["makespan_ms"] == pytest.approx(2 * (5 + OVERHEAD_MS) + host_ms, abs=1e-6)
+
+
+def test_back_to_back_launches_are_bound_by_the_host():
+    """Kernels shorter than a launch call run one per call: the device waits for the host. 100 empty kernels
+    take one idle launch, 99 busy ones, the last kernel and a synchronise."""
+    empty = {"name": "e", "kernel": [{"name": "spin", "grid": 1, "block": 32, "args": [0], "repeat": 100}]}
+    (t,) = run_scenario({"tenant": [empty]})["tenants"]
+    assert H200.launch_latency_busy > H200.kernel_overhead + H200.min_block_time
+    expected = (H200.launch_latency + 99 * H200.launch_latency_busy + H200.kernel_overhead + H200.min_block_time
+                + H200.sync_latency_busy)
+    assert t["makespan_ms"] == pytest.approx(expected * 1e3, abs=1e-9)
 
 
 def test_a_lone_kernel_costs_host_launch_device_and_synchronise():
     """Tenant-observed latency alone = launch latency + kernel overhead + the block + synchronise latency."""
-    probe = {"name": "p", "kernel": [{"name": "spin", "grid": 8, "block": 1024, "args": [198_000], "repeat": 3,
-                                      "period": 0.005}]}
+    probe = {"name": "p", "kernel": [{"name": "spin", "grid": 8, "block": 1024, "args": [198_000], "at": 0.01}]}
     (t,) = run_scenario({"tenant": [probe]})["tenants"]
     expected = H200.launch_latency + H200.kernel_overhead + 198_000 / H200.clock_hz + H200.sync_latency
     assert H200.launch_latency > 0 and H200.sync_latency > 0
@@ -47,9 +59,17 @@ def test_closed_loop_launches_after_synchronise_and_sleep():
     probe = {"name": "p", "kernel": [{"name": "spin", "grid": 8, "block": 1024, "args": [198_000], "repeat": 4,
                                       "sleep": 0.005}]}
     (t,) = run_scenario({"tenant": [probe]})["tenants"]
-    one = H200.launch_latency + H200.kernel_overhead + 198_000 / H200.clock_hz + H200.sync_latency
+
+    def one(idle: float) -> float:  # the host's figures, warmth exp(-idle / cooling) of the way to busy
+        w = math.exp(-idle / H200.host_cooling)
+        return (H200.launch_latency - (H200.launch_latency - H200.launch_latency_busy) * w + H200.kernel_overhead
+                + 198_000 / H200.clock_hz + H200.sync_latency - (H200.sync_latency - H200.sync_latency_busy) * w)
+
     assert t["kernels"] == 4
-    assert t["makespan_ms"] == pytest.approx((4 * one + 3 * 0.005) * 1e3, abs=1e-9)
+    assert t["makespan_ms"] == pytest.approx((one(math.inf) + 3 * (0.005 + one(0.005))) * 1e3, abs=1e-9)
+    (tight,) = run_scenario({"tenant": [{"name": "p", "kernel": [dict(probe["kernel"][0], sleep=0.0)]}]})["tenants"]
+    assert tight["latency_p50_ms"] == pytest.approx(one(0.0) * 1e3, abs=1e-9)  # back to back: the busy figures
+    assert one(0.0) < one(0.001) < one(0.005) < one(math.inf)
 
 
 def test_closed_loop_beside_full_waves_waits_for_the_running_wave():

@@ -14,7 +14,8 @@ from mpsd.stress.virtual import run_virtual
 from mpsd.stress.workload import WorkloadError, arrival_times, load_workload, parse_workload
 
 WORKLOADS = Path(__file__).parent.parent / "examples" / "workloads"
-HOST = getattr(H200, "launch_latency", 0.0) + getattr(H200, "sync_latency", 0.0)
+HOST = H200.launch_latency + H200.sync_latency  # a thread's launch and synchronise after a long idle time
+HOST_BUSY = H200.launch_latency_busy + H200.sync_latency_busy  # ... right after its previous call
 
 
 def workload(*tenants: dict, **run) -> object:
@@ -80,11 +81,12 @@ def test_trace_file_is_read_relative_to_the_workload(tmp_path):
 
 def test_a_closed_loop_alone_takes_exactly_what_the_model_says():
     """One full wave of 1 ms blocks per request: each request is the kernel's launch overhead plus 1 ms plus the
-    host's latency, back to back until the end of the run."""
+    host's latency (idle for the first, back to back after), until the end of the run."""
     timeline = run_virtual(workload({"name": "a", "kernel": [spin(1.0)]}), "mps", {})
-    per_request = H200.kernel_overhead + 1e-3 + HOST
+    device = H200.kernel_overhead + 1e-3
     latencies = [r.latency for r in timeline.requests]
-    assert latencies == pytest.approx([per_request] * math.ceil(0.05 / per_request))
+    assert latencies == pytest.approx([device + HOST] + [device + HOST_BUSY] * math.ceil(
+        (0.05 - device - HOST) / (device + HOST_BUSY)))
     assert timeline.requests[1].submitted == pytest.approx(timeline.requests[0].completed)
 
 
@@ -94,7 +96,7 @@ def test_open_loop_requests_queue_in_the_tenant():
                                      "kernel": [spin(1.0)]}), "mps", {})
     first, second = sorted(timeline.requests, key=lambda r: r.submitted)
     assert second.submitted == 0.0005
-    assert second.completed == pytest.approx(first.completed + H200.kernel_overhead + 1e-3 + HOST)
+    assert second.completed == pytest.approx(first.completed + H200.kernel_overhead + 1e-3 + HOST_BUSY)
 
 
 def test_caps_and_partitions_hold_and_are_reported():

@@ -49,13 +49,18 @@ class DeviceSpec:
     # The least time a block takes: dispatch and retirement are never free. Not a measurement; it keeps
     # simulated time moving, so a grid of empty blocks cannot make one instant last forever.
     min_block_time: float = 1e-7
-    # Host time a tenant pays around the device's work, outside the GPU: from its launch call until the work
-    # reaches the device (``launch_latency``; the device's own ``kernel_overhead`` follows), and from the
-    # kernel's end until its synchronise returns (``sync_latency``). Only virtual-time answers to "what does a
-    # tenant observe" add them (``mpsd simulate``, bench/fidelity): the daemon's clients are real processes
-    # and pay real host time.
+    # Host time a tenant pays around the device's work, outside the GPU: its launch call, as the work reaches
+    # the device when the call returns (``launch_latency``; the device's own ``kernel_overhead`` follows), and
+    # from the kernel's end until its synchronise returns (``sync_latency``). Those are a thread's figures
+    # after a long idle time; back to back it pays the ``_busy`` ones, and ``host_cooling`` is the time
+    # constant of the change between them (``mpsd.sim.host.HostThread``; 0: one figure). Only virtual-time
+    # answers to "what does a tenant observe" add them (``mpsd simulate``, mpsd-stress --virtual-time,
+    # bench/fidelity): the daemon's clients are real processes and pay real host time.
     launch_latency: float = 0.0
     sync_latency: float = 0.0
+    launch_latency_busy: float = 0.0
+    sync_latency_busy: float = 0.0
+    host_cooling: float = 0.0
 
 
 H200 = DeviceSpec(
@@ -98,12 +103,18 @@ H200 = DeviceSpec(
     sm_issue_rate=2 * 1024 * 93638 / 1e-3,
     saturation_threads=1024,
     # Calibrated on a real H200 (bench/fidelity/measure_timing.py; bench/fidelity/compare.py --calibration
-    # derives them): a 1-block empty kernel, launched and synchronised from CuPy after a 5 ms sleep, alone,
-    # took 0.0643 ms at the median (mean of two runs x with/without MPS). Less the model's device time for
-    # it (kernel_overhead + min_block_time), that leaves 62.2 us of host time; the part after the launch
-    # call returned (8.7 us, same runs) is the synchronise, the rest the launch.
-    launch_latency=53.5e-6,
-    sync_latency=8.7e-6,
+    # derives them). Idle: a 1-block empty kernel, launched and synchronised from CuPy after a 5 ms sleep,
+    # alone, took 0.0643 ms at the median, its launch call 0.0561 ms (means of two runs x with/without MPS,
+    # h200_timing_extra.json and h200_timing_repeat.json); the call is the launch, the rest less the model's
+    # device time (kernel_overhead + min_block_time) the synchronise. Busy: the same back to back took 0.0112
+    # ms, its call 0.0064 ms (h200_timing_host.json, both modes). Cooling: the same after idle times of 20 us
+    # to 5 ms, spent asleep or spinning (same file), rose from the one figure to the other as
+    # 1 - exp(-idle / 1.14 ms), fitted over both modes; MPS rose later and steeper, without MPS sooner.
+    launch_latency=56.1e-6,
+    sync_latency=6.65e-6,
+    launch_latency_busy=6.39e-6,
+    sync_latency_busy=2.67e-6,
+    host_cooling=1.14e-3,
 )
 
 

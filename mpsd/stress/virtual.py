@@ -1,8 +1,10 @@
 # A workload played on the GPU model alone, in virtual time: no daemon, no processes, as fast as the simulator
 # runs, identical on every run. Each tenant instance behaves as its process would: one request at a time, its
-# kernels submitted together after the host's launch latency, the request complete when the host would see
-# its synchronize return; closed loops issue the next request when the last completes (plus think time), open
-# loops when it is due or when the last completes, whichever is later (so queueing in the tenant counts).
+# kernels submitted together as its first launch call returns, the request complete when the host would see
+# its synchronize return, both calls costing what a thread idle that long pays (mpsd.sim.host; the host time
+# of a request's later launch calls is left out: it matters only for kernels shorter than a call, ~6 us).
+# Closed loops issue the next request when the last completes (plus think time), open loops when it is due
+# or when the last completes, whichever is later (so queueing in the tenant counts).
 # Memory is checked against the tenant's limit as the daemon checks it, charged as the daemon charges it.
 """Running a stress workload in virtual time."""
 
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mpsd.sim import H200, DeviceSpec, Kernel, Simulator, kernel_cost
+from mpsd.sim.host import HostThread
 from mpsd.stress.timeline import KernelRecord, Request, TenantInfo, Timeline, partitions_of, spans_of
 from mpsd.stress.workload import POINTER_KERNELS, TenantSpec, Workload, arrival_times, entitlements
 
@@ -32,6 +35,7 @@ class _Instance:
     spec: TenantSpec
     arrivals: list[float] | None
     cap: int
+    thread: HostThread  # its process's host thread: what its calls cost
     charged: int = 0
     high_water: int = 0
     issued: int = 0  # requests issued so far
@@ -55,12 +59,10 @@ def run_virtual(workload: Workload, policy: str, policy_options: dict[str, Any],
     """
     specs = list(workload.tenants if tenants is None else tenants)
     sim = Simulator(spec, policy=policy, policy_options=policy_options, record=True)
-    launch = getattr(spec, "launch_latency", 0.0)  # host call -> the device has the kernel
-    sync = getattr(spec, "sync_latency", 0.0)  # the device is done -> the host's synchronize returns
     instances: list[_Instance] = []
     requests: list[Request] = []
     names: dict[Kernel, tuple[str, str]] = {}  # every kernel -> (instance, kernel name)
-    pending: list[tuple[float, int, int, float]] = []  # (host issue time, seq, instance, submission stamp)
+    pending: list[tuple[float, int, int, float]] = []  # (work reaches the device, seq, instance, stamp)
     outstanding: dict[Kernel, tuple[_Instance, float]] = {}  # a request's last kernel -> whose, its stamp
     order = itertools.count()
 
@@ -70,16 +72,17 @@ def run_virtual(workload: Workload, policy: str, policy_options: dict[str, Any],
         if inst.arrivals is None:
             at = now + (inst.spec.think if inst.issued else 0.0)
             if at < workload.duration:
-                heapq.heappush(pending, (at, next(order), inst.client - 1, at))
+                heapq.heappush(pending, (inst.thread.launch(at), next(order), inst.client - 1, at))
         elif inst.issued < len(inst.arrivals):
             due = inst.arrivals[inst.issued]
-            heapq.heappush(pending, (max(due, now), next(order), inst.client - 1, due))
+            heapq.heappush(pending, (inst.thread.launch(max(due, now)), next(order), inst.client - 1, due))
 
     for t in specs:
         limit = _limit(t, spec)
         for copy in range(t.count):
             inst = _Instance(len(instances) + 1, t.instance(copy), t,
-                             arrival_times(t, workload.duration, workload.seed, copy), t.sm_cap(spec))
+                             arrival_times(t, workload.duration, workload.seed, copy), t.sm_cap(spec),
+                             HostThread(spec))
             sim.configure_client(inst.client, priority=t.priority, weight=t.weight, partition=t.partition)
             instances.append(inst)
             for nbytes in _setup_allocations(t):
@@ -89,16 +92,16 @@ def run_virtual(workload: Workload, policy: str, policy_options: dict[str, Any],
 
     while pending or outstanding:
         next_event = sim.next_time()
-        if pending and (next_event is None or pending[0][0] + launch <= next_event):
+        if pending and (next_event is None or pending[0][0] <= next_event):
             at, _, index, stamp = heapq.heappop(pending)
             inst = instances[index]
-            done = sim.advance(max(sim.now, at + launch))
+            done = sim.advance(max(sim.now, at))
             inst.issued += 1
             t = inst.spec
             if t.churn and not inst.charge(t.churn, _limit(t, spec)):
                 requests.append(Request(inst.name, stamp, math.nan, OOM))
                 # The refusal is one round trip to the daemon: the tenant tries again no sooner.
-                schedule(inst, at + max(launch + sync, FAILED_CALL))
+                schedule(inst, max(inst.thread.synchronize(at), stamp + FAILED_CALL))
             else:
                 for name, grid, block, args, repeat in _request_kernels(t):
                     cost = kernel_cost(spec, name, grid, block, args)
@@ -113,7 +116,7 @@ def run_virtual(workload: Workload, policy: str, policy_options: dict[str, Any],
         for op in done:
             if op in outstanding:
                 inst, stamp = outstanding.pop(op)
-                completed = op.ended + sync
+                completed = inst.thread.synchronize(op.ended)
                 requests.append(Request(inst.name, stamp, completed))
                 if inst.spec.churn:
                     inst.charged -= _pages(inst.spec.churn)

@@ -1,0 +1,62 @@
+# What a tenant's CUDA calls cost on its host thread, for the answers that run without real processes
+# (`mpsd simulate`, mpsd-stress --virtual-time, bench/fidelity). A real H200 showed the cost depends on how long
+# the thread stayed away from the driver: a launch and synchronise back to back took about 11 us, the same
+# after a 5-ms sleep about 60 us, and in between it grows over a millisecond or two, whether the thread slept
+# or spun, and whether the GPU was idle or busy with another process (bench/fidelity/h200_timing_host.json,
+# "1 tenant alone"; beside a saturating tenant the launch calls after a sleep were still as slow). So the
+# model keeps a warmth per thread that decays with idle time, and one thread's calls happen one after another.
+"""Host-side latency of a tenant's launch and synchronise calls."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .specs import DeviceSpec
+
+__all__ = ["HostThread"]
+
+
+@dataclass
+class HostThread:
+    """One tenant thread's CUDA calls, in the order it makes them.
+
+    A launch call made ``idle`` seconds after the thread's previous call returned costs
+    ``launch_latency - (launch_latency - launch_latency_busy) * w`` with ``w = exp(-idle / host_cooling)``
+    (1 back to back, 0 long after), and its work reaches the device when it returns; the synchronise that
+    follows costs the same mix of ``sync_latency`` and ``sync_latency_busy``. A spec without a cooling time
+    has one host latency, its idle figures.
+
+    Attributes:
+        spec: the device (its host figures).
+        free: when the thread's last call returned (-inf before its first).
+        warmth: ``w`` of its last launch.
+    """
+
+    spec: DeviceSpec
+    free: float = -math.inf
+    warmth: float = 0.0
+
+    def _warmth(self, start: float) -> float:
+        cooling = self.spec.host_cooling
+        return math.exp(-(start - self.free) / cooling) if cooling > 0.0 and self.free > -math.inf else 0.0
+
+    def launch(self, at: float) -> float:
+        """A launch called at ``at`` (or as the previous call returns, if later): when its work reaches the
+        device."""
+        start = max(at, self.free)
+        w = self.warmth = self._warmth(start)
+        spec = self.spec
+        self.free = start + spec.launch_latency - (spec.launch_latency - spec.launch_latency_busy) * w
+        return self.free
+
+    def sync_latency(self) -> float:
+        """From the end of the work to the return of a synchronise on it, after the last launch."""
+        spec = self.spec
+        return spec.sync_latency - (spec.sync_latency - spec.sync_latency_busy) * self.warmth
+
+    def synchronize(self, ended: float) -> float:
+        """A synchronise on work that ends at ``ended``, called once the last launch returned: when it
+        returns (the thread waits in the driver, so the next call counts its idle time from then)."""
+        self.free = max(self.free, ended) + self.sync_latency()
+        return self.free
