@@ -1,5 +1,5 @@
 # The fidelity table as tests on the simulator alone: every figure measured on a real H200 (with and without
-# MPS: the reference and three runs of bench/fidelity/measure_timing.py) against the model, within 5%. Rows
+# MPS: the reference and four runs of bench/fidelity/measure_timing.py) against the model, within 5%. Rows
 # the model cannot meet yet are strict-xfail, each with the reason, so that a model that improves turns them
 # into failures to update here. Calibration rows (the empty kernel alone, the batches of short spins) are not
 # tested as matches; the figures calibrated from them are checked against DeviceSpec instead.
@@ -22,14 +22,17 @@ TOLERANCE = 0.05
 JITTER = ("the model has no host jitter: an idle tenant's p99 is the host's scheduling noise (a launch call "
           "after a 5-ms sleep takes 10 to 120 us)")
 HOST_SPREAD = ("host latency differs between runs and processes (the empty kernel's p50 was 0.041 to 0.076 ms "
-               "after a 5-ms sleep, 0.010 to 0.0125 ms back to back, in six measurements each); this row lies "
+               "after a 5-ms sleep, 0.010 to 0.0128 ms back to back, in eight measurements each); this row lies "
                "outside the model's calibrated figures")
-COOLING = ("after 1 ms spent busy the launch behind a 0.1-ms kernel had cooled far less (8 us above back to back) "
-           "than behind an empty kernel (9 to 23 us above, the rows the cooling is fitted to); the model's warmth "
-           "depends on idle time alone")
-LAUNCH_RATE = ("empty kernels back to back are bound by the host's launch call, which took 5.6 to 8.9 us a kernel "
-               "over three runs and two modes; the model's one figure (6.39 us) is the calls of the back-to-back "
-               "probe")
+COOLING_SPREAD = ("how fast the host's latency rises with idle time differs between runs: after 1 ms spent busy, "
+                  "an empty kernel took 35.5 and 19.7 us in run 3 (no MPS, MPS), 19.2 and 43.2 us in run 4; the "
+                  "model's cooling time is fitted to run 3")
+COOLING = ("after 1 ms spent busy, run 3's launch behind a 0.1-ms kernel had cooled far less (8 us above back to "
+           "back) than behind an empty kernel (9 to 23 us above, the rows the cooling is fitted to); run 4's did "
+           "not, and matches")
+LAUNCH_RATE = ("kernels this short back to back are bound by the host's launch call, which took 5.6 to 9.0 us a "
+               "kernel over four runs and two modes; the model's one figure (6.39 us) is the calls of run 3's "
+               "back-to-back probe")
 SMALL_GAP = ("1-block kernels back to back left 1.3 us between them on the device; the model's gap (2 us) is the "
              "one FULL spins showed")
 SHORT_SLICES = ("time-slicing ~0.05-ms kernels, the H200 fit 40 to 41 of them into a slice (the timelines of "
@@ -39,37 +42,67 @@ REFERENCE_SPREAD = ("the reference measured this closed-loop probe beside the sa
                     "1.076 / 1.100 ms; runs 1 and 2 of the same loop gave 1.006 to 1.022 / 1.038 to 1.045 ms (also at "
                     "CLIENT_PRIORITY 1), which the model meets within 3%; it cannot be within 5% of both")
 
+# Rows that a rule below calls a miss but that matched, by chance, in the data (strict xfails must not pass).
+LUCKY = {("run 4", "alone: empty kernel, busy 300 us", "no-mps", "p99 ms")}
+# Time-slicing ~0.05-ms kernels: the first to finish, where the model needs one slice more.
+SHORT_SLICE_ROWS = {
+    ("run 1", "2 tenants, 200 x QUARTER work 0.1 ms-wave each [tenant 0]", "no-mps", "s"),
+    ("run 1", "2 tenants, FULL work 1 ms x 100 beside QUARTER work 0.1 ms-wave x 400 [tenant 1]", "no-mps", "s"),
+    *[(run, row, "no-mps", "s") for run in ("run 3", "run 4") for row in (
+        "timeline, 2 x QUARTER spin 0.05 ms x 400 [tenant 0]",
+        "timeline, FULL spin 1 ms x 40 beside QUARTER spin 0.05 ms x 400 [tenant 1]",
+        "timeline, 3 x FULL spin 0.05 ms x 400 [tenant 0]")],
+    ("run 4", "timeline, 3 x FULL spin 0.05 ms x 400 [tenant 2]", "no-mps", "s"),
+}
+HOST_SPREAD_ROWS = {
+    ("reference", "latency tenant alone (8 x 0.1 ms blocks)", "no-mps", "p50 ms"),
+    ("run 2", "alone: FULL 0.1 ms spin, sleep 5 ms", "no-mps", "p50 ms"),
+    ("run 2", "alone: 8 x 0.01 ms spin, sleep 5 ms", "mps", "p50 ms"),
+    ("run 1", "alone: empty kernel, back to back", "no-mps", "p50 ms"),
+    ("run 1", "alone: empty kernel, back to back", "mps", "p50 ms"),
+    ("run 2", "alone: empty kernel, back to back", "no-mps", "p50 ms"),
+    ("run 4", "alone: empty kernel, back to back", "no-mps", "p50 ms"),
+    ("run 4", "alone: empty kernel, back to back", "mps", "p50 ms"),
+    ("run 4", "alone: empty kernel, sleep 5 ms", "no-mps", "p50 ms"),
+    ("run 4", "alone: empty kernel, sleep 5 ms", "mps", "p50 ms"),
+}
+# Back-to-back batches that matched: kernels long enough to bind the device, or a launch call near the model's.
+ISSUE_MATCHED = {
+    *[(run, "alone: issue: 1-block spin 20 us", mode, "ms per kernel") for run in ("run 3", "run 4")
+      for mode in ("mps", "no-mps")],
+    ("run 3", "alone: issue: 1-block spin 10 us", "no-mps", "ms per kernel"),
+    ("run 3", "alone: issue: 1-block spin 5 us", "no-mps", "ms per kernel"),
+    ("run 3", "alone: issue: FULL spin 5 us", "no-mps", "ms per kernel"),
+    ("run 3", "alone: issue: FULL spin 5 us", "mps", "ms per kernel"),
+    ("run 4", "alone: issue: FULL spin 5 us", "no-mps", "ms per kernel"),
+}
+# Run 4's empty kernels after an idle time that matched run 3's curve anyway.
+COOLING_MATCHED = {("alone: empty kernel, busy 20 us", "no-mps"), ("alone: empty kernel, busy 20 us", "mps"),
+                   ("alone: empty kernel, busy 1000 us", "mps"), ("alone: empty kernel, busy 3000 us", "mps"),
+                   ("alone: empty kernel, sleep 0.1 ms", "mps")}
+
 
 def known_miss(r: dict) -> str | None:
     """Why a row is expected to miss 5%, or None if it must match."""
     row, figure, key = r["row"], r["figure"], (r["source"], r["row"], r["mode"], r["figure"])
-    if "beside" not in row and figure == "p99 ms" and "1.0 ms" not in row and "0.1 ms spin, back" not in row:
+    if key in LUCKY:
+        return None
+    if figure == "p99 ms" and "beside" not in row and "1.0 ms" not in row:
         return JITTER
-    if "8 x 0.1 ms spin, busy 1000 us" in row:
+    if key in {("run 3", "alone: 8 x 0.1 ms spin, busy 1000 us", mode, "p50 ms") for mode in ("mps", "no-mps")}:
         return COOLING
-    if "empty kernel back to back" in row or "issue: 1-block spin 0 us" in row or "issue: 1-block spin 2 us" in row:
+    if (r["source"] == "run 4" and row.startswith("alone: empty kernel, ") and figure == "p50 ms"
+            and "back to back" not in row and "sleep 5 ms" not in row and (row, r["mode"]) not in COOLING_MATCHED):
+        return COOLING_SPREAD
+    if "issue:" in row and key not in ISSUE_MATCHED:
+        return SMALL_GAP if "10 us" in row else LAUNCH_RATE
+    if "empty kernel back to back" in row:
         return LAUNCH_RATE
-    if key in {("run 3", "alone: issue: 1-block spin 5 us", "mps", "ms per kernel")}:
-        return LAUNCH_RATE
-    if key in {("run 3", "alone: issue: 1-block spin 10 us", "mps", "ms per kernel")}:
-        return SMALL_GAP
-    if key in {("run 1", "2 tenants, 200 x QUARTER work 0.1 ms-wave each [tenant 0]", "no-mps", "s"),
-               ("run 1", "2 tenants, FULL work 1 ms x 100 beside QUARTER work 0.1 ms-wave x 400 [tenant 1]",
-                "no-mps", "s"),
-               ("run 3", "timeline, 2 x QUARTER spin 0.05 ms x 400 [tenant 0]", "no-mps", "s"),
-               ("run 3", "timeline, FULL spin 1 ms x 40 beside QUARTER spin 0.05 ms x 400 [tenant 1]", "no-mps", "s"),
-               ("run 3", "timeline, 3 x FULL spin 0.05 ms x 400 [tenant 0]", "no-mps", "s")}:
+    if key in SHORT_SLICE_ROWS:
         return SHORT_SLICES
     if r["source"] == "reference" and row == "latency tenant beside FULL 1-ms spin waves" and r["mode"] == "mps":
         return REFERENCE_SPREAD
-    if key in {("reference", "latency tenant alone (8 x 0.1 ms blocks)", "no-mps", "p50 ms"),
-               ("run 2", "alone: FULL 0.1 ms spin, sleep 5 ms", "no-mps", "p50 ms"),
-               ("run 2", "alone: 8 x 0.01 ms spin, sleep 5 ms", "mps", "p50 ms"),
-               ("run 1", "alone: empty kernel, back to back", "no-mps", "p50 ms"),
-               ("run 1", "alone: empty kernel, back to back", "mps", "p50 ms"),
-               ("run 2", "alone: empty kernel, back to back", "no-mps", "p50 ms"),
-               ("run 3", "alone: 8 x 0.1 ms spin, back to back", "no-mps", "p99 ms"),
-               ("run 3", "alone: 8 x 0.1 ms spin, back to back", "mps", "p99 ms")}:
+    if key in HOST_SPREAD_ROWS:
         return HOST_SPREAD
     return None
 

@@ -2,12 +2,12 @@
 
     .venv/bin/python bench/fidelity/compare.py [--json] [--calibration]
 
-Four sources of measurements, each a real H200 with CuPy, one process per tenant, tenants released together:
-the team's reference (h200_timing.json, copied from h200-mps-measurements.md), and three runs of
+Five sources of measurements, each a real H200 with CuPy, one process per tenant, tenants released together:
+the team's reference (h200_timing.json, copied from h200-mps-measurements.md), and four runs of
 measure_timing.py (h200_timing_extra.json: everything; h200_timing_repeat.json: host latency, latency under
 load and time-slicing again, a later machine, to show run-to-run spread; h200_timing_host.json: host latency
-against idle time, launch calls back to back, and time-slicing timelines on the GPU's globaltimer). Every
-workload is run on the simulator alone in virtual time (mpsd.simulate): MPS rows under the `mps` policy,
+against idle time, launch calls back to back, and time-slicing timelines on the GPU's globaltimer;
+h200_timing_host2.json: the same again, later, on a fresh lease, calibrating nothing). Every workload is run on the simulator alone in virtual time (mpsd.simulate): MPS rows under the `mps` policy,
 no-MPS rows under `timeslice`; a batch starts when its process began launching. Issue 4's target is every
 row within 5%, wave counts exact.
 
@@ -43,7 +43,7 @@ from mpsd.simulate import run_scenario
 
 HERE = Path(__file__).parent
 REFERENCE, RUN1, RUN2 = HERE / "h200_timing.json", HERE / "h200_timing_extra.json", HERE / "h200_timing_repeat.json"
-RUN3 = HERE / "h200_timing_host.json"
+RUN3, RUN4 = HERE / "h200_timing_host.json", HERE / "h200_timing_host2.json"
 MS = 1.98e6  # spin cycles per millisecond at 1.98 GHz
 FULL, QUARTER = 264, 66
 WORK_ITERS = 93638  # the model's `work` iterations for one 1-ms FULL wave
@@ -193,8 +193,9 @@ def _figures(source: str, row: str, mode: str, step: dict, res: dict, sim: dict,
     elif step["mode"] == "probe":
         for q in ("p50", "p99"):
             out.append({"figure": f"{q} ms", "measured": res["latency_ms"][q], "simulated": sim[f"latency_{q}_ms"]})
-    cal = (step.get("name") == CALIBRATION_STEP or step.get("name") in OVERHEAD_STEPS
-           or (source == "run 3" and step["mode"] == "probe" and step["name"].startswith("empty kernel")))
+    name = step.get("name", "")
+    cal = ((source in ("run 1", "run 2") and (name == CALIBRATION_STEP or name in OVERHEAD_STEPS))
+           or (source == "run 3" and step["mode"] == "probe" and name.startswith("empty kernel")))
     return [{"source": source, "row": row, "mode": mode, "calibration": cal, **f} for f in out]
 
 
@@ -279,7 +280,7 @@ def rows() -> list[dict]:
     """Every comparable figure: source, row, mode, figure, measured, simulated, error, calibration."""
     cal = calibration()
     out = (_reference_rows(cal) + _measured_rows("run 1", RUN1, cal) + _measured_rows("run 2", RUN2, cal)
-           + _measured_rows("run 3", RUN3, cal))
+           + _measured_rows("run 3", RUN3, cal) + _measured_rows("run 4", RUN4, cal))
     for r in out:
         r["error"] = (r["simulated"] - r["measured"]) / r["measured"]
     return out
@@ -316,7 +317,7 @@ def main() -> int:
               f"{r['simulated']:>9.4f} {r['error']:>+7.1%}{flag}")
     print()
     for label, pick in (("reference", lambda r: r["source"] == "reference"),
-                        ("new (runs 1 to 3)", lambda r: r["source"] != "reference")):
+                        ("new (runs 1 to 4)", lambda r: r["source"] != "reference")):
         for mode in ("mps", "no-mps"):
             chosen = [r for r in table if pick(r) and r["mode"] == mode and not r["calibration"]]
             within = sum(abs(r["error"]) <= TOLERANCE for r in chosen)
