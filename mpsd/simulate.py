@@ -148,7 +148,7 @@ def run_scenario(scenario: dict[str, Any]) -> dict[str, Any]:
         result = results[op.client]
         result.kernels += 1
         at, warmth = launched[id(op)]
-        returned = op.ended + spec.sync_latency - (spec.sync_latency - spec.sync_latency_busy) * warmth
+        returned = op.ended + threads[op.client].sync_latency(warmth)
         result.latencies.append(returned - at)
         result.last_end = max(result.last_end, returned)
     stats = sim.statistics()

@@ -50,10 +50,12 @@ class HostThread:
         self.free = start + spec.launch_latency - (spec.launch_latency - spec.launch_latency_busy) * w
         return self.free
 
-    def sync_latency(self) -> float:
-        """From the end of the work to the return of a synchronise on it, after the last launch."""
+    def sync_latency(self, warmth: float | None = None) -> float:
+        """From the end of the work to the return of a synchronise on it, after a launch of ``warmth`` (by
+        default the last launch's)."""
         spec = self.spec
-        return spec.sync_latency - (spec.sync_latency - spec.sync_latency_busy) * self.warmth
+        w = self.warmth if warmth is None else warmth
+        return spec.sync_latency - (spec.sync_latency - spec.sync_latency_busy) * w
 
     def synchronize(self, ended: float) -> float:
         """A synchronise on work that ends at ``ended``, called once the last launch returned: when it
