@@ -5,12 +5,16 @@ Run on a machine with an NVIDIA GPU, CuPy and nvidia-cuda-mps-control, as root:
     python bench/fidelity/measure_timing.py --out bench/fidelity/h200_timing_extra.json
     python bench/fidelity/measure_timing.py --only "gaps,closed loop,1 tenant alone" \
         --out bench/fidelity/h200_timing_repeat.json      # the second run: a subset, again
+    python bench/fidelity/measure_timing.py --set host-switch \
+        --out bench/fidelity/h200_timing_host.json        # third and fourth runs (h200_timing_host2.json)
 
 It extends the team's reference (h200_timing.json) with what the model needs besides: the host's launch and
 synchronise latency for a tiny kernel alone (what calibrates ``DeviceSpec.launch_latency`` and
 ``sync_latency``), the latency of longer kernels alone and beside a saturating tenant (what the model must
 predict from that calibration), active thread percentages, grid sizes either side of a wave boundary, mixed
-kernel durations, and time-slicing between two or three processes with small and large kernels.
+kernel durations, and time-slicing between two or three processes with small and large kernels. The
+host-switch set measures the host's latency against the idle time before a launch, launch calls back to
+back, and time-slicing as timelines: every kernel's span on the GPU's globaltimer, in every process.
 
 Shape: every tenant is its own process (as real MPS clients are), started from the ``WORKER`` program below
 with its steps as JSON, warmed up, then released by the parent at one CLOCK_MONOTONIC instant (shared by all
