@@ -90,6 +90,20 @@ def test_a_closed_loop_alone_takes_exactly_what_the_model_says():
     assert timeline.requests[1].submitted == pytest.approx(timeline.requests[0].completed)
 
 
+def test_a_requests_launch_calls_follow_one_another():
+    """A request of three empty kernels: one idle launch call, two back to back, each kernel reaching the
+    device as its call returns, so the host, not the device, sets the pace; then a warm synchronise."""
+    empty = {"name": "spin", "grid": 1, "block": 32, "cycles": 0, "repeat": 3}
+    timeline = run_virtual(workload({"name": "a", "kernel": [empty]}, duration=1e-4), "mps", {})
+    first = timeline.requests[0]
+    assert H200.launch_latency_busy > H200.kernel_overhead + H200.min_block_time
+    expected = (H200.launch_latency + 2 * H200.launch_latency_busy + H200.kernel_overhead + H200.min_block_time
+                + H200.sync_latency_busy)
+    assert first.latency == pytest.approx(expected)
+    starts = sorted(k.started for k in timeline.kernels)[:3]
+    assert starts[1] - starts[0] == pytest.approx(H200.launch_latency_busy)
+
+
 def test_open_loop_requests_queue_in_the_tenant():
     """Arrivals due while the last request runs wait for it, and the wait counts as latency."""
     timeline = run_virtual(workload({"name": "a", "arrival": "trace", "trace": [0.0, 0.0005],

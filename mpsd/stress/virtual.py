@@ -1,8 +1,8 @@
 # A workload played on the GPU model alone, in virtual time: no daemon, no processes, as fast as the simulator
 # runs, identical on every run. Each tenant instance behaves as its process would: one request at a time, its
-# kernels submitted together as its first launch call returns, the request complete when the host would see
-# its synchronize return, both calls costing what a thread idle that long pays (mpsd.sim.host; the host time
-# of a request's later launch calls is left out: it matters only for kernels shorter than a call, ~6 us).
+# kernels launched one call after another, each reaching the device as its call returns, the request complete
+# when the host would see its synchronize return, every call costing what a thread idle that long pays
+# (mpsd.sim.host).
 # Closed loops issue the next request when the last completes (plus think time), open loops when it is due
 # or when the last completes, whichever is later (so queueing in the tenant counts).
 # Memory is checked against the tenant's limit as the daemon checks it, charged as the daemon charges it.
@@ -62,7 +62,9 @@ def run_virtual(workload: Workload, policy: str, policy_options: dict[str, Any],
     instances: list[_Instance] = []
     requests: list[Request] = []
     names: dict[Kernel, tuple[str, str]] = {}  # every kernel -> (instance, kernel name)
-    pending: list[tuple[float, int, int, float]] = []  # (work reaches the device, seq, instance, stamp)
+    # (a launch's work reaches the device, seq, instance, its request's stamp, the request's kernels still
+    # to launch after it: None for a request's first launch, which builds them)
+    pending: list[tuple[float, int, int, float, list[Kernel] | None]] = []
     outstanding: dict[Kernel, tuple[_Instance, float]] = {}  # a request's last kernel -> whose, its stamp
     order = itertools.count()
 
@@ -72,10 +74,10 @@ def run_virtual(workload: Workload, policy: str, policy_options: dict[str, Any],
         if inst.arrivals is None:
             at = now + (inst.spec.think if inst.issued else 0.0)
             if at < workload.duration:
-                heapq.heappush(pending, (inst.thread.launch(at), next(order), inst.client - 1, at))
+                heapq.heappush(pending, (inst.thread.launch(at), next(order), inst.client - 1, at, None))
         elif inst.issued < len(inst.arrivals):
             due = inst.arrivals[inst.issued]
-            heapq.heappush(pending, (inst.thread.launch(max(due, now)), next(order), inst.client - 1, due))
+            heapq.heappush(pending, (inst.thread.launch(max(due, now)), next(order), inst.client - 1, due, None))
 
     for t in specs:
         limit = _limit(t, spec)
@@ -93,24 +95,24 @@ def run_virtual(workload: Workload, policy: str, policy_options: dict[str, Any],
     while pending or outstanding:
         next_event = sim.next_time()
         if pending and (next_event is None or pending[0][0] <= next_event):
-            at, _, index, stamp = heapq.heappop(pending)
+            at, _, index, stamp, later = heapq.heappop(pending)
             inst = instances[index]
             done = sim.advance(max(sim.now, at))
-            inst.issued += 1
             t = inst.spec
-            if t.churn and not inst.charge(t.churn, _limit(t, spec)):
-                requests.append(Request(inst.name, stamp, math.nan, OOM))
-                # The refusal is one round trip to the daemon: the tenant tries again no sooner.
-                schedule(inst, max(inst.thread.synchronize(at), stamp + FAILED_CALL))
-            else:
-                for name, grid, block, args, repeat in _request_kernels(t):
-                    cost = kernel_cost(spec, name, grid, block, args)
-                    for _ in range(repeat):
-                        op = Kernel(client=inst.client, stream=0, blocks=grid, threads=block, cost=cost,
-                                    priority=t.stream_priority, sm_cap=inst.cap)
-                        names[op] = (inst.name, name)
-                        sim.submit(op)
-                outstanding[op] = (inst, stamp)
+            if later is None:  # a request's first launch
+                inst.issued += 1
+                if t.churn and not inst.charge(t.churn, _limit(t, spec)):
+                    requests.append(Request(inst.name, stamp, math.nan, OOM))
+                    # The refusal is one round trip to the daemon: the tenant tries again no sooner.
+                    schedule(inst, max(inst.thread.synchronize(at), stamp + FAILED_CALL))
+                    later = []
+                else:
+                    later = _request_ops(inst, spec, names)
+                    outstanding[later[0]] = (inst, stamp)
+            if later:
+                sim.submit(later.pop())
+                if later:  # the next launch call follows this one's return
+                    heapq.heappush(pending, (inst.thread.launch(at), next(order), index, stamp, later))
         else:
             done = sim.advance(next_event)
         for op in done:
@@ -144,6 +146,21 @@ def _setup_allocations(t: TenantSpec) -> list[int]:
     elif t.ipc == "consumer":
         out.append(4)
     return out
+
+
+def _request_ops(inst: _Instance, spec: DeviceSpec, names: dict[Kernel, tuple[str, str]]) -> list[Kernel]:
+    """The kernels of one of the instance's requests, named in ``names``, last first (they are popped)."""
+    t = inst.spec
+    ops = []
+    for name, grid, block, args, repeat in _request_kernels(t):
+        cost = kernel_cost(spec, name, grid, block, args)
+        for _ in range(repeat):
+            op = Kernel(client=inst.client, stream=0, blocks=grid, threads=block, cost=cost,
+                        priority=t.stream_priority, sm_cap=inst.cap)
+            names[op] = (inst.name, name)
+            ops.append(op)
+    ops.reverse()
+    return ops
 
 
 def _request_kernels(t: TenantSpec) -> list[tuple[str, int, int, list[Any], int]]:
