@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from bisect import bisect_right
 from typing import Any, ClassVar
 
 from ..sms import Group
@@ -26,10 +27,43 @@ def client_queues(runs: list[KernelRun]) -> dict[int, list[KernelRun]]:
     return queues
 
 
-def serve_one(sim, queue: list[KernelRun]) -> bool:
-    """Place one block of the client's first kernel that has room; False if none has."""
+class Turns:
+    """Ready kernels as turn-taking reads them: by client, the clients in ascending order, and which clients
+    have kernels of each key.
+
+    Capacity frees far more often than the ready list changes (``ReadyQueue.version``), so a policy builds
+    this once per version rather than once per dispatch.
+
+    Args:
+        runs: ready kernels in hardware order, all with blocks unplaced.
+    """
+
+    def __init__(self, runs: list[KernelRun]) -> None:
+        self.queues = client_queues(runs)
+        self.clients = sorted(self.queues)
+        self._by_key: dict[int, set[int]] = {}
+        for run in runs:
+            self._by_key.setdefault(run.key, set()).add(run.kernel.client)
+
+    def able(self, open_keys: set[int]) -> set[int]:
+        """The clients with a kernel of one of ``open_keys``: a client without one cannot place a block in
+        this dispatch, since keys filed full stay full until it ends (do not modify the set)."""
+        sets = [self._by_key[k] for k in open_keys if k in self._by_key]
+        if len(sets) == 1:
+            return sets[0]
+        return set().union(*sets)
+
+
+def serve_one(sim, queue: list[KernelRun], open_keys: set[int]) -> bool:
+    """Place one block of the client's first kernel that has room; False if none has.
+
+    A kernel whose key is filed full would place nothing, so it is not asked. After a placement, keys it
+    filled up are filed full at once (``close_keys``), so ``saturated`` turns true as soon as it holds.
+    """
+    full = sim._queue.full
     for run in queue:
-        if run.unplaced and sim._place(run, 1):
+        if run.unplaced and run.key not in full and sim._place(run, 1):
+            sim._queue.close_keys(open_keys)
             return True
     return False
 
@@ -43,7 +77,7 @@ def serve_all(sim, queue: list[KernelRun]) -> bool:
     return placed > 0
 
 
-def take_turns(sim, queues: dict[int, list[KernelRun]], after: int | None) -> int | None:
+def take_turns(sim, turns: Turns, after: int | None) -> int | None:
     """Clients place one block each in rotation (ascending id, starting after ``after``) until none can.
 
     Returns:
@@ -51,23 +85,32 @@ def take_turns(sim, queues: dict[int, list[KernelRun]], after: int | None) -> in
     """
     # Once every shape of the ready kernels is full (sim._queue.saturated), no client can place anything
     # more in this dispatch: the rounds left would all fail and change nothing, so they are skipped.
-    if not sim._queue.open_keys():
+    queue = sim._queue
+    open_keys = queue.open_keys()
+    if not open_keys:
         return after
-    clients = sorted(queues)
+    clients = turns.clients
     if after is not None:
-        cut = next((i for i, c in enumerate(clients) if c > after), len(clients))
+        cut = bisect_right(clients, after)
         clients = clients[cut:] + clients[:cut]
     last = after
-    saturated = sim._queue.saturated
-    while len(clients) > 1:
-        still = []
-        for c in clients:
-            if saturated():
-                return last
-            if serve_one(sim, queues[c]):
-                still.append(c)
-                last = c
-        clients = still
+    queues = turns.queues
+    if len(clients) > 1:
+        # A client with no kernel of an open key drops out of the first round without placing anything,
+        # so that round offers capacity to the others only; the rounds go on while two or more place.
+        able = turns.able(open_keys)
+        clients = [c for c in clients if c in able]
+        while True:
+            still = []
+            for c in clients:
+                if queue.saturated():
+                    return last
+                if serve_one(sim, queues[c], open_keys):
+                    still.append(c)
+                    last = c
+            clients = still
+            if len(clients) <= 1:
+                break
     if clients and serve_all(sim, queues[clients[0]]):
         last = clients[0]
     return last
@@ -86,10 +129,15 @@ class RoundRobinPolicy(Policy):
     def __init__(self, sim, options=None) -> None:
         super().__init__(sim, options)
         self._last: int | None = None
+        self._turns: Turns | None = None
+        self._version = -1  # the ready list's version _turns was built from
 
     def dispatch(self, ready: list[KernelRun]) -> None:
         """Offer capacity block by block to clients in rotation."""
-        self._last = take_turns(self.sim, client_queues(ready), self._last)
+        version = self.sim._queue.version
+        if self._turns is None or version != self._version:
+            self._turns, self._version = Turns(ready), version
+        self._last = take_turns(self.sim, self._turns, self._last)
 
 
 class PriorityPolicy(Policy):
@@ -116,22 +164,43 @@ class PriorityPolicy(Policy):
             raise ValueError(f"aging must be None or seconds >= 0, got {aging!r}")
         self._aging = aging
         self._last: dict[int, int | None] = {}  # level -> last client served at that level
+        # Derived from the ready list, rebuilt when its version changes (or a client's level may have).
+        self._version = -1
+        self._levels: list[tuple[int, Turns]] = []  # (level, its clients' ready kernels), most urgent first
+        self._by_age: list[KernelRun] = []  # the ready kernels by (eligible, launch), with aging only
+
+    def configure(self, client: int, config: ClientConfig) -> None:
+        """The client's level may change: rebuild the levels at the next dispatch."""
+        self._version = -1
+
+    def _levels_of(self, runs: list[KernelRun]) -> list[tuple[int, Turns]]:
+        levels: dict[int, list[KernelRun]] = {}
+        for run in runs:
+            if run.unplaced:
+                levels.setdefault(self.sim.client_config(run.kernel.client).priority, []).append(run)
+        return [(level, Turns(levels[level])) for level in sorted(levels)]
 
     def dispatch(self, ready: list[KernelRun]) -> None:
         """Serve aged kernels first (holding the line), then levels in order, round-robin within each."""
         sim = self.sim
+        queue = sim._queue
+        if queue.version != self._version:
+            self._version = queue.version
+            self._levels = self._levels_of(ready)
+            if self._aging is not None:
+                self._by_age = sorted(ready, key=lambda r: (r.eligible, r.kernel.seq))
+        levels = self._levels
         if self._aging is not None:
             horizon = sim.now - self._aging
-            aged = sorted((r for r in ready if r.eligible <= horizon), key=lambda r: (r.eligible, r.kernel.seq))
-            for run in aged:
+            for run in self._by_age:
+                if run.eligible > horizon:
+                    break  # the rest are younger
                 if not sim._place(run, run.unplaced) and run.unplaced:
                     return  # hold the line for the oldest starving kernel
-        levels: dict[int, list[KernelRun]] = {}
-        for run in ready:
-            if run.unplaced:
-                levels.setdefault(sim.client_config(run.kernel.client).priority, []).append(run)
-        for level in sorted(levels):
-            self._last[level] = take_turns(sim, client_queues(levels[level]), self._last.get(level))
+            if queue.drained:  # an aged kernel placed its last block: its client may have no work left
+                levels = self._levels_of(ready)
+        for level, turns in levels:
+            self._last[level] = take_turns(sim, turns, self._last.get(level))
 
 
 class FairPolicy(Policy):
@@ -156,10 +225,16 @@ class FairPolicy(Policy):
         # client -> its configured weight, the value sim.client_config(c).weight gives (configure() sees
         # every configuration first), kept here because dispatch asks for every client every time.
         self._weights: dict[int, float] = {}
+        # Derived from the ready list, rebuilt when its version changes (or a weight does).
+        self._version = -1
+        self._turns = Turns([])
+        self._weight: dict[int, float] = {}  # the weights of the clients with ready work
+        self._everyone: set[int] = set()  # the clients with ready work (do not modify: _waiting may be it)
 
     def configure(self, client: int, config: ClientConfig) -> None:
         """Remember the client's weight."""
         self._weights[client] = config.weight
+        self._version = -1
 
     def service(self, client: int) -> float:
         """SM-seconds charged to ``client`` so far (nominal for blocks still resident)."""
@@ -185,33 +260,73 @@ class FairPolicy(Policy):
 
     def dispatch(self, ready: list[KernelRun]) -> None:
         """Offer each block to the least-served client (by service / weight) that can place one."""
-        # The same steps as reading service() and client_config(c).weight each time, with the dicts read
-        # directly (a default weight is DEFAULT_CLIENT's 1.0) and serve_one inlined: this loop runs once
-        # per block placed.
-        sim = self.sim
+        queue = self.sim._queue
+        if queue.version != self._version:
+            self._version = queue.version
+            self._turns = Turns(ready)
+            self._weight = {c: self._weights.get(c, 1.0) for c in self._turns.queues}
+            self._everyone = set(self._turns.queues)
+            self._level_newcomers()
+        open_keys = queue.open_keys()
+        if open_keys:
+            self._offer(open_keys)
+        if queue.drained:  # a client may have placed its last block
+            self._waiting = {c for c, q in self._turns.queues.items() if any(r.unplaced for r in q)}
+        else:  # every client with ready work still has all of it (it is the ready list's, so: everyone)
+            self._waiting = self._everyone
+
+    def _level_newcomers(self) -> None:
+        """Start each newcomer level with the least-served active client.
+
+        Only a change of the ready list can bring one: when the list is as it was at the last dispatch,
+        every client in it was left waiting by that dispatch.
+        """
         service = self._service
-        weights = self._weights
         resident = self._resident
         waiting = self._waiting
-        queues = client_queues(ready)
-        weight = {c: weights.get(c, 1.0) for c in queues}
+        queues = self._turns.queues
+        newcomers = [c for c in queues if not resident.get(c) and c not in waiting]
+        if not newcomers:
+            return
         active = [c for c, n in resident.items() if n] + [c for c in waiting if c in queues]
         if active:
-            floor = min(service.get(c, 0.0) / weights.get(c, 1.0) for c in active)
-            for c in queues:
-                if not resident.get(c) and c not in waiting:
-                    service[c] = max(service.get(c, 0.0), floor * weight[c])
-        heap = [(service.get(c, 0.0) / weight[c], c) for c in queues]
+            floor = min(service.get(c, 0.0) / self._weights.get(c, 1.0) for c in active)
+            for c in newcomers:
+                service[c] = max(service.get(c, 0.0), floor * self._weight[c])
+
+    def _offer(self, open_keys: set[int]) -> None:
+        """Offer blocks one at a time to the least-served client that can place one, until one client is
+        left (it then places all it can) or everything is full.
+
+        Only the clients with a kernel of an open key can place a block in this dispatch. The others
+        ("stuck") matter only as they would leave the queue of clients: one by one as each reaches its
+        head, changing nothing, since their service does not move. So while two or more clients that may
+        place are left, the least served of them takes the block; with one left, it takes blocks one at a
+        time until its service passes the most-served stuck client's (all the stuck have left by then),
+        and then takes everything that fits.
+        """
+        # The same steps as reading service() and weight each time, with the dicts read directly: this
+        # loop runs once per block placed.
+        sim = self.sim
+        queue = sim._queue
+        service = self._service
+        weight = self._weight
+        turns = self._turns
+        queues = turns.queues
+        able = turns.able(open_keys)
+        heap = [(service.get(c, 0.0) / weight[c], c) for c in able]
         heapq.heapify(heap)
-        saturated = sim._queue.saturated
-        place = sim._place
+        saturated = queue.saturated
         pop, push = heapq.heappop, heapq.heappush
-        while len(heap) > 1 and not saturated():  # saturated: nobody could place a block
+        stuck = None  # (service / weight, client) of the most-served stuck client; () if none
+        while heap and not saturated():  # saturated: nobody could place a block
+            if len(heap) == 1:
+                if stuck is None:
+                    stuck = max(((service.get(c, 0.0) / weight[c], c) for c in turns.clients if c not in able),
+                                default=())
+                if heap[0] > stuck:
+                    serve_all(sim, queues[heap[0][1]])
+                    return
             _, c = pop(heap)
-            for run in queues[c]:  # serve_one
-                if run.unplaced and place(run, 1):
-                    push(heap, (service[c] / weight[c], c))  # placed() has charged it
-                    break
-        if heap:
-            serve_all(sim, queues[heap[0][1]])
-        self._waiting = {c for c, q in queues.items() if any(r.unplaced for r in q)}
+            if serve_one(sim, queues[c], open_keys):
+                push(heap, (service[c] / weight[c], c))  # placed() has charged it
