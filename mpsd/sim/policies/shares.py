@@ -10,6 +10,7 @@ from __future__ import annotations
 import heapq
 import math
 from bisect import bisect_right
+from itertools import chain
 from typing import Any, ClassVar
 
 from ..sms import Group
@@ -90,25 +91,24 @@ def take_turns(sim, turns: Turns, after: int | None) -> int | None:
     if not open_keys:
         return after
     clients = turns.clients
-    if after is not None:
-        cut = bisect_right(clients, after)
-        clients = clients[cut:] + clients[:cut]
     last = after
     queues = turns.queues
     if len(clients) > 1:
-        # A client with no kernel of an open key drops out of the first round without placing anything,
-        # so that round offers capacity to the others only; the rounds go on while two or more place.
+        # The first round goes round every client, starting after ``after``; one with no kernel of an open
+        # key would drop out of it without placing anything, so it is not asked. The rounds after it go
+        # round those that placed, while two or more did.
         able = turns.able(open_keys)
-        clients = [c for c in clients if c in able]
+        cut = 0 if after is None else bisect_right(clients, after)
+        rotation = (c for c in chain(clients[cut:], clients[:cut]) if c in able)
         while True:
             still = []
-            for c in clients:
+            for c in rotation:
                 if queue.saturated():
                     return last
                 if serve_one(sim, queues[c], open_keys):
                     still.append(c)
                     last = c
-            clients = still
+            rotation = clients = still
             if len(clients) <= 1:
                 break
     if clients and serve_all(sim, queues[clients[0]]):
@@ -230,10 +230,14 @@ class FairPolicy(Policy):
         self._turns = Turns([])
         self._weight: dict[int, float] = {}  # the weights of the clients with ready work
         self._everyone: set[int] = set()  # the clients with ready work (do not modify: _waiting may be it)
+        # client -> (service / weight, client), its place in the queue for blocks, kept current as the
+        # service changes (a dispatch reads it for every client that could place a block)
+        self._rank: dict[int, tuple[float, int]] = {}
 
     def configure(self, client: int, config: ClientConfig) -> None:
         """Remember the client's weight."""
         self._weights[client] = config.weight
+        self._rank[client] = (self._service.get(client, 0.0) / config.weight, client)
         self._version = -1
 
     def service(self, client: int) -> float:
@@ -247,7 +251,8 @@ class FairPolicy(Policy):
         """Charge the group's nominal SM-time."""
         run = group.run
         c = run.kernel.client
-        self._service[c] = self._service.get(c, 0.0) + group.count * group.planned * run.sm_share
+        s = self._service[c] = self._service.get(c, 0.0) + group.count * group.planned * run.sm_share
+        self._rank[c] = (s / self._weights.get(c, 1.0), c)
         self._resident[c] = self._resident.get(c, 0) + group.count
 
     def vacated(self, group: Group) -> None:
@@ -255,7 +260,8 @@ class FairPolicy(Policy):
         run = group.run
         c = run.kernel.client
         held = group.end - group.start
-        self._service[c] += group.count * (held - group.planned) * run.sm_share
+        s = self._service[c] = self._service[c] + group.count * (held - group.planned) * run.sm_share
+        self._rank[c] = (s / self._weights.get(c, 1.0), c)
         self._resident[c] -= group.count
 
     def dispatch(self, ready: list[KernelRun]) -> None:
@@ -267,6 +273,10 @@ class FairPolicy(Policy):
             self._weight = {c: self._weights.get(c, 1.0) for c in self._turns.queues}
             self._everyone = set(self._turns.queues)
             self._level_newcomers()
+            rank = self._rank
+            for c, w in self._weight.items():
+                if c not in rank:  # never charged
+                    rank[c] = (self._service.get(c, 0.0) / w, c)
         open_keys = queue.open_keys()
         if open_keys:
             self._offer(open_keys)
@@ -292,7 +302,9 @@ class FairPolicy(Policy):
         if active:
             floor = min(service.get(c, 0.0) / self._weights.get(c, 1.0) for c in active)
             for c in newcomers:
-                service[c] = max(service.get(c, 0.0), floor * self._weight[c])
+                w = self._weight[c]
+                service[c] = max(service.get(c, 0.0), floor * w)
+                self._rank[c] = (service[c] / w, c)
 
     def _offer(self, open_keys: set[int]) -> None:
         """Offer blocks one at a time to the least-served client that can place one, until one client is
@@ -305,28 +317,23 @@ class FairPolicy(Policy):
         time until its service passes the most-served stuck client's (all the stuck have left by then),
         and then takes everything that fits.
         """
-        # The same steps as reading service() and weight each time, with the dicts read directly: this
-        # loop runs once per block placed.
         sim = self.sim
-        queue = sim._queue
-        service = self._service
-        weight = self._weight
+        saturated = sim._queue.saturated
+        rank = self._rank
         turns = self._turns
         queues = turns.queues
         able = turns.able(open_keys)
-        heap = [(service.get(c, 0.0) / weight[c], c) for c in able]
+        heap = [rank[c] for c in able]
         heapq.heapify(heap)
-        saturated = queue.saturated
         pop, push = heapq.heappop, heapq.heappush
-        stuck = None  # (service / weight, client) of the most-served stuck client; () if none
+        stuck = None  # rank of the most-served stuck client; () if none
         while heap and not saturated():  # saturated: nobody could place a block
             if len(heap) == 1:
                 if stuck is None:
-                    stuck = max(((service.get(c, 0.0) / weight[c], c) for c in turns.clients if c not in able),
-                                default=())
+                    stuck = max((rank[c] for c in turns.clients if c not in able), default=())
                 if heap[0] > stuck:
                     serve_all(sim, queues[heap[0][1]])
                     return
             _, c = pop(heap)
             if serve_one(sim, queues[c], open_keys):
-                push(heap, (service[c] / weight[c], c))  # placed() has charged it
+                push(heap, rank[c])  # placed() has charged it
