@@ -58,13 +58,15 @@ class Turns:
 def serve_one(sim, queue: list[KernelRun], open_keys: set[int]) -> bool:
     """Place one block of the client's first kernel that has room; False if none has.
 
-    A kernel whose key is filed full would place nothing, so it is not asked. After a placement, keys it
-    filled up are filed full at once (``close_keys``), so ``saturated`` turns true as soon as it holds.
+    A kernel whose key is filed full would place nothing, so it is not asked. A placement that takes the
+    last room of its key files the keys now full at once (``close_keys``), so ``saturated`` turns true as
+    soon as that was the last open one; other keys it filled are filed when next asked, as ``_place`` does.
     """
     full = sim._queue.full
     for run in queue:
         if run.unplaced and run.key not in full and sim._place(run, 1):
-            sim._queue.close_keys(open_keys)
+            if not sim._fit_index.rooms[run.key]:
+                sim._queue.close_keys(open_keys)
             return True
     return False
 
@@ -230,14 +232,17 @@ class FairPolicy(Policy):
         self._turns = Turns([])
         self._weight: dict[int, float] = {}  # the weights of the clients with ready work
         self._everyone: set[int] = set()  # the clients with ready work (do not modify: _waiting may be it)
-        # client -> (service / weight, client), its place in the queue for blocks, kept current as the
-        # service changes (a dispatch reads it for every client that could place a block)
+        # client -> (service / weight, client), its place in the queue for blocks, brought up to date at
+        # the start of each dispatch for the clients whose service moved since (those in _moved): a
+        # dispatch reads it for every client that could place a block, and a wave ending or being placed
+        # moves a few clients' service hundreds of times.
         self._rank: dict[int, tuple[float, int]] = {}
+        self._moved: set[int] = set()
 
     def configure(self, client: int, config: ClientConfig) -> None:
         """Remember the client's weight."""
         self._weights[client] = config.weight
-        self._rank[client] = (self._service.get(client, 0.0) / config.weight, client)
+        self._moved.add(client)
         self._version = -1
 
     def service(self, client: int) -> float:
@@ -251,8 +256,8 @@ class FairPolicy(Policy):
         """Charge the group's nominal SM-time."""
         run = group.run
         c = run.kernel.client
-        s = self._service[c] = self._service.get(c, 0.0) + group.count * group.planned * run.sm_share
-        self._rank[c] = (s / self._weights.get(c, 1.0), c)
+        self._service[c] = self._service.get(c, 0.0) + group.count * group.planned * run.sm_share
+        self._moved.add(c)
         self._resident[c] = self._resident.get(c, 0) + group.count
 
     def vacated(self, group: Group) -> None:
@@ -260,13 +265,17 @@ class FairPolicy(Policy):
         run = group.run
         c = run.kernel.client
         held = group.end - group.start
-        s = self._service[c] = self._service[c] + group.count * (held - group.planned) * run.sm_share
-        self._rank[c] = (s / self._weights.get(c, 1.0), c)
+        self._service[c] += group.count * (held - group.planned) * run.sm_share
+        self._moved.add(c)
         self._resident[c] -= group.count
 
     def dispatch(self, ready: list[KernelRun]) -> None:
         """Offer each block to the least-served client (by service / weight) that can place one."""
         queue = self.sim._queue
+        if self._moved:
+            for c in self._moved:
+                self._rank[c] = (self._service.get(c, 0.0) / self._weights.get(c, 1.0), c)
+            self._moved.clear()
         if queue.version != self._version:
             self._version = queue.version
             self._turns = Turns(ready)
@@ -317,9 +326,16 @@ class FairPolicy(Policy):
         time until its service passes the most-served stuck client's (all the stuck have left by then),
         and then takes everything that fits.
         """
+        # serve_one is inlined in the loop below, which runs once per block placed.
         sim = self.sim
+        place = sim._place
+        full = sim._queue.full
+        close_keys = sim._queue.close_keys
+        rooms = sim._fit_index.rooms
         saturated = sim._queue.saturated
         rank = self._rank
+        service = self._service
+        weight = self._weight
         turns = self._turns
         queues = turns.queues
         able = turns.able(open_keys)
@@ -335,5 +351,9 @@ class FairPolicy(Policy):
                     serve_all(sim, queues[heap[0][1]])
                     return
             _, c = pop(heap)
-            if serve_one(sim, queues[c], open_keys):
-                push(heap, rank[c])  # placed() has charged it
+            for run in queues[c]:
+                if run.unplaced and run.key not in full and place(run, 1):
+                    if not rooms[run.key]:
+                        close_keys(open_keys)
+                    push(heap, (service[c] / weight[c], c))  # placed() has charged it
+                    break
