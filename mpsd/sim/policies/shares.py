@@ -202,6 +202,8 @@ class PriorityPolicy(Policy):
             if queue.drained:  # an aged kernel placed its last block: its client may have no work left
                 levels = self._levels_of(ready)
         for level, turns in levels:
+            if queue.saturated():  # every level after would place nothing, its last client unchanged
+                break
             self._last[level] = take_turns(sim, turns, self._last.get(level))
 
 
