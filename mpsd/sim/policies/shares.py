@@ -3,6 +3,9 @@
 # machinery (per-client queues in hardware order, "serve one block", "only one client left: serve it all")
 # lives here once. All three are work-conserving: a client that cannot place a block now drops out of this
 # dispatch and the others go on, so capacity is never left idle while a fitting block waits (aging aside).
+# A dispatch comes at every instant that frees capacity and usually places one block or two, so what it
+# derives from the ready list (Turns: queues by client, clients by key) is kept until the list changes, and
+# only clients with a kernel of a shape that has room are asked: the others would decline and change nothing.
 """The ``round-robin``, ``priority`` and ``fair`` policies."""
 
 from __future__ import annotations
@@ -176,6 +179,7 @@ class PriorityPolicy(Policy):
         self._version = -1
 
     def _levels_of(self, runs: list[KernelRun]) -> list[tuple[int, Turns]]:
+        """The levels of the kernels of ``runs`` with blocks unplaced, most urgent first."""
         levels: dict[int, list[KernelRun]] = {}
         for run in runs:
             if run.unplaced:
