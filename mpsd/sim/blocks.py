@@ -20,6 +20,10 @@ from .sms import _EPSILON, Group
 
 __all__ = ["Blocks"]
 
+# Rooms smaller than this are searched SM by SM for a lone block's place; larger ones through the whole fit
+# table (a C-level scan of every SM that costs about as much as a Python pass over this many).
+_FEW = 16
+
 
 class Blocks:
     """Placing blocks and taking them off their SMs; mixed into ``Simulator``, whose state it uses."""
@@ -60,8 +64,12 @@ class Blocks:
         # the whole list is what the engine asks of it): one block at a time (policies that share), and a
         # busy device where a single SM has room.
         if left == 1 and budget > 0:
-            top = max(fits)  # > 0: room is not empty
-            placements = [(fits.index(top), 1)]
+            if len(room) < _FEW:  # a busy device: only SMs with room can hold the first one with the most
+                top = max([fits[i] for i in room])
+                placements = [(min([i for i in room if fits[i] == top]), 1)]
+            else:
+                top = max(fits)  # > 0: room is not empty
+                placements = [(fits.index(top), 1)]
         elif len(room) == 1:
             for i in room:
                 break

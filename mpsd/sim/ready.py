@@ -32,6 +32,9 @@ class ReadyQueue:
             last block stays until ``prune``.
         counts: key -> ready kernels with that key and blocks unplaced.
         full: keys found with no room during the current dispatch (cleared when one begins).
+        version: changes whenever ``runs`` or their keys change (a kernel added, drained ones pruned,
+            cancelled ones dropped, keys recounted), so a policy may keep what it derives from ``runs``
+            until then.
     """
 
     def __init__(self, fit_index: FitIndex, sm_count: int,
@@ -40,6 +43,7 @@ class ReadyQueue:
         self.counts: dict[int, int] = {}
         self.full: set[int] = set()
         self.drained = False  # a ready kernel placed its last block during this dispatch
+        self.version = 0
         self._fit_index = fit_index
         self._sm_count = sm_count
         self._window_of = window_of
@@ -78,6 +82,7 @@ class ReadyQueue:
         else:  # the usual case: it became ready after every kernel already waiting
             runs.append(run)
         self.counts[key] = self.counts.get(key, 0) + 1
+        self.version += 1
 
     def drained_key(self, key: int) -> None:
         """A ready kernel of ``key`` placed its last block (it leaves ``runs`` at the next ``prune``)."""
@@ -93,6 +98,7 @@ class ReadyQueue:
         if self.drained:
             self.runs = [r for r in self.runs if r.unplaced]
             self.drained = False
+            self.version += 1
 
     def drop_cancelled(self) -> None:
         """Drop the kernels of cancelled clients and recount the keys."""
@@ -106,6 +112,7 @@ class ReadyQueue:
 
     def rekey(self) -> None:
         """Recount the keys of the ready kernels (a window or the ready set changed wholesale)."""
+        self.version += 1
         self.counts = counts = {}
         for run in self.runs:
             if run.unplaced:
@@ -134,7 +141,8 @@ class ReadyQueue:
         rooms = self._fit_index.rooms
         for key in [k for k in open_keys if not rooms[k]]:
             open_keys.discard(key)
-            self.full.add(key)
+            if key in self.counts:  # not one whose last kernel just drained: saturated counts only ready keys
+                self.full.add(key)
 
     def saturated(self) -> bool:
         """True if no ready kernel can place another block in this dispatch: every (shape, window) they
