@@ -218,9 +218,11 @@ class FairPolicy(Policy):
     SM's threads), charged at placement with the block's nominal duration and corrected to the real one when
     it leaves. Capacity goes one block at a time to the client with the least service / weight among those
     with ready work (ties: lowest client id); a client that cannot place a block drops out and the rest go
-    on. A client that joins after being idle (no blocks resident, no work waiting) starts level with the
-    least-served active client rather than with its old total, so a newcomer cannot monopolise the GPU to
-    catch up for time it did not ask for.
+    on. A client that joins after being idle (for a while, no kernel of it eligible and unfinished) starts
+    level with the least-served active client rather than with its old total, so a newcomer cannot
+    monopolise the GPU to catch up for time it did not ask for. A stream of dependent kernels is not idle
+    between them: the next becomes eligible the instant the last ends, though it pays its launch overhead
+    before it is ready.
     """
 
     name = "fair"
@@ -244,6 +246,26 @@ class FairPolicy(Policy):
         # moves a few clients' service hundreds of times.
         self._rank: dict[int, tuple[float, int]] = {}
         self._moved: set[int] = set()
+        self._live: dict[int, set[KernelRun]] = {}  # client -> its eligible, unfinished kernels
+        self._idle_since: dict[int, float] = {}  # client -> when its last live kernel ended
+        self._joining: set[int] = set()  # clients whose work began after an idle while: newcomers
+
+    def eligible(self, run: KernelRun) -> None:
+        """A kernel of the client is in flight; if it had none for a while, the client is joining."""
+        c = run.kernel.client
+        live = self._live.setdefault(c, set())
+        if not live and self._idle_since.get(c, -math.inf) < self.sim.now:
+            self._joining.add(c)
+        live.add(run)
+
+    def retired(self, run: KernelRun) -> None:
+        """The kernel is over (or cancelled)."""
+        c = run.kernel.client
+        live = self._live.get(c)
+        if live is not None and run in live:
+            live.discard(run)
+            if not live:
+                self._idle_since[c] = self.sim.now
 
     def configure(self, client: int, config: ClientConfig) -> None:
         """Remember the client's weight."""
@@ -310,9 +332,10 @@ class FairPolicy(Policy):
         resident = self._resident
         waiting = self._waiting
         queues = self._turns.queues
-        newcomers = [c for c in queues if not resident.get(c) and c not in waiting]
+        newcomers = [c for c in queues if c in self._joining]
         if not newcomers:
             return
+        self._joining.difference_update(newcomers)
         active = [c for c, n in resident.items() if n] + [c for c in waiting if c in queues]
         if active:
             floor = min(service.get(c, 0.0) / self._weights.get(c, 1.0) for c in active)
