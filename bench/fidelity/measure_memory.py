@@ -16,7 +16,8 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
+
+from _mps import private_mps  # this folder: the script's sys.path[0]
 
 PROBE = r"""
 import json, os
@@ -73,20 +74,13 @@ def probe(env: dict[str, str]) -> dict:
 
 def main() -> None:
     results = {"without_mps": probe({})}
-    base = tempfile.mkdtemp(prefix="mps-")
-    env = {"CUDA_MPS_PIPE_DIRECTORY": f"{base}/pipe", "CUDA_MPS_LOG_DIRECTORY": f"{base}/log"}
-    os.makedirs(env["CUDA_MPS_PIPE_DIRECTORY"])
-    os.makedirs(env["CUDA_MPS_LOG_DIRECTORY"])
-    subprocess.run(["nvidia-cuda-mps-control", "-d"], env={**os.environ, **env}, check=True)
-    try:
+    logs: dict[str, list[str]] = {}
+    with private_mps(logs) as env:
         results["mps_no_limit"] = probe(env)
         for limit in ("1G", "2G", "4G", "600M"):
             results[f"mps_limit_{limit}"] = probe({**env, "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": f"0={limit}"})
-    finally:
-        subprocess.run(["nvidia-cuda-mps-control"], input="quit\n", text=True, env={**os.environ, **env})
-    for name in ("control", "server"):
-        with open(f"{base}/log/{name}.log") as f:
-            results[f"{name}_log"] = f.read().splitlines()[-40:]
+    for name, lines in logs.items():
+        results[f"{name}_log"] = lines
     print(json.dumps(results, indent=1))
 
 

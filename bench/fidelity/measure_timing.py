@@ -36,8 +36,9 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
+
+from _mps import private_mps  # this folder: the script's sys.path[0]
 
 WORKER = r"""
 import json, math, sys, time
@@ -565,23 +566,14 @@ def main() -> None:
 
     for e in experiments(False):
         experiment("no-mps", e, {})
-    base = tempfile.mkdtemp(prefix="mps-")
-    env = {"CUDA_MPS_PIPE_DIRECTORY": f"{base}/pipe", "CUDA_MPS_LOG_DIRECTORY": f"{base}/log"}
-    os.makedirs(env["CUDA_MPS_PIPE_DIRECTORY"])
-    os.makedirs(env["CUDA_MPS_LOG_DIRECTORY"])
-    subprocess.run(["nvidia-cuda-mps-control", "-d"], env={**os.environ, **env}, check=True)
+    logs: dict[str, list[str]] = {}
     try:
-        for e in experiments(True):
-            experiment("mps", e, env)
+        with private_mps(logs, tail=30) as env:
+            for e in experiments(True):
+                experiment("mps", e, env)
     finally:
-        subprocess.run(["nvidia-cuda-mps-control"], input="quit\n", text=True, env={**os.environ, **env}, check=False)
-        time.sleep(1)
-        for name in ("control", "server"):
-            try:
-                with open(f"{base}/log/{name}.log") as f:
-                    results[f"{name}_log_tail"] = f.read().splitlines()[-30:]
-            except OSError as exc:
-                results[f"{name}_log_tail"] = [repr(exc)]
+        for name, lines in logs.items():
+            results[f"{name}_log_tail"] = lines
         results["total_wall_s"] = time.monotonic() - started
         save()
 
