@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import sys
 from pathlib import Path
 
@@ -35,25 +36,12 @@ LAUNCH_RATE = ("kernels this short back to back are bound by the host's launch c
                "back-to-back probe")
 SMALL_GAP = ("1-block kernels back to back left 1.3 us between them on the device; the model's gap (2 us) is the "
              "one FULL spins showed")
-SHORT_SLICES = ("time-slicing ~0.05-ms kernels, the H200 fit 40 to 41 of them into a slice (the timelines of "
-                "h200_timing_host.json), the model 39 to 40 with its 2-us gap; the tenant that finishes first then "
-                "needs one slice and switch more in the model (+2.5 to 4.5 ms)")
 REFERENCE_SPREAD = ("the reference measured this closed-loop probe beside the saturating tenant under MPS at "
                     "1.076 / 1.100 ms; runs 1 and 2 of the same loop gave 1.006 to 1.022 / 1.038 to 1.045 ms (also at "
                     "CLIENT_PRIORITY 1), which the model meets within 3%; it cannot be within 5% of both")
 
 # Rows that a rule below calls a miss but that matched, by chance, in the data (strict xfails must not pass).
 LUCKY = {("run 4", "alone: empty kernel, busy 300 us", "no-mps", "p99 ms")}
-# Time-slicing ~0.05-ms kernels: the first to finish, where the model needs one slice more.
-SHORT_SLICE_ROWS = {
-    ("run 1", "2 tenants, 200 x QUARTER work 0.1 ms-wave each [tenant 0]", "no-mps", "s"),
-    ("run 1", "2 tenants, FULL work 1 ms x 100 beside QUARTER work 0.1 ms-wave x 400 [tenant 1]", "no-mps", "s"),
-    *[(run, row, "no-mps", "s") for run in ("run 3", "run 4") for row in (
-        "timeline, 2 x QUARTER spin 0.05 ms x 400 [tenant 0]",
-        "timeline, FULL spin 1 ms x 40 beside QUARTER spin 0.05 ms x 400 [tenant 1]",
-        "timeline, 3 x FULL spin 0.05 ms x 400 [tenant 0]")],
-    ("run 4", "timeline, 3 x FULL spin 0.05 ms x 400 [tenant 2]", "no-mps", "s"),
-}
 HOST_SPREAD_ROWS = {
     ("reference", "latency tenant alone (8 x 0.1 ms blocks)", "no-mps", "p50 ms"),
     ("run 2", "alone: FULL 0.1 ms spin, sleep 5 ms", "no-mps", "p50 ms"),
@@ -98,8 +86,6 @@ def known_miss(r: dict) -> str | None:
         return SMALL_GAP if "10 us" in row else LAUNCH_RATE
     if "empty kernel back to back" in row:
         return LAUNCH_RATE
-    if key in SHORT_SLICE_ROWS:
-        return SHORT_SLICES
     if r["source"] == "reference" and row == "latency tenant beside FULL 1-ms spin waves" and r["mode"] == "mps":
         return REFERENCE_SPREAD
     if key in HOST_SPREAD_ROWS:
@@ -142,16 +128,24 @@ def test_host_latency_in_the_spec_is_what_the_measurements_give():
 
 
 def test_timeslice_defaults_are_what_the_measurements_give():
-    """The timeslice policy's default slice and switch are the calibration's figures (to 1 us), the ones
-    compare.py's time-sliced rows run with."""
+    """The timeslice policy's default slice, switch and state costs are the calibration's figures (to 0.1 us),
+    the ones compare.py's time-sliced rows run with."""
     cal = compare.calibration()
     defaults = POLICIES["timeslice"].options
-    assert defaults["timeslice"] == pytest.approx(cal["timeslice"], abs=1e-6)
-    assert defaults["switch"] == pytest.approx(cal["switch"], abs=1e-6)
+    assert defaults["timeslice"] == pytest.approx(cal["timeslice"], abs=1e-7)
+    assert defaults["switch"] == pytest.approx(cal["switch"], abs=1e-7)
+    assert len(defaults["state"]) == len(cal["state"])
+    for ours, measured in zip(defaults["state"], cal["state"]):
+        assert ours == pytest.approx(measured, abs=1e-7)
 
 
-def test_time_slice_calibration_agrees_between_two_and_three_processes():
-    """The switch cost read from 2 and from 3 time-sliced processes is one figure: the model's shape
-    (slice, then a switch into each other context) fits what globaltimer showed."""
-    cal = compare.calibration()
-    assert 1.5e-3 < cal["timeslice"] < 2.5e-3 and 0 < cal["switch"] < 0.5e-3
+def test_switch_costs_grow_with_the_warps_a_context_holds():
+    """The premise of the state costs: contexts of 1 and of 8 blocks hold next to nothing (their slices agree
+    to 1 us), and from a quarter of the warp slots to all of them a switch costs more and a slice runs less."""
+    e = {e["name"]: compare._slices(e) for e in json.loads(compare.RUN5.read_text())["no-mps"]}
+    own = {g: e[f"slices, 2 tenants, one 200-ms {g}-block kernel each"][0][1] for g in (1, 8)}
+    assert own[1] == pytest.approx(own[8], abs=1e-6)
+    state = compare.calibration()["state"]
+    assert [h for h, _, _ in state] == [0.25, 0.5, 1.0]
+    for (_, extra, loss), (_, more, less) in zip(state, state[1:]):
+        assert 0 < extra < more and 0 < loss < less

@@ -11,7 +11,8 @@ MS = 1e-3
 OVERHEAD = H200.kernel_overhead
 SPEC = dataclasses.replace(H200, sm_count=4)
 SPIN = BlockCost(1 * MS)
-OPTS = {"timeslice": 0.5 * MS, "switch": 0.1 * MS}
+# Costs that ignore what a context holds (test_switch_costs_grow_with_the_state_saved covers those).
+OPTS = {"timeslice": 0.5 * MS, "switch": 0.1 * MS, "state": ()}
 
 
 def launch(sim, client, n=1, blocks=16, cost=SPIN, stream=0):
@@ -54,6 +55,33 @@ def test_two_clients_alternate_slices_with_preemption():
     # Every block got exactly its 1 ms, in pieces: preempted blocks were resumed, not restarted.
     assert sim.statistics().per_client[1].block_seconds == pytest.approx(16 * MS)
     assert sim.statistics().blocks_completed == 32
+
+
+def test_switch_costs_grow_with_the_state_saved():
+    """A switch costs 0.1 ms plus half the extra of the context it saves and half that of the one it restores
+    (0.04 ms at every warp slot, linear below), and a restored context's slice is shorter by its loss (0.02 ms
+    at every warp slot). Client 1 fills the 4 SMs (h = 1), client 2 half of them (h = 0.5)."""
+    opts = {"timeslice": 0.5 * MS, "switch": 0.1 * MS, "state": ((1.0, 0.04 * MS, 0.02 * MS),)}
+    sim = Simulator(SPEC, "timeslice", record=True, policy_options=opts)
+    (a,), (b,) = launch(sim, 1, blocks=8), launch(sim, 2, blocks=4)
+    sim.run()
+    # 1 runs 0..0.5; saving h=1 into a context with nothing saved: 0.1 + 0.04 / 2. 2 runs 0.62..1.12 (its slice
+    # is whole), then 1 is restored after 0.1 + (0.02 + 0.04) / 2 with a slice of 0.48: 1.25..1.73, 0.02 ms
+    # short of its 1 ms. Then 2 (slice 0.49) at 1.86..2.35, 1 at 2.48..2.50, done; 1 hands over having saved
+    # nothing: 0.1 + 0.02 / 2, and 2 finishes its last 0.01 ms at 2.61..2.62.
+    assert [p[2:] for p in pieces(sim, 1)[::4]] == [(ms(0), ms(0.5)), (ms(1.25), ms(1.73)), (ms(2.48), ms(2.5))]
+    assert [p[2:] for p in pieces(sim, 2)[::4]] == [(ms(0.62), ms(1.12)), (ms(1.86), ms(2.35)),
+                                                    (ms(2.61), ms(2.62))]
+    assert a.ended == pytest.approx(OVERHEAD + 2.5 * MS)
+    assert b.ended == pytest.approx(OVERHEAD + 2.62 * MS)
+    assert sim.policy.switches == 5
+
+
+def test_state_costs_must_be_points_ascending_in_h():
+    for bad in (((0.5, 1e-5, 1e-5), (0.25, 1e-5, 1e-5)), ((1.5, 1e-5, 0.0),), ((1.0, -1e-5, 0.0),),
+                ((1.0, 0.0, 1.0),), (1.0,), "x"):
+        with pytest.raises(ValueError, match="state"):
+            Simulator(SPEC, "timeslice", policy_options={"state": bad})
 
 
 def test_clocked_blocks_keep_their_deadline_while_preempted():

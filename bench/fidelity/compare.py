@@ -2,14 +2,15 @@
 
     .venv/bin/python bench/fidelity/compare.py [--json] [--calibration]
 
-Five sources of measurements, each a real H200 with CuPy, one process per tenant, tenants released together:
-the team's reference (h200_timing.json, copied from h200-mps-measurements.md), and four runs of
+Six sources of measurements, each a real H200 with CuPy, one process per tenant, tenants released together:
+the team's reference (h200_timing.json, copied from h200-mps-measurements.md), and five runs of
 measure_timing.py (h200_timing_extra.json: everything; h200_timing_repeat.json: host latency, latency under
 load and time-slicing again, a later machine, to show run-to-run spread; h200_timing_host.json: host latency
 against idle time, launch calls back to back, and time-slicing timelines on the GPU's globaltimer;
-h200_timing_host2.json: the same again, later, on a fresh lease, calibrating nothing). Every workload is run on the simulator alone in virtual time (mpsd.simulate): MPS rows under the `mps` policy,
-no-MPS rows under `timeslice`; a batch starts when its process began launching. Issue 4's target is every
-row within 5%, wave counts exact.
+h200_timing_host2.json: the same again, later, on a fresh lease, calibrating nothing; h200_timing_slices.json:
+time-slicing against the blocks a context holds). Every workload is run on the simulator alone in virtual
+time (mpsd.simulate): MPS rows under the `mps` policy, no-MPS rows under `timeslice`; a batch starts when its
+process began launching. Issue 4's target is every row within 5%, wave counts exact.
 
 What is calibrated, and from what (never from a row that is then called a match):
 - the device's gap between back-to-back kernels (DeviceSpec.kernel_overhead): CUDA-event time per kernel
@@ -21,9 +22,11 @@ What is calibrated, and from what (never from a row that is then called a match)
   the two (.host_cooling): run 3's empty kernels after idle times of 0 to 5 ms. These rows are marked `cal`;
 - a closed-loop tenant's think time (its `time.sleep(0.005)` and loop, 5.1 ms): the gaps between launches of
   the probes alone, a host figure and not the GPU's;
-- the time slice and the context-switch cost of the `timeslice` policy (its defaults, which the rows use):
-  one 100-ms kernel per process in 2 and 3 processes, each logging when globaltimer jumps (its context
-  switched out).
+- the time slice and the context-switch cost of the `timeslice` policy (its defaults, which the rows use),
+  and how both change with the warps a context holds: run 5 (h200_timing_slices.json), one 200-ms kernel of
+  1, 8, 66, 132 or 264 blocks per process in pairs of equal grids, each logging when globaltimer jumps (its
+  context switched out). These rows are marked `cal`; run 5's unequal pair and three processes, and run 2's
+  100-ms full-GPU kernels in 2 and 3 processes, are predicted.
 Everything else (latency of longer kernels alone and back to back, latency beside a saturating tenant, batch
 times, launch-bound batches, time-slicing timelines) is predicted.
 """
@@ -37,13 +40,14 @@ import statistics
 import sys
 from pathlib import Path
 
-from mpsd.sim import H200
+from mpsd.sim import H200, Kernel, Simulator, kernel_cost
 from mpsd.sim.policies import POLICIES
 from mpsd.simulate import run_scenario
 
 HERE = Path(__file__).parent
 REFERENCE, RUN1, RUN2 = HERE / "h200_timing.json", HERE / "h200_timing_extra.json", HERE / "h200_timing_repeat.json"
 RUN3, RUN4 = HERE / "h200_timing_host.json", HERE / "h200_timing_host2.json"
+RUN5 = HERE / "h200_timing_slices.json"
 MS = 1.98e6  # spin cycles per millisecond at 1.98 GHz
 FULL, QUARTER = 264, 66
 WORK_ITERS = 93638  # the model's `work` iterations for one 1-ms FULL wave
@@ -91,22 +95,41 @@ def calibration() -> dict[str, float]:
     # The model's own device time for that kernel is the engine's launch overhead plus the least block time.
     sync = (statistics.mean(totals) - statistics.mean(calls) - H200.kernel_overhead - H200.min_block_time
             - busy_sync * w) / (1 - w)
-    slices, switches = [], []
-    for e in runs[1]["no-mps"]:
-        if not e["name"].startswith("gaps") or len(e["tenants"]) < 2:
-            continue
-        n = len(e["tenants"])
-        for t in e["tenants"]:
-            gaps = t["results"][0]["gaps_ms"]
-            runs_ms = [b[0] - (a[0] + a[1]) for a, b in itertools.pairwise(gaps)]
-            own = statistics.median(runs_ms)
-            slices.append(own)
-            # Switched out: every other context's slice, and one switch into each of them and back.
-            switches.append((statistics.median(g[1] for g in gaps) - (n - 1) * own) / n)
     return {"kernel_overhead": statistics.median(between), "launch_latency": launch, "sync_latency": sync,
             "launch_latency_busy": busy_launch, "sync_latency_busy": busy_sync, "host_cooling": cooling,
-            "think_5ms": statistics.median(think), "timeslice": statistics.median(slices) / 1e3,
-            "switch": statistics.median(switches) / 1e3}
+            "think_5ms": statistics.median(think), **_slice_calibration()}
+
+
+def _slices(e: dict) -> list[tuple[int, float, float]]:
+    """(grid, own slice s, cycle s) of each process of a `gaps` experiment: the median run between two jumps
+    of globaltimer, and that plus the median jump (every other context's slice and the switches between)."""
+    out = []
+    for t in e["tenants"]:
+        gaps = t["results"][0]["gaps_ms"]
+        own = statistics.median(b[0] - (a[0] + a[1]) for a, b in itertools.pairwise(gaps))
+        out.append((t["steps"][0]["grid"], own / 1e3, (own + statistics.median(g[1] for g in gaps)) / 1e3))
+    return out
+
+
+def _held(grid: int) -> float:
+    """The share of the H200's warp slots a grid of 1024-thread blocks holds (what a context switch saves)."""
+    return grid * (1024 // H200.warp_size) / (H200.sm_count * H200.max_threads_per_sm // H200.warp_size)
+
+
+def _slice_calibration() -> dict:
+    """The timeslice policy's figures, from run 5's pairs of processes with equal grids: the slice and switch
+    of contexts holding next to nothing (grids of 1 and 8 blocks), and for 66, 132 and 264 blocks what the
+    switch costs more and the slice runs less."""
+    pairs = {}
+    for e in json.loads(RUN5.read_text())["no-mps"]:
+        figures = _slices(e)
+        if len(figures) == 2 and figures[0][0] == figures[1][0]:
+            pairs[figures[0][0]] = (statistics.mean(f[1] for f in figures),
+                                    statistics.mean(f[2] / 2 - f[1] for f in figures))  # own, switch
+    base = statistics.mean(pairs[g][0] for g in (1, 8))
+    switch = statistics.mean(pairs[g][1] for g in (1, 8))
+    state = tuple((_held(g), pairs[g][1] - switch, base - pairs[g][0]) for g in (QUARTER, 132, FULL))
+    return {"timeslice": base, "switch": switch, "state": state}
 
 
 def _idle_times(res: dict) -> list[float]:
@@ -276,11 +299,49 @@ def _reference_rows(cal: dict) -> list[dict]:
     return out
 
 
+def _simulated_slices(grids: list[int], seconds: float) -> list[tuple[float, float]]:
+    """(own slice s, cycle s) of each context, as the `gaps` kernels logged them, under `timeslice`: one
+    clocked spin of ``seconds`` per process, its slices the stretches its blocks ran (medians, the first and
+    last stretch left out as the measurement leaves out the time before its first jump and after its last)."""
+    sim = Simulator(H200, "timeslice", record=True)
+    for client, grid in enumerate(grids):
+        sim.submit(Kernel(client=client, stream=0, blocks=grid, threads=1024,
+                          cost=kernel_cost(H200, "spin", grid, 1024, [round(seconds * MS * 1e3)])))
+    sim.run()
+    out = []
+    for client in range(len(grids)):
+        starts = sorted({(g.start, g.end) for g in sim.trace if g.op.client == client})[1:-1]
+        out.append((statistics.median(e - s for s, e in starts),
+                    statistics.median(b[0] - a[0] for a, b in itertools.pairwise(starts))))
+    return out
+
+
+def _slice_rows() -> list[dict]:
+    """Time-slicing seen from inside, per process: run 5's (its pairs of equal grids calibrate; a 264-block
+    context beside a 1-block one and three 1-block ones are predicted), and runs 1 and 2's full-GPU kernels
+    in 2 and 3 processes (predicted)."""
+    out = []
+    for source, path in (("run 1", RUN1), ("run 2", RUN2), ("run 5", RUN5)):
+        for e in json.loads(path.read_text())["no-mps"]:
+            if not e["name"].startswith(("gaps", "slices")) or len(e["tenants"]) < 2:
+                continue
+            measured = _slices(e)
+            grids = [m[0] for m in measured]
+            seconds = e["tenants"][0]["steps"][0]["duration_ms"] / 1e3
+            cal = source == "run 5" and len(grids) == 2 and grids[0] == grids[1]
+            for i, (m, sim) in enumerate(zip(measured, _simulated_slices(grids, seconds))):
+                for figure, got, want in (("slice ms", m[1], sim[0]), ("cycle ms", m[2], sim[1])):
+                    out.append({"source": source, "row": f"{e['name']} [tenant {i}, {grids[i]} blocks]",
+                                "mode": "no-mps", "figure": figure, "calibration": cal,
+                                "measured": got * 1e3, "simulated": want * 1e3})
+    return out
+
+
 def rows() -> list[dict]:
     """Every comparable figure: source, row, mode, figure, measured, simulated, error, calibration."""
     cal = calibration()
     out = (_reference_rows(cal) + _measured_rows("run 1", RUN1, cal) + _measured_rows("run 2", RUN2, cal)
-           + _measured_rows("run 3", RUN3, cal) + _measured_rows("run 4", RUN4, cal))
+           + _measured_rows("run 3", RUN3, cal) + _measured_rows("run 4", RUN4, cal) + _slice_rows())
     for r in out:
         r["error"] = (r["simulated"] - r["measured"]) / r["measured"]
     return out
@@ -302,8 +363,11 @@ def main() -> int:
               f"{cal['sync_latency_busy'] * 1e6:.2f} us ({H200.launch_latency_busy * 1e6:.2f} and "
               f"{H200.sync_latency_busy * 1e6:.2f}), cooling {cal['host_cooling'] * 1e3:.3f} ms "
               f"({H200.host_cooling * 1e3:.3f}); sleep(5 ms) loop {cal['think_5ms'] * 1e3:.3f} ms; time slice "
-              f"{cal['timeslice'] * 1e3:.3f} ms ({slice_ms:.3f}), context switch {cal['switch'] * 1e6:.0f} us "
-              f"({switch_us:.0f})")
+              f"{cal['timeslice'] * 1e3:.4f} ms ({slice_ms:.4f}), context switch {cal['switch'] * 1e6:.1f} us "
+              f"({switch_us:.1f}); holding h of the warp slots, a switch costs more and a slice runs less by "
+              + ", ".join(f"{e * 1e6:.1f} and {lo * 1e6:.1f} us at h = {h:g}" for h, e, lo in cal["state"])
+              + " (" + ", ".join(f"{e * 1e6:.1f} and {lo * 1e6:.1f}" for _, e, lo in
+                                 POLICIES["timeslice"].options["state"]) + ")")
         if args.calibration:
             return 0
     table = rows()
@@ -317,7 +381,7 @@ def main() -> int:
               f"{r['simulated']:>9.4f} {r['error']:>+7.1%}{flag}")
     print()
     counted = [r for r in table if not r["calibration"]]
-    for source in ("reference", "run 1", "run 2", "run 3", "run 4"):
+    for source in ("reference", "run 1", "run 2", "run 3", "run 4", "run 5"):
         for mode in ("mps", "no-mps"):
             chosen = [r for r in counted if r["source"] == source and r["mode"] == mode]
             within = sum(abs(r["error"]) <= TOLERANCE for r in chosen)

@@ -7,6 +7,7 @@ Run on a machine with an NVIDIA GPU, CuPy and nvidia-cuda-mps-control, as root:
         --out bench/fidelity/h200_timing_repeat.json      # the second run: a subset, again
     python bench/fidelity/measure_timing.py --set host-switch \
         --out bench/fidelity/h200_timing_host.json        # third and fourth runs (h200_timing_host2.json)
+    python bench/fidelity/measure_timing.py --set slices --out bench/fidelity/h200_timing_slices.json
 
 It extends the team's reference (h200_timing.json) with what the model needs besides: the host's launch and
 synchronise latency for a tiny kernel alone (what calibrates ``DeviceSpec.launch_latency`` and
@@ -373,6 +374,22 @@ def gaps_experiments() -> list[dict]:
              "tenants": [{"env": {}, "steps": [dict(step, name="gaps")]} for _ in range(n)]} for n in (1, 2, 3)]
 
 
+def slices_experiments() -> list[dict]:
+    """What a context switch costs against what the contexts hold: 2 processes each run one 200-ms kernel of
+    1, 8, 66, 132 or 264 blocks of 1024 threads that logs its globaltimer jumps (as ``gaps_experiments``), a
+    264-block one beside a 1-block one, and 3 processes of 1 block."""
+    def step(grid: int) -> dict:
+        return {"mode": "gaps", "grid": grid, "duration_ms": 200, "threshold_us": 5, "name": f"gaps, grid {grid}"}
+
+    def tenants(*grids: int) -> list[dict]:
+        return [{"env": {}, "steps": [step(g)]} for g in grids]
+
+    return ([{"name": f"slices, 2 tenants, one 200-ms {g}-block kernel each", "tenants": tenants(g, g)}
+             for g in (1, 8, QUARTER, 132, FULL)]
+            + [{"name": f"slices, a 200-ms {FULL}-block kernel beside a 1-block one", "tenants": tenants(FULL, 1)},
+               {"name": "slices, 3 tenants, one 200-ms 1-block kernel each", "tenants": tenants(1, 1, 1)}])
+
+
 def latency_experiments(mps: bool) -> list[dict]:
     """The 8 x 0.1 ms probe beside a tenant saturating the GPU with back-to-back FULL 1-ms kernels."""
     closed = {"mode": "probe", "kernel": PROBE, "samples": 200, "sleep": 0.005, "delay": 0.05}
@@ -510,13 +527,16 @@ def main() -> None:
     parser.add_argument("--out", required=True, help="the JSON file to write (rewritten after each experiment)")
     parser.add_argument("--only", default="", help="comma-separated name fragments: run only the multi-process "
                                                    "experiments whose names hold one (the single-process steps are skipped)")
-    parser.add_argument("--set", choices=("main", "host-switch"), default="main",
+    parser.add_argument("--set", choices=("main", "host-switch", "slices"), default="main",
                         help="main: the experiments of h200_timing_extra.json; host-switch: host latency against "
-                             "idle time, launch cost, and time-slicing timelines (h200_timing_host.json)")
+                             "idle time, launch cost, and time-slicing timelines (h200_timing_host.json); slices: "
+                             "context switches against the blocks resident (no MPS; h200_timing_slices.json)")
     parser.add_argument("--plan", action="store_true", help="print the experiments and exit (no GPU needed)")
     args = parser.parse_args()
 
     def experiments(mps: bool) -> list[dict]:
+        if args.set == "slices":
+            return [] if mps else slices_experiments()  # MPS does not time-slice its clients
         if args.set == "host-switch":
             return [{"name": "1 tenant alone", "tenants": [{"env": {}, "steps": host_steps()}]},
                     *switch_experiments(mps)]
@@ -567,6 +587,10 @@ def main() -> None:
     for e in experiments(False):
         experiment("no-mps", e, {})
     logs: dict[str, list[str]] = {}
+    if not experiments(True):
+        results["total_wall_s"] = time.monotonic() - started
+        save()
+        return
     try:
         with private_mps(logs, tail=30) as env:
             for e in experiments(True):

@@ -166,11 +166,16 @@ class Blocks:
             c.max_sms = len(occupied)
         return placed
 
-    def _preempt(self, client: int | None) -> None:
+    def _preempt(self, client: int | None) -> int:
         """Take ``client``'s resident blocks off their SMs now; each resumes later with the work it had left,
         or, if it waits on the clock, with its deadline (blocks whose work is already done end normally
-        instead)."""
+        instead).
+
+        Returns:
+            The warps taken off (the state a context switch saves).
+        """
         now = self.now
+        warps = 0
         for run in list(self._runs.values()):
             if run.kernel.client != client or not run.groups:
                 continue
@@ -194,6 +199,8 @@ class Blocks:
                     self._queue.add(run)
                 run.unplaced += group.count
                 run.partial.append([group.count, left])
+                warps += group.count * run.need.warps
+        return warps
 
     def _end_fixed(self, groups: list[Group]) -> None:
         """Fixed-cost ``groups`` (one event's, often a whole wave) end now: ``_end_group`` for each, in

@@ -101,7 +101,8 @@ class Policy:
     Subclasses implement ``dispatch``. The engine's methods a policy may call are ``sim._place(run, limit)``
     (place up to ``limit`` blocks, returns how many it placed), ``sim._set_timer(time, token)`` (calls
     ``on_timer(token)`` at ``time`` unless ``timer_stale(token)``), ``sim._preempt(client)`` (take the
-    client's resident blocks off, to resume later with the work they had left or their deadline) and
+    client's resident blocks off, to resume later with the work they had left or their deadline; returns
+    the warps taken off) and
     ``sim.client_config(c)``;
     ``sim._queue`` (a ``ReadyQueue``) says which ready kernels could still place a block in this dispatch.
     The per-kernel and per-group hooks (``eligible``, ``retired``, ``placed``, ``vacated``) only keep the

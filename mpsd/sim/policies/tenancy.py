@@ -78,22 +78,35 @@ class TimeslicePolicy(_Tenancy):
     work they had left; blocks that wait on the clock, like ``spin``, with their deadline: see
     ``BlockCost.clocked``) and, after a context switch during which the GPU runs nothing, the next client in
     rotation (ascending id after the owner) gets a slice. With nobody waiting the owner's slice is renewed.
-    An owner that runs out of work hands over at once. Changing context costs ``switch``; handing the GPU
-    back to the context that last held it costs nothing.
+    An owner that runs out of work hands over at once. Handing the GPU back to the context that last held it
+    costs nothing.
+
+    What a switch costs grows with the state it saves and restores. With ``h`` the share of the device's
+    warp slots a context's preempted blocks hold, ``state`` gives, at a few values of ``h``, what a switch
+    costs more (``extra(h)``) and what the slice runs less (``loss(h)``), interpolated linearly from 0 at
+    ``h = 0``. A switch from a context that left ``h_out`` to one that left ``h_in`` costs
+    ``switch + (extra(h_out) + extra(h_in)) / 2``, and the incoming context's slice is
+    ``timeslice - loss(h_in)``.
 
     Options:
-        timeslice: seconds per slice (default 2.05 ms).
-        switch: seconds a context switch leaves the GPU idle (default 227 us).
+        timeslice: seconds per slice of a context that holds next to nothing (default 2.0854 ms).
+        switch: seconds a switch between two such contexts leaves the GPU idle (default 164.3 us).
+        state: (h, extra seconds, loss seconds) points, h ascending in (0, 1] (default: at 0.25, 0.5 and 1,
+            extra 8.1, 25.2 and 69.0 us, loss 5.6, 16.8 and 37.9 us); () for costs that ignore the state.
 
-    Both defaults are what a real H200 showed without MPS (bench/fidelity/h200_timing_repeat.json, rows
-    "gaps, 2 tenants" and "gaps, 3 tenants"; ``bench/fidelity/compare.py --calibration`` derives them): each
-    process ran one 100-ms kernel that logged the jumps of the GPU's globaltimer, the times its context was
-    switched out. The median run between two jumps is the slice (2.050 ms); a jump is every other context's
-    slice plus one switch into each, which leaves 227 us a switch, the same from 2 and from 3 processes.
+    The defaults are what a real H200 showed without MPS (bench/fidelity/h200_timing_slices.json; ``python
+    bench/fidelity/compare.py --calibration`` derives them): two processes each ran one 200-ms kernel of 1,
+    8, 66, 132 or 264 blocks of 1024 threads that logged the jumps of the GPU's globaltimer, the times its
+    context was switched out. The run between two jumps is the slice; a jump is the other context's slice
+    and two switches. With 1 or 8 blocks the slice was 2.085 ms and a switch 164 us; with 264 blocks (every
+    warp slot) 2.047 ms and 233 us. A 264-block context beside a 1-block one, and three 1-block contexts,
+    are predicted by these figures (``compare.py``'s "slices" rows).
     """
 
     name = "timeslice"
-    options: ClassVar[dict[str, Any]] = {"timeslice": 2.05e-3, "switch": 227e-6}
+    options: ClassVar[dict[str, Any]] = {
+        "timeslice": 2.0854e-3, "switch": 164.3e-6,
+        "state": ((0.25, 8.1e-6, 5.6e-6), (0.5, 25.2e-6, 16.8e-6), (1.0, 69.0e-6, 37.9e-6))}
 
     def __init__(self, sim, options=None) -> None:
         super().__init__(sim, options)
@@ -103,10 +116,43 @@ class TimeslicePolicy(_Tenancy):
                 raise ValueError(f"{key} must be seconds {'>= 0' if zero_ok else '> 0'}, got {v!r}")
         self._slice = float(self.settings["timeslice"])
         self._switch = float(self.settings["switch"])
+        self._state = self._state_points(self.settings["state"], self._slice)
+        self._warp_slots = sim.spec.sm_count * (sim.spec.max_threads_per_sm // sim.spec.warp_size)
+        self._held: dict[int, float] = {}  # client -> share of warp slots its preempted blocks hold
         self._resident: int | None = None  # the context loaded on the GPU (the last owner)
         self._incoming: int | None = None  # being switched in
         self._epoch = 0  # timers of older epochs are stale
         self.switches = 0
+
+    @staticmethod
+    def _state_points(points: object, timeslice: float) -> list[tuple[float, float, float]]:
+        try:
+            out = [(float(h), float(extra), float(loss)) for h, extra, loss in points]  # type: ignore[attr-defined]
+        except (TypeError, ValueError):
+            raise ValueError(f"state must be (h, extra seconds, loss seconds) points, got {points!r}") from None
+        last = 0.0
+        for h, extra, loss in out:
+            if not (last < h <= 1.0 and 0.0 <= extra < math.inf and 0.0 <= loss < timeslice):
+                raise ValueError(f"state: h must ascend in (0, 1] and costs be seconds >= 0 (loss below the "
+                                 f"timeslice), got {points!r}")
+            last = h
+        return out
+
+    def _costs(self, held: float) -> tuple[float, float]:
+        """(extra switch seconds, slice seconds lost) for a context whose preempted blocks hold ``held``."""
+        lo = (0.0, 0.0, 0.0)
+        for point in self._state:
+            if held <= point[0]:
+                f = (held - lo[0]) / (point[0] - lo[0])
+                return lo[1] + f * (point[1] - lo[1]), lo[2] + f * (point[2] - lo[2])
+            lo = point
+        return lo[1], lo[2]
+
+    def retired(self, run: KernelRun) -> None:
+        """``run`` is over; a client with nothing left in flight has nothing preempted either."""
+        super().retired(run)
+        if not self.busy(run.kernel.client):
+            self._held.pop(run.kernel.client, None)
 
     def timer_stale(self, token: object) -> bool:
         """Only the latest slice-end or switch-end timer counts."""
@@ -119,8 +165,9 @@ class TimeslicePolicy(_Tenancy):
         after = self._resident
         return next((c for c in clients if after is None or c > after), clients[0])
 
-    def _hand_over(self) -> None:
-        """The owner is gone: start switching to the next client, or take it on at once if it is resident."""
+    def _hand_over(self, saved: float = 0.0) -> None:
+        """The owner is gone, having left ``saved`` of the warp slots preempted: start switching to the next
+        client, or take it on at once if it is resident."""
         self.owner = None
         self._epoch += 1
         nxt = self._next()
@@ -131,21 +178,26 @@ class TimeslicePolicy(_Tenancy):
         else:
             self._incoming = nxt
             self.switches += 1
-            self.sim._set_timer(self.sim.now + self._switch, self._epoch)
+            cost = self._switch + (self._costs(saved)[0] + self._costs(self._held.get(nxt, 0.0))[0]) / 2
+            self.sim._set_timer(self.sim.now + cost, self._epoch)
 
     def _grant(self, client: int) -> None:
         self.owner = self._resident = client
         self._incoming = None
         self._epoch += 1
-        self.sim._set_timer(self.sim.now + self._slice, self._epoch)
+        loss = self._costs(self._held.pop(client, 0.0))[1]
+        self.sim._set_timer(self.sim.now + self._slice - loss, self._epoch)
 
     def on_timer(self, token: object) -> None:
         """A switch completed, or the owner's slice ended."""
         if self._incoming is not None:
             self._grant(self._incoming)
         elif any(c != self.owner for c in self._live):
-            self.sim._preempt(self.owner)
-            self._hand_over()
+            owner = self.owner
+            saved = self.sim._preempt(owner) / self._warp_slots
+            if saved:
+                self._held[owner] = saved
+            self._hand_over(saved)
         else:
             self._epoch += 1
             self.sim._set_timer(self.sim.now + self._slice, self._epoch)
