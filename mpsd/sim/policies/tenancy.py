@@ -127,7 +127,7 @@ class TimeslicePolicy(_Tenancy):
     @staticmethod
     def _state_points(points: object, timeslice: float) -> list[tuple[float, float, float]]:
         try:
-            out = [(float(h), float(extra), float(loss)) for h, extra, loss in points]  # type: ignore[attr-defined]
+            out = [(float(h), float(extra), float(loss)) for h, extra, loss in points]
         except (TypeError, ValueError):
             raise ValueError(f"state must be (h, extra seconds, loss seconds) points, got {points!r}") from None
         last = 0.0
@@ -173,12 +173,12 @@ class TimeslicePolicy(_Tenancy):
         nxt = self._next()
         if nxt is None:
             return
-        if self._resident is None or nxt == self._resident or self._switch == 0.0:
+        cost = self._switch + (self._costs(saved)[0] + self._costs(self._held.get(nxt, 0.0))[0]) / 2
+        if self._resident is None or nxt == self._resident or cost == 0.0:
             self._grant(nxt)
         else:
             self._incoming = nxt
             self.switches += 1
-            cost = self._switch + (self._costs(saved)[0] + self._costs(self._held.get(nxt, 0.0))[0]) / 2
             self.sim._set_timer(self.sim.now + cost, self._epoch)
 
     def _grant(self, client: int) -> None:
