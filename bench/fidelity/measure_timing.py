@@ -8,6 +8,7 @@ Run on a machine with an NVIDIA GPU, CuPy and nvidia-cuda-mps-control, as root:
     python bench/fidelity/measure_timing.py --set host-switch \
         --out bench/fidelity/h200_timing_host.json        # third and fourth runs (h200_timing_host2.json)
     python bench/fidelity/measure_timing.py --set slices --out bench/fidelity/h200_timing_slices.json
+    python bench/fidelity/measure_timing.py --set bandwidth --out bench/fidelity/h200_bandwidth.json
 
 It extends the team's reference (h200_timing.json) with what the model needs besides: the host's launch and
 synchronise latency for a tiny kernel alone (what calibrates ``DeviceSpec.launch_latency`` and
@@ -79,6 +80,11 @@ extern "C" __global__ void spin_log(long long cycles, unsigned long long *log, i
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
     if (threadIdx.x == 0) atomicMax(&log[2 * i + 1], t);
 }
+extern "C" __global__ void vadd(const float *a, const float *b, float *c, long long n) {
+    // c = a + b over n floats, grid-stride: 12 bytes of DRAM traffic an element, whatever the grid
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        c[i] = a[i] + b[i];
+}
 extern "C" __global__ void stamp(unsigned long long *out) {
     unsigned long long t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -87,11 +93,20 @@ extern "C" __global__ void stamp(unsigned long long *out) {
 '''
 steps = json.loads(sys.argv[1])
 module = cupy.RawModule(code=SOURCE)
-fns = {name: module.get_function(name) for name in ("spin", "work", "stamp", "gaps", "spin_log")}
+fns = {name: module.get_function(name) for name in ("spin", "work", "stamp", "gaps", "spin_log", "vadd")}
 sink = cupy.zeros(1, dtype=cupy.float32)
 stamps = cupy.zeros(1, dtype=cupy.uint64)
 stream = cupy.cuda.Stream(non_blocking=True)
 stream.use()
+
+
+arrays = {}
+
+
+def buffers(n):
+    if n not in arrays:
+        arrays[n] = [cupy.ones(n, dtype=cupy.float32) for _ in range(3)]
+    return arrays[n]
 
 
 def launch(k):
@@ -99,6 +114,8 @@ def launch(k):
         args = (numpy.int64(k["arg"]),)
     elif k["kernel"] == "work":
         args = (numpy.int32(k["arg"]), sink)
+    elif k["kernel"] == "vadd":
+        args = (*buffers(int(k["arg"])), numpy.int64(k["arg"]))
     else:
         args = (stamps,)
     fns[k["kernel"]]((k["grid"],), (k["block"],), args)
@@ -269,6 +286,8 @@ for step in steps:                         # warm up every kernel this process w
     for k in step.get("kernels", [step.get("kernel")]):
         if k:
             launch(dict(k, arg=min(int(k["arg"]), 1000), grid=1))
+            if k["kernel"] == "vadd":  # its arrays, before the release
+                buffers(int(k["arg"]))
 launch({"kernel": "stamp", "grid": 1, "block": 1})
 scratch = cupy.zeros(2, dtype=cupy.uint64)
 fns["spin_log"]((1,), (32,), (numpy.int64(0), scratch, numpy.int32(0)))
@@ -388,6 +407,38 @@ def slices_experiments() -> list[dict]:
              for g in (1, 8, QUARTER, 132, FULL)]
             + [{"name": f"slices, a 200-ms {FULL}-block kernel beside a 1-block one", "tenants": tenants(FULL, 1)},
                {"name": "slices, 3 tenants, one 200-ms 1-block kernel each", "tenants": tenants(1, 1, 1)}])
+
+
+def vadd(n: int, grid: int, block: int = 1024) -> dict:
+    return {"kernel": "vadd", "grid": grid, "block": block, "arg": n}
+
+
+BIG, SMALL = 64 << 20, 16 << 20  # floats: 768 and 192 MB of traffic a launch
+
+
+def bandwidth_experiments(mps: bool) -> list[dict]:
+    """DRAM bandwidth as a shared resource: one process's c = a + b against how many blocks (and, under MPS,
+    how large an active thread percentage) it runs on; then two processes side by side, and one beside a
+    compute-bound neighbour."""
+    out = [{"name": "1 tenant alone", "tenants": [{"env": {}, "steps": [
+        batch(f"20 x vadd {n >> 20}M, {g} x {b}", [vadd(n, g, b)], 20)
+        for b, grids in ((1024, (1, 2, 4, 8, 16, 33, 66, 132, 264, 1056)), (256, (4, 66, 264, 1056)))
+        for g in grids for n in [BIG if g >= 33 else SMALL]]}]}]
+    many = vadd(BIG, 1056)
+    if mps:
+        for atp in (10, 25, 50):
+            env = {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(atp)}
+            out.append({"name": f"1 tenant, ATP {atp}", "tenants": [{"env": env, "steps": [
+                batch(f"20 x vadd 64M, 1056 x 1024, ATP {atp}", [many], 20)]}]})
+        half = {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "50"}
+        out.append({"name": "2 x vadd, ATP 50 each", "tenants": [
+            {"env": half, "steps": [batch("50 x vadd 64M, 1056 x 1024", [many], 50)]} for _ in range(2)]})
+    out.append({"name": "2 x vadd", "tenants": [
+        {"env": {}, "steps": [batch("50 x vadd 64M, 1056 x 1024", [many], 50)]} for _ in range(2)]})
+    out.append({"name": "vadd beside FULL spin 1 ms", "tenants": [
+        {"env": {}, "steps": [batch("50 x vadd 64M, 1056 x 1024", [many], 50)]},
+        {"env": {}, "steps": [batch("20 x FULL spin 1 ms", [spin(1.0)], 20)]}]})
+    return out
 
 
 def latency_experiments(mps: bool) -> list[dict]:
@@ -527,14 +578,17 @@ def main() -> None:
     parser.add_argument("--out", required=True, help="the JSON file to write (rewritten after each experiment)")
     parser.add_argument("--only", default="", help="comma-separated name fragments: run only the multi-process "
                                                    "experiments whose names hold one (the single-process steps are skipped)")
-    parser.add_argument("--set", choices=("main", "host-switch", "slices"), default="main",
+    parser.add_argument("--set", choices=("main", "host-switch", "slices", "bandwidth"), default="main",
                         help="main: the experiments of h200_timing_extra.json; host-switch: host latency against "
                              "idle time, launch cost, and time-slicing timelines (h200_timing_host.json); slices: "
-                             "context switches against the blocks resident (no MPS; h200_timing_slices.json)")
+                             "context switches against the blocks resident (no MPS; h200_timing_slices.json); bandwidth: "
+                             "DRAM bandwidth against blocks, SM caps and neighbours (h200_bandwidth.json)")
     parser.add_argument("--plan", action="store_true", help="print the experiments and exit (no GPU needed)")
     args = parser.parse_args()
 
     def experiments(mps: bool) -> list[dict]:
+        if args.set == "bandwidth":
+            return bandwidth_experiments(mps)
         if args.set == "slices":
             return [] if mps else slices_experiments()  # MPS does not time-slice its clients
         if args.set == "host-switch":
