@@ -1,5 +1,7 @@
 """Exact timelines of the mps policy: waves, SM caps, sharing between clients, priorities."""
 
+import dataclasses
+
 import pytest
 
 from mpsd.sim import H200, BlockCost, Kernel, Simulator, kernel_cost, sm_cap
@@ -171,14 +173,58 @@ def test_fixed_and_shared_blocks_coexist():
 
 
 def test_memory_bound_kernel_time_does_not_depend_on_grid():
-    """fill_f32 over 4.8 GB takes 1 ms at full bandwidth whether in one wave or two."""
+    """fill_f32 over 4.8 GB runs at the bandwidth of every warp slot busy (3636.1 GB/s on the H200's curve),
+    whether in one wave or two."""
     n = 1_200_000_000
     for blocks in (264, 528):
         sim = Simulator()
         cost = kernel_cost(H200, "fill_f32", blocks, 1024, [0, 0.0, n])
         (k,) = launch(sim, 1, 1, blocks=blocks, cost=cost)
         sim.run()
-        assert k.ended - k.started == pytest.approx(1 * MS)
+        assert k.ended - k.started == pytest.approx(4 * n / 3636.1e9)
+
+
+def test_memory_bound_kernels_share_dram_bandwidth():
+    """Two clients' memory-bound grids, each alone on half the SMs' threads, share the curve's bandwidth by
+    threads: 132 blocks each reach 2690.8 GB/s alone, and 3636.1 GB/s together (1818.05 each). A compute
+    neighbour takes none of it."""
+    n = 1_000_000_000  # 4 GB a grid
+    cost = kernel_cost(H200, "fill_f32", 132, 1024, [0, 0.0, n])
+    sim = Simulator()
+    (alone,) = launch(sim, 1, 1, blocks=132, cost=cost)
+    (spin,) = launch(sim, 2, 1, blocks=132, cost=SPIN)
+    sim.run()
+    assert alone.ended - alone.started == pytest.approx(4 * n / 2690.8e9)
+    assert spin.ended == pytest.approx(OVERHEAD + 1 * MS)
+    sim = Simulator()
+    (a,), (b,) = launch(sim, 1, 1, blocks=132, cost=cost), launch(sim, 2, 1, blocks=132, cost=cost)
+    sim.run()
+    assert a.ended - a.started == pytest.approx(4 * n / 1818.05e9)
+    assert b.ended == pytest.approx(a.ended)
+
+
+def test_memory_bound_share_follows_arrivals_and_departures():
+    """A grid that joins halfway slows the first from its rate alone to the shared one, and the first's
+    departure speeds the second up: every byte is accounted at the rate in force while it moved."""
+    n = 1_000_000_000
+    cost = kernel_cost(H200, "fill_f32", 132, 1024, [0, 0.0, n])
+    sim = Simulator()
+    (a,) = launch(sim, 1, 1, blocks=132, cost=cost)
+    half = 2 * n / 2690.8e9  # a has moved half its bytes alone
+    sim.advance(OVERHEAD + half)
+    (b,) = launch(sim, 2, 1, blocks=132, cost=cost)
+    sim.run()
+    # b is ready one launch overhead later; a moves on alone meanwhile, then the two share 3636.1 GB/s.
+    left = 2 * n - OVERHEAD * 2690.8e9
+    assert a.ended == pytest.approx(OVERHEAD + half + OVERHEAD + left / 1818.05e9)
+    moved = (a.ended - b.started) * 1818.05e9
+    assert b.ended == pytest.approx(a.ended + (4 * n - moved) / 2690.8e9)
+
+
+def test_a_spec_without_a_dram_curve_keeps_fixed_memory_bound_blocks():
+    spec = dataclasses.replace(H200, dram_curve=())
+    cost = kernel_cost(spec, "fill_f32", 264, 1024, [0, 0.0, 1_200_000_000])
+    assert not cost.dram and cost.seconds == pytest.approx(4.8e9 / 264 * 264 / spec.mem_bandwidth)
 
 
 def test_stream_priority_wins_freed_capacity():

@@ -2,13 +2,14 @@
 
     .venv/bin/python bench/fidelity/compare.py [--json] [--calibration]
 
-Six sources of measurements, each a real H200 with CuPy, one process per tenant, tenants released together:
-the team's reference (h200_timing.json, copied from h200-mps-measurements.md), and five runs of
+Seven sources of measurements, each a real H200 with CuPy, one process per tenant, tenants released together:
+the team's reference (h200_timing.json, copied from h200-mps-measurements.md), and six runs of
 measure_timing.py (h200_timing_extra.json: everything; h200_timing_repeat.json: host latency, latency under
 load and time-slicing again, a later machine, to show run-to-run spread; h200_timing_host.json: host latency
 against idle time, launch calls back to back, and time-slicing timelines on the GPU's globaltimer;
 h200_timing_host2.json: the same again, later, on a fresh lease, calibrating nothing; h200_timing_slices.json:
-time-slicing against the blocks a context holds). Every workload is run on the simulator alone in virtual
+time-slicing against the blocks a context holds; h200_bandwidth.json: a memory-bound kernel against its blocks,
+SM caps and neighbours). Every workload is run on the simulator alone in virtual
 time (mpsd.simulate): MPS rows under the `mps` policy, no-MPS rows under `timeslice`; a batch starts when its
 process began launching. Issue 4's target is every row within 5%, wave counts exact.
 
@@ -26,7 +27,11 @@ What is calibrated, and from what (never from a row that is then called a match)
   and how both change with the warps a context holds: run 5 (h200_timing_slices.json), one 200-ms kernel of
   1, 8, 66, 132 or 264 blocks per process in pairs of equal grids, each logging when globaltimer jumps (its
   context switched out). These rows are marked `cal`; run 5's unequal pair and three processes, and run 2's
-  100-ms full-GPU kernels in 2 and 3 processes, are predicted.
+  100-ms full-GPU kernels in 2 and 3 processes, are predicted;
+- the DRAM bandwidth memory-bound blocks reach together (DeviceSpec.dram_curve): run 6 (h200_bandwidth.json),
+  c = a + b alone in one wave of 1 to 264 blocks of 1024 threads; these rows are marked `cal`, and its other
+  rows (256-thread blocks, several waves, SM caps, two such tenants, one beside a compute tenant) are
+  predicted.
 Everything else (latency of longer kernels alone and back to back, latency beside a saturating tenant, batch
 times, launch-bound batches, time-slicing timelines) is predicted.
 """
@@ -48,6 +53,7 @@ HERE = Path(__file__).parent
 REFERENCE, RUN1, RUN2 = HERE / "h200_timing.json", HERE / "h200_timing_extra.json", HERE / "h200_timing_repeat.json"
 RUN3, RUN4 = HERE / "h200_timing_host.json", HERE / "h200_timing_host2.json"
 RUN5 = HERE / "h200_timing_slices.json"
+BANDWIDTH = HERE / "h200_bandwidth.json"
 MS = 1.98e6  # spin cycles per millisecond at 1.98 GHz
 FULL, QUARTER = 264, 66
 WORK_ITERS = 93638  # the model's `work` iterations for one 1-ms FULL wave
@@ -97,7 +103,27 @@ def calibration() -> dict[str, float]:
             - busy_sync * w) / (1 - w)
     return {"kernel_overhead": statistics.median(between), "launch_latency": launch, "sync_latency": sync,
             "launch_latency_busy": busy_launch, "sync_latency_busy": busy_sync, "host_cooling": cooling,
-            "think_5ms": statistics.median(think), **_slice_calibration()}
+            "think_5ms": statistics.median(think), **_slice_calibration(), "dram_curve": _dram_curve()}
+
+
+def _dram_point(k: dict) -> bool:
+    """A kernel of the DRAM curve's calibration: c = a + b alone in one wave of 1024-thread blocks."""
+    return k["kernel"] == "vadd" and k["block"] == 1024 and k["grid"] <= FULL
+
+
+def _dram_curve() -> tuple[tuple[int, float], ...]:
+    """DeviceSpec.dram_curve: the bandwidth c = a + b reached alone on 1 to 264 blocks of 1024 threads (one
+    wave: every block resident at once), against the threads resident, both modes' mean; a kernel's time is
+    its batch's GPU time per launch less the model's gap between kernels."""
+    rates: dict[int, list[float]] = {}
+    data = json.loads(BANDWIDTH.read_text())
+    for mode in ("no-mps", "mps"):
+        for step, res in _alone_steps(data, mode):
+            (k,) = step["kernels"]
+            if _dram_point(k):
+                seconds = res["gpu_seconds"] / step["repeat"] - H200.kernel_overhead
+                rates.setdefault(k["grid"] * k["block"], []).append(12 * k["arg"] / seconds)
+    return tuple((threads, statistics.mean(r)) for threads, r in sorted(rates.items()))
 
 
 def _slices(e: dict) -> list[tuple[int, float, float]]:
@@ -171,6 +197,9 @@ def _policy(mode: str) -> dict:
 
 
 def _kernel(k: dict, **extra) -> dict:
+    if k["kernel"] == "vadd":  # c = a + b over `arg` floats: the model's vector_add_f32
+        return {"name": "vector_add_f32", "grid": k["grid"], "block": k["block"], "args": [0, 0, 0, k["arg"]],
+                **extra}
     args = [k["arg"]] if k["kernel"] == "spin" else [k["model_iters"]]
     return {"name": k["kernel"], "grid": k["grid"], "block": k["block"], "args": args, **extra}
 
@@ -218,7 +247,8 @@ def _figures(source: str, row: str, mode: str, step: dict, res: dict, sim: dict,
             out.append({"figure": f"{q} ms", "measured": res["latency_ms"][q], "simulated": sim[f"latency_{q}_ms"]})
     name = step.get("name", "")
     cal = ((source in ("run 1", "run 2") and (name == CALIBRATION_STEP or name in OVERHEAD_STEPS))
-           or (source == "run 3" and step["mode"] == "probe" and name.startswith("empty kernel")))
+           or (source == "run 3" and step["mode"] == "probe" and name.startswith("empty kernel"))
+           or (source == "run 6" and step["mode"] == "batch" and _dram_point(step["kernels"][0])))
     return [{"source": source, "row": row, "mode": mode, "calibration": cal, **f} for f in out]
 
 
@@ -341,7 +371,8 @@ def rows() -> list[dict]:
     """Every comparable figure: source, row, mode, figure, measured, simulated, error, calibration."""
     cal = calibration()
     out = (_reference_rows(cal) + _measured_rows("run 1", RUN1, cal) + _measured_rows("run 2", RUN2, cal)
-           + _measured_rows("run 3", RUN3, cal) + _measured_rows("run 4", RUN4, cal) + _slice_rows())
+           + _measured_rows("run 3", RUN3, cal) + _measured_rows("run 4", RUN4, cal) + _slice_rows()
+           + _measured_rows("run 6", BANDWIDTH, cal))
     for r in out:
         r["error"] = (r["simulated"] - r["measured"]) / r["measured"]
     return out
@@ -381,7 +412,7 @@ def main() -> int:
               f"{r['simulated']:>9.4f} {r['error']:>+7.1%}{flag}")
     print()
     counted = [r for r in table if not r["calibration"]]
-    for source in ("reference", "run 1", "run 2", "run 3", "run 4", "run 5"):
+    for source in ("reference", "run 1", "run 2", "run 3", "run 4", "run 5", "run 6"):
         for mode in ("mps", "no-mps"):
             chosen = [r for r in counted if r["source"] == source and r["mode"] == mode]
             within = sum(abs(r["error"]) <= TOLERANCE for r in chosen)

@@ -4,8 +4,8 @@
 # in engine.py stays readable; it is a mixin of Simulator rather than an object of its own because every
 # step touches the same state the loop owns (SMs, fit tables, the ready queue, counters, the heap through
 # _push_groups), and passing that around per group would cost more than the work.
-# State it uses, all set up by Simulator.__init__: now, _sms, _fit_index, _queue, _client_sms, _touched,
-# _runs, _placed_hook, _vacated_hook, _policy, _record, trace, _blocks, _kernels, _dirty; methods it
+# State it uses, all set up by Simulator.__init__: now, _sms, _fit_index, _queue, _client_sms, _touched, _dram,
+# _dram_touched, _runs, _placed_hook, _vacated_hook, _policy, _record, trace, _blocks, _kernels, _dirty; methods it
 # calls: _push_groups, _counter, _finish.
 """Block placement, completion, preemption and eviction (a mixin of ``Simulator``)."""
 
@@ -87,6 +87,7 @@ class Blocks:
         changed = self._fit_index.changed
         hook = self._placed_hook
         shared = kernel.cost.shared
+        dram = kernel.cost.dram
         fresh = run.seconds
         partial = run.partial
         groups = run.groups
@@ -96,7 +97,7 @@ class Blocks:
         # the work it had left, and keep an event apiece.
         wave: list[Group] = []
         placed = 0
-        if not partial and not shared:
+        if not partial and not shared and not dram:
             # The usual case, fresh fixed-cost blocks only: the loop below with its branches decided
             # (one group per SM, all in the wave), the same steps in the same order.
             end = now + fresh
@@ -142,6 +143,10 @@ class Blocks:
                     group = Group(run, i, n, now, math.nan, seconds, run.demand, 1.0, False, seconds)
                     sms[i].add_shared(group, now)
                     self._touched.add(i)
+                elif dram:
+                    group = Group(run, i, n, now, math.nan, seconds, 1.0, 1.0, False, seconds)
+                    self._dram.add(group, now)
+                    self._dram_touched = True
                 elif resumed:
                     group = Group(run, i, n, now, now + seconds, 0.0, 1.0, 1.0, False, seconds)
                     self._push_groups(group.end, [group])
@@ -180,11 +185,18 @@ class Blocks:
             if run.kernel.client != client or not run.groups:
                 continue
             for group in list(run.groups):
-                if run.kernel.cost.shared:
-                    self._sms[group.sm].remove_shared(group, now)
-                    self._touched.add(group.sm)
+                cost = run.kernel.cost
+                if cost.shared or cost.dram:
+                    if cost.shared:
+                        self._sms[group.sm].remove_shared(group, now)
+                        self._touched.add(group.sm)
+                        rate = group.rate
+                    else:
+                        self._dram.remove(group, now)
+                        self._dram_touched = True
+                        rate = self._dram.rate
                     left = group.remaining
-                    if left <= _EPSILON * group.rate:
+                    if left <= _EPSILON * rate:
                         self._end_group(group)
                         continue
                 else:
@@ -284,6 +296,9 @@ class Blocks:
         if group.run.kernel.cost.shared:
             self._sms[group.sm].remove_shared(group, self.now)
             self._touched.add(group.sm)
+        elif group.run.kernel.cost.dram:
+            self._dram.remove(group, self.now)
+            self._dram_touched = True
         self._vacate(group)
 
     def _vacate(self, group: Group) -> None:

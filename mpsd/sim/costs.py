@@ -25,17 +25,21 @@ class BlockCost:
         clocked: True for blocks that wait on the SM's clock (``spin``): the clock runs on while the block
             is preempted, so a resumed block ends when its ``seconds`` since it started have passed, or at
             once if they already have. Other blocks resume with the work they had left.
+        dram: True for memory-bound blocks: ``seconds`` is the block's time at the DRAM rate its threads
+            reach alone, and resident dram blocks share the device's DRAM bandwidth (``DeviceSpec.dram_curve``,
+            ``mpsd.sim.sms.DramPool``).
     """
 
     seconds: float
     shared: bool = False
     clocked: bool = False
+    dram: bool = False
 
     def __post_init__(self) -> None:
         if not self.seconds >= 0.0:
             raise ValueError(f"block seconds must be >= 0, got {self.seconds}")
-        if self.shared and self.clocked:
-            raise ValueError("a block cannot both share the issue rate and wait on the clock")
+        if self.shared + self.clocked + self.dram > 1:
+            raise ValueError("a block shares the issue rate, waits on the clock or shares DRAM: one at most")
 
 
 CostModel = Callable[[DeviceSpec, int, int, Sequence], BlockCost]
@@ -55,6 +59,9 @@ def _work(spec: DeviceSpec, blocks: int, threads: int, args: Sequence) -> BlockC
 
 
 def _memory_bound(spec: DeviceSpec, blocks: int, threads: int, nbytes: int) -> BlockCost:
+    if spec.dram_curve:  # the time alone at the curve's first slope; the engine shares the bandwidth
+        threads0, rate0 = spec.dram_curve[0]
+        return BlockCost(nbytes / blocks / (threads * rate0 / threads0), dram=True)
     # Every resident slot busy moves data at the full device bandwidth.
     occ = occupancy(spec, threads)
     if occ == 0:

@@ -31,14 +31,14 @@ from .ops import ENGINES, BlockGroup, Copy, Kernel, Marker, Op
 from .policies import DEFAULT_CLIENT, ClientConfig, KernelRun, Policy, make_policy
 from .ready import ReadyQueue
 from .shapes import Shapes
-from .sms import SM, FitIndex, Group
+from .sms import SM, DramPool, FitIndex, Group
 from .specs import H200, BlockNeed, DeviceSpec
 from .stats import Counters, SimStatistics
 from .streams import Streams
 
 __all__ = ["Simulator"]
 
-_READY, _GROUP_END, _SM, _COPY_END, _TIMER = range(5)
+_READY, _GROUP_END, _SM, _COPY_END, _TIMER, _DRAM = range(6)
 _SWEEP = 1 << 12  # SM changes between sweeps of the fit tables no ready kernel needs
 
 
@@ -78,6 +78,8 @@ class Simulator(Blocks):
         self._next_sweep = _SWEEP
         self._dirty = False  # capacity freed or a kernel became ready since the last dispatch
         self._touched: set[int] = set()  # SMs whose shared groups changed this instant
+        self._dram = DramPool(spec)  # memory-bound groups, sharing the device's DRAM bandwidth
+        self._dram_touched = False  # its membership changed this instant
         self._client_sms: dict[int, dict[int, int]] = {}  # client -> SM -> resident blocks
         self._copy_engines = CopyEngines(spec, lambda end, op: self._push(end, _COPY_END, op))
         self._completed: list[Op] = []  # completions at self.now not yet returned
@@ -328,6 +330,8 @@ class Simulator(Blocks):
             return self._sms[payload[0]].version != payload[1]
         if kind == _TIMER:
             return self._policy.timer_stale(payload)
+        if kind == _DRAM:
+            return self._dram.version != payload
         if kind == _COPY_END:
             return self._copy_engines.stopped(payload)
         return payload.cancelled
@@ -364,6 +368,12 @@ class Simulator(Blocks):
                 if not self._policy.timer_stale(payload):
                     self._policy.on_timer(payload)
                     self._dirty = True
+            elif kind == _DRAM:
+                if self._dram.version != payload:
+                    continue
+                for group in self._dram.pop_finished(t):
+                    self._end_group(group)
+                self._dram_touched = True
             elif not self._copy_engines.stopped(payload):
                 self._end_copy(payload)
         self._end_instant()
@@ -384,6 +394,11 @@ class Simulator(Blocks):
                 if soonest is not None:
                     self._push(soonest, _SM, (i, self._sms[i].version))
             self._touched.clear()
+        if self._dram_touched:
+            soonest = self._dram.reschedule()
+            if soonest is not None:
+                self._push(soonest, _DRAM, self._dram.version)
+            self._dram_touched = False
 
     def _flush(self) -> list[Op]:
         done = self._completed

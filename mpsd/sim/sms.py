@@ -9,12 +9,15 @@
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from .specs import BlockNeed, DeviceSpec
+from .specs import BlockNeed, DeviceSpec, dram_bandwidth
 
-__all__ = ["SM", "FitIndex", "Group"]
+__all__ = ["SM", "DramPool", "FitIndex", "Group"]
 
 # Shared groups whose remaining service time is within this many seconds are finished (float slack).
 _EPSILON = 1e-12
@@ -137,6 +140,92 @@ class SM:
             g.rate = g.demand * scale
             soonest = min(soonest, self.last + max(g.remaining, 0.0) / g.rate)
         return soonest
+
+
+@dataclass(eq=False, slots=True)
+class DramPool:
+    """The device's DRAM bandwidth, shared by every resident memory-bound ("dram") group.
+
+    A dram group's work is in seconds at the rate its threads reach alone (``threads`` times the first slope
+    of ``spec.dram_curve``); together, groups holding ``T`` threads reach ``dram_bandwidth(T)``, shared in
+    proportion to threads, so every group runs at the same fraction ``rate`` of its speed alone. One number
+    therefore tracks them all: ``progress``, the work every resident group has done since the pool began.
+    A group is done when progress reaches its ``targets`` entry, and a heap keeps the nearest first, so a
+    group joining, leaving or finishing costs a heap operation, not a pass over the others. As with an SM's
+    shared groups, the engine pushes one event per reschedule and ignores events of an older ``version``.
+    """
+
+    spec: DeviceSpec
+    targets: dict[Group, float] = field(default_factory=dict)  # resident group -> progress when it is done
+    heap: list[tuple[float, int, Group]] = field(default_factory=list)  # (target, order, group); lazy
+    order: Iterator[int] = field(default_factory=itertools.count)
+    threads: int = 0  # resident in dram groups
+    progress: float = 0.0
+    last: float = 0.0  # time up to which progress has been accounted
+    rate: float = 1.0
+    version: int = 0
+
+    @staticmethod
+    def _threads(group: Group) -> int:
+        return group.count * group.run.kernel.threads
+
+    def account(self, now: float) -> None:
+        """Advance ``progress`` to ``now`` at the current rate."""
+        dt = now - self.last
+        if dt > 0.0:
+            self.progress += dt * self.rate
+        self.last = now
+
+    def add(self, group: Group, now: float) -> None:
+        """Make ``group`` resident with its ``remaining`` work; call ``reschedule`` once this instant's changes
+        are made."""
+        self.account(now)
+        target = self.targets[group] = self.progress + group.remaining
+        heapq.heappush(self.heap, (target, next(self.order), group))
+        self.threads += self._threads(group)
+
+    def remove(self, group: Group, now: float) -> None:
+        """Take ``group`` off before it finishes, its ``remaining`` set to the work it has left; call
+        ``reschedule`` afterwards."""
+        self.account(now)
+        group.remaining = self.targets.pop(group) - self.progress
+        self.threads -= self._threads(group)
+
+    def pop_finished(self, now: float) -> list[Group]:
+        """Remove and return the groups whose bytes are all moved at ``now``, in the order they joined when
+        they finish together."""
+        self.account(now)
+        heap, targets = self.heap, self.targets
+        done = []
+        while heap:
+            target, _, group = heap[0]
+            if targets.get(group) != target:  # it left earlier
+                heapq.heappop(heap)
+                continue
+            if target - self.progress > _EPSILON * self.rate:
+                break
+            heapq.heappop(heap)
+            del targets[group]
+            group.remaining = target - self.progress
+            self.threads -= self._threads(group)
+            done.append(group)
+        return done
+
+    def reschedule(self) -> float | None:
+        """Recompute the rate after a membership change and bump the version.
+
+        Returns:
+            When the next group will finish at the new rate, or None if none is resident.
+        """
+        self.version += 1
+        heap, targets = self.heap, self.targets
+        while heap and targets.get(heap[0][2]) != heap[0][0]:
+            heapq.heappop(heap)
+        if not heap:
+            return None
+        threads0, rate0 = self.spec.dram_curve[0]
+        self.rate = min(1.0, dram_bandwidth(self.spec, self.threads) / (self.threads * rate0 / threads0))
+        return self.last + max(heap[0][0] - self.progress, 0.0) / self.rate
 
 
 class FitIndex:

@@ -61,6 +61,21 @@ class DeviceSpec:
     launch_latency_busy: float = 0.0
     sync_latency_busy: float = 0.0
     host_cooling: float = 0.0
+    # DRAM bandwidth that memory-bound blocks reach together, against the threads they hold resident:
+    # (threads, bytes/s) points, ascending, linear between them and from (0, 0), flat past the last. Such
+    # blocks share it in proportion to their threads (``mpsd.sim.sms.DramPool``). Empty: each block instead
+    # moves its bytes at its share of ``mem_bandwidth`` by the slots it holds, whatever else runs.
+    dram_curve: tuple[tuple[int, float], ...] = ()
+
+
+def dram_bandwidth(spec: DeviceSpec, threads: int) -> float:
+    """Bytes/s that memory-bound blocks holding ``threads`` threads reach together (``spec.dram_curve``)."""
+    lo_t, lo_b = 0, 0.0
+    for t, b in spec.dram_curve:
+        if threads <= t:
+            return lo_b + (b - lo_b) * (threads - lo_t) / (t - lo_t)
+        lo_t, lo_b = t, b
+    return lo_b
 
 
 H200 = DeviceSpec(
@@ -115,6 +130,12 @@ H200 = DeviceSpec(
     launch_latency_busy=6.39e-6,
     sync_latency_busy=2.67e-6,
     host_cooling=1.14e-3,
+    # c = a + b alone on a real H200, in one wave of 1 to 264 blocks of 1024 threads (bench/fidelity/
+    # h200_bandwidth.json, both modes' mean; compare.py --calibration derives it): 31 GB/s a block, linear to
+    # 16 blocks, bending to 3.64 TB/s with every warp slot (the nominal 4.8 TB/s is never reached). 256-thread
+    # blocks reached what the same number of threads in 1024-thread blocks did, so the curve is in threads.
+    dram_curve=((1024, 31.1e9), (2048, 60.2e9), (4096, 119.1e9), (8192, 234.7e9), (16384, 453.2e9),
+                (33792, 902.8e9), (67584, 1638.6e9), (135168, 2690.8e9), (270336, 3636.1e9)),
 )
 
 
