@@ -221,6 +221,20 @@ def test_memory_bound_share_follows_arrivals_and_departures():
     assert b.ended == pytest.approx(a.ended + (4 * n - moved) / 2690.8e9)
 
 
+def test_a_mig_partition_has_its_memory_eighths_of_the_bandwidth():
+    """A 1g.18gb instance holds one eighth of the memory slices: its 16 SMs' 32,768 threads would reach
+    876 GB/s on the curve, but it gets at most 3636.1 / 8 GB/s, whatever the other partition does."""
+    n = 100_000_000
+    for neighbour in (False, True):
+        sim = Simulator(H200, "mig", policy_options={"partitions": ["1g.18gb", "3g.71gb"]})
+        sim.configure_client(2, partition=1)
+        (k,) = launch(sim, 1, 1, blocks=32, cost=kernel_cost(H200, "fill_f32", 32, 1024, [0, 0.0, n]))
+        if neighbour:
+            launch(sim, 2, 1, blocks=120, cost=kernel_cost(H200, "fill_f32", 120, 1024, [0, 0.0, 10 * n]))
+        sim.run()
+        assert k.ended - k.started == pytest.approx(4 * n / (3636.1e9 / 8))
+
+
 def test_a_spec_without_a_dram_curve_keeps_fixed_memory_bound_blocks():
     spec = dataclasses.replace(H200, dram_curve=())
     cost = kernel_cost(spec, "fill_f32", 264, 1024, [0, 0.0, 1_200_000_000])

@@ -23,7 +23,7 @@ op_spec = st.fixed_dictionaries(
         "regs": st.sampled_from([16, 32, 64, 128]),
         "smem": st.sampled_from([0, 1024, 48 * 1024, 100 * 1024]),
         "seconds": st.sampled_from([1e-5, 1e-4, 3e-4, 1e-3]),
-        "shared": st.booleans(),
+        "cost": st.sampled_from(["fixed", "shared", "dram"]),  # dram: blocks share DRAM bandwidth
         "priority": st.integers(-1, 0),
         "engine": st.sampled_from(["h2d", "d2h", "d2d"]),
         "nbytes": st.integers(0, 10**7),
@@ -48,7 +48,7 @@ def build(scenario):
                 threads=s["threads"],
                 regs_per_thread=s["regs"],
                 smem=s["smem"],
-                cost=BlockCost(s["seconds"], s["shared"]),
+                cost=BlockCost(s["seconds"], shared=s["cost"] == "shared", dram=s["cost"] == "dram"),
                 priority=s["priority"],
                 sm_cap=CAPS[s["client"]],
             )

@@ -4,9 +4,9 @@
 # in engine.py stays readable; it is a mixin of Simulator rather than an object of its own because every
 # step touches the same state the loop owns (SMs, fit tables, the ready queue, counters, the heap through
 # _push_groups), and passing that around per group would cost more than the work.
-# State it uses, all set up by Simulator.__init__: now, _sms, _fit_index, _queue, _client_sms, _touched, _dram,
-# _dram_touched, _runs, _placed_hook, _vacated_hook, _policy, _record, trace, _blocks, _kernels, _dirty; methods it
-# calls: _push_groups, _counter, _finish.
+# State it uses, all set up by Simulator.__init__: now, _sms, _fit_index, _queue, _client_sms, _touched,
+# _dram_of, _dram_touched, _runs, _placed_hook, _vacated_hook, _policy, _record, trace, _blocks, _kernels,
+# _dirty; methods it calls: _push_groups, _counter, _finish, _dram_pool.
 """Block placement, completion, preemption and eviction (a mixin of ``Simulator``)."""
 
 from __future__ import annotations
@@ -97,6 +97,7 @@ class Blocks:
         # the work it had left, and keep an event apiece.
         wave: list[Group] = []
         placed = 0
+        pool = self._dram_pool(client) if dram else None
         if not partial and not shared and not dram:
             # The usual case, fresh fixed-cost blocks only: the loop below with its branches decided
             # (one group per SM, all in the wave), the same steps in the same order.
@@ -145,8 +146,9 @@ class Blocks:
                     self._touched.add(i)
                 elif dram:
                     group = Group(run, i, n, now, math.nan, seconds, 1.0, 1.0, False, seconds)
-                    self._dram.add(group, now)
-                    self._dram_touched = True
+                    self._dram_of[group] = pool
+                    pool.add(group, now)
+                    self._dram_touched[pool.key] = pool
                 elif resumed:
                     group = Group(run, i, n, now, now + seconds, 0.0, 1.0, 1.0, False, seconds)
                     self._push_groups(group.end, [group])
@@ -192,9 +194,10 @@ class Blocks:
                         self._touched.add(group.sm)
                         rate = group.rate
                     else:
-                        self._dram.remove(group, now)
-                        self._dram_touched = True
-                        rate = self._dram.rate
+                        pool = self._dram_of.pop(group)
+                        pool.remove(group, now)
+                        self._dram_touched[pool.key] = pool
+                        rate = pool.rate
                     left = group.remaining
                     if left <= _EPSILON * rate:
                         self._end_group(group)
@@ -297,8 +300,9 @@ class Blocks:
             self._sms[group.sm].remove_shared(group, self.now)
             self._touched.add(group.sm)
         elif group.run.kernel.cost.dram:
-            self._dram.remove(group, self.now)
-            self._dram_touched = True
+            pool = self._dram_of.pop(group)
+            pool.remove(group, self.now)
+            self._dram_touched[pool.key] = pool
         self._vacate(group)
 
     def _vacate(self, group: Group) -> None:

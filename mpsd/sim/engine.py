@@ -2,10 +2,10 @@
 # so ties keep their order and payloads are never compared. Work is handled an instant at a time: every
 # event at time t is processed first (blocks ending, kernels passing their launch overhead, copies
 # ending), then freed capacity is dispatched once, so blocks that end together free their SMs together.
-# The engine owns time and bookkeeping; stream order lives in streams.py, SM accounting and processor
-# sharing in sms.py, placing blocks and taking them off in blocks.py, the ready kernels and their keys in
-# ready.py, copy FIFOs in copies.py, the choice of which kernel goes next and which SMs a client may use
-# in policies/.
+# The engine owns time and bookkeeping; stream order lives in streams.py, SM accounting, processor
+# sharing and the shared DRAM bandwidth in sms.py, placing blocks and taking them off in blocks.py, the
+# ready kernels and their keys in ready.py, copy FIFOs in copies.py, the choice of which kernel goes next
+# and which SMs a client may use in policies/.
 # Policies act only through _place, _set_timer and _preempt (and read the ready queue); the engine does
 # the accounting for them.
 # What keeps an instant cheap on a busy device (each of these is exact, not an approximation): ready
@@ -78,8 +78,11 @@ class Simulator(Blocks):
         self._next_sweep = _SWEEP
         self._dirty = False  # capacity freed or a kernel became ready since the last dispatch
         self._touched: set[int] = set()  # SMs whose shared groups changed this instant
-        self._dram = DramPool(spec)  # memory-bound groups, sharing the device's DRAM bandwidth
-        self._dram_touched = False  # its membership changed this instant
+        # Memory-bound groups share DRAM bandwidth: one pool per domain the policy names (MIG partitions have
+        # their own), the pool of each resident dram group, and the pools whose membership changed this instant.
+        self._dram: dict[int, DramPool] = {}
+        self._dram_of: dict[Group, DramPool] = {}
+        self._dram_touched: dict[int, DramPool] = {}
         self._client_sms: dict[int, dict[int, int]] = {}  # client -> SM -> resident blocks
         self._copy_engines = CopyEngines(spec, lambda end, op: self._push(end, _COPY_END, op))
         self._completed: list[Op] = []  # completions at self.now not yet returned
@@ -315,6 +318,15 @@ class Simulator(Blocks):
         else:
             self._push(time, _GROUP_END, groups)
 
+    def _dram_pool(self, client: int) -> DramPool:
+        """The DRAM pool ``client``'s memory-bound blocks share (made on first use)."""
+        key, share = self._policy.dram_share(client)
+        pool = self._dram.get(key)
+        if pool is None:
+            top = self.spec.dram_curve[-1][1] if self.spec.dram_curve else 0.0
+            pool = self._dram[key] = DramPool(self.spec, key, top * share if share < 1.0 else math.inf)
+        return pool
+
     def _set_timer(self, time: float, token: object) -> None:
         """Call the policy's ``on_timer(token)`` at ``time`` (>= now), unless it says the token is stale."""
         self._push(time, _TIMER, token)
@@ -331,7 +343,7 @@ class Simulator(Blocks):
         if kind == _TIMER:
             return self._policy.timer_stale(payload)
         if kind == _DRAM:
-            return self._dram.version != payload
+            return payload[0].version != payload[1]
         if kind == _COPY_END:
             return self._copy_engines.stopped(payload)
         return payload.cancelled
@@ -369,11 +381,13 @@ class Simulator(Blocks):
                     self._policy.on_timer(payload)
                     self._dirty = True
             elif kind == _DRAM:
-                if self._dram.version != payload:
+                pool = payload[0]
+                if pool.version != payload[1]:
                     continue
-                for group in self._dram.pop_finished(t):
+                for group in pool.pop_finished(t):
+                    del self._dram_of[group]
                     self._end_group(group)
-                self._dram_touched = True
+                self._dram_touched[pool.key] = pool
             elif not self._copy_engines.stopped(payload):
                 self._end_copy(payload)
         self._end_instant()
@@ -395,10 +409,12 @@ class Simulator(Blocks):
                     self._push(soonest, _SM, (i, self._sms[i].version))
             self._touched.clear()
         if self._dram_touched:
-            soonest = self._dram.reschedule()
-            if soonest is not None:
-                self._push(soonest, _DRAM, self._dram.version)
-            self._dram_touched = False
+            for key in sorted(self._dram_touched):
+                pool = self._dram_touched[key]
+                soonest = pool.reschedule()
+                if soonest is not None:
+                    self._push(soonest, _DRAM, (pool, pool.version))
+            self._dram_touched.clear()
 
     def _flush(self) -> list[Op]:
         done = self._completed

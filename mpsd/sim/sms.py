@@ -150,12 +150,15 @@ class DramPool:
     of ``spec.dram_curve``); together, groups holding ``T`` threads reach ``dram_bandwidth(T)``, shared in
     proportion to threads, so every group runs at the same fraction ``rate`` of its speed alone. One number
     therefore tracks them all: ``progress``, the work every resident group has done since the pool began.
+    A MIG partition has a pool of its own, its bandwidth at most ``cap``.
     A group is done when progress reaches its ``targets`` entry, and a heap keeps the nearest first, so a
     group joining, leaving or finishing costs a heap operation, not a pass over the others. As with an SM's
     shared groups, the engine pushes one event per reschedule and ignores events of an older ``version``.
     """
 
     spec: DeviceSpec
+    key: int = 0  # the domain it serves (the policy's ``dram_share``)
+    cap: float = math.inf  # bytes/s at most (a MIG partition's share of the device's)
     targets: dict[Group, float] = field(default_factory=dict)  # resident group -> progress when it is done
     heap: list[tuple[float, int, Group]] = field(default_factory=list)  # (target, order, group); lazy
     order: Iterator[int] = field(default_factory=itertools.count)
@@ -224,7 +227,8 @@ class DramPool:
         if not heap:
             return None
         threads0, rate0 = self.spec.dram_curve[0]
-        self.rate = min(1.0, dram_bandwidth(self.spec, self.threads) / (self.threads * rate0 / threads0))
+        bandwidth = min(dram_bandwidth(self.spec, self.threads), self.cap)
+        self.rate = min(1.0, bandwidth / (self.threads * rate0 / threads0))
         return self.last + max(heap[0][0] - self.progress, 0.0) / self.rate
 
 

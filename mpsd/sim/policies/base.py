@@ -156,6 +156,11 @@ class Policy:
         """Which set of copy engines serves ``client`` (0: the device's one set)."""
         return 0
 
+    def dram_share(self, client: int) -> tuple[int, float]:
+        """Which DRAM bandwidth serves ``client``'s memory-bound blocks, and the share of the device's it is
+        ((0, 1.0): the device's one)."""
+        return (0, 1.0)
+
     def eligible(self, run: KernelRun) -> None:
         """``run`` became eligible (head of its stream, dependencies done)."""
 

@@ -81,7 +81,8 @@ class MigPolicy(Policy):
     """Static partitions: a client's blocks only go on its partition's SMs.
 
     Inside a partition work is dispatched as under ``mps`` (launch order, stream priorities, SM caps).
-    Partitions share nothing: no SM, no copy engine, so load in one never changes another's timeline.
+    Partitions share nothing: no SM, no copy engine, no DRAM bandwidth, so load in one never changes
+    another's timeline.
     Clients are bound with ``configure_client(partition=...)``; unconfigured clients use partition 0.
 
     Options:
@@ -132,6 +133,13 @@ class MigPolicy(Policy):
     def copy_lane(self, client: int) -> int:
         """Each partition has its own copy engines."""
         return self._bound.get(client, 0)
+
+    def dram_share(self, client: int) -> tuple[int, float]:
+        """Each partition has its own memory slices: its eighths of the bandwidth (a custom partition: its
+        share of the SMs). Not measured: MIG cannot be set up on the lent H200s."""
+        index = self._bound.get(client, 0)
+        p = self.partitions[index]
+        return (index, p.memory / self.spec.total_memory if p.memory else p.sm_count / self.spec.sm_count)
 
     def dispatch(self, ready: list[KernelRun]) -> None:
         """Launch order, as under ``mps``; windows keep partitions apart."""
