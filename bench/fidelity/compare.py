@@ -45,7 +45,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from mpsd.sim import H200, Kernel, Simulator, kernel_cost
+from mpsd.sim import H200, Kernel, Simulator, kernel_cost, sm_cap
 from mpsd.sim.policies import POLICIES
 from mpsd.simulate import run_scenario
 
@@ -103,7 +103,11 @@ def calibration() -> dict[str, float]:
             - busy_sync * w) / (1 - w)
     return {"kernel_overhead": statistics.median(between), "launch_latency": launch, "sync_latency": sync,
             "launch_latency_busy": busy_launch, "sync_latency_busy": busy_sync, "host_cooling": cooling,
-            "think_5ms": statistics.median(think), **_slice_calibration(), "dram_curve": _dram_curve()}
+            "think_5ms": statistics.median(think), **_slice_calibration(), **_dram_curve()}
+
+
+DRAM_PAIRED_STEP = "20 x vadd 64M, 1056 x 1024, ATP 50"  # 66 SMs of two 1024-thread blocks each
+DRAM_KNEE = 1024  # an SM's threads that count in full: 512 a SM showed no loss (264 x 256), 2048 did
 
 
 def _dram_point(k: dict) -> bool:
@@ -111,19 +115,31 @@ def _dram_point(k: dict) -> bool:
     return k["kernel"] == "vadd" and k["block"] == 1024 and k["grid"] <= FULL
 
 
-def _dram_curve() -> tuple[tuple[int, float], ...]:
-    """DeviceSpec.dram_curve: the bandwidth c = a + b reached alone on 1 to 264 blocks of 1024 threads (one
-    wave: every block resident at once), against the threads resident, both modes' mean; a kernel's time is
-    its batch's GPU time per launch less the model's gap between kernels."""
+def _gb_per_s(step: dict, res: dict) -> float:
+    """The bandwidth of a batch of c = a + b: its bytes over its GPU time per launch, less the model's gap."""
+    (k,) = step["kernels"]
+    return 12 * k["arg"] / (res["gpu_seconds"] / step["repeat"] - H200.kernel_overhead)
+
+
+def _dram_curve() -> dict:
+    """DeviceSpec's DRAM figures: the bandwidth c = a + b reached alone in one wave of 1 to 132 blocks of 1024
+    threads, one to an SM, against the threads (both modes' mean); how much an SM's second 1024 threads
+    count (``dram_beyond``), from 66 SMs of two blocks each (MPS, ATP 50); and with that, where the full
+    wave of 264 blocks, two to every SM, stands on the curve."""
     rates: dict[int, list[float]] = {}
     data = json.loads(BANDWIDTH.read_text())
     for mode in ("no-mps", "mps"):
         for step, res in _alone_steps(data, mode):
-            (k,) = step["kernels"]
-            if _dram_point(k):
-                seconds = res["gpu_seconds"] / step["repeat"] - H200.kernel_overhead
-                rates.setdefault(k["grid"] * k["block"], []).append(12 * k["arg"] / seconds)
-    return tuple((threads, statistics.mean(r)) for threads, r in sorted(rates.items()))
+            if _dram_point(step["kernels"][0]):
+                rates.setdefault(step["kernels"][0]["grid"], []).append(_gb_per_s(step, res))
+    spread = [(g * 1024, statistics.mean(r)) for g, r in sorted(rates.items()) if g <= H200.sm_count]
+    paired = next(_gb_per_s(t["steps"][0], t["results"][0]) for e in data["mps"] for t in e["tenants"]
+                  if t["steps"][0]["name"] == DRAM_PAIRED_STEP)
+    (lo_t, lo_b), (hi_t, hi_b) = next((a, b) for a, b in itertools.pairwise(spread) if a[1] <= paired <= b[1])
+    axis = lo_t + (paired - lo_b) / (hi_b - lo_b) * (hi_t - lo_t)  # where on the curve 66 x 2048 threads stand
+    beyond = axis / (sm_cap(H200, 50) * DRAM_KNEE) - 1
+    full = (H200.sm_count * DRAM_KNEE * (1 + beyond), statistics.mean(rates[FULL]))
+    return {"dram_curve": tuple(spread) + (full,), "dram_knee": DRAM_KNEE, "dram_beyond": beyond}
 
 
 def _slices(e: dict) -> list[tuple[int, float, float]]:
@@ -248,7 +264,8 @@ def _figures(source: str, row: str, mode: str, step: dict, res: dict, sim: dict,
     name = step.get("name", "")
     cal = ((source in ("run 1", "run 2") and (name == CALIBRATION_STEP or name in OVERHEAD_STEPS))
            or (source == "run 3" and step["mode"] == "probe" and name.startswith("empty kernel"))
-           or (source == "run 6" and step["mode"] == "batch" and _dram_point(step["kernels"][0])))
+           or (source == "run 6" and step["mode"] == "batch"
+               and (_dram_point(step["kernels"][0]) or name == DRAM_PAIRED_STEP)))
     return [{"source": source, "row": row, "mode": mode, "calibration": cal, **f} for f in out]
 
 
@@ -398,7 +415,11 @@ def main() -> int:
               f"({switch_us:.1f}); holding h of the warp slots, a switch costs more and a slice runs less by "
               + ", ".join(f"{e * 1e6:.1f} and {lo * 1e6:.1f} us at h = {h:g}" for h, e, lo in cal["state"])
               + " (" + ", ".join(f"{e * 1e6:.1f} and {lo * 1e6:.1f}" for _, e, lo in
-                                 POLICIES["timeslice"].options["state"]) + ")")
+                                 POLICIES["timeslice"].options["state"]) + ")"
+              + "; DRAM, GB/s at threads on the curve: "
+              + ", ".join(f"{b / 1e9:.1f} at {t:,.0f}" for t, b in cal["dram_curve"])
+              + f" ({H200.dram_curve[-1][1] / 1e9:.1f} at {H200.dram_curve[-1][0]:,.0f} last), an SM's threads past "
+              f"{cal['dram_knee']} counting {cal['dram_beyond']:.3f} ({H200.dram_beyond:.3f})")
         if args.calibration:
             return 0
     table = rows()

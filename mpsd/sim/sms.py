@@ -15,7 +15,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from .specs import BlockNeed, DeviceSpec, dram_bandwidth
+from .specs import BlockNeed, DeviceSpec, dram_bandwidth, dram_threads
 
 __all__ = ["SM", "DramPool", "FitIndex", "Group"]
 
@@ -147,8 +147,9 @@ class DramPool:
     """The device's DRAM bandwidth, shared by every resident memory-bound ("dram") group.
 
     A dram group's work is in seconds at the rate its threads reach alone (``threads`` times the first slope
-    of ``spec.dram_curve``); together, groups holding ``T`` threads reach ``dram_bandwidth(T)``, shared in
-    proportion to threads, so every group runs at the same fraction ``rate`` of its speed alone. One number
+    of ``spec.dram_curve``); together, groups reach the curve's bandwidth at the sum over SMs of
+    ``dram_threads`` (an SM's threads past ``spec.dram_knee`` count less), shared in proportion to threads,
+    so every group runs at the same fraction ``rate`` of its speed alone. One number
     therefore tracks them all: ``progress``, the work every resident group has done since the pool began.
     A MIG partition has a pool of its own, its bandwidth at most ``cap``.
     A group is done when progress reaches its ``targets`` entry, and a heap keeps the nearest first, so a
@@ -163,14 +164,27 @@ class DramPool:
     heap: list[tuple[float, int, Group]] = field(default_factory=list)  # (target, order, group); lazy
     order: Iterator[int] = field(default_factory=itertools.count)
     threads: int = 0  # resident in dram groups
+    sm_threads: dict[int, int] = field(default_factory=dict)  # SM -> its threads in dram groups
+    axis: float = 0.0  # where they all count on the curve's axis (sum of dram_threads over SMs)
     progress: float = 0.0
     last: float = 0.0  # time up to which progress has been accounted
     rate: float = 1.0
     version: int = 0
 
-    @staticmethod
-    def _threads(group: Group) -> int:
-        return group.count * group.run.kernel.threads
+    def _join(self, group: Group, sign: int) -> None:
+        """Count ``group``'s threads in (sign 1) or out (-1), on its SM and in all."""
+        threads = sign * group.count * group.run.kernel.threads
+        self.threads += threads
+        before = self.sm_threads.get(group.sm, 0)
+        after = before + threads
+        if after:
+            self.sm_threads[group.sm] = after
+        else:
+            del self.sm_threads[group.sm]
+        if self.sm_threads:
+            self.axis += dram_threads(self.spec, after) - dram_threads(self.spec, before)
+        else:
+            self.axis = 0.0  # empty: no float residue carried on
 
     def account(self, now: float) -> None:
         """Advance ``progress`` to ``now`` at the current rate."""
@@ -185,14 +199,14 @@ class DramPool:
         self.account(now)
         target = self.targets[group] = self.progress + group.remaining
         heapq.heappush(self.heap, (target, next(self.order), group))
-        self.threads += self._threads(group)
+        self._join(group, 1)
 
     def remove(self, group: Group, now: float) -> None:
         """Take ``group`` off before it finishes, its ``remaining`` set to the work it has left; call
         ``reschedule`` afterwards."""
         self.account(now)
         group.remaining = self.targets.pop(group) - self.progress
-        self.threads -= self._threads(group)
+        self._join(group, -1)
 
     def pop_finished(self, now: float) -> list[Group]:
         """Remove and return the groups whose bytes are all moved at ``now``, in the order they joined when
@@ -210,7 +224,7 @@ class DramPool:
             heapq.heappop(heap)
             del targets[group]
             group.remaining = target - self.progress
-            self.threads -= self._threads(group)
+            self._join(group, -1)
             done.append(group)
         return done
 
@@ -227,7 +241,7 @@ class DramPool:
         if not heap:
             return None
         threads0, rate0 = self.spec.dram_curve[0]
-        bandwidth = min(dram_bandwidth(self.spec, self.threads), self.cap)
+        bandwidth = min(dram_bandwidth(self.spec, self.axis), self.cap)
         self.rate = min(1.0, bandwidth / (self.threads * rate0 / threads0))
         return self.last + max(heap[0][0] - self.progress, 0.0) / self.rate
 

@@ -64,13 +64,24 @@ class DeviceSpec:
     # DRAM bandwidth that memory-bound blocks reach together, against the threads they hold resident:
     # (threads, bytes/s) points, ascending, linear between them and from (0, 0), flat past the last. Such
     # blocks share it in proportion to their threads (``mpsd.sim.sms.DramPool``). Empty: each block instead
-    # moves its bytes at its share of ``mem_bandwidth`` by the slots it holds, whatever else runs.
-    dram_curve: tuple[tuple[int, float], ...] = ()
+    # moves its bytes at its share of ``mem_bandwidth`` by the slots it holds, whatever else runs. An SM's
+    # threads past ``dram_knee`` count ``dram_beyond`` each on the curve's axis (more threads on one SM
+    # add less than on another SM).
+    dram_curve: tuple[tuple[float, float], ...] = ()
+    dram_knee: int = 0
+    dram_beyond: float = 1.0
 
 
-def dram_bandwidth(spec: DeviceSpec, threads: int) -> float:
-    """Bytes/s that memory-bound blocks holding ``threads`` threads reach together (``spec.dram_curve``)."""
-    lo_t, lo_b = 0, 0.0
+def dram_threads(spec: DeviceSpec, threads: int) -> float:
+    """Where an SM holding ``threads`` threads of memory-bound blocks counts on ``spec.dram_curve``'s axis."""
+    knee = spec.dram_knee
+    return float(threads) if not knee or threads <= knee else knee + spec.dram_beyond * (threads - knee)
+
+
+def dram_bandwidth(spec: DeviceSpec, threads: float) -> float:
+    """Bytes/s that memory-bound blocks counting ``threads`` on the axis of ``spec.dram_curve`` reach
+    together."""
+    lo_t, lo_b = 0.0, 0.0
     for t, b in spec.dram_curve:
         if threads <= t:
             return lo_b + (b - lo_b) * (threads - lo_t) / (t - lo_t)
@@ -130,12 +141,16 @@ H200 = DeviceSpec(
     launch_latency_busy=6.39e-6,
     sync_latency_busy=2.67e-6,
     host_cooling=1.14e-3,
-    # c = a + b alone on a real H200, in one wave of 1 to 264 blocks of 1024 threads (bench/fidelity/
-    # h200_bandwidth.json, both modes' mean; compare.py --calibration derives it): 31 GB/s a block, linear to
-    # 16 blocks, bending to 3.64 TB/s with every warp slot (the nominal 4.8 TB/s is never reached). 256-thread
-    # blocks reached what the same number of threads in 1024-thread blocks did, so the curve is in threads.
+    # c = a + b on a real H200 (bench/fidelity/h200_bandwidth.json; compare.py --calibration derives these).
+    # Alone in one wave of 1 to 132 blocks of 1024 threads, one to an SM (both modes' mean): 31 GB/s a block,
+    # linear to 16 blocks, bending to 2.69 TB/s. 256-thread blocks reached what as many threads in 1024-thread
+    # blocks did, up to 512 threads an SM. Two 1024-thread blocks to an SM reach less: under MPS at ATP 50,
+    # 66 SMs of two blocks reached what 66 x 1.86 SMs of one would, so an SM's second 1024 threads count 0.861.
+    # Every SM with two (264 blocks): 3.64 TB/s, the last point; the nominal 4.8 TB/s is never reached.
     dram_curve=((1024, 31.1e9), (2048, 60.2e9), (4096, 119.1e9), (8192, 234.7e9), (16384, 453.2e9),
-                (33792, 902.8e9), (67584, 1638.6e9), (135168, 2690.8e9), (270336, 3636.1e9)),
+                (33792, 902.8e9), (67584, 1638.6e9), (135168, 2690.8e9), (251521, 3636.1e9)),
+    dram_knee=1024,
+    dram_beyond=0.861,
 )
 
 
