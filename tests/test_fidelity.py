@@ -37,7 +37,8 @@ LAUNCH_RATE = ("kernels this short back to back are bound by the host's launch c
 SMALL_GAP = ("1-block kernels back to back left 1.3 us between them on the device; the model's gap (2 us) is the "
              "one FULL spins showed")
 FIRST_SLICE = ("which of two contexts released together the GPU serves first is a race: the model serves tenant "
-               "0 (the memory-bound one) first, and on the H200 it finished about one slice and switch later")
+               "0 (the memory-bound one) first; on the H200 it finished 2.6 ms later, about one slice and switch, "
+               "as if the other had gone first")
 REFERENCE_SPREAD = ("the reference measured this closed-loop probe beside the saturating tenant under MPS at "
                     "1.076 / 1.100 ms; runs 1 and 2 of the same loop gave 1.006 to 1.022 / 1.038 to 1.045 ms (also at "
                     "CLIENT_PRIORITY 1), which the model meets within 3%; it cannot be within 5% of both")
