@@ -239,6 +239,10 @@ def test_a_spec_without_a_dram_curve_keeps_fixed_memory_bound_blocks():
     spec = dataclasses.replace(H200, dram_curve=())
     cost = kernel_cost(spec, "fill_f32", 264, 1024, [0, 0.0, 1_200_000_000])
     assert not cost.dram and cost.seconds == pytest.approx(4.8e9 / 264 * 264 / spec.mem_bandwidth)
+    sim = Simulator(spec)  # and a dram cost given by hand runs at its speed alone
+    (k,) = launch(sim, 1, 1, blocks=4, cost=BlockCost(1 * MS, dram=True))
+    sim.run()
+    assert k.ended - k.started == pytest.approx(1 * MS)
 
 
 def test_stream_priority_wins_freed_capacity():

@@ -144,17 +144,18 @@ class SM:
 
 @dataclass(eq=False, slots=True)
 class DramPool:
-    """The device's DRAM bandwidth, shared by every resident memory-bound ("dram") group.
+    """DRAM bandwidth, shared by every resident memory-bound ("dram") group of its domain (the device, or
+    one MIG partition, whose bandwidth is at most ``cap``).
 
     A dram group's work is in seconds at the rate its threads reach alone (``threads`` times the first slope
-    of ``spec.dram_curve``); together, groups reach the curve's bandwidth at the sum over SMs of
+    of ``spec.dram_curve``). Together, groups reach the curve's bandwidth at the sum over SMs of
     ``dram_threads`` (an SM's threads past ``spec.dram_knee`` count less), shared in proportion to threads,
-    so every group runs at the same fraction ``rate`` of its speed alone. One number
-    therefore tracks them all: ``progress``, the work every resident group has done since the pool began.
-    A MIG partition has a pool of its own, its bandwidth at most ``cap``.
-    A group is done when progress reaches its ``targets`` entry, and a heap keeps the nearest first, so a
-    group joining, leaving or finishing costs a heap operation, not a pass over the others. As with an SM's
-    shared groups, the engine pushes one event per reschedule and ignores events of an older ``version``.
+    so every group runs at the same fraction ``rate`` of its speed alone. One number therefore tracks them
+    all: ``progress``, the work every resident group has done since the pool began. A group is done when
+    progress reaches its ``targets`` entry, and a heap keeps the nearest first, so a group joining, leaving
+    or finishing costs a heap operation, not a pass over the others. As with an SM's shared groups, the
+    engine pushes one event per reschedule and ignores events of an older ``version``. A spec without a
+    curve gives every group its speed alone.
     """
 
     spec: DeviceSpec
@@ -240,9 +241,10 @@ class DramPool:
             heapq.heappop(heap)
         if not heap:
             return None
-        threads0, rate0 = self.spec.dram_curve[0]
-        bandwidth = min(dram_bandwidth(self.spec, self.axis), self.cap)
-        self.rate = min(1.0, bandwidth / (self.threads * rate0 / threads0))
+        if self.spec.dram_curve:
+            threads0, rate0 = self.spec.dram_curve[0]
+            bandwidth = min(dram_bandwidth(self.spec, self.axis), self.cap)
+            self.rate = min(1.0, bandwidth / (self.threads * rate0 / threads0))
         return self.last + max(heap[0][0] - self.progress, 0.0) / self.rate
 
 
