@@ -9,6 +9,7 @@ Run on a machine with an NVIDIA GPU, CuPy and nvidia-cuda-mps-control, as root:
         --out bench/fidelity/h200_timing_host.json        # third and fourth runs (h200_timing_host2.json)
     python bench/fidelity/measure_timing.py --set slices --out bench/fidelity/h200_timing_slices.json
     python bench/fidelity/measure_timing.py --set bandwidth --out bench/fidelity/h200_bandwidth.json
+    python bench/fidelity/measure_timing.py --set copies --out bench/fidelity/h200_copies.json
 
 It extends the team's reference (h200_timing.json) with what the model needs besides: the host's launch and
 synchronise latency for a tiny kernel alone (what calibrates ``DeviceSpec.launch_latency`` and
@@ -109,7 +110,37 @@ def buffers(n):
     return arrays[n]
 
 
+copy_buffers = {}
+KINDS = {"h2d": 1, "d2h": 2, "d2d": 3}
+
+
+def copy_args(c):
+    # (dst, src) pointers for a copy of c["nbytes"] bytes of kind c["copy"]: pinned host memory unless
+    # c["pageable"]; made once, before the release.
+    key = (c["copy"], c["nbytes"], c.get("pageable", False))
+    if key not in copy_buffers:
+        n = c["nbytes"]
+        dev = cupy.zeros(n, dtype=cupy.uint8)
+        if c["copy"] == "d2d":
+            other = cupy.zeros(n, dtype=cupy.uint8)
+            copy_buffers[key] = (dev, other, dev.data.ptr, other.data.ptr)
+        else:
+            host = numpy.zeros(n, dtype=numpy.uint8) if c.get("pageable") else numpy.frombuffer(
+                cupy.cuda.alloc_pinned_memory(n), dtype=numpy.uint8, count=n)
+            hp = host.ctypes.data
+            copy_buffers[key] = (dev, host) + ((dev.data.ptr, hp) if c["copy"] == "h2d" else (hp, dev.data.ptr))
+    return copy_buffers[key][-2:]
+
+
+def copy(c):
+    dst, src = copy_args(c)
+    cupy.cuda.runtime.memcpyAsync(dst, src, c["nbytes"], KINDS[c["copy"]], stream.ptr)
+
+
 def launch(k):
+    if "copy" in k:
+        copy(k)
+        return
     if k["kernel"] == "spin":
         args = (numpy.int64(k["arg"]),)
     elif k["kernel"] == "work":
@@ -284,7 +315,9 @@ def run_step(step, go):
 
 for step in steps:                         # warm up every kernel this process will launch
     for k in step.get("kernels", [step.get("kernel")]):
-        if k:
+        if k and "copy" in k:
+            launch(k)  # its buffers, before the release
+        elif k:
             launch(dict(k, arg=min(int(k["arg"]), 1000), grid=1))
             if k["kernel"] == "vadd":  # its arrays, before the release
                 buffers(int(k["arg"]))
@@ -441,6 +474,34 @@ def bandwidth_experiments(mps: bool) -> list[dict]:
     return out
 
 
+def memcpy(kind: str, nbytes: int, pageable: bool = False) -> dict:
+    return {"copy": kind, "nbytes": nbytes, **({"pageable": True} if pageable else {})}
+
+
+def copy_experiments(mps: bool) -> list[dict]:
+    """Copies: time per cudaMemcpyAsync by kind and size alone (pinned host memory; one pageable size), then
+    two processes copying at once, a small copy's latency beside a stream of large ones, the two directions
+    together, and a device-to-device copy beside a memory-bound kernel."""
+    sizes = ((4 << 10, 200), (64 << 10, 200), (1 << 20, 100), (16 << 20, 20), (256 << 20, 10))
+    alone = [batch(f"{r} x {kind} {n >> 10} KiB", [memcpy(kind, n)], r) for kind in ("h2d", "d2h", "d2d")
+             for n, r in sizes]
+    alone.append(batch("20 x h2d 16384 KiB pageable", [memcpy("h2d", 16 << 20, pageable=True)], 20))
+    big = memcpy("h2d", 256 << 20)
+    probe = {"mode": "probe", "kernel": memcpy("h2d", 64 << 10), "samples": 100, "sleep": 0.001, "delay": 0.05,
+             "name": "h2d 64 KiB probe"}
+    return [{"name": "1 tenant alone", "tenants": [{"env": {}, "steps": alone}]},
+            {"name": "2 x h2d 256 MiB", "tenants": [
+                {"env": {}, "steps": [batch("20 x h2d 262144 KiB", [big], 20)]} for _ in range(2)]},
+            {"name": "h2d 64 KiB probe beside h2d 256 MiB", "tenants": [
+                {"env": {}, "steps": [probe]}, {"env": {}, "steps": [batch("60 x h2d 262144 KiB", [big], 60)]}]},
+            {"name": "h2d beside d2h, 256 MiB", "tenants": [
+                {"env": {}, "steps": [batch("20 x h2d 262144 KiB", [big], 20)]},
+                {"env": {}, "steps": [batch("20 x d2h 262144 KiB", [memcpy("d2h", 256 << 20)], 20)]}]},
+            {"name": "d2d 256 MiB beside vadd", "tenants": [
+                {"env": {}, "steps": [batch("40 x d2d 262144 KiB", [memcpy("d2d", 256 << 20)], 40)]},
+                {"env": {}, "steps": [batch("50 x vadd 64M, 1056 x 1024", [vadd(BIG, 1056)], 50)]}]}]
+
+
 def latency_experiments(mps: bool) -> list[dict]:
     """The 8 x 0.1 ms probe beside a tenant saturating the GPU with back-to-back FULL 1-ms kernels."""
     closed = {"mode": "probe", "kernel": PROBE, "samples": 200, "sleep": 0.005, "delay": 0.05}
@@ -578,15 +639,18 @@ def main() -> None:
     parser.add_argument("--out", required=True, help="the JSON file to write (rewritten after each experiment)")
     parser.add_argument("--only", default="", help="comma-separated name fragments: run only the multi-process "
                                                    "experiments whose names hold one (the single-process steps are skipped)")
-    parser.add_argument("--set", choices=("main", "host-switch", "slices", "bandwidth"), default="main",
+    parser.add_argument("--set", choices=("main", "host-switch", "slices", "bandwidth", "copies"), default="main",
                         help="main: the experiments of h200_timing_extra.json; host-switch: host latency against "
                              "idle time, launch cost, and time-slicing timelines (h200_timing_host.json); slices: "
                              "context switches against the blocks resident (no MPS; h200_timing_slices.json); bandwidth: "
-                             "DRAM bandwidth against blocks, SM caps and neighbours (h200_bandwidth.json)")
+                             "DRAM bandwidth against blocks, SM caps and neighbours (h200_bandwidth.json); copies: memcpy by "
+                             "kind and size, alone and beside others (h200_copies.json)")
     parser.add_argument("--plan", action="store_true", help="print the experiments and exit (no GPU needed)")
     args = parser.parse_args()
 
     def experiments(mps: bool) -> list[dict]:
+        if args.set == "copies":
+            return copy_experiments(mps)
         if args.set == "bandwidth":
             return bandwidth_experiments(mps)
         if args.set == "slices":
