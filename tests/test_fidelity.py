@@ -1,5 +1,5 @@
 # The fidelity table as tests on the simulator alone: every figure measured on a real H200 (with and without
-# MPS: the reference and four runs of bench/fidelity/measure_timing.py) against the model, within 5%. Rows
+# MPS: the reference and six runs of bench/fidelity/measure_timing.py) against the model, within 5%. Rows
 # the model cannot meet yet are strict-xfail, each with the reason, so that a model that improves turns them
 # into failures to update here. Calibration rows (the empty kernel alone, the batches of short spins) are not
 # tested as matches; the figures calibrated from them are checked against DeviceSpec instead.
