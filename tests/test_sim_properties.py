@@ -7,7 +7,7 @@ from collections import defaultdict
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mpsd.sim import H200, BlockCost, Copy, Kernel, Marker, Simulator, block_need, occupancy
+from mpsd.sim import H200, BlockCost, Copy, Kernel, Marker, Simulator, block_need, kernel_cost, occupancy
 
 SPEC = dataclasses.replace(H200, sm_count=8)  # small, so clients collide
 CAPS = {1: None, 2: 2, 3: 4, 4: 6}
@@ -161,3 +161,24 @@ def test_cancel_never_strands_other_clients(scenario, victim, when):
     assert all(o.done for o in submitted if o not in unfinished)
     assert sim.busy_sms() == 0
     assert len(done) == len({id(o) for o in done})
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 600), st.sampled_from([128, 256, 1024]), st.integers(1, 10**8),
+                          st.integers(1, 4), st.sampled_from([0.0, 1e-4, 1e-3])), min_size=1, max_size=6))
+def test_memory_bound_kernels_never_beat_the_dram_curve(specs):
+    """However memory-bound grids from several clients overlap, the bytes they move over the time they take
+    never exceed the H200's DRAM bandwidth (the top of its curve), and every one completes."""
+    sim = Simulator(H200)
+    timed = sorted(((at, Kernel(client=c, stream=i, blocks=g, threads=t,
+                                cost=kernel_cost(H200, "fill_f32", g, t, [0, 0.0, n])), 4 * n)
+                    for i, (g, t, n, c, at) in enumerate(specs)), key=lambda x: x[0])
+    for at, k, _ in timed:
+        sim.advance(max(at, sim.now))
+        sim.submit(k)
+    sim.run()
+    kernels = [k for _, k, _ in timed]
+    assert all(k.done for k in kernels)
+    span = max(k.ended for k in kernels) - min(k.started for k in kernels)
+    moved = sum(nbytes for _, _, nbytes in timed)
+    assert moved <= H200.dram_curve[-1][1] * span * (1 + 1e-9)
