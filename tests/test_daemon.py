@@ -71,11 +71,14 @@ def test_in_flight_reply_finishes_during_shutdown(daemon_factory):
     worker = spawn_worker("""
         import mpsd_client, time
         ctx = mpsd_client.connect()
-        ctx.launch("spin", 264, 1024, [int(0.8 * 1.98e9)])   # 0.8 s of simulated (= wall) time
-        print("launched", flush=True)
+        ctx.launch("spin", 264, 1024, [int(2 * 1.98e9)])   # 2 s of simulated (= wall) time
+        print("synchronizing", flush=True)
         t = time.monotonic(); ctx.synchronize(); print("synchronized", round(time.monotonic() - t, 2))
     """, d.pipe_dir)
-    assert worker.stdout.readline().strip() == "launched"
+    assert worker.stdout.readline().strip() == "synchronizing"
+    # The launch is fire-and-forget, so "synchronizing" can come before the daemon has even seen it: give the
+    # synchronize request time to arrive (the kernel still has well over a second to run).
+    time.sleep(0.3)
     d.proc.send_signal(signal.SIGTERM)
     out, err = worker.communicate(timeout=30)
     assert worker.returncode == 0, err
