@@ -365,10 +365,10 @@ def _simulated_slices(grids: list[int], seconds: float) -> list[tuple[float, flo
 
 def _slice_rows() -> list[dict]:
     """Time-slicing seen from inside, per process: run 5's (its pairs of equal grids calibrate; a 264-block
-    context beside a 1-block one and three 1-block ones are predicted), and runs 1 and 2's full-GPU kernels
-    in 2 and 3 processes (predicted)."""
+    context beside a 1-block one and three 1-block ones are predicted), and run 2's full-GPU kernels in 2
+    and 3 processes (predicted; run 1 has none of these experiments)."""
     out = []
-    for source, path in (("run 1", RUN1), ("run 2", RUN2), ("run 5", RUN5)):
+    for source, path in (("run 2", RUN2), ("run 5", RUN5)):
         for e in json.loads(path.read_text())["no-mps"]:
             if not e["name"].startswith(("gaps", "slices")) or len(e["tenants"]) < 2:
                 continue
