@@ -10,6 +10,7 @@ Run on a machine with an NVIDIA GPU, CuPy and nvidia-cuda-mps-control, as root:
     python bench/fidelity/measure_timing.py --set slices --out bench/fidelity/h200_timing_slices.json
     python bench/fidelity/measure_timing.py --set bandwidth --out bench/fidelity/h200_bandwidth.json
     python bench/fidelity/measure_timing.py --set copies --out bench/fidelity/h200_copies.json
+    python bench/fidelity/measure_timing.py --set copy-sharing --out bench/fidelity/h200_copies2.json
 
 It extends the team's reference (h200_timing.json) with what the model needs besides: the host's launch and
 synchronise latency for a tiny kernel alone (what calibrates ``DeviceSpec.launch_latency`` and
@@ -121,7 +122,9 @@ def copy_args(c):
     if key not in copy_buffers:
         n = c["nbytes"]
         dev = cupy.zeros(n, dtype=cupy.uint8)
-        if c["copy"] == "d2d":
+        if c["copy"] == "memset":
+            copy_buffers[key] = (dev, dev.data.ptr, None)
+        elif c["copy"] == "d2d":
             other = cupy.zeros(n, dtype=cupy.uint8)
             copy_buffers[key] = (dev, other, dev.data.ptr, other.data.ptr)
         else:
@@ -134,7 +137,10 @@ def copy_args(c):
 
 def copy(c):
     dst, src = copy_args(c)
-    cupy.cuda.runtime.memcpyAsync(dst, src, c["nbytes"], KINDS[c["copy"]], stream.ptr)
+    if c["copy"] == "memset":
+        cupy.cuda.runtime.memsetAsync(dst, 0, c["nbytes"], stream.ptr)
+    else:
+        cupy.cuda.runtime.memcpyAsync(dst, src, c["nbytes"], KINDS[c["copy"]], stream.ptr)
 
 
 def launch(k):
@@ -185,6 +191,7 @@ def wait_until(t):
 def run_step(step, go):
     mode = step["mode"]
     if mode == "batch":
+        wait_until(go + step.get("delay", 0.0))
         t0 = time.monotonic()
         a, b = cupy.cuda.Event(), cupy.cuda.Event()
         a.record()
@@ -502,6 +509,50 @@ def copy_experiments(mps: bool) -> list[dict]:
                 {"env": {}, "steps": [batch("50 x vadd 64M, 1056 x 1024", [vadd(BIG, 1056)], 50)]}]}]
 
 
+def copy_sharing_experiments(mps: bool) -> list[dict]:
+    """What run 7 left open. Host time per copy call; memset and pageable copies by size; whether a
+    device-to-device copy or a memset is a kernel (its bandwidth under an active thread percentage, beside a
+    full-GPU spin, beside another); and how one copy engine is shared: a small copy's latency beside a stream
+    of large ones, against the probe's sleep (run 7 slept 1 ms only), and the other kinds beside that stream."""
+    alone = [{"mode": "issue", "name": f"issue: {kind} 4 KiB", "kernel": memcpy(kind, 4 << 10), "repeat": 500}
+             for kind in ("h2d", "d2h", "d2d", "memset")]
+    alone += [batch(f"{r} x memset {n >> 10} KiB", [memcpy("memset", n)], r)
+              for n, r in ((4 << 10, 200), (1 << 20, 100), (16 << 20, 20), (64 << 20, 20), (256 << 20, 10))]
+    alone += [batch(f"20 x d2d {64 << 10} KiB", [memcpy("d2d", 64 << 20)], 20)]
+    alone += [batch(f"{r} x {kind} {n >> 10} KiB pageable", [memcpy(kind, n, pageable=True)], r)
+              for kind in ("h2d", "d2h") for n, r in ((64 << 10, 100), (1 << 20, 50), (16 << 20, 10), (256 << 20, 4))]
+    out = [{"name": "1 tenant alone", "tenants": [{"env": {}, "steps": alone}]}]
+    d2d, fill = memcpy("d2d", 256 << 20), memcpy("memset", 256 << 20)
+    if mps:
+        for atp in (10, 25, 50):
+            env = {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(atp)}
+            out.append({"name": f"1 tenant, ATP {atp}", "tenants": [{"env": env, "steps": [
+                batch(f"40 x d2d 262144 KiB, ATP {atp}", [d2d], 40),
+                batch(f"40 x memset 262144 KiB, ATP {atp}", [fill], 40)]}]})
+    saturate = {"mode": "saturate", "name": "saturating", "kernel": spin(1.0), "duration": 0.3}
+    out += [{"name": "d2d 256 MiB beside FULL spin", "tenants": [
+                {"env": {}, "steps": [dict(batch("40 x d2d 262144 KiB", [d2d], 40), delay=0.05)]},
+                {"env": {}, "steps": [saturate]}]},
+            {"name": "memset 256 MiB beside FULL spin", "tenants": [
+                {"env": {}, "steps": [dict(batch("40 x memset 262144 KiB", [fill], 40), delay=0.05)]},
+                {"env": {}, "steps": [saturate]}]},
+            {"name": "2 x d2d 256 MiB", "tenants": [
+                {"env": {}, "steps": [batch("40 x d2d 262144 KiB", [d2d], 40)]} for _ in range(2)]}]
+    big = memcpy("h2d", 256 << 20)
+    for sleep in (0.0, 0.25, 0.5, 2.0, 3.0):
+        probe = {"mode": "probe", "kernel": memcpy("h2d", 64 << 10), "samples": 100, "sleep": sleep / 1e3,
+                 "delay": 0.05, "name": f"h2d 64 KiB probe, sleep {sleep} ms"}
+        out.append({"name": f"h2d 64 KiB probe, sleep {sleep} ms, beside h2d 256 MiB", "tenants": [
+            {"env": {}, "steps": [probe]}, {"env": {}, "steps": [batch("120 x h2d 262144 KiB", [big], 120)]}]})
+    for kind, stream_kind, n in (("d2h", "h2d", 120), ("h2d", "d2d", 2000), ("d2d", "d2d", 2000)):
+        probe = {"mode": "probe", "kernel": memcpy(kind, 64 << 10), "samples": 100, "sleep": 0.0005, "delay": 0.05,
+                 "name": f"{kind} 64 KiB probe, sleep 0.5 ms"}
+        out.append({"name": f"{kind} 64 KiB probe, sleep 0.5 ms, beside {stream_kind} 256 MiB", "tenants": [
+            {"env": {}, "steps": [probe]},
+            {"env": {}, "steps": [batch(f"{n} x {stream_kind} 262144 KiB", [memcpy(stream_kind, 256 << 20)], n)]}]})
+    return out
+
+
 def latency_experiments(mps: bool) -> list[dict]:
     """The 8 x 0.1 ms probe beside a tenant saturating the GPU with back-to-back FULL 1-ms kernels."""
     closed = {"mode": "probe", "kernel": PROBE, "samples": 200, "sleep": 0.005, "delay": 0.05}
@@ -639,18 +690,22 @@ def main() -> None:
     parser.add_argument("--out", required=True, help="the JSON file to write (rewritten after each experiment)")
     parser.add_argument("--only", default="", help="comma-separated name fragments: run only the multi-process "
                                                    "experiments whose names hold one (the single-process steps are skipped)")
-    parser.add_argument("--set", choices=("main", "host-switch", "slices", "bandwidth", "copies"), default="main",
+    parser.add_argument("--set", choices=("main", "host-switch", "slices", "bandwidth", "copies",
+                                          "copy-sharing"), default="main",
                         help="main: the experiments of h200_timing_extra.json; host-switch: host latency against "
                              "idle time, launch cost, and time-slicing timelines (h200_timing_host.json); slices: "
                              "context switches against the blocks resident (no MPS; h200_timing_slices.json); bandwidth: "
                              "DRAM bandwidth against blocks, SM caps and neighbours (h200_bandwidth.json); copies: memcpy by "
-                             "kind and size, alone and beside others (h200_copies.json)")
+                             "kind and size, alone and beside others (h200_copies.json); copy-sharing: copy calls, memsets, "
+                             "pageable copies, device copies as kernels, and how a copy engine is shared (h200_copies2.json)")
     parser.add_argument("--plan", action="store_true", help="print the experiments and exit (no GPU needed)")
     args = parser.parse_args()
 
     def experiments(mps: bool) -> list[dict]:
         if args.set == "copies":
             return copy_experiments(mps)
+        if args.set == "copy-sharing":
+            return copy_sharing_experiments(mps)
         if args.set == "bandwidth":
             return bandwidth_experiments(mps)
         if args.set == "slices":
