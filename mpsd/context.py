@@ -29,7 +29,7 @@ from mpsd_protocol import (  # type: ignore[attr-defined]
 )
 from mpsd.kernels import KERNELS
 from mpsd.memory import AddressSpace, Allocation, HostBuffer, Segment
-from mpsd.sim import Copy, Kernel, Marker, Op, kernel_cost
+from mpsd.sim import COPY_KINDS, Copy, Kernel, Marker, Op, copy_kernel, kernel_cost
 
 if TYPE_CHECKING:
     from mpsd.device import Device
@@ -307,12 +307,18 @@ class Context:
                     end = min(start + _CHUNK, nbytes)
                     view[start:end] = pattern[:end - start]
 
-        return self._copy(s, "d2d", nbytes, effect)
+        return self._copy(s, "memset", nbytes, effect)
 
     def _copy(self, stream: Stream, engine: str, nbytes: int, effect: Callable[[Op], None]) -> Op:
         self.counters.copies += 1
         self.counters.bytes_copied += nbytes
-        op = Copy(client=self.id, stream=stream.key, tag=effect, engine=engine, nbytes=nbytes)
+        op: Op
+        if engine in COPY_KINDS:  # the runtime launches a kernel for these: the client's quotas hold
+            blocks, threads, cost = copy_kernel(self.device.spec, engine, nbytes)
+            op = Kernel(client=self.id, stream=stream.key, tag=effect, blocks=blocks, threads=threads, cost=cost,
+                        priority=stream.priority, sm_cap=self.quotas.sm_cap)
+        else:
+            op = Copy(client=self.id, stream=stream.key, tag=effect, engine=engine, nbytes=nbytes)
         return self._enqueue(stream, op)
 
     # -- kernels ---------------------------------------------------------------------------------------

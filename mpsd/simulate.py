@@ -8,6 +8,9 @@
 #                                  at (first submission, s), period (s between submissions: open loop;
 #                                  without it the repeats queue back to back on their stream), sleep (s
 #                                  after each synchronise before the next launch: closed loop)
+#   [[tenant.copy]]                kind ("h2d", "d2h": PCIe copy engines; "d2d", "memset": kernels the runtime
+#                                  launches), bytes, and repeat, stream, stream_priority, at, period, sleep as
+#                                  for a kernel
 # Times are what the tenant observes: each tenant is one host thread whose launch calls follow one another,
 # each reaching the device as it returns, and a synchronise returns a while after the kernel ends; both cost
 # more the longer the thread was idle before (mpsd.sim.host, DeviceSpec's figures measured on a real H200).
@@ -26,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from mpsd.config import DEVICE_MODELS
-from mpsd.sim import Kernel, Simulator, kernel_cost, sm_cap
+from mpsd.sim import COPY_KINDS, ENGINES, Copy, Kernel, Op, Simulator, copy_kernel, kernel_cost, sm_cap
 from mpsd.sim.host import HostThread
 
 
@@ -57,7 +60,7 @@ class TenantResult:
 class _Loop:
     """A closed-loop kernel: each launch follows the previous one's synchronise and a sleep."""
 
-    make: Callable[[], Kernel]
+    make: Callable[[], Op]
     left: int
     sleep: float
 
@@ -76,7 +79,7 @@ def run_scenario(scenario: dict[str, Any]) -> dict[str, Any]:
         sim = Simulator(spec, policy=device.get("policy", "mps"), policy_options=device.get("policy_options"))
     except ValueError as exc:
         raise ScenarioError(f"[device]: {exc}") from None
-    arrivals: list[tuple[float, int, Kernel, _Loop | None]] = []  # (launch called, seq, op, loop)
+    arrivals: list[tuple[float, int, Op, _Loop | None]] = []  # (launch called, seq, op, loop)
     results: dict[int, TenantResult] = {}
     for t_index, tenant in enumerate(scenario.get("tenant", [])):
         for copy in range(int(tenant.get("count", 1))):
@@ -91,18 +94,21 @@ def run_scenario(scenario: dict[str, Any]) -> dict[str, Any]:
                 raise ScenarioError(f"tenant {name}: {exc}") from None
             for k in tenant.get("kernel", []):
                 arrivals.extend(_kernels(spec, client, cap, k, name, len(arrivals)))
+            for c in tenant.get("copy", []):
+                arrivals.extend(_copies(spec, client, cap, c, name, len(arrivals)))
     if not arrivals:
         raise ScenarioError("the scenario launches no kernels")
     # Each tenant is one host thread: its launch calls are made one after another (``calls``, in the order
     # they are due), and only its next one is in ``due``, at the time its work reaches the device.
     threads = {client: HostThread(spec) for client in results}
-    calls: dict[int, list[tuple[float, int, Kernel, _Loop | None]]] = {client: [] for client in results}
+    calls: dict[int, list[tuple[float, int, Op, _Loop | None]]] = {client: [] for client in results}
     for call in arrivals:
         heapq.heappush(calls[call[2].client], call)
-    due: list[tuple[float, int, float, Kernel, _Loop | None]] = []
+    due: list[tuple[float, int, float, Op, _Loop | None]] = []
     calling: set[int] = set()  # the tenants with a call in `due`
     launched: dict[int, tuple[float, float]] = {}  # id(op) -> (when the tenant called launch, its warmth)
-    following: dict[int, tuple[Kernel, _Loop]] = {}  # closed loops waiting for their op to end
+    following: dict[int, tuple[Op, _Loop]] = {}  # closed loops waiting for their op to end
+    scales = dict(spec.copy_calls)  # a copy call's host time against a launch's, by kind (the ops' tag)
     seq = itertools.count(len(arrivals))
     done: list = []
 
@@ -110,7 +116,7 @@ def run_scenario(scenario: dict[str, Any]) -> dict[str, Any]:
         if calls[client] and client not in calling:
             calling.add(client)
             at, n, op, loop = heapq.heappop(calls[client])
-            heapq.heappush(due, (threads[client].launch(at), n, at, op, loop))
+            heapq.heappush(due, (threads[client].launch(at, scales.get(op.tag, 1.0)), n, at, op, loop))
             launched[id(op)] = (at, threads[client].warmth)
 
     def finished(ops: list) -> None:
@@ -162,24 +168,58 @@ def run_scenario(scenario: dict[str, Any]) -> dict[str, Any]:
 
 
 def _kernels(spec, client: int, cap: int, k: dict[str, Any], tenant: str,
-             seq: int) -> list[tuple[float, int, Kernel, _Loop | None]]:
+             seq: int) -> list[tuple[float, int, Op, _Loop | None]]:
     try:
         grid, block = _count(k.get("grid", 1)), _count(k.get("block", 256))
         args = list(k.get("args", []))
         cost = kernel_cost(spec, k["name"], grid, block, args)
-        at, period, sleep = float(k.get("at", 0.0)), k.get("period"), k.get("sleep")
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ScenarioError(f"tenant {tenant}: kernel {k.get('name')!r}: {exc}") from None
+
+    def make() -> Op:
+        return Kernel(client=client, stream=int(k.get("stream", 0)), blocks=grid, threads=block, cost=cost,
+                      priority=int(k.get("stream_priority", 0)), sm_cap=cap)
+
+    return _timed(k, make, seq, f"tenant {tenant}: kernel {k.get('name')!r}")
+
+
+def _copies(spec, client: int, cap: int, c: dict[str, Any], tenant: str,
+            seq: int) -> list[tuple[float, int, Op, _Loop | None]]:
+    where = f"tenant {tenant}: copy {c.get('kind')!r}"
+    kind, nbytes = c.get("kind"), c.get("bytes")
+    if not isinstance(nbytes, int) or nbytes < 0:
+        raise ScenarioError(f"{where}: bytes must be a count >= 0, got {nbytes!r}")
+    try:
+        stream, priority = int(c.get("stream", 0)), int(c.get("stream_priority", 0))
+    except (TypeError, ValueError) as exc:
+        raise ScenarioError(f"{where}: {exc}") from None
+    if kind in COPY_KINDS:  # a kernel the runtime launches: the tenant's SM cap holds
+        blocks, threads, cost = copy_kernel(spec, kind, nbytes)
+
+        def make() -> Op:
+            return Kernel(client=client, stream=stream, tag=kind, blocks=blocks, threads=threads, cost=cost,
+                          priority=priority, sm_cap=cap)
+    elif kind in ENGINES:
+        def make() -> Op:
+            return Copy(client=client, stream=stream, tag=kind, engine=kind, nbytes=nbytes)
+    else:
+        raise ScenarioError(f"{where}: kind must be one of {ENGINES + COPY_KINDS}")
+    return _timed(c, make, seq, where)
+
+
+def _timed(entry: dict[str, Any], make: Callable[[], Op], seq: int,
+           where: str) -> list[tuple[float, int, Op, _Loop | None]]:
+    """An entry's launches: ``repeat`` of them at ``at``, one per ``period`` (open loop), or each after the
+    previous one's synchronise and a ``sleep`` (closed loop)."""
+    try:
+        at, period, sleep = float(entry.get("at", 0.0)), entry.get("period"), entry.get("sleep")
         if period is not None and sleep is not None:
             raise ValueError("give period (open loop) or sleep (closed loop), not both")
         if sleep is not None and not float(sleep) >= 0.0:
             raise ValueError(f"sleep must be >= 0, got {sleep!r}")
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ScenarioError(f"tenant {tenant}: kernel {k.get('name')!r}: {exc}") from None
-
-    def make() -> Kernel:
-        return Kernel(client=client, stream=int(k.get("stream", 0)), blocks=grid, threads=block, cost=cost,
-                      priority=int(k.get("stream_priority", 0)), sm_cap=cap)
-
-    repeat = int(k.get("repeat", 1))
+        repeat = int(entry.get("repeat", 1))
+    except (TypeError, ValueError) as exc:
+        raise ScenarioError(f"{where}: {exc}") from None
     if sleep is not None:
         return [(at, seq, make(), _Loop(make, repeat - 1, float(sleep)))] if repeat > 0 else []
     return [(at + (i * float(period) if period else 0.0), seq + i, make(), None) for i in range(repeat)]

@@ -25,7 +25,7 @@ op_spec = st.fixed_dictionaries(
         "seconds": st.sampled_from([1e-5, 1e-4, 3e-4, 1e-3]),
         "cost": st.sampled_from(["fixed", "shared", "dram"]),  # dram: blocks share DRAM bandwidth
         "priority": st.integers(-1, 0),
-        "engine": st.sampled_from(["h2d", "d2h", "d2d"]),
+        "engine": st.sampled_from(["h2d", "d2h"]),
         "nbytes": st.integers(0, 10**7),
         "deps": st.lists(st.integers(0, 100), max_size=2),
     }

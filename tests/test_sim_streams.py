@@ -1,8 +1,11 @@
 """Stream order, `after` dependencies, markers, copy engines, cancel() and the clock."""
 
+import dataclasses
+
 import pytest
 
-from mpsd.sim import H200, BlockCost, Copy, Kernel, Marker, Simulator
+from mpsd.sim import H200, BlockCost, Copy, Kernel, Marker, Simulator, copy_kernel
+from mpsd.sim.specs import dram_bandwidth, dram_threads
 
 MS = 1e-3
 OVERHEAD = H200.kernel_overhead
@@ -108,23 +111,22 @@ def test_marker_with_after_waits_on_other_stream():
 
 
 def test_copy_durations():
-    """h2d/d2h run at PCIe bandwidth, d2d at half the memory bandwidth, each plus the fixed latency."""
+    """h2d and d2h run at PCIe bandwidth on engines of their own, each plus the fixed latency."""
     sim = Simulator()
     h2d = Copy(client=1, stream=0, engine="h2d", nbytes=55_000_000)
     d2h = Copy(client=1, stream=1, engine="d2h", nbytes=55_000_000)
-    d2d = Copy(client=1, stream=2, engine="d2d", nbytes=2_400_000_000)
-    submit(sim, h2d, d2h, d2d)
+    submit(sim, h2d, d2h)
     sim.run()
-    for c in (h2d, d2h, d2d):
+    for c in (h2d, d2h):
         assert c.started == 0.0
         assert c.ended == pytest.approx(H200.copy_latency + 1 * MS)
     stats = sim.statistics()
-    assert stats.copies_completed == 3
-    assert stats.per_client[1].bytes_copied == 2_510_000_000
+    assert stats.copies_completed == 2
+    assert stats.per_client[1].bytes_copied == 110_000_000
 
 
-def test_copy_engine_is_one_fifo_for_all_clients():
-    """Copies on one engine run one at a time in the order they became eligible, across clients."""
+def test_copy_engine_serves_streams_in_turn():
+    """Copies shorter than a slice run one at a time in the order they became eligible, across clients."""
     sim = Simulator()
     a = Copy(client=1, stream=0, engine="h2d", nbytes=55_000_000)
     b = Copy(client=2, stream=0, engine="h2d", nbytes=55_000)
@@ -134,6 +136,86 @@ def test_copy_engine_is_one_fifo_for_all_clients():
     assert b.started == a.ended
     assert c.started == b.ended
     assert c.ended == pytest.approx(3 * H200.copy_latency + 1 * MS + 1e-6)
+
+
+Q = H200.copy_timeslice
+LONG = 10 * 55_000_000  # 10 ms at PCIe bandwidth
+SMALL = 55_000  # 1 us
+
+
+def test_copy_engine_time_slices_a_long_copy():
+    """A small copy beside a long one waits for the long one's slice to end, not for the copy: then it runs,
+    and the long one resumes with the time it had left."""
+    sim = Simulator()
+    (big,) = submit(sim, Copy(client=1, stream=0, engine="h2d", nbytes=LONG))
+    sim.advance(0.3 * MS)
+    (small,) = submit(sim, Copy(client=2, stream=0, engine="h2d", nbytes=SMALL))
+    assert sim.run() == [small, big]
+    assert small.started == pytest.approx(Q)
+    small_time = H200.copy_latency + 1e-6
+    assert small.ended == pytest.approx(Q + small_time)
+    assert big.ended == pytest.approx(H200.copy_latency + 10 * MS + small_time)
+
+
+def test_copy_slices_run_on_a_grid_while_the_engine_is_alone():
+    """The slices of a stream alone on the engine end on a grid from when it got it: a copy arriving after
+    2.5 slices waits for the third slice to end."""
+    sim = Simulator()
+    submit(sim, Copy(client=1, stream=0, engine="h2d", nbytes=LONG))
+    sim.advance(2.5 * Q)
+    (small,) = submit(sim, Copy(client=2, stream=0, engine="h2d", nbytes=SMALL))
+    sim.run()
+    assert small.started == pytest.approx(3 * Q)
+
+
+def test_back_to_back_copies_keep_the_slice():
+    """A stream whose next copy is queued behind the one that ends keeps the engine until its slice ends;
+    two such streams alternate a slice each."""
+    sim = Simulator()
+    n = 4 * 55_000  # 4 us: many to a slice
+    a = [Copy(client=1, stream=0, engine="h2d", nbytes=n) for _ in range(400)]
+    b = [Copy(client=2, stream=0, engine="h2d", nbytes=n) for _ in range(400)]
+    submit(sim, *a, *b)
+    sim.run()
+    each = H200.copy_latency + 4e-6
+    per_slice = sum(1 for c in a if c.ended <= Q + 1e-12)
+    assert per_slice == int(Q / each)  # the copy under way when the slice ends is set aside, then resumes
+    assert b[0].started == pytest.approx(Q)
+    assert a[per_slice].ended > 2 * Q  # client 1 waits out client 2's slice
+    assert max(c.ended for c in a + b) == pytest.approx(800 * each)  # no time lost to the switches
+
+
+def test_without_a_time_slice_each_copy_runs_to_its_end():
+    """A spec with no copy time slice runs the long copy to its end before the small one."""
+    sim = Simulator(dataclasses.replace(H200, copy_timeslice=0.0))
+    (big,) = submit(sim, Copy(client=1, stream=0, engine="h2d", nbytes=LONG))
+    sim.advance(0.3 * MS)
+    (small,) = submit(sim, Copy(client=2, stream=0, engine="h2d", nbytes=SMALL))
+    assert sim.run() == [big, small]
+    assert small.started == big.ended
+
+
+def test_device_copies_are_kernels():
+    """A device-to-device copy or a memset is a kernel: a full-device copy takes its traffic at the DRAM
+    curve's top over the kind's efficiency, and an SM cap slows it as it does any memory-bound kernel."""
+    n = 256 << 20
+    for kind, traffic in (("d2d", 2 * n), ("memset", n)):
+        blocks, threads, cost = copy_kernel(H200, kind, n)
+        assert (blocks, threads) == (264, 1024) and cost.dram
+        bytes_per = {k: b for k, b, _ in H200.copy_kernels}[kind]
+        times = []
+        for cap in (None, 33):
+            sim = Simulator()
+            (k,) = submit(sim, Kernel(client=1, stream=0, blocks=blocks, threads=threads, cost=cost, sm_cap=cap))
+            sim.run()
+            times.append(k.ended - k.started)
+        weight = {k: w for k, _, w in H200.copy_kernels}[kind]
+        axis = H200.sm_count * dram_threads(H200, 2 * 1024 * weight)  # two blocks on every SM, weighted
+        assert times[0] == pytest.approx(traffic / bytes_per / dram_bandwidth(H200, axis))
+        assert times[1] > 1.5 * times[0]  # a quarter of the SMs: on the H200, 1.9 times as long
+    assert copy_kernel(H200, "memset", 4096)[0] == 1  # small: one block
+    with pytest.raises(ValueError):
+        copy_kernel(H200, "p2p", 1)
 
 
 def test_copy_and_kernel_share_stream_order():

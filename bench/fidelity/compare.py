@@ -46,6 +46,8 @@ import sys
 from pathlib import Path
 
 from mpsd.sim import H200, Kernel, Simulator, kernel_cost, sm_cap
+from mpsd.sim.costs import COPY_THREADS
+from mpsd.sim.specs import dram_bandwidth, dram_threads
 from mpsd.sim.policies import POLICIES
 from mpsd.simulate import run_scenario
 
@@ -54,6 +56,7 @@ REFERENCE, RUN1, RUN2 = HERE / "h200_timing.json", HERE / "h200_timing_extra.jso
 RUN3, RUN4 = HERE / "h200_timing_host.json", HERE / "h200_timing_host2.json"
 RUN5 = HERE / "h200_timing_slices.json"
 BANDWIDTH = HERE / "h200_bandwidth.json"
+COPIES, COPIES2, COPIES3 = HERE / "h200_copies.json", HERE / "h200_copies2.json", HERE / "h200_copies3.json"
 MS = 1.98e6  # spin cycles per millisecond at 1.98 GHz
 FULL, QUARTER = 264, 66
 WORK_ITERS = 93638  # the model's `work` iterations for one 1-ms FULL wave
@@ -103,7 +106,8 @@ def calibration() -> dict[str, float]:
             - busy_sync * w) / (1 - w)
     return {"kernel_overhead": statistics.median(between), "launch_latency": launch, "sync_latency": sync,
             "launch_latency_busy": busy_launch, "sync_latency_busy": busy_sync, "host_cooling": cooling,
-            "think_5ms": statistics.median(think), **_slice_calibration(), **_dram_curve()}
+            "think_5ms": statistics.median(think), **_slice_calibration(), **_dram_curve(),
+            **_copy_calibration(busy_launch)}
 
 
 DRAM_PAIRED_STEP = "20 x vadd 64M, 1056 x 1024, ATP 50"  # 66 SMs of two 1024-thread blocks each
@@ -140,6 +144,63 @@ def _dram_curve() -> dict:
     beyond = axis / (sm_cap(H200, 50) * DRAM_KNEE) - 1
     full = (H200.sm_count * DRAM_KNEE * (1 + beyond), statistics.mean(rates[FULL]))
     return {"dram_curve": tuple(spread) + (full,), "dram_knee": DRAM_KNEE, "dram_beyond": beyond}
+
+
+COPY_SLICE_STEP = "h2d 64 KiB probe, sleep 0.0 ms"  # back to back beside a stream of 256-MiB copies
+COPY_FULL_STEPS = {"d2d": "10 x d2d 262144 KiB", "memset": "10 x memset 262144 KiB"}  # alone, whole device
+BIG_COPY = 256 << 20
+
+
+def _copy_atp_step(kind: str, atp: int) -> str:
+    return f"40 x {kind} 262144 KiB, ATP {atp}"
+
+
+def _copy_calibration(launch_busy: float) -> dict:
+    """DeviceSpec's copy figures, from runs 7 and 8 (h200_copies.json, h200_copies2.json), both modes.
+
+    The engine's time slice: a 64-KiB copy launched back to back beside another process's stream of 256-MiB
+    copies waits out the stream's slice each time, so its launches are one slice and its own copy apart.
+    The copy kernels: for each kind, the weight of its threads on the DRAM curve's axis that best fits its
+    256-MiB batches under MPS at active thread percentages 10, 25 and 50 (least squares of the log of the
+    time), its traffic per curve byte set so that the batch alone on the whole device is exact. The calls:
+    a copy call launched back to back, against an empty kernel's launch call back to back.
+    """
+    run7, run8 = json.loads(COPIES.read_text()), json.loads(COPIES2.read_text())
+    gaps, calls, full = [], {}, {}
+    for mode in ("no-mps", "mps"):
+        for e in run8[mode]:
+            if e["name"].startswith(COPY_SLICE_STEP):
+                at = e["tenants"][0]["results"][0]["launched_at_s"]
+                gaps.append(statistics.median(b - a for a, b in itertools.pairwise(at[1:])))
+        for step, res in _alone_steps(run7, mode) + _alone_steps(run8, mode):
+            if step["mode"] == "issue":
+                calls.setdefault(step["kernel"]["copy"], []).append(res["host_us_per_call"] / 1e6 / launch_busy)
+            for kind, name in COPY_FULL_STEPS.items():
+                if step["name"] == name:
+                    full.setdefault(kind, []).append(res["gpu_seconds"] / step["repeat"] - H200.kernel_overhead)
+    kernels = []
+    for kind in ("d2d", "memset"):
+        traffic = BIG_COPY * (2 if kind == "d2d" else 1)
+        capped = [(sm_cap(H200, atp), res["gpu_seconds"] / step["repeat"] - H200.kernel_overhead)
+                  for e in run8["mps"] for step, res in zip(e["tenants"][0]["steps"], e["tenants"][0]["results"])
+                  for atp in (10, 25, 50) if step["name"] == _copy_atp_step(kind, atp)]
+        alone = statistics.mean(full[kind])
+
+        def rate(sms: int, weight: float) -> float:
+            # Two 1024-thread blocks on each of ``sms`` SMs (mpsd.sim.costs.copy_kernel), as the DRAM pool
+            # counts them: the curve at their weighted threads, at most their speed alone.
+            (t0, r0), threads = H200.dram_curve[0], 2 * COPY_THREADS * weight
+            return min(dram_bandwidth(H200, sms * dram_threads(H200, threads)), sms * threads * r0 / t0)
+
+        def misfit(weight: float) -> float:
+            per = traffic / (alone * rate(H200.sm_count, weight))  # traffic per curve byte
+            return sum(math.log(traffic / per / rate(sms, weight) / t) ** 2 for sms, t in capped)
+
+        weight = min((0.5 + 0.001 * i for i in range(2500)), key=misfit)
+        kernels.append((kind, traffic / (alone * rate(H200.sm_count, weight)), weight))
+    small = H200.copy_latency + (64 << 10) / H200.pcie_bandwidth
+    return {"copy_timeslice": statistics.mean(gaps) - small, "copy_kernels": tuple(kernels),
+            "copy_calls": tuple((k, statistics.mean(v)) for k, v in sorted(calls.items()))}
 
 
 def _slices(e: dict) -> list[tuple[int, float, float]]:
@@ -220,10 +281,28 @@ def _kernel(k: dict, **extra) -> dict:
     return {"name": k["kernel"], "grid": k["grid"], "block": k["block"], "args": args, **extra}
 
 
-def _tenant(name: str, env: dict, steps: list[dict], cal: dict) -> dict:
-    """A measured tenant (its steps) as a scenario tenant; None where it has nothing the model runs."""
-    kernels = []
-    for step in steps:
+def _copy(c: dict, **extra) -> dict:
+    return {"kind": c["copy"], "bytes": c["nbytes"], **extra}
+
+
+def _tenant(name: str, env: dict, steps: list[dict], cal: dict, results: list[dict] | None = None) -> dict:
+    """A measured tenant (its steps) as a scenario tenant; empty where it has nothing the model runs. A copy
+    probe's loop sleeps what the measured one did between a synchronise's return and its next call (from its
+    ``results``): with the copy engine's slices about 1 ms apart, whether a launch comes just before or just
+    after a slice ends turns on tens of microseconds of host time."""
+    kernels, copies = [], []
+    for i, step in enumerate(steps):
+        ks = step.get("kernels") or [step.get("kernel")]
+        if any(k and "copy" in k for k in ks):
+            if any(k.get("pageable") for k in ks):
+                continue  # the model does not tell pageable host memory from pinned
+            (c,) = ks
+            if step["mode"] == "probe":
+                sleep = statistics.median(_idle_times(results[i])) if results else float(step.get("sleep", 0.0))
+                copies.append(_copy(c, repeat=step["samples"], at=step.get("delay", 0.0), sleep=sleep))
+            else:
+                copies.append(_copy(c, repeat=step["repeat"]))
+            continue
         if step["mode"] in ("batch", "timeline"):
             if len(step["kernels"]) == 1:
                 kernels.append(_kernel(step["kernels"][0], repeat=step["repeat"]))
@@ -242,7 +321,7 @@ def _tenant(name: str, env: dict, steps: list[dict], cal: dict) -> dict:
         quotas["active_thread_percentage"] = float(env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"])
     if "CUDA_MPS_CLIENT_PRIORITY" in env:
         quotas["priority"] = int(env["CUDA_MPS_CLIENT_PRIORITY"])
-    return {"name": name, **quotas, "kernel": kernels}
+    return {"name": name, **quotas, "kernel": kernels, "copy": copies}
 
 
 def _simulate(mode: str, tenants: list[dict]) -> dict[str, dict]:
@@ -265,7 +344,10 @@ def _figures(source: str, row: str, mode: str, step: dict, res: dict, sim: dict,
     cal = ((source in ("run 1", "run 2") and (name == CALIBRATION_STEP or name in OVERHEAD_STEPS))
            or (source == "run 3" and step["mode"] == "probe" and name.startswith("empty kernel"))
            or (source == "run 6" and step["mode"] == "batch"
-               and (_dram_point(step["kernels"][0]) or name == DRAM_PAIRED_STEP)))
+               and (_dram_point(step["kernels"][0]) or name == DRAM_PAIRED_STEP))
+           or (source == "run 7" and name == COPY_FULL_STEPS["d2d"])
+           or (source == "run 8" and (step["mode"] == "issue" or name.startswith(COPY_SLICE_STEP)
+                                      or name == COPY_FULL_STEPS["memset"] or ", ATP " in name)))
     return [{"source": source, "row": row, "mode": mode, "calibration": cal, **f} for f in out]
 
 
@@ -279,19 +361,22 @@ def _measured_rows(source: str, path: Path, cal: dict) -> list[dict]:
             if len(e["tenants"]) == 1:  # one process's steps ran one after another: one simulation each
                 t = e["tenants"][0]
                 for step, res in zip(t["steps"], t["results"]):
-                    tenant = _tenant("t0", t["env"], [step], cal)
-                    if tenant["kernel"]:
+                    tenant = _tenant("t0", t["env"], [step], cal, [res])
+                    if tenant["kernel"] or tenant["copy"]:
                         sim = _simulate(mode, [tenant])["t0"]
                         out += _figures(source, f"alone: {step['name']}", mode, step, res, sim)
                 continue
-            tenants = [_tenant(f"t{i}", t["env"], t["steps"], cal) for i, t in enumerate(e["tenants"])]
+            tenants = [_tenant(f"t{i}", t["env"], t["steps"], cal, t["results"]) for i, t in enumerate(e["tenants"])]
             # Batches start when their process began launching (the release is one instant, but a process
-            # can be late to it: up to 7 ms in h200_timing_host.json); probes keep their own delay.
-            starts = {i: t["results"][0]["started"] for i, t in enumerate(e["tenants"])
-                      if t["steps"][0]["mode"] in ("batch", "timeline")}
+            # can be late to it: up to 7 ms in h200_timing_host.json), or after their delay; probes keep
+            # their own delay.
+            batches = {i: t["steps"][0] for i, t in enumerate(e["tenants"])
+                       if t["steps"][0]["mode"] in ("batch", "timeline")}
+            starts = {i: e["tenants"][i]["results"][0]["started"] for i, step in batches.items() if "delay" not in step}
             offset = {i: v - min(starts.values()) for i, v in starts.items()}
+            offset.update({i: step["delay"] for i, step in batches.items() if "delay" in step})
             for i, tenant in enumerate(tenants):
-                for k in tenant["kernel"] if i in offset else ():
+                for k in tenant["kernel"] + tenant["copy"] if i in offset else ():
                     k["at"] = offset[i]
             sim = _simulate(mode, tenants)
             figures = []
@@ -389,7 +474,8 @@ def rows() -> list[dict]:
     cal = calibration()
     out = (_reference_rows(cal) + _measured_rows("run 1", RUN1, cal) + _measured_rows("run 2", RUN2, cal)
            + _measured_rows("run 3", RUN3, cal) + _measured_rows("run 4", RUN4, cal) + _slice_rows()
-           + _measured_rows("run 6", BANDWIDTH, cal))
+           + _measured_rows("run 6", BANDWIDTH, cal) + _measured_rows("run 7", COPIES, cal)
+           + _measured_rows("run 8", COPIES2, cal) + _measured_rows("run 9", COPIES3, cal))
     for r in out:
         r["error"] = (r["simulated"] - r["measured"]) / r["measured"]
     return out
@@ -419,7 +505,12 @@ def main() -> int:
               + "; DRAM, GB/s at threads on the curve: "
               + ", ".join(f"{b / 1e9:.1f} at {t:,.0f}" for t, b in cal["dram_curve"])
               + f" ({H200.dram_curve[-1][1] / 1e9:.1f} at {H200.dram_curve[-1][0]:,.0f} last), an SM's threads past "
-              f"{cal['dram_knee']} counting {cal['dram_beyond']:.3f} ({H200.dram_beyond:.3f})")
+              f"{cal['dram_knee']} counting {cal['dram_beyond']:.3f} ({H200.dram_beyond:.3f}); copy engine time "
+              f"slice {cal['copy_timeslice'] * 1e3:.4f} ms ({H200.copy_timeslice * 1e3:.4f}); copy kernels, traffic "
+              "per curve byte and thread weight: " + ", ".join(f"{k} {b:.4f} and {w:.3f}" for k, b, w in cal["copy_kernels"])
+              + " (" + ", ".join(f"{b:.4f} and {w:.3f}" for _, b, w in H200.copy_kernels) + "); copy calls against a "
+              "launch's: " + ", ".join(f"{k} {f:.3f}" for k, f in cal["copy_calls"])
+              + " (" + ", ".join(f"{f:.3f}" for _, f in H200.copy_calls) + ")")
         if args.calibration:
             return 0
     table = rows()
@@ -433,7 +524,7 @@ def main() -> int:
               f"{r['simulated']:>9.4f} {r['error']:>+7.1%}{flag}")
     print()
     counted = [r for r in table if not r["calibration"]]
-    for source in ("reference", "run 1", "run 2", "run 3", "run 4", "run 5", "run 6"):
+    for source in ("reference", "run 1", "run 2", "run 3", "run 4", "run 5", "run 6", "run 7", "run 8", "run 9"):
         for mode in ("mps", "no-mps"):
             chosen = [r for r in counted if r["source"] == source and r["mode"] == mode]
             within = sum(abs(r["error"]) <= TOLERANCE for r in chosen)

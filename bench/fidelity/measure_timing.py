@@ -11,6 +11,7 @@ Run on a machine with an NVIDIA GPU, CuPy and nvidia-cuda-mps-control, as root:
     python bench/fidelity/measure_timing.py --set bandwidth --out bench/fidelity/h200_bandwidth.json
     python bench/fidelity/measure_timing.py --set copies --out bench/fidelity/h200_copies.json
     python bench/fidelity/measure_timing.py --set copy-sharing --out bench/fidelity/h200_copies2.json
+    python bench/fidelity/measure_timing.py --set copy-duplex --out bench/fidelity/h200_copies3.json
 
 It extends the team's reference (h200_timing.json) with what the model needs besides: the host's launch and
 synchronise latency for a tiny kernel alone (what calibrates ``DeviceSpec.launch_latency`` and
@@ -553,6 +554,41 @@ def copy_sharing_experiments(mps: bool) -> list[dict]:
     return out
 
 
+def copy_duplex_experiments(mps: bool) -> list[dict]:
+    """What run 8 left open: copies in both directions at once (again, with other sizes, and overlapping in
+    part), a copy engine shared by three streams, the other direction's engine sliced the same way, PCIe
+    copies beside a memory-bound kernel, and pageable copies again."""
+    h2d, d2h = memcpy("h2d", 256 << 20), memcpy("d2h", 256 << 20)
+    alone = [batch(f"10 x {kind} 16384 KiB pageable", [memcpy(kind, 16 << 20, pageable=True)], 10)
+             for kind in ("h2d", "d2h")]
+
+    def probe(kind: str, sleep_ms: float) -> dict:
+        return {"mode": "probe", "kernel": memcpy(kind, 64 << 10), "samples": 100, "sleep": sleep_ms / 1e3,
+                "delay": 0.05, "name": f"{kind} 64 KiB probe, sleep {sleep_ms} ms"}
+
+    return [{"name": "1 tenant alone", "tenants": [{"env": {}, "steps": alone}]},
+            {"name": "h2d beside d2h, 256 MiB", "tenants": [
+                {"env": {}, "steps": [batch("20 x h2d 262144 KiB", [h2d], 20)]},
+                {"env": {}, "steps": [batch("20 x d2h 262144 KiB", [d2h], 20)]}]},
+            {"name": "h2d 64 MiB beside d2h 256 MiB", "tenants": [
+                {"env": {}, "steps": [batch("80 x h2d 65536 KiB", [memcpy("h2d", 64 << 20)], 80)]},
+                {"env": {}, "steps": [batch("20 x d2h 262144 KiB", [d2h], 20)]}]},
+            {"name": "h2d beside d2h from 30 ms on", "tenants": [
+                {"env": {}, "steps": [batch("20 x h2d 262144 KiB", [h2d], 20)]},
+                {"env": {}, "steps": [dict(batch("10 x d2h 262144 KiB", [d2h], 10), delay=0.03)]}]},
+            {"name": "3 x h2d 256 MiB", "tenants": [
+                {"env": {}, "steps": [batch("20 x h2d 262144 KiB", [h2d], 20)]} for _ in range(3)]},
+            {"name": "h2d 64 KiB probe, sleep 0.5 ms, beside 2 x h2d 256 MiB", "tenants": [
+                {"env": {}, "steps": [probe("h2d", 0.5)]},
+                *[{"env": {}, "steps": [batch("120 x h2d 262144 KiB", [h2d], 120)]} for _ in range(2)]]},
+            {"name": "d2h 64 KiB probe, sleep 0.25 ms, beside d2h 256 MiB", "tenants": [
+                {"env": {}, "steps": [probe("d2h", 0.25)]},
+                {"env": {}, "steps": [batch("120 x d2h 262144 KiB", [d2h], 120)]}]},
+            {"name": "h2d 256 MiB beside vadd", "tenants": [
+                {"env": {}, "steps": [batch("20 x h2d 262144 KiB", [h2d], 20)]},
+                {"env": {}, "steps": [batch("200 x vadd 64M, 1056 x 1024", [vadd(BIG, 1056)], 200)]}]}]
+
+
 def latency_experiments(mps: bool) -> list[dict]:
     """The 8 x 0.1 ms probe beside a tenant saturating the GPU with back-to-back FULL 1-ms kernels."""
     closed = {"mode": "probe", "kernel": PROBE, "samples": 200, "sleep": 0.005, "delay": 0.05}
@@ -691,13 +727,14 @@ def main() -> None:
     parser.add_argument("--only", default="", help="comma-separated name fragments: run only the multi-process "
                                                    "experiments whose names hold one (the single-process steps are skipped)")
     parser.add_argument("--set", choices=("main", "host-switch", "slices", "bandwidth", "copies",
-                                          "copy-sharing"), default="main",
+                                          "copy-sharing", "copy-duplex"), default="main",
                         help="main: the experiments of h200_timing_extra.json; host-switch: host latency against "
                              "idle time, launch cost, and time-slicing timelines (h200_timing_host.json); slices: "
                              "context switches against the blocks resident (no MPS; h200_timing_slices.json); bandwidth: "
                              "DRAM bandwidth against blocks, SM caps and neighbours (h200_bandwidth.json); copies: memcpy by "
                              "kind and size, alone and beside others (h200_copies.json); copy-sharing: copy calls, memsets, "
-                             "pageable copies, device copies as kernels, and how a copy engine is shared (h200_copies2.json)")
+                             "pageable copies, device copies as kernels, and how a copy engine is shared (h200_copies2.json); "
+                             "copy-duplex: both directions at once, three streams on one engine (h200_copies3.json)")
     parser.add_argument("--plan", action="store_true", help="print the experiments and exit (no GPU needed)")
     args = parser.parse_args()
 
@@ -706,6 +743,8 @@ def main() -> None:
             return copy_experiments(mps)
         if args.set == "copy-sharing":
             return copy_sharing_experiments(mps)
+        if args.set == "copy-duplex":
+            return copy_duplex_experiments(mps)
         if args.set == "bandwidth":
             return bandwidth_experiments(mps)
         if args.set == "slices":

@@ -2,7 +2,7 @@
 # modules behind it stay free to move. Pure: no I/O, no wall clock, no trio, no threads.
 """mpsd.sim: a deterministic model of a GPU shared under NVIDIA MPS."""
 
-from .costs import KERNEL_COSTS, BlockCost, kernel_cost
+from .costs import COPY_KINDS, KERNEL_COSTS, BlockCost, copy_kernel, kernel_cost
 from .engine import Simulator
 from .ops import ENGINES, BlockGroup, Copy, Kernel, Marker, Op
 from .policies import MIG_PROFILES, POLICIES, ClientConfig, MigPartition, mig_layout
@@ -10,6 +10,7 @@ from .specs import H200, BlockNeed, DeviceSpec, block_need, occupancy, sm_cap
 from .stats import ClientStatistics, SimStatistics
 
 __all__ = [
+    "COPY_KINDS",
     "ENGINES",
     "H200",
     "KERNEL_COSTS",
@@ -29,6 +30,7 @@ __all__ = [
     "SimStatistics",
     "Simulator",
     "block_need",
+    "copy_kernel",
     "kernel_cost",
     "mig_layout",
     "occupancy",

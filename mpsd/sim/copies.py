@@ -1,13 +1,20 @@
-# Copy engines: one FIFO per (engine, lane), a lane being a set of copy engines (the device's one set, or a
-# MIG partition's own). Copies never share an SM with blocks, so their bookkeeping is apart from the
-# engine's: this module decides only which copy runs on a lane and for how long; the engine owns the
-# events, the counters and what a finished copy releases in stream order.
-"""Copy engines: FIFO lanes of copies and their durations."""
+# Copy engines over PCIe: one per direction and lane, a lane being a set of copy engines (the device's one
+# set, or a MIG partition's own). A real H200 time-slices an engine between the streams that have copies
+# for it, MPS or not: a 64-KiB copy beside another process's stream of 256-MiB copies waited for a grid of
+# about 1.05-ms slices that starts when the stream got the engine and runs on while it is alone
+# (bench/fidelity/h200_copies2.json: after sleeps of 0 to 0.5 ms the small copy's latency was 1.05 ms less
+# the sleep; after 2 and 3 ms, either almost nothing or a whole slice). Copies never share an SM with blocks
+# (device-to-device copies and memsets are kernels: mpsd.sim.costs.copy_kernel), so this module decides only
+# which copy runs on an engine and until when; the engine owns the events, the counters and what a finished
+# copy releases in stream order.
+"""Copy engines: PCIe copies, time-sliced between streams."""
 
 from __future__ import annotations
 
+import math
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
 
 from .ops import Copy
 from .specs import DeviceSpec
@@ -17,77 +24,133 @@ __all__ = ["CopyEngines"]
 Lane = tuple[str, int]
 
 
+@dataclass(slots=True)
+class _Engine:
+    """One copy engine: the copy it runs and the copies waiting for it, one per stream at most (a stream's
+    next copy becomes eligible only when its last one ends)."""
+
+    waiting: deque[Copy] = field(default_factory=deque)
+    running: Copy | None = None
+    since: float = 0.0  # when ``running`` last started or resumed
+    owner: Hashable = None  # the stream holding the slice
+    granted: float = 0.0  # when the owner got the engine: its slices end on a grid from here
+    version: int = 0  # bumped whenever the pending event changes
+
+
 class CopyEngines:
-    """The copies queued or in flight, one FIFO per lane, one copy at a time per lane.
+    """The copies queued or in flight, by engine.
+
+    A copy takes ``copy_latency`` plus its bytes at PCIe bandwidth. The stream whose copy runs holds the
+    engine in slices of ``spec.copy_timeslice``; when a slice ends and another stream waits, the copy is
+    set aside with the time it has left and the next stream waiting gets the engine. A stream whose copy
+    ends keeps the engine if its next copy is eligible at that instant (back-to-back copies, as a queued
+    stream has); otherwise the next waiting one gets it, in the order they became eligible. A spec without
+    a time slice runs each copy to its end.
 
     Args:
-        spec: the device (bandwidths, fixed latency).
-        schedule: called as ``schedule(end_time, copy)`` when a copy starts; the engine turns it into
-            an event.
+        spec: the device (bandwidth, fixed latency, time slice).
+        schedule: called as ``schedule(time, token)`` for the engine's next event; the engine passes the
+            token back to ``stale`` and ``fire``.
     """
 
-    def __init__(self, spec: DeviceSpec, schedule: Callable[[float, Copy], None]) -> None:
+    def __init__(self, spec: DeviceSpec, schedule: Callable[[float, tuple], None]) -> None:
         self._spec = spec
         self._schedule = schedule
-        self._queues: dict[Lane, deque[Copy]] = {}  # lane -> FIFO
-        self._busy: dict[Lane, Copy | None] = {}
-        self._lane: dict[Copy, Lane] = {}  # copies queued or in flight -> their FIFO
-        self._stopped: set[Copy] = set()  # copies of cancelled clients stopped in flight
+        self._engines: dict[Lane, _Engine] = {}
+        self._lane: dict[Copy, Lane] = {}  # copies waiting or in flight -> their engine
+        self._left: dict[Copy, float] = {}  # seconds each started copy still needs
 
     def enqueue(self, op: Copy, lane: Lane, now: float) -> None:
-        """Queue ``op`` on ``lane`` and start it if the lane is idle."""
+        """``op`` became eligible: queue it on ``lane``; the caller calls ``start`` once this instant's
+        copies are queued."""
         self._lane[op] = lane
-        queue = self._queues.get(lane)
-        if queue is None:
-            queue = self._queues[lane] = deque()
-            self._busy[lane] = None
-        queue.append(op)
-        self.start(lane, now)
+        engine = self._engines.get(lane)
+        if engine is None:
+            engine = self._engines[lane] = _Engine()
+        engine.waiting.append(op)
+        if engine.running is not None:
+            self._plan(lane, engine, now)  # a slice end may matter now
 
     def start(self, lane: Lane, now: float) -> None:
-        """Start the head of ``lane``'s FIFO if nothing runs there."""
-        queue = self._queues[lane]
-        if self._busy[lane] is not None or not queue:
+        """If ``lane``'s engine is idle, give it to the next copy: the slice holder's, else the first waiting."""
+        engine = self._engines[lane]
+        if engine.running is not None:
             return
-        op = queue.popleft()
-        self._busy[lane] = op
-        op.started = now
-        spec = self._spec
-        bandwidth = spec.mem_bandwidth / 2 if op.engine == "d2d" else spec.pcie_bandwidth
-        self._schedule(now + spec.copy_latency + op.nbytes / bandwidth, op)
+        if not engine.waiting:
+            engine.owner = None
+            return
+        op = next((o for o in engine.waiting if (o.client, o.stream) == engine.owner), None)
+        if op is None:
+            op = engine.waiting[0]
+            engine.owner, engine.granted = (op.client, op.stream), now
+        engine.waiting.remove(op)
+        self._run(lane, engine, op, now)
 
     def start_all(self, now: float) -> None:
-        """Start every idle lane's head (after a cancel emptied some)."""
-        for lane in list(self._queues):
+        """Start every idle engine's next copy (after a cancel emptied some)."""
+        for lane in list(self._engines):
             self.start(lane, now)
 
-    def end(self, op: Copy) -> Lane:
-        """``op``'s end event came: free its lane (the caller starts the next one after reporting ``op``).
+    def stale(self, token: tuple) -> bool:
+        """True if the event ``token`` was superseded."""
+        lane, version = token
+        return self._engines[lane].version != version
 
-        Returns:
-            The lane it ran on.
-        """
-        lane = self._lane.pop(op)
-        self._busy[lane] = None
-        return lane
-
-    def stopped(self, op: Copy) -> bool:
-        """True if ``op`` was stopped in flight by a cancel (its end event is void)."""
-        return op in self._stopped
+    def fire(self, token: tuple, now: float) -> tuple[Copy | None, Lane]:
+        """The event ``token`` is due: the running copy ended (returned, its engine now idle: the caller
+        reports it, then calls ``start``), or its slice did and another stream's copy took over (None)."""
+        lane, _ = token
+        engine = self._engines[lane]
+        op = engine.running
+        assert op is not None
+        left = self._left[op] - (now - engine.since)
+        if left <= 1e-12 * max(1.0, now):
+            del self._left[op], self._lane[op]
+            engine.running = None
+            engine.version += 1
+            return op, lane
+        self._left[op] = left  # the slice ended with another stream waiting: set it aside
+        engine.waiting.append(op)
+        nxt = engine.waiting.popleft()
+        engine.owner, engine.granted = (nxt.client, nxt.stream), now
+        self._run(lane, engine, nxt, now)
+        return None, lane
 
     def cancel(self, op: Copy) -> bool | None:
-        """``op``'s client is torn down: stop it in flight or take it out of its FIFO.
+        """``op``'s client is torn down: stop it in flight or take it out of its queue.
 
         Returns:
-            True if it was in flight (stopped), False if it was queued (dropped), None if it is not here
-            (not yet eligible).
+            True if it was in flight (stopped; the caller calls ``start_all``), False if it was queued
+            (dropped), None if it is not here (not yet eligible).
         """
         lane = self._lane.pop(op, None)
         if lane is None:
             return None
-        if self._busy[lane] is op:
-            self._busy[lane] = None
-            self._stopped.add(op)
+        self._left.pop(op, None)
+        engine = self._engines[lane]
+        if engine.running is op:
+            engine.running = None
+            engine.owner = None
+            engine.version += 1
             return True
-        self._queues[lane].remove(op)
+        engine.waiting.remove(op)
         return False
+
+    def _run(self, lane: Lane, engine: _Engine, op: Copy, now: float) -> None:
+        if op not in self._left:
+            op.started = now
+            self._left[op] = self._spec.copy_latency + op.nbytes / self._spec.pcie_bandwidth
+        engine.running, engine.since = op, now
+        self._plan(lane, engine, now)
+
+    def _plan(self, lane: Lane, engine: _Engine, now: float) -> None:
+        """Schedule the engine's next event: its copy's end, or the end of the slice it runs in if another
+        stream waits and that comes first."""
+        assert engine.running is not None
+        at = engine.since + self._left[engine.running]
+        quantum = self._spec.copy_timeslice
+        if engine.waiting and quantum > 0.0:
+            slices = max(1, math.ceil((now - engine.granted) / quantum - 1e-9))
+            at = min(at, engine.granted + slices * quantum)
+        engine.version += 1
+        self._schedule(at, (lane, engine.version))

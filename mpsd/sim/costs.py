@@ -5,12 +5,13 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .specs import DeviceSpec, occupancy
 
-__all__ = ["KERNEL_COSTS", "BlockCost", "kernel_cost"]
+__all__ = ["COPY_KINDS", "KERNEL_COSTS", "BlockCost", "copy_kernel", "kernel_cost"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,18 +29,23 @@ class BlockCost:
         dram: True for memory-bound blocks: ``seconds`` is the block's time at the DRAM rate its threads
             reach alone, and resident dram blocks share the device's DRAM bandwidth (``DeviceSpec.dram_curve``,
             ``mpsd.sim.sms.DramPool``).
+        weight: for dram blocks, what each thread counts on the curve's axis and in the sharing (a kernel
+            that keeps more bytes in flight per thread than c = a + b counts more).
     """
 
     seconds: float
     shared: bool = False
     clocked: bool = False
     dram: bool = False
+    weight: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.seconds >= 0.0:
             raise ValueError(f"block seconds must be >= 0, got {self.seconds}")
         if self.shared + self.clocked + self.dram > 1:
             raise ValueError("a block shares the issue rate, waits on the clock or shares DRAM: one at most")
+        if not self.weight > 0.0:
+            raise ValueError(f"block weight must be > 0, got {self.weight}")
 
 
 CostModel = Callable[[DeviceSpec, int, int, Sequence], BlockCost]
@@ -58,10 +64,10 @@ def _work(spec: DeviceSpec, blocks: int, threads: int, args: Sequence) -> BlockC
     return BlockCost(float(iters) * threads / spec.sm_issue_rate, shared=True)
 
 
-def _memory_bound(spec: DeviceSpec, blocks: int, threads: int, nbytes: int) -> BlockCost:
+def _memory_bound(spec: DeviceSpec, blocks: int, threads: int, nbytes: float, weight: float = 1.0) -> BlockCost:
     if spec.dram_curve:  # the time alone at the curve's first slope; the engine shares the bandwidth
         threads0, rate0 = spec.dram_curve[0]
-        return BlockCost(nbytes / blocks / (threads * rate0 / threads0), dram=True)
+        return BlockCost(nbytes / blocks / (threads * weight * rate0 / threads0), dram=True, weight=weight)
     # Every resident slot busy moves data at the full device bandwidth.
     occ = occupancy(spec, threads)
     if occ == 0:
@@ -97,6 +103,40 @@ KERNEL_COSTS: dict[str, CostModel] = {
     "saxpy_f32": _saxpy_f32,
     "reduce_sum_f32": _reduce_sum_f32,
 }
+
+
+COPY_KINDS = ("d2d", "memset")
+COPY_THREADS = 1024
+_COPY_BYTES_PER_THREAD = 16  # assumed: a grid-stride kernel of 16-byte accesses
+
+
+def copy_kernel(spec: DeviceSpec, kind: str, nbytes: int) -> tuple[int, int, BlockCost]:
+    """The kernel a device-to-device copy (``d2d``) or a memset of ``nbytes`` bytes runs as.
+
+    On a real H200 both are kernels: under MPS an active thread percentage slows them as it does any
+    kernel, beside a full-GPU kernel they wait for its blocks, and without MPS they are time-sliced with other
+    contexts (bench/fidelity/h200_copies2.json). Their grid is not observable from outside, so it is assumed:
+    blocks of 1024 threads, one per 16 KiB, at most two on every SM (the device full from 4 MiB on); their
+    DRAM traffic (read and write for a copy, write for a memset) follows ``spec.copy_kernels``.
+
+    Returns:
+        (blocks, threads per block, per-block cost).
+
+    Raises:
+        ValueError: an unknown kind or negative nbytes.
+    """
+    if kind not in COPY_KINDS:
+        raise ValueError(f"unknown device copy {kind!r}; known: {COPY_KINDS}")
+    if nbytes < 0:
+        raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+    per_sm = spec.max_threads_per_sm // COPY_THREADS
+    blocks = max(1, min(per_sm * spec.sm_count, math.ceil(nbytes / (COPY_THREADS * _COPY_BYTES_PER_THREAD))))
+    traffic = nbytes * (2 if kind == "d2d" else 1)
+    figures = {k: (bytes_per, weight) for k, bytes_per, weight in spec.copy_kernels}
+    if kind in figures and spec.dram_curve:
+        bytes_per, weight = figures[kind]
+        return blocks, COPY_THREADS, _memory_bound(spec, blocks, COPY_THREADS, traffic / bytes_per, weight)
+    return blocks, COPY_THREADS, _memory_bound(spec, blocks, COPY_THREADS, traffic)
 
 
 def kernel_cost(spec: DeviceSpec, name: str, blocks: int, threads: int, args: Sequence) -> BlockCost:

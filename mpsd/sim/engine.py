@@ -84,7 +84,7 @@ class Simulator(Blocks):
         self._dram_of: dict[Group, DramPool] = {}
         self._dram_touched: dict[int, DramPool] = {}
         self._client_sms: dict[int, dict[int, int]] = {}  # client -> SM -> resident blocks
-        self._copy_engines = CopyEngines(spec, lambda end, op: self._push(end, _COPY_END, op))
+        self._copy_engines = CopyEngines(spec, lambda at, token: self._push(at, _COPY_END, token))
         self._completed: list[Op] = []  # completions at self.now not yet returned
         self._counters: dict[int, Counters] = {}
         self._kernels = self._blocks = self._copies = 0
@@ -345,7 +345,7 @@ class Simulator(Blocks):
         if kind == _DRAM:
             return payload[0].version != payload[1]
         if kind == _COPY_END:
-            return self._copy_engines.stopped(payload)
+            return self._copy_engines.stale(payload)
         return payload.cancelled
 
     def _peek(self) -> float | None:
@@ -388,8 +388,11 @@ class Simulator(Blocks):
                     del self._dram_of[group]
                     self._end_group(group)
                 self._dram_touched[pool.key] = pool
-            elif not self._copy_engines.stopped(payload):
-                self._end_copy(payload)
+            elif not self._copy_engines.stale(payload):
+                op, lane = self._copy_engines.fire(payload, t)
+                if op is not None:
+                    self._end_copy(op)
+                self._copy_engines.start(lane, t)
         self._end_instant()
 
     def _end_instant(self) -> None:
@@ -432,8 +435,9 @@ class Simulator(Blocks):
 
     def _settle(self, ops: list[Op]) -> None:
         """Start what became eligible now: markers complete, kernels wait out the launch overhead,
-        copies join their engine's FIFO."""
+        copies join their engine's queue."""
         work = deque(ops)
+        lanes: set = set()
         while work:
             op = work.popleft()
             op.eligible = self.now
@@ -448,7 +452,11 @@ class Simulator(Blocks):
                 self._policy.eligible(run)
                 self._push(self.now + self.spec.kernel_overhead, _READY, run)
             else:
-                self._copy_engines.enqueue(op, (op.engine, self._policy.copy_lane(op.client)), self.now)
+                lane = (op.engine, self._policy.copy_lane(op.client))
+                self._copy_engines.enqueue(op, lane, self.now)
+                lanes.add(lane)
+        for lane in sorted(lanes):
+            self._copy_engines.start(lane, self.now)
 
     def _finish(self, op: Op) -> None:
         """``op`` ended now: report it and start what it held up."""
@@ -460,10 +468,8 @@ class Simulator(Blocks):
     # --- copies ------------------------------------------------------------------------------
 
     def _end_copy(self, op: Copy) -> None:
-        lane = self._copy_engines.end(op)
         c = self._counter(op.client)
         c.copies += 1
         c.bytes_copied += op.nbytes
         self._copies += 1
         self._finish(op)
-        self._copy_engines.start(lane, self.now)

@@ -41,13 +41,14 @@ class HostThread:
         cooling = self.spec.host_cooling
         return math.exp(-(start - self.free) / cooling) if cooling > 0.0 and self.free > -math.inf else 0.0
 
-    def launch(self, at: float) -> float:
+    def launch(self, at: float, scale: float = 1.0) -> float:
         """A launch called at ``at`` (or as the previous call returns, if later): when its work reaches the
-        device."""
+        device. A call that costs ``scale`` times a kernel launch's (a copy's: ``DeviceSpec.copy_calls``)
+        warms and cools the thread the same way."""
         start = max(at, self.free)
         w = self.warmth = self._warmth(start)
         spec = self.spec
-        self.free = start + spec.launch_latency - (spec.launch_latency - spec.launch_latency_busy) * w
+        self.free = start + scale * (spec.launch_latency - (spec.launch_latency - spec.launch_latency_busy) * w)
         return self.free
 
     def sync_latency(self, warmth: float | None = None) -> float:

@@ -14,7 +14,7 @@ from .costs import BlockCost
 
 __all__ = ["ENGINES", "BlockGroup", "Copy", "Kernel", "Marker", "Op"]
 
-ENGINES = ("h2d", "d2h", "d2d")
+ENGINES = ("h2d", "d2h")  # device-to-device copies and memsets are kernels: mpsd.sim.costs.copy_kernel
 
 
 @dataclass(eq=False, slots=True, kw_only=True)
@@ -72,10 +72,11 @@ class Kernel(Op):
 
 @dataclass(eq=False, slots=True, kw_only=True)
 class Copy(Op):
-    """A copy on one of the copy engines (one FIFO per engine, shared by all clients).
+    """A copy between host and device on a copy engine (one per direction, time-sliced between streams:
+    ``mpsd.sim.copies``).
 
     Attributes:
-        engine: "h2d" or "d2h" (PCIe bandwidth) or "d2d" (half the memory bandwidth: read plus write).
+        engine: "h2d" or "d2h", at PCIe bandwidth.
         nbytes: bytes copied; the copy also pays the device's fixed ``copy_latency``.
     """
 

@@ -147,8 +147,8 @@ class DramPool:
     """DRAM bandwidth, shared by every resident memory-bound ("dram") group of its domain (the device, or
     one MIG partition, whose bandwidth is at most ``cap``).
 
-    A dram group's work is in seconds at the rate its threads reach alone (``threads`` times the first slope
-    of ``spec.dram_curve``). Together, groups reach the curve's bandwidth at the sum over SMs of
+    A dram group's work is in seconds at the rate its threads reach alone (``threads`` times their
+    ``BlockCost.weight`` times the first slope of ``spec.dram_curve``). Together, groups reach the curve's bandwidth at the sum over SMs of
     ``dram_threads`` (an SM's threads past ``spec.dram_knee`` count less), shared in proportion to threads,
     so every group runs at the same fraction ``rate`` of its speed alone. One number therefore tracks them
     all: ``progress``, the work every resident group has done since the pool began. A group is done when
@@ -164,8 +164,8 @@ class DramPool:
     targets: dict[Group, float] = field(default_factory=dict)  # resident group -> progress when it is done
     heap: list[tuple[float, int, Group]] = field(default_factory=list)  # (target, order, group); lazy
     order: Iterator[int] = field(default_factory=itertools.count)
-    threads: int = 0  # resident in dram groups
-    sm_threads: dict[int, int] = field(default_factory=dict)  # SM -> its threads in dram groups
+    threads: float = 0.0  # resident in dram groups, each counting its kernel's weight
+    sm_threads: dict[int, float] = field(default_factory=dict)  # SM -> its (weighted) threads in dram groups
     axis: float = 0.0  # where they all count on the curve's axis (sum of dram_threads over SMs)
     progress: float = 0.0
     last: float = 0.0  # time up to which progress has been accounted
@@ -173,12 +173,13 @@ class DramPool:
     version: int = 0
 
     def _join(self, group: Group, sign: int) -> None:
-        """Count ``group``'s threads in (sign 1) or out (-1), on its SM and in all."""
-        threads = sign * group.count * group.run.kernel.threads
+        """Count ``group``'s threads (times their weight) in (sign 1) or out (-1), on its SM and in all."""
+        kernel = group.run.kernel
+        threads = sign * group.count * kernel.threads * kernel.cost.weight
         self.threads += threads
-        before = self.sm_threads.get(group.sm, 0)
+        before = self.sm_threads.get(group.sm, 0.0)
         after = before + threads
-        if after:
+        if after > 1e-6:  # weights can leave a float residue where nothing is left
             self.sm_threads[group.sm] = after
         else:
             del self.sm_threads[group.sm]

@@ -70,6 +70,16 @@ class DeviceSpec:
     dram_curve: tuple[tuple[float, float], ...] = ()
     dram_knee: int = 0
     dram_beyond: float = 1.0
+    # Device-to-device copies and memsets are kernels the runtime launches (``mpsd.sim.costs.copy_kernel``):
+    # (kind, bytes of DRAM traffic a byte on the curve stands for, weight of a thread on the curve's axis),
+    # as a copy kernel moves more than c = a + b at the top of the curve and keeps more bytes in flight per
+    # thread below it. A kind not here moves its traffic as ``fill_f32`` does.
+    copy_kernels: tuple[tuple[str, float, float], ...] = ()
+    # A PCIe copy engine's time slice between streams (``mpsd.sim.copies``); 0: each copy runs to its end.
+    copy_timeslice: float = 0.0
+    # A copy call's host time, by kind, as a fraction of a kernel launch call's (``launch_latency`` and its
+    # busy figure; ``mpsd.sim.host``); a kind not here costs what a launch does.
+    copy_calls: tuple[tuple[str, float], ...] = ()
 
 
 def dram_threads(spec: DeviceSpec, threads: int) -> float:
@@ -115,6 +125,14 @@ H200 = DeviceSpec(
     mem_bandwidth=4.8e12,
     pcie_bandwidth=55e9,
     copy_latency=2e-6,
+    # bench/fidelity/compare.py --calibration derives these three from bench/fidelity/h200_copies.json and
+    # h200_copies2.json (runs 7 and 8): the time slice from a 64-KiB copy launched back to back beside a stream
+    # of 256-MiB ones (one slice and the small copy between its launches); the copy kernels' figures from
+    # 256-MiB copies and memsets alone (traffic) and under MPS at active thread percentages 10, 25 and 50
+    # (weight); the calls from copies launched back to back, against the launch call of an empty kernel.
+    copy_timeslice=1.0555e-3,
+    copy_kernels=(("d2d", 1.1665, 1.364), ("memset", 1.4433, 0.716)),
+    copy_calls=(("d2d", 0.892), ("d2h", 0.403), ("h2d", 0.432), ("memset", 0.399)),
     # The device's gap between back-to-back kernels of one stream, from CUDA-event timings on a real H200
     # (bench/fidelity/h200_timing_extra.json and h200_timing_repeat.json, "1 tenant alone", both modes;
     # bench/fidelity/compare.py --calibration derives it): time per kernel less the spin's cycles at the
