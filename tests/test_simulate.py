@@ -84,6 +84,46 @@ def test_closed_loop_beside_full_waves_waits_for_the_running_wave():
     assert own < p["latency_p50_ms"] <= p["latency_p99_ms"] <= (1 + OVERHEAD_MS) + own + HOST_MS + 1e-9
 
 
+def copies(kind: str, nbytes: int, **entry) -> dict:
+    return {"kind": kind, "bytes": nbytes, **entry}
+
+
+def test_a_lone_copy_costs_its_call_the_engine_and_a_synchronise():
+    """A host-to-device copy alone: the copy call (a fraction of a launch's), the engine's fixed latency and
+    the bytes at PCIe bandwidth, then a synchronise."""
+    (t,) = run_scenario({"tenant": [{"name": "c", "copy": [copies("h2d", 55_000_000, at=0.01)]}]})["tenants"]
+    call = dict(H200.copy_calls)["h2d"] * H200.launch_latency
+    expected = call + H200.copy_latency + 55_000_000 / H200.pcie_bandwidth + H200.sync_latency
+    assert 0 < call < H200.launch_latency
+    assert t["kernels"] == 1 and t["latency_p50_ms"] == pytest.approx(expected * 1e3, abs=1e-9)
+
+
+def test_a_small_copy_waits_for_the_other_streams_slice():
+    """A 64-KiB copy launched every so often beside a stream of 256-MiB copies waits for that stream's copy-
+    engine slice to end, which a closed loop meets at the same point each time: its latency and its sleep add
+    up to one slice and its own copy (run 8 on an H200: 0.496 ms after sleeps of 0.5 ms that took 0.56)."""
+    probe = {"name": "probe", "copy": [copies("h2d", 65536, repeat=50, sleep=0.0005, at=0.01)]}
+    stream = {"name": "stream", "copy": [copies("h2d", 256 << 20, repeat=10)]}
+    alone = run_scenario({"tenant": [probe]})["tenants"][0]
+    beside = run_scenario({"tenant": [probe, stream]})["tenants"][0]
+    assert alone["latency_p99_ms"] < 0.05
+    own = H200.copy_latency + 65536 / H200.pcie_bandwidth
+    assert beside["latency_p50_ms"] == pytest.approx((H200.copy_timeslice + own - 0.0005) * 1e3, abs=1e-6)
+
+
+def test_device_copies_are_kernels_under_the_tenants_quota():
+    """A device-to-device copy runs on the SMs: at 25% active threads it takes longer, and beside a tenant of
+    full-GPU waves it waits for a wave to end (its blocks queue behind the running ones)."""
+    def latency(busy: bool = False, **tenant) -> float:
+        c = {"name": "c", **tenant, "copy": [copies("d2d", 256 << 20, at=0.0015)]}  # mid-wave, if busy
+        others = [full_waves(10)] if busy else []
+        return {t["tenant"]: t for t in run_scenario({"tenant": [c, *others]})["tenants"]}["c"]["latency_p50_ms"]
+
+    alone, capped, busy = latency(), latency(active_thread_percentage=25), latency(busy=True)
+    assert capped > 1.5 * alone
+    assert busy > alone + 0.3  # half of a 1-ms wave was left
+
+
 def test_same_scenario_same_answer():
     """Virtual time is deterministic: the same scenario gives the same figures every run."""
     scenario = {"device": {"policy": "fair"}, "tenant": [full_waves(5, count=3, weight=2.0)]}
@@ -96,6 +136,9 @@ def test_same_scenario_same_answer():
     ({"device": {"policy": "mig", "policy_options": {"partitions": ["9g"]}}, "tenant": [full_waves(1)]}, "9g"),
     ({"tenant": [{"name": "x", "kernel": [{"name": "nope"}]}]}, "kernel 'nope'"),
     ({"tenant": [{"name": "x", "kernel": [{"name": "spin", "args": [1], "period": 1, "sleep": 1}]}]}, "not both"),
+    ({"tenant": [{"name": "x", "copy": [{"kind": "p2p", "bytes": 1}]}]}, "kind must be one of"),
+    ({"tenant": [{"name": "x", "copy": [{"kind": "h2d", "bytes": -1}]}]}, "bytes must be"),
+    ({"tenant": [{"name": "x", "copy": [{"kind": "d2d", "bytes": 1, "stream": "s"}]}]}, "copy 'd2d'"),
 ])
 def test_bad_scenarios_say_what_is_wrong(scenario, message):
     """Scenario mistakes are ScenarioErrors naming the problem."""
