@@ -314,7 +314,7 @@ class Context:
         self.counters.bytes_copied += nbytes
         op: Op
         if engine in COPY_KINDS:  # the runtime launches a kernel for these: the client's quotas hold
-            blocks, threads, cost = copy_kernel(self.device.spec, engine, nbytes)
+            blocks, threads, cost = copy_kernel(self.device.spec, engine, nbytes, self.quotas.sm_cap)
             op = Kernel(client=self.id, stream=stream.key, tag=effect, blocks=blocks, threads=threads, cost=cost,
                         priority=stream.priority, sm_cap=self.quotas.sm_cap)
         else:

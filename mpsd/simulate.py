@@ -194,7 +194,7 @@ def _copies(spec, client: int, cap: int, c: dict[str, Any], tenant: str,
     except (TypeError, ValueError) as exc:
         raise ScenarioError(f"{where}: {exc}") from None
     if kind in COPY_KINDS:  # a kernel the runtime launches: the tenant's SM cap holds
-        blocks, threads, cost = copy_kernel(spec, kind, nbytes)
+        blocks, threads, cost = copy_kernel(spec, kind, nbytes, cap)
 
         def make() -> Op:
             return Kernel(client=client, stream=stream, tag=kind, blocks=blocks, threads=threads, cost=cost,

@@ -196,20 +196,20 @@ def test_without_a_time_slice_each_copy_runs_to_its_end():
 
 
 def test_device_copies_are_kernels():
-    """A device-to-device copy or a memset is a kernel: a full-device copy takes its traffic at the DRAM
-    curve's top over the kind's efficiency, and an SM cap slows it as it does any memory-bound kernel."""
+    """A device-to-device copy or a memset is a kernel of one wave on the SMs its client sees: a full-device
+    copy takes its traffic at the DRAM curve (its threads weighted) over the kind's efficiency, and an SM cap
+    slows it as it does any memory-bound kernel."""
     n = 256 << 20
     for kind, traffic in (("d2d", 2 * n), ("memset", n)):
-        blocks, threads, cost = copy_kernel(H200, kind, n)
-        assert (blocks, threads) == (264, 1024) and cost.dram
-        bytes_per = {k: b for k, b, _ in H200.copy_kernels}[kind]
+        bytes_per, weight = {k: (b, w) for k, b, w in H200.copy_kernels}[kind]
         times = []
-        for cap in (None, 33):
+        for cap, grid in ((None, 264), (33, 66)):
+            blocks, threads, cost = copy_kernel(H200, kind, n, cap)
+            assert (blocks, threads) == (grid, 1024) and cost.dram and cost.weight == weight
             sim = Simulator()
             (k,) = submit(sim, Kernel(client=1, stream=0, blocks=blocks, threads=threads, cost=cost, sm_cap=cap))
             sim.run()
             times.append(k.ended - k.started)
-        weight = {k: w for k, _, w in H200.copy_kernels}[kind]
         axis = H200.sm_count * dram_threads(H200, 2 * 1024 * weight)  # two blocks on every SM, weighted
         assert times[0] == pytest.approx(traffic / bytes_per / dram_bandwidth(H200, axis))
         assert times[1] > 1.5 * times[0]  # a quarter of the SMs: on the H200, 1.9 times as long

@@ -2,14 +2,16 @@
 
     .venv/bin/python bench/fidelity/compare.py [--json] [--calibration]
 
-Seven sources of measurements, each a real H200 with CuPy, one process per tenant, tenants released together:
-the team's reference (h200_timing.json, copied from h200-mps-measurements.md), and six runs of
+Ten sources of measurements, each a real H200 with CuPy, one process per tenant, tenants released together:
+the team's reference (h200_timing.json, copied from h200-mps-measurements.md), and nine runs of
 measure_timing.py (h200_timing_extra.json: everything; h200_timing_repeat.json: host latency, latency under
 load and time-slicing again, a later machine, to show run-to-run spread; h200_timing_host.json: host latency
 against idle time, launch calls back to back, and time-slicing timelines on the GPU's globaltimer;
 h200_timing_host2.json: the same again, later, on a fresh lease, calibrating nothing; h200_timing_slices.json:
 time-slicing against the blocks a context holds; h200_bandwidth.json: a memory-bound kernel against its blocks,
-SM caps and neighbours). Every workload is run on the simulator alone in virtual
+SM caps and neighbours; h200_copies.json, h200_copies2.json and h200_copies3.json: copies by kind and size,
+memsets, copy calls, device copies under SM caps and beside kernels, small copies beside streams of large ones,
+both directions at once). Every workload is run on the simulator alone in virtual
 time (mpsd.simulate): MPS rows under the `mps` policy, no-MPS rows under `timeslice`; a batch starts when its
 process began launching. Issue 4's target is every row within 5%, wave counts exact.
 
@@ -22,7 +24,9 @@ What is calibrated, and from what (never from a row that is then called a match)
   model's device time; back to back (.launch_latency_busy, .sync_latency_busy) and the cooling time between
   the two (.host_cooling): run 3's empty kernels after idle times of 0 to 5 ms. These rows are marked `cal`;
 - a closed-loop tenant's think time (its `time.sleep(0.005)` and loop, 5.1 ms): the gaps between launches of
-  the probes alone, a host figure and not the GPU's;
+  the probes alone, a host figure and not the GPU's; a copy probe's, which decides on which side of a copy
+  engine's slice its launch lands, is its own row's (the median time from a synchronise's return to the next
+  call);
 - the time slice and the context-switch cost of the `timeslice` policy (its defaults, which the rows use),
   and how both change with the warps a context holds: run 5 (h200_timing_slices.json), one 200-ms kernel of
   1, 8, 66, 132 or 264 blocks per process in pairs of equal grids, each logging when globaltimer jumps (its
@@ -31,7 +35,14 @@ What is calibrated, and from what (never from a row that is then called a match)
 - the DRAM bandwidth memory-bound blocks reach together (DeviceSpec.dram_curve): run 6 (h200_bandwidth.json),
   c = a + b alone in one wave of 1 to 264 blocks of 1024 threads; these rows are marked `cal`, and its other
   rows (256-thread blocks, several waves, SM caps, two such tenants, one beside a compute tenant) are
-  predicted.
+  predicted;
+- the copy engine's time slice, the copy kernels' DRAM figures and the host time of a copy call
+  (DeviceSpec.copy_timeslice, .copy_kernels, .copy_calls): run 8's 64-KiB copy launched back to back beside
+  a stream of 256-MiB copies, the 256-MiB device copies and memsets alone and under MPS at active thread
+  percentages 10, 25 and 50 (with run 7's device copy alone), and its copies launched back to back. These rows
+  are marked `cal`; the small copy after other sleeps, beside two streams, on the other engine, device copies
+  beside kernels and each other, and large copies sharing an engine are predicted. Pageable copies are left
+  out: the model does not tell pageable host memory from pinned.
 Everything else (latency of longer kernels alone and back to back, latency beside a saturating tenant, batch
 times, launch-bound batches, time-slicing timelines) is predicted.
 """

@@ -110,14 +110,16 @@ COPY_THREADS = 1024
 _COPY_BYTES_PER_THREAD = 16  # assumed: a grid-stride kernel of 16-byte accesses
 
 
-def copy_kernel(spec: DeviceSpec, kind: str, nbytes: int) -> tuple[int, int, BlockCost]:
-    """The kernel a device-to-device copy (``d2d``) or a memset of ``nbytes`` bytes runs as.
+def copy_kernel(spec: DeviceSpec, kind: str, nbytes: int, sms: int | None = None) -> tuple[int, int, BlockCost]:
+    """The kernel a device-to-device copy (``d2d``) or a memset of ``nbytes`` bytes runs as, for a client that
+    sees ``sms`` SMs (its SM cap; None: the device's).
 
     On a real H200 both are kernels: under MPS an active thread percentage slows them as it does any
     kernel, beside a full-GPU kernel they wait for its blocks, and without MPS they are time-sliced with other
     contexts (bench/fidelity/h200_copies2.json). Their grid is not observable from outside, so it is assumed:
-    blocks of 1024 threads, one per 16 KiB, at most two on every SM (the device full from 4 MiB on); their
-    DRAM traffic (read and write for a copy, write for a memset) follows ``spec.copy_kernels``.
+    blocks of 1024 threads, one per 16 KiB, at most two on each SM the client sees (one wave, as a grid-stride
+    kernel sized from the device's properties would be); their DRAM traffic (read and write for a copy, write
+    for a memset) follows ``spec.copy_kernels``.
 
     Returns:
         (blocks, threads per block, per-block cost).
@@ -130,7 +132,8 @@ def copy_kernel(spec: DeviceSpec, kind: str, nbytes: int) -> tuple[int, int, Blo
     if nbytes < 0:
         raise ValueError(f"nbytes must be >= 0, got {nbytes}")
     per_sm = spec.max_threads_per_sm // COPY_THREADS
-    blocks = max(1, min(per_sm * spec.sm_count, math.ceil(nbytes / (COPY_THREADS * _COPY_BYTES_PER_THREAD))))
+    wave = per_sm * min(spec.sm_count, sms or spec.sm_count)
+    blocks = max(1, min(wave, math.ceil(nbytes / (COPY_THREADS * _COPY_BYTES_PER_THREAD))))
     traffic = nbytes * (2 if kind == "d2d" else 1)
     figures = {k: (bytes_per, weight) for k, bytes_per, weight in spec.copy_kernels}
     if kind in figures and spec.dram_curve:
