@@ -317,6 +317,8 @@ class Context:
             blocks, threads, cost = copy_kernel(self.device.spec, engine, nbytes, self.quotas.sm_cap)
             op = Kernel(client=self.id, stream=stream.key, tag=effect, blocks=blocks, threads=threads, cost=cost,
                         priority=stream.priority, sm_cap=self.quotas.sm_cap)
+            if self.device.recorder is not None:
+                self.device.recorder.launched(op, "memcpy_dtod" if engine == "d2d" else engine)
         else:
             op = Copy(client=self.id, stream=stream.key, tag=effect, engine=engine, nbytes=nbytes)
         return self._enqueue(stream, op)

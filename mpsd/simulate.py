@@ -10,7 +10,7 @@
 #                                  after each synchronise before the next launch: closed loop)
 #   [[tenant.copy]]                kind ("h2d", "d2h": PCIe copy engines; "d2d", "memset": kernels the runtime
 #                                  launches), bytes, and repeat, stream, stream_priority, at, period, sleep as
-#                                  for a kernel
+#                                  for a kernel (a tenant's `kernels` figure counts its copies too)
 # Times are what the tenant observes: each tenant is one host thread whose launch calls follow one another,
 # each reaching the device as it returns, and a synchronise returns a while after the kernel ends; both cost
 # more the longer the thread was idle before (mpsd.sim.host, DeviceSpec's figures measured on a real H200).

@@ -51,6 +51,42 @@ def test_active_thread_percentage_caps_sms_in_whole_tpcs(daemon, percentage, sms
     assert seen["ms"] == pytest.approx(waves + H200.kernel_overhead * 1e3, abs=1e-9)
 
 
+DEVICE_COPIES = """
+import json, mpsd_client
+with mpsd_client.connect() as ctx:
+    n = 64 << 20
+    a, b = ctx.malloc(n), ctx.malloc(n)
+    s = ctx.create_stream()
+    start, mid, end = ctx.create_event(), ctx.create_event(), ctx.create_event()
+    ctx.launch("spin", 1, 32, [int(20 * 1.98e9)], stream=s)   # hold the stream while the rest is queued
+    start.record(s)
+    ctx.memset(a, 7, n, stream=s)
+    mid.record(s)
+    ctx.memcpy_dtod(b, a, n, stream=s)
+    end.record(s)
+    end.synchronize()
+    out = bytearray(16)
+    ctx.memcpy_dtoh(out, b + n - 16)
+    stats = ctx.statistics()
+    print(json.dumps({"memset_ms": start.elapsed_ms(mid), "copy_ms": mid.elapsed_ms(end), "bytes": list(out),
+                      "max_sms": stats["max_sms"], "kernels": stats["kernels_completed"]}))
+"""
+
+
+def test_device_copies_run_under_the_clients_sm_cap(daemon):
+    """A memset and a device-to-device copy are kernels, as on a real H200: at 25% active threads they stay
+    on the client's 32 SMs and take longer than at 100%, and still move the bytes."""
+    seen = {}
+    for percentage in ("25", "100"):
+        result = run_worker(DEVICE_COPIES, daemon.pipe_dir, env={"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": percentage})
+        assert result.returncode == 0, result.stderr
+        seen[percentage] = json.loads(result.stdout)
+    assert seen["25"]["max_sms"] == 32 and seen["100"]["max_sms"] == 132
+    assert all(s["kernels"] == 3 and s["bytes"] == [7] * 16 for s in seen.values())  # spin, memset, copy
+    for op in ("memset_ms", "copy_ms"):
+        assert seen["25"][op] > 1.5 * seen["100"][op] > 0
+
+
 def test_daemon_percentage_is_a_ceiling_for_clients(daemon_factory):
     """With the daemon at 50%, a client asking for 75% gets 50% and one asking for 25% gets 25%."""
     d = start_daemon("--time-scale", "100", "--active-thread-percentage", "50")
