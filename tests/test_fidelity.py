@@ -130,7 +130,7 @@ COPY_CALL_ROWS |= {"alone: 100 x d2d 1024 KiB", "alone: 200 x memset 4 KiB"}
 
 
 def _copy_miss(r: dict, key: tuple) -> str | None:
-    row, figure = r["row"], r["figure"]
+    row = r["row"]
     if row in COPY_CALL_ROWS:
         return COPY_CALLS
     if row == "alone: 100 x memset 1024 KiB":

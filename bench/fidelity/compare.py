@@ -189,26 +189,26 @@ def _copy_calibration(launch_busy: float) -> dict:
             for kind, name in COPY_FULL_STEPS.items():
                 if step["name"] == name:
                     full.setdefault(kind, []).append(res["gpu_seconds"] / step["repeat"] - H200.kernel_overhead)
+    def rate(sms: int, weight: float) -> float:
+        # One wave of two 1024-thread blocks on each of ``sms`` SMs (mpsd.sim.costs.copy_kernel), as the DRAM
+        # pool counts them: the curve at their weighted threads, at most their speed alone.
+        (t0, r0), threads = H200.dram_curve[0], 2 * COPY_THREADS * weight
+        return min(dram_bandwidth(H200, sms * dram_threads(H200, threads)), sms * threads * r0 / t0)
+
+    def misfit(weight: float, alone: float, capped: list[tuple[int, float]]) -> float:
+        per = 1 / (alone * rate(H200.sm_count, weight))  # a traffic byte's share of a curve byte, alone exact
+        return sum(math.log(1 / per / rate(sms, weight) / t) ** 2 for sms, t in capped)
+
     kernels = []
     for kind in ("d2d", "memset"):
         traffic = BIG_COPY * (2 if kind == "d2d" else 1)
-        capped = [(sm_cap(H200, atp), res["gpu_seconds"] / step["repeat"] - H200.kernel_overhead)
+        # Per traffic byte, so that the fit does not depend on the copy's size.
+        capped = [(sm_cap(H200, atp), (res["gpu_seconds"] / step["repeat"] - H200.kernel_overhead) / traffic)
                   for e in run8["mps"] for step, res in zip(e["tenants"][0]["steps"], e["tenants"][0]["results"])
                   for atp in (10, 25, 50) if step["name"] == _copy_atp_step(kind, atp)]
-        alone = statistics.mean(full[kind])
-
-        def rate(sms: int, weight: float) -> float:
-            # Two 1024-thread blocks on each of ``sms`` SMs (mpsd.sim.costs.copy_kernel), as the DRAM pool
-            # counts them: the curve at their weighted threads, at most their speed alone.
-            (t0, r0), threads = H200.dram_curve[0], 2 * COPY_THREADS * weight
-            return min(dram_bandwidth(H200, sms * dram_threads(H200, threads)), sms * threads * r0 / t0)
-
-        def misfit(weight: float) -> float:
-            per = traffic / (alone * rate(H200.sm_count, weight))  # traffic per curve byte
-            return sum(math.log(traffic / per / rate(sms, weight) / t) ** 2 for sms, t in capped)
-
-        weight = min((0.5 + 0.001 * i for i in range(2500)), key=misfit)
-        kernels.append((kind, traffic / (alone * rate(H200.sm_count, weight)), weight))
+        alone = statistics.mean(full[kind]) / traffic
+        weight = min((0.5 + 0.001 * i for i in range(2500)), key=lambda w: misfit(w, alone, capped))
+        kernels.append((kind, 1 / (alone * rate(H200.sm_count, weight)), weight))
     small = H200.copy_latency + (64 << 10) / H200.pcie_bandwidth
     return {"copy_timeslice": statistics.mean(gaps) - small, "copy_kernels": tuple(kernels),
             "copy_calls": tuple((k, statistics.mean(v)) for k, v in sorted(calls.items()))}

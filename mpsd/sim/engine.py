@@ -4,7 +4,7 @@
 # ending), then freed capacity is dispatched once, so blocks that end together free their SMs together.
 # The engine owns time and bookkeeping; stream order lives in streams.py, SM accounting, processor
 # sharing and the shared DRAM bandwidth in sms.py, placing blocks and taking them off in blocks.py, the
-# ready kernels and their keys in ready.py, copy FIFOs in copies.py, the choice of which kernel goes next
+# ready kernels and their keys in ready.py, the copy engines in copies.py, the choice of which kernel goes next
 # and which SMs a client may use in policies/.
 # Policies act only through _place, _set_timer and _preempt (and read the ready queue); the engine does
 # the accounting for them.
@@ -437,7 +437,7 @@ class Simulator(Blocks):
         """Start what became eligible now: markers complete, kernels wait out the launch overhead,
         copies join their engine's queue."""
         work = deque(ops)
-        lanes: set = set()
+        lanes: set[tuple[str, int]] = set()
         while work:
             op = work.popleft()
             op.eligible = self.now

@@ -148,12 +148,13 @@ class DramPool:
     one MIG partition, whose bandwidth is at most ``cap``).
 
     A dram group's work is in seconds at the rate its threads reach alone (``threads`` times their
-    ``BlockCost.weight`` times the first slope of ``spec.dram_curve``). Together, groups reach the curve's bandwidth at the sum over SMs of
-    ``dram_threads`` (an SM's threads past ``spec.dram_knee`` count less), shared in proportion to threads,
-    so every group runs at the same fraction ``rate`` of its speed alone. One number therefore tracks them
-    all: ``progress``, the work every resident group has done since the pool began. A group is done when
-    progress reaches its ``targets`` entry, and a heap keeps the nearest first, so a group joining, leaving
-    or finishing costs a heap operation, not a pass over the others. As with an SM's shared groups, the
+    ``BlockCost.weight`` times the first slope of ``spec.dram_curve``). Together, groups reach the curve's
+    bandwidth at the sum over SMs of ``dram_threads`` (an SM's threads past ``spec.dram_knee`` count less,
+    threads counting their weight everywhere), shared in proportion to threads, so every group runs at the
+    same fraction ``rate`` of its speed alone. One number therefore tracks them all: ``progress``, the work
+    every resident group has done since the pool began. A group is done when progress reaches its ``targets``
+    entry, and a heap keeps the nearest first, so a group joining, leaving or finishing costs a heap
+    operation, not a pass over the others. As with an SM's shared groups, the
     engine pushes one event per reschedule and ignores events of an older ``version``. A spec without a
     curve gives every group its speed alone.
     """
@@ -186,7 +187,7 @@ class DramPool:
         if self.sm_threads:
             self.axis += dram_threads(self.spec, after) - dram_threads(self.spec, before)
         else:
-            self.axis = 0.0  # empty: no float residue carried on
+            self.axis = self.threads = 0.0  # empty: no float residue carried on
 
     def account(self, now: float) -> None:
         """Advance ``progress`` to ``now`` at the current rate."""
