@@ -57,8 +57,10 @@ SLICE_EDGE = ("the probe's launch comes within tens of microseconds of the end o
               "or 1.06 ms), in the model always on one")
 COPY_HOST = ("a 64-KiB copy beside work on other engines is host time (17 to 27 us from launch to return), whose "
              "p50 differs between runs and modes as an empty kernel's does and whose p99 is host noise")
-THREE_STREAMS = ("with three streams of large copies on one engine the H200 lost 8 to 13% of the bandwidth (85 to 140 "
-                 "us a slice), with two it lost none; the model's slices lose nothing")
+THREE_STREAMS = ("with three streams of large copies on one engine, or two beside a third's small copies, the H200 "
+                 "lost 8 to 13% of the bandwidth (85 to 140 us a slice); with two alone it lost nothing (run 7) and "
+                 "beside one stream of small copies 0 to 2%; no rule we tried fits all of these, and the model's "
+                 "slices lose nothing")
 PCIE_DRAM = ("host-to-device copies beside a memory-bound kernel were 5 to 8% slower on the H200 (the copies write "
              "DRAM); PCIe copies take no part in the model's DRAM sharing")
 COPY_PHASE = ("when the probe or batch arrives within the other tenant's slice or copy kernel is chance on the "
