@@ -19,7 +19,7 @@ class ClientStatistics:
         block_seconds: sum of the durations of those blocks.
         sm_seconds: SM-time those blocks held, each block weighted by its share of an SM's threads (two
             1024-thread blocks for 1 ms on one SM are 1 ms of SM-time).
-        copies: copies completed (reported).
+        copies: host-device copies completed (reported; device copies and memsets run as kernels).
         bytes_copied: bytes of those copies.
         max_sms: most distinct SMs the client occupied at once.
     """
