@@ -111,18 +111,41 @@ def test_marker_with_after_waits_on_other_stream():
 
 
 def test_copy_durations():
-    """h2d and d2h run at PCIe bandwidth on engines of their own, each plus the fixed latency."""
+    """A copy alone runs at PCIe bandwidth after the fixed latency; h2d and d2h have engines of their own, but
+    while both run they share the link unevenly (DeviceSpec.copy_duplex, as an H200 did): the one that ends
+    first gives the other its full speed back for the rest."""
+    sim = Simulator()
+    (alone,) = submit(sim, Copy(client=1, stream=0, engine="h2d", nbytes=55_000_000))
+    sim.run()
+    each = H200.copy_latency + 1 * MS
+    assert alone.ended == pytest.approx(each)
     sim = Simulator()
     h2d = Copy(client=1, stream=0, engine="h2d", nbytes=55_000_000)
     d2h = Copy(client=1, stream=1, engine="d2h", nbytes=55_000_000)
     submit(sim, h2d, d2h)
     sim.run()
-    for c in (h2d, d2h):
-        assert c.started == 0.0
-        assert c.ended == pytest.approx(H200.copy_latency + 1 * MS)
+    share = dict(H200.copy_duplex)
+    assert share["h2d"] < share["d2h"] < 1
+    assert h2d.started == d2h.started == 0.0
+    assert d2h.ended == pytest.approx(each / share["d2h"])
+    assert h2d.ended == pytest.approx(d2h.ended + each - d2h.ended * share["h2d"])
     stats = sim.statistics()
     assert stats.copies_completed == 2
     assert stats.per_client[1].bytes_copied == 110_000_000
+
+
+def test_a_cancelled_copy_gives_the_other_direction_its_speed_back():
+    """A client torn down mid-copy frees the link at once: the other direction's copy runs at full speed from
+    that instant."""
+    sim = Simulator()
+    h2d = Copy(client=1, stream=0, engine="h2d", nbytes=55_000_000)
+    d2h = Copy(client=2, stream=0, engine="d2h", nbytes=55_000_000)
+    submit(sim, h2d, d2h)
+    sim.advance(0.5 * MS)
+    sim.cancel(2)
+    assert sim.run() == [h2d]
+    done = 0.5 * MS * dict(H200.copy_duplex)["h2d"]
+    assert h2d.ended == pytest.approx(0.5 * MS + H200.copy_latency + 1 * MS - done)
 
 
 def test_copy_engine_serves_streams_in_turn():

@@ -158,6 +158,7 @@ def _dram_curve() -> dict:
 
 
 COPY_SLICE_STEP = "h2d 64 KiB probe, sleep 0.0 ms"  # back to back beside a stream of 256-MiB copies
+COPY_DUPLEX_EXPERIMENT = "h2d beside d2h, 256 MiB"  # 20 of each, released together
 COPY_FULL_STEPS = {"d2d": "10 x d2d 262144 KiB", "memset": "10 x memset 262144 KiB"}  # alone, whole device
 BIG_COPY = 256 << 20
 
@@ -210,8 +211,25 @@ def _copy_calibration(launch_busy: float) -> dict:
         weight = min((0.5 + 0.001 * i for i in range(2500)), key=lambda w: misfit(w, alone, capped))
         kernels.append((kind, 1 / (alone * rate(H200.sm_count, weight)), weight))
     small = H200.copy_latency + (64 << 10) / H200.pcie_bandwidth
-    return {"copy_timeslice": statistics.mean(gaps) - small, "copy_kernels": tuple(kernels),
+    return {"copy_timeslice": statistics.mean(gaps) - small, "copy_duplex": _copy_duplex(), "copy_kernels": tuple(kernels),
             "copy_calls": tuple((k, statistics.mean(v)) for k, v in sorted(calls.items()))}
+
+
+def _copy_duplex() -> tuple[tuple[str, float], ...]:
+    """Each direction's share of its bandwidth while the other runs, from 20 copies of 256 MiB each way
+    released together (runs 7 and 9, both modes; the mean): the device-to-host ones end first, at their share;
+    the host-to-device ones did what their last stretch alone left undone beside them."""
+    alone = H200.copy_latency + BIG_COPY / H200.pcie_bandwidth
+    shares: dict[str, list[float]] = {"d2h": [], "h2d": []}
+    for path in (COPIES, COPIES3):
+        for mode in ("no-mps", "mps"):
+            for e in json.loads(path.read_text())[mode]:
+                if e["name"] == COPY_DUPLEX_EXPERIMENT:
+                    (h2d,), (d2h,) = (t["results"] for t in e["tenants"])
+                    n = e["tenants"][1]["steps"][0]["repeat"]
+                    shares["d2h"].append(n * alone / d2h["seconds"])
+                    shares["h2d"].append((n - (h2d["seconds"] - d2h["seconds"]) / alone) * alone / d2h["seconds"])
+    return tuple((kind, statistics.mean(v)) for kind, v in sorted(shares.items()))
 
 
 def _slices(e: dict) -> list[tuple[int, float, float]]:
@@ -357,6 +375,7 @@ def _figures(source: str, row: str, mode: str, step: dict, res: dict, sim: dict,
            or (source == "run 6" and step["mode"] == "batch"
                and (_dram_point(step["kernels"][0]) or name == DRAM_PAIRED_STEP))
            or (source == "run 7" and name == COPY_FULL_STEPS["d2d"])
+           or (source in ("run 7", "run 9") and row.startswith(COPY_DUPLEX_EXPERIMENT))
            or (source == "run 8" and (step["mode"] == "issue" or name.startswith(COPY_SLICE_STEP)
                                       or name == COPY_FULL_STEPS["memset"] or ", ATP " in name)))
     return [{"source": source, "row": row, "mode": mode, "calibration": cal, **f} for f in out]
@@ -517,7 +536,9 @@ def main() -> int:
               + ", ".join(f"{b / 1e9:.1f} at {t:,.0f}" for t, b in cal["dram_curve"])
               + f" ({H200.dram_curve[-1][1] / 1e9:.1f} at {H200.dram_curve[-1][0]:,.0f} last), an SM's threads past "
               f"{cal['dram_knee']} counting {cal['dram_beyond']:.3f} ({H200.dram_beyond:.3f}); copy engine time "
-              f"slice {cal['copy_timeslice'] * 1e3:.4f} ms ({H200.copy_timeslice * 1e3:.4f}); copy kernels, traffic "
+              f"slice {cal['copy_timeslice'] * 1e3:.4f} ms ({H200.copy_timeslice * 1e3:.4f}); both directions at once: "
+              + ", ".join(f"{k} {f:.3f}" for k, f in cal["copy_duplex"])
+              + " (" + ", ".join(f"{f:.3f}" for _, f in H200.copy_duplex) + "); copy kernels, traffic "
               "per curve byte and thread weight: " + ", ".join(f"{k} {b:.4f} and {w:.3f}" for k, b, w in cal["copy_kernels"])
               + " (" + ", ".join(f"{b:.4f} and {w:.3f}" for _, b, w in H200.copy_kernels) + "); copy calls against a "
               "launch's: " + ", ".join(f"{k} {f:.3f}" for k, f in cal["copy_calls"])

@@ -6,7 +6,9 @@
 # the sleep; after 2 and 3 ms, either almost nothing or a whole slice). Copies never share an SM with blocks
 # (device-to-device copies and memsets are kernels: mpsd.sim.costs.copy_kernel), so this module decides only
 # which copy runs on an engine and until when; the engine owns the events, the counters and what a finished
-# copy releases in stream order.
+# copy releases in stream order. The two directions of a lane share the PCIe link unevenly: while both run,
+# host-to-device copies were 18 to 44% slower on the H200 and device-to-host ones about 5%
+# (h200_copies.json and h200_copies3.json); DeviceSpec.copy_duplex holds the means.
 """Copy engines: PCIe copies, time-sliced between streams."""
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class _Engine:
     owner: Hashable = None  # the stream holding the slice
     granted: float = 0.0  # when the owner got the engine: its slices end on a grid from here
     version: int = 0  # bumped whenever the pending event changes
+    speed: float = 1.0  # the fraction of its bandwidth ``running`` gets (less while the other direction runs)
 
 
 class CopyEngines:
@@ -58,7 +61,8 @@ class CopyEngines:
         self._schedule = schedule
         self._engines: dict[Lane, _Engine] = {}
         self._lane: dict[Copy, Lane] = {}  # copies waiting or in flight -> their engine
-        self._left: dict[Copy, float] = {}  # seconds each started copy still needs
+        self._left: dict[Copy, float] = {}  # seconds each started copy still needs at full speed
+        self._duplex = dict(spec.copy_duplex)
 
     def enqueue(self, op: Copy, lane: Lane, now: float) -> None:
         """``op`` became eligible: queue it on ``lane``; the caller calls ``start`` once this instant's
@@ -78,6 +82,7 @@ class CopyEngines:
             return
         if not engine.waiting:
             engine.owner = None
+            self._pace(self._partner(lane), now)  # idle now: the other direction has the link to itself
             return
         op = next((o for o in engine.waiting if (o.client, o.stream) == engine.owner), None)
         if op is None:
@@ -103,7 +108,7 @@ class CopyEngines:
         engine = self._engines[lane]
         op = engine.running
         assert op is not None
-        left = self._left[op] - (now - engine.since)
+        left = self._left[op] - (now - engine.since) * engine.speed
         if left <= 1e-12 * max(1.0, now):
             del self._left[op], self._lane[op]
             engine.running = None
@@ -132,7 +137,7 @@ class CopyEngines:
             engine.running = None
             engine.owner = None
             engine.version += 1
-            return True
+            return True  # start_all paces the other direction
         engine.waiting.remove(op)
         return False
 
@@ -141,13 +146,36 @@ class CopyEngines:
             op.started = now
             self._left[op] = self._spec.copy_latency + op.nbytes / self._spec.pcie_bandwidth
         engine.running, engine.since = op, now
+        engine.speed = self._speed(lane)
         self._plan(lane, engine, now)
+        self._pace(self._partner(lane), now)
+
+    @staticmethod
+    def _partner(lane: Lane) -> Lane:
+        return ("d2h" if lane[0] == "h2d" else "h2d", lane[1])
+
+    def _speed(self, lane: Lane) -> float:
+        """The fraction of its bandwidth ``lane``'s engine gets now: less while the other direction runs."""
+        partner = self._engines.get(self._partner(lane))
+        return self._duplex.get(lane[0], 1.0) if partner is not None and partner.running is not None else 1.0
+
+    def _pace(self, lane: Lane, now: float) -> None:
+        """The other direction started or stopped: if ``lane``'s copy changes speed, account what it did at the
+        old one and plan its end at the new."""
+        engine = self._engines.get(lane)
+        if engine is None or engine.running is None:
+            return
+        speed = self._speed(lane)
+        if speed != engine.speed:
+            self._left[engine.running] -= (now - engine.since) * engine.speed
+            engine.since, engine.speed = now, speed
+            self._plan(lane, engine, now)
 
     def _plan(self, lane: Lane, engine: _Engine, now: float) -> None:
         """Schedule the engine's next event: its copy's end, or the end of the slice it runs in if another
         stream waits and that comes first."""
         assert engine.running is not None
-        at = engine.since + self._left[engine.running]
+        at = engine.since + self._left[engine.running] / engine.speed
         quantum = self._spec.copy_timeslice
         if engine.waiting and quantum > 0.0:
             slices = max(1, math.ceil((now - engine.granted) / quantum - 1e-9))

@@ -77,6 +77,8 @@ class DeviceSpec:
     copy_kernels: tuple[tuple[str, float, float], ...] = ()
     # A PCIe copy engine's time slice between streams (``mpsd.sim.copies``); 0: each copy runs to its end.
     copy_timeslice: float = 0.0
+    # The fraction of its bandwidth each direction's engine gets while the other direction's runs.
+    copy_duplex: tuple[tuple[str, float], ...] = ()
     # A copy call's host time, by kind, as a fraction of a kernel launch call's (``launch_latency`` and its
     # busy figure; ``mpsd.sim.host``); a kind not here costs what a launch does.
     copy_calls: tuple[tuple[str, float], ...] = ()
@@ -125,12 +127,15 @@ H200 = DeviceSpec(
     mem_bandwidth=4.8e12,
     pcie_bandwidth=55e9,
     copy_latency=2e-6,
-    # bench/fidelity/compare.py --calibration derives these three from bench/fidelity/h200_copies.json and
+    # bench/fidelity/compare.py --calibration derives these from bench/fidelity/h200_copies.json and
     # h200_copies2.json (runs 7 and 8): the time slice from a 64-KiB copy launched back to back beside a stream
-    # of 256-MiB ones (one slice and the small copy between its launches); the copy kernels' figures from
+    # of 256-MiB ones (one slice and the small copy between its launches); the two directions' shares of the
+    # link from streams of 256-MiB copies both ways at once (runs 7 and 9, the means of figures that differed
+    # between runs: 0.56 to 0.82 for host to device); the copy kernels' figures from
     # 256-MiB copies and memsets alone (traffic) and under MPS at active thread percentages 10, 25 and 50
     # (weight); the calls from copies launched back to back, against the launch call of an empty kernel.
     copy_timeslice=1.0555e-3,
+    copy_duplex=(("d2h", 0.946), ("h2d", 0.715)),
     copy_kernels=(("d2d", 1.1665, 1.364), ("memset", 1.4433, 0.716)),
     copy_calls=(("d2d", 0.892), ("d2h", 0.403), ("h2d", 0.432), ("memset", 0.399)),
     # The device's gap between back-to-back kernels of one stream, from CUDA-event timings on a real H200
