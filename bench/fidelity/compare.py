@@ -2,16 +2,16 @@
 
     .venv/bin/python bench/fidelity/compare.py [--json] [--calibration]
 
-Ten sources of measurements, each a real H200 with CuPy, one process per tenant, tenants released together:
-the team's reference (h200_timing.json, copied from h200-mps-measurements.md), and nine runs of
+Eleven sources of measurements, each a real H200 with CuPy, one process per tenant, tenants released together:
+the team's reference (h200_timing.json, copied from h200-mps-measurements.md), and ten runs of
 measure_timing.py (h200_timing_extra.json: everything; h200_timing_repeat.json: host latency, latency under
 load and time-slicing again, a later machine, to show run-to-run spread; h200_timing_host.json: host latency
 against idle time, launch calls back to back, and time-slicing timelines on the GPU's globaltimer;
 h200_timing_host2.json: the same again, later, on a fresh lease, calibrating nothing; h200_timing_slices.json:
 time-slicing against the blocks a context holds; h200_bandwidth.json: a memory-bound kernel against its blocks,
-SM caps and neighbours; h200_copies.json, h200_copies2.json and h200_copies3.json: copies by kind and size,
-memsets, copy calls, device copies under SM caps and beside kernels, small copies beside streams of large ones,
-both directions at once). Every workload is run on the simulator alone in virtual
+SM caps and neighbours; h200_copies.json to h200_copies4.json: copies by kind and size, memsets, copy calls,
+device copies under SM caps and beside kernels, small copies beside streams of large ones, both directions at
+once, two and three streams on one engine). Every workload is run on the simulator alone in virtual
 time (mpsd.simulate): MPS rows under the `mps` policy, no-MPS rows under `timeslice`; a batch starts when its
 process began launching. Issue 4's target is every row within 5%, wave counts exact.
 
@@ -68,6 +68,7 @@ RUN3, RUN4 = HERE / "h200_timing_host.json", HERE / "h200_timing_host2.json"
 RUN5 = HERE / "h200_timing_slices.json"
 BANDWIDTH = HERE / "h200_bandwidth.json"
 COPIES, COPIES2, COPIES3 = HERE / "h200_copies.json", HERE / "h200_copies2.json", HERE / "h200_copies3.json"
+COPIES4 = HERE / "h200_copies4.json"
 MS = 1.98e6  # spin cycles per millisecond at 1.98 GHz
 FULL, QUARTER = 264, 66
 WORK_ITERS = 93638  # the model's `work` iterations for one 1-ms FULL wave
@@ -410,11 +411,12 @@ def _measured_rows(source: str, path: Path, cal: dict) -> list[dict]:
                     k["at"] = offset[i]
             sim = _simulate(mode, tenants)
             figures = []
+            probes = sum(t["steps"][0]["mode"] == "probe" for t in e["tenants"])
             for i, t in enumerate(e["tenants"]):
                 step, res = t["steps"][0], t["results"][0]
                 if step["mode"] == "saturate":
                     continue
-                label = e["name"] + (f" [tenant {i}]" if i in offset else "")
+                label = e["name"] + (f" [tenant {i}]" if i in offset or probes > 1 else "")
                 figures.append(_figures(source, label, mode, step, res, sim[f"t{i}"], offset.get(i, 0.0)))
             if all(t["steps"] == e["tenants"][0]["steps"] and t["env"] == e["tenants"][0]["env"] for t in e["tenants"]):
                 # Identical tenants released together: which one the GPU serves first is a race, so the
@@ -505,7 +507,8 @@ def rows() -> list[dict]:
     out = (_reference_rows(cal) + _measured_rows("run 1", RUN1, cal) + _measured_rows("run 2", RUN2, cal)
            + _measured_rows("run 3", RUN3, cal) + _measured_rows("run 4", RUN4, cal) + _slice_rows()
            + _measured_rows("run 6", BANDWIDTH, cal) + _measured_rows("run 7", COPIES, cal)
-           + _measured_rows("run 8", COPIES2, cal) + _measured_rows("run 9", COPIES3, cal))
+           + _measured_rows("run 8", COPIES2, cal) + _measured_rows("run 9", COPIES3, cal)
+           + _measured_rows("run 10", COPIES4, cal))
     for r in out:
         r["error"] = (r["simulated"] - r["measured"]) / r["measured"]
     return out
@@ -556,7 +559,8 @@ def main() -> int:
               f"{r['simulated']:>9.4f} {r['error']:>+7.1%}{flag}")
     print()
     counted = [r for r in table if not r["calibration"]]
-    for source in ("reference", "run 1", "run 2", "run 3", "run 4", "run 5", "run 6", "run 7", "run 8", "run 9"):
+    for source in ("reference", "run 1", "run 2", "run 3", "run 4", "run 5", "run 6", "run 7", "run 8", "run 9",
+                   "run 10"):
         for mode in ("mps", "no-mps"):
             chosen = [r for r in counted if r["source"] == source and r["mode"] == mode]
             within = sum(abs(r["error"]) <= TOLERANCE for r in chosen)

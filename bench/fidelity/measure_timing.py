@@ -12,6 +12,7 @@ Run on a machine with an NVIDIA GPU, CuPy and nvidia-cuda-mps-control, as root:
     python bench/fidelity/measure_timing.py --set copies --out bench/fidelity/h200_copies.json
     python bench/fidelity/measure_timing.py --set copy-sharing --out bench/fidelity/h200_copies2.json
     python bench/fidelity/measure_timing.py --set copy-duplex --out bench/fidelity/h200_copies3.json
+    python bench/fidelity/measure_timing.py --set copy-streams --out bench/fidelity/h200_copies4.json
 
 It extends the team's reference (h200_timing.json) with what the model needs besides: the host's launch and
 synchronise latency for a tiny kernel alone (what calibrates ``DeviceSpec.launch_latency`` and
@@ -589,6 +590,28 @@ def copy_duplex_experiments(mps: bool) -> list[dict]:
                 {"env": {}, "steps": [batch("200 x vadd 64M, 1056 x 1024", [vadd(BIG, 1056)], 200)]}]}]
 
 
+def copy_streams_experiments(mps: bool) -> list[dict]:
+    """What run 9 left open: why three streams of large copies on one engine lost bandwidth that two did not.
+    Two and three streams again, on one lease; two beside an idle third process (its copies warmed up, none
+    during the run); two beside a third's small copies back to back; one beside two streams of small copies."""
+    big = memcpy("h2d", 256 << 20)
+
+    def stream(n: int = 20) -> dict:
+        return {"env": {}, "steps": [batch(f"{n} x h2d 262144 KiB", [big], n)]}
+
+    def probe(sleep_ms: float, delay: float = 0.05) -> dict:
+        return {"env": {}, "steps": [{"mode": "probe", "kernel": memcpy("h2d", 64 << 10), "samples": 100,
+                                      "sleep": sleep_ms / 1e3, "delay": delay,
+                                      "name": f"h2d 64 KiB probe, sleep {sleep_ms} ms"}]}
+
+    return [{"name": "2 x h2d 256 MiB", "tenants": [stream(), stream()]},
+            {"name": "3 x h2d 256 MiB", "tenants": [stream(), stream(), stream()]},
+            {"name": "2 x h2d 256 MiB beside an idle third", "tenants": [stream(), stream(), probe(0.0, delay=0.5)]},
+            {"name": "2 x h2d 256 MiB beside a 64 KiB probe back to back", "tenants": [stream(), stream(), probe(0.0)]},
+            {"name": "h2d 256 MiB beside two 64 KiB probes, sleep 0.5 ms", "tenants": [
+                stream(60), probe(0.5), probe(0.5)]}]
+
+
 def latency_experiments(mps: bool) -> list[dict]:
     """The 8 x 0.1 ms probe beside a tenant saturating the GPU with back-to-back FULL 1-ms kernels."""
     closed = {"mode": "probe", "kernel": PROBE, "samples": 200, "sleep": 0.005, "delay": 0.05}
@@ -727,14 +750,15 @@ def main() -> None:
     parser.add_argument("--only", default="", help="comma-separated name fragments: run only the multi-process "
                                                    "experiments whose names hold one (the single-process steps are skipped)")
     parser.add_argument("--set", choices=("main", "host-switch", "slices", "bandwidth", "copies",
-                                          "copy-sharing", "copy-duplex"), default="main",
+                                          "copy-sharing", "copy-duplex", "copy-streams"), default="main",
                         help="main: the experiments of h200_timing_extra.json; host-switch: host latency against "
                              "idle time, launch cost, and time-slicing timelines (h200_timing_host.json); slices: "
                              "context switches against the blocks resident (no MPS; h200_timing_slices.json); bandwidth: "
                              "DRAM bandwidth against blocks, SM caps and neighbours (h200_bandwidth.json); copies: memcpy by "
                              "kind and size, alone and beside others (h200_copies.json); copy-sharing: copy calls, memsets, "
                              "pageable copies, device copies as kernels, and how a copy engine is shared (h200_copies2.json); "
-                             "copy-duplex: both directions at once, three streams on one engine (h200_copies3.json)")
+                             "copy-duplex: both directions at once, three streams on one engine (h200_copies3.json); "
+                             "copy-streams: two and three streams on one engine (h200_copies4.json)")
     parser.add_argument("--plan", action="store_true", help="print the experiments and exit (no GPU needed)")
     args = parser.parse_args()
 
@@ -745,6 +769,8 @@ def main() -> None:
             return copy_sharing_experiments(mps)
         if args.set == "copy-duplex":
             return copy_duplex_experiments(mps)
+        if args.set == "copy-streams":
+            return copy_streams_experiments(mps)
         if args.set == "bandwidth":
             return bandwidth_experiments(mps)
         if args.set == "slices":
