@@ -19,6 +19,8 @@ name = "latency"
 arrival = "uniform"
 rate = 100
 deadline_ms = 50
+input = "64K"
+output = "16K"
 [[tenant.kernel]]
 name = "spin"
 grid = 8
@@ -59,6 +61,7 @@ def test_a_small_mix_with_real_processes(tmp_path):
         latency = tenants["latency"]
         assert latency["requests"] == 60  # uniform at 100/s for 0.6 s
         assert latency["completed"] == 60 and 0 < latency["latency_ms"]["p50"] <= latency["latency_ms"]["p99"]
+        assert latency["memory_high_water"] == 2 << 20  # its input and output buffers, packed in one 2 MiB chunk
         assert latency["isolation"] is not None and latency["isolation"] > 0  # the solo run happened
         assert run["solo_p99_ms"]["batch#0"] == run["solo_p99_ms"]["batch#1"] > 0
         for name in ("batch#0", "batch#1"):

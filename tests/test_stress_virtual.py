@@ -44,6 +44,7 @@ def test_shipped_workloads_parse(path):
     ({"tenant": [{"name": "a", "kernel": [{"name": "spin"}]}]}, "needs duration_ms"),
     ({"tenant": [{"name": "a", "active_thread_percentage": 0, "kernel": [spin(1)]}]}, "(0, 100]"),
     ({"tenant": [{"name": "a", "memory": "lots", "kernel": [spin(1)]}]}, "tenant a: memory"),
+    ({"tenant": [{"name": "a", "input": -1, "kernel": [spin(1)]}]}, "tenant a: input"),
     ({"tenant": [{"name": "a", "kernel": [spin(1)]}, {"name": "a", "kernel": [spin(1)]}]}, "unique"),
     ({"tenant": [{"name": "c", "ipc": "consumer", "ipc_peer": "p", "kernel": [spin(1)]}]}, "ipc_peer"),
 ])
@@ -152,3 +153,33 @@ def test_timeslicing_hurts_the_latency_tenant_more_than_mps():
     p99 = {policy: summarize(run_virtual(w, policy, {}))["tenants"][0]["latency_ms"]["p99"]
            for policy in ("mps", "timeslice")}
     assert p99["timeslice"] > 2 * p99["mps"]
+
+
+def test_a_request_with_input_and_output_copies_takes_what_the_model_says():
+    """A request that copies 55 MB in, runs an empty kernel and copies 55 MB out: the first call (the input
+    copy's, after a long idle time) costs its share of a launch call; the kernel and output-copy calls follow
+    back to back while the input copy runs; then the copy, the kernel and the other copy run in stream order,
+    each copy its fixed latency and 1 ms at PCIe bandwidth, and the warm synchronise returns."""
+    empty = {"name": "spin", "grid": 1, "block": 32, "cycles": 0}
+    timeline = run_virtual(workload({"name": "a", "input": 55_000_000, "output": 55_000_000, "kernel": [empty]},
+                                    duration=1e-4), "mps", {})
+    (first,) = timeline.requests
+    call = H200.launch_latency * dict(H200.copy_calls)["h2d"]
+    copy = H200.copy_latency + 1e-3
+    kernel = H200.kernel_overhead + H200.min_block_time
+    assert first.latency == pytest.approx(call + copy + kernel + copy + H200.sync_latency_busy)
+
+
+def test_small_input_copies_wait_out_a_loaders_slices_unless_partitioned():
+    """A service whose requests copy 64 KiB in beside a data loader copying 256 MiB: under MPS its copies wait
+    for the loader's copy-engine slices (as on a real H200), under MIG its partition has engines of its own."""
+    w = workload({"name": "serving", "arrival": "uniform", "rate": 500, "input": "64K",
+                  "kernel": [spin(0.05, grid=8)]},
+                 {"name": "loader", "input": "256M", "kernel": [spin(0.05, grid=8)]}, duration=0.2)
+    alone = summarize(run_virtual(w, "mps", {}, [w.tenants[0]]))["tenants"][0]["latency_ms"]["p50"]
+    mps = summarize(run_virtual(w, "mps", {}))["tenants"][0]["latency_ms"]["p50"]
+    tenants = [replace(t, partition=i) for i, t in enumerate(w.tenants)]
+    mig = summarize(run_virtual(w, "mig", {"partitions": ["3g.71gb", "3g.71gb"]}, tenants))
+    assert mps > alone + 0.2  # a slice is about 1 ms: the wait averages about half of one
+    assert mig["tenants"][0]["latency_ms"]["p50"] == pytest.approx(alone, rel=0.05)
+    assert mig["tenants"][1]["memory_high_water"] == 256 << 20

@@ -6,7 +6,8 @@
 #   stdout -> READY {"pid", "client", "ipc_handle", "setup_errors"}   (connected, memory allocated)
 #   stdin  <- GO <t0>        (time.monotonic() at which the run starts; every time it reports is relative to it)
 #   stdout -> P <completed> <failed>  (now and then), then DONE {"requests": [[submitted, completed, error]], ...}
-# A request is the tenant's kernels launched in order on its stream, then a synchronize; an open-loop request's
+# A request is the tenant's input copied to the device, its kernels launched in order and its output copied back,
+# all on its stream, then a synchronize; an open-loop request's
 # submission time is when it was due, so time spent queued behind the previous request counts as latency.
 """A stress tenant process (``python -m mpsd.stress.tenant``)."""
 
@@ -42,14 +43,22 @@ class Tenant:
         self.errors: list[str] = []
         self.held: list[Any] = []
         self.shared = None  # the IPC buffer: ours to export, or the producer's, opened
-        self.stream = ctx.create_stream(priority=spec.stream_priority) if spec.stream_priority else None
+        # Copies go on a stream of their own making, so the request stays one asynchronous chain, as a
+        # service's cudaMemcpyAsync and launches would (copies on no stream are synchronous).
+        wants_stream = spec.stream_priority or spec.input or spec.output
+        self.stream = ctx.create_stream(priority=spec.stream_priority) if wants_stream else None
         self.pointers: dict[int, tuple[int, ...]] = {}
+        self.copies: dict[str, tuple[Any, Any]] = {}  # "input" / "output" -> (device buffer, pinned host buffer)
         self._try(self._allocate, ipc_handle)
 
     def _allocate(self, ipc_handle: str | None) -> None:
         spec, ctx = self.spec, self.ctx
         if spec.memory:
             self.held.append(ctx.malloc(spec.memory))
+        for kind in ("input", "output"):
+            nbytes = getattr(spec, kind)
+            if nbytes:
+                self.copies[kind] = (ctx.malloc(nbytes), ctx.host_alloc(nbytes))
         for i, k in enumerate(spec.kernels):
             if k.name in POINTER_KERNELS:
                 self.pointers[i] = tuple(ctx.malloc(4 * k.scalar) for _ in range(POINTER_KERNELS[k.name]))
@@ -81,6 +90,9 @@ class Tenant:
         ctx, spec, stream = self.ctx, self.spec, self.stream
         scratch = ctx.malloc(spec.churn) if spec.churn else None
         try:
+            if "input" in self.copies:
+                device, host = self.copies["input"]
+                ctx.memcpy_htod(device, host, stream=stream)
             if self.shared is not None:
                 n = spec.ipc_size // 4
                 if spec.ipc == "producer":
@@ -91,6 +103,9 @@ class Tenant:
                 args = k.args(self.pointers.get(i, ()))
                 for _ in range(k.repeat):
                     ctx.launch(k.name, k.grid, k.block, args, stream=stream)
+            if "output" in self.copies:
+                device, host = self.copies["output"]
+                ctx.memcpy_dtoh(host, device, stream=stream)
             if stream is not None:
                 stream.synchronize()
             else:

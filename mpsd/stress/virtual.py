@@ -1,8 +1,8 @@
 # A workload played on the GPU model alone, in virtual time: no daemon, no processes, as fast as the simulator
 # runs, identical on every run. Each tenant instance behaves as its process would: one request at a time, its
-# kernels launched one call after another, each reaching the device as its call returns, the request complete
-# when the host would see its synchronize return, every call costing what a thread idle that long pays
-# (mpsd.sim.host).
+# input copy, kernels and output copy launched one call after another, each reaching the device as its call
+# returns, the request complete when the host would see its synchronize return, every call costing what a
+# thread idle that long pays (mpsd.sim.host).
 # Closed loops issue the next request when the last completes (plus think time), open loops when it is due
 # or when the last completes, whichever is later (so queueing in the tenant counts).
 # Memory is checked against the tenant's limit as the daemon checks it, charged as the daemon charges it.
@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from mpsd.sim import H200, DeviceSpec, Kernel, Simulator, kernel_cost
+from mpsd.sim import H200, Copy, DeviceSpec, Kernel, Op, Simulator, kernel_cost
 from mpsd.sim.host import HostThread
 from mpsd.stress.timeline import KernelRecord, Request, TenantInfo, Timeline, partitions_of, spans_of
 from mpsd.stress.workload import POINTER_KERNELS, TenantSpec, Workload, arrival_times, entitlements
@@ -62,22 +62,25 @@ def run_virtual(workload: Workload, policy: str, policy_options: dict[str, Any],
     instances: list[_Instance] = []
     requests: list[Request] = []
     names: dict[Kernel, tuple[str, str]] = {}  # every kernel -> (instance, kernel name)
-    # (a launch's work reaches the device, seq, instance, its request's stamp, the request's kernels still
-    # to launch after it: None for a request's first launch, which builds them)
-    pending: list[tuple[float, int, int, float, list[Kernel] | None]] = []
-    outstanding: dict[Kernel, tuple[_Instance, float]] = {}  # a request's last kernel -> whose, its stamp
+    # (a launch's work reaches the device, seq, instance, its request's stamp, the request's ops still to
+    # launch after it: None for a request's first launch, which builds them)
+    pending: list[tuple[float, int, int, float, list[Op] | None]] = []
+    outstanding: dict[Op, tuple[_Instance, float]] = {}  # a request's last op -> whose, its stamp
+    calls = dict(spec.copy_calls)  # a copy call's host time against a launch's, by kind
     order = itertools.count()
 
     def schedule(inst: _Instance, now: float) -> None:
         """Queue the instance's next request, if it has one: closed loops until the end, open loops until
         their arrivals run out."""
+        first = calls.get("h2d", 1.0) if inst.spec.input else 1.0  # the request's first call: its input copy
         if inst.arrivals is None:
             at = now + (inst.spec.think if inst.issued else 0.0)
             if at < workload.duration:
-                heapq.heappush(pending, (inst.thread.launch(at), next(order), inst.client - 1, at, None))
+                heapq.heappush(pending, (inst.thread.launch(at, first), next(order), inst.client - 1, at, None))
         elif inst.issued < len(inst.arrivals):
             due = inst.arrivals[inst.issued]
-            heapq.heappush(pending, (inst.thread.launch(max(due, now)), next(order), inst.client - 1, due, None))
+            heapq.heappush(pending, (inst.thread.launch(max(due, now), first), next(order), inst.client - 1, due,
+                                     None))
 
     for t in specs:
         limit = _limit(t, spec)
@@ -112,7 +115,9 @@ def run_virtual(workload: Workload, policy: str, policy_options: dict[str, Any],
             if later:
                 sim.submit(later.pop())
                 if later:  # the next launch call follows this one's return
-                    heapq.heappush(pending, (inst.thread.launch(at), next(order), index, stamp, later))
+                    nxt = later[-1]
+                    scale = calls.get(nxt.engine, 1.0) if isinstance(nxt, Copy) else 1.0
+                    heapq.heappush(pending, (inst.thread.launch(at, scale), next(order), index, stamp, later))
         else:
             done = sim.advance(next_event)
         for op in done:
@@ -139,6 +144,7 @@ def _limit(t: TenantSpec, spec: DeviceSpec) -> int:
 def _setup_allocations(t: TenantSpec) -> list[int]:
     """What the tenant process allocates before its first request, in its order."""
     out = [t.memory] if t.memory else []
+    out += [n for n in (t.input, t.output) if n]
     for k in t.kernels:
         out += [4 * k.scalar] * POINTER_KERNELS.get(k.name, 0)
     if t.ipc == "producer":
@@ -148,10 +154,13 @@ def _setup_allocations(t: TenantSpec) -> list[int]:
     return out
 
 
-def _request_ops(inst: _Instance, spec: DeviceSpec, names: dict[Kernel, tuple[str, str]]) -> list[Kernel]:
-    """The kernels of one of the instance's requests, named in ``names``, last first (they are popped)."""
+def _request_ops(inst: _Instance, spec: DeviceSpec, names: dict[Kernel, tuple[str, str]]) -> list[Op]:
+    """The ops of one of the instance's requests (its input copy, its kernels, named in ``names``, and its
+    output copy), last first (they are popped)."""
     t = inst.spec
-    ops = []
+    ops: list[Op] = []
+    if t.input:
+        ops.append(Copy(client=inst.client, stream=0, engine="h2d", nbytes=t.input))
     for name, grid, block, args, repeat in _request_kernels(t):
         cost = kernel_cost(spec, name, grid, block, args)
         for _ in range(repeat):
@@ -159,6 +168,8 @@ def _request_ops(inst: _Instance, spec: DeviceSpec, names: dict[Kernel, tuple[st
                         priority=t.stream_priority, sm_cap=inst.cap)
             names[op] = (inst.name, name)
             ops.append(op)
+    if t.output:
+        ops.append(Copy(client=inst.client, stream=0, engine="d2h", nbytes=t.output))
     ops.reverse()
     return ops
 

@@ -5,7 +5,8 @@
 #   [run]        duration (s), seed, policy, solo (bool: also run each group alone, for isolation),
 #                [run.policy_options.<policy>] (that policy's settings, as `mpsd simulate` takes them)
 #   [[tenant]]   name, count, active_thread_percentage, pinned_mem_limit, priority, weight, partition,
-#                deadline_ms, memory, churn, stream_priority,
+#                deadline_ms, memory, churn, stream_priority, input, output (bytes copied host to device
+#                before each request's kernels and device to host after them, from and to pinned memory),
 #                arrival = "closed" | "uniform" | "poisson" | "bursty" | "trace", rate, burst, trace, think_ms,
 #                ipc = "producer" | "consumer", ipc_size, ipc_peer
 #   [[tenant.kernel]]  name, grid, block, repeat, and per kernel: duration_ms or cycles (spin),
@@ -91,6 +92,8 @@ class TenantSpec:
     ipc: str | None = None
     ipc_size: int = 4 << 20
     ipc_peer: str | None = None
+    input: int = 0
+    output: int = 0
     kernels: tuple[KernelSpec, ...] = ()
 
     def instance(self, copy: int) -> str:
@@ -202,7 +205,7 @@ def arrival_times(tenant: TenantSpec, duration: float, seed: int, copy: int = 0)
 
 _TENANT_KEYS = {"name", "count", "active_thread_percentage", "pinned_mem_limit", "priority", "weight", "partition",
                 "deadline_ms", "memory", "churn", "stream_priority", "arrival", "rate", "burst", "trace", "think_ms",
-                "ipc", "ipc_size", "ipc_peer", "kernel"}
+                "ipc", "ipc_size", "ipc_peer", "input", "output", "kernel"}
 _KERNEL_KEYS = {"name", "grid", "block", "repeat", "duration_ms", "cycles", "iterations", "elements"}
 
 
@@ -249,6 +252,7 @@ def _tenant(entry: Any, index: int, base: Path) -> TenantSpec:
         arrival=arrival, rate=rate, burst=_integer(entry, "burst", where, 1, low=1), trace=trace,
         think=_number(entry, "think_ms", where, 0.0, low=0.0) / 1e3,
         ipc=ipc, ipc_size=_size(entry, "ipc_size", where, 4 << 20), ipc_peer=entry.get("ipc_peer"),
+        input=_size(entry, "input", where), output=_size(entry, "output", where),
         kernels=tuple(_kernel(k, j, where) for j, k in enumerate(kernels)),
     )
 
