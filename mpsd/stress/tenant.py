@@ -6,9 +6,9 @@
 #   stdout -> READY {"pid", "client", "ipc_handle", "setup_errors"}   (connected, memory allocated)
 #   stdin  <- GO <t0>        (time.monotonic() at which the run starts; every time it reports is relative to it)
 #   stdout -> P <completed> <failed>  (now and then), then DONE {"requests": [[submitted, completed, error]], ...}
-# A request is the tenant's input copied to the device, its kernels launched in order and its output copied back,
-# all on its stream, then a synchronize; an open-loop request's
-# submission time is when it was due, so time spent queued behind the previous request counts as latency.
+# A request is the tenant's input copied to the device, its kernels launched in order and its output copied
+# back, all on its stream, then a synchronize; an open-loop request's submission time is when it was due, so
+# time spent queued behind the previous request counts as latency.
 """A stress tenant process (``python -m mpsd.stress.tenant``)."""
 
 from __future__ import annotations
