@@ -183,3 +183,14 @@ def test_small_input_copies_wait_out_a_loaders_slices_unless_partitioned():
     assert mps > alone + 0.2  # a slice is about 1 ms: the wait averages about half of one
     assert mig["tenants"][0]["latency_ms"]["p50"] == pytest.approx(alone, rel=0.05)
     assert mig["tenants"][1]["memory_high_water"] == 256 << 20
+
+
+def test_memory_is_charged_as_the_daemon_charges_it():
+    """Allocations of 1 MiB or less share 2 MiB chunks, as in the daemon (tests/test_stress_run.py sees the same
+    2 MiB for these buffers from real processes); larger ones take whole 2 MiB pages; churn is freed again."""
+    w = workload({"name": "small", "input": "64K", "output": "16K", "kernel": [spin(0.05, grid=8)]},
+                 {"name": "large", "memory": "3M", "churn": "1M", "kernel": [spin(0.05, grid=8)]})
+    small, large = summarize(run_virtual(w, "mps", {}))["tenants"]
+    assert small["memory_high_water"] == 2 << 20
+    assert large["memory_high_water"] == (4 << 20) + (2 << 20)  # 3M in two pages, 1M of churn in a chunk
+    assert large["completed"] > 1 and large["errors"] == 0

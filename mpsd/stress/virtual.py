@@ -5,7 +5,8 @@
 # thread idle that long pays (mpsd.sim.host).
 # Closed loops issue the next request when the last completes (plus think time), open loops when it is due
 # or when the last completes, whichever is later (so queueing in the tenant counts).
-# Memory is checked against the tenant's limit as the daemon checks it, charged as the daemon charges it.
+# Memory is checked against the tenant's limit as the daemon checks it, charged as the daemon charges it (by its
+# own mpsd.memory.AddressSpace).
 """Running a stress workload in virtual time."""
 
 from __future__ import annotations
@@ -13,17 +14,17 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from mpsd.sim import H200, Copy, DeviceSpec, Kernel, Op, Simulator, kernel_cost
+from mpsd.memory import AddressSpace, Allocation
 from mpsd.sim.host import HostThread
 from mpsd.stress.timeline import KernelRecord, Request, TenantInfo, Timeline, partitions_of, spans_of
 from mpsd.stress.workload import POINTER_KERNELS, TenantSpec, Workload, arrival_times, entitlements
 
 __all__ = ["run_virtual"]
 
-CHUNK = 2 << 20  # device memory is charged in 2 MiB pages (allocations of 1 MiB or less share them: ignored here)
 OOM = "cudaErrorMemoryAllocation"
 FAILED_CALL = 1e-6  # least host time a refused call takes, so a closed loop of refusals still moves on
 
@@ -39,15 +40,22 @@ class _Instance:
     charged: int = 0
     high_water: int = 0
     issued: int = 0  # requests issued so far
+    space: AddressSpace = field(default_factory=AddressSpace)  # charged as the daemon charges (mpsd.memory)
+    churn: int | None = None  # the address of the live request's churn allocation
 
-    def charge(self, nbytes: int, limit: int) -> bool:
-        """Allocate ``nbytes`` against ``limit``, as the daemon would; False if it does not fit."""
-        charge = _pages(nbytes)
+    def charge(self, nbytes: int, limit: int) -> int | None:
+        """Allocate ``nbytes`` against ``limit``, charged as the daemon charges it; its address, or None if it
+        does not fit."""
+        addr, span, charge = self.space.plan(nbytes)
         if self.charged + charge > limit:
-            return False
+            return None
+        self.space.insert(Allocation(addr, nbytes, span, None))  # type: ignore[arg-type]  # no bytes behind it
         self.charged += charge
         self.high_water = max(self.high_water, self.charged)
-        return True
+        return addr
+
+    def free(self, addr: int) -> None:
+        self.charged -= self.space.remove(addr)[1]
 
 
 def run_virtual(workload: Workload, policy: str, policy_options: dict[str, Any],
@@ -91,7 +99,7 @@ def run_virtual(workload: Workload, policy: str, policy_options: dict[str, Any],
             sim.configure_client(inst.client, priority=t.priority, weight=t.weight, partition=t.partition)
             instances.append(inst)
             for nbytes in _setup_allocations(t):
-                if not inst.charge(nbytes, limit):
+                if inst.charge(nbytes, limit) is None:
                     requests.append(Request(inst.name, 0.0, math.nan, OOM))
             schedule(inst, 0.0)
 
@@ -104,7 +112,8 @@ def run_virtual(workload: Workload, policy: str, policy_options: dict[str, Any],
             t = inst.spec
             if later is None:  # a request's first launch
                 inst.issued += 1
-                if t.churn and not inst.charge(t.churn, _limit(t, spec)):
+                inst.churn = inst.charge(t.churn, _limit(t, spec)) if t.churn else None
+                if t.churn and inst.churn is None:
                     requests.append(Request(inst.name, stamp, math.nan, OOM))
                     # The refusal is one round trip to the daemon: the tenant tries again no sooner.
                     schedule(inst, max(inst.thread.synchronize(at), stamp + FAILED_CALL))
@@ -125,14 +134,11 @@ def run_virtual(workload: Workload, policy: str, policy_options: dict[str, Any],
                 inst, stamp = outstanding.pop(op)
                 completed = inst.thread.synchronize(op.ended)
                 requests.append(Request(inst.name, stamp, completed))
-                if inst.spec.churn:
-                    inst.charged -= _pages(inst.spec.churn)
+                if inst.churn is not None:
+                    inst.free(inst.churn)
+                    inst.churn = None
                 schedule(inst, completed)
     return _timeline(workload, policy, sim, specs, instances, requests, names)
-
-
-def _pages(nbytes: int) -> int:
-    return -(-nbytes // CHUNK) * CHUNK
 
 
 def _limit(t: TenantSpec, spec: DeviceSpec) -> int:
