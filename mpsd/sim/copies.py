@@ -47,11 +47,12 @@ class CopyEngines:
     engine in slices of ``spec.copy_timeslice``; when a slice ends and another stream waits, the copy is
     set aside with the time it has left and the next stream waiting gets the engine. A stream whose copy
     ends keeps the engine if its next copy is eligible at that instant (back-to-back copies, as a queued
-    stream has); otherwise the next waiting one gets it, in the order they became eligible. A spec without
-    a time slice runs each copy to its end.
+    stream has); otherwise the next waiting one gets it, in the order they became eligible. While the other
+    direction's engine of the lane runs, a copy moves at its direction's share of the bandwidth
+    (``spec.copy_duplex``). A spec without a time slice runs each copy to its end.
 
     Args:
-        spec: the device (bandwidth, fixed latency, time slice).
+        spec: the device (bandwidth, fixed latency, time slice, shares of the link).
         schedule: called as ``schedule(time, token)`` for the engine's next event; the engine passes the
             token back to ``stale`` and ``fire``.
     """
