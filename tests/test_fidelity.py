@@ -43,8 +43,9 @@ REFERENCE_SPREAD = ("the reference measured this closed-loop probe beside the sa
                     "1.076 / 1.100 ms; runs 1 and 2 of the same loop gave 1.006 to 1.022 / 1.038 to 1.045 ms (also at "
                     "CLIENT_PRIORITY 1), which the model meets within 3%; it cannot be within 5% of both")
 COPY_CALLS = ("back-to-back copies this small are bound by the host's copy call, which differed between runs 7 and "
-              "8 and the two modes (2.5 to 4.7 us a copy for h2d and d2h, 5.5 to 8.7 us for d2d, 1.9 to 3.2 us for "
-              "a memset); the model's figures are run 8's back-to-back calls")
+              "8 and the two modes (h2d and d2h: 3.5 to 6.3 us a copy in run 7, calls of 2.5 to 2.9 us in run 8; "
+              "d2d: 7.4 to 8.9 against 5.5 to 5.9 us; a memset's call 1.9 to 3.2 us); the model's figures are run "
+              "8's back-to-back calls")
 COPY_KERNEL_FIXED = ("a 1-MiB memset took 5 us on the device, where the model's copy kernel takes half that (the gap "
                      "between kernels and its bytes at the DRAM curve's rate): a short copy kernel costs more than "
                      "its bytes")
