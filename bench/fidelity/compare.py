@@ -191,6 +191,7 @@ def _copy_calibration(launch_busy: float) -> dict:
             for kind, name in COPY_FULL_STEPS.items():
                 if step["name"] == name:
                     full.setdefault(kind, []).append(res["gpu_seconds"] / step["repeat"] - H200.kernel_overhead)
+
     def rate(sms: int, weight: float) -> float:
         # One wave of two 1024-thread blocks on each of ``sms`` SMs (mpsd.sim.costs.copy_kernel), as the DRAM
         # pool counts them: the curve at their weighted threads, at most their speed alone.
@@ -198,8 +199,9 @@ def _copy_calibration(launch_busy: float) -> dict:
         return min(dram_bandwidth(H200, sms * dram_threads(H200, threads)), sms * threads * r0 / t0)
 
     def misfit(weight: float, alone: float, capped: list[tuple[int, float]]) -> float:
-        per = 1 / (alone * rate(H200.sm_count, weight))  # a traffic byte's share of a curve byte, alone exact
-        return sum(math.log(1 / per / rate(sms, weight) / t) ** 2 for sms, t in capped)
+        # With the traffic per curve byte that makes the whole device alone exact, a copy on ``sms`` SMs takes
+        # ``alone`` times the whole device's rate over its own.
+        return sum(math.log(alone * rate(H200.sm_count, weight) / rate(sms, weight) / t) ** 2 for sms, t in capped)
 
     kernels = []
     for kind in ("d2d", "memset"):
@@ -212,7 +214,8 @@ def _copy_calibration(launch_busy: float) -> dict:
         weight = min((0.5 + 0.001 * i for i in range(2500)), key=lambda w: misfit(w, alone, capped))
         kernels.append((kind, 1 / (alone * rate(H200.sm_count, weight)), weight))
     small = H200.copy_latency + (64 << 10) / H200.pcie_bandwidth
-    return {"copy_timeslice": statistics.mean(gaps) - small, "copy_duplex": _copy_duplex(), "copy_kernels": tuple(kernels),
+    return {"copy_timeslice": statistics.mean(gaps) - small, "copy_duplex": _copy_duplex(),
+            "copy_kernels": tuple(kernels),
             "copy_calls": tuple((k, statistics.mean(v)) for k, v in sorted(calls.items()))}
 
 
@@ -542,7 +545,8 @@ def main() -> int:
               f"slice {cal['copy_timeslice'] * 1e3:.4f} ms ({H200.copy_timeslice * 1e3:.4f}); both directions at once: "
               + ", ".join(f"{k} {f:.3f}" for k, f in cal["copy_duplex"])
               + " (" + ", ".join(f"{f:.3f}" for _, f in H200.copy_duplex) + "); copy kernels, traffic "
-              "per curve byte and thread weight: " + ", ".join(f"{k} {b:.4f} and {w:.3f}" for k, b, w in cal["copy_kernels"])
+              "per curve byte and thread weight: "
+              + ", ".join(f"{k} {b:.4f} and {w:.3f}" for k, b, w in cal["copy_kernels"])
               + " (" + ", ".join(f"{b:.4f} and {w:.3f}" for _, b, w in H200.copy_kernels) + "); copy calls against a "
               "launch's: " + ", ".join(f"{k} {f:.3f}" for k, f in cal["copy_calls"])
               + " (" + ", ".join(f"{f:.3f}" for _, f in H200.copy_calls) + ")")

@@ -34,7 +34,7 @@ class _Engine:
     waiting: deque[Copy] = field(default_factory=deque)
     running: Copy | None = None
     since: float = 0.0  # when ``running`` last started or resumed
-    owner: Hashable = None  # the stream holding the slice
+    owner: Hashable | None = None  # the stream holding the slice
     granted: float = 0.0  # when the owner got the engine: its slices end on a grid from here
     version: int = 0  # bumped whenever the pending event changes
     speed: float = 1.0  # the fraction of its bandwidth ``running`` gets (less while the other direction runs)
