@@ -28,6 +28,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/launch_rate.py
 	$(BIN)/python bench/ipc_open.py
 	$(BIN)/python bench/sim_rate.py
+	$(BIN)/python bench/sim_rate.py --scenario grids
 
 clean:
 	rm -rf $(VENV) build *.egg-info
