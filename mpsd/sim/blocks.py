@@ -84,7 +84,6 @@ class Blocks:
         now = self.now
         sms = self._sms
         need = run.need
-        changed = self._fit_index.changed
         hook = self._placed_hook
         shared = kernel.cost.shared
         dram = kernel.cost.dram
@@ -124,7 +123,6 @@ class Blocks:
             placements = ()
         for i, count in placements:
             sms[i].take(need, count)
-            changed(i)
             occupied[i] = occupied.get(i, 0) + count
             placed += count
             while count:
@@ -158,6 +156,8 @@ class Blocks:
                 groups[group] = None
                 if hook is not None:
                     hook(group)
+        if placements:  # the fit tables once for them all, as in the usual case above (nothing in the loop reads them)
+            self._fit_index.changed_many([i for i, _ in placements])
         if wave:
             self._push_groups(now + fresh, wave)
         run.unplaced -= placed
