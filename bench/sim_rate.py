@@ -141,8 +141,8 @@ def main() -> None:
         ("target", f"{TARGET:,} blocks/s"),
     ]
     h.report("simulated blocks per second", rows, rate >= TARGET,
-             {"bench": "sim_rate", "scenario": args.scenario, "policy": args.policy, "blocks_per_s": rate, "raw_events_per_s": base,
-              "ratio": rate / base, "blocks": blocks} if args.json else None)
+             {"bench": "sim_rate", "scenario": args.scenario, "policy": args.policy, "blocks_per_s": rate,
+              "raw_events_per_s": base, "ratio": rate / base, "blocks": blocks} if args.json else None)
 
 
 if __name__ == "__main__":
