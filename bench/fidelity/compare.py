@@ -554,10 +554,10 @@ def _print_repeats(table: list[dict]) -> None:
         print(f"{f['row'][:62]:<62} {f['mode']:<6} {f['figure']:<13} {f['spread']:>+7.1%} {f['simulated']:>9.4f}"
               f"{flag}\n    {values}")
     beyond = [f for f in found if not f["reach"]]
-    rows = sum(len(f["measured"]) for f in beyond)
+    measured = sum(len(f["measured"]) for f in beyond)
     print(f"\n{len(found)} figures measured in two runs or more on the same inputs; {len(beyond)} of them differ "
-          f"between runs by more than {1 / (1 - TOLERANCE) * (1 + TOLERANCE) - 1:.1%}, so that no prediction can "
-          f"be within 5% of every measurement: {rows} rows of the table")
+          f"between runs by more than {(1 + TOLERANCE) / (1 - TOLERANCE) - 1:.1%}, so that no prediction can "
+          f"be within 5% of every measurement: {measured} rows of the table")
 
 
 def main() -> int:
