@@ -189,6 +189,24 @@ class ContextBase:
         """``cudaPeekAtLastError``: like `get_last_error` without the reset."""
         return self._drive(self._core.get_last_error(clear=False))
 
+    def clock(self) -> Any:
+        """This client's simulated now, in seconds. Under the daemon's virtual clock it is the client's own
+        simulated host clock (each call advances it by what the call costs a real CUDA host); under the wall
+        clock, the device's simulated time (wall seconds x the daemon's time scale), like time.monotonic()."""
+        return self._drive(self._core.clock())
+
+    def sleep(self, seconds: float) -> Any:
+        """Let `seconds` of simulated time pass on this client's clock, as time.sleep() would (under the wall
+        clock it is a real sleep of seconds / time scale).
+
+        Raises:
+            InvalidValueError: `seconds` is negative or not a number.
+        """
+        return self._sleep(self._core.sleep(seconds))
+
+    def _sleep(self, op: Any) -> Any:  # pragma: no cover - each shell defines it
+        raise NotImplementedError
+
     def statistics(self) -> Any:
         """What the daemon counted for this client: kernels, blocks, SM-seconds, memory, copies."""
         return self._drive(self._core.statistics())

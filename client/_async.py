@@ -88,6 +88,17 @@ class AsyncContext(ContextBase):
         except OSError as exc:
             raise self._core.connection_lost(f"lost the daemon: {exc.strerror or exc}") from None
 
+    async def _sleep(self, op: Any) -> None:
+        wall = await self._drive(op)
+        if wall:
+            await trio.sleep(wall)
+
+    @asynccontextmanager
+    async def idle(self) -> AsyncIterator[None]:
+        """``async with actx.idle():`` as `Context.idle`: this client waits outside mpsd until its next call."""
+        await self._drive(self._core.idle())
+        yield
+
     async def _read(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
         why = "the daemon closed the connection"

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import fcntl
 import itertools
+import math
 import mmap
 import os
+import time
 from typing import Any, Generator
 
 import numpy as np
@@ -60,12 +62,27 @@ class Core:
         self._handles: dict[int, bytes] = {}  # allocation base -> its IPC handle
         self._opens: dict[int, int] = {}  # IPC mapping -> opens not yet closed (the daemon counts the same)
         self._shapes: dict[tuple[Any, Any, Any], tuple[tuple[int, int, int], tuple[int, int, int]]] = {}
+        # The daemon's clock: "wall" (simulated time = (monotonic - origin) x time_scale) or "virtual" (this
+        # client's simulated host clock lives in the daemon; `measure` says whether to report our CPU time).
+        self.clock_kind = "wall"
+        self.time_scale = 1.0
+        self.origin = 0.0
+        self.measure = False
+        self._cpu_mark = time.thread_time()
 
     # -- plumbing --------------------------------------------------------------------------------------
+    def _charge(self, args: dict[str, Any]) -> dict[str, Any]:
+        """Under ``--host-time measured``: the thread CPU time spent since our last call, with the call."""
+        if not self.measure:
+            return args
+        now = time.thread_time()
+        spent, self._cpu_mark = now - self._cpu_mark, now
+        return {**args, "host_time": spent}
+
     def call(self, op: str, args: dict[str, Any], fds: tuple[int, ...] = ()) -> Op:
         if self.broken is not None:
             raise self.broken
-        reply = yield Request(next(self._ids) & 0xFFFFFFFF, op, args, fds)  # ids wrap at 32 bits
+        reply = yield Request(next(self._ids) & 0xFFFFFFFF, op, self._charge(args), fds)  # ids wrap at 32 bits
         if reply.fds:
             close_fds(reply.fds)  # a reply carries fds only when asked for (call_with_fds)
         if reply.error is not None:
@@ -76,7 +93,7 @@ class Core:
         """Like `call`, but returns the whole Reply: its fds are the caller's to close."""
         if self.broken is not None:
             raise self.broken
-        reply = yield Request(next(self._ids) & 0xFFFFFFFF, op, args, fds)  # ids wrap at 32 bits
+        reply = yield Request(next(self._ids) & 0xFFFFFFFF, op, self._charge(args), fds)  # ids wrap at 32 bits
         assert isinstance(reply, Reply)
         if reply.error is not None:
             close_fds(reply.fds)
@@ -116,7 +133,35 @@ class Core:
         self.properties = result["properties"]
         self.kernels = result["kernels"]
         self.quotas = result["quotas"]
+        clock = result.get("clock") or {}
+        self.clock_kind = clock.get("kind", "wall")
+        self.time_scale = float(clock.get("time_scale", 1.0))
+        self.origin = float(clock.get("origin", 0.0))
+        self.measure = self.clock_kind == "virtual" and clock.get("host_time") is not None
+        self._cpu_mark = time.thread_time()
         return result
+
+    # -- time --------------------------------------------------------------------------------------------
+    def clock(self) -> Op:
+        """This client's simulated now, in seconds."""
+        if self.clock_kind == "virtual":
+            return (yield from self.call("clock", {}))["now"]
+        return (time.monotonic() - self.origin) * self.time_scale
+
+    def sleep(self, seconds: float) -> Op:
+        """Advance this client's simulated clock by `seconds`; returns the wall seconds the shell must still
+        sleep (none under the virtual clock)."""
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds < math.inf:
+            raise InvalidValueError(f"sleep takes seconds >= 0, not {seconds!r:.40}")
+        if self.clock_kind == "virtual":
+            yield from self.call("sleep", {"seconds": float(seconds)})
+            return 0.0
+        return seconds / self.time_scale
+
+    def idle(self) -> Op:
+        """Hold the virtual clock no longer until the next call (nothing under the wall clock)."""
+        if self.clock_kind == "virtual":
+            yield from self.call("idle", {})
 
     def device_properties(self) -> Op:
         self.properties = yield from self.call("device_properties", {})
@@ -371,9 +416,9 @@ class Core:
             shape = check_shape(name, grid, block, shared_mem, self.properties)
             if key is not None:
                 self._shapes[key] = shape
-        return Notification("launch", {"name": name, "grid": shape[0], "block": shape[1],
-                                       "args": check_args(name, params, args), "shared_mem": shared_mem,
-                                       "stream": self._stream(stream)})
+        return Notification("launch", self._charge({"name": name, "grid": shape[0], "block": shape[1],
+                                                    "args": check_args(name, params, args),
+                                                    "shared_mem": shared_mem, "stream": self._stream(stream)}))
 
 
 def _handle_bytes(handle: Any) -> bytes:

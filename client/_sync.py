@@ -2,10 +2,12 @@
 # worker processes (and threads: calls are serialised by the lock).
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
-from typing import Any
+import time
+from typing import Any, Iterator
 
 from mpsd_protocol import (  # type: ignore[attr-defined]
     ANCILLARY_SIZE,
@@ -99,6 +101,18 @@ class Context(ContextBase):
             raise self._core.connection_lost(f"protocol error: {exc}") from None
         except OSError as exc:
             raise self._core.connection_lost(f"lost the daemon: {exc.strerror or exc}") from None
+
+    def _sleep(self, op: Any) -> None:
+        wall = self._drive(op)
+        if wall:
+            time.sleep(wall)
+
+    @contextlib.contextmanager
+    def idle(self) -> Iterator[None]:
+        """Declare, under the virtual clock, that this client waits on something outside mpsd (a pipe, a
+        barrier) until its next call, so the others go on at once instead of after the idle grace."""
+        self._drive(self._core.idle())
+        yield
 
     def close(self) -> None:
         """Disconnect; the daemon frees everything this context held."""

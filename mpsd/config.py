@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from mpsd.engine import DEFAULT_IDLE_GRACE
 from mpsd.sim import H200, POLICIES as SIM_POLICIES, DeviceSpec, Simulator
 from mpsd_protocol import parse_mem_limits
 
@@ -17,6 +19,7 @@ POLICIES = tuple(SIM_POLICIES)  # whatever the simulator offers
 CONTAINMENT = ("device", "client")
 IPC_ACCESS = ("uid", "group", "any")
 DEFAULT_PIPE_DIRECTORY = "/tmp/mpsd"
+CLOCKS = ("wall", "virtual")
 
 
 class ConfigError(Exception):
@@ -30,6 +33,9 @@ class Config:
     devices: tuple[DeviceSpec, ...] = (H200,)
     policy: str = "mps"
     time_scale: float = 1.0
+    clock: str = "wall"  # "virtual": simulated time moves only as the clients' simulated host clocks allow
+    host_time: float | None = None  # virtual clock: None, a client's own code costs nothing; else the factor
+    idle_grace: float = DEFAULT_IDLE_GRACE  # virtual clock: wall seconds before a silent client counts as idle
     active_thread_percentage: float = 100.0
     pinned_mem_limits: dict[int, int] = field(default_factory=dict)  # device -> bytes; -1: every device
     client_priority: int = 0
@@ -98,7 +104,17 @@ def build_parser() -> argparse.ArgumentParser:
                         help="priority policy: wait after which a low-priority kernel is served first")
     parser.add_argument("--mig-partitions", metavar="PROFILES",
                         help="mig policy: GPU instances, e.g. 3g.71gb,2g.35gb,1g.18gb (default two 3g.71gb)")
-    parser.add_argument("--time-scale", type=float, help="simulated seconds per wall second (default 1.0)")
+    parser.add_argument("--clock", choices=CLOCKS,
+                        help="wall (default): simulated time follows the wall clock x --time-scale; virtual: it "
+                             "moves only as the clients' simulated host clocks allow, so what they measure is "
+                             "what an H200 would give, whatever the host's speed")
+    parser.add_argument("--time-scale", type=float, help="wall clock: simulated seconds per wall second (default 1.0)")
+    parser.add_argument("--host-time", metavar="free|measured[:FACTOR]",
+                        help="virtual clock: what a client's own code between calls costs in simulated time: "
+                             "nothing (free, the default), or the thread CPU time it measured, times FACTOR")
+    parser.add_argument("--idle-grace", type=float, metavar="SECONDS",
+                        help="virtual clock: wall seconds a client may compute without calling before the "
+                             f"others go on without it (default {DEFAULT_IDLE_GRACE})")
     parser.add_argument("--active-thread-percentage", type=float,
                         help="default CUDA_MPS_ACTIVE_THREAD_PERCENTAGE for clients (default 100)")
     parser.add_argument("--pinned-mem-limit", help="default pinned device memory limit, e.g. 4G or 0=4G,1=2G")
@@ -141,6 +157,13 @@ def load_config(argv: Sequence[str] | None = None, environ: dict[str, str] | Non
     time_scale = float(pick("time_scale", 1.0))
     if not 0 < time_scale < float("inf"):
         raise ConfigError(f"--time-scale must be positive, not {time_scale}")
+    clock = pick("clock", "wall")
+    if clock not in CLOCKS:
+        raise ConfigError(f"--clock must be one of {', '.join(CLOCKS)}, not {clock!r}")
+    host_time = _host_time(str(pick("host_time", "free")))
+    idle_grace = float(pick("idle_grace", DEFAULT_IDLE_GRACE))
+    if not 0 < idle_grace < float("inf"):
+        raise ConfigError(f"--idle-grace must be a positive number of seconds, not {idle_grace}")
     percentage = float(pick("active_thread_percentage", 100.0))
     if not 0 < percentage <= 100:
         raise ConfigError(f"--active-thread-percentage must be in (0, 100], not {percentage}")
@@ -181,11 +204,27 @@ def load_config(argv: Sequence[str] | None = None, environ: dict[str, str] | Non
     if priority not in (0, 1):
         raise ConfigError("client priority must be 0 or 1")
     return Config(pipe_dir=pipe_dir, log_dir=log_dir, devices=devices,
-                  policy=policy, time_scale=time_scale, active_thread_percentage=percentage,
+                  policy=policy, time_scale=time_scale, clock=clock, host_time=host_time, idle_grace=idle_grace,
+                  active_thread_percentage=percentage,
                   pinned_mem_limits=limits, client_priority=priority, fault_containment=containment,
                   ipc_access=ipc_access, max_clients=max_clients, policy_options=policy_options,
                   multiuser=bool(pick("multiuser", False)), device_policies=device_policies,
                   trace=Path(trace) if (trace := pick("trace")) else None)
+
+
+def _host_time(text: str) -> float | None:
+    """``free`` (None), ``measured`` (1.0) or ``measured:FACTOR``."""
+    kind, _, factor = text.partition(":")
+    if kind == "free" and not factor:
+        return None
+    if kind == "measured":
+        try:
+            value = float(factor) if factor else 1.0
+        except ValueError:
+            value = math.nan
+        if 0 <= value < math.inf:
+            return value
+    raise ConfigError(f"--host-time must be free, measured or measured:FACTOR (a factor >= 0), not {text!r}")
 
 
 # What a [mpsd.device.N] table may hold: its key -> the simulator's option name (None: the policy itself).

@@ -10,13 +10,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mpsd.engine import Engine
+from mpsd.engine import DEFAULT_IDLE_GRACE, Engine, VirtualEngine
 from mpsd.recorder import Recorder
 from mpsd.sim import DeviceSpec, Simulator, sm_cap
 from mpsd_protocol import CudaError
 
 if TYPE_CHECKING:
     from mpsd.context import Context
+    from mpsd.sim.clock import Host
     from mpsd.servlog import ServerLog
 
 
@@ -53,14 +54,15 @@ class Device:
 
     def __init__(self, index: int, spec: DeviceSpec, *, policy: str, time_scale: float,
                  containment: str, log: ServerLog, policy_options: dict[str, Any] | None = None,
-                 trace: Path | None = None) -> None:
+                 trace: Path | None = None, clock: str = "wall", idle_grace: float = DEFAULT_IDLE_GRACE) -> None:
         self.index = index
         self.spec = spec
         self.properties = device_properties(spec, index)
         self.recorder = Recorder(trace) if trace is not None else None
         self.sim = Simulator(spec, policy=policy, policy_options=policy_options, record=trace is not None)
         self.policy = policy
-        self.engine = Engine(self.sim, time_scale)
+        self.engine = (VirtualEngine(self.sim, idle_grace, self._went_idle) if clock == "virtual"
+                       else Engine(self.sim, time_scale))
         self.total_memory = spec.total_memory
         self.used = spec.server_memory  # device bytes charged: the server, every context, every allocation
         # MIG instances' memory (custom partitions given as SM counts have none of their own: they share
@@ -74,6 +76,12 @@ class Device:
         # Contexts torn down by a fatal fault and not yet gone: while any is, the server is in FAULT and new
         # clients are refused, as MPS refuses them until the faulting clients have exited.
         self.faulted: set[int] = set()
+
+    def _went_idle(self, host: Host) -> None:
+        context = self.contexts.get(host.client)
+        if context is not None:
+            self.log.server(f"Client {context.pid}: silent for {self.engine.idle_grace:g} s of wall time; "  # type: ignore[attr-defined]
+                            f"counted idle at simulated time {host.clock:.6f} s, the clock goes on without it")
 
     def _instance(self, partition: int | None) -> int | None:
         """`partition` if it is a MIG instance with memory of its own, else None (the device's memory)."""

@@ -1,7 +1,9 @@
-# The engine drives one device's simulator against trio's clock: simulated seconds = wall seconds since the
-# engine started × time_scale. It is the only place where simulated time meets real time. Completed ops
-# come back in simulated order; each op's tag (a callback set by its context) applies the op's effect on
-# the bytes, then whoever waits on the op is woken.
+# The engine drives one device's simulator in one of two ways. Under the wall clock (`Engine`), simulated
+# seconds = wall seconds since the engine started x time_scale: the only place where simulated time meets real
+# time. Under the virtual clock (`VirtualEngine`), simulated time never follows the wall: it moves as the
+# clients' calls, stamped with their own simulated host clocks, let it (mpsd.sim.clock), and jumps from event
+# to event while every client waits. Either way completed ops come back in simulated order; each op's tag (a
+# callback set by its context) applies the op's effect on the bytes, then whoever waits on the op is told.
 from __future__ import annotations
 
 import logging
@@ -12,11 +14,15 @@ from typing import Callable, Iterable
 import trio
 
 from mpsd.sim import Op, Simulator
+from mpsd.sim.clock import HOLDING, Host, VirtualClock
 
 log = logging.getLogger("mpsd.engine")
 # Instants of simulated time processed before the engine lets other tasks run. When the model falls behind
 # the wall clock (huge grids of tiny blocks), simulated time lags instead of the daemon going deaf.
 MAX_INSTANTS_PER_STEP = 16
+# Calls and instants the virtual clock applies before the engine lets other tasks run.
+MAX_VIRTUAL_STEPS = 64
+DEFAULT_IDLE_GRACE = 0.5  # wall seconds of silence after which a holding client counts as idle
 
 
 class Engine:
@@ -34,7 +40,7 @@ class Engine:
         self.time_scale = time_scale
         self._origin: float | None = None
         self._wake = trio.Event()
-        self._waiters: dict[Op, trio.Event] = {}
+        self._waiters: dict[Op, list[Callable[[], None]]] = {}
         # The furthest simulated time has fallen behind the clock (seconds of simulated time): the model
         # could not keep up with the work given (huge grids of short blocks), so completions came late.
         self.max_lag = 0.0
@@ -71,26 +77,35 @@ class Engine:
         self.sim.submit(op)
         self._wake.set()
 
+    def when_done(self, ops: Iterable[Op | None], callback: Callable[[], None]) -> None:
+        """Call `callback` (now, if they are) once every op of `ops` has completed or was cancelled."""
+        pending = [op for op in ops if op is not None and not op.done]
+        if not pending:
+            callback()
+            return
+        left = len(pending)
+
+        def one_done() -> None:
+            nonlocal left
+            left -= 1
+            if left == 0:
+                callback()
+
+        for op in pending:
+            self._waiters.setdefault(op, []).append(one_done)
+
     async def wait(self, op: Op) -> None:
         """Return once `op` has completed, or its client's work was cancelled."""
-        if op.done:
-            return
-        event = self._waiters.get(op)
-        if event is None:
-            event = self._waiters[op] = trio.Event()
+        event = trio.Event()
+        self.when_done([op], event.set)
         await event.wait()
-
-    async def wait_all(self, ops: Iterable[Op | None]) -> None:
-        for op in ops:
-            if op is not None:
-                await self.wait(op)
 
     def cancel(self, client: int) -> None:
         """Tear down a client's work (queued dropped, running evicted) and wake everyone waiting on it."""
         self.catch_up()  # the teardown happens now, not at the simulator's last instant
         self.sim.cancel(client)
         for op in [op for op in self._waiters if op.client == client]:
-            self._waiters.pop(op).set()
+            _tell(self._waiters.pop(op))
         self._wake.set()  # the freed SMs go to the others now: the run loop must dispatch and re-plan its wait
 
     def _finish(self, op: Op) -> None:
@@ -100,9 +115,9 @@ class Engine:
                 callback(op)
             except Exception:  # an effect must never take the engine down with it
                 log.exception("completion of %r failed", op)
-        event = self._waiters.pop(op, None)
-        if event is not None:
-            event.set()
+        waiters = self._waiters.pop(op, None)
+        if waiters is not None:
+            _tell(waiters)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Drive the simulator until cancelled."""
@@ -115,3 +130,80 @@ class Engine:
                 await self._wake.wait()
             self._wake = trio.Event()
             self.catch_up()
+
+
+class VirtualEngine(Engine):
+    """Runs `sim` under the virtual clock: simulated time advances only as the clients' stamped calls allow.
+
+    Args:
+        sim: the device's simulator.
+        idle_grace: wall seconds a holding client may stay silent before it counts as idle (so that one
+            blocked on something outside mpsd cannot stall the others).
+        on_idle: told of each client that went idle that way.
+    """
+
+    def __init__(self, sim: Simulator, idle_grace: float = DEFAULT_IDLE_GRACE,
+                 on_idle: Callable[[Host], None] = lambda host: None) -> None:
+        super().__init__(sim, 1.0)
+        if not idle_grace > 0:
+            raise ValueError("idle_grace must be positive")
+        self.clock = VirtualClock(sim, self._finish_all)
+        self.idle_grace = idle_grace
+        self._on_idle = on_idle
+
+    def sim_now(self) -> float:
+        return self.sim.now
+
+    def monotonic_origin(self) -> float:
+        return math.nan  # simulated time has no fixed relation to the host's clock
+
+    def catch_up(self) -> None:
+        """Nothing to do: the clock is the clients', and work is applied in their order (see run)."""
+
+    def submit(self, op: Op) -> None:
+        """Hand `op` to the simulator at the current simulated time (the clock is applying its call).
+
+        Raises:
+            ValueError: the simulator refused it.
+        """
+        self.sim.submit(op)
+
+    def cancel(self, client: int) -> None:
+        super().cancel(client)
+        self._finish_all(self.sim.advance(self.sim.now))
+
+    def heard(self, host: Host) -> None:
+        """`host` called (or was answered) just now: its idle grace starts again, and the clock may move."""
+        host.since = trio.current_time()
+        self._wake.set()
+
+    def _finish_all(self, ops: list[Op]) -> None:
+        for op in ops:
+            self._finish(op)
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Apply the clients' calls and the device's events in simulated-time order until cancelled."""
+        task_status.started()
+        clock = self.clock
+        while True:
+            if clock.pump(MAX_VIRTUAL_STEPS):
+                await trio.lowlevel.checkpoint()
+                continue
+            blocker = clock.blocker()
+            deadline = math.inf if blocker is None else blocker.since + self.idle_grace
+            if deadline <= trio.current_time():
+                assert blocker is not None and blocker.state == HOLDING
+                clock.idle(blocker)
+                self._on_idle(blocker)
+                continue
+            with trio.move_on_at(deadline):
+                await self._wake.wait()
+            self._wake = trio.Event()
+
+
+def _tell(waiters: list[Callable[[], None]]) -> None:
+    for waiter in waiters:
+        try:
+            waiter()
+        except Exception:  # one waiter's failure must not keep the others from being told
+            log.exception("a waiter of a completed op failed")

@@ -82,7 +82,8 @@ class Recorder:
             "device": device.index,
             # time.monotonic() at simulated time 0, and simulated seconds per second: maps the trace onto the
             # clock the clients stamp their requests with
-            "monotonic_origin": device.engine.monotonic_origin(),
+            "monotonic_origin": origin if math.isfinite(origin := device.engine.monotonic_origin()) else None,
+            "clock": "virtual" if origin != origin else "wall",
             "time_scale": device.engine.time_scale,
             "max_lag": device.engine.max_lag,
             "clients": {client_name(c): {"client": c.id, "pid": c.pid, "uid": c.uid}

@@ -63,7 +63,7 @@ class Daemon:
         self.devices = [
             Device(i, spec, policy=config.device_policy(i)[0], time_scale=config.time_scale,
                    containment=config.fault_containment, log=self.log, policy_options=config.device_policy(i)[1],
-                   trace=config.trace_path(i))
+                   trace=config.trace_path(i), clock=config.clock, idle_grace=config.idle_grace)
             for i, spec in enumerate(config.devices)
         ]
         self.ipc = IpcRegistry(config.ipc_access, self.log)
@@ -290,7 +290,8 @@ class Daemon:
         self.log.server(f"Server {self.log.pid} started on {len(self.devices)} device(s): "
                         + ", ".join(d.spec.name for d in self.devices)
                         + "; policy " + ", ".join(dict.fromkeys(d.policy for d in self.devices))
-                        + f", time scale {self.config.time_scale}")
+                        + (f", virtual clock (idle grace {self.config.idle_grace:g} s)" if self.config.clock == "virtual"
+                           else f", time scale {self.config.time_scale}"))
         received = (trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) if handle_signals
                     else contextlib.nullcontext(None))
         try:

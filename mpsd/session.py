@@ -3,12 +3,21 @@
 # tasks, so the session keeps reading: replies may come back out of order, as msgpack-rpc allows, while the
 # order in which work is queued stays the order in which it arrived.
 #
+# Under the virtual clock every call is stamped when it arrives with the simulated time at which it starts
+# on the client's host thread (its clock, plus its own code's time where the daemon charges it), and applied
+# when the device reaches that time, in stamp order across clients (mpsd.sim.clock). `HOST_CALLS` says what
+# each call costs the host (mpsd.sim.host, calibrated on an H200): launches and async copies put their work on
+# the device as their call returns; synchronising calls return a synchronise's latency after the work ends;
+# the rest take a fixed host time. `clock`, `sleep` and `idle` act on the client's clock alone.
+#
 # Nothing a client sends can take the daemon down: protocol errors close this connection only; a bad call
 # gets the CUDA error a real runtime would give; an unexpected exception becomes cudaErrorUnknown and a log
 # line, and the session goes on.
 from __future__ import annotations
 
+import functools
 import logging
+import math
 import os
 import socket
 import struct
@@ -20,7 +29,9 @@ import trio
 from mpsd.channel import Channel
 from mpsd.context import Context
 from mpsd.kernels import signatures
+from mpsd.engine import VirtualEngine
 from mpsd.sim import Op
+from mpsd.sim.clock import Host
 from mpsd_protocol import (  # type: ignore[attr-defined]
     CLOSED,
     HELLO,
@@ -48,6 +59,21 @@ log = logging.getLogger("mpsd.session")
 IPC_LAZY_ENABLE_PEER_ACCESS = 0x1  # the one flag cudaIpcOpenMemHandle accepts
 # Calls that still answer after a sticky error, so the client can learn what happened.
 _STICKY_EXEMPT = frozenset({"get_last_error", "statistics", "device_properties"})
+# What a call costs its host thread under the virtual clock: (kind, what). LAUNCH: a launch call whose work
+# reaches the device as it returns, `what` the copy kind whose call costs a fraction of a kernel launch's
+# (DeviceSpec.copy_calls); SYNC: waits for the device, then a synchronise's latency; CALL: `what` names its
+# fixed host time (DeviceSpec.alloc_call_latency, else call_latency), after any wait for the device. Event
+# records and stream waits were not measured apart from launches: they cost what a kernel launch call does.
+LAUNCH, SYNC, CALL = "launch", "sync", "call"
+HOST_CALLS: dict[str, tuple[str, str | None]] = {
+    "launch": (LAUNCH, None), "event_record": (LAUNCH, None), "stream_wait_event": (LAUNCH, None),
+    "memcpy_htod": (LAUNCH, "h2d"), "memcpy_dtoh": (LAUNCH, "d2h"), "memcpy_dtod": (LAUNCH, "d2d"),
+    "memset": (LAUNCH, "memset"),
+    "synchronize": (SYNC, None), "stream_synchronize": (SYNC, None), "event_synchronize": (SYNC, None),
+    "malloc": (CALL, "alloc"), "free": (CALL, "alloc"), "ipc_close_mem_handle": (CALL, None),
+}
+CLOCK_CALLS = frozenset({"clock", "sleep", "idle"})
+MAX_HOST_TIME = 3600.0  # seconds of its own code a client may report for one gap between calls
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +113,9 @@ class Session:
         self._nursery: trio.Nursery | None = None
         self._closing = False
         self._admitting = False
+        self.host: Host | None = None  # this client's host clock, under the virtual clock
+        self._deferred = 0  # replies waiting for the device
+        self._answered = trio.Event()  # set when the last of them has gone
         self._requests: dict[str, Callable[[dict[str, Any], tuple[int, ...]], Any]] = {
             "device_properties": self._device_properties,
             "mem_get_info": lambda a, f: list(self._ctx.mem_get_info()),
@@ -113,6 +142,7 @@ class Session:
             "event_elapsed": lambda a, f: self._ctx.elapsed_ms(a["start"], a["end"]),
             "synchronize": lambda a, f: Deferred(self._ctx.tails()),
             "get_last_error": self._get_last_error,
+            "clock": lambda a, f: {"now": self.daemon.device_of(self._ctx).engine.sim_now()},
             "statistics": lambda a, f: self.daemon.client_statistics(self._ctx),
             "launch": self._launch,
             "mem_fd": self._mem_fd,
@@ -140,9 +170,16 @@ class Session:
                     # The client went away (or broke the rules): replies still waiting on the GPU have
                     # nobody to go to, and its work must be reclaimed now, not when that work ends.
                     nursery.cancel_scope.cancel()
+                else:  # the daemon is shutting down: replies already waiting get their grace period
+                    while self._deferred:
+                        await self._answered.wait()
         finally:
             self.conn.close_fds()
             self.channel.close()
+            if self.host is not None:  # it holds the clock no longer; its calls still queued come to nothing
+                engine = self._virtual
+                engine.clock.leave(self.host.client)
+                engine.heard(self.host)
             if self.context is not None:
                 self.daemon.detach(self.context)
 
@@ -160,7 +197,9 @@ class Session:
                 return  # the peer reset the connection: it is gone
             if event is CLOSED or self._closing:
                 return
-            if isinstance(event, Request):
+            if self.host is not None and isinstance(event, (Request, Notification)):
+                self._stamp(event)
+            elif isinstance(event, Request):
                 self._request(event)
                 if self._closing:
                     return
@@ -185,7 +224,9 @@ class Session:
         self._send(Reply(request_id, error.to_wire() if error else None, result, fds))
 
     # -- dispatch --------------------------------------------------------------------------------------
-    def _request(self, request: Request) -> None:
+    def _request(self, request: Request, timing: tuple[str, float, float] | None = None) -> None:
+        """Serve one request. Under the virtual clock `timing` is (kind, host time, stamp) of the call, and
+        the client's clock moves to when the call returns before it is answered."""
         if request.op == HELLO:
             self._hello(request)
             return
@@ -200,21 +241,29 @@ class Session:
             result = exc
         # Whatever a handler needed from the fds it has mapped by now; they go before the reply does.
         close_fds(request.fds)
+        if isinstance(result, Deferred) and not result.ready():
+            if timing is not None:
+                self._virtual.clock.wait(self._host)
+            self._deferred += 1
+            self.daemon.device_of(self._ctx).engine.when_done(
+                result.ops, functools.partial(self._finish, request.id, result, timing))
+            return
+        self._returned(timing, waited=False)
         if isinstance(result, CudaError):
             self._reply(request.id, result)
         elif isinstance(result, WithFds):
             self._reply(request.id, None, result.result, result.fds)
         elif isinstance(result, Deferred):
-            if result.ready():
-                self._complete(request.id, result)  # nothing to wait for: answer now, in order
-            else:
-                assert self._nursery is not None
-                self._nursery.start_soon(self._finish, request.id, result)
+            self._complete(request.id, result)  # nothing to wait for: answer now, in order
         else:
             self._reply(request.id, None, result)
 
-    async def _finish(self, request_id: int, deferred: Deferred) -> None:
-        await self.daemon.device_of(self._ctx).engine.wait_all(deferred.ops)
+    def _finish(self, request_id: int, deferred: Deferred, timing: tuple[str, float, float] | None) -> None:
+        self._deferred -= 1
+        if not self._deferred:
+            self._answered.set()
+            self._answered = trio.Event()
+        self._returned(timing, waited=True)
         self._complete(request_id, deferred)
 
     def _complete(self, request_id: int, deferred: Deferred) -> None:
@@ -229,6 +278,88 @@ class Session:
             self._reply(request_id, exc)
         else:
             self._reply(request_id, None, result)
+
+    # -- the virtual clock ------------------------------------------------------------------------------
+    @property
+    def _virtual(self) -> VirtualEngine:
+        engine = self.daemon.device_of(self._ctx).engine
+        assert isinstance(engine, VirtualEngine)
+        return engine
+
+    @property
+    def _host(self) -> Host:
+        assert self.host is not None
+        return self.host
+
+    def _stamp(self, message: Request | Notification) -> None:
+        """A call arrived: when it starts and when it reaches the device on the client's clock; it is
+        applied then, in stamp order with every other client's."""
+        engine, host = self._virtual, self._host
+        start = engine.clock.start(host, self._charged(message.args))
+        engine.heard(host)
+        if message.op in CLOCK_CALLS and isinstance(message, Request):
+            self._clock_call(message)
+            return
+        kind, what = HOST_CALLS.get(message.op, (CALL, None))
+        spec = self._ctx.device.spec
+        if kind == LAUNCH:
+            at = host.clock = host.thread.launch(start, dict(spec.copy_calls).get(what, 1.0) if what else 1.0)
+            cost = 0.0
+        else:
+            at = start
+            cost = spec.alloc_call_latency if what == "alloc" else spec.call_latency
+        engine.clock.post(host, at, functools.partial(self._apply, message, (kind, cost, at)))
+
+    def _charged(self, args: Any) -> float:
+        """Simulated seconds of the client's own code since its last call: what it measured (its thread's
+        CPU time) times the daemon's factor, if the daemon charges it at all."""
+        factor = self.daemon.config.host_time
+        measured = args.get("host_time") if factor is not None and isinstance(args, dict) else None
+        if isinstance(measured, bool) or not isinstance(measured, (int, float)) or not 0 <= measured <= MAX_HOST_TIME:
+            return 0.0
+        return float(measured) * factor  # type: ignore[operator]
+
+    def _apply(self, message: Request | Notification, timing: tuple[str, float, float]) -> None:
+        """The device has reached the call's stamp: serve it (unless the client has gone meanwhile)."""
+        if self.channel.closed or self.context is None or self.context.closed:
+            close_fds(message.fds)
+            return
+        if isinstance(message, Notification):
+            self._notification(message)
+        else:
+            self._request(message, timing)
+
+    def _returned(self, timing: tuple[str, float, float] | None, waited: bool) -> None:
+        """The call stamped `timing` returns now (after waiting for the device, if `waited`): the client's
+        clock moves to when a real host's call would return, and it holds the clock from there."""
+        if timing is None:
+            return
+        kind, cost, at = timing
+        host, now = self._host, self._virtual.sim.now
+        if kind == SYNC or (kind == LAUNCH and waited):
+            back = host.thread.synchronize(now, at)
+        elif kind == LAUNCH:
+            back = at  # the launch call's time was charged when it arrived
+        else:
+            back = host.thread.call(now if waited else at, cost)
+        self._virtual.clock.hold(host, back)
+        self._virtual.heard(host)
+
+    def _clock_call(self, request: Request) -> None:
+        """`clock` (the client's simulated now), `sleep` (advance it) and `idle` (hold the clock no longer
+        until the next call), answered at once: they touch nothing but the client's own clock."""
+        close_fds(request.fds)
+        host, clock = self._host, self._virtual.clock
+        args = request.args if isinstance(request.args, dict) else {}
+        if request.op == "sleep":
+            seconds = args.get("seconds")
+            if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds < math.inf:
+                self._reply(request.id, InvalidValueError(f"sleep takes seconds >= 0, not {seconds!r:.20}"))
+                return
+            host.clock += float(seconds)  # the thread makes no call meanwhile: it cools as it would
+        elif request.op == "idle":
+            clock.idle(host)
+        self._reply(request.id, None, {"now": host.clock})
 
     def _notification(self, note: Notification) -> None:
         close_fds(note.fds)
@@ -281,8 +412,16 @@ class Session:
             self._closing = True
             return
         ctx = self.context
+        engine = self.daemon.device_of(ctx).engine
+        if isinstance(engine, VirtualEngine):
+            self.host = engine.clock.join(ctx.id)
+            engine.heard(self.host)
+            clock = {"kind": "virtual", "host_time": self.daemon.config.host_time}
+        else:
+            clock = {"kind": "wall", "time_scale": engine.time_scale, "origin": engine.monotonic_origin()}
         self._reply(request.id, None, {
             "version": PROTOCOL_VERSION,
+            "clock": clock,
             "client_id": ctx.id,
             "server_pid": self.daemon.log.pid,
             "properties": self.daemon.device_of(ctx).client_properties(ctx),

@@ -58,8 +58,15 @@ class HostThread:
         w = self.warmth if warmth is None else warmth
         return spec.sync_latency - (spec.sync_latency - spec.sync_latency_busy) * w
 
-    def synchronize(self, ended: float) -> float:
-        """A synchronise on work that ends at ``ended``, called once the last launch returned: when it
-        returns (the thread waits in the driver, so the next call counts its idle time from then)."""
-        self.free = max(self.free, ended) + self.sync_latency()
+    def synchronize(self, ended: float, at: float = -math.inf) -> float:
+        """A synchronise on work that ends at ``ended``, called at ``at`` (or as the last call returned, if
+        later): when it returns (the thread waits in the driver, so the next call counts its idle time from
+        then)."""
+        self.free = max(self.free, at, ended) + self.sync_latency()
+        return self.free
+
+    def call(self, at: float, cost: float) -> float:
+        """Any other call, made at ``at`` (or as the previous call returns, if later), that takes ``cost``
+        seconds of the thread's time: when it returns."""
+        self.free = max(at, self.free) + cost
         return self.free

@@ -61,6 +61,10 @@ class DeviceSpec:
     launch_latency_busy: float = 0.0
     sync_latency_busy: float = 0.0
     host_cooling: float = 0.0
+    # Host time of a cudaMalloc or a cudaFree call (half of a pair's), and of any other runtime call the model
+    # has no figure of its own for (stream and event management, queries, attributes).
+    alloc_call_latency: float = 0.0
+    call_latency: float = 0.0
     # DRAM bandwidth that memory-bound blocks reach together, against the threads they hold resident:
     # (threads, bytes/s) points, ascending, linear between them and from (0, 0), flat past the last. Such
     # blocks share it in proportion to their threads (``mpsd.sim.sms.DramPool``). Empty: each block instead
@@ -164,6 +168,11 @@ H200 = DeviceSpec(
     launch_latency_busy=6.39e-6,
     sync_latency_busy=2.67e-6,
     host_cooling=1.14e-3,
+    # A cudaMalloc+cudaFree pair of 1 MiB took 101 us of host time (h200-runtime-measurements.md; 222 us at
+    # 64 MiB: the model keeps the small figure). Other calls were not measured: they cost what a warm launch
+    # call does.
+    alloc_call_latency=50.5e-6,
+    call_latency=6.39e-6,
     # c = a + b on a real H200 (bench/fidelity/h200_bandwidth.json; compare.py --calibration derives these).
     # Alone in one wave of 1 to 132 blocks of 1024 threads, one to an SM (both modes' mean): 31 GB/s a block,
     # linear to 16 blocks, bending to 2.69 TB/s. 256-thread blocks reached what as many threads in 1024-thread
