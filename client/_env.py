@@ -79,4 +79,3 @@ def requested_limits(device: int, environ: Mapping[str, str] = os.environ) -> di
             raise InvalidValueError(f"CUDA_MPS_CLIENT_PRIORITY={text!r} must be 0 or 1")
         limits["priority"] = int(text)
     return limits
-
