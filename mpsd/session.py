@@ -5,10 +5,8 @@
 #
 # Under the virtual clock every call is stamped when it arrives with the simulated time at which it starts
 # on the client's host thread (its clock, plus its own code's time where the daemon charges it), and applied
-# when the device reaches that time, in stamp order across clients (mpsd.sim.clock). `HOST_CALLS` says what
-# each call costs the host (mpsd.sim.host, calibrated on an H200): launches and async copies put their work on
-# the device as their call returns; synchronising calls return a synchronise's latency after the work ends;
-# the rest take a fixed host time. `clock`, `sleep` and `idle` act on the client's clock alone.
+# when the device reaches that time, in stamp order across clients (mpsd.sim.clock, which also says what each
+# call costs the host). `clock`, `sleep` and `idle` act on the client's clock alone.
 #
 # Nothing a client sends can take the daemon down: protocol errors close this connection only; a bad call
 # gets the CUDA error a real runtime would give; an unexpected exception becomes cudaErrorUnknown and a log
@@ -31,7 +29,7 @@ from mpsd.context import Context
 from mpsd.kernels import signatures
 from mpsd.engine import VirtualEngine
 from mpsd.sim import Op
-from mpsd.sim.clock import Host
+from mpsd.sim.clock import Host, Timing
 from mpsd_protocol import (  # type: ignore[attr-defined]
     CLOSED,
     HELLO,
@@ -59,19 +57,6 @@ log = logging.getLogger("mpsd.session")
 IPC_LAZY_ENABLE_PEER_ACCESS = 0x1  # the one flag cudaIpcOpenMemHandle accepts
 # Calls that still answer after a sticky error, so the client can learn what happened.
 _STICKY_EXEMPT = frozenset({"get_last_error", "statistics", "device_properties"})
-# What a call costs its host thread under the virtual clock: (kind, what). LAUNCH: a launch call whose work
-# reaches the device as it returns, `what` the copy kind whose call costs a fraction of a kernel launch's
-# (DeviceSpec.copy_calls); SYNC: waits for the device, then a synchronise's latency; CALL: `what` names its
-# fixed host time (DeviceSpec.alloc_call_latency, else call_latency), after any wait for the device. Event
-# records and stream waits were not measured apart from launches: they cost what a kernel launch call does.
-LAUNCH, SYNC, CALL = "launch", "sync", "call"
-HOST_CALLS: dict[str, tuple[str, str | None]] = {
-    "launch": (LAUNCH, None), "event_record": (LAUNCH, None), "stream_wait_event": (LAUNCH, None),
-    "memcpy_htod": (LAUNCH, "h2d"), "memcpy_dtoh": (LAUNCH, "d2h"), "memcpy_dtod": (LAUNCH, "d2d"),
-    "memset": (LAUNCH, "memset"),
-    "synchronize": (SYNC, None), "stream_synchronize": (SYNC, None), "event_synchronize": (SYNC, None),
-    "malloc": (CALL, "alloc"), "free": (CALL, "alloc"), "ipc_close_mem_handle": (CALL, None),
-}
 CLOCK_CALLS = frozenset({"clock", "sleep", "idle"})
 MAX_HOST_TIME = 3600.0  # seconds of its own code a client may report for one gap between calls
 
@@ -224,7 +209,7 @@ class Session:
         self._send(Reply(request_id, error.to_wire() if error else None, result, fds))
 
     # -- dispatch --------------------------------------------------------------------------------------
-    def _request(self, request: Request, timing: tuple[str, float, float] | None = None) -> None:
+    def _request(self, request: Request, timing: Timing | None = None) -> None:
         """Serve one request. Under the virtual clock `timing` is (kind, host time, stamp) of the call, and
         the client's clock moves to when the call returns before it is answered."""
         if request.op == HELLO:
@@ -258,7 +243,7 @@ class Session:
         else:
             self._reply(request.id, None, result)
 
-    def _finish(self, request_id: int, deferred: Deferred, timing: tuple[str, float, float] | None) -> None:
+    def _finish(self, request_id: int, deferred: Deferred, timing: Timing | None) -> None:
         self._deferred -= 1
         if not self._deferred:
             self._answered.set()
@@ -295,20 +280,14 @@ class Session:
         """A call arrived: when it starts and when it reaches the device on the client's clock; it is
         applied then, in stamp order with every other client's."""
         engine, host = self._virtual, self._host
-        start = engine.clock.start(host, self._charged(message.args))
-        engine.heard(host)
         if message.op in CLOCK_CALLS and isinstance(message, Request):
+            engine.clock.start(host, self._charged(message.args))
+            engine.heard(host)
             self._clock_call(message)
             return
-        kind, what = HOST_CALLS.get(message.op, (CALL, None))
-        spec = self._ctx.device.spec
-        if kind == LAUNCH:
-            at = host.clock = host.thread.launch(start, dict(spec.copy_calls).get(what, 1.0) if what else 1.0)
-            cost = 0.0
-        else:
-            at = start
-            cost = spec.alloc_call_latency if what == "alloc" else spec.call_latency
-        engine.clock.post(host, at, functools.partial(self._apply, message, (kind, cost, at)))
+        timing = engine.clock.call(host, message.op, self._charged(message.args))
+        engine.heard(host)
+        engine.clock.post(host, timing.at, functools.partial(self._apply, message, timing))
 
     def _charged(self, args: Any) -> float:
         """Simulated seconds of the client's own code since its last call: what it measured (its thread's
@@ -319,7 +298,7 @@ class Session:
             return 0.0
         return float(measured) * factor  # type: ignore[operator]
 
-    def _apply(self, message: Request | Notification, timing: tuple[str, float, float]) -> None:
+    def _apply(self, message: Request | Notification, timing: Timing) -> None:
         """The device has reached the call's stamp: serve it (unless the client has gone meanwhile)."""
         if self.channel.closed or self.context is None or self.context.closed:
             close_fds(message.fds)
@@ -329,21 +308,12 @@ class Session:
         else:
             self._request(message, timing)
 
-    def _returned(self, timing: tuple[str, float, float] | None, waited: bool) -> None:
+    def _returned(self, timing: Timing | None, waited: bool) -> None:
         """The call stamped `timing` returns now (after waiting for the device, if `waited`): the client's
         clock moves to when a real host's call would return, and it holds the clock from there."""
-        if timing is None:
-            return
-        kind, cost, at = timing
-        host, now = self._host, self._virtual.sim.now
-        if kind == SYNC or (kind == LAUNCH and waited):
-            back = host.thread.synchronize(now, at)
-        elif kind == LAUNCH:
-            back = at  # the launch call's time was charged when it arrived
-        else:
-            back = host.thread.call(now if waited else at, cost)
-        self._virtual.clock.hold(host, back)
-        self._virtual.heard(host)
+        if timing is not None:
+            self._virtual.clock.returned(self._host, timing, waited)
+            self._virtual.heard(self._host)
 
     def _clock_call(self, request: Request) -> None:
         """`clock` (the client's simulated now), `sleep` (advance it) and `idle` (hold the clock no longer

@@ -7,9 +7,9 @@
 #
 # The calls of every host are applied in the order of their stamps (time, then the host's client id, then the
 # order they came in), never in the order the host scheduler delivered them; device instants at a time go
-# before calls stamped at that time. What a call costs its host (and so its stamp) is the caller's business
-# (mpsd.sim.host); this module only orders. Pure: no I/O, no wall clock; the daemon decides when a silent
-# host counts as idle.
+# before calls stamped at that time. `HOST_CALLS` says what each CUDA call costs its host thread
+# (mpsd.sim.host, calibrated on an H200), and so when it is applied and when it returns. Pure: no I/O, no
+# wall clock; the daemon decides when a silent host counts as idle.
 """Ordering the calls of many hosts and a device's events in simulated time."""
 
 from __future__ import annotations
@@ -24,9 +24,23 @@ from .engine import Simulator
 from .host import HostThread
 from .ops import Op
 
-__all__ = ["HOLDING", "IDLE", "WAITING", "Host", "VirtualClock"]
+__all__ = ["CALL", "HOLDING", "HOST_CALLS", "IDLE", "LAUNCH", "SYNC", "WAITING", "Host", "Timing", "VirtualClock"]
 
 HOLDING, WAITING, IDLE = "holding", "waiting", "idle"
+# What a call costs its host thread: (kind, what). LAUNCH: a launch call whose work reaches the device as it
+# returns, `what` the copy kind whose call costs a fraction of a kernel launch's (DeviceSpec.copy_calls); a
+# launch that must wait (a synchronous copy) then returns a synchronise's latency after the work ends. SYNC:
+# waits for the device, then a synchronise's latency. CALL (any call not named here): `what` "alloc" costs
+# DeviceSpec.alloc_call_latency, anything else call_latency, after any wait for the device. Event records and
+# stream waits were not measured apart from launches: they cost what a kernel launch call does.
+LAUNCH, SYNC, CALL = "launch", "sync", "call"
+HOST_CALLS: dict[str, tuple[str, str | None]] = {
+    "launch": (LAUNCH, None), "event_record": (LAUNCH, None), "stream_wait_event": (LAUNCH, None),
+    "memcpy_htod": (LAUNCH, "h2d"), "memcpy_dtoh": (LAUNCH, "d2h"), "memcpy_dtod": (LAUNCH, "d2d"),
+    "memset": (LAUNCH, "memset"),
+    "synchronize": (SYNC, None), "stream_synchronize": (SYNC, None), "event_synchronize": (SYNC, None),
+    "malloc": (CALL, "alloc"), "free": (CALL, "alloc"),
+}
 
 
 @dataclass(eq=False)
@@ -47,6 +61,16 @@ class Host:
     state: str = HOLDING
     since: float = 0.0
     calls: int = 0  # calls stamped, for statistics
+
+
+@dataclass(frozen=True, slots=True)
+class Timing:
+    """A call on a host's clock: its kind (LAUNCH, SYNC, CALL), the fixed host time it takes after it is
+    applied (CALL), and when it is applied: as it starts, or for a launch as its work reaches the device."""
+
+    kind: str
+    cost: float
+    at: float
 
 
 @dataclass(order=True)
@@ -94,6 +118,32 @@ class VirtualClock:
         host.clock += charged
         host.calls += 1
         return host.clock
+
+    def call(self, host: Host, name: str, charged: float = 0.0) -> Timing:
+        """A call named `name` (the protocol's names) arrives from `host`, after `charged` seconds of its own
+        code: when it is applied. A launch's cost is charged at once (its call returns as its work is
+        queued); the client's clock stays at the call's start otherwise, until `returned`."""
+        start = self.start(host, charged)
+        kind, what = HOST_CALLS.get(name, (CALL, None))
+        spec = self.sim.spec
+        if kind == LAUNCH:
+            scale = dict(spec.copy_calls).get(what, 1.0) if what else 1.0
+            host.clock = host.thread.launch(start, scale)
+            return Timing(kind, 0.0, host.clock)
+        return Timing(kind, spec.alloc_call_latency if what == "alloc" else spec.call_latency, start)
+
+    def returned(self, host: Host, timing: Timing, waited: bool) -> float:
+        """The call `timing` returns at the device's now, after waiting for the device if `waited`: when it
+        returns on the host's clock; the host holds the clock from then."""
+        now, thread = self.sim.now, host.thread
+        if timing.kind == SYNC or (timing.kind == LAUNCH and waited):
+            back = thread.synchronize(now, timing.at)
+        elif timing.kind == LAUNCH:
+            back = timing.at  # the launch call's time was charged when it arrived
+        else:
+            back = thread.call(now if waited else timing.at, timing.cost)
+        self.hold(host, back)
+        return back
 
     def hold(self, host: Host, at: float) -> None:
         """``host`` runs its own code again from ``at`` (a call returned)."""
