@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import socket
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Mapping
 
 import trio
 
@@ -133,16 +133,20 @@ class AsyncContext(ContextBase):
 
 
 @asynccontextmanager
-async def open_context(pipe_dir: str | os.PathLike[str] | None = None, device: int = 0,
-                       timeout: float = 10.0) -> AsyncIterator[AsyncContext]:
+async def open_context(pipe_dir: str | os.PathLike[str] | None = None, device: int = 0, timeout: float = 10.0,
+                       environ: Mapping[str, str] | None = None) -> AsyncIterator[AsyncContext]:
     """Connect to the daemon from trio: ``async with open_context() as actx: p = await actx.malloc(n)``.
+
+    `environ` stands for the process's environment where CUDA_VISIBLE_DEVICES, the CUDA_MPS_* variables and
+    MPSD_PIPE_DIRECTORY are read (default os.environ): a program that plays many clients gives each its own.
 
     Raises:
         MpsConnectionError: no daemon is listening, or it refused the handshake.
         NoDeviceError, InvalidDeviceError, InvalidValueError: as `mpsd_client.connect`.
     """
-    core = Core(check_ordinal(device), visible_devices(), requested_limits(device))
-    path = pipe_directory(pipe_dir) / "mpsd.sock"
+    environ = os.environ if environ is None else environ
+    core = Core(check_ordinal(device), visible_devices(environ), requested_limits(device, environ))
+    path = pipe_directory(pipe_dir, environ) / "mpsd.sock"
     sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         with trio.fail_after(timeout):

@@ -36,6 +36,9 @@ class Config:
     clock: str = "wall"  # "virtual": simulated time moves only as the clients' simulated host clocks allow
     host_time: float | None = None  # virtual clock: None, a client's own code costs nothing; else the factor
     idle_grace: float = DEFAULT_IDLE_GRACE  # virtual clock: wall seconds before a silent client counts as idle
+    # Every client is a process of its own even though they share one pid (no option: mpsd-stress --virtual-time
+    # plays every tenant in its own process, beside the daemon).
+    shared_process: bool = False
     active_thread_percentage: float = 100.0
     pinned_mem_limits: dict[int, int] = field(default_factory=dict)  # device -> bytes; -1: every device
     client_priority: int = 0

@@ -106,6 +106,9 @@ class Context:
         self.imports: dict[int, Export] = {}  # address of an IPC mapping -> its export
         self.id = client_id
         self.pid, self.uid, self.gid = pid, uid, gid
+        # The process it stands for, as CUDA's same-process rules see it: its pid, or, where the daemon's
+        # clients share one process (Config.shared_process), its own.
+        self.process = -client_id if device.shared_process else pid
         self.quotas = quotas
         self.memory = AddressSpace()
         self.used = 0  # device bytes charged to this client

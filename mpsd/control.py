@@ -46,17 +46,25 @@ class Settings:
     active_thread_percentage: float
     pinned_mem_limits: dict[int, int] = field(default_factory=dict)  # device -> bytes; absent: none
     client_priority: int = 0
-    # mpsd extensions, keyed by ("pid", n) or ("uid", n); a pid's setting beats its user's.
+    # mpsd extensions, keyed by ("pid", n) or ("uid", n), and ("client", id) for one context (set by a program
+    # that plays many clients in one process, as mpsd-stress --virtual-time does); the narrower key wins.
     priorities: dict[tuple[str, int], int] = field(default_factory=dict)
     weights: dict[tuple[str, int], float] = field(default_factory=dict)
 
-    def priority_for(self, pid: int, uid: int) -> int:
-        """The daemon-side priority level of a client of `pid` and `uid`."""
-        return self.priorities.get(("pid", pid), self.priorities.get(("uid", uid), self.client_priority))
+    def priority_for(self, pid: int, uid: int, client: int | None = None) -> int:
+        """The daemon-side priority level of client `client` of `pid` and `uid`."""
+        return _narrowest(self.priorities, pid, uid, client, self.client_priority)
 
-    def weight_for(self, pid: int, uid: int) -> float:
-        """The fair-share weight of a client of `pid` and `uid`."""
-        return self.weights.get(("pid", pid), self.weights.get(("uid", uid), 1.0))
+    def weight_for(self, pid: int, uid: int, client: int | None = None) -> float:
+        """The fair-share weight of client `client` of `pid` and `uid`."""
+        return _narrowest(self.weights, pid, uid, client, 1.0)
+
+
+def _narrowest(settings: dict[tuple[str, int], Any], pid: int, uid: int, client: int | None, default: Any) -> Any:
+    for key in (("client", client), ("pid", pid), ("uid", uid)):
+        if key in settings:
+            return settings[key]
+    return default
 
 
 @dataclass

@@ -54,9 +54,11 @@ class Device:
 
     def __init__(self, index: int, spec: DeviceSpec, *, policy: str, time_scale: float,
                  containment: str, log: ServerLog, policy_options: dict[str, Any] | None = None,
-                 trace: Path | None = None, clock: str = "wall", idle_grace: float = DEFAULT_IDLE_GRACE) -> None:
+                 trace: Path | None = None, clock: str = "wall", idle_grace: float = DEFAULT_IDLE_GRACE,
+                 shared_process: bool = False) -> None:
         self.index = index
         self.spec = spec
+        self.shared_process = shared_process
         self.properties = device_properties(spec, index)
         self.recorder = Recorder(trace) if trace is not None else None
         self.sim = Simulator(spec, policy=policy, policy_options=policy_options, record=trace is not None)

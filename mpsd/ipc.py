@@ -40,6 +40,7 @@ class Export:
     secret: bytes
     device: int
     pid: int
+    process: int  # the exporter's Context.process
     uid: int
     gid: int
     allocation: Allocation | None = None  # memory exports
@@ -87,7 +88,7 @@ class IpcRegistry:
             NotPermittedError: the access policy refuses this client.
         """
         export = self._find(ctx, handle, MEMORY)
-        if export.pid == ctx.pid:
+        if export.process == ctx.process:
             raise DeviceUninitializedError("an IPC memory handle cannot be opened in the process that exported it")
         mapping = export.importers.get(ctx.id)
         if mapping is None:
@@ -158,8 +159,8 @@ class IpcRegistry:
 
     # -- shared ----------------------------------------------------------------------------------------
     def _new(self, ctx: Context, kind: int, **what: object) -> Export:
-        export = Export(next(self._ids), kind, secrets.token_bytes(16), ctx.device.index, ctx.pid, ctx.uid,
-                        ctx.gid, **what)  # type: ignore[arg-type]
+        export = Export(next(self._ids), kind, secrets.token_bytes(16), ctx.device.index, ctx.pid, ctx.process,
+                        ctx.uid, ctx.gid, **what)  # type: ignore[arg-type]
         self._exports[export.id] = export
         return export
 

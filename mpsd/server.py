@@ -63,7 +63,8 @@ class Daemon:
         self.devices = [
             Device(i, spec, policy=config.device_policy(i)[0], time_scale=config.time_scale,
                    containment=config.fault_containment, log=self.log, policy_options=config.device_policy(i)[1],
-                   trace=config.trace_path(i), clock=config.clock, idle_grace=config.idle_grace)
+                   trace=config.trace_path(i), clock=config.clock, idle_grace=config.idle_grace,
+                   shared_process=config.shared_process)
             for i, spec in enumerate(config.devices)
         ]
         self.ipc = IpcRegistry(config.ipc_access, self.log)
@@ -145,8 +146,9 @@ class Daemon:
     def reconfigure(self, context: Context) -> None:
         """Give a connected client the priority level and weight the control plane sets for it now; the
         scheduler uses them from its next placement on."""
-        priority = _tighter(self.settings.priority_for(context.pid, context.uid), context.requested_priority)
-        weight = self.settings.weight_for(context.pid, context.uid)
+        priority = _tighter(self.settings.priority_for(context.pid, context.uid, context.id),
+                            context.requested_priority)
+        weight = self.settings.weight_for(context.pid, context.uid, context.id)
         if (priority, weight) == (context.quotas.priority, context.quotas.weight):
             return
         context.quotas = dataclasses.replace(context.quotas, priority=priority, weight=weight)

@@ -10,7 +10,7 @@ import pytest
 
 from mpsd.sim import H200
 from mpsd.stress.metrics import summarize
-from mpsd.stress.virtual import run_virtual
+from mpsd.stress.runner import run_virtual
 from mpsd.stress.workload import WorkloadError, arrival_times, load_workload, parse_workload
 
 WORKLOADS = Path(__file__).parent.parent / "examples" / "workloads"

@@ -1,7 +1,8 @@
 # `mpsd-stress WORKLOAD.toml`: the question users come with, "what happens to my latency-critical service
 # when a training job shares the GPU, under MPS, time-slicing or MIG, with these quotas?", answered by
-# playing the workload under each policy asked for (real processes against a fresh daemon, or the model alone
-# with --virtual-time), each tenant group also alone for its isolation baseline, then one table per policy,
+# playing the workload under each policy asked for (real processes against a fresh daemon on its virtual clock,
+# or every tenant as a task beside a daemon in this process with --virtual-time: the same figures, without
+# processes), each tenant group also alone for its isolation baseline, then one table per policy,
 # one table across policies, and on request every figure as JSON and a report directory of plots and traces.
 # Exit codes: 0 done, 1 a run failed, 2 a bad workload or option (one line on stderr, no traceback), 130 on Ctrl-C.
 """The mpsd-stress command."""
@@ -17,9 +18,8 @@ from typing import Any, Callable, Sequence
 
 from mpsd.sim import H200, POLICIES, Simulator
 from mpsd.stress.metrics import latency_summary, summarize
-from mpsd.stress.runner import Progress, RunError, run_real
+from mpsd.stress.runner import Progress, RunError, run_real, run_virtual
 from mpsd.stress.timeline import Timeline
-from mpsd.stress.virtual import run_virtual
 from mpsd.stress.workload import TenantSpec, Workload, WorkloadError, load_workload
 from mpsd_protocol import format_size
 
@@ -35,11 +35,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--compare-policies", metavar="P1,P2,...",
                         help="run the workload under each policy and compare them side by side")
     parser.add_argument("--virtual-time", action="store_true",
-                        help="run on the GPU model alone, in virtual time: no daemon, no processes, deterministic")
+                        help="run the tenants as tasks beside a daemon in this process, on its virtual clock: no "
+                             "processes, the same figures as real processes give")
+    parser.add_argument("--clock", choices=("virtual", "wall"), default="virtual",
+                        help="real processes: the daemon's clock. virtual (default): the figures are an H200's "
+                             "for the tenants' calls, whatever this host's speed and load; wall: simulated time "
+                             "follows the wall clock x --time-scale, and this host's speed shows in the figures")
     parser.add_argument("--duration", type=float, metavar="SECONDS", help="override [run] duration")
     parser.add_argument("--time-scale", type=float, default=1.0, metavar="S",
-                        help="real processes: run the daemon's GPU at S x real speed (0.25: 4x slower), so that "
-                             "host time and the model's own CPU time weigh less; times reported are simulated")
+                        help="with --clock wall: run the daemon's GPU at S x real speed (0.25: 4x slower), so that "
+                             "host time weighs less; times reported are simulated")
     parser.add_argument("--scale", type=int, default=1, metavar="K", help="K times as many copies of every tenant")
     parser.add_argument("--no-solo", action="store_true",
                         help="skip the runs of each tenant group alone (no isolation figures)")
@@ -59,8 +64,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"mpsd-stress: {exc}", file=sys.stderr)
         return 2
     console = _console(options)
-    results: dict[str, Any] = {"workload": workload.source, "virtual": options.virtual_time,
-                               "time_scale": 1.0 if options.virtual_time else options.time_scale,
+    wall = options.clock == "wall" and not options.virtual_time
+    results: dict[str, Any] = {"workload": workload.source, "in_process": options.virtual_time,
+                               "clock": "wall" if wall else "virtual", "time_scale": options.time_scale if wall else 1.0,
                                "duration_s": workload.duration, "runs": {}}
     runs: dict[str, Timeline] = {}
     try:
@@ -106,6 +112,8 @@ def _adjust(workload: Workload, options: argparse.Namespace) -> Workload:
         raise WorkloadError("--duration must be positive")
     if not 0 < options.time_scale <= 100:
         raise WorkloadError("--time-scale must be in (0, 100]")
+    if options.time_scale != 1.0 and (options.clock != "wall" or options.virtual_time):
+        raise WorkloadError("--time-scale goes with --clock wall (the virtual clock follows no wall clock)")
     tenants = tuple(t if t.ipc == "producer" else dataclasses.replace(t, count=t.count * options.scale)
                     for t in workload.tenants)
     return dataclasses.replace(workload, tenants=tenants, duration=options.duration or workload.duration)
@@ -135,9 +143,10 @@ def _policies(workload: Workload, options: argparse.Namespace) -> dict[str, dict
 def _place_in_partitions(tenants: tuple[TenantSpec, ...], policy: str,
                          options: dict[str, Any]) -> list[TenantSpec]:
     """Under mig, tenants without a partition are dealt out over the partitions, one tenant group each in
-    turn, as an administrator would place them; the others run as written."""
+    turn, as an administrator would place them; the others run as written. Under any other policy there are
+    no partitions to name, so a tenant's is dropped (a workload written for MIG compares with the others)."""
     if policy != "mig":
-        return list(tenants)
+        return [dataclasses.replace(t, partition=None) for t in tenants]
     count = len(Simulator(H200, policy="mig", policy_options=options).policy.partitions)
     return [t if t.partition is not None else dataclasses.replace(t, partition=i % count)
             for i, t in enumerate(tenants)]
@@ -146,13 +155,12 @@ def _place_in_partitions(tenants: tuple[TenantSpec, ...], policy: str,
 def _player(workload: Workload, policy: str, policy_options: dict[str, Any], options: argparse.Namespace,
             console: Any) -> Callable[[list[TenantSpec], str], Timeline]:
     """A function that plays some of the workload's tenants under the policy and returns the timeline."""
-    if options.virtual_time:
-        return lambda tenants, label: run_virtual(workload, policy, policy_options, tenants)
-
     def play(tenants: list[TenantSpec], label: str) -> Timeline:
         with _live(console, options.quiet) as show:
+            if options.virtual_time:
+                return run_virtual(workload, policy, policy_options, tenants, on_progress=show, label=label)
             return run_real(workload, policy, policy_options, tenants, on_progress=show, label=label,
-                            time_scale=options.time_scale)
+                            time_scale=options.time_scale, clock=options.clock)
 
     return play
 
@@ -179,7 +187,7 @@ def render_run(summary: dict[str, Any]) -> Any:
     """One policy's run: a row per tenant and one for everyone."""
     from rich.table import Table
 
-    mode = "virtual time" if summary["virtual"] else "real processes"
+    mode = "virtual clock" if summary["virtual"] else "wall clock"
     table = Table(title=f"policy {summary['policy']} ({mode}, {summary['duration_s']:.2f} s)", title_justify="left")
     for column in ("tenant", "done", "err", "req/s", "p50 ms", "p99 ms", "p99.9 ms", "SLO", "isolation",
                    "SM share", "due", "SMs/cap", "wait ms", "mem high"):
@@ -198,9 +206,11 @@ def render_run(summary: dict[str, Any]) -> Any:
                      f"idle SM-time while work was queued {summary['idle_sm_seconds_while_queued']:.3f} s · "
                      f"quota violations {summary['quota_violations']}")
     if summary["lag_ms"] > 1.0:
-        table.caption += (f"\nThe daemon's model fell up to {summary['lag_ms']:.1f} ms behind the clock: too many blocks "
-                          "a second to simulate in real time, so device times stretched. Try --time-scale 0.25, "
-                          "longer blocks, or --virtual-time.")
+        table.caption += (f"\nThe daemon's model fell up to {summary['lag_ms']:.1f} ms behind the wall clock: too many "
+                          "blocks a second to simulate in real time, so device times stretched. Run with --clock "
+                          "virtual.")
+    if summary["host_time_warning"]:
+        table.caption += f"\nWarning: {summary['host_time_warning']}."
     table.caption_justify = "left"
     return table
 

@@ -16,6 +16,8 @@ from mpsd.stress.timeline import Timeline
 
 __all__ = ["jain_index", "latency_summary", "occupancy", "percentile", "summarize"]
 
+HOST_SHARE_WARNING = 0.1  # share of a request's latency spent issuing it, past which the wall clock misleads
+
 
 def percentile(values: Sequence[float], q: float) -> float:
     """The nearest-rank percentile: the smallest value with at least q% of the values at or below it.
@@ -100,6 +102,7 @@ def summarize(timeline: Timeline, solo_p99: dict[str, float] | None = None) -> d
     requests = [0] * (n + 1)
     errors = [0] * (n + 1)
     on_time = [0] * (n + 1)
+    host_shares: list[list[float]] = [[] for _ in range(n + 1)]
     deadlines = [t.deadline for t in timeline.tenants] + [None]
     for r in timeline.requests:
         i = index.get(r.tenant, n)
@@ -108,6 +111,8 @@ def summarize(timeline: Timeline, solo_p99: dict[str, float] | None = None) -> d
             errors[i] += 1
         elif math.isfinite(r.completed):
             latencies[i].append(r.latency)
+            if r.latency > 0:
+                host_shares[i].append(r.host / r.latency)
             if deadlines[i] is not None and r.latency <= deadlines[i]:
                 on_time[i] += 1
 
@@ -151,9 +156,12 @@ def summarize(timeline: Timeline, solo_p99: dict[str, float] | None = None) -> d
             "memory_violations": int(t.mem_limit is not None and high_water > t.mem_limit),
             "longest_wait_ms": max(longest_wait[i], 0.0) * 1e3,
             "kernels": kernels[i], "blocks": blocks[i],
+            "host_share": float(np.median(host_shares[i])) if host_shares[i] else None,
         })
 
     completed_all = [x for per_tenant in latencies for x in per_tenant]
+    # Under the wall clock, time a tenant took to issue its requests is this host's, not an H200 host's.
+    slow = sorted(r["tenant"] for r in rows if not timeline.virtual and (r["host_share"] or 0.0) > HOST_SHARE_WARNING)
     return {
         "policy": timeline.policy, "virtual": timeline.virtual, "duration_s": duration, "lag_ms": timeline.lag * 1e3,
         "requests": sum(requests), "completed": len(completed_all), "errors": sum(errors),
@@ -164,6 +172,9 @@ def summarize(timeline: Timeline, solo_p99: dict[str, float] | None = None) -> d
         "idle_sm_seconds_while_queued": _idle_sm_seconds_while_queued(timeline, spans),
         "quota_violations": sum(r["sm_cap_violations"] + r["memory_violations"] for r in rows),
         "tenants": rows,
+        "host_time_warning": (f"host time is more than {HOST_SHARE_WARNING:.0%} of the median latency of "
+                              f"{', '.join(slow)}: those figures are this host's speed, not the GPU's; run with "
+                              "--clock virtual") if slow else None,
     }
 
 

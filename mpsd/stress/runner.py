@@ -1,13 +1,19 @@
-# A workload played with real processes: a daemon of our own (recording its timeline), one worker process per
-# tenant instance, every one started before any begins so they all start at one agreed instant. What the
-# tenants saw (their requests) and what the device did (the daemon's trace) become one Timeline on the host's
-# monotonic clock, relative to that instant. The runner only starts, watches and collects; it measures nothing
-# itself, so its own Python cannot colour the figures.
-"""Running a stress workload with real tenant processes against a real daemon."""
+# A workload played against a daemon of our own (recording its timeline), one tenant per instance, every one
+# connected and set up before any begins so they all start at one agreed simulated instant. Two ways, one
+# code: `run_real` starts the daemon and the tenants as processes (the tenant is mpsd.stress.tenant);
+# `run_virtual` runs the daemon and the tenants as tasks of one trio loop in this process. Under the daemon's
+# virtual clock both give the same figures, to the bit, whatever the host's speed: simulated time follows the
+# tenants' simulated host clocks, and the runner connects the tenants one at a time in the workload's order,
+# so that their client ids (which break ties) are the same every run. What the tenants saw (their requests)
+# and what the device did (the daemon's trace) become one Timeline in simulated seconds from the start.
+"""Running a stress workload against a real daemon: tenant processes, or tenant tasks in this process."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
+import math
 import os
 import queue
 import shutil
@@ -21,15 +27,22 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import trio
+
 from mpsd.stress.timeline import KernelRecord, Request, Span, TenantInfo, Timeline
 from mpsd.stress.workload import TenantSpec, Workload, arrival_times, entitlements
 from mpsd.trace import read_chrome_trace
 
-__all__ = ["RunError", "Progress", "run_real"]
+__all__ = ["RunError", "Progress", "run_real", "run_virtual"]
 
-START_DELAY = 0.3  # seconds between GO and the run's start: every tenant has read its GO by then
+START_DELAY = 0.3  # wall seconds between GO and the run's start under the wall clock: every tenant has read it
+VIRTUAL_START = 1.0  # the simulated second the run starts at under the virtual clock, after every set-up
 READY_TIMEOUT = 120.0  # 64 tenants importing numpy on 2 cores take a while
+SILENCE_TIMEOUT = 120.0  # wall seconds without a word from any tenant after which the run is given up
+IDLE_GRACE = 30.0  # the daemon's idle grace: a tenant is never blocked outside mpsd once the run has begun
 OPTION_FLAGS = {"timeslice": "--timeslice", "switch": "--context-switch", "aging": "--aging"}
+LIMIT_VARIABLES = ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "CUDA_MPS_CLIENT_PRIORITY",
+                   "MPSD_MIG_PARTITION", "CUDA_VISIBLE_DEVICES")
 
 
 class RunError(Exception):
@@ -52,101 +65,160 @@ class Progress:
         return 0.0 if self.started is None else max(0.0, time.monotonic() - self.started)
 
 
+@dataclass
+class _Plan:
+    """Who runs, in the order they connect (IPC producers first: their consumers need the handle)."""
+
+    specs: list[TenantSpec]
+    instances: list[tuple[TenantSpec, int, str]]
+    setups: dict[str, dict[str, Any]]  # instance -> its tenant's first line
+
+    @property
+    def order(self) -> list[tuple[TenantSpec, int, str]]:
+        return sorted(self.instances, key=lambda i: i[0].ipc != "producer")
+
+
+def _plan(workload: Workload, tenants: list[TenantSpec] | None, clock: str) -> _Plan:
+    specs = list(workload.tenants if tenants is None else tenants)
+    instances = [(t, c, t.instance(c)) for t in specs for c in range(t.count)]
+    setups = {name: {"spec": asdict(spec), "instance": name, "duration": workload.duration,
+                     "arrivals": arrival_times(spec, workload.duration, workload.seed, copy),
+                     "start": VIRTUAL_START if clock == "virtual" else None, "environ": _environ(spec)}
+              for spec, copy, name in instances}
+    return _Plan(specs, instances, setups)
+
+
+def _environ(spec: TenantSpec) -> dict[str, str]:
+    """The MPS environment a tenant's process has: its quotas, as a user would set them."""
+    env = {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": f"{spec.active_thread_percentage:g}"}
+    if spec.pinned_mem_limit is not None:
+        env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = str(spec.pinned_mem_limit)
+    if spec.priority == 1:  # MPS's below-normal; other levels go through the control plane (_levels)
+        env["CUDA_MPS_CLIENT_PRIORITY"] = "1"
+    if spec.partition is not None:
+        env["MPSD_MIG_PARTITION"] = str(spec.partition)
+    return env
+
+
+def _start_time(ready: dict[str, dict[str, Any]], clock: str, time_scale: float) -> float:
+    """The simulated instant the run starts at: VIRTUAL_START under the virtual clock (the tenants are there
+    already); under the wall clock, a moment from now that every tenant will have heard of.
+
+    Raises:
+        RunError: under the virtual clock, a tenant's set-up ended after VIRTUAL_START.
+    """
+    latest = max([info.get("clock", 0.0) for info in ready.values()], default=0.0)
+    if clock == "virtual":
+        if latest > VIRTUAL_START:
+            raise RunError(f"the tenants' set-up took until simulated second {latest:.3f}, past the run's start at "
+                           f"{VIRTUAL_START:g}")
+        return VIRTUAL_START
+    since = max([time.monotonic() - info["_heard"] for info in ready.values()], default=0.0)
+    return latest + (since + START_DELAY) * time_scale
+
+
+def _levels(tenants: list[tuple[TenantSpec, dict[str, Any]]]) -> list[tuple[str, dict[str, Any], Any]]:
+    """What the environment cannot say, for the control plane (mpsd's extension commands): priority levels
+    other than MPS's 0 and 1, and fair-share weights, as (command, the tenant's READY, value)."""
+    out: list[tuple[str, dict[str, Any], Any]] = []
+    for spec, info in tenants:
+        if info.get("client") is None:
+            continue
+        if spec.priority not in (0, 1):
+            out.append(("set_client_priority", info, spec.priority))
+        if spec.weight != 1.0:
+            out.append(("set_client_weight", info, spec.weight))
+    return out
+
+
+def _daemon_args(work: Path, policy: str, options: dict[str, Any], trace: Path, max_clients: int, clock: str,
+                 time_scale: float) -> list[str]:
+    args = ["--pipe-dir", str(work), "--policy", policy, "--trace", str(trace), "--max-clients", str(max_clients),
+            "--clock", clock]
+    args += ["--idle-grace", repr(IDLE_GRACE)] if clock == "virtual" else ["--time-scale", repr(time_scale)]
+    for key, value in options.items():
+        if key == "partitions":
+            args += ["--mig-partitions", ",".join(str(p) for p in value)]
+        elif key in OPTION_FLAGS:
+            args += [OPTION_FLAGS[key], str(value)]
+        else:
+            raise RunError(f"policy option {key!r} has no daemon option (known: partitions, {', '.join(OPTION_FLAGS)})")
+    return args
+
+
+# -- tenant processes against a daemon process ------------------------------------------------------------
+
 def run_real(workload: Workload, policy: str, policy_options: dict[str, Any], tenants: list[TenantSpec] | None = None,
              on_progress: Callable[[Progress], None] = lambda p: None, label: str | None = None,
-             time_scale: float = 1.0) -> Timeline:
-    """Run ``tenants`` (default: all of the workload's) against a fresh daemon under ``policy``.
+             time_scale: float = 1.0, clock: str = "virtual") -> Timeline:
+    """Run ``tenants`` (default: all of the workload's) as processes against a fresh daemon under ``policy``.
 
-    With ``time_scale`` below 1 the daemon's GPU runs that much slower than the wall clock (the daemon's
-    ``--time-scale``) and the tenants' clocks are scaled to match: the workload's times (duration, arrivals,
-    think time) are simulated seconds, and so is every time in the timeline. Host time, Python's included,
-    then weighs ``time_scale`` times as much against device time as it would at full speed.
+    Under the virtual clock (the default) the figures are the model's for the tenants' calls, whatever the
+    host's speed. Under the wall clock the daemon's GPU runs at ``time_scale`` x real speed (its
+    ``--time-scale``), and the tenants' own Python weighs that much less against it. Every time in the
+    timeline is in simulated seconds from the start either way.
 
     Raises:
         RunError: the daemon or a tenant failed in a way that leaves no run to measure.
     """
-    specs = list(workload.tenants if tenants is None else tenants)
-    instances = [(t, c, t.instance(c)) for t in specs for c in range(t.count)]
-    progress = Progress(label or policy, workload.duration / time_scale,
-                        {t.name: [t.instance(c) for c in range(t.count)] for t in specs})
+    plan = _plan(workload, tenants, clock)
+    progress = Progress(label or policy, workload.duration / (time_scale if clock == "wall" else 1.0),
+                        {t.name: [t.instance(c) for c in range(t.count)] for t in plan.specs})
     work = Path(tempfile.mkdtemp(prefix="mpsd-stress-", dir="/tmp"))  # socket paths are limited to 107 bytes
-    trace_path = work / "trace.json"
-    daemon = _start_daemon(work, policy, policy_options, trace_path, max(48, len(instances)), time_scale)
-    procs: dict[str, _TenantProcess] = {}
     try:
-        lines: queue.Queue[tuple[str, str | None]] = queue.Queue()
-        ready: dict[str, dict[str, Any]] = {}
-        # Producers first: their consumers need the IPC handle they export.
-        order = sorted(instances, key=lambda i: i[0].ipc != "producer")
-        handles: dict[str, str | None] = {}
-        for spec, copy, name in order:
-            arrivals = arrival_times(spec, workload.duration, workload.seed, copy)
-            wall_spec = asdict(spec) | {"think": spec.think / time_scale}
-            setup = {"spec": wall_spec, "instance": name, "duration": workload.duration / time_scale,
-                     "arrivals": None if arrivals is None else [a / time_scale for a in arrivals],
-                     "ipc_handle": handles.get(spec.ipc_peer) if spec.ipc == "consumer" else None}
-            procs[name] = _TenantProcess(name, spec, work, setup, lines)
-            if spec.ipc == "producer":  # wait for its handle before starting anyone who needs it
-                ready[name] = _await_ready(procs, lines, {name}, progress, on_progress)[name]
-                handles[spec.name] = ready[name].get("ipc_handle")
-        ready.update(_await_ready(procs, lines, set(procs) - set(ready), progress, on_progress))
-        _configure(work, {name: (spec, ready[name].get("pid")) for spec, _, name in instances})
-        t0 = time.monotonic() + START_DELAY
-        for proc in procs.values():
-            proc.send(f"GO {t0!r}")
-        progress.phase, progress.started = "running", t0
-        done = _collect(procs, lines, progress, on_progress)
+        trace_path = work / "trace.json"
+        daemon = _start_daemon(_daemon_args(work, policy, policy_options, trace_path,
+                                            max(48, len(plan.instances)), clock, time_scale))
+        procs: dict[str, _TenantProcess] = {}
+        try:
+            lines: queue.Queue[tuple[str, str | None]] = queue.Queue()
+            for _, _, name in plan.order:  # all start (and import) at once; they connect one at a time
+                procs[name] = _TenantProcess(name, work, plan.setups[name], lines)
+            ready: dict[str, dict[str, Any]] = {}
+            handles: dict[str, str | None] = {}
+            for spec, _, name in plan.order:
+                handle = handles.get(spec.ipc_peer) if spec.ipc == "consumer" else None
+                procs[name].send(f"CONNECT {handle or '-'}")
+                ready[name] = _await_ready(procs, lines, name, progress, on_progress)
+                if spec.ipc == "producer":
+                    handles[spec.name] = ready[name].get("ipc_handle")
+            _configure(work, [(spec, ready[name]) for spec, _, name in plan.instances])
+            t0 = _start_time(ready, clock, time_scale)
+            for proc in procs.values():
+                proc.send(f"GO {t0!r}")
+            progress.phase, progress.started = "running", time.monotonic()
+            done = _collect(procs, lines, progress, on_progress)
+        finally:
+            for proc in procs.values():
+                proc.kill()
+            _stop_daemon(daemon)
+        trace = _read_trace(trace_path, daemon)
     finally:
-        for proc in procs.values():
-            proc.kill()
-        _stop_daemon(daemon)
-    try:
-        trace = json.loads(trace_path.read_text())
-    except (OSError, ValueError) as exc:
-        raise RunError(f"the daemon left no trace: {exc}; its log is in {work}") from None
-    timeline = _timeline(workload, policy, specs, instances, ready, done, trace, t0, time_scale)
-    shutil.rmtree(work, ignore_errors=True)
-    return timeline
+        shutil.rmtree(work, ignore_errors=True)
+    return _timeline(workload, policy, plan, ready, done, trace, t0)
 
 
-# -- the daemon -------------------------------------------------------------------------------------------
-
-def _start_daemon(work: Path, policy: str, options: dict[str, Any], trace: Path, max_clients: int,
-                  time_scale: float) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "mpsd", "--pipe-dir", str(work), "--policy", policy, "--trace", str(trace),
-           "--max-clients", str(max_clients), "--time-scale", repr(time_scale)]
-    for key, value in options.items():
-        if key == "partitions":
-            cmd += ["--mig-partitions", ",".join(str(p) for p in value)]
-        elif key in OPTION_FLAGS:
-            cmd += [OPTION_FLAGS[key], str(value)]
-        else:
-            raise RunError(f"policy option {key!r} has no daemon option (known: partitions, {', '.join(OPTION_FLAGS)})")
-    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True)
+def _start_daemon(args: list[str]) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-m", "mpsd", *args], stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 30
     assert proc.stderr is not None
+    line = "no output"
     for line in proc.stderr:  # the daemon says one line when it is ready
         if line.startswith("mpsd: ready on"):
-            threading.Thread(target=proc.stderr.read, daemon=True).start()  # keep its stderr drained
+            proc.errors = []  # type: ignore[attr-defined]
+            threading.Thread(target=lambda: proc.errors.extend(proc.stderr),  # type: ignore[attr-defined]
+                             daemon=True).start()  # keep its stderr drained, and what it said
             return proc
         if time.monotonic() > deadline:
             break
     proc.kill()
-    raise RunError(f"the daemon did not start: {line.strip() if 'line' in locals() else 'no output'}")
+    proc.wait()
+    raise RunError(f"the daemon did not start: {line.strip()}")
 
 
-def _configure(work: Path, tenants: dict[str, tuple[TenantSpec, int | None]]) -> None:
-    """What the environment cannot say, through the control plane (mpsd's extension commands): priority
-    levels other than MPS's 0 and 1, and fair-share weights."""
-    commands = []
-    for spec, pid in tenants.values():
-        if pid is None:
-            continue
-        if spec.priority not in (0, 1):
-            commands.append(f"set_client_priority {pid} {spec.priority}")
-        if spec.weight != 1.0:
-            commands.append(f"set_client_weight {pid} {spec.weight!r}")
+def _configure(work: Path, tenants: list[tuple[TenantSpec, dict[str, Any]]]) -> None:
+    commands = [f"{command} {info['pid']} {value!r}" for command, info, value in _levels(tenants)]
     if not commands:
         return
     done = subprocess.run([sys.executable, "-m", "mpsd.control_cli"], input="\n".join(commands) + "\n",
@@ -166,29 +238,25 @@ def _stop_daemon(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-# -- the tenants ------------------------------------------------------------------------------------------
+def _read_trace(path: Path, daemon: subprocess.Popen | None) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        said = "".join(getattr(daemon, "errors", [])).strip().splitlines()
+        raise RunError(f"the daemon left no trace: {exc}" + (f"; it said: {said[-1]}" if said else "")) from None
+
 
 class _TenantProcess:
     """One tenant process and the thread that reads its lines."""
 
-    def __init__(self, name: str, spec: TenantSpec, work: Path, setup: dict[str, Any],
-                 lines: queue.Queue[tuple[str, str | None]]) -> None:
+    def __init__(self, name: str, work: Path, setup: dict[str, Any], lines: queue.Queue[tuple[str, str | None]]) -> None:
         self.name = name
-        env = dict(os.environ, MPSD_PIPE_DIRECTORY=str(work),
-                   CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=f"{spec.active_thread_percentage:g}")
-        for key in ("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "CUDA_MPS_CLIENT_PRIORITY", "MPSD_MIG_PARTITION",
-                    "CUDA_VISIBLE_DEVICES"):
-            env.pop(key, None)
-        if spec.pinned_mem_limit is not None:
-            env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = str(spec.pinned_mem_limit)
-        if spec.priority == 1:  # MPS's below-normal; other levels go through the control plane (_configure)
-            env["CUDA_MPS_CLIENT_PRIORITY"] = "1"
-        if spec.partition is not None:
-            env["MPSD_MIG_PARTITION"] = str(spec.partition)
+        env = {k: v for k, v in os.environ.items() if k not in LIMIT_VARIABLES}
+        env.update(setup["environ"], MPSD_PIPE_DIRECTORY=str(work))
         self.stderr = open(work / f"{name}.stderr", "w+")  # noqa: SIM115 - closed in kill()
         self.proc = subprocess.Popen([sys.executable, "-m", "mpsd.stress.tenant"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self.stderr, text=True, env=env)
-        self.send(json.dumps(setup))
+        self.send(json.dumps(dict(setup, environ=None)))
         threading.Thread(target=self._read, args=(lines,), daemon=True).start()
 
     def send(self, line: str) -> None:
@@ -206,9 +274,15 @@ class _TenantProcess:
         lines.put((self.name, None))
 
     def failure(self) -> str:
+        """Why it ended: the last line of what it wrote on stderr (a traceback ends with the error), or its
+        exit status."""
+        try:
+            status = self.proc.wait(timeout=10)  # its stdout closes just before it exits
+        except subprocess.TimeoutExpired:
+            status = None
         self.stderr.seek(0)
         text = self.stderr.read().strip().splitlines()
-        return text[-1] if text else f"exit status {self.proc.poll()}"
+        return text[-1] if text else f"exit status {status}"
 
     def kill(self) -> None:
         if self.proc.poll() is None:
@@ -217,37 +291,37 @@ class _TenantProcess:
         self.stderr.close()
 
 
-def _await_ready(procs: dict[str, _TenantProcess], lines: queue.Queue, waiting: set[str], progress: Progress,
-                 on_progress: Callable[[Progress], None]) -> dict[str, dict[str, Any]]:
-    out: dict[str, dict[str, Any]] = {}
+def _await_ready(procs: dict[str, _TenantProcess], lines: queue.Queue, name: str, progress: Progress,
+                 on_progress: Callable[[Progress], None]) -> dict[str, Any]:
     deadline = time.monotonic() + READY_TIMEOUT
-    while waiting - set(out):
+    while True:
         try:
-            name, line = lines.get(timeout=max(0.01, deadline - time.monotonic()))
+            who, line = lines.get(timeout=max(0.01, deadline - time.monotonic()))
         except queue.Empty:
-            raise RunError(f"tenants not ready after {READY_TIMEOUT:.0f} s: {sorted(waiting - set(out))}") from None
+            raise RunError(f"tenant {name} not ready after {READY_TIMEOUT:.0f} s") from None
         if line is None:
-            raise RunError(f"tenant {name} exited while setting up: {procs[name].failure()}")
-        if line.startswith("READY "):
-            out[name] = json.loads(line[6:])
-            progress.phase = f"starting ({len(out)}/{len(waiting)} ready)"
+            raise RunError(f"tenant {who} exited while setting up: {procs[who].failure()}")
+        if who == name and line.startswith("READY "):
+            info = json.loads(line[6:]) | {"_heard": time.monotonic()}
+            progress.phase = f"starting ({name} ready)"
             on_progress(progress)
-    return out
+            return info
 
 
 def _collect(procs: dict[str, _TenantProcess], lines: queue.Queue, progress: Progress,
              on_progress: Callable[[Progress], None]) -> dict[str, dict[str, Any]]:
     done: dict[str, dict[str, Any]] = {}
-    # A tenant's last request may start just before the end and take long under contention; allow for it.
-    deadline = progress.started + progress.duration + 60.0
+    heard = time.monotonic()
     while len(done) < len(procs):
         try:
             name, line = lines.get(timeout=0.1)
         except queue.Empty:
             on_progress(progress)
-            if time.monotonic() > deadline:
-                raise RunError(f"tenants still running 60 s after the end: {sorted(set(procs) - set(done))}") from None
+            if time.monotonic() > heard + SILENCE_TIMEOUT:
+                raise RunError(f"no word from the tenants for {SILENCE_TIMEOUT:.0f} s: "
+                               f"{sorted(set(procs) - set(done))} still running") from None
             continue
+        heard = time.monotonic()
         if line is None:
             if name not in done:
                 raise RunError(f"tenant {name} died: {procs[name].failure()}")
@@ -256,45 +330,151 @@ def _collect(procs: dict[str, _TenantProcess], lines: queue.Queue, progress: Pro
             progress.completed[name], progress.failed[name] = int(completed), int(failed)
         elif line.startswith("DONE "):
             done[name] = json.loads(line[5:])
-            requests = done[name]["requests"]
-            progress.failed[name] = sum(1 for r in requests if r[2] is not None)
-            progress.completed[name] = len(requests) - progress.failed[name]
+            _count(progress, name, done[name])
     progress.phase = "finished"
     on_progress(progress)
     return done
 
 
+def _count(progress: Progress, name: str, result: dict[str, Any]) -> None:
+    requests = result["requests"]
+    progress.failed[name] = sum(1 for r in requests if r[2] is not None)
+    progress.completed[name] = len(requests) - progress.failed[name]
+
+
+# -- tenant tasks beside a daemon in this process ---------------------------------------------------------
+
+def run_virtual(workload: Workload, policy: str, policy_options: dict[str, Any], tenants: list[TenantSpec] | None = None,
+                on_progress: Callable[[Progress], None] = lambda p: None, label: str | None = None) -> Timeline:
+    """Run ``tenants`` as tasks of this process against a daemon in this process, on its virtual clock: no
+    processes, the same figures as `run_real` gives, to the bit.
+
+    Raises:
+        RunError: the daemon could not start, or a tenant failed in a way that leaves no run to measure.
+    """
+    from mpsd.config import ConfigError, load_config
+    from mpsd.server import Daemon, DaemonError
+
+    plan = _plan(workload, tenants, "virtual")
+    progress = Progress(label or policy, workload.duration,
+                        {t.name: [t.instance(c) for c in range(t.count)] for t in plan.specs})
+    work = Path(tempfile.mkdtemp(prefix="mpsd-stress-", dir="/tmp"))
+    try:
+        trace_path = work / "trace.json"
+        try:
+            config = dataclasses.replace(load_config(_daemon_args(
+                work, policy, policy_options, trace_path, max(48, len(plan.instances)), "virtual", 1.0), environ={}),
+                shared_process=True)
+            daemon = Daemon(config)
+            ready, done, t0 = trio.run(_in_process, daemon, plan, work, progress, on_progress)
+        except (ConfigError, DaemonError) as exc:
+            raise RunError(f"the daemon did not start: {exc}") from None
+        trace = _read_trace(trace_path, None)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return _timeline(workload, policy, plan, ready, done, trace, t0)
+
+
+class _TaskLink:
+    """The Link of a tenant task: its runner's cues and what it reported."""
+
+    def __init__(self, progress: Progress, name: str) -> None:
+        self.progress_of, self.name = progress, name
+        self.cued, self.said_ready, self.started = trio.Event(), trio.Event(), trio.Event()
+        self.handle: str | None = None
+        self.t0 = 0.0
+        self.info: dict[str, Any] = {}
+        self.result: dict[str, Any] | None = None
+
+    async def connect_cue(self) -> str | None:
+        await self.cued.wait()
+        return self.handle
+
+    def ready(self, info: dict[str, Any]) -> None:
+        self.info = info
+        self.said_ready.set()
+
+    async def go(self) -> float:
+        await self.started.wait()
+        return self.t0
+
+    def progress(self, completed: int, failed: int) -> None:
+        self.progress_of.completed[self.name], self.progress_of.failed[self.name] = completed, failed
+
+    def done(self, result: dict[str, Any]) -> None:
+        self.result = result
+
+
+async def _in_process(daemon: Any, plan: _Plan, work: Path, progress: Progress,
+                      on_progress: Callable[[Progress], None]) -> tuple[dict, dict, float]:
+    from mpsd.stress.tenant import play
+
+    links = {name: _TaskLink(progress, name) for _, _, name in plan.instances}
+    async with trio.open_nursery() as nursery:
+        await nursery.start(functools.partial(daemon.serve, handle_signals=False))
+        async with trio.open_nursery() as tenants:
+            for _, _, name in plan.order:
+                tenants.start_soon(play, plan.setups[name], links[name], str(work))
+            handles: dict[str, str | None] = {}
+            for spec, _, name in plan.order:
+                link = links[name]
+                link.handle = handles.get(spec.ipc_peer) if spec.ipc == "consumer" else None
+                link.cued.set()
+                await link.said_ready.wait()
+                if spec.ipc == "producer":
+                    handles[spec.name] = link.info.get("ipc_handle")
+            contexts = {c.id: c for d in daemon.devices for c in d.contexts.values()}
+            # Every tenant here has this process's pid: they are told apart by client id.
+            for command, info, value in _levels([(spec, links[name].info) for spec, _, name in plan.instances]):
+                setting = daemon.settings.priorities if command == "set_client_priority" else daemon.settings.weights
+                setting[("client", info["client"])] = value
+                daemon.reconfigure(contexts[info["client"]])
+            ready = {name: link.info for name, link in links.items()}
+            t0 = _start_time(ready, "virtual", 1.0)
+            progress.phase, progress.started = "running", time.monotonic()
+            for link in links.values():
+                link.t0 = t0
+                link.started.set()
+        daemon.stop()
+    done = {}
+    for name, link in links.items():
+        if link.result is None:
+            raise RunError(f"tenant {name} ended without a result")
+        done[name] = link.result
+        _count(progress, name, link.result)
+    progress.phase = "finished"
+    on_progress(progress)
+    return ready, done, t0
+
+
 # -- the timeline -----------------------------------------------------------------------------------------
 
-def _timeline(workload: Workload, policy: str, specs: list[TenantSpec], instances: list[tuple[TenantSpec, int, str]],
-              ready: dict[str, dict[str, Any]], done: dict[str, dict[str, Any]], trace: dict[str, Any],
-              t0: float, scale: float) -> Timeline:
-    """Tenants' requests and the daemon's device, on one clock: simulated seconds from t0 (the daemon's
-    simulated time s happened at wall time origin + s / scale; a tenant's wall time w is w x scale)."""
+def _timeline(workload: Workload, policy: str, plan: _Plan, ready: dict[str, dict[str, Any]],
+              done: dict[str, dict[str, Any]], trace: dict[str, Any], t0: float) -> Timeline:
+    """Tenants' requests and the daemon's device, on one clock: simulated seconds from t0."""
     device = read_chrome_trace(trace)
     meta = trace["otherData"]["mpsd"]
-    shift = (meta["monotonic_origin"] - t0) * scale
-    by_pid = {info["pid"]: name for name, info in ready.items() if info.get("pid") is not None}
-    rename = {client: by_pid.get(info["pid"]) for client, info in meta["clients"].items()}
+    by_client = {info["client"]: name for name, info in ready.items() if info.get("client") is not None}
+    rename = {client: by_client.get(info["client"]) for client, info in meta["clients"].items()}
     seen_as = {name: t for t in device.tenants if (name := rename.get(t.name))}  # instance -> daemon's view
-    entitlement = entitlements(specs)
+    entitlement = entitlements(plan.specs)
     tenants, requests = [], []
-    for spec, _copy, name in instances:
+    for spec, _copy, name in plan.instances:
         seen = seen_as.get(name)
         tenants.append(TenantInfo(name=name, group=spec.name, sm_cap=seen.sm_cap if seen else spec.sm_cap(),
                                   mem_limit=seen.mem_limit if seen else spec.pinned_mem_limit,
                                   entitlement=entitlement[name], deadline=spec.deadline, priority=spec.priority))
-        for submitted, completed, error in done[name]["requests"]:
-            requests.append(Request(name, submitted * scale, float("nan") if completed is None else completed * scale,
-                                    error))
+        for submitted, completed, error, host in done[name]["requests"]:
+            requests.append(Request(name, submitted, math.nan if completed is None else completed, error, host))
         for error in ready[name].get("setup_errors", []):
-            requests.append(Request(name, 0.0, float("nan"), error))
-    kernels = [KernelRecord(rename[k.tenant], k.kernel, k.name, k.blocks, k.submitted + shift, k.started + shift,
-                            k.ended + shift, k.eligible + shift) for k in device.kernels if rename.get(k.tenant)]
-    spans = [Span(rename[s.tenant], s.kernel, s.sm, s.blocks, s.sm_fraction, s.start + shift, s.end + shift)
+            requests.append(Request(name, 0.0, math.nan, error))
+    kernels = [KernelRecord(rename[k.tenant], k.kernel, k.name, k.blocks, k.submitted - t0, k.started - t0,
+                            k.ended - t0, k.eligible - t0) for k in device.kernels if rename.get(k.tenant)]
+    spans = [Span(rename[s.tenant], s.kernel, s.sm, s.blocks, s.sm_fraction, s.start - t0, s.end - t0)
              for s in device.spans if rename.get(s.tenant)]
     ends = [r.completed for r in requests if r.completed == r.completed]
     return Timeline(policy=policy, sm_count=device.sm_count, duration=max([workload.duration, *ends]),
                     launch_overhead=device.launch_overhead, tenants=tenants, requests=requests, kernels=kernels,
                     spans=spans, partitions=device.partitions, lag=meta.get("max_lag", 0.0),
+                    virtual=meta.get("clock") == "virtual",
                     memory_high_water={rename[c]: v for c, v in device.memory_high_water.items() if rename.get(c)})

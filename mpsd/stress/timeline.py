@@ -1,8 +1,8 @@
 # What one run of a workload leaves behind, whichever way it ran (real processes against the daemon, or the
 # simulator alone in virtual time): the tenants and their quotas, every request as the tenant saw it, every
 # kernel and every block group as the device ran them. Metrics and reports read nothing else.
-# Times are seconds from the run's start, on one clock: requests are stamped by the tenants with the host's
-# monotonic clock, kernels and spans by the device model, shifted by the daemon's recorded origin.
+# Times are simulated seconds from the run's start, on one clock: requests are stamped by the tenants with
+# their simulated clocks (ctx.clock()), kernels and spans by the device model.
 """The record of one stress run."""
 
 from __future__ import annotations
@@ -50,12 +50,14 @@ class Request:
             tenant counts as latency).
         completed: when the tenant saw it complete; NaN if it failed.
         error: the CUDA error name if it failed, else None.
+        host: how long the tenant took to issue it (its calls before the synchronize), seconds.
     """
 
     tenant: str
     submitted: float
     completed: float = math.nan
     error: str | None = None
+    host: float = 0.0
 
     @property
     def latency(self) -> float:
@@ -130,9 +132,9 @@ class Timeline:
         requests, kernels, spans: as recorded, in no particular order.
         memory_high_water: tenant name -> most device memory charged to it at once, bytes.
         partitions: MIG partitions as (name, first SM, end SM), for trace rows; empty without MIG.
-        virtual: True if the run was the simulator alone (requests stamped in simulated time).
-        lag: the furthest the daemon's model fell behind the clock, seconds (0 in virtual time): when the
-            model cannot keep up with the work in real time, completions come late and device times stretch.
+        virtual: True if the run was on the virtual clock (every time is the model's, not the host's).
+        lag: the furthest the daemon's model fell behind the wall clock, seconds (0 on the virtual clock): when
+            the model cannot keep up with the work in real time, completions come late and device times stretch.
     """
 
     policy: str

@@ -1,0 +1,130 @@
+# mpsd-stress on the daemon's virtual clock: real tenant processes and tenant tasks in one process
+# (--virtual-time) print the same figures for every shipped workload under every policy it names; the same
+# file and seed give byte-identical JSON on a loaded host; the traces are on one clock, without negative times.
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+WORKLOADS = Path(__file__).parent.parent / "examples" / "workloads"
+SMALL = """
+[run]
+duration = 0.1
+seed = 4
+[[tenant]]
+name = "latency"
+arrival = "poisson"
+rate = 300
+input = "64K"
+[[tenant.kernel]]
+name = "spin"
+grid = 8
+block = 1024
+duration_ms = 0.2
+[[tenant]]
+name = "batch"
+count = 2
+churn = "8M"
+active_thread_percentage = 50
+[[tenant.kernel]]
+name = "work"
+grid = 264
+block = 1024
+iterations = 30000
+"""
+
+
+def stress(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "mpsd.stress.cli", *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+def named_policies(path: Path) -> list[str]:
+    run = tomllib.loads(path.read_text()).get("run", {})
+    return list(dict.fromkeys([run.get("policy", "mps"), *run.get("policy_options", {})]))
+
+
+CASES = [(path, policy) for path in sorted(WORKLOADS.glob("*.toml")) for policy in named_policies(path)]
+
+
+@pytest.mark.parametrize("path,policy", CASES, ids=[f"{p.stem}-{policy}" for p, policy in CASES])
+def test_real_processes_and_the_model_alone_print_the_same_figures(path, policy):
+    """Every shipped workload, under every policy it names: tenant processes against a daemon process, and
+    tenant tasks beside a daemon in mpsd-stress, give the same summary to the last bit (a short run each: the
+    memory-bound kernels of some move gigabytes of real bytes)."""
+    args = [str(path), "--policy", policy, "--no-solo", "--duration", "0.01", "--json", "-"]
+    real, alone = stress(*args), stress(*args, "--virtual-time")
+    assert real.returncode == 0, real.stderr
+    assert alone.returncode == 0, alone.stderr
+    real_run, alone_run = json.loads(real.stdout)["runs"][policy], json.loads(alone.stdout)["runs"][policy]
+    assert real_run["requests"] > 0
+    assert real_run == alone_run
+
+
+def test_same_file_same_json_on_a_loaded_host(tmp_path):
+    """The same workload and seed, run twice with real processes, once beside a process that keeps a core
+    busy: byte-identical JSON, times included."""
+    (tmp_path / "small.toml").write_text(SMALL)
+    args = [str(tmp_path / "small.toml"), "--compare-policies", "mps,timeslice", "--json", "-"]
+    quiet = stress(*args)
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        loaded = stress(*args)
+    finally:
+        hog.kill()
+        hog.wait()
+    assert quiet.returncode == 0, quiet.stderr
+    assert quiet.stdout == loaded.stdout
+    assert json.loads(quiet.stdout)["runs"]["mps"]["errors"] == 0
+
+
+def test_traces_are_on_one_clock_without_negative_times(tmp_path):
+    """The report's Perfetto trace of a real-process run: every timestamp is at or after the run's start, and
+    the complete events of every track nest (Perfetto drops those that overlap without nesting)."""
+    (tmp_path / "small.toml").write_text(SMALL)
+    done = stress(str(tmp_path / "small.toml"), "--no-solo", "--report", str(tmp_path / "report"))
+    assert done.returncode == 0, done.stderr
+    events = json.loads((tmp_path / "report" / "trace_mps.json").read_text())["traceEvents"]
+    slices = [e for e in events if e.get("ph") == "X"]
+    assert len(slices) > 100
+    assert all(e["ts"] >= 0 for e in events if "ts" in e)
+    tracks: dict[tuple, list[tuple[int, int]]] = {}
+    for e in slices:  # in whole nanoseconds, as Perfetto keeps them
+        start = round(e["ts"] * 1000)
+        tracks.setdefault((e["pid"], e["tid"]), []).append((start, start + round(e["dur"] * 1000)))
+    for spans in tracks.values():
+        open_ends: list[float] = []
+        for start, end in sorted(spans, key=lambda s: (s[0], -s[1])):
+            while open_ends and open_ends[-1] <= start:
+                open_ends.pop()
+            assert not open_ends or end <= open_ends[-1]  # inside the slice that is open, or after it
+            open_ends.append(end)
+
+
+def test_the_wall_clock_says_when_host_time_colours_the_figures(tmp_path):
+    """Under --clock wall at full speed, Python's time to issue a request of short kernels is a large part of
+    its latency: the table and the JSON say so and name --clock virtual."""
+    (tmp_path / "short.toml").write_text("""
+[run]
+duration = 0.3
+[[tenant]]
+name = "short"
+[[tenant.kernel]]
+name = "spin"
+grid = 1
+block = 32
+duration_ms = 0.01
+repeat = 4
+""")
+    done = stress(str(tmp_path / "short.toml"), "--no-solo", "--clock", "wall", "--json", "-")
+    assert done.returncode == 0, done.stderr
+    run = json.loads(done.stdout)["runs"]["mps"]
+    assert run["tenants"][0]["host_share"] > 0.1
+    assert "--clock virtual" in run["host_time_warning"] and "--clock virtual" in done.stderr
+    virtual = json.loads(stress(str(tmp_path / "short.toml"), "--no-solo", "--json", "-").stdout)["runs"]["mps"]
+    assert virtual["host_time_warning"] is None
