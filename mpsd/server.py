@@ -35,6 +35,7 @@ from mpsd_protocol import (  # type: ignore[attr-defined]
     NoDeviceError,
     OutOfMemoryError,
     format_size,
+    parse_integer,
 )
 
 log = logging.getLogger("mpsd")
@@ -397,10 +398,13 @@ def _tighter(level: int, requested: int | None) -> int:
 
 def _watchdog_interval() -> float | None:
     """Seconds between WATCHDOG=1 pings when systemd asked for them (WatchdogSec=), else None."""
-    usec, pid = os.environ.get("WATCHDOG_USEC"), os.environ.get("WATCHDOG_PID")
-    if not usec or not usec.isdigit() or (pid and pid != str(os.getpid())):
+    usec, pid = os.environ.get("WATCHDOG_USEC", ""), os.environ.get("WATCHDOG_PID")
+    if pid and pid != str(os.getpid()):
         return None
-    return int(usec) / 1e6 / 2  # twice per period, as sd_watchdog_enabled(3) advises
+    try:
+        return parse_integer(usec, max_digits=20) / 1e6 / 2  # twice per period, as sd_watchdog_enabled(3) advises
+    except ValueError:
+        return None
 
 
 async def _keep_watchdog_fed(interval: float) -> None:

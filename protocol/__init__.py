@@ -28,7 +28,7 @@ from ._messages import (
     Reply,
     Request,
 )
-from ._units import format_size, parse_mem_limits, parse_size
+from ._units import format_size, parse_decimal, parse_integer, parse_mem_limits, parse_size
 
 # One exception class per error code, built from the table: InvalidValueError, IllegalAddressError, ...
 globals().update({cls.__name__: cls for cls in ERROR_CLASSES.values()})
@@ -42,5 +42,5 @@ __all__ = [
     "PARAM_KINDS", "check_args", "check_shape", "dims",
     "MAX_FDS_PER_FRAME", "PROTOCOL_VERSION", "LocalProtocolError", "Message", "Notification", "ProtocolError",
     "RemoteProtocolError", "Reply", "Request",
-    "format_size", "parse_mem_limits", "parse_size",
+    "format_size", "parse_decimal", "parse_integer", "parse_mem_limits", "parse_size",
 ] + [cls.__name__ for cls in ERROR_CLASSES.values()]
