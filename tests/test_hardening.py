@@ -3,11 +3,171 @@
 # attack needs another owner, a real second user plays it (as in test_ipc), and the test is skipped without one.
 from __future__ import annotations
 
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Iterator
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import mpsd_client
+from daemons import DaemonProcess, short_tempdir, start_daemon
 
-# -- item 1: numbers are read strictly -----------------------------------------------------------------------
+BIN = Path(sys.executable).parent
+PACKET = 1 << 16
+
+
+def _control_socket(daemon: DaemonProcess) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sock.settimeout(20)
+    sock.connect(str(daemon.pipe_dir / "control"))
+    return sock
+
+
+def _ask(sock: socket.socket, packet: bytes) -> str:
+    """The daemon's answer to one raw control packet (the wire format of mpsd-control: b"=" + output)."""
+    sock.send(packet)
+    reply = sock.recv(PACKET)
+    assert reply[:1] == b"=", f"no reply to {packet[:60]!r}: the daemon closed the connection"
+    return reply[1:].decode()
+
+
+@pytest.fixture
+def base() -> Iterator[Path]:
+    """A short private scratch directory (socket paths are limited to 107 bytes), removed afterwards."""
+    path = short_tempdir()
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+# -- item 1: no control packet takes the daemon down ----------------------------------------------------------
+
+def _hostile_packets(pid: int) -> list[tuple[bytes, str]]:
+    """Packets that each once ended the daemon (or were taken as numbers they are not), with their answers."""
+    many = "9" * 5000
+    texts = [
+        ("get_server_status ²", "Server ² not found"),
+        ("get_server_status ①", "Server ① not found"),
+        (f"get_server_status {many}", f"Server {many[:20]}... not found"),
+        ("shutdown_server ²", "Server ² not found"),
+        ("quit -t ²", "Usage: quit [-t <timeout in seconds>]"),
+        ("quit -t ٥", "Usage: quit [-t <timeout in seconds>]"),
+        ("set_client_priority uid:² 1", "Invalid client 'uid:²': a pid, or uid:<uid>"),
+        ("get_client_priority ²", "Invalid client '²': a pid, or uid:<uid>"),
+        (f"get_client_weight {many}", f"Invalid client '{many[:20]}...': a pid, or uid:<uid>"),
+        ("set_client_priority 1 ٥", "Invalid client priority '٥'"),
+        ("set_client_priority 1 1_0", "Invalid client priority '1_0'"),
+        ("set_client_weight 1 ١", "Invalid client weight '١'"),
+        ("set_default_active_thread_percentage ٥٠", "Invalid active thread percentage '٥٠'"),
+        (f"get_device_pinned_mem_limit {pid} ²", "Invalid device '²'"),
+        ("get_default_device_pinned_mem_limit ①", "Invalid device '①'"),
+        (f"set_default_device_pinned_mem_limit 0 {many}", f"Invalid memory limit '{many[:20]}...'"),
+        ("set_default_device_pinned_mem_limit 0 ٥G", "Invalid memory limit '٥G'"),
+        ("start_server -uid ²", "Usage: start_server -uid <uid>"),
+    ]
+    return [(text.encode(), answer) for text, answer in texts] + [
+        (b"get_server_status \xff\xfe", "Invalid command: not UTF-8 text"),
+        (b"\xc3\x28", "Invalid command: not UTF-8 text"),
+    ]
+
+
+def test_hostile_control_packets_are_answered_and_the_daemon_stays_up(ctx, daemon):
+    """Each hostile control packet gets its error line; the daemon, its settings and a tenant's allocation
+    survive all of them."""
+    p = ctx.malloc(4096)
+    ctx.memset(p, 0x5A, 4096)
+    ctx.synchronize()
+    with _control_socket(daemon) as sock:
+        for packet, answer in _hostile_packets(daemon.proc.pid):
+            assert _ask(sock, packet) == answer, packet[:60]
+            assert daemon.proc.poll() is None, f"{packet[:60]!r} ended the daemon"
+        assert _ask(sock, b"get_default_active_thread_percentage") == "100.0"
+        assert _ask(sock, b"get_default_device_pinned_mem_limit 0") == ""
+        assert _ask(sock, b"get_client_priority 1") == "0"
+    assert bytes(ctx.host_view(p)[:8]) == b"\x5a" * 8
+    q = ctx.malloc(1 << 20)
+    ctx.memset(q, 1, 1 << 20)
+    ctx.synchronize()
+    assert bytes(ctx.host_view(q)[-4:]) == b"\x01" * 4
+
+
+# Each command the fuzz sends, with the number of arguments it takes (quit, shutdown_server and terminate_client
+# would end what is being fuzzed; they are among the hostile packets above).
+COMMANDS = {
+    "get_server_list": 0, "get_server_status": 1, "start_server": 2, "get_client_list": 1,
+    "get_device_client_list": 1, "ps": 2, "get_default_active_thread_percentage": 0,
+    "set_default_active_thread_percentage": 1, "get_active_thread_percentage": 1,
+    "set_active_thread_percentage": 2, "get_default_device_pinned_mem_limit": 1,
+    "set_default_device_pinned_mem_limit": 2, "get_device_pinned_mem_limit": 2, "set_device_pinned_mem_limit": 3,
+    "get_default_client_priority": 0, "set_default_client_priority": 1, "set_client_priority": 2,
+    "get_client_priority": 1, "set_client_weight": 2, "get_client_weight": 1, "mpsd_status": 0,
+    "no_such_command": 1,
+}
+ARGUMENTS = st.one_of(
+    st.sampled_from(["-t", "-f", "-uid", "-p", "uid:", "0", "1", "-1", "50", "0.5", "1e400", "nan", "inf", "1_0",
+                     "9" * 5000, "1.5G", "0x10", " 5 ", "'", '"', "\\", "\0"]),
+    st.text(alphabet="0123456789²³①⑨٥٠०۵𝟘½uid:-.G", min_size=1, max_size=4),  # digits and their lookalikes
+    st.text(alphabet=st.characters(whitelist_categories=("Nd", "No", "Nl")), min_size=1, max_size=4),
+    st.integers(-10**12, 10**12).map(str),
+    st.text(max_size=8),
+)
+
+
+def _command_lines(pid: str) -> st.SearchStrategy[bytes]:
+    """A command with as many arguments as it takes (or any number), each one hostile, plausible or our pid."""
+    argument = st.one_of(ARGUMENTS, st.just(pid))
+    return st.sampled_from(sorted(COMMANDS.items())).flatmap(lambda command: st.tuples(
+        st.just(command[0]),
+        st.lists(argument, min_size=command[1], max_size=command[1]) | st.lists(argument, max_size=3),
+    )).map(lambda line: " ".join([line[0], *line[1]]).encode())
+
+
+def test_fuzzed_control_packets_all_get_a_reply(ctx, daemon):
+    """Random command lines of every command with random arguments, and random bytes: every packet is
+    answered and the daemon stays up."""
+    pid = str(daemon.proc.pid)
+    sock = _control_socket(daemon)
+
+    @settings(max_examples=200, deadline=None)
+    @given(_command_lines(pid) | st.binary(min_size=1, max_size=64))
+    def one_packet(packet: bytes) -> None:
+        sock.send(packet)
+        reply = sock.recv(PACKET)
+        assert reply[:1] == b"=", f"no reply to {packet[:80]!r}"
+        assert daemon.proc.poll() is None, f"{packet[:80]!r} ended the daemon"
+
+    with sock:
+        one_packet()
+        assert _ask(sock, b"get_server_list") == pid
+    assert ctx.malloc(64) > 0
+
+
+def test_control_log_states_the_true_exit_status(base):
+    """control.log ends "Exit with status 0" after a clean SIGTERM, and "Exit with status 1" when the daemon
+    fails (here: the socket it was handed does not accept connections) and exits 1."""
+    clean = start_daemon()
+    assert clean.stop() == 0
+    assert (clean.log_dir / "control.log").read_text().splitlines()[-1].endswith("] Exit with status 0")
+    shutil.rmtree(clean.pipe_dir.parent)
+
+    pipe = base / "pipe"
+    pipe.mkdir(mode=0o700)
+    broken = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    broken.bind(str(pipe / "mpsd.sock"))  # bound but never listening: the first accept fails
+    # The activation environment names the daemon's own pid, so a wrapper sets it and execs the daemon.
+    activate = ("import os, sys; os.dup2(int(sys.argv[1]), 3); os.environ.update(LISTEN_PID=str(os.getpid()), "
+                "LISTEN_FDS='1', LISTEN_FDNAMES='mpsd'); os.execv(sys.executable, [sys.executable, '-m', 'mpsd', "
+                "*sys.argv[2:]])")
+    proc = subprocess.run([sys.executable, "-c", activate, str(broken.fileno()), "--pipe-dir", str(pipe)],
+                          pass_fds=[broken.fileno()], capture_output=True, text=True, timeout=60)
+    broken.close()
+    assert proc.returncode == 1, proc.stderr
+    assert (pipe / "control.log").read_text().splitlines()[-1].endswith("] Exit with status 1")
+
 
 @pytest.mark.parametrize("variable,value,outcome", [
     ("CUDA_VISIBLE_DEVICES", "0,²", "connected"),  # as in CUDA, the list ends at what is not a device index
