@@ -24,6 +24,7 @@ from mpsd.control import Control, Settings
 from mpsd.device import Device
 from mpsd.ipc import IpcRegistry
 from mpsd.listeners import Listeners, ListenError, open_listeners
+from mpsd.ownership import UnsafePathError
 from mpsd.servlog import ServerLog
 from mpsd.session import Session, peer_credentials
 from mpsd.sim import sm_cap
@@ -55,11 +56,13 @@ class Daemon:
         """Set up the simulated devices and open the logs.
 
         Raises:
-            DaemonError: the log directory cannot be written.
+            DaemonError: the log directory cannot be written, or is not safely the daemon's own.
         """
         self.config = config
         try:
             self.log = ServerLog(config.log_dir)
+        except UnsafePathError as exc:
+            raise DaemonError(str(exc)) from None
         except OSError as exc:
             raise DaemonError(f"cannot write logs in {config.log_dir}: {exc.strerror}") from None
         self.devices = [

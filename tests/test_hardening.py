@@ -3,8 +3,11 @@
 # attack needs another owner, a real second user plays it (as in test_ipc), and the test is skipped without one.
 from __future__ import annotations
 
+import os
+import pwd
 import shutil
 import socket
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +19,7 @@ from hypothesis import strategies as st
 
 import mpsd_client
 from daemons import DaemonProcess, short_tempdir, start_daemon
+from test_ipc import _second_user
 
 BIN = Path(sys.executable).parent
 PACKET = 1 << 16
@@ -42,6 +46,13 @@ def base() -> Iterator[Path]:
     path = short_tempdir()
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
+
+def _needs_second_user() -> pwd.struct_passwd:
+    user = _second_user()
+    if user is None:
+        pytest.skip("needs root to create a second user (useradd)")
+    return user
 
 
 # -- item 1: no control packet takes the daemon down ----------------------------------------------------------
@@ -187,3 +198,95 @@ def test_client_environment_numbers_are_ascii(daemon, monkeypatch, variable, val
     except mpsd_client.CudaError as exc:
         result = exc.name
     assert result == outcome
+
+
+# -- item 2: a pipe or log directory someone else controls is refused -----------------------------------------
+
+def _refused(*args: str) -> str:
+    """What the daemon says when it refuses to start (it must exit 1, with one line on stderr)."""
+    proc = subprocess.Popen([sys.executable, "-m", "mpsd", "--time-scale", "100", *args],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        _, err = proc.communicate(timeout=15)
+    except subprocess.TimeoutExpired:  # it started (or hung): either way it did not refuse
+        proc.kill()
+        _, err = proc.communicate()
+        raise AssertionError(f"the daemon did not refuse to start: {err}") from None
+    assert proc.returncode == 1 and err.count("\n") == 1, (proc.returncode, err)
+    return err.rstrip("\n")
+
+
+@pytest.mark.parametrize("logs_beside", [False, True], ids=["own-log-dir", "logs-in-pipe-dir"])
+def test_pipe_dir_of_another_user_is_refused(logs_beside, base):
+    """A pipe directory another user made first (as anyone can make /tmp/mpsd) is refused, and nothing in it
+    is written: not even through control.log and server.log symlinks to a file of ours."""
+    user = _needs_second_user()
+    pipe, victim = base / "pipe", base / "victim"
+    victim.write_text("precious\n")
+    pipe.mkdir(mode=0o755)
+    for name in ("control.log", "server.log"):
+        (pipe / name).symlink_to(victim)
+        os.lchown(pipe / name, user.pw_uid, user.pw_gid)
+    os.chown(pipe, user.pw_uid, user.pw_gid)
+    args = ["--pipe-dir", str(pipe)] + ([] if logs_beside else ["--log-dir", str(base / "log")])
+    what = "log directory" if logs_beside else "pipe directory"
+    assert _refused(*args) == (f"mpsd: the {what} {pipe} belongs to uid {user.pw_uid}, not to the daemon's uid "
+                               f"{os.geteuid()}; remove it or choose another")
+    assert victim.read_text() == "precious\n"
+    assert sorted(os.listdir(pipe)) == ["control.log", "server.log"]
+
+
+@pytest.mark.parametrize("mode", [0o775, 0o757, 0o777, 0o1777])
+def test_pipe_dir_writable_by_others_is_refused(mode, base):
+    """A pipe directory that group or others may write is refused, and left as it was (not chmodded)."""
+    pipe = base / "pipe"
+    pipe.mkdir()
+    pipe.chmod(mode)
+    assert _refused("--pipe-dir", str(pipe), "--log-dir", str(base / "log")) == (
+        f"mpsd: the pipe directory {pipe} is writable by its group or by others (mode {mode:04o}); make it "
+        "0700 or 0755")
+    assert stat.S_IMODE(pipe.stat().st_mode) == mode and not os.listdir(pipe)
+
+
+@pytest.mark.parametrize("which", ["pipe", "log"])
+def test_symlinked_pipe_or_log_dir_is_refused(which, base):
+    """A pipe or log directory that is a symlink is refused; its target is neither chmodded nor written."""
+    target = base / "target"
+    target.mkdir()
+    target.chmod(0o755)
+    (base / which).symlink_to(target)
+    other = "log" if which == "pipe" else "pipe"
+    what = "pipe directory" if which == "pipe" else "log directory"
+    assert _refused(f"--{which}-dir", str(base / which), f"--{other}-dir", str(base / other)) == (
+        f"mpsd: the {what} {base / which} is a symbolic link; give the directory itself")
+    assert stat.S_IMODE(target.stat().st_mode) == 0o755 and not os.listdir(target)
+
+
+@pytest.mark.parametrize("name", ["control.log", "server.log"])
+@pytest.mark.parametrize("planted", ["symlink", "dangling-symlink", "fifo"])
+def test_planted_log_file_is_not_followed(name, planted, base):
+    """A symlink (or a FIFO) in place of a log file is refused, never followed: the file it points at is not
+    appended to, and the daemon says why it did not start (and does not hang on a FIFO)."""
+    logs, victim = base / "log", base / "victim"
+    logs.mkdir(mode=0o700)
+    victim.write_text("precious\n")
+    if planted == "fifo":
+        os.mkfifo(logs / name)
+    else:
+        (logs / name).symlink_to(victim if planted == "symlink" else base / "nowhere")
+    kind = "a FIFO" if planted == "fifo" else "a symbolic link"
+    assert _refused("--pipe-dir", str(base / "pipe"), "--log-dir", str(logs)) == (
+        f"mpsd: cannot write logs in {logs}: {logs / name} is {kind}, not a regular file")
+    assert victim.read_text() == "precious\n" and not (base / "nowhere").exists()
+
+
+def test_file_planted_at_the_socket_path_is_left_and_named(base):
+    """A regular file where mpsd.sock goes is left alone (only our uid could have put it in our directory,
+    and it may be someone's data), and the daemon says what to do."""
+    pipe = base / "pipe"
+    pipe.mkdir(mode=0o700)
+    (pipe / "mpsd.sock").write_text("data\n")
+    assert _refused("--pipe-dir", str(pipe), "--log-dir", str(base / "log")) == (
+        f"mpsd: {pipe / 'mpsd.sock'} exists and is a regular file, not a socket; mpsd removes only stale "
+        "sockets, so remove it or choose another --pipe-dir")
+    assert (pipe / "mpsd.sock").read_text() == "data\n"
