@@ -22,6 +22,7 @@ from mpsd_protocol import (  # type: ignore[attr-defined]
     Reply,
     Request,
     Role,
+    check_server,
     close_fds,
     pack_fds,
     unpack_fds,
@@ -127,7 +128,8 @@ async def open_context(pipe_dir: str | os.PathLike[str] | None = None, device: i
     """Connect to the daemon from trio: ``async with open_context() as actx: p = await actx.malloc(n)``.
 
     Raises:
-        MpsConnectionError: no daemon is listening, or it refused the handshake.
+        MpsConnectionError: no daemon is listening, it runs as a user other than root or ours, or it refused
+            the handshake.
         NoDeviceError, InvalidDeviceError, InvalidValueError: as `mpsd_client.connect`.
     """
     core = Core(check_ordinal(device), visible_devices(), requested_limits(device))
@@ -139,6 +141,11 @@ async def open_context(pipe_dir: str | os.PathLike[str] | None = None, device: i
     except (OSError, trio.TooSlowError) as exc:
         sock.close()
         raise MpsConnectionError(f"no mpsd daemon at {path}: {getattr(exc, 'strerror', None) or exc}") from None
+    try:
+        check_server(sock, path)  # before the first byte: the hello names us, later calls carry our data
+    except MpsConnectionError:
+        sock.close()
+        raise
     actx = AsyncContext(sock, core)
     try:
         async with trio.open_nursery() as nursery:

@@ -26,7 +26,7 @@ from mpsd.ipc import IpcRegistry
 from mpsd.listeners import Listeners, ListenError, open_listeners
 from mpsd.ownership import UnsafePathError
 from mpsd.servlog import ServerLog
-from mpsd.session import Session, peer_credentials
+from mpsd.session import Session
 from mpsd.sim import sm_cap
 from mpsd_protocol import (  # type: ignore[attr-defined]
     InvalidDeviceError,
@@ -38,6 +38,7 @@ from mpsd_protocol import (  # type: ignore[attr-defined]
     OutOfMemoryError,
     format_size,
     parse_integer,
+    peer_credentials,
 )
 
 log = logging.getLogger("mpsd")

@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import struct
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -39,6 +38,7 @@ from mpsd_protocol import (  # type: ignore[attr-defined]
     Role,
     close_fds,
     make_error,
+    peer_credentials,
 )
 
 if TYPE_CHECKING:
@@ -67,11 +67,6 @@ class Deferred:
 
     def ready(self) -> bool:
         return all(op is None or op.done for op in self.ops)
-
-
-def peer_credentials(sock: Any) -> tuple[int, int, int]:
-    """(pid, uid, gid) of the process at the other end, from SO_PEERCRED: the only identity we trust."""
-    return struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
 
 
 class Session:

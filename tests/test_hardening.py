@@ -10,10 +10,12 @@ import socket
 import stat
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
 import pytest
+import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -290,3 +292,79 @@ def test_file_planted_at_the_socket_path_is_left_and_named(base):
         f"mpsd: {pipe / 'mpsd.sock'} exists and is a regular file, not a socket; mpsd removes only stale "
         "sockets, so remove it or choose another --pipe-dir")
     assert (pipe / "mpsd.sock").read_text() == "data\n"
+
+
+# -- item 2: a client talks only to a server run by root or by its own user -----------------------------------
+
+@contextmanager
+def _fake_server(user: pwd.struct_passwd, path: Path, kind: int) -> Iterator[list[str]]:
+    """A server socket at `path`, run by `user` in a forked child, that counts the bytes its first caller
+    sends; the count is in the yielded list once the block ends."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        try:
+            os.close(read)
+            os.setgroups([])
+            os.setgid(user.pw_gid)
+            os.setuid(user.pw_uid)
+            with socket.socket(socket.AF_UNIX, kind) as server:
+                server.bind(str(path))
+                server.listen(1)
+                os.write(write, b"ready\n")
+                server.settimeout(30)
+                conn, _ = server.accept()
+                conn.settimeout(5)
+                received = 0
+                try:
+                    while chunk := conn.recv(PACKET):
+                        received += len(chunk)
+                except OSError:
+                    pass
+                os.write(write, f"{received}\n".encode())
+        except BaseException as exc:
+            os.write(write, f"{exc!r}\n".encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    result: list[str] = []
+    with os.fdopen(read) as pipe:
+        assert pipe.readline() == "ready\n"
+        try:
+            yield result
+        finally:
+            result.append(pipe.readline().strip())
+            os.waitpid(pid, 0)
+
+
+def _connect_async(pipe: Path) -> None:
+    async def main() -> None:
+        async with mpsd_client.open_context(pipe, timeout=2):
+            pass
+
+    trio.run(main)
+
+
+@pytest.mark.parametrize("client", ["connect", "open_context", "mpsd-control", "mpsd-smi"])
+def test_client_refuses_a_server_of_another_user(client, base):
+    """A socket in the pipe directory served by another (non-root) user gets nothing from our client: it
+    fails with cudaErrorMpsConnectionFailed naming the uid, and the fake server receives zero bytes."""
+    user = _needs_second_user()
+    base.chmod(0o755)
+    pipe = base / "pipe"
+    pipe.mkdir()
+    os.chown(pipe, user.pw_uid, user.pw_gid)
+    name, kind = ("control", socket.SOCK_SEQPACKET) if client.startswith("mpsd-") else (
+        "mpsd.sock", socket.SOCK_STREAM)
+    refusal = (f"refusing the mpsd daemon at {pipe / name}: it runs as uid {user.pw_uid}, and a client trusts "
+               "only a daemon run by root" + (f" or by its own uid {os.geteuid()}" if os.geteuid() else ""))
+    with _fake_server(user, pipe / name, kind) as received:
+        if client in ("connect", "open_context"):
+            with pytest.raises(mpsd_client.MpsConnectionError) as caught:
+                mpsd_client.connect(pipe, timeout=2) if client == "connect" else _connect_async(pipe)
+            assert caught.value.code == 805 and caught.value.detail == refusal
+        else:
+            result = subprocess.run([BIN / client, "--pipe-dir", str(pipe)], input="get_server_list\n",
+                                    capture_output=True, text=True, timeout=60)
+            assert result.returncode == 1 and result.stderr == f"{client}: {refusal}\n"
+    assert received == ["0"]
