@@ -89,12 +89,13 @@ def _integer(text: str, complaint: str, *, signed: bool = False) -> int:
 
 
 def _percentage(text: str) -> float:
+    complaint = f"Invalid active thread percentage {_shown(text)!r}"
     try:
         value = parse_decimal(text)
     except ValueError:
-        value = -1.0
+        raise CommandError(complaint) from None
     if not 0 < value <= 100:
-        raise CommandError(f"Invalid active thread percentage {_shown(text)!r}")
+        raise CommandError(complaint)
     return value
 
 
@@ -122,12 +123,13 @@ def _level(text: str) -> int:
 
 
 def _weight(text: str) -> float:
+    complaint = f"Invalid client weight {_shown(text)!r}"
     try:
         value = parse_decimal(text)
     except ValueError:
-        value = 0.0
+        raise CommandError(complaint) from None
     if not 0 < value < float("inf"):
-        raise CommandError(f"Invalid client weight {_shown(text)!r}")
+        raise CommandError(complaint)
     return value
 
 

@@ -83,7 +83,7 @@ async def open_listeners(pipe_dir: Path, environ: Mapping[str, str] = os.environ
         for unused in inherited.values():
             unused.close()
         return Listeners(trio.socket.from_stdlib_socket(clients), _trio(control), True, bound)
-    _prepare(pipe_dir)
+    _check(pipe_dir, tighten=True)
     clients_path, control_path = pipe_dir / "mpsd.sock", pipe_dir / "control"
     clients_sock = await _bind(clients_path, socket.SOCK_STREAM)
     try:
@@ -99,12 +99,13 @@ def _trio(sock: socket.socket | trio.socket.SocketType) -> trio.socket.SocketTyp
     return trio.socket.from_stdlib_socket(sock) if isinstance(sock, socket.socket) else sock
 
 
-def _prepare(pipe_dir: Path) -> None:
-    """Create the pipe directory, or check the one that exists, and make it 0700."""
-    _check(pipe_dir, tighten=True)
-
-
 def _check(directory: Path, *, tighten: bool = False) -> None:
+    """Create the pipe directory, or make sure the one that exists is the daemon's own (and, with `tighten`,
+    make it 0700).
+
+    Raises:
+        ListenError: it cannot be created, or it is not safely ours.
+    """
     try:
         private_directory(directory, "pipe directory", tighten=tighten)
     except UnsafePathError as exc:

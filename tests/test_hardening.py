@@ -238,7 +238,7 @@ def test_pipe_dir_of_another_user_is_refused(logs_beside, base):
     assert sorted(os.listdir(pipe)) == ["control.log", "server.log"]
 
 
-@pytest.mark.parametrize("mode", [0o775, 0o757, 0o777, 0o1777])
+@pytest.mark.parametrize("mode", [0o775, 0o757, 0o777, 0o1777], ids=lambda mode: f"{mode:04o}")
 def test_pipe_dir_writable_by_others_is_refused(mode, base):
     """A pipe directory that group or others may write is refused, and left as it was (not chmodded)."""
     pipe = base / "pipe"
