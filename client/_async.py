@@ -22,6 +22,7 @@ from mpsd_protocol import (  # type: ignore[attr-defined]
     Reply,
     Request,
     Role,
+    check_server,
     close_fds,
     pack_fds,
     unpack_fds,
@@ -141,7 +142,8 @@ async def open_context(pipe_dir: str | os.PathLike[str] | None = None, device: i
     MPSD_PIPE_DIRECTORY are read (default os.environ): a program that plays many clients gives each its own.
 
     Raises:
-        MpsConnectionError: no daemon is listening, or it refused the handshake.
+        MpsConnectionError: no daemon is listening, it runs as a user other than root or ours, or it refused
+            the handshake.
         NoDeviceError, InvalidDeviceError, InvalidValueError: as `mpsd_client.connect`.
     """
     environ = os.environ if environ is None else environ
@@ -154,6 +156,11 @@ async def open_context(pipe_dir: str | os.PathLike[str] | None = None, device: i
     except (OSError, trio.TooSlowError) as exc:
         sock.close()
         raise MpsConnectionError(f"no mpsd daemon at {path}: {getattr(exc, 'strerror', None) or exc}") from None
+    try:
+        check_server(sock, path)  # before the first byte: the hello names us, later calls carry our data
+    except MpsConnectionError:
+        sock.close()
+        raise
     actx = AsyncContext(sock, core)
     try:
         async with trio.open_nursery() as nursery:

@@ -11,7 +11,13 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
-from mpsd_protocol import InvalidDeviceError, InvalidValueError, parse_mem_limits  # type: ignore
+from mpsd_protocol import (  # type: ignore[attr-defined]
+    InvalidDeviceError,
+    InvalidValueError,
+    parse_decimal,
+    parse_integer,
+    parse_mem_limits,
+)
 
 DEFAULT_PIPE_DIRECTORY = "/tmp/mpsd"
 
@@ -31,9 +37,10 @@ def visible_devices(environ: Mapping[str, str] = os.environ) -> list[int] | None
         return None
     ordinals: list[int] = []
     for part in (p.strip() for p in visible.split(",")):
-        if not part.isdigit():
+        try:
+            ordinals.append(parse_integer(part))
+        except ValueError:  # "²" and "٥" are not device indices either, whatever str.isdigit() says
             break
-        ordinals.append(int(part))
     return ordinals
 
 
@@ -54,7 +61,7 @@ def requested_limits(device: int, environ: Mapping[str, str] = os.environ) -> di
     text = environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
     if text:
         try:
-            limits["active_thread_percentage"] = float(text)
+            limits["active_thread_percentage"] = parse_decimal(text.strip())
         except ValueError:
             raise InvalidValueError(f"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={text!r} is not a number") from None
         if not 0 < limits["active_thread_percentage"] <= 100:
@@ -70,9 +77,10 @@ def requested_limits(device: int, environ: Mapping[str, str] = os.environ) -> di
             limits["pinned_mem_limit"] = limit
     text = environ.get("MPSD_MIG_PARTITION")
     if text:
-        if not text.strip().isdigit():
-            raise InvalidValueError(f"MPSD_MIG_PARTITION={text!r} must be a partition index")
-        limits["partition"] = int(text)
+        try:
+            limits["partition"] = parse_integer(text.strip())
+        except ValueError:
+            raise InvalidValueError(f"MPSD_MIG_PARTITION={text!r:.40} must be a partition index") from None
     text = environ.get("CUDA_MPS_CLIENT_PRIORITY")
     if text:
         if text.strip() not in ("0", "1"):

@@ -22,6 +22,7 @@ from mpsd_protocol import (  # type: ignore[attr-defined]
     Reply,
     Request,
     Role,
+    check_server,
     close_fds,
     pack_fds,
     unpack_fds,
@@ -142,7 +143,8 @@ def connect(pipe_dir: str | os.PathLike[str] | None = None, device: int = 0, tim
         timeout: seconds to wait for the daemon to accept and answer the handshake.
 
     Raises:
-        MpsConnectionError: no daemon is listening, or it refused the handshake.
+        MpsConnectionError: no daemon is listening, it runs as a user other than root or ours, or it refused
+            the handshake.
         NoDeviceError, InvalidDeviceError: the device is hidden or does not exist.
         InvalidValueError: a CUDA_MPS_* variable is malformed.
     """
@@ -155,6 +157,11 @@ def connect(pipe_dir: str | os.PathLike[str] | None = None, device: int = 0, tim
     except OSError as exc:
         sock.close()
         raise MpsConnectionError(f"no mpsd daemon at {path}: {exc.strerror or exc}") from None
+    try:
+        check_server(sock, path)  # before the first byte: the hello names us, later calls carry our data
+    except MpsConnectionError:
+        sock.close()
+        raise
     ctx = Context(sock, core)
     try:
         ctx._drive(core.hello())

@@ -12,7 +12,7 @@ from typing import Any, Sequence
 
 from mpsd.engine import DEFAULT_IDLE_GRACE
 from mpsd.sim import H200, POLICIES as SIM_POLICIES, DeviceSpec, Simulator
-from mpsd_protocol import parse_mem_limits
+from mpsd_protocol import parse_integer, parse_mem_limits
 
 DEVICE_MODELS: dict[str, DeviceSpec] = {"h200": H200}
 POLICIES = tuple(SIM_POLICIES)  # whatever the simulator offers
@@ -69,6 +69,14 @@ class Config:
         return self.device_policies.get(device, (self.policy, self.policy_options))
 
 
+def _index(text: str) -> int | None:
+    """A device count or index written in ASCII digits (str.isdigit() would take "²", which int() refuses)."""
+    try:
+        return parse_integer(text)
+    except ValueError:
+        return None
+
+
 def parse_devices(text: str) -> tuple[DeviceSpec, ...]:
     """``h200:2`` (two H200s), ``h200``, or ``h200,h200``."""
     specs: list[DeviceSpec] = []
@@ -76,9 +84,10 @@ def parse_devices(text: str) -> tuple[DeviceSpec, ...]:
         model, _, count = part.partition(":")
         if model not in DEVICE_MODELS:
             raise ConfigError(f"unknown device model {model!r} (known: {', '.join(DEVICE_MODELS)})")
-        if count and not (count.isdigit() and 1 <= int(count) <= 64):
+        number = _index(count) if count else 1
+        if not (number is not None and 1 <= number <= 64):
             raise ConfigError(f"bad device count {count!r} in {text!r}")
-        specs.extend([DEVICE_MODELS[model]] * (int(count) if count else 1))
+        specs.extend([DEVICE_MODELS[model]] * number)
     if not specs:
         raise ConfigError("no devices")
     return tuple(specs)
@@ -255,7 +264,8 @@ def _device_policies(tables: Any, devices: tuple[DeviceSpec, ...], policy: str,
     out: dict[int, tuple[str, dict[str, Any]]] = {}
     for key, table in tables.items():
         where = f"[mpsd.device.{key}]"
-        if not (key.isdigit() and int(key) < len(devices)) or not isinstance(table, dict):
+        index = _index(key)
+        if index is None or index >= len(devices) or not isinstance(table, dict):
             raise ConfigError(f"{where}: there is no device {key} (devices 0 to {len(devices) - 1})")
         unknown = sorted(set(table) - set(DEVICE_KEYS))
         if unknown:
@@ -276,7 +286,6 @@ def _device_policies(tables: Any, devices: tuple[DeviceSpec, ...], policy: str,
                 raise ConfigError(f"{where}: {setting} must be a non-negative number of seconds")
             else:
                 merged[option] = float(value)
-        index = int(key)
         try:
             Simulator(devices[index], policy=name, policy_options=merged)
         except ValueError as exc:

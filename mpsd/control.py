@@ -12,6 +12,10 @@
 # priority level (for the priority policy) and a fair-share weight (for the fair policy). Unlike MPS's
 # settings they reach running clients too, from their next block on, since the scheduler can re-read them
 # at any time; a tester can re-prioritise a job mid-run.
+#
+# Every argument is parsed strictly (mpsd_protocol's parse_integer and parse_decimal: ASCII digits, bounded
+# length), so no line any user sends can raise anything but a CommandError here; the server still answers any
+# other exception with an error line, as the last line of defence.
 from __future__ import annotations
 
 import json
@@ -20,7 +24,7 @@ import shlex
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
-from mpsd_protocol import parse_size
+from mpsd_protocol import parse_decimal, parse_integer, parse_size
 
 if TYPE_CHECKING:
     from mpsd.server import Daemon
@@ -79,13 +83,27 @@ class Server:
     shutting_down: bool = False
 
 
-def _percentage(text: str) -> float:
+def _shown(text: str) -> str:
+    """An argument as a complaint quotes it: whole, unless it is long."""
+    return text if len(text) <= 24 else text[:20] + "..."
+
+
+def _integer(text: str, complaint: str, *, signed: bool = False) -> int:
+    """`text` as parse_integer reads it, or a CommandError saying `complaint`."""
     try:
-        value = float(text)
+        return parse_integer(text, signed=signed)
     except ValueError:
-        raise CommandError(f"Invalid active thread percentage {text!r}") from None
+        raise CommandError(complaint) from None
+
+
+def _percentage(text: str) -> float:
+    complaint = f"Invalid active thread percentage {_shown(text)!r}"
+    try:
+        value = parse_decimal(text)
+    except ValueError:
+        raise CommandError(complaint) from None
     if not 0 < value <= 100:
-        raise CommandError(f"Invalid active thread percentage {text!r}")
+        raise CommandError(complaint)
     return value
 
 
@@ -93,34 +111,33 @@ def _limit(text: str) -> int:
     try:
         return parse_size(text)
     except ValueError:
-        raise CommandError(f"Invalid memory limit {text!r}") from None
+        raise CommandError(f"Invalid memory limit {_shown(text)!r}") from None
 
 
 def _target(text: str) -> tuple[str, int]:
     """A client pid (``1234``) or a user (``uid:1000``), as the extension commands name whom they set."""
     kind, _, number = text.rpartition(":")
-    if kind in ("", "uid") and number.isdigit():
-        return ("uid" if kind else "pid", int(number))
-    raise CommandError(f"Invalid client {text!r}: a pid, or uid:<uid>")
+    complaint = f"Invalid client {_shown(text)!r}: a pid, or uid:<uid>"
+    if kind not in ("", "uid"):
+        raise CommandError(complaint)
+    return ("uid" if kind else "pid", _integer(number, complaint))
 
 
 def _level(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise CommandError(f"Invalid client priority {text!r}") from None
+    value = _integer(text, f"Invalid client priority {_shown(text)!r}", signed=True)
     if abs(value) >= MAX_LEVEL:
-        raise CommandError(f"Invalid client priority {text!r}")
+        raise CommandError(f"Invalid client priority {_shown(text)!r}")
     return value
 
 
 def _weight(text: str) -> float:
+    complaint = f"Invalid client weight {_shown(text)!r}"
     try:
-        value = float(text)
+        value = parse_decimal(text)
     except ValueError:
-        raise CommandError(f"Invalid client weight {text!r}") from None
+        raise CommandError(complaint) from None
     if not 0 < value < float("inf"):
-        raise CommandError(f"Invalid client weight {text!r}")
+        raise CommandError(complaint)
     return value
 
 
@@ -155,7 +172,7 @@ class Control:
         log.control(f"Cmd:{line.strip()}")
         command = self._commands.get(name)
         if command is None:
-            return f'Unknown command "{name}"'
+            return f'Unknown command "{_shown(name)}"'
         if name not in READ_ONLY and uid not in (0, self.daemon.owner_uid):
             log.control(f"User {uid} is not allowed to run {name}")
             return f"Permission denied: {name} needs root or the daemon's owner"
@@ -167,8 +184,8 @@ class Control:
 
     # -- helpers ---------------------------------------------------------------------------------------
     def _server_pid(self, text: str) -> Server:
-        if not text.isdigit() or int(text) != self.server.pid or not self.server.started:
-            raise CommandError(f"Server {text} not found")
+        if _integer(text, f"Server {_shown(text)} not found") != self.server.pid or not self.server.started:
+            raise CommandError(f"Server {_shown(text)} not found")
         return self.server
 
     @staticmethod
@@ -178,9 +195,10 @@ class Control:
         return args
 
     def _device(self, text: str) -> int:
-        if not text.isdigit() or int(text) >= len(self.daemon.devices):
-            raise CommandError(f"Invalid device {text!r}")
-        return int(text)
+        index = _integer(text, f"Invalid device {_shown(text)!r}")
+        if index >= len(self.daemon.devices):
+            raise CommandError(f"Invalid device {_shown(text)!r}")
+        return index
 
     def _contexts(self):
         return [ctx for device in self.daemon.devices for ctx in device.contexts.values()]
@@ -195,12 +213,14 @@ class Control:
         return "FAULT" if any(device.faulted for device in self.daemon.devices) else "ACTIVE"
 
     def cmd_start_server(self, args: list[str]) -> str:
-        if len(args) != 2 or args[0] != "-uid" or not args[1].isdigit():
-            raise CommandError("Usage: start_server -uid <uid>")
+        usage = "Usage: start_server -uid <uid>"
+        if len(args) != 2 or args[0] != "-uid":
+            raise CommandError(usage)
+        uid = _integer(args[1], usage)
         if not self.server.started:
             self.server.started = True
-            self.server.uid = None if self.daemon.config.multiuser else int(args[1])
-            self.daemon.log.control(f"Starting new server {self.server.pid} for user {args[1]}")
+            self.server.uid = None if self.daemon.config.multiuser else uid
+            self.daemon.log.control(f"Starting new server {self.server.pid} for user {uid}")
         return ""
 
     def cmd_shutdown_server(self, args: list[str]) -> str:
@@ -241,7 +261,7 @@ class Control:
         self._server_pid(server_pid)
         victims = [ctx for ctx in self._contexts() if str(ctx.pid) == client_pid]
         if not victims:
-            raise CommandError(f"Client {client_pid} not found")
+            raise CommandError(f"Client {_shown(client_pid)} not found")
         for ctx in victims:
             self.daemon.terminate(ctx, "terminate_client")
         return "0"
@@ -314,7 +334,7 @@ class Control:
     def cmd_set_default_client_priority(self, args: list[str]) -> str:
         (text,) = self._args(args, 1, "set_default_client_priority <0|1>")
         if text not in ("0", "1"):
-            raise CommandError(f"Invalid client priority {text!r}")
+            raise CommandError(f"Invalid client priority {_shown(text)!r}")
         self.daemon.settings.client_priority = int(text)
         return ""
 
@@ -366,9 +386,10 @@ class Control:
         return json.dumps(self.daemon.status())
 
     def cmd_quit(self, args: list[str]) -> str:
-        if args and (len(args) != 2 or args[0] != "-t" or not args[1].isdigit()):
-            raise CommandError("Usage: quit [-t <timeout in seconds>]")
-        self.daemon.stop(float(args[1]) if args else None)
+        usage = "Usage: quit [-t <timeout in seconds>]"
+        if args and (len(args) != 2 or args[0] != "-t"):
+            raise CommandError(usage)
+        self.daemon.stop(float(_integer(args[1], usage)) if args else None)
         return ""
 
     # -- what new clients get --------------------------------------------------------------------------

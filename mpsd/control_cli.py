@@ -14,6 +14,8 @@ import tempfile
 from pathlib import Path
 from typing import Sequence
 
+from mpsd_protocol import MpsConnectionError, check_server  # type: ignore[attr-defined]
+
 READY_TIMEOUT = 30.0
 PACKET = 1 << 16
 
@@ -54,6 +56,11 @@ def send_commands(pipe_dir: Path, lines: Sequence[str]) -> int:
             sock.connect(str(path))
         except OSError as exc:
             print(f"mpsd-control: cannot reach the control daemon at {path}: {exc.strerror}", file=sys.stderr)
+            return 1
+        try:
+            check_server(sock, path)  # a control socket another user serves gets no command of ours
+        except MpsConnectionError as exc:
+            print(f"mpsd-control: {exc.detail}", file=sys.stderr)
             return 1
         for line in lines:
             if not line.strip():

@@ -2,6 +2,11 @@
 # SEQPACKET socket, one command per packet, as nvidia-cuda-mps-control's) in the pipe directory. Under
 # systemd socket activation the sockets come ready-made from fd 3 on (LISTEN_PID, LISTEN_FDS, LISTEN_FDNAMES
 # "mpsd" and "control"); those belong to systemd, so they are neither bound nor removed here.
+#
+# A directory we bind in must be the daemon's own (mpsd.ownership): a directory another user made first, or can
+# write, could hold their socket in place of ours. Under systemd it is the unit's RuntimeDirectory=, 0700 and
+# root's, which passes. In our own directory only our uid can have left anything, so a stale socket is
+# replaced, but anything else at a socket's path is left alone and named: it may be someone's data.
 from __future__ import annotations
 
 import os
@@ -12,6 +17,8 @@ from pathlib import Path
 from typing import Mapping
 
 import trio
+
+from mpsd.ownership import UnsafePathError, describe, private_directory
 
 SD_LISTEN_FDS_START = 3
 
@@ -70,12 +77,13 @@ async def open_listeners(pipe_dir: Path, environ: Mapping[str, str] = os.environ
         bound: list[Path] = []
         if control is None:
             control_path = Path(clients.getsockname()).parent / "control"
+            _check(control_path.parent)
             control = await _bind(control_path, socket.SOCK_SEQPACKET)
             bound.append(control_path)
         for unused in inherited.values():
             unused.close()
         return Listeners(trio.socket.from_stdlib_socket(clients), _trio(control), True, bound)
-    _prepare(pipe_dir)
+    _check(pipe_dir, tighten=True)
     clients_path, control_path = pipe_dir / "mpsd.sock", pipe_dir / "control"
     clients_sock = await _bind(clients_path, socket.SOCK_STREAM)
     try:
@@ -91,19 +99,30 @@ def _trio(sock: socket.socket | trio.socket.SocketType) -> trio.socket.SocketTyp
     return trio.socket.from_stdlib_socket(sock) if isinstance(sock, socket.socket) else sock
 
 
-def _prepare(pipe_dir: Path) -> None:
+def _check(directory: Path, *, tighten: bool = False) -> None:
+    """Create the pipe directory, or make sure the one that exists is the daemon's own (and, with `tighten`,
+    make it 0700).
+
+    Raises:
+        ListenError: it cannot be created, or it is not safely ours.
+    """
     try:
-        pipe_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        if pipe_dir.stat().st_uid == os.geteuid():
-            pipe_dir.chmod(0o700)
+        private_directory(directory, "pipe directory", tighten=tighten)
+    except UnsafePathError as exc:
+        raise ListenError(str(exc)) from None
     except OSError as exc:
-        raise ListenError(f"cannot create the pipe directory {pipe_dir}: {exc.strerror}") from None
+        raise ListenError(f"cannot create the pipe directory {directory}: {exc.strerror}") from None
 
 
 async def _bind(path: Path, kind: int) -> trio.socket.SocketType:
-    if path.exists() or path.is_symlink():
-        if not stat.S_ISSOCK(path.lstat().st_mode):
-            raise ListenError(f"{path} exists and is not a socket")
+    try:
+        mode: int | None = path.lstat().st_mode
+    except FileNotFoundError:
+        mode = None
+    if mode is not None:
+        if not stat.S_ISSOCK(mode):
+            raise ListenError(f"{path} exists and is {describe(mode)}, not a socket; mpsd removes only stale "
+                              "sockets, so remove it or choose another --pipe-dir")
         probe = socket.socket(socket.AF_UNIX, kind)
         try:
             probe.connect(str(path))

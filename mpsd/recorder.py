@@ -7,9 +7,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -90,6 +92,15 @@ class Recorder:
                         for c in self.contexts.values()},
             "kernels_not_recorded": self.dropped,
         }
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}")
-        tmp.write_text(json.dumps(data, separators=(",", ":")))
-        tmp.replace(self.path)
+        # The temporary file gets a fresh name, created exclusively (mkstemp: O_EXCL, mode 0600), so nothing
+        # planted beside the trace, such as a symlink under a name we might pick, is ever written through; the
+        # rename then replaces whatever is at the trace's own path, a symlink included, without following it.
+        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", dir=self.path.parent)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(data, separators=(",", ":")))
+            os.replace(tmp, self.path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise

@@ -1,7 +1,8 @@
 # The daemon: one trio event loop that owns the devices, listens on $MPSD_PIPE_DIRECTORY/mpsd.sock, gives each
 # connection a Session and each session a sub-context with its quotas. Shutdown (SIGTERM, SIGINT, or `stop`)
 # stops accepting, stops reading requests, lets replies already in flight finish for a short grace period,
-# removes the socket file and returns, so the process exits 0.
+# removes the socket file and returns, so the process exits 0. An exception that leaves `serve` makes the
+# process exit 1 (mpsd.cli), and control.log's last line says which.
 from __future__ import annotations
 
 import contextlib
@@ -23,8 +24,9 @@ from mpsd.control import Control, Settings
 from mpsd.device import Device
 from mpsd.ipc import IpcRegistry
 from mpsd.listeners import Listeners, ListenError, open_listeners
+from mpsd.ownership import UnsafePathError
 from mpsd.servlog import ServerLog
-from mpsd.session import Session, peer_credentials
+from mpsd.session import Session
 from mpsd.sim import sm_cap
 from mpsd_protocol import (  # type: ignore[attr-defined]
     InvalidDeviceError,
@@ -35,6 +37,8 @@ from mpsd_protocol import (  # type: ignore[attr-defined]
     NoDeviceError,
     OutOfMemoryError,
     format_size,
+    parse_integer,
+    peer_credentials,
 )
 
 log = logging.getLogger("mpsd")
@@ -53,11 +57,13 @@ class Daemon:
         """Set up the simulated devices and open the logs.
 
         Raises:
-            DaemonError: the log directory cannot be written.
+            DaemonError: the log directory cannot be written, or is not safely the daemon's own.
         """
         self.config = config
         try:
             self.log = ServerLog(config.log_dir)
+        except UnsafePathError as exc:
+            raise DaemonError(str(exc)) from None
         except OSError as exc:
             raise DaemonError(f"cannot write logs in {config.log_dir}: {exc.strerror}") from None
         self.devices = [
@@ -296,6 +302,7 @@ class Daemon:
                            else f", time scale {self.config.time_scale}"))
         received = (trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) if handle_signals
                     else contextlib.nullcontext(None))
+        failure: BaseException | None = None
         try:
             # The signal receiver is installed before we say we are ready, so an early SIGTERM is never lost.
             with received as signals:
@@ -304,6 +311,9 @@ class Daemon:
                         await engines.start(device.engine.run)
                     await self._serve_clients(listeners, signals, task_status)
                     engines.cancel_scope.cancel()
+        except BaseException as exc:
+            failure = exc
+            raise
         finally:
             if handle_signals:  # we are on our way out: a second signal must not cut the clean-up short
                 signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -311,7 +321,7 @@ class Daemon:
             listeners.close()
             self._write_traces()
             self.log.server("Server exited")
-            self.log.control("Exit with status 0")
+            self.log.control(f"Exit with status {_exit_status(failure)}")
             self.log.close()
 
     def _write_traces(self) -> None:
@@ -381,16 +391,42 @@ class Daemon:
             try:
                 uid = peer_credentials(sock)[1]
                 while packet := await sock.recv(CONTROL_PACKET):
-                    output = self.control.execute(packet.decode(errors="replace"), uid)
+                    output = self._control_reply(packet, uid)
                     await sock.send(b"=" + output.encode()[:CONTROL_PACKET - 1])
             except OSError:
                 pass  # the control client went away
+
+    def _control_reply(self, packet: bytes, uid: int) -> str:
+        """What one control packet gets back. Any user may send one, so nothing in it may end the daemon: a
+        bug met while running the command answers that command with an error and is logged."""
+        try:
+            line = packet.decode()
+        except UnicodeDecodeError:
+            self.log.control("Invalid command: not UTF-8 text")
+            return "Invalid command: not UTF-8 text"
+        try:
+            return self.control.execute(line, uid)
+        except Exception as exc:
+            log.exception("control command from uid %d failed", uid)
+            self.log.control(f"Internal error ({type(exc).__name__}) while running a command from user {uid}")
+            return f"Internal error ({type(exc).__name__}); the daemon's log has the details"
 
     async def _watch_signals(self, signals: Any) -> None:
         async for signum in signals:
             self.log.server(f"Received {signal.Signals(signum).name}")
             self.stop()
             return
+
+
+def _exit_status(failure: BaseException | None) -> int:
+    """The status mpsd.cli exits with when `serve` ends with `failure`: 0 when serving ended cleanly (or our
+    caller cancelled it, which is no failure of ours), 1 for any exception (mpsd.cli turns a DaemonError into
+    exit 1, and Python exits 1 on any other)."""
+    if failure is None or isinstance(failure, trio.Cancelled):
+        return 0
+    if isinstance(failure, BaseExceptionGroup) and failure.split(trio.Cancelled)[1] is None:
+        return 0
+    return 1
 
 
 def _tighter(level: int, requested: int | None) -> int:
@@ -400,10 +436,13 @@ def _tighter(level: int, requested: int | None) -> int:
 
 def _watchdog_interval() -> float | None:
     """Seconds between WATCHDOG=1 pings when systemd asked for them (WatchdogSec=), else None."""
-    usec, pid = os.environ.get("WATCHDOG_USEC"), os.environ.get("WATCHDOG_PID")
-    if not usec or not usec.isdigit() or (pid and pid != str(os.getpid())):
+    usec, pid = os.environ.get("WATCHDOG_USEC", ""), os.environ.get("WATCHDOG_PID")
+    if pid and pid != str(os.getpid()):
         return None
-    return int(usec) / 1e6 / 2  # twice per period, as sd_watchdog_enabled(3) advises
+    try:
+        return parse_integer(usec, max_digits=20) / 1e6 / 2  # twice per period, as sd_watchdog_enabled(3) advises
+    except ValueError:
+        return None
 
 
 async def _keep_watchdog_fed(interval: float) -> None:

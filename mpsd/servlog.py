@@ -1,12 +1,16 @@
 # The logs MPS operators already read: control.log and server.log in $MPSD_LOG_DIRECTORY, one line per event,
 # `[YYYY-MM-DD HH:MM:SS.mmm Control   PID] text` and `[... Server   PID] text`, as nvidia-cuda-mps-control
-# writes them. Lines are written whole and flushed, so a tail -f or a test sees them at once.
+# writes them. Lines are written whole and flushed, so a tail -f or a test sees them at once. The directory must
+# be the daemon's own and the files are never opened through a symlink (mpsd.ownership): the daemon runs as
+# root, and a log planted as a link would have it append to any file on the system.
 from __future__ import annotations
 
 import datetime
 import os
 from pathlib import Path
 from typing import TextIO
+
+from mpsd.ownership import UnsafePathError, open_log, private_directory
 
 
 def log_line(source: str, pid: int, text: str, now: datetime.datetime | None = None) -> str:
@@ -17,15 +21,31 @@ def log_line(source: str, pid: int, text: str, now: datetime.datetime | None = N
 
 
 class ServerLog:
-    """control.log and server.log of one daemon."""
+    """control.log and server.log of one daemon.
+
+    Args:
+        directory: where they go (created 0700 if missing); None: nowhere.
+
+    Raises:
+        UnsafePathError: the directory or a log file in it is not safely the daemon's own.
+        OSError: they cannot be created or opened.
+    """
 
     def __init__(self, directory: Path | None) -> None:
         self.pid = os.getpid()
         self._files: dict[str, TextIO] = {}
-        if directory is not None:
-            directory.mkdir(parents=True, exist_ok=True)
+        if directory is None:
+            return
+        private_directory(directory, "log directory")
+        try:
             for name in ("control", "server"):
-                self._files[name] = open(directory / f"{name}.log", "a", buffering=1, encoding="utf-8")
+                self._files[name] = open_log(directory / f"{name}.log")
+        except UnsafePathError as exc:
+            self.close()
+            raise UnsafePathError(f"cannot write logs in {directory}: {exc}") from None
+        except OSError:
+            self.close()
+            raise
 
     def _write(self, name: str, source: str, text: str) -> None:
         handle = self._files.get(name)

@@ -18,7 +18,6 @@ import logging
 import math
 import os
 import socket
-import struct
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -48,6 +47,7 @@ from mpsd_protocol import (  # type: ignore[attr-defined]
     Role,
     close_fds,
     make_error,
+    peer_credentials,
 )
 
 if TYPE_CHECKING:
@@ -78,11 +78,6 @@ class Deferred:
 
     def ready(self) -> bool:
         return all(op is None or op.done for op in self.ops)
-
-
-def peer_credentials(sock: Any) -> tuple[int, int, int]:
-    """(pid, uid, gid) of the process at the other end, from SO_PEERCRED: the only identity we trust."""
-    return struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
 
 
 class Session:

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from mpsd_protocol import format_size
+from mpsd_protocol import MpsConnectionError, check_server, format_size  # type: ignore[attr-defined]
 
 
 def query(pipe_dir: Path) -> dict[str, Any]:
@@ -22,10 +22,12 @@ def query(pipe_dir: Path) -> dict[str, Any]:
 
     Raises:
         OSError: no daemon answers at `pipe_dir`.
+        MpsConnectionError: the control socket there is served by a user other than root or ours.
     """
     with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
         sock.settimeout(10)
         sock.connect(str(pipe_dir / "control"))
+        check_server(sock, pipe_dir / "control")
         sock.send(b"mpsd_status")
         reply = sock.recv(1 << 16)
     if not reply:
@@ -66,6 +68,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         while True:
             try:
                 status = query(pipe_dir)
+            except MpsConnectionError as exc:
+                print(f"mpsd-smi: {exc.detail}", file=sys.stderr)
+                return 1
             except (OSError, ValueError) as exc:
                 print(f"mpsd-smi: no mpsd daemon answers at {pipe_dir}: {exc}", file=sys.stderr)
                 return 1

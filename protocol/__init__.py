@@ -1,7 +1,8 @@
 """mpsd_protocol: the sans-IO wire protocol of mpsd, and the one CUDA error table.
 
-No sockets and no trio here: the daemon, the blocking client and the trio client are thin I/O loops around
-`Connection`.
+No socket I/O and no trio here: the daemon, the blocking client and the trio client are thin I/O loops around
+`Connection`. (`peer_credentials` and `check_server` read one socket option, so that both ends apply the same
+rule about whom to trust.)
 """
 from ._connection import CLOSED, HEADER, HELLO, NEED_DATA, PROTOCOL_ERROR, Connection, Role
 from ._errors import (
@@ -28,7 +29,8 @@ from ._messages import (
     Reply,
     Request,
 )
-from ._units import format_size, parse_mem_limits, parse_size
+from ._peer import check_server, peer_credentials
+from ._units import format_size, parse_decimal, parse_integer, parse_mem_limits, parse_size
 
 # One exception class per error code, built from the table: InvalidValueError, IllegalAddressError, ...
 globals().update({cls.__name__: cls for cls in ERROR_CLASSES.values()})
@@ -42,5 +44,6 @@ __all__ = [
     "PARAM_KINDS", "check_args", "check_shape", "dims",
     "MAX_FDS_PER_FRAME", "PROTOCOL_VERSION", "LocalProtocolError", "Message", "Notification", "ProtocolError",
     "RemoteProtocolError", "Reply", "Request",
-    "format_size", "parse_mem_limits", "parse_size",
+    "check_server", "peer_credentials",
+    "format_size", "parse_decimal", "parse_integer", "parse_mem_limits", "parse_size",
 ] + [cls.__name__ for cls in ERROR_CLASSES.values()]

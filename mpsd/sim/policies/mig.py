@@ -106,7 +106,7 @@ class MigPolicy(Policy):
         if partition is None:
             return 0
         if isinstance(partition, str):
-            if partition.isdigit():
+            if partition.isascii() and partition.isdigit():  # not "²", which int() refuses
                 partition = int(partition)
             else:
                 for i, p in enumerate(self.partitions):

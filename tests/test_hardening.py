@@ -1,0 +1,370 @@
+# The adversarial suite: what a hostile local user, or a careless one, can do to a real daemon and its real
+# clients (issue 13). Each test pins one defence. The packets, directories and fake servers are real; where an
+# attack needs another owner, a real second user plays it (as in test_ipc), and the test is skipped without one.
+from __future__ import annotations
+
+import os
+import pwd
+import shutil
+import socket
+import stat
+import subprocess
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import trio
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import mpsd_client
+from daemons import DaemonProcess, short_tempdir, start_daemon
+from test_ipc import _second_user
+
+BIN = Path(sys.executable).parent
+PACKET = 1 << 16
+
+
+def _control_socket(daemon: DaemonProcess) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sock.settimeout(20)
+    sock.connect(str(daemon.pipe_dir / "control"))
+    return sock
+
+
+def _ask(sock: socket.socket, packet: bytes) -> str:
+    """The daemon's answer to one raw control packet (the wire format of mpsd-control: b"=" + output)."""
+    sock.send(packet)
+    reply = sock.recv(PACKET)
+    assert reply[:1] == b"=", f"no reply to {packet[:60]!r}: the daemon closed the connection"
+    return reply[1:].decode()
+
+
+@pytest.fixture
+def base() -> Iterator[Path]:
+    """A short private scratch directory (socket paths are limited to 107 bytes), removed afterwards."""
+    path = short_tempdir()
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _needs_second_user() -> pwd.struct_passwd:
+    user = _second_user()
+    if user is None:
+        pytest.skip("needs root to create a second user (useradd)")
+    return user
+
+
+# -- item 1: no control packet takes the daemon down ----------------------------------------------------------
+
+def _hostile_packets(pid: int) -> list[tuple[bytes, str]]:
+    """Packets that each once ended the daemon (or were taken as numbers they are not), with their answers."""
+    many = "9" * 5000
+    texts = [
+        ("get_server_status ²", "Server ² not found"),
+        ("get_server_status ①", "Server ① not found"),
+        (f"get_server_status {many}", f"Server {many[:20]}... not found"),
+        ("shutdown_server ²", "Server ² not found"),
+        ("quit -t ²", "Usage: quit [-t <timeout in seconds>]"),
+        ("quit -t ٥", "Usage: quit [-t <timeout in seconds>]"),
+        ("set_client_priority uid:² 1", "Invalid client 'uid:²': a pid, or uid:<uid>"),
+        ("get_client_priority ²", "Invalid client '²': a pid, or uid:<uid>"),
+        (f"get_client_weight {many}", f"Invalid client '{many[:20]}...': a pid, or uid:<uid>"),
+        ("set_client_priority 1 ٥", "Invalid client priority '٥'"),
+        ("set_client_priority 1 1_0", "Invalid client priority '1_0'"),
+        ("set_client_weight 1 ١", "Invalid client weight '١'"),
+        ("set_default_active_thread_percentage ٥٠", "Invalid active thread percentage '٥٠'"),
+        (f"get_device_pinned_mem_limit {pid} ²", "Invalid device '²'"),
+        ("get_default_device_pinned_mem_limit ①", "Invalid device '①'"),
+        (f"set_default_device_pinned_mem_limit 0 {many}", f"Invalid memory limit '{many[:20]}...'"),
+        ("set_default_device_pinned_mem_limit 0 ٥G", "Invalid memory limit '٥G'"),
+        ("start_server -uid ²", "Usage: start_server -uid <uid>"),
+    ]
+    return [(text.encode(), answer) for text, answer in texts] + [
+        (b"get_server_status \xff\xfe", "Invalid command: not UTF-8 text"),
+        (b"\xc3\x28", "Invalid command: not UTF-8 text"),
+    ]
+
+
+def test_hostile_control_packets_are_answered_and_the_daemon_stays_up(ctx, daemon):
+    """Each hostile control packet gets its error line; the daemon, its settings and a tenant's allocation
+    survive all of them."""
+    p = ctx.malloc(4096)
+    ctx.memset(p, 0x5A, 4096)
+    ctx.synchronize()
+    with _control_socket(daemon) as sock:
+        for packet, answer in _hostile_packets(daemon.proc.pid):
+            assert _ask(sock, packet) == answer, packet[:60]
+            assert daemon.proc.poll() is None, f"{packet[:60]!r} ended the daemon"
+        assert _ask(sock, b"get_default_active_thread_percentage") == "100.0"
+        assert _ask(sock, b"get_default_device_pinned_mem_limit 0") == ""
+        assert _ask(sock, b"get_client_priority 1") == "0"
+    assert bytes(ctx.host_view(p)[:8]) == b"\x5a" * 8
+    q = ctx.malloc(1 << 20)
+    ctx.memset(q, 1, 1 << 20)
+    ctx.synchronize()
+    assert bytes(ctx.host_view(q)[-4:]) == b"\x01" * 4
+
+
+# Each command the fuzz sends, with the number of arguments it takes (quit, shutdown_server and terminate_client
+# would end what is being fuzzed; they are among the hostile packets above).
+COMMANDS = {
+    "get_server_list": 0, "get_server_status": 1, "start_server": 2, "get_client_list": 1,
+    "get_device_client_list": 1, "ps": 2, "get_default_active_thread_percentage": 0,
+    "set_default_active_thread_percentage": 1, "get_active_thread_percentage": 1,
+    "set_active_thread_percentage": 2, "get_default_device_pinned_mem_limit": 1,
+    "set_default_device_pinned_mem_limit": 2, "get_device_pinned_mem_limit": 2, "set_device_pinned_mem_limit": 3,
+    "get_default_client_priority": 0, "set_default_client_priority": 1, "set_client_priority": 2,
+    "get_client_priority": 1, "set_client_weight": 2, "get_client_weight": 1, "mpsd_status": 0,
+    "no_such_command": 1,
+}
+ARGUMENTS = st.one_of(
+    st.sampled_from(["-t", "-f", "-uid", "-p", "uid:", "0", "1", "-1", "50", "0.5", "1e400", "nan", "inf", "1_0",
+                     "9" * 5000, "1.5G", "0x10", " 5 ", "'", '"', "\\", "\0"]),
+    st.text(alphabet="0123456789²³①⑨٥٠०۵𝟘½uid:-.G", min_size=1, max_size=4),  # digits and their lookalikes
+    st.text(alphabet=st.characters(whitelist_categories=("Nd", "No", "Nl")), min_size=1, max_size=4),
+    st.integers(-10**12, 10**12).map(str),
+    st.text(max_size=8),
+)
+
+
+def _command_lines(pid: str) -> st.SearchStrategy[bytes]:
+    """A command with as many arguments as it takes (or any number), each one hostile, plausible or our pid."""
+    argument = st.one_of(ARGUMENTS, st.just(pid))
+    return st.sampled_from(sorted(COMMANDS.items())).flatmap(lambda command: st.tuples(
+        st.just(command[0]),
+        st.lists(argument, min_size=command[1], max_size=command[1]) | st.lists(argument, max_size=3),
+    )).map(lambda line: " ".join([line[0], *line[1]]).encode())
+
+
+def test_fuzzed_control_packets_all_get_a_reply(ctx, daemon):
+    """Random command lines of every command with random arguments, and random bytes: every packet is
+    answered and the daemon stays up."""
+    pid = str(daemon.proc.pid)
+    sock = _control_socket(daemon)
+
+    @settings(max_examples=200, deadline=None)
+    @given(_command_lines(pid) | st.binary(min_size=1, max_size=64))
+    def one_packet(packet: bytes) -> None:
+        sock.send(packet)
+        reply = sock.recv(PACKET)
+        assert reply[:1] == b"=", f"no reply to {packet[:80]!r}"
+        assert daemon.proc.poll() is None, f"{packet[:80]!r} ended the daemon"
+
+    with sock:
+        one_packet()
+        assert _ask(sock, b"get_server_list") == pid
+    assert ctx.malloc(64) > 0
+
+
+def test_control_log_states_the_true_exit_status(base):
+    """control.log ends "Exit with status 0" after a clean SIGTERM, and "Exit with status 1" when the daemon
+    fails (here: the socket it was handed does not accept connections) and exits 1."""
+    clean = start_daemon()
+    assert clean.stop() == 0
+    assert (clean.log_dir / "control.log").read_text().splitlines()[-1].endswith("] Exit with status 0")
+    shutil.rmtree(clean.pipe_dir.parent)
+
+    pipe = base / "pipe"
+    pipe.mkdir(mode=0o700)
+    broken = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    broken.bind(str(pipe / "mpsd.sock"))  # bound but never listening: the first accept fails
+    # The activation environment names the daemon's own pid, so a wrapper sets it and execs the daemon.
+    activate = ("import os, sys; os.dup2(int(sys.argv[1]), 3); os.environ.update(LISTEN_PID=str(os.getpid()), "
+                "LISTEN_FDS='1', LISTEN_FDNAMES='mpsd'); os.execv(sys.executable, [sys.executable, '-m', 'mpsd', "
+                "*sys.argv[2:]])")
+    proc = subprocess.run([sys.executable, "-c", activate, str(broken.fileno()), "--pipe-dir", str(pipe)],
+                          pass_fds=[broken.fileno()], capture_output=True, text=True, timeout=60)
+    broken.close()
+    assert proc.returncode == 1, proc.stderr
+    assert (pipe / "control.log").read_text().splitlines()[-1].endswith("] Exit with status 1")
+
+
+@pytest.mark.parametrize("variable,value,outcome", [
+    ("CUDA_VISIBLE_DEVICES", "0,²", "connected"),  # as in CUDA, the list ends at what is not a device index
+    ("CUDA_VISIBLE_DEVICES", "①", "cudaErrorNoDevice"),
+    ("MPSD_MIG_PARTITION", "²", "cudaErrorInvalidValue"),
+    ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "٥٠", "cudaErrorInvalidValue"),
+    ("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "0=٥G", "cudaErrorInvalidValue"),
+    ("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "0=" + "9" * 5000, "cudaErrorInvalidValue"),
+])
+def test_client_environment_numbers_are_ascii(daemon, monkeypatch, variable, value, outcome):
+    """The client reads the numbers in its environment as strictly as the daemon reads control arguments: a
+    lookalike digit is a CUDA error (or ends CUDA_VISIBLE_DEVICES), never a ValueError or a different number."""
+    monkeypatch.setenv(variable, value)
+    try:
+        with mpsd_client.connect(daemon.pipe_dir):
+            result = "connected"
+    except mpsd_client.CudaError as exc:
+        result = exc.name
+    assert result == outcome
+
+
+# -- item 2: a pipe or log directory someone else controls is refused -----------------------------------------
+
+def _refused(*args: str) -> str:
+    """What the daemon says when it refuses to start (it must exit 1, with one line on stderr)."""
+    proc = subprocess.Popen([sys.executable, "-m", "mpsd", "--time-scale", "100", *args],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        _, err = proc.communicate(timeout=15)
+    except subprocess.TimeoutExpired:  # it started (or hung): either way it did not refuse
+        proc.kill()
+        _, err = proc.communicate()
+        raise AssertionError(f"the daemon did not refuse to start: {err}") from None
+    assert proc.returncode == 1 and err.count("\n") == 1, (proc.returncode, err)
+    return err.rstrip("\n")
+
+
+@pytest.mark.parametrize("logs_beside", [False, True], ids=["own-log-dir", "logs-in-pipe-dir"])
+def test_pipe_dir_of_another_user_is_refused(logs_beside, base):
+    """A pipe directory another user made first (as anyone can make /tmp/mpsd) is refused, and nothing in it
+    is written: not even through control.log and server.log symlinks to a file of ours."""
+    user = _needs_second_user()
+    pipe, victim = base / "pipe", base / "victim"
+    victim.write_text("precious\n")
+    pipe.mkdir(mode=0o755)
+    for name in ("control.log", "server.log"):
+        (pipe / name).symlink_to(victim)
+        os.lchown(pipe / name, user.pw_uid, user.pw_gid)
+    os.chown(pipe, user.pw_uid, user.pw_gid)
+    args = ["--pipe-dir", str(pipe)] + ([] if logs_beside else ["--log-dir", str(base / "log")])
+    what = "log directory" if logs_beside else "pipe directory"
+    assert _refused(*args) == (f"mpsd: the {what} {pipe} belongs to uid {user.pw_uid}, not to the daemon's uid "
+                               f"{os.geteuid()}; remove it or choose another")
+    assert victim.read_text() == "precious\n"
+    assert sorted(os.listdir(pipe)) == ["control.log", "server.log"]
+
+
+@pytest.mark.parametrize("mode", [0o775, 0o757, 0o777, 0o1777], ids=lambda mode: f"{mode:04o}")
+def test_pipe_dir_writable_by_others_is_refused(mode, base):
+    """A pipe directory that group or others may write is refused, and left as it was (not chmodded)."""
+    pipe = base / "pipe"
+    pipe.mkdir()
+    pipe.chmod(mode)
+    assert _refused("--pipe-dir", str(pipe), "--log-dir", str(base / "log")) == (
+        f"mpsd: the pipe directory {pipe} is writable by its group or by others (mode {mode:04o}); make it "
+        "0700 or 0755")
+    assert stat.S_IMODE(pipe.stat().st_mode) == mode and not os.listdir(pipe)
+
+
+@pytest.mark.parametrize("which", ["pipe", "log"])
+def test_symlinked_pipe_or_log_dir_is_refused(which, base):
+    """A pipe or log directory that is a symlink is refused; its target is neither chmodded nor written."""
+    target = base / "target"
+    target.mkdir()
+    target.chmod(0o755)
+    (base / which).symlink_to(target)
+    other = "log" if which == "pipe" else "pipe"
+    what = "pipe directory" if which == "pipe" else "log directory"
+    assert _refused(f"--{which}-dir", str(base / which), f"--{other}-dir", str(base / other)) == (
+        f"mpsd: the {what} {base / which} is a symbolic link; give the directory itself")
+    assert stat.S_IMODE(target.stat().st_mode) == 0o755 and not os.listdir(target)
+
+
+@pytest.mark.parametrize("name", ["control.log", "server.log"])
+@pytest.mark.parametrize("planted", ["symlink", "dangling-symlink", "fifo"])
+def test_planted_log_file_is_not_followed(name, planted, base):
+    """A symlink (or a FIFO) in place of a log file is refused, never followed: the file it points at is not
+    appended to, and the daemon says why it did not start (and does not hang on a FIFO)."""
+    logs, victim = base / "log", base / "victim"
+    logs.mkdir(mode=0o700)
+    victim.write_text("precious\n")
+    if planted == "fifo":
+        os.mkfifo(logs / name)
+    else:
+        (logs / name).symlink_to(victim if planted == "symlink" else base / "nowhere")
+    kind = "a FIFO" if planted == "fifo" else "a symbolic link"
+    assert _refused("--pipe-dir", str(base / "pipe"), "--log-dir", str(logs)) == (
+        f"mpsd: cannot write logs in {logs}: {logs / name} is {kind}, not a regular file")
+    assert victim.read_text() == "precious\n" and not (base / "nowhere").exists()
+
+
+def test_file_planted_at_the_socket_path_is_left_and_named(base):
+    """A regular file where mpsd.sock goes is left alone (only our uid could have put it in our directory,
+    and it may be someone's data), and the daemon says what to do."""
+    pipe = base / "pipe"
+    pipe.mkdir(mode=0o700)
+    (pipe / "mpsd.sock").write_text("data\n")
+    assert _refused("--pipe-dir", str(pipe), "--log-dir", str(base / "log")) == (
+        f"mpsd: {pipe / 'mpsd.sock'} exists and is a regular file, not a socket; mpsd removes only stale "
+        "sockets, so remove it or choose another --pipe-dir")
+    assert (pipe / "mpsd.sock").read_text() == "data\n"
+
+
+# -- item 2: a client talks only to a server run by root or by its own user -----------------------------------
+
+@contextmanager
+def _fake_server(user: pwd.struct_passwd, path: Path, kind: int) -> Iterator[list[str]]:
+    """A server socket at `path`, run by `user` in a forked child, that counts the bytes its first caller
+    sends; the count is in the yielded list once the block ends."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        try:
+            os.close(read)
+            os.setgroups([])
+            os.setgid(user.pw_gid)
+            os.setuid(user.pw_uid)
+            with socket.socket(socket.AF_UNIX, kind) as server:
+                server.bind(str(path))
+                server.listen(1)
+                os.write(write, b"ready\n")
+                server.settimeout(30)
+                conn, _ = server.accept()
+                conn.settimeout(5)
+                received = 0
+                try:
+                    while chunk := conn.recv(PACKET):
+                        received += len(chunk)
+                except OSError:
+                    pass
+                os.write(write, f"{received}\n".encode())
+        except BaseException as exc:
+            os.write(write, f"{exc!r}\n".encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    result: list[str] = []
+    with os.fdopen(read) as pipe:
+        assert pipe.readline() == "ready\n"
+        try:
+            yield result
+        finally:
+            result.append(pipe.readline().strip())
+            os.waitpid(pid, 0)
+
+
+def _connect_async(pipe: Path) -> None:
+    async def main() -> None:
+        async with mpsd_client.open_context(pipe, timeout=2):
+            pass
+
+    trio.run(main)
+
+
+@pytest.mark.parametrize("client", ["connect", "open_context", "mpsd-control", "mpsd-smi"])
+def test_client_refuses_a_server_of_another_user(client, base):
+    """A socket in the pipe directory served by another (non-root) user gets nothing from our client: it
+    fails with cudaErrorMpsConnectionFailed naming the uid, and the fake server receives zero bytes."""
+    user = _needs_second_user()
+    base.chmod(0o755)
+    pipe = base / "pipe"
+    pipe.mkdir()
+    os.chown(pipe, user.pw_uid, user.pw_gid)
+    name, kind = ("control", socket.SOCK_SEQPACKET) if client.startswith("mpsd-") else (
+        "mpsd.sock", socket.SOCK_STREAM)
+    refusal = (f"refusing the mpsd daemon at {pipe / name}: it runs as uid {user.pw_uid}, and a client trusts "
+               "only a daemon run by root" + (f" or by its own uid {os.geteuid()}" if os.geteuid() else ""))
+    with _fake_server(user, pipe / name, kind) as received:
+        if client in ("connect", "open_context"):
+            with pytest.raises(mpsd_client.MpsConnectionError) as caught:
+                mpsd_client.connect(pipe, timeout=2) if client == "connect" else _connect_async(pipe)
+            assert caught.value.code == 805 and caught.value.detail == refusal
+        else:
+            result = subprocess.run([BIN / client, "--pipe-dir", str(pipe)], input="get_server_list\n",
+                                    capture_output=True, text=True, timeout=60)
+            assert result.returncode == 1 and result.stderr == f"{client}: {refusal}\n"
+    assert received == ["0"]
