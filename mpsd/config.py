@@ -156,9 +156,10 @@ def load_config(argv: Sequence[str] | None = None, environ: dict[str, str] | Non
     file_settings: dict[str, Any] = {}
     if options.config is not None:
         try:
-            file_settings = tomllib.loads(options.config.read_text()).get("mpsd", {})
-        except (OSError, tomllib.TOMLDecodeError) as exc:
+            document = tomllib.loads(options.config.read_text())
+        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
             raise ConfigError(f"cannot read {options.config}: {exc}") from None
+        file_settings = _file_settings(document, options.config)
 
     def pick(name: str, default: Any = None) -> Any:
         value = getattr(options, name)
@@ -222,6 +223,26 @@ def load_config(argv: Sequence[str] | None = None, environ: dict[str, str] | Non
                   ipc_access=ipc_access, max_clients=max_clients, policy_options=policy_options,
                   multiuser=bool(pick("multiuser", False)), device_policies=device_policies,
                   trace=Path(trace) if (trace := pick("trace")) else None)
+
+
+def _file_settings(document: dict[str, Any], path: Path) -> dict[str, Any]:
+    """The [mpsd] table of a --config file, every key of it one the daemon knows.
+
+    Raises:
+        ConfigError: another top-level table or key, or an unknown setting (a typo must not run on defaults).
+    """
+    extra = sorted(set(document) - {"mpsd"})
+    if extra:
+        raise ConfigError(f"{path}: unknown table or key {', '.join(extra)} (the daemon reads [mpsd])")
+    settings = document.get("mpsd", {})
+    if not isinstance(settings, dict):
+        raise ConfigError(f"{path}: mpsd must be a table")
+    known = {action.dest.replace("_", "-") for action in build_parser()._actions
+             if action.dest not in ("help", "config")} | {"device"}
+    unknown = sorted(set(settings) - known)
+    if unknown:
+        raise ConfigError(f"{path}: [mpsd]: unknown setting(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+    return settings
 
 
 def _host_time(text: str) -> float | None:

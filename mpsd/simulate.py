@@ -65,12 +65,42 @@ class _Loop:
     sleep: float
 
 
+# What each table of a scenario may hold: anything else is a mistake, never silently a default.
+KEYS = {
+    "scenario": {"device", "tenant"},
+    "[device]": {"model", "policy", "policy_options"},
+    "tenant": {"name", "count", "active_thread_percentage", "priority", "weight", "partition", "kernel", "copy"},
+    "kernel": {"name", "grid", "block", "args", "repeat", "stream", "stream_priority", "at", "period", "sleep"},
+    "copy": {"kind", "bytes", "repeat", "stream", "stream_priority", "at", "period", "sleep"},
+}
+
+
+def _known(table: Any, kind: str, where: str) -> None:
+    if not isinstance(table, dict):
+        raise ScenarioError(f"{where} must be a table")
+    unknown = sorted(set(table) - KEYS[kind])
+    if unknown:
+        raise ScenarioError(f"{where}: unknown setting(s) {', '.join(unknown)} (known: {', '.join(sorted(KEYS[kind]))})")
+
+
+def _check_keys(scenario: dict[str, Any]) -> None:
+    _known(scenario, "scenario", "the scenario")
+    _known(scenario.get("device", {}), "[device]", "[device]")
+    for i, tenant in enumerate(scenario.get("tenant", [])):
+        where = f"tenant {tenant.get('name', i) if isinstance(tenant, dict) else i}"
+        _known(tenant, "tenant", where)
+        for kind in ("kernel", "copy"):
+            for entry in tenant.get(kind, []):
+                _known(entry, kind, f"{where}: {kind} {entry.get('name', entry.get('kind')) if isinstance(entry, dict) else ''}")
+
+
 def run_scenario(scenario: dict[str, Any]) -> dict[str, Any]:
     """Simulate a parsed scenario; returns per-tenant results and the device's figures.
 
     Raises:
-        ScenarioError: a missing or invalid setting.
+        ScenarioError: a missing, unknown or invalid setting.
     """
+    _check_keys(scenario)
     device = scenario.get("device", {})
     spec = DEVICE_MODELS.get(str(device.get("model", "h200")).lower())
     if spec is None:
@@ -251,8 +281,8 @@ def main(argv: Sequence[str]) -> int:
     try:
         scenario = tomllib.loads(options.scenario.read_text())
         result = run_scenario(scenario)
-    except (OSError, tomllib.TOMLDecodeError, ScenarioError) as exc:
-        print(f"mpsd simulate: {exc}", file=sys.stderr)
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError, ScenarioError) as exc:
+        print(f"mpsd simulate: {options.scenario}: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(result) if options.json else render(result))
     return 0

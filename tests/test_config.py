@@ -66,6 +66,18 @@ def test_bad_device_tables_are_config_errors(tmp_path, table, message):
     assert message in str(caught.value)
 
 
+@pytest.mark.parametrize("text,message", [
+    ('[mpsd]\npolicyy = "fair"\n', "[mpsd]: unknown setting(s) policyy"),
+    ('[mpsd]\ntime_scale = 2\n', "[mpsd]: unknown setting(s) time_scale"),
+    ('[mpds]\npolicy = "fair"\n', "unknown table or key mpds"),
+])
+def test_unknown_settings_in_the_file_are_errors_naming_key_and_file(tmp_path, text, message):
+    """A typo in the --config file is an error naming the key and the file, never a run on defaults."""
+    with pytest.raises(ConfigError) as caught:
+        _config(tmp_path, text)
+    assert message in str(caught.value) and str(tmp_path / "mpsd.toml") in str(caught.value)
+
+
 def test_help_documents_device_tables():
     """`mpsd --help` says where per-device policies go."""
     result = subprocess.run([BIN / "mpsd", "--help"], capture_output=True, text=True, timeout=60)

@@ -75,7 +75,7 @@ def test_closed_loop_launches_after_synchronise_and_sleep():
 def test_closed_loop_beside_full_waves_waits_for_the_running_wave():
     """A closed-loop probe beside back-to-back full waves never preempts them under MPS: each wait is at
     most one wave (1 ms and its launch overhead) plus its own 0.1 ms and the host latencies."""
-    probe = {"name": "p", "at": 0.02, "kernel": [{"name": "spin", "grid": 8, "block": 1024, "args": [198_000],
+    probe = {"name": "p", "kernel": [{"name": "spin", "grid": 8, "block": 1024, "args": [198_000],
                                                   "repeat": 20, "sleep": 0.005, "at": 0.02}]}
     result = run_scenario({"tenant": [probe, full_waves(200)]})
     p = result["tenants"][0]
@@ -139,6 +139,10 @@ def test_same_scenario_same_answer():
     ({"tenant": [{"name": "x", "copy": [{"kind": "p2p", "bytes": 1}]}]}, "kind must be one of"),
     ({"tenant": [{"name": "x", "copy": [{"kind": "h2d", "bytes": -1}]}]}, "bytes must be"),
     ({"tenant": [{"name": "x", "copy": [{"kind": "d2d", "bytes": 1, "stream": "s"}]}]}, "copy 'd2d'"),
+    ({"device": {"policyy": "fair"}, "tenant": [full_waves(1)]}, r"\[device\]: unknown setting\(s\) policyy"),
+    ({"tenant": [full_waves(1)], "time_scale": 2}, r"the scenario: unknown setting\(s\) time_scale"),
+    ({"tenant": [dict(full_waves(1), at=0.1)]}, r"tenant t: unknown setting\(s\) at"),
+    ({"tenant": [{"name": "x", "kernel": [{"name": "spin", "args": [1], "pereod": 1}]}]}, r"kernel spin: unknown"),
 ])
 def test_bad_scenarios_say_what_is_wrong(scenario, message):
     """Scenario mistakes are ScenarioErrors naming the problem."""

@@ -63,6 +63,9 @@ def test_real_processes_and_the_model_alone_print_the_same_figures(path, policy)
     assert alone.returncode == 0, alone.stderr
     real_run, alone_run = json.loads(real.stdout)["runs"][policy], json.loads(alone.stdout)["runs"][policy]
     assert real_run["requests"] > 0
+    differ = [(a["tenant"], key, a[key], b[key]) for a, b in zip(real_run["tenants"], alone_run["tenants"])
+              for key in a if a[key] != b.get(key)]
+    assert not differ
     assert real_run == alone_run
 
 

@@ -140,6 +140,7 @@ def test_memory_past_the_limit_fails_each_request_and_nobody_else():
                   "kernel": [spin(0.1, grid=8)]})
     hog, calm = summarize(run_virtual(w, "mps", {}))["tenants"]
     assert hog["completed"] == 0 and hog["errors"] == hog["requests"] > 0
+    assert hog["errors_by_name"] == {"cudaErrorMemoryAllocation": hog["errors"]}
     assert calm["errors"] == 0 and calm["completed"] > 0
     assert calm["memory_high_water"] == (1 << 30) + (64 << 20) and hog["memory_high_water"] == 1 << 30
     assert hog["memory_violations"] == calm["memory_violations"] == 0

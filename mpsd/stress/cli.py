@@ -209,6 +209,10 @@ def render_run(summary: dict[str, Any]) -> Any:
         table.caption += (f"\nThe daemon's model fell up to {summary['lag_ms']:.1f} ms behind the wall clock: too many "
                           "blocks a second to simulate in real time, so device times stretched. Run with --clock "
                           "virtual.")
+    failed = [f"{t['tenant']}: " + ", ".join(f"{count} x {name}" for name, count in t["errors_by_name"].items())
+              for t in summary["tenants"] if t["errors_by_name"]]
+    if failed:
+        table.caption += "\nErrors: " + "; ".join(failed)
     if summary["host_time_warning"]:
         table.caption += f"\nWarning: {summary['host_time_warning']}."
     table.caption_justify = "left"

@@ -103,12 +103,14 @@ def summarize(timeline: Timeline, solo_p99: dict[str, float] | None = None) -> d
     errors = [0] * (n + 1)
     on_time = [0] * (n + 1)
     host_shares: list[list[float]] = [[] for _ in range(n + 1)]
+    error_names: list[dict[str, int]] = [{} for _ in range(n + 1)]
     deadlines = [t.deadline for t in timeline.tenants] + [None]
     for r in timeline.requests:
         i = index.get(r.tenant, n)
         requests[i] += 1
         if r.error is not None:
             errors[i] += 1
+            error_names[i][r.error] = error_names[i].get(r.error, 0) + 1
         elif math.isfinite(r.completed):
             latencies[i].append(r.latency)
             if r.latency > 0:
@@ -143,6 +145,7 @@ def summarize(timeline: Timeline, solo_p99: dict[str, float] | None = None) -> d
         rows.append({
             "tenant": t.name, "group": t.group,
             "requests": requests[i], "completed": completed, "errors": errors[i],
+            "errors_by_name": dict(sorted(error_names[i].items())),
             "throughput_per_s": completed / duration if duration > 0 else 0.0,
             "latency_ms": lat,
             "slo_attainment": on_time[i] / requests[i] if t.deadline is not None and requests[i] else None,
