@@ -143,12 +143,12 @@ def test_summary_is_plain_json_with_the_documented_keys():
     assert json.loads(json.dumps(s, allow_nan=False)) == s
     assert set(s) == {"policy", "virtual", "duration_s", "lag_ms", "requests", "completed", "errors", "throughput_per_s",
                       "latency_ms", "jain_index", "sm_seconds", "idle_sm_seconds_while_queued", "quota_violations",
-                      "tenants"}
+                      "tenants", "host_time_warning"}
     assert set(s["tenants"][0]) == {
         "tenant", "group", "requests", "completed", "errors", "throughput_per_s", "latency_ms", "slo_attainment",
         "isolation", "sm_seconds", "sm_share", "entitlement", "normalised_share", "max_sms", "sm_cap",
         "sm_cap_violations", "memory_high_water", "mem_limit", "memory_violations", "longest_wait_ms", "kernels",
-        "blocks"}
+        "blocks", "errors_by_name", "host_share"}
 
 
 def test_records_of_unlisted_tenants_count_only_in_the_totals():
