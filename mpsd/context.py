@@ -116,6 +116,7 @@ class Context:
         self.streams: dict[int, Stream] = {0: Stream(0, 0, True, (client_id, 0))}
         self.events: dict[int, Event] = {}
         self._orphans: list[Op] = []  # last ops of destroyed streams: their work still counts
+        self.last_op: Op | None = None  # the op the latest call queued
         self.sticky: CudaError | None = None
         self.last_error: CudaError | None = None  # from fire-and-forget calls, for get_last_error
         self.counters = Counters()
@@ -381,6 +382,7 @@ class Context:
         op.after = tuple(d for d in deps if d is not None and not d.done) + tuple(op.after)
         stream.tail = op
         self.device.engine.submit(op)
+        self.last_op = op
         return op
 
     def create_stream(self, priority: int, flags: int) -> tuple[int, int]:

@@ -6,7 +6,9 @@
 # Under the virtual clock every call is stamped when it arrives with the simulated time at which it starts
 # on the client's host thread (its clock, plus its own code's time where the daemon charges it), and applied
 # when the device reaches that time, in stamp order across clients (mpsd.sim.clock, which also says what each
-# call costs the host). `clock`, `sleep` and `idle` act on the client's clock alone.
+# call costs the host). `clock`, `sleep` and `idle` act on the client's clock alone. A launch call that finds
+# LAUNCH_QUEUE launches of its client unfinished waits until one ends, and the session reads nothing more from
+# that client meanwhile, so a flood of launches blocks its sender, not the daemon.
 #
 # Nothing a client sends can take the daemon down: protocol errors close this connection only; a bad call
 # gets the CUDA error a real runtime would give; an unexpected exception becomes cudaErrorUnknown and a log
@@ -28,7 +30,7 @@ from mpsd.context import Context
 from mpsd.kernels import signatures
 from mpsd.engine import VirtualEngine
 from mpsd.sim import Op
-from mpsd.sim.clock import Host, Timing
+from mpsd.sim.clock import CALL, HOST_CALLS, LAUNCH, Host, Timing
 from mpsd_protocol import (  # type: ignore[attr-defined]
     CLOSED,
     HELLO,
@@ -58,6 +60,9 @@ IPC_LAZY_ENABLE_PEER_ACCESS = 0x1  # the one flag cudaIpcOpenMemHandle accepts
 # Calls that still answer after a sticky error, so the client can learn what happened.
 _STICKY_EXEMPT = frozenset({"get_last_error", "statistics", "device_properties"})
 CLOCK_CALLS = frozenset({"clock", "sleep", "idle"})
+# Work a client may have queued before its next launch call blocks, under the virtual clock: a real H200's
+# host call blocked once about 1,000 to 1,023 launches were queued (h200-runtime-measurements.md).
+LAUNCH_QUEUE = 1024
 MAX_HOST_TIME = 3600.0  # seconds of its own code a client may report for one gap between calls
 
 
@@ -95,6 +100,9 @@ class Session:
         self._admitting = False
         self.host: Host | None = None  # this client's host clock, under the virtual clock
         self._deferred = 0  # replies waiting for the device
+        self._queued = 0  # launch calls stamped whose work has not completed (virtual clock)
+        self._held: Request | Notification | None = None  # a launch call waiting for room in the queue
+        self._room = trio.Event()  # set when the held call has gone on
         self._answered = trio.Event()  # set when the last of them has gone
         self._requests: dict[str, Callable[[dict[str, Any], tuple[int, ...]], Any]] = {
             "device_properties": self._device_properties,
@@ -179,6 +187,8 @@ class Session:
                 return
             if self.host is not None and isinstance(event, (Request, Notification)):
                 self._stamp(event)
+                if self._held is not None:  # the client's launch call blocks: read nothing more until it returns
+                    await self._room.wait()
             elif isinstance(event, Request):
                 self._request(event)
                 if self._closing:
@@ -280,9 +290,32 @@ class Session:
             engine.heard(host)
             self._clock_call(message)
             return
-        timing = engine.clock.call(host, message.op, self._charged(message.args))
+        charged = self._charged(message.args)
         engine.heard(host)
-        engine.clock.post(host, timing.at, functools.partial(self._apply, message, timing))
+        if HOST_CALLS.get(message.op, (CALL,))[0] == LAUNCH:
+            if self._queued >= LAUNCH_QUEUE:  # the call waits in the driver until work of this client ends
+                engine.clock.start(host, charged)
+                engine.clock.wait(host)
+                self._held = message
+                return
+            self._queued += 1
+        self._post(message, charged)
+
+    def _post(self, message: Request | Notification, charged: float) -> None:
+        engine = self._virtual
+        timing = engine.clock.call(self._host, message.op, charged)
+        engine.clock.post(self._host, timing.at, functools.partial(self._apply, message, timing))
+
+    def _dequeued(self) -> None:
+        """Work of one of the client's launch calls has completed: a held launch call goes on now."""
+        self._queued -= 1
+        if self._held is not None and not self.channel.closed:
+            message, self._held = self._held, None
+            self._queued += 1
+            self._post(message, 0.0)
+            self._virtual.heard(self._host)
+            self._room.set()
+            self._room = trio.Event()
 
     def _charged(self, args: Any) -> float:
         """Simulated seconds of the client's own code since its last call: what it measured (its thread's
@@ -298,10 +331,14 @@ class Session:
         if self.channel.closed or self.context is None or self.context.closed:
             close_fds(message.fds)
             return
+        before = self.context.last_op
         if isinstance(message, Notification):
             self._notification(message)
         else:
             self._request(message, timing)
+        if timing.kind == LAUNCH:  # the queue has room again once the work this call queued has run
+            queued = self.context.last_op
+            self._virtual.when_done([queued if queued is not before else None], self._dequeued)
 
     def _returned(self, timing: Timing | None, waited: bool) -> None:
         """The call stamped `timing` returns now (after waiting for the device, if `waited`): the client's

@@ -327,3 +327,35 @@ with mpsd_client.connect() as ctx:
     assert proc.returncode == 0, err
     simulated, wall = map(float, out.split())
     assert simulated >= 2.0 and wall >= 0.02
+
+
+def test_a_full_launch_queue_blocks_the_launch_call(virtual_daemon):
+    """Launch calls return at once while fewer than 1,024 launches are queued; past that a launch call returns
+    only when a kernel has ended, as a real H200's host call blocks (and the daemon reads nothing more from the
+    client meanwhile)."""
+    daemon = virtual_daemon()
+    code = """
+import mpsd_client
+with mpsd_client.connect() as ctx:
+    marks = {}
+    for i in range(1, 1201):
+        ctx.launch("spin", 264, 1024, [1980000])   # 1-ms waves, one after another
+        if i in (1000, 1200):
+            marks[i] = ctx.clock()
+    ctx.synchronize()
+    print(marks[1000], marks[1200], ctx.clock())
+"""
+    proc = spawn_worker(code, daemon.pipe_dir)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    early, late, end = map(float, out.split())
+    wave = 1e-3 + H200.kernel_overhead
+
+    def ended(k: int) -> float:  # the k-th wave ends (they run back to back from the first launch's return)
+        return H200.launch_latency + H200.kernel_overhead + k * 1e-3 + (k - 1) * H200.kernel_overhead
+
+    assert early == pytest.approx(H200.launch_latency + 999 * H200.launch_latency_busy, rel=1e-6)  # not blocked
+    # The 1,200th call found 1,199 queued: it returned once the 176th wave had ended, and its own call cost.
+    assert ended(176) < late < ended(176) + H200.launch_latency
+    assert end == pytest.approx(ended(1200) + H200.sync_latency, rel=1e-3)
+    assert end > 1200 * wave
