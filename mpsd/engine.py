@@ -94,12 +94,6 @@ class Engine:
         for op in pending:
             self._waiters.setdefault(op, []).append(one_done)
 
-    async def wait(self, op: Op) -> None:
-        """Return once `op` has completed, or its client's work was cancelled."""
-        event = trio.Event()
-        self.when_done([op], event.set)
-        await event.wait()
-
     def cancel(self, client: int) -> None:
         """Tear down a client's work (queued dropped, running evicted) and wake everyone waiting on it."""
         self.catch_up()  # the teardown happens now, not at the simulator's last instant

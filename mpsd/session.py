@@ -285,13 +285,12 @@ class Session:
         """A call arrived: when it starts and when it reaches the device on the client's clock; it is
         applied then, in stamp order with every other client's."""
         engine, host = self._virtual, self._host
-        if message.op in CLOCK_CALLS and isinstance(message, Request):
-            engine.clock.start(host, self._charged(message.args))
-            engine.heard(host)
-            self._clock_call(message)
-            return
         charged = self._charged(message.args)
         engine.heard(host)
+        if message.op in CLOCK_CALLS and isinstance(message, Request):
+            engine.clock.start(host, charged)
+            self._clock_call(message)
+            return
         if HOST_CALLS.get(message.op, (CALL,))[0] == LAUNCH:
             if self._queued >= LAUNCH_QUEUE:  # the call waits in the driver until work of this client ends
                 engine.clock.start(host, charged)

@@ -198,7 +198,15 @@ def run_real(workload: Workload, policy: str, policy_options: dict[str, Any], te
     return _timeline(workload, policy, plan, ready, done, trace, t0)
 
 
-def _start_daemon(args: list[str]) -> subprocess.Popen:
+@dataclass
+class _Daemon:
+    """The daemon process and what it has said on stderr since it was ready."""
+
+    proc: subprocess.Popen
+    said: list[str] = field(default_factory=list)
+
+
+def _start_daemon(args: list[str]) -> _Daemon:
     proc = subprocess.Popen([sys.executable, "-m", "mpsd", *args], stdin=subprocess.DEVNULL,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 30
@@ -206,10 +214,9 @@ def _start_daemon(args: list[str]) -> subprocess.Popen:
     line = "no output"
     for line in proc.stderr:  # the daemon says one line when it is ready
         if line.startswith("mpsd: ready on"):
-            proc.errors = []  # type: ignore[attr-defined]
-            threading.Thread(target=lambda: proc.errors.extend(proc.stderr),  # type: ignore[attr-defined]
-                             daemon=True).start()  # keep its stderr drained, and what it said
-            return proc
+            daemon = _Daemon(proc)
+            threading.Thread(target=daemon.said.extend, args=(proc.stderr,), daemon=True).start()  # kept drained
+            return daemon
         if time.monotonic() > deadline:
             break
     proc.kill()
@@ -227,8 +234,9 @@ def _configure(work: Path, tenants: list[tuple[TenantSpec, dict[str, Any]]]) -> 
         raise RunError(f"the daemon refused the tenants' priorities or weights: {(done.stdout + done.stderr).strip()}")
 
 
-def _stop_daemon(proc: subprocess.Popen) -> None:
+def _stop_daemon(daemon: _Daemon) -> None:
     """A clean shutdown: SIGTERM, so it writes its trace."""
+    proc = daemon.proc
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -238,11 +246,11 @@ def _stop_daemon(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-def _read_trace(path: Path, daemon: subprocess.Popen | None) -> dict[str, Any]:
+def _read_trace(path: Path, daemon: _Daemon | None) -> dict[str, Any]:
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError) as exc:
-        said = "".join(getattr(daemon, "errors", [])).strip().splitlines()
+        said = "".join(daemon.said if daemon else []).strip().splitlines()
         raise RunError(f"the daemon left no trace: {exc}" + (f"; it said: {said[-1]}" if said else "")) from None
 
 
