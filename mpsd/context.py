@@ -202,15 +202,18 @@ class Context:
 
     def _drop(self, alloc: Allocation, released: int) -> None:
         """An allocation of ours is gone from our address space; its bytes go when the last importer's do,
-        and until then the device stays charged for them (counted once, as real shared memory is)."""
+        and until then they stay charged to us, against our pinned limit, and to the device (counted once, as
+        real shared memory is): freeing shared memory must not make room for more."""
         self.ipc.allocation_freed(alloc)
-        self.used -= released
         if alloc.segment.refs > 1:
-            alloc.segment.on_release.append(functools.partial(self.device.release_memory, released,
-                                                              self.partition))
+            alloc.segment.on_release.append(functools.partial(self._release, released))
         else:
-            self.device.release_memory(released, self.partition)
+            self._release(released)
         alloc.segment.release()
+
+    def _release(self, nbytes: int) -> None:
+        self.used -= nbytes
+        self.device.release_memory(nbytes, self.partition)
 
     def _charge(self, nbytes: int) -> None:
         self.used += nbytes

@@ -97,7 +97,8 @@ class Engine:
     def cancel(self, client: int) -> None:
         """Tear down a client's work (queued dropped, running evicted) and wake everyone waiting on it."""
         self.catch_up()  # the teardown happens now, not at the simulator's last instant
-        self.sim.cancel(client)
+        for op in self.sim.cancel(client):
+            op.tag = None  # its effect (and the bytes a staged copy holds) goes now, whoever still sees the op
         for op in [op for op in self._waiters if op.client == client]:
             _tell(self._waiters.pop(op))
         self._wake.set()  # the freed SMs go to the others now: the run loop must dispatch and re-plan its wait

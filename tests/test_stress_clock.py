@@ -73,7 +73,7 @@ def test_same_file_same_json_on_a_loaded_host(tmp_path):
     """The same workload and seed, run twice with real processes, once beside a process that keeps a core
     busy: byte-identical JSON, times included."""
     (tmp_path / "small.toml").write_text(SMALL)
-    args = [str(tmp_path / "small.toml"), "--compare-policies", "mps,timeslice", "--json", "-"]
+    args = [str(tmp_path / "small.toml"), "--compare-policies", "mps,timeslice", "--no-solo", "--json", "-"]
     quiet = stress(*args)
     hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
@@ -114,7 +114,7 @@ def test_the_wall_clock_says_when_host_time_colours_the_figures(tmp_path):
     its latency: the table and the JSON say so and name --clock virtual."""
     (tmp_path / "short.toml").write_text("""
 [run]
-duration = 0.3
+duration = 0.1
 [[tenant]]
 name = "short"
 [[tenant.kernel]]

@@ -49,8 +49,8 @@ def stress(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]
 
 def test_a_small_mix_with_real_processes(tmp_path):
     (tmp_path / "mix.toml").write_text(MIX)
-    done = stress(str(tmp_path / "mix.toml"), "--compare-policies", "mps,timeslice", "--json", "-",
-                  "--report", str(tmp_path / "report"))
+    done = stress(str(tmp_path / "mix.toml"), "--compare-policies", "mps,timeslice", "--duration", "0.3",
+                  "--json", "-", "--report", str(tmp_path / "report"))
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
     assert result["clock"] == "virtual" and result["in_process"] is False and set(result["runs"]) == {"mps", "timeslice"}
@@ -59,8 +59,8 @@ def test_a_small_mix_with_real_processes(tmp_path):
         assert set(tenants) == {"latency", "batch#0", "batch#1"}
         assert run["quota_violations"] == 0 and run["errors"] == 0
         latency = tenants["latency"]
-        assert latency["requests"] == 60  # uniform at 100/s for 0.6 s
-        assert latency["completed"] == 60 and 0 < latency["latency_ms"]["p50"] <= latency["latency_ms"]["p99"]
+        assert latency["requests"] == 30  # uniform at 100/s for 0.3 s
+        assert latency["completed"] == 30 and 0 < latency["latency_ms"]["p50"] <= latency["latency_ms"]["p99"]
         assert latency["memory_high_water"] == 2 << 20  # its input and output buffers, packed in one 2 MiB chunk
         assert latency["isolation"] is not None and latency["isolation"] > 0  # the solo run happened
         assert run["solo_p99_ms"]["batch#0"] == run["solo_p99_ms"]["batch#1"] > 0
@@ -93,7 +93,7 @@ def test_sixty_four_tenant_processes(tmp_path):
     """The issue's scale: 64 concurrent tenant processes against one daemon on this 2-core machine."""
     (tmp_path / "many.toml").write_text("""
 [run]
-duration = 1.0
+duration = 0.2
 [[tenant]]
 name = "small"
 count = 64
@@ -122,7 +122,8 @@ def test_bad_workload_is_a_usage_error(tmp_path):
 
 def test_virtual_time_from_the_command_line(tmp_path):
     (tmp_path / "mix.toml").write_text(MIX)
-    done = stress(str(tmp_path / "mix.toml"), "--virtual-time", "--scale", "10", "--no-solo", "--json", "-")
+    done = stress(str(tmp_path / "mix.toml"), "--virtual-time", "--scale", "10", "--no-solo", "--duration", "0.1",
+                  "--json", "-")
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
     assert result["in_process"] is True and result["runs"]["mps"]["virtual"] is True

@@ -31,6 +31,8 @@ class Op:
         eligible: when it reached the head of its stream with its ``after`` ops done (NaN until then); a
             kernel's blocks can start ``kernel_overhead`` later.
         done: set by the simulator when the op is reported complete.
+        cancelled: set by the simulator when its client's work was torn down: it never completes, and ops
+            that depend on it go ahead as if it had.
         seq: submission sequence number, set by the simulator (-1 until submitted).
     """
 
@@ -43,6 +45,7 @@ class Op:
     started: float = field(default=math.nan, init=False)
     ended: float = field(default=math.nan, init=False)
     done: bool = field(default=False, init=False)
+    cancelled: bool = field(default=False, init=False)
     seq: int = field(default=-1, init=False)
 
 

@@ -15,13 +15,12 @@ __all__ = ["Streams"]
 class Streams:
     """In-order queues per (client, stream) plus ``after`` dependency tracking."""
 
-    __slots__ = ("_queues", "_blocked", "_waiters", "_resolved")
+    __slots__ = ("_queues", "_blocked", "_waiters")
 
     def __init__(self) -> None:
         self._queues: dict[tuple, deque[Op]] = {}
         self._blocked: dict[Op, int] = {}  # stream heads -> deps still pending
         self._waiters: dict[Op, list[Op]] = {}  # dep -> stream heads waiting for it
-        self._resolved: set[Op] = set()  # dropped or cancelled ops that count as done
 
     def add(self, op: Op) -> bool:
         """Queue a newly submitted op; True if it is eligible right away."""
@@ -35,7 +34,7 @@ class Streams:
     def _arrive(self, op: Op) -> bool:
         pending = 0
         for dep in op.after:
-            if not (dep.done or dep in self._resolved):
+            if not (dep.done or dep.cancelled):
                 self._waiters.setdefault(dep, []).append(op)
                 pending += 1
         if pending:
@@ -68,7 +67,8 @@ class Streams:
         Returns:
             Ops that became eligible, in submission order.
         """
-        self._resolved.add(op)
+        # Marked on the op itself: the streams keep no reference to it, so a departed client's work goes.
+        op.cancelled = True
         eligible = self._release(op)
         eligible.sort(key=_seq)
         return eligible

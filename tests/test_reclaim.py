@@ -1,0 +1,97 @@
+# What a departed client leaves behind must go with it (issue 13): work it left queued and the memory its
+# staged copies held; and memory it shared by IPC stays charged to someone.
+# Real daemons, real client processes, the daemon's own RSS read with psutil.
+from __future__ import annotations
+
+import time
+
+import psutil
+import pytest
+
+import mpsd_client
+from daemons import run_worker, spawn_worker, start_daemon
+
+# A client that queues 256 MiB of pageable (staged) copies behind a long kernel, then leaves.
+QUEUER = """
+import numpy as np, mpsd_client
+ctx = mpsd_client.connect()
+s = ctx.create_stream()
+dst = ctx.malloc(64 << 20)
+ctx.launch("spin", 264, 1024, [int(60 * 1.98e9)], stream=s)   # a minute of device time
+data = np.ones(64 << 20, np.uint8)
+for _ in range(4):
+    ctx.memcpy_htod(dst, data, stream=s)   # staged in the daemon until the kernel is done
+print("queued", flush=True)
+"""
+
+
+def _wait_for(predicate, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out")
+        time.sleep(0.05)
+
+
+def test_work_a_client_left_queued_is_freed_with_it(daemon_factory):
+    """Three clients each leave 256 MiB of staged copies queued and exit: the daemon's RSS comes back (it
+    kept every dropped op, and the bytes its copies held, for ever)."""
+    daemon = start_daemon("--time-scale", "1")
+    daemon_factory.append(daemon)
+    rss = psutil.Process(daemon.proc.pid).memory_info
+    baseline = rss().rss
+    for n in range(1, 4):
+        result = run_worker(QUEUER, daemon.pipe_dir)
+        assert result.returncode == 0 and "queued" in result.stdout, result.stderr
+        _wait_for(lambda: daemon.server_log().count("disconnected") >= n)
+    assert rss().rss - baseline < 128 << 20
+
+
+@pytest.mark.parametrize("order", ["exporter frees first", "importer closes first"])
+def test_ipc_memory_stays_charged_until_its_last_user_lets_go(daemon_factory, order):
+    """Memory an exporter frees while an importer still has it open stays charged to the exporter, against
+    its pinned limit, until the last importer closes it: two clients limited to 1 GiB can never hold more
+    than 2 GiB between them (they held 12.25 GiB)."""
+    daemon = start_daemon("--time-scale", "100", "--pinned-mem-limit", "1G")
+    daemon_factory.append(daemon)
+    with mpsd_client.connect(daemon.pipe_dir) as exporter:
+        free_before = exporter.mem_get_info()[0]
+        p = exporter.malloc(256 << 20)
+        handle = exporter.ipc_get_mem_handle(p)
+        proc = spawn_worker(f"""
+import sys, mpsd_client
+with mpsd_client.connect() as ctx:
+    q = ctx.ipc_open_mem_handle(bytes.fromhex("{handle.hex()}"))
+    print("open", flush=True)
+    sys.stdin.readline()
+    if sys.argv[1] == "close":
+        ctx.ipc_close_mem_handle(q)
+        print("closed", flush=True)
+        sys.stdin.readline()
+""", daemon.pipe_dir, "close" if order == "importer closes first" else "hold")
+        try:
+            assert proc.stdout.readline().strip() == "open"
+            if order == "exporter frees first":
+                exporter.free(p)
+                # Still charged to the exporter while the importer maps it: its limit still counts it.
+                assert exporter.mem_get_info()[0] == free_before - (256 << 20)
+                with pytest.raises(mpsd_client.OutOfMemoryError):
+                    exporter.malloc(free_before - (128 << 20))
+                proc.stdin.write("\n")
+                proc.stdin.flush()
+                proc.communicate(timeout=60)
+                _wait_for(lambda: exporter.mem_get_info()[0] == free_before)
+            else:
+                proc.stdin.write("\n")
+                proc.stdin.flush()
+                assert proc.stdout.readline().strip() == "closed"
+                assert exporter.mem_get_info()[0] == free_before - (256 << 20)  # the exporter still has it
+                exporter.free(p)
+                assert exporter.mem_get_info()[0] == free_before
+                proc.stdin.write("\n")
+                proc.stdin.flush()
+                proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
