@@ -29,6 +29,7 @@ from mpsd_protocol import (  # type: ignore[attr-defined]
     Notification,
     Reply,
     Request,
+    brief,
     check_args,
     check_shape,
     close_fds,
@@ -115,12 +116,12 @@ class Core:
         if ctx_stream is None:
             return None
         if not isinstance(ctx_stream, Stream) or ctx_stream.ctx._core is not self:
-            raise InvalidResourceHandleError(f"{ctx_stream!r:.40} is not a stream of this context")
+            raise InvalidResourceHandleError(f"{brief(ctx_stream, 40)} is not a stream of this context")
         return ctx_stream.handle
 
     def _event(self, event: Event) -> int:
         if not isinstance(event, Event) or event.ctx._core is not self:
-            raise InvalidResourceHandleError(f"{event!r:.40} is not an event of this context")
+            raise InvalidResourceHandleError(f"{brief(event, 40)} is not an event of this context")
         return event.handle
 
     # -- context ---------------------------------------------------------------------------------------
@@ -152,7 +153,7 @@ class Core:
         """Advance this client's simulated clock by `seconds`; returns the wall seconds the shell must still
         sleep (none under the virtual clock)."""
         if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds < math.inf:
-            raise InvalidValueError(f"sleep takes seconds >= 0, not {seconds!r:.40}")
+            raise InvalidValueError(f"sleep takes seconds >= 0, not {brief(seconds, 40)}")
         if self.clock_kind == "virtual":
             yield from self.call("sleep", {"seconds": float(seconds)})
             return 0.0
@@ -271,7 +272,7 @@ class Core:
 
     def host_alloc(self, nbytes: int) -> Op:
         if not isinstance(nbytes, int) or nbytes <= 0:
-            raise InvalidValueError(f"host_alloc size {nbytes!r:.40} is not a positive byte count")
+            raise InvalidValueError(f"host_alloc size {brief(nbytes, 40)} is not a positive byte count")
         fd = os.memfd_create("mpsd-host", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, nbytes)
@@ -288,7 +289,7 @@ class Core:
 
     def free_host(self, buffer: HostBuffer) -> Op:
         if not isinstance(buffer, HostBuffer) or self._pinned.get(getattr(buffer, "id", None)) is not buffer:
-            raise InvalidValueError(f"{buffer!r:.40} is not a host buffer of this context")
+            raise InvalidValueError(f"{brief(buffer, 40)} is not a host buffer of this context")
         del self._pinned[buffer.id]
         yield from self.call("host_unregister", {"id": buffer.id})
         try:
@@ -356,7 +357,7 @@ class Core:
 
     def memset(self, ptr: int, value: int, nbytes: int, stream: Stream | None) -> Op:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise InvalidValueError(f"memset value {value!r:.40} is not an int")
+            raise InvalidValueError(f"memset value {brief(value, 40)} is not an int")
         yield from self.call("memset", {"ptr": _address(ptr), "value": value & 0xFF,
                                         "nbytes": _count(nbytes, "memset size"),
                                         "stream": self._stream(stream)})
@@ -408,7 +409,7 @@ class Core:
             raise self.broken
         params = self.kernels.get(name)
         if params is None:
-            raise InvalidDeviceFunctionError(f"no kernel named {name!r:.60}")
+            raise InvalidDeviceFunctionError(f"no kernel named {brief(name, 60)}")
         # Only shapes of plain ints are cached: 1.0 and True compare equal to 1 but are not valid.
         key = (grid, block, shared_mem) if _plain(grid) and _plain(block) and type(shared_mem) is int else None
         shape = self._shapes.get(key) if key is not None else None
@@ -434,13 +435,13 @@ def _plain(value: Any) -> bool:
 
 def _count(n: Any, what: str) -> int:
     if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n < 2**63:
-        raise InvalidValueError(f"{what} {n!r:.40} is not a byte count")
+        raise InvalidValueError(f"{what} {brief(n, 40)} is not a byte count")
     return int(n)
 
 
 def _address(ptr: Any) -> int:
     if isinstance(ptr, bool) or not isinstance(ptr, int) or not 0 <= ptr < 2**64:
-        raise InvalidValueError(f"{ptr!r:.40} is not a device pointer")
+        raise InvalidValueError(f"{brief(ptr, 40)} is not a device pointer")
     return int(ptr)
 
 

@@ -14,6 +14,7 @@ from typing import Any, Mapping
 from mpsd_protocol import (  # type: ignore[attr-defined]
     InvalidDeviceError,
     InvalidValueError,
+    brief,
     parse_decimal,
     parse_integer,
     parse_mem_limits,
@@ -47,7 +48,7 @@ def visible_devices(environ: Mapping[str, str] = os.environ) -> list[int] | None
 def check_ordinal(device: object) -> int:
     """Raises InvalidDeviceError unless `device` is a non-negative int."""
     if not isinstance(device, int) or isinstance(device, bool) or device < 0:
-        raise InvalidDeviceError(f"device ordinal {device!r:.20} is not a non-negative int")
+        raise InvalidDeviceError(f"device ordinal {brief(device, 20)} is not a non-negative int")
     return device
 
 
@@ -80,7 +81,7 @@ def requested_limits(device: int, environ: Mapping[str, str] = os.environ) -> di
         try:
             limits["partition"] = parse_integer(text.strip())
         except ValueError:
-            raise InvalidValueError(f"MPSD_MIG_PARTITION={text!r:.40} must be a partition index") from None
+            raise InvalidValueError(f"MPSD_MIG_PARTITION={brief(text, 40)} must be a partition index") from None
     text = environ.get("CUDA_MPS_CLIENT_PRIORITY")
     if text:
         if text.strip() not in ("0", "1"):

@@ -22,6 +22,7 @@ from mpsd_protocol import (  # type: ignore[attr-defined]
     Reply,
     Request,
     Role,
+    brief,
     check_server,
     close_fds,
     pack_fds,
@@ -97,7 +98,7 @@ class Context(ContextBase):
                     return event
                 else:
                     close_fds(event.fds)  # type: ignore[union-attr]
-                    raise self._core.connection_lost(f"unexpected message from the daemon: {event!r:.80}")
+                    raise self._core.connection_lost(f"unexpected message from the daemon: {brief(event, 80)}")
         except ProtocolError as exc:
             raise self._core.connection_lost(f"protocol error: {exc}") from None
         except OSError as exc:

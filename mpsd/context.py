@@ -23,6 +23,7 @@ from mpsd_protocol import (  # type: ignore[attr-defined]
     LaunchOutOfResourcesError,
     NotReadyError,
     OutOfMemoryError,
+    brief,
     check_args,
     check_shape,
     format_size,
@@ -158,7 +159,7 @@ class Context:
 
     def malloc(self, nbytes: int) -> int:
         if not isinstance(nbytes, int) or nbytes < 0:
-            raise InvalidValueError(f"malloc size {nbytes!r:.40} is not a byte count")
+            raise InvalidValueError(f"malloc size {brief(nbytes, 40)} is not a byte count")
         if nbytes == 0:
             return 0  # cudaMalloc(0) succeeds with a null pointer
         free, _ = self.mem_get_info()
@@ -222,7 +223,7 @@ class Context:
 
     def host_register(self, fd: int, nbytes: int) -> int:
         if not isinstance(nbytes, int) or nbytes <= 0:
-            raise InvalidValueError(f"host buffer size {nbytes!r:.40} is not a positive byte count")
+            raise InvalidValueError(f"host buffer size {brief(nbytes, 40)} is not a positive byte count")
         buffer_id = self._handle()
         try:
             self.host[buffer_id] = HostBuffer(buffer_id, fd, nbytes)
@@ -235,20 +236,20 @@ class Context:
     def host_unregister(self, buffer_id: int) -> None:
         buffer = self.host.pop(buffer_id, None)
         if buffer is None:
-            raise InvalidValueError(f"no host buffer {buffer_id!r:.20}")
+            raise InvalidValueError(f"no host buffer {brief(buffer_id, 20)}")
         buffer.close()
 
     def _device_view(self, ptr: int, nbytes: int, what: str) -> memoryview:
         view = self.memory.view(ptr, nbytes) if isinstance(ptr, int) and isinstance(nbytes, int) else None
         if view is None:
-            raise InvalidValueError(f"{what} [{ptr!r:.20}, +{nbytes!r:.20}) is not inside one live allocation")
+            raise InvalidValueError(f"{what} [{brief(ptr, 20)}, +{brief(nbytes, 20)}) is not inside one live allocation")
         return view
 
     def _host_view(self, buffer_id: int, offset: int, nbytes: int) -> memoryview:
         buffer = self.host.get(buffer_id) if isinstance(buffer_id, int) else None
         view = buffer.view(offset, nbytes) if buffer is not None and isinstance(offset, int) else None
         if view is None:
-            raise InvalidValueError(f"host range [{offset!r:.20}, +{nbytes!r:.20}) of buffer {buffer_id!r:.20} is invalid")
+            raise InvalidValueError(f"host range [{brief(offset, 20)}, +{brief(nbytes, 20)}) of buffer {brief(buffer_id, 20)} is invalid")
         return view
 
     # -- copies ----------------------------------------------------------------------------------------
@@ -302,7 +303,7 @@ class Context:
     def memset(self, ptr: int, value: int, nbytes: int, stream: int | None) -> Op:
         s = self._stream(stream)
         if not isinstance(value, int):
-            raise InvalidValueError(f"memset value {value!r:.20} is not an int")
+            raise InvalidValueError(f"memset value {brief(value, 20)} is not an int")
         self._device_view(ptr, nbytes, "memset range").release()
         byte = value & 0xFF  # cudaMemset uses the low byte, as memset does
 
@@ -337,7 +338,7 @@ class Context:
         an illegal address, sticky, contained as the device's fault-containment setting says."""
         kernel = KERNELS.get(name) if isinstance(name, str) else None
         if kernel is None:
-            raise InvalidDeviceFunctionError(f"no kernel named {name!r:.60}")
+            raise InvalidDeviceFunctionError(f"no kernel named {brief(name, 60)}")
         grid3, block3 = check_shape(name, grid, block, shared_mem, self.device.properties)
         checked = check_args(name, kernel.params, args)
         s = self._stream(stream)
@@ -372,7 +373,7 @@ class Context:
     def _stream(self, stream: int | None) -> Stream:
         s = self.streams.get(0 if stream is None else stream) if stream is None or isinstance(stream, int) else None
         if s is None:
-            raise InvalidResourceHandleError(f"no stream {stream!r:.20} in this context")
+            raise InvalidResourceHandleError(f"no stream {brief(stream, 20)} in this context")
         return s
 
     def _enqueue(self, stream: Stream, op: Op) -> Op:
@@ -390,7 +391,7 @@ class Context:
 
     def create_stream(self, priority: int, flags: int) -> tuple[int, int]:
         if not isinstance(priority, int) or not isinstance(flags, int) or flags & ~NON_BLOCKING:
-            raise InvalidValueError(f"bad stream priority {priority!r:.20} or flags {flags!r:.20}")
+            raise InvalidValueError(f"bad stream priority {brief(priority, 20)} or flags {brief(flags, 20)}")
         # Priorities outside the range are clamped, as the runtime does.
         priority = min(max(priority, STREAM_PRIORITY_GREATEST), STREAM_PRIORITY_LEAST)
         stream_id = self._handle()
@@ -401,7 +402,7 @@ class Context:
         # Work already queued still runs, as with cudaStreamDestroy; the handle is gone at once.
         gone = self.streams.pop(stream, None) if stream != 0 and isinstance(stream, int) else None
         if gone is None:
-            raise InvalidResourceHandleError(f"no stream {stream!r:.20} to destroy")
+            raise InvalidResourceHandleError(f"no stream {brief(stream, 20)} to destroy")
         self._orphans = [op for op in self._orphans if not op.done]
         if gone.tail is not None and not gone.tail.done:
             self._orphans.append(gone.tail)
@@ -428,7 +429,7 @@ class Context:
     def _event(self, event: int) -> Event:
         e = self.events.get(event) if isinstance(event, int) else None
         if e is None:
-            raise InvalidResourceHandleError(f"no event {event!r:.20} in this context")
+            raise InvalidResourceHandleError(f"no event {brief(event, 20)} in this context")
         return e
 
     def destroy_event(self, event: int) -> None:
@@ -463,7 +464,7 @@ class Context:
         """
         alloc = self.memory.find(ptr) if isinstance(ptr, int) else None
         if alloc is None:
-            raise InvalidValueError(f"{ptr!r:.20} is not inside a live allocation of this context")
+            raise InvalidValueError(f"{brief(ptr, 20)} is not inside a live allocation of this context")
         return alloc
 
     def event_record_op(self, event: int) -> Marker | None:

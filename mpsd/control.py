@@ -155,6 +155,7 @@ class Control:
     def __init__(self, daemon: Daemon) -> None:
         self.daemon = daemon
         self.server = Server(daemon.log.pid)
+        self._caller = 0  # the uid of the command being run
         self._commands: dict[str, Callable[[list[str]], str]] = {
             name[4:]: getattr(self, name) for name in dir(self) if name.startswith("cmd_")
         }
@@ -176,6 +177,7 @@ class Control:
         if name not in READ_ONLY and uid not in (0, self.daemon.owner_uid):
             log.control(f"User {uid} is not allowed to run {name}")
             return f"Permission denied: {name} needs root or the daemon's owner"
+        self._caller = uid
         try:
             return command(args)
         except CommandError as exc:
@@ -270,8 +272,9 @@ class Control:
         if args and (len(args) != 2 or args[0] != "-p"):
             raise CommandError("Usage: ps [-p PID]")
         rows = ["PID ID SERVER DEVICE NAMESPACE COMMAND"]
+        everyone = self._caller in (0, self.daemon.owner_uid)  # others see their own processes only
         for ctx in self._contexts():
-            if args and str(ctx.pid) != args[1]:
+            if (args and str(ctx.pid) != args[1]) or not (everyone or ctx.uid == self._caller):
                 continue
             rows.append(f"{ctx.pid} {ctx.id} {self.server.pid} {ctx.device.properties['uuid']} "
                         f"{_namespace(ctx.pid)} {_command(ctx.pid)}")

@@ -14,10 +14,14 @@ import tempfile
 from pathlib import Path
 from typing import Sequence
 
-from mpsd_protocol import MpsConnectionError, check_server  # type: ignore[attr-defined]
+from mpsd_protocol import (  # type: ignore[attr-defined]
+    CONTROL_PACKET,
+    MpsConnectionError,
+    check_server,
+    read_control_reply,
+)
 
 READY_TIMEOUT = 30.0
-PACKET = 1 << 16
 
 
 def _pipe_dir(option: str | None) -> Path:
@@ -49,7 +53,7 @@ def start_background(daemon_args: list[str]) -> int:
             return 1
 
 
-def send_commands(pipe_dir: Path, lines: Sequence[str]) -> int:
+def send_commands(pipe_dir: Path, lines: Sequence[bytes]) -> int:
     path = pipe_dir / "control"
     with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
         try:
@@ -66,13 +70,13 @@ def send_commands(pipe_dir: Path, lines: Sequence[str]) -> int:
             if not line.strip():
                 continue
             try:
-                sock.send(line.strip().encode())
-                reply = sock.recv(PACKET)
-            except OSError:
-                reply = b""
-            if not reply:  # the daemon went away (after quit, it does)
+                sock.send(line.strip())
+                reply = read_control_reply(lambda: sock.recv(CONTROL_PACKET))
+            except (OSError, ValueError):
+                reply = None
+            if reply is None:  # the daemon went away (after quit, it does)
                 break
-            text = reply[1:].decode(errors="replace")
+            text = reply.decode(errors="replace")
             if text:
                 print(text, flush=True)
     return 0
@@ -94,7 +98,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.execv(sys.executable, [sys.executable, "-m", "mpsd", *daemon_args])
     if rest:
         parser.error(f"unexpected arguments {' '.join(rest)} (commands go on stdin)")
-    return send_commands(_pipe_dir(options.pipe_dir), sys.stdin.read().splitlines())
+    # Bytes, not text: a line that is not UTF-8 goes to the daemon as it is, which says so, and the rest go on.
+    return send_commands(_pipe_dir(options.pipe_dir), sys.stdin.buffer.read().splitlines())
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from mpsd_protocol import (  # type: ignore[attr-defined]
     InvalidValueError,
     IpcHandle,
     NotPermittedError,
+    brief,
 )
 
 if TYPE_CHECKING:
@@ -71,7 +72,7 @@ class IpcRegistry:
         """
         alloc = ctx.memory.get(ptr) if isinstance(ptr, int) else None
         if alloc is None or alloc.imported:
-            raise InvalidValueError(f"{ptr!r:.20} is not the base of an allocation made by this context")
+            raise InvalidValueError(f"{brief(ptr, 20)} is not the base of an allocation made by this context")
         export = self._by_allocation.get(alloc)
         if export is None:
             export = self._new(ctx, MEMORY, allocation=alloc)
@@ -109,7 +110,7 @@ class IpcRegistry:
         """
         export = ctx.imports.get(ptr) if isinstance(ptr, int) else None
         if export is None:
-            raise InvalidValueError(f"{ptr!r:.20} is not a pointer opened from an IPC handle in this context")
+            raise InvalidValueError(f"{brief(ptr, 20)} is not a pointer opened from an IPC handle in this context")
         export.counts[ctx.id] -= 1
         if export.counts[ctx.id] == 0:
             self._unmap(ctx, export)
@@ -176,7 +177,7 @@ class IpcRegistry:
         allowed = (self.access == "any" or ctx.uid == export.uid
                    or (self.access == "group" and ctx.gid == export.gid))
         if not allowed:
-            self.log.server(f"Client {ctx.pid} (uid {ctx.uid}) was refused an IPC handle exported by "
+            self.log.complaint(("uid", ctx.uid), f"Client {ctx.pid} (uid {ctx.uid}) was refused an IPC handle exported by "
                             f"client {export.pid} (uid {export.uid}); access policy: {self.access}")
             raise NotPermittedError(f"the IPC access policy ({self.access}) does not let uid {ctx.uid} open a "
                                     f"handle exported by uid {export.uid}")

@@ -61,8 +61,12 @@ def inherited_sockets(environ: Mapping[str, str] = os.environ) -> dict[str, sock
     return found
 
 
-async def open_listeners(pipe_dir: Path, environ: Mapping[str, str] = os.environ) -> Listeners:
+async def open_listeners(pipe_dir: Path, environ: Mapping[str, str] = os.environ,
+                         multiuser: bool = False) -> Listeners:
     """The client and control sockets: inherited from systemd if it passed them, else bound in `pipe_dir`.
+    With `multiuser` every user's clients must reach them, as real MPS's pipe directory lets them: the
+    directory is 0755 and the sockets 0666 (the daemon still checks each peer's uid over SO_PEERCRED);
+    otherwise the directory is 0700, and reaching it is the operator's grant.
 
     Raises:
         ListenError: the pipe directory or a socket cannot be set up, or another daemon is listening there.
@@ -83,15 +87,19 @@ async def open_listeners(pipe_dir: Path, environ: Mapping[str, str] = os.environ
         for unused in inherited.values():
             unused.close()
         return Listeners(trio.socket.from_stdlib_socket(clients), _trio(control), True, bound)
-    _check(pipe_dir, tighten=True)
+    _check(pipe_dir, tighten=True, mode=0o755 if multiuser else 0o700)
     clients_path, control_path = pipe_dir / "mpsd.sock", pipe_dir / "control"
     clients_sock = await _bind(clients_path, socket.SOCK_STREAM)
     try:
         control_sock = await _bind(control_path, socket.SOCK_SEQPACKET)
-    except ListenError:
+        for path in (clients_path, control_path) if multiuser else ():
+            os.chmod(path, 0o666)  # in our own directory: no link to follow
+    except (ListenError, OSError) as exc:
         clients_sock.close()
         _unlink(clients_path)
-        raise
+        if isinstance(exc, ListenError):
+            raise
+        raise ListenError(f"cannot set the mode of the sockets in {pipe_dir}: {exc.strerror}") from None
     return Listeners(clients_sock, control_sock, False, [clients_path, control_path])
 
 
@@ -99,15 +107,15 @@ def _trio(sock: socket.socket | trio.socket.SocketType) -> trio.socket.SocketTyp
     return trio.socket.from_stdlib_socket(sock) if isinstance(sock, socket.socket) else sock
 
 
-def _check(directory: Path, *, tighten: bool = False) -> None:
+def _check(directory: Path, *, tighten: bool = False, mode: int = 0o700) -> None:
     """Create the pipe directory, or make sure the one that exists is the daemon's own (and, with `tighten`,
-    make it 0700).
+    give it `mode`).
 
     Raises:
         ListenError: it cannot be created, or it is not safely ours.
     """
     try:
-        private_directory(directory, "pipe directory", tighten=tighten)
+        private_directory(directory, "pipe directory", tighten=tighten, mode=mode)
     except UnsafePathError as exc:
         raise ListenError(str(exc)) from None
     except OSError as exc:

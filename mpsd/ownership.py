@@ -20,14 +20,15 @@ class UnsafePathError(Exception):
     """A directory or file the daemon would use is not safely its own; the message says why and what to do."""
 
 
-def private_directory(path: Path, what: str, *, tighten: bool = False) -> None:
+def private_directory(path: Path, what: str, *, tighten: bool = False, mode: int = 0o700) -> None:
     """Make sure `path` is a directory that only the daemon's user controls, creating it (mode 0700, its
     parents as `mkdir -p` would) if it does not exist.
 
     Args:
         path: the directory.
         what: what it is, for messages ("pipe directory").
-        tighten: take group and other access away (mode 0700) once it has passed the checks.
+        tighten: give it `mode` once it has passed the checks.
+        mode: 0700, or 0755 where other users must reach what is inside (--multiuser); never writable.
 
     Raises:
         UnsafePathError: it is a symlink, not a directory, owned by another uid, or writable by group or
@@ -56,8 +57,8 @@ def private_directory(path: Path, what: str, *, tighten: bool = False) -> None:
         if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
             raise UnsafePathError(f"the {what} {path} is writable by its group or by others (mode "
                                   f"{stat.S_IMODE(st.st_mode):04o}); make it 0700 or 0755")
-        if tighten and st.st_mode & 0o077:
-            os.fchmod(fd, 0o700)
+        if tighten and stat.S_IMODE(st.st_mode) != mode:
+            os.fchmod(fd, mode)
     finally:
         os.close(fd)
 

@@ -29,6 +29,7 @@ from mpsd.servlog import ServerLog
 from mpsd.session import Session
 from mpsd.sim import sm_cap
 from mpsd_protocol import (  # type: ignore[attr-defined]
+    CONTROL_PACKET,
     InvalidDeviceError,
     InvalidValueError,
     MpsClientTerminatedError,
@@ -36,13 +37,14 @@ from mpsd_protocol import (  # type: ignore[attr-defined]
     MpsServerNotReadyError,
     NoDeviceError,
     OutOfMemoryError,
+    brief,
+    control_packets,
     format_size,
     parse_integer,
     peer_credentials,
 )
 
 log = logging.getLogger("mpsd")
-CONTROL_PACKET = 1 << 16
 SHUTDOWN_GRACE = 5.0  # seconds that in-flight replies get to finish
 
 
@@ -106,24 +108,25 @@ class Daemon:
         percentage = self.control.percentage_for_new_client()
         requested = limits.get("active_thread_percentage")
         if requested is not None:
-            if not isinstance(requested, (int, float)) or not 0 < requested <= 100:
-                raise InvalidValueError(f"active thread percentage {requested!r:.20} is outside (0, 100]")
+            if type(requested) not in (int, float) or not 0 < requested <= 100:
+                raise InvalidValueError(f"active thread percentage {brief(requested, 20)} is outside (0, 100]")
             percentage = min(percentage, float(requested))
         partition = limits.get("partition")
-        if partition is not None and (not isinstance(partition, int) or not 0 <= partition < len(
+        if partition is not None and (type(partition) is not int or not 0 <= partition < len(
                 getattr(device.sim.policy, "partitions", ()))):
-            raise InvalidValueError(f"MIG partition {partition!r:.20} does not exist on device {index}")
+            raise InvalidValueError(f"MIG partition {brief(partition, 20)} does not exist on device {index}")
         if device.partitions and partition is None:
             partition = 0  # as the mig policy binds a client that names no instance
         memory = self.control.memory_limit_for_new_client(index) or device.memory_total(partition)
         requested = limits.get("pinned_mem_limit")
         if requested is not None:
-            if not isinstance(requested, int) or requested < 0:
-                raise InvalidValueError(f"pinned memory limit {requested!r:.20} is not a byte count")
+            if type(requested) is not int or requested < 0:
+                raise InvalidValueError(f"pinned memory limit {brief(requested, 20)} is not a byte count")
             memory = min(memory, requested)
         requested_priority = limits.get("priority")
-        if requested_priority is not None and requested_priority not in (0, 1):
-            raise InvalidValueError(f"client priority {requested_priority!r:.20} must be 0 or 1")
+        # type(), not ==: True and 1.0 equal 1 but are no priority (they passed here and failed in the scheduler)
+        if requested_priority is not None and (type(requested_priority) is not int or requested_priority not in (0, 1)):
+            raise InvalidValueError(f"client priority {brief(requested_priority, 20)} must be 0 or 1")
         priority = _tighter(self.settings.priority_for(session.pid, session.uid), requested_priority)
         weight = self.settings.weight_for(session.pid, session.uid)
         cap = min(sm_cap(device.spec, percentage), device.partition_sms(partition))
@@ -142,7 +145,7 @@ class Daemon:
         notify(f"STATUS={self.client_count()} clients")
         claimed = hello.get("pid")
         self.log.server(f"New client {session.pid} connected (context {context.id}, uid {session.uid}, "
-                        f"device {index})" + (f"; it claimed pid {claimed!r:.20}" if claimed != session.pid else ""))
+                        f"device {index})" + (f"; it claimed pid {brief(claimed, 20)}" if claimed != session.pid else ""))
         self.log.server(f"Client {session.pid}: active thread percentage {percentage:.1f} ({quotas.sm_cap} SMs), "
                         f"pinned memory limit {format_size(memory)}, priority {priority}"
                         + (f", weight {weight:g}" if weight != 1.0 else "")
@@ -173,15 +176,15 @@ class Daemon:
         count = len(self.devices)
         if visible is None:
             indices = list(range(count))
-        elif isinstance(visible, list) and all(isinstance(v, int) for v in visible):
+        elif isinstance(visible, list) and all(type(v) is int for v in visible):
             # As in CUDA, an index that does not exist ends the list.
             indices = list(itertools.takewhile(lambda v: 0 <= v < count, visible))
             if not indices:
                 raise NoDeviceError(f"CUDA_VISIBLE_DEVICES names none of the daemon's {count} device(s)")
         else:
             raise InvalidValueError("hello: visible must be a list of device indices")
-        if not isinstance(ordinal, int) or not 0 <= ordinal < len(indices):
-            raise InvalidDeviceError(f"device {ordinal!r:.20} does not exist ({len(indices)} visible)")
+        if type(ordinal) is not int or not 0 <= ordinal < len(indices):
+            raise InvalidDeviceError(f"device {brief(ordinal, 20)} does not exist ({len(indices)} visible)")
         return indices[ordinal]
 
     def detach(self, context: Context) -> None:
@@ -290,7 +293,7 @@ class Daemon:
             DaemonError: the pipe directory or socket cannot be set up.
         """
         try:
-            listeners = await open_listeners(self.config.pipe_dir)
+            listeners = await open_listeners(self.config.pipe_dir, multiuser=self.config.multiuser)
         except ListenError as exc:
             raise DaemonError(str(exc)) from None
         self.log.control(f"Starting control daemon {self.log.pid}"
@@ -350,6 +353,8 @@ class Daemon:
                 front.cancel_scope.cancel()
             notify("STOPPING=1")
             self.log.server("Shutting down")
+            # No new client may wait in the listen queue for a handshake that never comes: it is refused now.
+            listeners.close()
             for session in list(self.sessions):
                 session.reader_scope.cancel()
             sessions.cancel_scope.deadline = trio.current_time() + self._grace
@@ -380,19 +385,18 @@ class Daemon:
         except Exception:
             # A bug met by one client's input ends that client's session, never the daemon.
             log.exception("session of client %d failed", session.pid)
-            self.log.server(f"Client {session.pid}: internal error; its connection was closed")
+            self.log.complaint(("uid", session.uid), f"Client {session.pid}: internal error; its connection was closed")
         finally:
             self.sessions.discard(session)
 
     async def _serve_control(self, sock: trio.socket.SocketType) -> None:
-        """One control connection: a command per packet in, its output per packet out (after a one-byte
-        marker, since an empty packet would read as end of file)."""
+        """One control connection: a command per packet in, its output back (mpsd_protocol.control_packets)."""
         with sock:
             try:
                 uid = peer_credentials(sock)[1]
                 while packet := await sock.recv(CONTROL_PACKET):
-                    output = self._control_reply(packet, uid)
-                    await sock.send(b"=" + output.encode()[:CONTROL_PACKET - 1])
+                    for reply in control_packets(self._control_reply(packet, uid)):
+                        await sock.send(reply)
             except OSError:
                 pass  # the control client went away
 

@@ -3,20 +3,36 @@
 # writes them. Lines are written whole and flushed, so a tail -f or a test sees them at once. The directory must
 # be the daemon's own and the files are never opened through a symlink (mpsd.ownership): the daemon runs as
 # root, and a log planted as a link would have it append to any file on the system.
+#
+# Clients put text in these lines (commands, pids they claim, what their bad requests held). So that none can
+# forge a line or flood the disk, every line is cut to MAX_LINE characters and its control characters are
+# escaped (a newline in a command shows as \n, it does not start a line), and complaints about one client
+# (`complaint`) are rate-limited: a burst, then one a second, with a count of those left out.
 from __future__ import annotations
 
 import datetime
 import os
+import re
+import time
 from pathlib import Path
-from typing import TextIO
+from typing import Hashable, TextIO
 
 from mpsd.ownership import UnsafePathError, open_log, private_directory
 
 
+MAX_LINE = 1000  # characters of text in one line
+COMPLAINT_BURST = 20  # complaints about one client logged in a row before the rate limit applies
+COMPLAINT_INTERVAL = 1.0  # seconds between complaints about one client after that
+_CONTROL = re.compile(r"[\x00-\x1f\x7f\u2028\u2029\x85]")
+
+
 def log_line(source: str, pid: int, text: str, now: datetime.datetime | None = None) -> str:
-    """One log line in the MPS format (without the newline)."""
+    """One log line in the MPS format (without the newline), its text escaped and bounded."""
     now = now or datetime.datetime.now()
     stamp = now.strftime("%Y-%m-%d %H:%M:%S.") + f"{now.microsecond // 1000:03d}"
+    text = _CONTROL.sub(lambda m: repr(m.group())[1:-1], text[:MAX_LINE])
+    if len(text) > MAX_LINE:
+        text = text[:MAX_LINE - 3] + "..."
     return f"[{stamp} {source:<9} {pid}] {text}"
 
 
@@ -34,6 +50,7 @@ class ServerLog:
     def __init__(self, directory: Path | None) -> None:
         self.pid = os.getpid()
         self._files: dict[str, TextIO] = {}
+        self._complaints: dict[Hashable, list[float]] = {}  # about whom -> [allowance, last time, left out]
         if directory is None:
             return
         private_directory(directory, "log directory")
@@ -57,6 +74,23 @@ class ServerLog:
 
     def server(self, text: str) -> None:
         self._write("server", "Server", text)
+
+    def complaint(self, about: Hashable, text: str) -> None:
+        """A server.log line about what a client did wrong, unless that client has had its share lately."""
+        now = time.monotonic()
+        state = self._complaints.setdefault(about, [float(COMPLAINT_BURST), now, 0])
+        state[0] = min(float(COMPLAINT_BURST), state[0] + (now - state[1]) / COMPLAINT_INTERVAL)
+        state[1] = now
+        if state[0] < 1.0:
+            state[2] += 1
+            return
+        state[0] -= 1.0
+        if state[2]:
+            text += f" ({int(state[2])} similar lines about it left out)"
+            state[2] = 0
+        self.server(text)
+        if len(self._complaints) > 4096:  # those long quiet go; the limit keeps for the rest
+            self._complaints = {k: v for k, v in self._complaints.items() if now - v[1] < 60.0}
 
     def close(self) -> None:
         for handle in self._files.values():

@@ -47,6 +47,7 @@ from mpsd_protocol import (  # type: ignore[attr-defined]
     Reply,
     Request,
     Role,
+    brief,
     close_fds,
     make_error,
     peer_credentials,
@@ -202,7 +203,7 @@ class Session:
 
     def _protocol_error(self, text: str) -> None:
         """Say what was wrong, where the socket still allows it, then close this connection only."""
-        self.daemon.log.server(f"Client {self.pid}: protocol error, closing its connection: {text}")
+        self.daemon.log.complaint(("uid", self.uid), f"Client {self.pid}: protocol error, closing its connection: {text}")
         self._send(Notification(PROTOCOL_ERROR, {"message": text}))
 
     def _send(self, message: Reply | Notification) -> None:
@@ -223,7 +224,7 @@ class Session:
         handler = self._requests.get(request.op)
         try:
             if handler is None:
-                raise InvalidValueError(f"unknown request {request.op!r:.60}")
+                raise InvalidValueError(f"unknown request {brief(request.op, 60)}")
             if request.op not in _STICKY_EXEMPT:
                 self._ctx.check_usable()
             result = _call(handler, request.args, request.fds)
@@ -355,7 +356,7 @@ class Session:
         if request.op == "sleep":
             seconds = args.get("seconds")
             if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds < math.inf:
-                self._reply(request.id, InvalidValueError(f"sleep takes seconds >= 0, not {seconds!r:.20}"))
+                self._reply(request.id, InvalidValueError(f"sleep takes seconds >= 0, not {brief(seconds, 20)}"))
                 return
             host.clock += float(seconds)  # the thread makes no call meanwhile: it cools as it would
         elif request.op == "idle":
@@ -369,7 +370,7 @@ class Session:
             return
         try:
             if handler is None:
-                raise InvalidValueError(f"unknown notification {note.op!r:.60}")
+                raise InvalidValueError(f"unknown notification {brief(note.op, 60)}")
             self._ctx.check_usable()
             result = _call(handler, note.args, ())
         except CudaError as exc:
@@ -405,9 +406,10 @@ class Session:
         try:
             args = request.args
             if args.get("version") != PROTOCOL_VERSION:
-                raise MpsConnectionError(f"protocol version {args.get('version')!r:.20} is not supported "
+                raise MpsConnectionError(f"protocol version {brief(args.get('version'), 20)} is not supported "
                                          f"(the daemon speaks {PROTOCOL_VERSION})")
-            self.context = self.daemon.attach(self, _call(self._quotas_args, args, ()), args)
+            # Any malformed hello becomes the CUDA error a bad argument gets, never a failed session.
+            self.context = _call(lambda a, f: self.daemon.attach(self, self._quotas_args(a, f), a), args, ())
         except CudaError as exc:
             self._reply(request.id, exc)
             self._closing = True
@@ -482,7 +484,7 @@ class Session:
     def _ipc_close_mem_handle(self, args: dict[str, Any], fds: tuple[int, ...]) -> Deferred:
         ptr = args["ptr"]
         if ptr not in self._ctx.imports:
-            raise InvalidValueError(f"{ptr!r:.20} is not a pointer opened from an IPC handle in this context")
+            raise InvalidValueError(f"{brief(ptr, 20)} is not a pointer opened from an IPC handle in this context")
         # Like cudaFree, the mapping goes only after the work queued before it, which may still use it.
         return Deferred(self._ctx.tails(), lambda: self.daemon.ipc.close_memory(self._ctx, ptr))
 

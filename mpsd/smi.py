@@ -14,7 +14,13 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from mpsd_protocol import MpsConnectionError, check_server, format_size  # type: ignore[attr-defined]
+from mpsd_protocol import (  # type: ignore[attr-defined]
+    CONTROL_PACKET,
+    MpsConnectionError,
+    check_server,
+    format_size,
+    read_control_reply,
+)
 
 
 def query(pipe_dir: Path) -> dict[str, Any]:
@@ -29,10 +35,25 @@ def query(pipe_dir: Path) -> dict[str, Any]:
         sock.connect(str(pipe_dir / "control"))
         check_server(sock, pipe_dir / "control")
         sock.send(b"mpsd_status")
-        reply = sock.recv(1 << 16)
-    if not reply:
+        reply = read_control_reply(lambda: sock.recv(CONTROL_PACKET))
+    if reply is None:
         raise ConnectionError("the daemon closed the control connection")
-    return json.loads(reply[1:])
+    status = json.loads(reply)
+    _check_shape(status)
+    return status
+
+
+def _check_shape(status: Any) -> None:
+    """Raises ValueError unless `status` has what render() reads (an old or foreign daemon may differ)."""
+    device_keys = {"index", "name", "memory_used", "memory_total", "sm_utilization", "sms_busy", "policy", "clients"}
+    process_keys = {"device", "pid", "type", "uid", "memory", "sm_cap", "active_thread_percentage", "priority",
+                    "sticky_error"}
+    ok = (isinstance(status, dict) and "server_pid" in status
+          and isinstance(status.get("devices"), list) and isinstance(status.get("processes"), list)
+          and all(isinstance(d, dict) and device_keys <= d.keys() for d in status["devices"])
+          and all(isinstance(p, dict) and process_keys <= p.keys() for p in status["processes"]))
+    if not ok:
+        raise ValueError("its status reply is not what this mpsd-smi reads")
 
 
 def render(status: dict[str, Any]) -> str:
@@ -74,7 +95,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             except (OSError, ValueError) as exc:
                 print(f"mpsd-smi: no mpsd daemon answers at {pipe_dir}: {exc}", file=sys.stderr)
                 return 1
-            print(json.dumps(status) if options.json else render(status), flush=True)
+            try:
+                print(json.dumps(status) if options.json else render(status), flush=True)
+            except BrokenPipeError:  # `mpsd-smi | head`: the reader has what it wanted
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
+                return 0
             if options.loop is None:
                 return 0
             time.sleep(options.loop)

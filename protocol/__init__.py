@@ -4,6 +4,8 @@ No socket I/O and no trio here: the daemon, the blocking client and the trio cli
 `Connection`. (`peer_credentials` and `check_server` read one socket option, so that both ends apply the same
 rule about whom to trust.)
 """
+from ._brief import brief
+from ._control import CONTROL_PACKET, control_packets, read_control_reply
 from ._connection import CLOSED, HEADER, HELLO, NEED_DATA, PROTOCOL_ERROR, Connection, Role
 from ._errors import (
     CODES_BY_NAME,
@@ -36,7 +38,7 @@ from ._units import format_size, parse_decimal, parse_integer, parse_mem_limits,
 globals().update({cls.__name__: cls for cls in ERROR_CLASSES.values()})
 
 __all__ = [
-    "CLOSED", "HEADER", "HELLO", "NEED_DATA", "PROTOCOL_ERROR", "Connection", "Role",
+    "brief", "CONTROL_PACKET", "control_packets", "read_control_reply", "CLOSED", "HEADER", "HELLO", "NEED_DATA", "PROTOCOL_ERROR", "Connection", "Role",
     "CODES_BY_NAME", "ERROR_CLASSES", "CudaError", "error_class", "error_from_wire", "error_name",
     "error_string", "make_error",
     "ANCILLARY_SIZE", "RECV_FLAGS", "close_fds", "pack_fds", "unpack_fds",

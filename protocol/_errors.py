@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ._brief import brief
+
 
 class CudaError(Exception):
     """A CUDA runtime error, as the real runtime would report it.
@@ -139,7 +141,7 @@ def error_from_wire(payload: Any) -> CudaError:
     if isinstance(payload, dict) and isinstance(payload.get("code"), int):
         message = payload.get("message")
         return make_error(payload["code"], message if isinstance(message, str) and message else None)
-    return make_error(999, f"malformed error payload {payload!r:.80}")
+    return make_error(999, f"malformed error payload {brief(payload, 80)}")
 
 
 def error_name(code: int) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from ._brief import brief
 from ._errors import InvalidConfigurationError, InvalidValueError  # type: ignore[attr-defined]
 
 PARAM_KINDS = frozenset({"ptr", "i64", "f32"})
@@ -25,11 +26,11 @@ def dims(value: Any, maximum: Sequence[int], what: str) -> tuple[int, int, int]:
             return x, y, z
     triple = (value,) if isinstance(value, int) else tuple(value) if isinstance(value, (tuple, list)) else None
     if triple is None or not 1 <= len(triple) <= 3:
-        raise InvalidConfigurationError(f"{what} must be an int or a tuple of 1 to 3 ints, not {value!r:.60}")
+        raise InvalidConfigurationError(f"{what} must be an int or a tuple of 1 to 3 ints, not {brief(value, 60)}")
     triple = triple + (1,) * (3 - len(triple))
     for size, limit in zip(triple, maximum):
         if not isinstance(size, int) or isinstance(size, bool) or not 1 <= size <= limit:
-            raise InvalidConfigurationError(f"{what} {value!r:.60} is outside 1..{tuple(maximum)}")
+            raise InvalidConfigurationError(f"{what} {brief(value, 60)} is outside 1..{tuple(maximum)}")
     return triple  # type: ignore[return-value]
 
 
@@ -51,7 +52,7 @@ def check_shape(name: str, grid: Any, block: Any, shared_mem: Any,
             f"block {block!r} has more than {limits['max_threads_per_block']} threads")
     if not isinstance(shared_mem, int) or isinstance(shared_mem, bool) or not (
             0 <= shared_mem <= limits["shared_memory_per_block_optin"]):
-        raise InvalidValueError(f"shared_mem {shared_mem!r:.40} is outside 0..{limits['shared_memory_per_block_optin']}")
+        raise InvalidValueError(f"shared_mem {brief(shared_mem, 40)} is outside 0..{limits['shared_memory_per_block_optin']}")
     return grid3, block3
 
 
@@ -81,6 +82,6 @@ def check_args(name: str, params: Sequence[str], args: Any) -> list[int | float]
             ok = isinstance(arg, (int, float))
             arg = float(arg) if ok else arg
         if not ok:
-            raise InvalidValueError(f"{name} argument {index} must be {kind}, got {arg!r:.40}")
+            raise InvalidValueError(f"{name} argument {index} must be {kind}, got {brief(arg, 40)}")
         checked.append(arg)
     return checked

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ._brief import brief
+
 PROTOCOL_VERSION = 1
 REQUEST, REPLY, NOTIFICATION = 0, 1, 2
 MAX_ID = 2**32 - 1
@@ -26,7 +28,7 @@ class RemoteProtocolError(ProtocolError):
 
 def _check_fds(fds: tuple[int, ...]) -> None:
     if fds and (len(fds) > MAX_FDS_PER_FRAME or not all(isinstance(fd, int) and fd >= 0 for fd in fds)):
-        raise LocalProtocolError(f"bad file descriptors {fds!r}")
+        raise LocalProtocolError(f"bad file descriptors {brief(fds)}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +42,7 @@ class Request:
 
     def __post_init__(self) -> None:
         if not (isinstance(self.id, int) and 0 <= self.id <= MAX_ID):
-            raise LocalProtocolError(f"request id {self.id!r} out of range")
+            raise LocalProtocolError(f"request id {brief(self.id)} out of range")
         if not isinstance(self.op, str) or not isinstance(self.args, dict):
             raise LocalProtocolError("a request needs a str op and dict args")
         _check_fds(self.fds)
@@ -60,7 +62,7 @@ class Reply:
 
     def __post_init__(self) -> None:
         if not (isinstance(self.id, int) and 0 <= self.id <= MAX_ID):
-            raise LocalProtocolError(f"reply id {self.id!r} out of range")
+            raise LocalProtocolError(f"reply id {brief(self.id)} out of range")
         if self.error is not None and not isinstance(self.error, dict):
             raise LocalProtocolError("a reply's error is None or a dict")
         _check_fds(self.fds)
@@ -103,4 +105,4 @@ def from_wire(obj: Any, fds: tuple[int, ...]) -> Message:
             return Notification(obj[1], obj[2], fds)
     except LocalProtocolError as exc:
         raise RemoteProtocolError(f"malformed message: {exc}") from None
-    raise RemoteProtocolError(f"unknown message shape (type {kind!r:.20}, {len(obj)} fields)")
+    raise RemoteProtocolError(f"unknown message shape (type {brief(kind, 20)}, {len(obj)} fields)")

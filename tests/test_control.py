@@ -8,6 +8,7 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -273,6 +274,34 @@ def test_privileged_commands_need_root_or_the_owner(daemon):
     assert _as_user(user, ask) == ("100.0\nPermission denied: set_default_active_thread_percentage needs root or "
                                    "the daemon's owner")
     assert control(daemon, "get_default_active_thread_percentage\n").stdout == "100.0\n"
+
+
+def test_multiuser_opens_the_pipe_dir_and_ps_shows_others_processes_only_to_root(daemon_factory):
+    """--multiuser sets the modes other users' clients need (the pipe directory 0755, its sockets 0666: no
+    chmod by hand), and `ps` lists another user's processes only to root and the daemon's owner."""
+    user = _second_user()
+    if user is None:
+        pytest.skip("needs root to create a second user (useradd)")
+    daemon = start_daemon("--time-scale", "100", "--multiuser")
+    daemon_factory.append(daemon)
+    os.chmod(daemon.pipe_dir.parent, 0o755)  # the test's temporary parent, which the operator would choose
+    assert stat.S_IMODE(os.stat(daemon.pipe_dir).st_mode) == 0o755
+    assert stat.S_IMODE(os.stat(daemon.socket_path).st_mode) == 0o666
+    with mpsd_client.connect(daemon.pipe_dir) as mine:
+
+        def theirs() -> str:
+            mine._sock.close()  # the fork's copy of root's connection
+            with mpsd_client.connect(daemon.pipe_dir) as ctx:
+                with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
+                    sock.connect(str(daemon.pipe_dir / "control"))
+                    sock.send(b"ps")
+                    rows = sock.recv(65536)[1:].decode().splitlines()
+                return " ".join(row.split()[0] for row in rows[1:]) + f" | {ctx.client_id}"
+
+        listed, _, their_id = _as_user(user, theirs).partition(" | ")
+        assert str(os.getpid()) not in listed.split()  # root's client is not shown to the other user
+        assert listed and their_id
+        assert str(os.getpid()) in control(daemon, "ps\n").stdout
 
 
 def test_another_users_client_waits_for_the_server(daemon):

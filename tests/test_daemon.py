@@ -86,6 +86,28 @@ def test_in_flight_reply_finishes_during_shutdown(daemon_factory):
     assert d.stop(signum=None) == 0
 
 
+def test_a_client_connecting_during_shutdown_is_refused_at_once(daemon_factory):
+    """While a shutting-down daemon finishes the replies in flight, a new client is refused at once (it used
+    to sit in the listen queue until its handshake timed out)."""
+    d = start_daemon("--time-scale", "1")
+    worker = spawn_worker("""
+        import mpsd_client
+        ctx = mpsd_client.connect()
+        ctx.launch("spin", 264, 1024, [int(3 * 1.98e9)])   # 3 s of simulated (= wall) time
+        print("synchronizing", flush=True)
+        ctx.synchronize()
+    """, d.pipe_dir)
+    assert worker.stdout.readline().strip() == "synchronizing"
+    time.sleep(0.3)  # the synchronize is in flight (see the test above)
+    d.proc.send_signal(signal.SIGTERM)
+    wait_for_log(d, "Shutting down")
+    with pytest.raises(mpsd_client.MpsConnectionError) as refused:
+        mpsd_client.connect(d.pipe_dir, timeout=30)
+    assert "handshake" not in str(refused.value)
+    worker.communicate(timeout=30)
+    assert d.stop(signum=None) == 0
+
+
 def test_second_daemon_on_the_same_pipe_directory_is_refused(daemon):
     """Starting a daemon where one listens fails with exit 1 and one line, leaving the first untouched."""
     proc = subprocess.run([sys.executable, "-m", "mpsd", "--pipe-dir", str(daemon.pipe_dir)],

@@ -1,0 +1,42 @@
+# The control socket's wire format: nvidia-cuda-mps-control's, one command per SEQPACKET packet in, and its
+# output back after a one-byte marker (an empty packet would read as end of file). An output larger than a
+# packet (mpsd_status or ps with hundreds of clients) goes in several: "+" marks a packet that more follow,
+# "=" the last, so that no reader ever gets a cut reply. Sans-IO: the caller sends and receives.
+from __future__ import annotations
+
+from typing import Callable
+
+CONTROL_PACKET = 1 << 16  # bytes in one packet, marker included
+MAX_CONTROL_REPLY = 64 << 20  # what a reader accepts in all, so a broken peer cannot exhaust it
+MORE, LAST = b"+", b"="
+
+
+def control_packets(output: str) -> list[bytes]:
+    """The packets that carry one command's `output`, in order."""
+    data = output.encode()
+    size = CONTROL_PACKET - 1
+    chunks = [data[i:i + size] for i in range(0, len(data), size)] or [b""]
+    return [MORE + chunk for chunk in chunks[:-1]] + [LAST + chunks[-1]]
+
+
+def read_control_reply(receive: Callable[[], bytes]) -> bytes | None:
+    """One command's output, from packets `receive()` returns; None if the peer closed first.
+
+    Raises:
+        ValueError: a packet without a marker, or a reply past MAX_CONTROL_REPLY.
+    """
+    parts: list[bytes] = []
+    total = 0
+    while True:
+        packet = receive()
+        if not packet:
+            return None
+        marker, body = packet[:1], packet[1:]
+        if marker not in (MORE, LAST):
+            raise ValueError(f"control reply packet starts with {marker!r}, not + or =")
+        total += len(body)
+        if total > MAX_CONTROL_REPLY:
+            raise ValueError(f"control reply larger than {MAX_CONTROL_REPLY} bytes")
+        parts.append(body)
+        if marker == LAST:
+            return b"".join(parts)
