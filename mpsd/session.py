@@ -6,9 +6,12 @@
 # Under the virtual clock every call is stamped when it arrives with the simulated time at which it starts
 # on the client's host thread (its clock, plus its own code's time where the daemon charges it), and applied
 # when the device reaches that time, in stamp order across clients (mpsd.sim.clock, which also says what each
-# call costs the host). `clock`, `sleep` and `idle` act on the client's clock alone. A launch call that finds
-# LAUNCH_QUEUE launches of its client unfinished waits until one ends, and the session reads nothing more from
-# that client meanwhile, so a flood of launches blocks its sender, not the daemon.
+# call costs the host). `clock`, `sleep` and `idle` act on the client's clock alone.
+#
+# Under either clock, a launch call that finds LAUNCH_QUEUE launches of its client unfinished (or
+# MAX_STAGED_BYTES of its pageable copies held) waits until one ends, and the session reads nothing more from
+# that client meanwhile: a flood of work blocks its sender, not the daemon. And a session yields to the
+# others every FAIR_MESSAGES messages, so one client's backlog delays another's request by a bounded slice.
 #
 # Nothing a client sends can take the daemon down: protocol errors close this connection only; a bad call
 # gets the CUDA error a real runtime would give; an unexpected exception becomes cudaErrorUnknown and a log
@@ -49,6 +52,7 @@ from mpsd_protocol import (  # type: ignore[attr-defined]
     Role,
     brief,
     close_fds,
+    format_size,
     make_error,
     peer_credentials,
 )
@@ -61,9 +65,12 @@ IPC_LAZY_ENABLE_PEER_ACCESS = 0x1  # the one flag cudaIpcOpenMemHandle accepts
 # Calls that still answer after a sticky error, so the client can learn what happened.
 _STICKY_EXEMPT = frozenset({"get_last_error", "statistics", "device_properties"})
 CLOCK_CALLS = frozenset({"clock", "sleep", "idle"})
-# Work a client may have queued before its next launch call blocks, under the virtual clock: a real H200's
-# host call blocked once about 1,000 to 1,023 launches were queued (h200-runtime-measurements.md).
+# Work a client may have queued before its next launch call blocks: a real H200's host call blocked once
+# about 1,000 to 1,023 launches were queued (h200-runtime-measurements.md); and the bytes of pageable copies
+# the daemon may hold for one client until they run (each staged piece is at most 8 MiB).
 LAUNCH_QUEUE = 1024
+MAX_STAGED_BYTES = 256 << 20
+FAIR_MESSAGES = 16  # messages of one client served before the others get a turn
 MAX_HOST_TIME = 3600.0  # seconds of its own code a client may report for one gap between calls
 
 
@@ -101,7 +108,8 @@ class Session:
         self._admitting = False
         self.host: Host | None = None  # this client's host clock, under the virtual clock
         self._deferred = 0  # replies waiting for the device
-        self._queued = 0  # launch calls stamped whose work has not completed (virtual clock)
+        self._queued = 0  # launch calls taken whose work has not ended
+        self._staged = 0  # bytes of pageable copies among them, which the daemon holds until they run
         self._held: Request | Notification | None = None  # a launch call waiting for room in the queue
         self._room = trio.Event()  # set when the held call has gone on
         self._answered = trio.Event()  # set when the last of them has gone
@@ -173,6 +181,7 @@ class Session:
                 self.daemon.detach(self.context)
 
     async def _read_loop(self) -> None:
+        served = 0
         while True:
             try:
                 event = self.conn.next_event()
@@ -186,16 +195,14 @@ class Session:
                 return  # the peer reset the connection: it is gone
             if event is CLOSED or self._closing:
                 return
-            if self.host is not None and isinstance(event, (Request, Notification)):
-                self._stamp(event)
-                if self._held is not None:  # the client's launch call blocks: read nothing more until it returns
-                    await self._room.wait()
-            elif isinstance(event, Request):
-                self._request(event)
+            if isinstance(event, (Request, Notification)):
+                self._receive(event)
                 if self._closing:
                     return
-            elif isinstance(event, Notification):
-                self._notification(event)
+                if self._held is not None:  # the client's call blocks: read nothing more until it goes on
+                    await self._room.wait()
+                elif (served := served + 1) % FAIR_MESSAGES == 0:
+                    await trio.lowlevel.checkpoint()  # one read holds many messages: let other clients in
             else:
                 close_fds(event.fds)  # type: ignore[union-attr]
                 self._protocol_error("a client does not send replies")
@@ -282,40 +289,73 @@ class Session:
         assert self.host is not None
         return self.host
 
-    def _stamp(self, message: Request | Notification) -> None:
-        """A call arrived: when it starts and when it reaches the device on the client's clock; it is
-        applied then, in stamp order with every other client's."""
-        engine, host = self._virtual, self._host
-        charged = self._charged(message.args)
-        engine.heard(host)
-        if message.op in CLOCK_CALLS and isinstance(message, Request):
-            engine.clock.start(host, charged)
-            self._clock_call(message)
-            return
-        if HOST_CALLS.get(message.op, (CALL,))[0] == LAUNCH:
-            if self._queued >= LAUNCH_QUEUE:  # the call waits in the driver until work of this client ends
+    def _receive(self, message: Request | Notification) -> None:
+        """A call arrived. Under the virtual clock it is stamped with when it starts and when it reaches the
+        device on the client's clock, and applied then, in stamp order with every other client's; under the
+        wall clock it is served now. A launch call that finds the client's queue full waits (held) until
+        work of that client has ended, as a real host's call blocks."""
+        if self.host is not None:
+            engine, host = self._virtual, self._host
+            charged = self._charged(message.args)
+            engine.heard(host)
+            if message.op in CLOCK_CALLS and isinstance(message, Request):
                 engine.clock.start(host, charged)
-                engine.clock.wait(host)
-                self._held = message
+                self._clock_call(message)
                 return
-            self._queued += 1
-        self._post(message, charged)
+        else:
+            charged = 0.0
+        if HOST_CALLS.get(message.op, (CALL,))[0] != LAUNCH:
+            self._go(message, charged)
+        elif self._queued >= LAUNCH_QUEUE or (self._staged >= MAX_STAGED_BYTES and _staged_bytes(message)):
+            if self.host is not None:  # it waits in the driver: it holds no one's clock meanwhile
+                self._virtual.clock.start(self._host, charged)
+                self._virtual.clock.wait(self._host)
+            self._held = message
+            full = (f"{self._queued} launches queued" if self._queued >= LAUNCH_QUEUE
+                    else f"{format_size(self._staged)} of pageable copies held")
+            self.daemon.log.complaint(("uid", self.uid), f"Client {self.pid}: {full}; its next call waits for its "
+                                                         "work to run")
+        else:
+            self._go(message, charged)
 
-    def _post(self, message: Request | Notification, charged: float) -> None:
+    def _go(self, message: Request | Notification, charged: float) -> None:
+        if HOST_CALLS.get(message.op, (CALL,))[0] == LAUNCH and self.context is not None:
+            self._queued += 1
+            self._staged += _staged_bytes(message)
+        if self.host is None:
+            self._serve(message, None)
+            return
         engine = self._virtual
         timing = engine.clock.call(self._host, message.op, charged)
         engine.clock.post(self._host, timing.at, functools.partial(self._apply, message, timing))
 
-    def _dequeued(self) -> None:
-        """Work of one of the client's launch calls has completed: a held launch call goes on now."""
+    def _serve(self, message: Request | Notification, timing: Timing | None) -> None:
+        """Serve a call now; a launch call's queue entry is freed once the work it queued has run."""
+        before = self.context.last_op if self.context is not None else None
+        if isinstance(message, Notification):
+            self._notification(message)
+        else:
+            self._request(message, timing)
+        if HOST_CALLS.get(message.op, (CALL,))[0] == LAUNCH and self.context is not None:
+            queued = self.context.last_op
+            self.daemon.device_of(self.context).engine.when_done(
+                [queued if queued is not before else None],
+                functools.partial(self._dequeued, _staged_bytes(message)))
+
+    def _dequeued(self, staged: int) -> None:
+        """Work of one of the client's launch calls has ended: a held call goes on, if it may now."""
         self._queued -= 1
-        if self._held is not None and not self.channel.closed:
-            message, self._held = self._held, None
-            self._queued += 1
-            self._post(message, 0.0)
+        self._staged -= staged
+        message = self._held
+        if message is None or self.channel.closed or self._queued >= LAUNCH_QUEUE or (
+                self._staged >= MAX_STAGED_BYTES and _staged_bytes(message)):
+            return
+        self._held = None
+        self._go(message, 0.0)
+        if self.host is not None:
             self._virtual.heard(self._host)
-            self._room.set()
-            self._room = trio.Event()
+        self._room.set()
+        self._room = trio.Event()
 
     def _charged(self, args: Any) -> float:
         """Simulated seconds of the client's own code since its last call: what it measured (its thread's
@@ -331,14 +371,7 @@ class Session:
         if self.channel.closed or self.context is None or self.context.closed:
             close_fds(message.fds)
             return
-        before = self.context.last_op
-        if isinstance(message, Notification):
-            self._notification(message)
-        else:
-            self._request(message, timing)
-        if timing.kind == LAUNCH:  # the queue has room again once the work this call queued has run
-            queued = self.context.last_op
-            self._virtual.when_done([queued if queued is not before else None], self._dequeued)
+        self._serve(message, timing)
 
     def _returned(self, timing: Timing | None, waited: bool) -> None:
         """The call stamped `timing` returns now (after waiting for the device, if `waited`): the client's
@@ -495,6 +528,15 @@ class Session:
     def _launch(self, args: dict[str, Any], fds: tuple[int, ...]) -> None:
         self._ctx.launch(args["name"], args["grid"], args["block"], args["args"], args.get("shared_mem", 0),
                          args.get("stream"))
+
+
+def _staged_bytes(message: Request | Notification) -> int:
+    """The bytes a call makes the daemon hold until it runs: those of a staged (pageable) host-to-device copy."""
+    args = message.args
+    if message.op != "memcpy_htod" or not isinstance(args, dict) or not args.get("staged"):
+        return 0
+    nbytes = args.get("nbytes")
+    return nbytes if type(nbytes) is int and nbytes > 0 else 0
 
 
 def _queued(op: Op) -> None:

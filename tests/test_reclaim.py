@@ -95,3 +95,42 @@ with mpsd_client.connect() as ctx:
             if proc.poll() is None:
                 proc.kill()
                 proc.communicate()
+
+
+@pytest.mark.parametrize("flood", ["launches", "pageable copies"])
+def test_a_flooding_client_is_blocked_not_the_daemon(daemon_factory, flood):
+    """A client that queues launches or pageable copies faster than they run is held at 1,024 launches (a
+    real H200's queue) or 256 MiB of staged bytes: its calls wait, the daemon says so in server.log, its RSS
+    stays bounded, and another client is served meanwhile."""
+    daemon = start_daemon("--time-scale", "1")
+    daemon_factory.append(daemon)
+    rss = psutil.Process(daemon.proc.pid).memory_info
+    baseline = rss().rss
+    flooder = spawn_worker("""
+import sys, threading, numpy as np, mpsd_client
+ctx = mpsd_client.connect()
+s = ctx.create_stream()
+dst = ctx.malloc(8 << 20)
+if sys.argv[1] == "launches":
+    work = lambda: [ctx.launch("spin", 264, 1024, [int(1.98e9)], stream=s) for _ in range(3000)]   # 1 s each
+else:
+    ctx.launch("spin", 264, 1024, [int(60 * 1.98e9)], stream=s)
+    data = np.ones(8 << 20, np.uint8)
+    work = lambda: [ctx.memcpy_htod(dst, data, stream=s) for _ in range(80)]   # 640 MiB, staged
+threading.Thread(target=work, daemon=True).start()
+print("flooding", flush=True)
+sys.stdin.readline()
+""", daemon.pipe_dir, flood)
+    try:
+        assert flooder.stdout.readline().strip() == "flooding"
+        _wait_for(lambda: "its next call waits for its work to run" in daemon.server_log())
+        line = next(x for x in daemon.server_log().splitlines() if "its next call waits" in x)
+        assert ("1024 launches queued" if flood == "launches" else "256 MiB of pageable copies held") in line
+        with mpsd_client.connect(daemon.pipe_dir) as other:  # (its kernels would queue behind the flood's)
+            p = other.malloc(1 << 20)
+            other.free(p)
+            assert other.mem_get_info()[0] > 0
+        assert rss().rss - baseline < 384 << 20
+    finally:
+        flooder.kill()
+        flooder.communicate()
