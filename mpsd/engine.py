@@ -103,6 +103,11 @@ class Engine:
             _tell(self._waiters.pop(op))
         self._wake.set()  # the freed SMs go to the others now: the run loop must dispatch and re-plan its wait
 
+    def forget(self, client: int) -> None:
+        """A client has detached: the simulator keeps nothing about it (its work was cancelled already)."""
+        self.catch_up()
+        self.sim.forget_client(client)
+
     def _finish(self, op: Op) -> None:
         callback: Callable[[Op], None] | None = op.tag  # type: ignore[assignment]
         if callback is not None:

@@ -191,6 +191,7 @@ class Daemon:
         """The client is gone (closed, exited or killed): reclaim everything it held."""
         reclaimed = context.close()
         context.device.contexts.pop(context.id, None)
+        context.device.engine.forget(context.id)
         context.device.faulted.discard(context.id)
         self.control.client_left()
         notify(f"STATUS={self.client_count()} clients")
@@ -233,7 +234,7 @@ class Daemon:
         """Devices and processes, for mpsd-smi: memory, SM utilisation since the last look, quotas."""
         devices, processes = [], []
         for device in self.devices:
-            busy = sum(c.sm_seconds for c in device.sim.statistics().per_client.values())
+            busy = device.sim.statistics().sm_seconds
             now = device.engine.sim_now()
             last_time, last_busy = device.last_look
             device.last_look = (now, busy)

@@ -134,3 +134,23 @@ sys.stdin.readline()
     finally:
         flooder.kill()
         flooder.communicate()
+
+
+@pytest.mark.parametrize("policy", ["mps", "fair", "mig", "timeslice"])
+def test_the_simulator_forgets_a_departed_client(policy):
+    """300 clients come, run a kernel and go (the daemon forgets each as it detaches): the simulator keeps
+    nothing per client about them, and the device's SM-time still counts theirs (what mpsd-smi's utilisation
+    reads)."""
+    from mpsd.sim import H200, Kernel, Simulator, kernel_cost
+
+    sim = Simulator(H200, policy=policy)
+    cost = kernel_cost(H200, "spin", 4, 128, [1000])
+    for client in range(1, 301):
+        sim.configure_client(client, weight=2.0)
+        sim.submit(Kernel(client=client, stream=0, blocks=4, threads=128, cost=cost))
+        sim.run()
+        sim.forget_client(client)
+    stats = sim.statistics()
+    assert stats.per_client == {} and stats.kernels_completed == 300
+    assert stats.sm_seconds == pytest.approx(300 * 4 * (128 / 2048) * 1000 / H200.clock_hz, rel=0.01)
+    assert sim.client_config(7).weight == 1.0  # back to the defaults: nothing is kept

@@ -87,6 +87,7 @@ class Simulator(Blocks):
         self._copy_engines = CopyEngines(spec, lambda at, token: self._push(at, _COPY_END, token))
         self._completed: list[Op] = []  # completions at self.now not yet returned
         self._counters: dict[int, Counters] = {}
+        self._departed_sm_seconds = 0.0  # SM-time of clients forgotten since
         self._kernels = self._blocks = self._copies = 0
         self._policy: Policy = make_policy(policy, self, policy_options)
         # Kernels past their launch overhead with blocks to place; policies read ``_queue.runs`` and ask
@@ -164,6 +165,16 @@ class Simulator(Blocks):
         self._clients[client] = config
         self._queue.forget_windows()  # the policy's windows follow the configuration
         self._dirty = True
+
+    def forget_client(self, client: int) -> None:
+        """A client is gone for good: cancel what it left, and keep nothing per client about it (its SM-time
+        still counts in ``statistics().sm_seconds``)."""
+        self.cancel(client)
+        self._policy.forget(client)
+        self._clients.pop(client, None)
+        counters = self._counters.pop(client, None)
+        if counters is not None:
+            self._departed_sm_seconds += counters.sm_seconds
 
     def client_config(self, client: int) -> ClientConfig:
         """The configuration ``client`` was given, or the defaults."""
@@ -283,6 +294,7 @@ class Simulator(Blocks):
             self._blocks,
             self._copies,
             {c: n.freeze() for c, n in sorted(self._counters.items())},
+            self._departed_sm_seconds + sum(n.sm_seconds for n in self._counters.values()),
         )
 
     def busy_sms(self, client: int | None = None) -> int:

@@ -40,7 +40,8 @@ class SimStatistics:
     Attributes:
         now: simulated seconds.
         kernels_completed, blocks_completed, copies_completed: totals over every client.
-        per_client: client id -> its totals.
+        per_client: client id -> its totals, for the clients the simulator still knows.
+        sm_seconds: SM-time of every block that ran, forgotten clients' included.
     """
 
     now: float
@@ -48,6 +49,7 @@ class SimStatistics:
     blocks_completed: int
     copies_completed: int
     per_client: dict[int, ClientStatistics] = field(default_factory=dict)
+    sm_seconds: float = 0.0
 
 
 @dataclass(slots=True)

@@ -148,6 +148,9 @@ class Policy:
             ValueError: the configuration makes no sense here (a partition that does not exist).
         """
 
+    def forget(self, client: int) -> None:
+        """`client` is gone for good, its work torn down: drop whatever the policy keeps about it."""
+
     def window(self, client: int) -> tuple[int, int] | None:
         """SMs ``client`` may use, as a half-open index range; None for all."""
         return None

@@ -121,6 +121,9 @@ class MigPolicy(Policy):
         """Bind ``client`` to its partition (takes effect for blocks placed from now on)."""
         self._bound[client] = self.resolve(config.partition)
 
+    def forget(self, client: int) -> None:
+        self._bound.pop(client, None)
+
     def partition_of(self, client: int) -> MigPartition:
         """The partition ``client`` is bound to."""
         return self.partitions[self._bound.get(client, 0)]

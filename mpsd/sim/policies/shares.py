@@ -273,6 +273,14 @@ class FairPolicy(Policy):
         self._moved.add(client)
         self._version = -1
 
+    def forget(self, client: int) -> None:
+        """Its service, weight and idle time go: it has no work left (the engine cancelled it first)."""
+        for table in (self._service, self._resident, self._weights, self._rank, self._live, self._idle_since):
+            table.pop(client, None)
+        self._moved.discard(client)
+        self._joining.discard(client)
+        self._version = -1
+
     def service(self, client: int) -> float:
         """SM-seconds charged to ``client`` so far (nominal for blocks still resident)."""
         return self._service.get(client, 0.0)
