@@ -1,6 +1,7 @@
 # `mpsd simulate SCENARIO.toml`: the daemon's GPU model alone, in virtual time, as fast as it can run. A
-# scheduling question about many tenants is answered in seconds, identically on every run: the same engine and
-# policies the daemon drives in real time, fed from a file instead of from client processes.
+# scheduling question about many tenants is answered in seconds, identically on every run: the same engine,
+# policies and virtual-clock driver (mpsd.sim.clock) the daemon runs, fed from a file instead of from client
+# processes.
 #
 #   [device]                       model = "h200", policy = "mps", [device.policy_options] (as the daemon's)
 #   [[tenant]]                     name, count (copies), active_thread_percentage, priority, weight, partition
@@ -17,6 +18,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import heapq
 import itertools
 import json
@@ -30,7 +32,7 @@ from typing import Any
 
 from mpsd.config import DEVICE_MODELS
 from mpsd.sim import COPY_KINDS, ENGINES, Copy, Kernel, Op, Simulator, copy_kernel, kernel_cost, sm_cap
-from mpsd.sim.host import HostThread
+from mpsd.sim.clock import VirtualClock
 
 
 class ScenarioError(Exception):
@@ -129,62 +131,60 @@ def run_scenario(scenario: dict[str, Any]) -> dict[str, Any]:
     if not arrivals:
         raise ScenarioError("the scenario launches no kernels")
     # Each tenant is one host thread: its launch calls are made one after another (``calls``, in the order
-    # they are due), and only its next one is in ``due``, at the time its work reaches the device.
-    threads = {client: HostThread(spec) for client in results}
+    # they are due), and only its next one is posted to the daemon's driver (mpsd.sim.clock), at the time its
+    # work reaches the device; the driver applies them and the device's events in time order, the device's
+    # first at equal times, calls due alike in the order they were listed. No tenant holds the clock: each
+    # call is posted as soon as it is known, and the driver runs the device on until the next.
+    done: list = []
     calls: dict[int, list[tuple[float, int, Op, _Loop | None]]] = {client: [] for client in results}
     for call in arrivals:
         heapq.heappush(calls[call[2].client], call)
-    due: list[tuple[float, int, float, Op, _Loop | None]] = []
-    calling: set[int] = set()  # the tenants with a call in `due`
+    posted: set[int] = set()  # the tenants with a call posted
     launched: dict[int, tuple[float, float]] = {}  # id(op) -> (when the tenant called launch, its warmth)
-    following: dict[int, tuple[Op, _Loop]] = {}  # closed loops waiting for their op to end
+    following: dict[int, _Loop] = {}  # closed loops waiting for their op to end, by id(op)
     scales = dict(spec.copy_calls)  # a copy call's host time against a launch's, by kind (the ops' tag)
     seq = itertools.count(len(arrivals))
-    done: list = []
 
     def call_next(client: int) -> None:
-        if calls[client] and client not in calling:
-            calling.add(client)
+        if calls[client] and client not in posted:
+            posted.add(client)
             at, n, op, loop = heapq.heappop(calls[client])
-            heapq.heappush(due, (threads[client].launch(at, scales.get(op.tag, 1.0)), n, at, op, loop))
-            launched[id(op)] = (at, threads[client].warmth)
+            thread = hosts[client].thread
+            reaches = thread.launch(at, scales.get(op.tag, 1.0))
+            launched[id(op)] = (at, thread.warmth)
+            clock.post(hosts[client], reaches, functools.partial(submit, op, loop), order=n)
+
+    def submit(op: Op, loop: _Loop | None) -> None:
+        posted.discard(op.client)
+        sim.submit(op)
+        if loop is not None:
+            following[id(op)] = loop
+        call_next(op.client)
 
     def finished(ops: list) -> None:
         # A closed loop's next launch: the synchronise returns, the tenant sleeps, then calls launch.
         done.extend(ops)
         for op in ops:
-            follow = following.pop(id(op), None)
-            if follow is not None and follow[1].left > 0:
-                loop = follow[1]
-                at = threads[op.client].synchronize(op.ended) + loop.sleep
+            loop = following.pop(id(op), None)
+            if loop is not None and loop.left > 0:
+                at = hosts[op.client].thread.synchronize(op.ended) + loop.sleep
                 heapq.heappush(calls[op.client], (at, next(seq), loop.make(),
                                                   _Loop(loop.make, loop.left - 1, loop.sleep)))
                 call_next(op.client)
 
+    clock = VirtualClock(sim, finished)
+    hosts = {client: clock.join(client) for client in results}
+    for host in hosts.values():
+        clock.wait(host)
     for client in calls:
         call_next(client)
-    while due:
-        while due or following:
-            # Step event by event only while a closed loop waits on its kernel; otherwise jump to the next launch.
-            t_sim = sim.next_time() if following else None
-            if t_sim is not None and (not due or t_sim < due[0][0]):
-                finished(sim.advance(t_sim))
-                continue
-            if not due:
-                break
-            reaches, _, at, op, loop = heapq.heappop(due)
-            calling.discard(op.client)
-            finished(sim.advance(max(reaches, sim.now)))
-            sim.submit(op)
-            if loop is not None:
-                following[id(op)] = (op, loop)
-            call_next(op.client)
-        finished(sim.run())
+    while clock.pump(1 << 16):
+        pass
     for op in done:
         result = results[op.client]
         result.kernels += 1
         at, warmth = launched[id(op)]
-        returned = op.ended + threads[op.client].sync_latency(warmth)
+        returned = op.ended + hosts[op.client].thread.sync_latency(warmth)
         result.latencies.append(returned - at)
         result.last_end = max(result.last_end, returned)
     stats = sim.statistics()

@@ -155,9 +155,11 @@ class VirtualClock:
     def idle(self, host: Host) -> None:
         host.state = IDLE
 
-    def post(self, host: Host, at: float, action: Callable[[], None]) -> None:
-        """Apply ``action`` at simulated time ``at`` (no earlier than the device's now), in stamp order."""
-        heapq.heappush(self._calls, _Call(max(at, self.sim.now), host.client, next(self._seq), action))
+    def post(self, host: Host, at: float, action: Callable[[], None], order: int | None = None) -> None:
+        """Apply ``action`` at simulated time ``at`` (no earlier than the device's now), in stamp order; calls
+        stamped alike go by ``order`` (default: the host's client id), then as they were posted."""
+        heapq.heappush(self._calls, _Call(max(at, self.sim.now), host.client if order is None else order,
+                                          next(self._seq), action))
 
     def blocker(self) -> Host | None:
         """The holding host with the earliest clock: the one the device waits for when nothing else can go."""
