@@ -14,13 +14,17 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+import msgpack
+import psutil
 import pytest
 import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mpsd_client
+import mpsd_protocol
 from daemons import DaemonProcess, short_tempdir, start_daemon
+from test_daemon import raw_socket, read_until_closed
 from test_ipc import _second_user
 
 BIN = Path(sys.executable).parent
@@ -368,3 +372,36 @@ def test_client_refuses_a_server_of_another_user(client, base):
                                     capture_output=True, text=True, timeout=60)
             assert result.returncode == 1 and result.stderr == f"{client}: {refusal}\n"
     assert received == ["0"]
+
+
+# -- item 3: one client cannot use up the daemon's file descriptors --------------------------------------------
+
+def _daemon_fds(daemon: DaemonProcess) -> int:
+    return psutil.Process(daemon.proc.pid).num_fds()
+
+
+def _greeted(daemon: DaemonProcess) -> socket.socket:
+    """A raw connection to the daemon that has said hello and read the reply."""
+    sock = raw_socket(daemon)
+    sock.sendall(mpsd_protocol.Connection(mpsd_protocol.Role.CLIENT).send(
+        mpsd_protocol.Request(0, "hello", {"version": mpsd_protocol.PROTOCOL_VERSION})))
+    return sock
+
+
+@pytest.mark.parametrize("declared", [0, 1], ids=["none-declared", "fewer-declared"])
+def test_fds_no_frame_declared_close_the_connection(ctx, daemon, declared):
+    """Fds attached to a frame whose header declares fewer get a protocol error and a closed connection, and
+    the daemon keeps none of them (they were kept without bound: 1,249 frames pinned 19,999 fds)."""
+    before = _daemon_fds(daemon)
+    memfd = os.memfd_create("undeclared")
+    sock = _greeted(daemon)
+    body = msgpack.packb([0, 1, "mem_get_info", {}])
+    sock.sendmsg([mpsd_protocol.HEADER.pack(len(body), declared) + body], mpsd_protocol.pack_fds([memfd] * 16))
+    os.close(memfd)
+    messages = read_until_closed(sock)  # the old daemon answered and kept the connection: this timed out
+    sock.close()
+    assert isinstance(messages[0], mpsd_protocol.Reply) and messages[0].error is None  # hello's reply
+    assert [(m.op, m.args["message"]) for m in messages[1:]] == [(
+        "protocol_error", f"{16 - declared} file descriptors arrived with bytes of frames that declared none of them")]
+    assert _daemon_fds(daemon) == before
+    assert ctx.mem_get_info()[0] > 0
