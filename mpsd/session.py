@@ -469,15 +469,18 @@ class Session:
         return Deferred([op]) if stream is None or staged else None
 
     def _mem_fd(self, args: dict[str, Any], fds: tuple[int, ...]) -> WithFds:
-        """The memfd behind a device pointer, so the client can map the same bytes (host_view)."""
+        """The memfd behind a device pointer, so the client can map the same bytes (host_view): the
+        allocation's are `size` bytes from `offset` in it (a small one's memfd is its chunk's)."""
         alloc = self._ctx.segment_of(args["ptr"])
-        return WithFds({"base": alloc.addr, "size": alloc.size}, (os.dup(alloc.segment.fd),))
+        return WithFds({"base": alloc.addr, "size": alloc.size, "offset": alloc.segment.offset},
+                       (os.dup(alloc.segment.fd),))
 
     def _ipc_open_mem_handle(self, args: dict[str, Any], fds: tuple[int, ...]) -> WithFds:
         if args.get("flags", 1) != IPC_LAZY_ENABLE_PEER_ACCESS:
             raise InvalidValueError("ipc_open_mem_handle takes flags=1 (cudaIpcMemLazyEnablePeerAccess) only")
         mapping = self.daemon.ipc.open_memory(self._ctx, args["handle"])
-        return WithFds({"ptr": mapping.addr, "size": mapping.size}, (os.dup(mapping.segment.fd),))
+        return WithFds({"ptr": mapping.addr, "size": mapping.size, "offset": mapping.segment.offset},
+                       (os.dup(mapping.segment.fd),))
 
     def _ipc_close_mem_handle(self, args: dict[str, Any], fds: tuple[int, ...]) -> Deferred:
         ptr = args["ptr"]

@@ -405,3 +405,31 @@ def test_fds_no_frame_declared_close_the_connection(ctx, daemon, declared):
         "protocol_error", f"{16 - declared} file descriptors arrived with bytes of frames that declared none of them")]
     assert _daemon_fds(daemon) == before
     assert ctx.mem_get_info()[0] > 0
+
+
+def test_small_allocations_share_their_chunks_fds(ctx, daemon):
+    """4,100 allocations of 512 bytes cost the daemon the fds of their two 2 MiB chunks, not two fds each (at
+    9,989 the fd table was full), and each is still its own 512 bytes: host_view, copies and memset stay
+    within it, and freeing them all gives the fds back."""
+    before = _daemon_fds(daemon)
+    pointers = [ctx.malloc(512) for _ in range(4100)]
+    assert _daemon_fds(daemon) - before == 4  # two chunks, two fds each (ours and the mapping's)
+    for i in (0, 1, 4095, 4096, 4099):  # neighbours in one chunk, the last of it and the first of the next
+        view = ctx.host_view(pointers[i])
+        assert len(view) == 512 and bytes(view) == bytes(512)
+        view[:] = bytes([i % 251 + 1]) * 512
+        del view
+    for i in (0, 1, 4095, 4096, 4099):
+        out = bytearray(512)
+        ctx.memcpy_dtoh(out, pointers[i])
+        assert out == bytes([i % 251 + 1]) * 512
+    out = bytearray(512)
+    ctx.memcpy_dtoh(out, pointers[2])
+    assert out == bytes(512)  # nothing spilled into the neighbour
+    with pytest.raises(mpsd_client.InvalidValueError):
+        ctx.memcpy_dtoh(bytearray(513), pointers[0])
+    with pytest.raises(mpsd_client.InvalidValueError):
+        ctx.memset(pointers[1] + 256, 0, 257)
+    for p in pointers:
+        ctx.free(p)
+    assert _daemon_fds(daemon) == before + 1  # the staging buffer the copies registered
