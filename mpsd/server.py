@@ -23,7 +23,7 @@ from mpsd.context import Context, Quotas
 from mpsd.control import Control, Settings
 from mpsd.device import Device
 from mpsd.ipc import IpcRegistry
-from mpsd.listeners import Listeners, ListenError, open_listeners
+from mpsd.listeners import Greetings, Listeners, ListenError, open_listeners
 from mpsd.ownership import UnsafePathError
 from mpsd.servlog import ServerLog
 from mpsd.session import Session
@@ -83,6 +83,7 @@ class Daemon:
         self._server_change = trio.Event()
         self._grace = SHUTDOWN_GRACE
         self.sessions: set[Session] = set()
+        self.greetings = Greetings(config.handshake_timeout)
         self._next_client = 1
         self._stop = trio.Event()
 
@@ -374,15 +375,30 @@ class Daemon:
         except OSError:
             sock.close()
             return
+        refused = self.greetings.admit(session.uid)
+        if refused:
+            sock.close()
+            if refused == 1:
+                self.log.server(f"User {session.uid} has {self.greetings.limit} connections that have not said "
+                                "hello; refusing more until one does or is closed")
+            return
         self.sessions.add(session)
         try:
-            await session.run()
+            async with self.greetings.open_handshake(session.uid, session, sock) as handshake:
+                await session.run()
+            if handshake.cancelled_caught:
+                self.log.server(f"Client {session.pid}: no hello within {self.greetings.timeout:g} s; its "
+                                "connection was closed")
         except Exception:
             # A bug met by one client's input ends that client's session, never the daemon.
             log.exception("session of client %d failed", session.pid)
             self.log.server(f"Client {session.pid}: internal error; its connection was closed")
         finally:
             self.sessions.discard(session)
+
+    def greeted(self, session: Session) -> None:
+        """`session` has said hello: it no longer counts against its uid's bound, nor has a deadline."""
+        self.greetings.greeted(session.uid, session)
 
     async def _serve_control(self, sock: trio.socket.SocketType) -> None:
         """One control connection: a command per packet in, its output per packet out (after a one-byte

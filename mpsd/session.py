@@ -218,6 +218,7 @@ class Session:
         """Serve one request. Under the virtual clock `timing` is (kind, host time, stamp) of the call, and
         the client's clock moves to when the call returns before it is answered."""
         if request.op == HELLO:
+            self.daemon.greeted(self)
             self._hello(request)
             return
         handler = self._requests.get(request.op)

@@ -10,6 +10,7 @@ import socket
 import stat
 import subprocess
 import sys
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -25,7 +26,7 @@ import mpsd_client
 import mpsd_protocol
 from daemons import DaemonProcess, short_tempdir, start_daemon
 from test_daemon import raw_socket, read_until_closed
-from test_ipc import _second_user
+from test_ipc import _as_user, _second_user
 
 BIN = Path(sys.executable).parent
 PACKET = 1 << 16
@@ -433,3 +434,56 @@ def test_small_allocations_share_their_chunks_fds(ctx, daemon):
     for p in pointers:
         ctx.free(p)
     assert _daemon_fds(daemon) == before + 1  # the staging buffer the copies registered
+
+
+def _silent_connections(daemon: DaemonProcess, count: int) -> list[socket.socket]:
+    sockets = []
+    for _ in range(count):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(str(daemon.socket_path))
+        sock.settimeout(30)
+        sockets.append(sock)
+    return sockets
+
+
+def test_connections_that_never_say_hello_are_bounded_and_timed_out(daemon_factory):
+    """Connections that say nothing are closed when the handshake timeout passes, and at most 64 of one uid
+    wait at once (the 65th is closed at once); a client that said hello is not hurried (they were all
+    accepted without limit and kept for ever)."""
+    d = start_daemon("--time-scale", "100", "--handshake-timeout", "3")
+    daemon_factory.append(d)
+    with mpsd_client.connect(d.pipe_dir) as ctx:
+        before = _daemon_fds(d)
+        silent = _silent_connections(d, 65)
+        for sock in silent:
+            assert sock.recv(1) == b""  # the old daemon kept them open: this timed out
+            sock.close()
+        deadline = time.monotonic() + 20  # every socket is closed; the last log lines may be a moment behind
+        while (log := d.server_log()).count("no hello within 3 s") < 64 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert log.count("no hello within 3 s") == 64
+        assert log.count(f"User {os.geteuid()} has 64 connections that have not said hello; refusing more") == 1
+        assert _daemon_fds(d) == before
+        assert ctx.malloc(16) > 0  # said hello more than 3 s ago, and still served
+    with mpsd_client.connect(d.pipe_dir) as ctx:
+        assert ctx.malloc(16) > 0
+
+
+def test_other_users_connect_while_one_floods_the_handshake(daemon_factory):
+    """64 silent connections use up their own uid's allowance only: another user's client connects."""
+    user = _needs_second_user()
+    d = start_daemon("--time-scale", "100", "--multiuser")  # both users at once
+    daemon_factory.append(d)
+    for path in (d.pipe_dir.parent, d.pipe_dir):
+        os.chmod(path, 0o755)  # let the second user reach the socket at all
+    os.chmod(d.socket_path, 0o777)
+    silent = _silent_connections(d, 65)
+    assert silent[-1].recv(1) == b""  # refused: its uid has 64 waiting already
+
+    def connect() -> str:
+        with mpsd_client.connect(d.pipe_dir) as ctx:
+            return str(ctx.malloc(16) > 0)
+
+    assert _as_user(user, connect) == "True"
+    for sock in silent:
+        sock.close()
