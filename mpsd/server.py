@@ -389,6 +389,8 @@ class Daemon:
             if handshake.cancelled_caught:
                 self.log.server(f"Client {session.pid}: no hello within {self.greetings.timeout:g} s; its "
                                 "connection was closed")
+            elif session.channel.overflowed:
+                self.log.server(f"Client {session.pid}: {session.channel.overflowed}; its connection was closed")
         except Exception:
             # A bug met by one client's input ends that client's session, never the daemon.
             log.exception("session of client %d failed", session.pid)

@@ -309,11 +309,14 @@ class Session:
     def _dequeued(self) -> None:
         """Work of one of the client's launch calls has completed: a held launch call goes on now."""
         self._queued -= 1
-        if self._held is not None and not self.channel.closed:
+        if self._held is not None:
             message, self._held = self._held, None
-            self._queued += 1
-            self._post(message, 0.0)
-            self._virtual.heard(self._host)
+            if self.channel.closed:  # nobody to answer: the reader goes on, to find the connection ended
+                close_fds(message.fds)
+            else:
+                self._queued += 1
+                self._post(message, 0.0)
+                self._virtual.heard(self._host)
             self._room.set()
             self._room = trio.Event()
 

@@ -487,3 +487,33 @@ def test_other_users_connect_while_one_floods_the_handshake(daemon_factory):
     assert _as_user(user, connect) == "True"
     for sock in silent:
         sock.close()
+
+
+def test_a_client_that_reads_no_replies_is_disconnected(ctx, daemon):
+    """Requests whose replies are never read (each mem_fd reply holds a dup'd fd until it is sent) make the
+    daemon close that connection once 64 fds' worth wait, and give every fd back; other clients carry on
+    (5,000 such requests held 4,725 fds)."""
+    before = _daemon_fds(daemon)
+    sock = _greeted(daemon)
+    body = msgpack.packb([0, 1, "malloc", {"nbytes": 4096}])
+    sock.sendall(mpsd_protocol.HEADER.pack(len(body), 0) + body)
+    conn = mpsd_protocol.Connection(mpsd_protocol.Role.CLIENT)
+    conn._sent_first = True  # this raw peer sent its own bytes
+    while not isinstance(reply := conn.next_event(), mpsd_protocol.Reply) or reply.id != 1:
+        if reply is mpsd_protocol.NEED_DATA:
+            conn.receive_data(sock.recv(65536))
+    try:
+        for i in range(2, 5000):
+            body = msgpack.packb([0, i, "mem_fd", {"ptr": reply.result}])
+            sock.sendall(mpsd_protocol.HEADER.pack(len(body), 0) + body)
+    except OSError:
+        pass  # the daemon has shut the connection: the point
+    while sock.recv(1 << 16):  # what was sent before (its fds are dropped); the old daemon never closed
+        pass
+    sock.close()
+    deadline = time.monotonic() + 20
+    while "replies unread" not in (log := daemon.server_log()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert "file descriptors of replies unread (at most 8388608 and 64 may wait); its connection was closed" in log
+    assert _daemon_fds(daemon) == before
+    assert ctx.mem_get_info()[0] > 0
