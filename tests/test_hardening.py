@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import pwd
+import resource
 import shutil
 import socket
 import stat
@@ -517,3 +518,22 @@ def test_a_client_that_reads_no_replies_is_disconnected(ctx, daemon):
     assert "file descriptors of replies unread (at most 8388608 and 64 may wait); its connection was closed" in log
     assert _daemon_fds(daemon) == before
     assert ctx.mem_get_info()[0] > 0
+
+
+def test_the_daemon_raises_its_soft_fd_limit_to_the_hard_one(daemon_factory):
+    """Started with a soft limit of 256 (as systemd's 1024, under which 502 one-MiB allocations fitted), the
+    daemon raises it to the hard limit, says so in server.log, and a client's 300 allocations of 4 MiB (600
+    fds) fit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+    try:
+        d = start_daemon("--time-scale", "100")  # inherits the low soft limit
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    daemon_factory.append(d)
+    assert psutil.Process(d.proc.pid).rlimit(psutil.RLIMIT_NOFILE) == (hard, hard)
+    assert f"] File descriptor limit {hard} (raised from 256)" in d.server_log()
+    with mpsd_client.connect(d.pipe_dir) as ctx:
+        pointers = [ctx.malloc(4 << 20) for _ in range(300)]
+        for p in pointers:
+            ctx.free(p)
