@@ -59,7 +59,8 @@ class Core:
         self.broken: CudaError | None = None  # set when the connection is gone: every later call fails
         self._pinned: dict[int, HostBuffer] = {}  # by id
         self._staging: list[HostBuffer] = []
-        self._maps: dict[int, tuple[mmap.mmap, int]] = {}  # base address -> mapping of its memfd, size
+        # base address -> the mapping of its memfd's pages, where its bytes begin in it, its size
+        self._maps: dict[int, tuple[mmap.mmap, int, int]] = {}
         self._handles: dict[int, bytes] = {}  # allocation base -> its IPC handle
         self._opens: dict[int, int] = {}  # IPC mapping -> opens not yet closed (the daemon counts the same)
         self._shapes: dict[tuple[Any, Any, Any], tuple[tuple[int, int, int], tuple[int, int, int]]] = {}
@@ -198,13 +199,16 @@ class Core:
         self._handles.pop(int(ptr), None)
 
     # -- mappings of device memory in this process (host_view, IPC) ------------------------------------
-    def _map(self, base: int, size: int, fd: int) -> mmap.mmap:
+    def _map(self, base: int, size: int, fd: int, offset: int) -> memoryview:
+        """Map the pages of `fd` that hold `size` bytes from `offset` (a small allocation's memfd is its
+        2 MiB chunk's, shared with its neighbours), and view those bytes."""
+        page = offset - offset % mmap.ALLOCATIONGRANULARITY
         try:
-            mapping = mmap.mmap(fd, size) if size else mmap.mmap(-1, 1)
+            mapping = mmap.mmap(fd, offset + size - page, offset=page) if size else mmap.mmap(-1, 1)
         finally:
             os.close(fd)
-        self._maps[base] = (mapping, size)
-        return mapping
+        self._maps[base] = (mapping, offset - page, size)
+        return memoryview(mapping)[offset - page:offset - page + size]
 
     def _unmap(self, base: int) -> None:
         entry = self._maps.pop(base, None)
@@ -218,16 +222,15 @@ class Core:
         """A writable memoryview of the device bytes from `ptr` to the end of its allocation: the same
         memory the daemon's kernels and copies use, mapped from its memfd."""
         addr = _address(ptr)
-        for base, (mapping, size) in self._maps.items():
+        for base, (mapping, start, size) in self._maps.items():
             if base <= addr < base + size:
-                return memoryview(mapping)[addr - base:size]
+                return memoryview(mapping)[start + addr - base:start + size]
         reply = yield from self.call_with_fds("mem_fd", {"ptr": addr})
         if len(reply.fds) != 1:
             close_fds(reply.fds)
             raise MpsRpcFailureError("the daemon sent no file descriptor for the mapping")
         base, size = reply.result["base"], reply.result["size"]
-        mapping = self._map(base, size, reply.fds[0])
-        return memoryview(mapping)[addr - base:size]
+        return self._map(base, size, reply.fds[0], reply.result.get("offset", 0))[addr - base:]
 
     def ipc_get_mem_handle(self, ptr: int) -> Op:
         addr = _address(ptr)
@@ -246,7 +249,7 @@ class Core:
         if ptr in self._maps:
             os.close(reply.fds[0])  # opened before: the same mapping, one more reference
         else:
-            self._map(ptr, size, reply.fds[0])
+            self._map(ptr, size, reply.fds[0], reply.result.get("offset", 0))
         self._opens[ptr] = self._opens.get(ptr, 0) + 1
         return DevicePointer(ptr, size, ctx)
 

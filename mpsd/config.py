@@ -20,6 +20,7 @@ CONTAINMENT = ("device", "client")
 IPC_ACCESS = ("uid", "group", "any")
 DEFAULT_PIPE_DIRECTORY = "/tmp/mpsd"
 CLOCKS = ("wall", "virtual")
+HANDSHAKE_TIMEOUT = 10.0  # wall seconds a connection has to say hello (the client waits as long for the reply)
 
 
 class ConfigError(Exception):
@@ -46,6 +47,7 @@ class Config:
     ipc_access: str = "uid"
     multiuser: bool = False  # one server for every user, instead of one user's server at a time
     max_clients: int = 48  # per device, as Volta+ MPS (CUDA 13.0, measured driver)
+    handshake_timeout: float = HANDSHAKE_TIMEOUT  # seconds from connecting to hello, after which it is closed
     policy_options: dict[str, Any] = field(default_factory=dict)  # e.g. {"timeslice": 0.001}
     trace: Path | None = None  # record the device timeline; written there at exit
     # Per-device policy and options from [mpsd.device.N] sections; devices without one use policy and policy_options.
@@ -136,6 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--multiuser", action="store_true", default=None,
                         help="one server serves every user (otherwise other users' clients wait their turn)")
     parser.add_argument("--max-clients", type=int, help="clients per device (default 48, as Volta+ MPS)")
+    parser.add_argument("--handshake-timeout", type=float, metavar="SECONDS",
+                        help=f"wall seconds a connection may take to say hello before it is closed "
+                             f"(default {HANDSHAKE_TIMEOUT:g})")
     parser.add_argument("--trace", metavar="FILE",
                         help="record every device's timeline and write it at exit as Chrome/Perfetto trace JSON "
                              "(opens in ui.perfetto.dev)")
@@ -213,6 +218,9 @@ def load_config(argv: Sequence[str] | None = None, environ: dict[str, str] | Non
     max_clients = int(pick("max_clients", 48))
     if not 1 <= max_clients <= 4096:
         raise ConfigError(f"--max-clients must be between 1 and 4096, not {max_clients}")
+    handshake_timeout = float(pick("handshake_timeout", HANDSHAKE_TIMEOUT))
+    if not 0 < handshake_timeout < float("inf"):
+        raise ConfigError(f"--handshake-timeout must be a positive number of seconds, not {handshake_timeout}")
     priority = int(pick("client_priority", 0))
     if priority not in (0, 1):
         raise ConfigError("client priority must be 0 or 1")
@@ -220,7 +228,8 @@ def load_config(argv: Sequence[str] | None = None, environ: dict[str, str] | Non
                   policy=policy, time_scale=time_scale, clock=clock, host_time=host_time, idle_grace=idle_grace,
                   active_thread_percentage=percentage,
                   pinned_mem_limits=limits, client_priority=priority, fault_containment=containment,
-                  ipc_access=ipc_access, max_clients=max_clients, policy_options=policy_options,
+                  ipc_access=ipc_access, max_clients=max_clients, handshake_timeout=handshake_timeout,
+                  policy_options=policy_options,
                   multiuser=bool(pick("multiuser", False)), device_policies=device_policies,
                   trace=Path(trace) if (trace := pick("trace")) else None)
 

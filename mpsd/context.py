@@ -29,7 +29,7 @@ from mpsd_protocol import (  # type: ignore[attr-defined]
     format_size,
 )
 from mpsd.kernels import KERNELS
-from mpsd.memory import AddressSpace, Allocation, HostBuffer, Segment
+from mpsd.memory import AddressSpace, Allocation, HostBuffer
 from mpsd.sim import COPY_KINDS, Copy, Kernel, Marker, Op, copy_kernel, kernel_cost
 
 if TYPE_CHECKING:
@@ -175,10 +175,9 @@ class Context:
                    if limit < self.device.memory_total(self.partition)
                    else " in its MIG instance" if self.partition is not None else " on the device"))
         try:
-            segment = Segment(nbytes)
+            self.memory.allocate(addr, nbytes, span)
         except OSError as exc:
             raise OutOfMemoryError(f"the daemon could not back {format_size(nbytes)}: {exc.strerror}") from None
-        self.memory.insert(Allocation(addr, nbytes, span, segment))
         self._charge(charge)
         self.counters.mallocs += 1
         return addr

@@ -7,20 +7,30 @@
 # write, could hold their socket in place of ours. Under systemd it is the unit's RuntimeDirectory=, 0700 and
 # root's, which passes. In our own directory only our uid can have left anything, so a stale socket is
 # replaced, but anything else at a socket's path is left alone and named: it may be someone's data.
+#
+# A connection costs the daemon an fd before it has said who it is, so connections that have not said hello
+# are counted per uid and bounded (Greetings), and each has the handshake timeout to say it; the timeout
+# runs in a task beside the session, which looks at the socket before closing it, so that hello the daemon
+# was too busy to read is never held against the client.
 from __future__ import annotations
 
+import array
+import fcntl
 import os
 import socket
 import stat
+import termios
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping
+from typing import AsyncIterator, Hashable, Mapping
 
 import trio
 
 from mpsd.ownership import UnsafePathError, describe, private_directory
 
 SD_LISTEN_FDS_START = 3
+MAX_UNGREETED = 64  # connections of one uid that may be waiting to say hello at once
 
 
 class ListenError(Exception):
@@ -155,3 +165,74 @@ def _unlink(path: Path) -> None:
         path.unlink()
     except FileNotFoundError:
         pass
+
+
+class Greetings:
+    """Connections that have not said hello yet, by uid: at most `limit` of a uid at once, and none for
+    longer than `timeout` wall seconds.
+
+    Args:
+        timeout: seconds from the connection to hello.
+        limit: connections of one uid that may wait to say hello.
+    """
+
+    def __init__(self, timeout: float, limit: int = MAX_UNGREETED) -> None:
+        self.timeout, self.limit = timeout, limit
+        self._waiting: dict[int, dict[Hashable, trio.CancelScope]] = {}  # uid -> connection -> its timer
+        self._refused: dict[int, int] = {}  # uid -> connections refused since it was last under its limit
+
+    def waiting(self, uid: int) -> int:
+        """How many connections of `uid` have not said hello yet."""
+        return len(self._waiting.get(uid, ()))
+
+    def admit(self, uid: int) -> int:
+        """0 when a new connection of `uid` may wait for its hello; else how many have been refused in a row
+        (1 for the first, the one worth a log line)."""
+        if self.waiting(uid) < self.limit:
+            return 0
+        self._refused[uid] = self._refused.get(uid, 0) + 1
+        return self._refused[uid]
+
+    @asynccontextmanager
+    async def open_handshake(self, uid: int, key: Hashable, sock: socket.socket) -> AsyncIterator[trio.CancelScope]:
+        """Count the connection `key` of `uid` until `greeted` (or the block ends); the block is cancelled
+        if the timeout passes first with nothing unread on `sock`. Yields that scope, whose
+        ``cancelled_caught`` then says the timeout closed it."""
+        timer = trio.CancelScope()
+        self._waiting.setdefault(uid, {})[key] = timer
+        try:
+            with trio.CancelScope() as scope:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._expire, timer, scope, sock)
+                    yield scope
+                    nursery.cancel_scope.cancel()
+        finally:
+            self.greeted(uid, key)
+
+    def greeted(self, uid: int, key: Hashable) -> None:
+        """The connection said hello (or is gone): it counts no more, and its time is not limited."""
+        waiting = self._waiting.get(uid, {})
+        timer = waiting.pop(key, None)
+        if timer is not None:
+            timer.cancel()
+        if len(waiting) < self.limit:
+            self._refused.pop(uid, None)
+        if not waiting:
+            self._waiting.pop(uid, None)
+
+    async def _expire(self, timer: trio.CancelScope, scope: trio.CancelScope, sock: socket.socket) -> None:
+        with timer:
+            await trio.sleep(self.timeout)
+            while _unread(sock):  # the daemon, not the client, was slow: hello may be in there
+                await trio.sleep(0.05)
+            scope.cancel()
+
+
+def _unread(sock: socket.socket) -> int:
+    """Bytes waiting in `sock`'s receive queue."""
+    count = array.array("i", [0])
+    try:
+        fcntl.ioctl(sock.fileno(), termios.FIONREAD, count)
+    except OSError:
+        return 0
+    return count[0]

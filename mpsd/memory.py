@@ -1,8 +1,13 @@
-# Device and host memory as the daemon holds it. Device memory is one memfd segment per allocation: sparse
-# (a 141 GB device costs no RAM until touched), nameless (nothing to leak on SIGKILL), and passable over
-# SCM_RIGHTS when IPC needs it. Each client has its own device address space (Volta+ semantics), so the same
-# address in two clients names different bytes. Segments are reference counted because later an IPC import
-# maps one segment into several address spaces; the bytes live until the last mapping goes.
+# Device and host memory as the daemon holds it. Device memory lives in memfd segments: sparse (a 141 GB
+# device costs no RAM until touched), nameless (nothing to leak on SIGKILL), and passable over SCM_RIGHTS
+# when IPC or host_view needs it. A large allocation has a segment of its own; small ones (up to 1 MiB) are
+# slices of their 2 MiB chunk's segment, so what a client holds in fds (two a segment: ours, and the one
+# mmap keeps) grows with its memory, never with how many small allocations it makes. Each client has its own
+# device address space (Volta+ semantics), so the same address in two clients names different bytes.
+# Segments and slices are reference counted because an IPC import maps one into several address spaces; the
+# bytes live until the last mapping goes, and a freed slice that an importer still maps keeps its range of
+# the chunk from being handed out again. Whoever is sent a small allocation's fd can map its whole chunk,
+# the client's other small allocations included, as a real IPC import maps the driver's whole 2 MiB page.
 from __future__ import annotations
 
 import bisect
@@ -28,6 +33,7 @@ class Segment:
     """A memfd of `size` bytes mapped in the daemon; freed when the last reference is dropped."""
 
     __slots__ = ("fd", "size", "map", "refs", "on_release")
+    offset = 0  # where its bytes begin in `fd` and `map` (a Slice's lie inside its chunk's)
 
     def __init__(self, size: int) -> None:
         self.fd = os.memfd_create("mpsd-device", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
@@ -52,6 +58,34 @@ class Segment:
                 callback()
 
 
+class Slice:
+    """A small allocation's bytes in its chunk's segment, counted as a segment of its own would be (the
+    allocation and each IPC import of it); it holds one reference to the chunk's segment until its last."""
+
+    __slots__ = ("chunk", "offset", "size", "refs", "on_release")
+
+    def __init__(self, chunk: Segment, offset: int, size: int) -> None:
+        self.chunk, self.offset, self.size = chunk, offset, size
+        chunk.refs += 1
+        self.refs = 1
+        self.on_release: list = []
+
+    @property
+    def fd(self) -> int:
+        return self.chunk.fd
+
+    @property
+    def map(self) -> mmap.mmap:
+        return self.chunk.map
+
+    def release(self) -> None:
+        self.refs -= 1
+        if self.refs == 0:
+            self.chunk.release()
+            for callback in self.on_release:
+                callback()
+
+
 @dataclass(eq=False, slots=True)
 class Allocation:
     """One mapping in a client's address space."""
@@ -59,7 +93,7 @@ class Allocation:
     addr: int
     size: int  # bytes the user asked for: the bounds that kernels and copies are checked against
     span: int  # bytes of address space it occupies (size rounded up)
-    segment: Segment
+    segment: Segment | Slice
     imported: bool = False  # an IPC import: charged to its exporter, not to this client
 
     @property
@@ -110,6 +144,14 @@ class _Arena:
         return alloc
 
 
+@dataclass(eq=False, slots=True)
+class _Chunk:
+    """A 2 MiB chunk of small allocations: its segment and how many allocations live in it."""
+
+    segment: Segment
+    live: int = 0
+
+
 class AddressSpace:
     """A client's device address space, and what its allocations are charged.
 
@@ -121,13 +163,16 @@ class AddressSpace:
     def __init__(self) -> None:
         self._small = _Arena(SMALL_BASE, SMALL_LIMIT)
         self._large = _Arena(LARGE_BASE, LARGE_LIMIT)
-        self._chunks: dict[int, int] = {}  # chunk index -> live small allocations in it
+        self._chunks: dict[int, _Chunk] = {}  # chunk index -> its segment and how many live in it
+        # Freed small allocations an importer still maps: in _small, so their ranges stay taken, but not live.
+        self._held: dict[int, Allocation] = {}
 
     def __len__(self) -> int:
-        return len(self._small.allocs) + len(self._large.allocs)
+        return len(self._small.allocs) - len(self._held) + len(self._large.allocs)
 
     def __iter__(self) -> Iterator[Allocation]:
-        return iter(list(self._small.allocs.values()) + list(self._large.allocs.values()))
+        return iter([a for a in self._small.allocs.values() if a.addr not in self._held]
+                    + list(self._large.allocs.values()))
 
     def plan(self, size: int) -> tuple[int, int, int]:
         """Where `size` bytes would go: (address, span, bytes newly charged).
@@ -142,57 +187,96 @@ class AddressSpace:
         span = -(-size // CHUNK) * CHUNK
         return self._large.place(span, CHUNK), span, span
 
-    def map_import(self, segment: Segment, size: int) -> Allocation:
+    def map_import(self, segment: Segment | Slice, size: int) -> Allocation:
         """Map an IPC import (2 MiB aligned, as imports are): charged to nobody here."""
         span = -(-max(size, 1) // CHUNK) * CHUNK
         alloc = Allocation(self._large.place(span, CHUNK), size, span, segment, imported=True)
         self._large.insert(alloc)
         return alloc
 
-    def insert(self, alloc: Allocation) -> None:
-        """Map an allocation made at a planned address."""
-        if alloc.span <= SMALL_MAX and alloc.addr < SMALL_LIMIT:
+    def allocate(self, addr: int, size: int, span: int) -> Allocation:
+        """Back and map `size` bytes at the address `plan` gave: a slice of its chunk's segment (made with
+        the chunk's first allocation) when small, a segment of its own when large.
+
+        Raises:
+            OSError: the memfd cannot be made or mapped (out of fds or of memory).
+        """
+        if span <= SMALL_MAX and addr < SMALL_LIMIT:
+            index = addr // CHUNK
+            chunk = self._chunks.get(index)
+            if chunk is None:
+                segment = Segment(CHUNK)
+                segment.refs = 0  # held by the slices cut from it, one reference each
+                chunk = self._chunks[index] = _Chunk(segment)
+            alloc = Allocation(addr, size, span, Slice(chunk.segment, addr - index * CHUNK, size))
             self._small.insert(alloc)
-            chunk = alloc.addr // CHUNK
-            self._chunks[chunk] = self._chunks.get(chunk, 0) + 1
+            chunk.live += 1
         else:
+            alloc = Allocation(addr, size, span, Segment(size))
             self._large.insert(alloc)
+        return alloc
 
     def remove(self, addr: int) -> tuple[Allocation, int]:
         """Take out the allocation whose base is `addr`; returns it and the bytes no longer charged.
 
+        A small one that an IPC importer still maps keeps its range of the chunk from being handed out
+        again until the importer lets go (or the chunk itself goes), so the importer never sees bytes of a
+        later allocation.
+
         Raises:
             InvalidValueError: `addr` is not the base of a live allocation.
         """
-        alloc = self._small.remove(addr)
-        if alloc is not None:
-            chunk = addr // CHUNK
-            self._chunks[chunk] -= 1
-            if self._chunks[chunk]:
+        if addr < SMALL_LIMIT:
+            alloc = self.get(addr)
+            if alloc is None:
+                raise InvalidValueError(f"{addr:#x} is not the base of a live allocation in this context")
+            index = addr // CHUNK
+            chunk = self._chunks[index]
+            chunk.live -= 1
+            if chunk.live:
+                if alloc.segment.refs > 1:
+                    self._held[addr] = alloc
+                    alloc.segment.on_release.append(lambda: self._let_go(chunk, alloc))
+                else:
+                    self._small.remove(addr)
                 return alloc, 0
-            del self._chunks[chunk]
+            # The chunk goes, and the ranges it held with it: a new chunk here gets a segment of its own.
+            for held in [a for a in self._held if a // CHUNK == index] + [addr]:
+                self._held.pop(held, None)
+                self._small.remove(held)
+            del self._chunks[index]
             return alloc, CHUNK
         alloc = self._large.remove(addr)
         if alloc is None:
             raise InvalidValueError(f"{addr:#x} is not the base of a live allocation in this context")
         return alloc, 0 if alloc.imported else alloc.span
 
+    def _let_go(self, chunk: _Chunk, alloc: Allocation) -> None:
+        """The last importer of a freed small allocation let go: its range may be handed out again."""
+        if self._chunks.get(alloc.addr // CHUNK) is chunk and self._held.get(alloc.addr) is alloc:
+            del self._held[alloc.addr]
+            self._small.remove(alloc.addr)
+
     def get(self, addr: int) -> Allocation | None:
         """The allocation whose base is exactly `addr`, if any."""
-        return self._small.allocs.get(addr) or self._large.allocs.get(addr)
+        if addr < SMALL_LIMIT:
+            return self._small.allocs.get(addr) if addr not in self._held else None
+        return self._large.allocs.get(addr)
 
     def find(self, ptr: int) -> Allocation | None:
         """The allocation containing address `ptr`, if any."""
-        return (self._small if ptr < SMALL_LIMIT else self._large).find(ptr)
+        if ptr < SMALL_LIMIT:
+            alloc = self._small.find(ptr)
+            return self.get(alloc.addr) if alloc is not None else None
+        return self._large.find(ptr)
 
     def view(self, ptr: int, nbytes: int) -> memoryview | None:
         """The bytes [ptr, ptr + nbytes) if they lie inside one allocation, else None."""
         alloc = self.find(ptr)
         if alloc is None or nbytes < 0 or ptr + nbytes > alloc.end:
             return None
-        offset = ptr - alloc.addr
+        offset = alloc.segment.offset + ptr - alloc.addr
         return memoryview(alloc.segment.map)[offset:offset + nbytes]
-
 
 
 class HostBuffer:

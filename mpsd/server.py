@@ -11,6 +11,7 @@ import errno
 import itertools
 import logging
 import os
+import resource
 import signal
 import socket
 from pathlib import Path
@@ -23,7 +24,8 @@ from mpsd.context import Context, Quotas
 from mpsd.control import Control, Settings
 from mpsd.device import Device
 from mpsd.ipc import IpcRegistry
-from mpsd.listeners import Listeners, ListenError, open_listeners
+from mpsd.listeners import Greetings, Listeners, ListenError, open_listeners
+from mpsd.memory import CHUNK
 from mpsd.ownership import UnsafePathError
 from mpsd.servlog import ServerLog
 from mpsd.session import Session
@@ -85,6 +87,7 @@ class Daemon:
         self._server_change = trio.Event()
         self._grace = SHUTDOWN_GRACE
         self.sessions: set[Session] = set()
+        self.greetings = Greetings(config.handshake_timeout)
         self._next_client = 1
         self._stop = trio.Event()
 
@@ -293,6 +296,7 @@ class Daemon:
         Raises:
             DaemonError: the pipe directory or socket cannot be set up.
         """
+        was, limit = raise_fd_limit()
         try:
             listeners = await open_listeners(self.config.pipe_dir, multiuser=self.config.multiuser)
         except ListenError as exc:
@@ -304,6 +308,12 @@ class Daemon:
                         + "; policy " + ", ".join(dict.fromkeys(d.policy for d in self.devices))
                         + (f", virtual clock (idle grace {self.config.idle_grace:g} s)" if self.config.clock == "virtual"
                            else f", time scale {self.config.time_scale}"))
+        # Two fds per 2 MiB of device memory at most (a segment and its mapping): what the fds must cover so
+        # that memory, not fds, is what runs out.
+        needed = sum(2 * (device.total_memory // CHUNK) for device in self.devices)
+        self.log.server(f"File descriptor limit {limit}" + (f" (raised from {was})" if was != limit else "")
+                        + (f"; the devices' memory in 2 MiB allocations would need {needed}, so raise the hard "
+                           "limit (LimitNOFILE= under systemd)" if limit < needed else ""))
         received = (trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) if handle_signals
                     else contextlib.nullcontext(None))
         failure: BaseException | None = None
@@ -380,15 +390,32 @@ class Daemon:
         except OSError:
             sock.close()
             return
+        refused = self.greetings.admit(session.uid)
+        if refused:
+            sock.close()
+            if refused == 1:
+                self.log.server(f"User {session.uid} has {self.greetings.limit} connections that have not said "
+                                "hello; refusing more until one does or is closed")
+            return
         self.sessions.add(session)
         try:
-            await session.run()
+            async with self.greetings.open_handshake(session.uid, session, sock) as handshake:
+                await session.run()
+            if handshake.cancelled_caught:
+                self.log.server(f"Client {session.pid}: no hello within {self.greetings.timeout:g} s; its "
+                                "connection was closed")
+            elif session.channel.overflowed:
+                self.log.server(f"Client {session.pid}: {session.channel.overflowed}; its connection was closed")
         except Exception:
             # A bug met by one client's input ends that client's session, never the daemon.
             log.exception("session of client %d failed", session.pid)
             self.log.complaint(("uid", session.uid), f"Client {session.pid}: internal error; its connection was closed")
         finally:
             self.sessions.discard(session)
+
+    def greeted(self, session: Session) -> None:
+        """`session` has said hello: it no longer counts against its uid's bound, nor has a deadline."""
+        self.greetings.greeted(session.uid, session)
 
     async def _serve_control(self, sock: trio.socket.SocketType) -> None:
         """One control connection: a command per packet in, its output back (mpsd_protocol.control_packets)."""
@@ -432,6 +459,29 @@ def _exit_status(failure: BaseException | None) -> int:
     if isinstance(failure, BaseExceptionGroup) and failure.split(trio.Cancelled)[1] is None:
         return 0
     return 1
+
+
+def raise_fd_limit() -> tuple[int, int]:
+    """Raise the soft RLIMIT_NOFILE to the hard limit, as a server that holds an fd per client and per
+    allocation should (systemd gives services a soft limit of 1024 unless the unit says LimitNOFILE=).
+
+    Returns:
+        The soft limit before and after (the same when it could not be raised).
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY:  # Linux caps the fd table at fs.nr_open, whatever the limit says
+        try:
+            hard = int(Path("/proc/sys/fs/nr_open").read_text())
+        except (OSError, ValueError):
+            return soft, soft
+    if soft != resource.RLIM_INFINITY and soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+        except (OSError, ValueError) as exc:
+            log.warning("cannot raise the file descriptor limit from %d to %d: %s", soft, hard, exc)
+            return soft, soft
+        return soft, hard
+    return soft, soft
 
 
 def _tighter(level: int, requested: int | None) -> int:

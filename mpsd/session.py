@@ -226,6 +226,7 @@ class Session:
         """Serve one request. Under the virtual clock `timing` is (kind, host time, stamp) of the call, and
         the client's clock moves to when the call returns before it is answered."""
         if request.op == HELLO:
+            self.daemon.greeted(self)
             self._hello(request)
             return
         handler = self._requests.get(request.op)
@@ -347,13 +348,18 @@ class Session:
         self._queued -= 1
         self._staged -= staged
         message = self._held
-        if message is None or self.channel.closed or self._queued >= LAUNCH_QUEUE or (
-                self._staged >= MAX_STAGED_BYTES and _staged_bytes(message)):
+        if message is None:
             return
-        self._held = None
-        self._go(message, 0.0)
-        if self.host is not None:
-            self._virtual.heard(self._host)
+        if self.channel.closed:  # nobody to answer: the reader goes on, to find the connection ended
+            self._held = None
+            close_fds(message.fds)
+        elif self._queued >= LAUNCH_QUEUE or (self._staged >= MAX_STAGED_BYTES and _staged_bytes(message)):
+            return
+        else:
+            self._held = None
+            self._go(message, 0.0)
+            if self.host is not None:
+                self._virtual.heard(self._host)
         self._room.set()
         self._room = trio.Event()
 
@@ -504,15 +510,18 @@ class Session:
         return Deferred([op]) if stream is None or staged else None
 
     def _mem_fd(self, args: dict[str, Any], fds: tuple[int, ...]) -> WithFds:
-        """The memfd behind a device pointer, so the client can map the same bytes (host_view)."""
+        """The memfd behind a device pointer, so the client can map the same bytes (host_view): the
+        allocation's are `size` bytes from `offset` in it (a small one's memfd is its chunk's)."""
         alloc = self._ctx.segment_of(args["ptr"])
-        return WithFds({"base": alloc.addr, "size": alloc.size}, (os.dup(alloc.segment.fd),))
+        return WithFds({"base": alloc.addr, "size": alloc.size, "offset": alloc.segment.offset},
+                       (os.dup(alloc.segment.fd),))
 
     def _ipc_open_mem_handle(self, args: dict[str, Any], fds: tuple[int, ...]) -> WithFds:
         if args.get("flags", 1) != IPC_LAZY_ENABLE_PEER_ACCESS:
             raise InvalidValueError("ipc_open_mem_handle takes flags=1 (cudaIpcMemLazyEnablePeerAccess) only")
         mapping = self.daemon.ipc.open_memory(self._ctx, args["handle"])
-        return WithFds({"ptr": mapping.addr, "size": mapping.size}, (os.dup(mapping.segment.fd),))
+        return WithFds({"ptr": mapping.addr, "size": mapping.size, "offset": mapping.segment.offset},
+                       (os.dup(mapping.segment.fd),))
 
     def _ipc_close_mem_handle(self, args: dict[str, Any], fds: tuple[int, ...]) -> Deferred:
         ptr = args["ptr"]

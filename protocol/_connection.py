@@ -3,8 +3,13 @@
 #
 # Frames: an 8-byte header (body length, number of fds, both u32 little-endian) then a msgpack body.
 # File descriptors arrive from SCM_RIGHTS attached to byte ranges, and reads coalesce frames, so received fds
-# go into a FIFO and each frame takes as many from its head as its header says. Once this side has seen a
-# protocol error, the connection is dead: every queued fd is closed and every later call raises.
+# go into a FIFO and each frame takes as many from its head as its header says. A sender attaches a frame's fds
+# to the frame's first byte, and the kernel hands them over with the read that holds that byte (a read ends
+# with the write that carried fds), so the fds of one read belong to frames that begin in that read. Fds that
+# no such frame declares can never be claimed: the connection fails as soon as that is certain (the frames of
+# their read are complete), and no more than MAX_QUEUED_FDS wait at any time, so a peer cannot make this side
+# hold fds without bound. Once this side has seen a protocol error, the connection is dead: every queued fd is
+# closed and every later call raises.
 #
 # Rule: the handshake is the only state. A client's first message is the `hello` request; a server's first
 # event is that request and its first message out is the reply to it (or, at any time, the protocol_error
@@ -35,6 +40,9 @@ HEADER = struct.Struct("<II")
 DEFAULT_MAX_FRAME = 1 << 20  # bulk data travels through shared memory, never in frames
 HELLO = "hello"
 PROTOCOL_ERROR = "protocol_error"  # the notice a server sends before closing a connection that broke the rules
+# Fds that may wait for their frames: one frame's, still arriving, and the next one's, which came with the
+# read that completes it (a read never brings the fds of two writes).
+MAX_QUEUED_FDS = 2 * MAX_FDS_PER_FRAME
 
 
 class Role(Enum):
@@ -69,7 +77,10 @@ class Connection:
         self.max_frame_size = max_frame_size
         self._buffer = bytearray()
         self._start = 0  # consumed prefix of _buffer, compacted lazily
+        self._offset = 0  # stream offset of _buffer[0]
         self._fds: deque[int] = deque()
+        # Per read that brought fds: [stream offset of its first byte, of its end, its fds not yet claimed].
+        self._batches: deque[list[int]] = deque()
         self._eof = False
         self._error: RemoteProtocolError | None = None
         self._sent_first = False
@@ -80,14 +91,27 @@ class Connection:
     def receive_data(self, data: bytes, fds: Iterable[int] = ()) -> None:
         """Feed bytes read from the socket (b"" for end of file) and the fds that came with them.
 
-        The connection owns the fds from here on: they end up in a message or are closed.
+        The connection owns the fds from here on: they end up in a message or are closed. Fds beyond what
+        may wait for their frames (MAX_QUEUED_FDS) break the protocol; the next `next_event` says so.
+
+        Raises:
+            RemoteProtocolError: data after end of file or after a protocol error.
         """
+        fds = list(fds)
         self._fds.extend(fds)
         if self._error is not None or self._eof:
             self.close_fds()
             if data:
                 raise RemoteProtocolError("data after end of file or a protocol error")
             return
+        if fds:
+            start = self._offset + len(self._buffer)
+            self._batches.append([start, start + len(data), len(fds)])
+            if not data or len(self._fds) > MAX_QUEUED_FDS:
+                self._fail(RemoteProtocolError(
+                    f"{len(self._fds)} file descriptors arrived that no complete frame has claimed; "
+                    f"at most {MAX_QUEUED_FDS} may wait for their frames"))
+                return
         if data:
             self._buffer += data
         else:
@@ -124,21 +148,21 @@ class Connection:
             if self._eof:
                 raise RemoteProtocolError("connection closed in the middle of a frame")
             return NEED_DATA
-        if nfds > len(self._fds):
-            # Fds travel with the first byte of the write that carried them, so they are here by now.
-            raise RemoteProtocolError(f"frame claims {nfds} file descriptors but {len(self._fds)} arrived")
+        first = self._offset + self._start
+        fds = self._claim(first, first + HEADER.size + length, nfds) if self._batches or nfds else ()
         body_start = self._start + HEADER.size
         end = body_start + length
         body = self._buffer[body_start:end]
         if end == len(self._buffer):
+            self._offset += end
             self._buffer.clear()  # the common case: everything read has been used
             self._start = 0
         else:
             self._start = end
             if end > 65536 and end * 2 > len(self._buffer):
+                self._offset += end
                 del self._buffer[:end]
                 self._start = 0
-        fds = tuple(self._fds.popleft() for _ in range(nfds)) if nfds else ()
         try:
             message = from_wire(_decode(body, self.max_frame_size), fds)
         except RemoteProtocolError:
@@ -146,6 +170,31 @@ class Connection:
             raise
         self._check_incoming(message)
         return message
+
+    def _claim(self, first: int, end: int, nfds: int) -> tuple[int, ...]:
+        """The fds of the frame whose bytes are [first, end): they came with the read that brought its first
+        byte (the head batch, if it began by then). Afterwards no read whose bytes all lie before `end` may
+        hold fds: no later frame can begin in it.
+
+        Raises:
+            RemoteProtocolError: the frame claims fds that did not come with it, or fds came that no frame
+                declared; the fds are closed (the caller fails the connection).
+        """
+        batch = self._batches[0] if self._batches and self._batches[0][0] <= first else None
+        have = batch[2] if batch is not None else 0
+        if nfds > have:
+            # Fds travel with the first byte of the write that carried them, so they are here by now.
+            raise RemoteProtocolError(f"frame claims {nfds} file descriptors but {have} arrived with it")
+        fds = tuple(self._fds.popleft() for _ in range(nfds))
+        if batch is not None:
+            batch[2] -= nfds
+            if not batch[2]:
+                self._batches.popleft()
+        if self._batches and self._batches[0][1] <= end:
+            _close_all(fds)
+            raise RemoteProtocolError(f"{self._batches[0][2]} file descriptors arrived with bytes of frames that "
+                                      "declared none of them")
+        return fds
 
     def _check_incoming(self, message: Message) -> None:
         if self._received_first:
@@ -164,6 +213,7 @@ class Connection:
         self._buffer.clear()
         self._start = 0
         self.close_fds()
+        self._batches.clear()
 
     def close_fds(self) -> None:
         """Close every received fd not yet handed out in a message."""

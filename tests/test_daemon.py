@@ -147,6 +147,7 @@ def test_unwritable_log_directory_is_one_line_and_exit_1(tmp_path):
     (["--devices", "gpu9"], "mpsd: unknown device model 'gpu9' (known: h200)"),
     (["--active-thread-percentage", "150"], "mpsd: --active-thread-percentage must be in (0, 100], not 150.0"),
     (["--pinned-mem-limit", "lots"], "mpsd: --pinned-mem-limit: not a size: 'lots' (expected e.g. 512M or 1G)"),
+    (["--handshake-timeout", "0"], "mpsd: --handshake-timeout must be a positive number of seconds, not 0.0"),
 ])
 def test_bad_options_exit_2_with_one_line(args, message):
     """A user mistake in the options gives exit 2 and one line, never a traceback."""

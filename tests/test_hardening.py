@@ -5,23 +5,29 @@ from __future__ import annotations
 
 import os
 import pwd
+import resource
 import shutil
 import socket
 import stat
 import subprocess
 import sys
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+import msgpack
+import psutil
 import pytest
 import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mpsd_client
+import mpsd_protocol
 from daemons import DaemonProcess, short_tempdir, start_daemon
-from test_ipc import _second_user
+from test_daemon import raw_socket, read_until_closed
+from test_ipc import _as_user, _second_user
 
 BIN = Path(sys.executable).parent
 PACKET = 1 << 16
@@ -368,3 +374,166 @@ def test_client_refuses_a_server_of_another_user(client, base):
                                     capture_output=True, text=True, timeout=60)
             assert result.returncode == 1 and result.stderr == f"{client}: {refusal}\n"
     assert received == ["0"]
+
+
+# -- item 3: one client cannot use up the daemon's file descriptors --------------------------------------------
+
+def _daemon_fds(daemon: DaemonProcess) -> int:
+    return psutil.Process(daemon.proc.pid).num_fds()
+
+
+def _greeted(daemon: DaemonProcess) -> socket.socket:
+    """A raw connection to the daemon that has said hello and read the reply."""
+    sock = raw_socket(daemon)
+    sock.sendall(mpsd_protocol.Connection(mpsd_protocol.Role.CLIENT).send(
+        mpsd_protocol.Request(0, "hello", {"version": mpsd_protocol.PROTOCOL_VERSION})))
+    return sock
+
+
+@pytest.mark.parametrize("declared", [0, 1], ids=["none-declared", "fewer-declared"])
+def test_fds_no_frame_declared_close_the_connection(ctx, daemon, declared):
+    """Fds attached to a frame whose header declares fewer get a protocol error and a closed connection, and
+    the daemon keeps none of them (they were kept without bound: 1,249 frames pinned 19,999 fds)."""
+    before = _daemon_fds(daemon)
+    memfd = os.memfd_create("undeclared")
+    sock = _greeted(daemon)
+    body = msgpack.packb([0, 1, "mem_get_info", {}])
+    sock.sendmsg([mpsd_protocol.HEADER.pack(len(body), declared) + body], mpsd_protocol.pack_fds([memfd] * 16))
+    os.close(memfd)
+    messages = read_until_closed(sock)  # the old daemon answered and kept the connection: this timed out
+    sock.close()
+    assert isinstance(messages[0], mpsd_protocol.Reply) and messages[0].error is None  # hello's reply
+    assert [(m.op, m.args["message"]) for m in messages[1:]] == [(
+        "protocol_error", f"{16 - declared} file descriptors arrived with bytes of frames that declared none of them")]
+    assert _daemon_fds(daemon) == before
+    assert ctx.mem_get_info()[0] > 0
+
+
+def test_small_allocations_share_their_chunks_fds(ctx, daemon):
+    """4,100 allocations of 512 bytes cost the daemon the fds of their two 2 MiB chunks, not two fds each (at
+    9,989 the fd table was full), and each is still its own 512 bytes: host_view, copies and memset stay
+    within it, and freeing them all gives the fds back."""
+    before = _daemon_fds(daemon)
+    pointers = [ctx.malloc(512) for _ in range(4100)]
+    assert _daemon_fds(daemon) - before == 4  # two chunks, two fds each (ours and the mapping's)
+    for i in (0, 1, 4095, 4096, 4099):  # neighbours in one chunk, the last of it and the first of the next
+        view = ctx.host_view(pointers[i])
+        assert len(view) == 512 and bytes(view) == bytes(512)
+        view[:] = bytes([i % 251 + 1]) * 512
+        del view
+    for i in (0, 1, 4095, 4096, 4099):
+        out = bytearray(512)
+        ctx.memcpy_dtoh(out, pointers[i])
+        assert out == bytes([i % 251 + 1]) * 512
+    out = bytearray(512)
+    ctx.memcpy_dtoh(out, pointers[2])
+    assert out == bytes(512)  # nothing spilled into the neighbour
+    with pytest.raises(mpsd_client.InvalidValueError):
+        ctx.memcpy_dtoh(bytearray(513), pointers[0])
+    with pytest.raises(mpsd_client.InvalidValueError):
+        ctx.memset(pointers[1] + 256, 0, 257)
+    for p in pointers:
+        ctx.free(p)
+    assert _daemon_fds(daemon) == before + 1  # the staging buffer the copies registered
+
+
+def _silent_connections(daemon: DaemonProcess, count: int) -> list[socket.socket]:
+    sockets = []
+    for _ in range(count):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(str(daemon.socket_path))
+        sock.settimeout(30)
+        sockets.append(sock)
+    return sockets
+
+
+def test_connections_that_never_say_hello_are_bounded_and_timed_out(daemon_factory):
+    """Connections that say nothing are closed when the handshake timeout passes, and at most 64 of one uid
+    wait at once (the 65th is closed at once); a client that said hello is not hurried (they were all
+    accepted without limit and kept for ever)."""
+    d = start_daemon("--time-scale", "100", "--handshake-timeout", "3")
+    daemon_factory.append(d)
+    with mpsd_client.connect(d.pipe_dir) as ctx:
+        before = _daemon_fds(d)
+        silent = _silent_connections(d, 65)
+        for sock in silent:
+            assert sock.recv(1) == b""  # the old daemon kept them open: this timed out
+            sock.close()
+        deadline = time.monotonic() + 20  # every socket is closed; the last log lines may be a moment behind
+        while (log := d.server_log()).count("no hello within 3 s") < 64 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert log.count("no hello within 3 s") == 64
+        assert log.count(f"User {os.geteuid()} has 64 connections that have not said hello; refusing more") == 1
+        assert _daemon_fds(d) == before
+        assert ctx.malloc(16) > 0  # said hello more than 3 s ago, and still served
+    with mpsd_client.connect(d.pipe_dir) as ctx:
+        assert ctx.malloc(16) > 0
+
+
+def test_other_users_connect_while_one_floods_the_handshake(daemon_factory):
+    """64 silent connections use up their own uid's allowance only: another user's client connects."""
+    user = _needs_second_user()
+    d = start_daemon("--time-scale", "100", "--multiuser")  # both users at once
+    daemon_factory.append(d)
+    for path in (d.pipe_dir.parent, d.pipe_dir):
+        os.chmod(path, 0o755)  # let the second user reach the socket at all
+    os.chmod(d.socket_path, 0o777)
+    silent = _silent_connections(d, 65)
+    assert silent[-1].recv(1) == b""  # refused: its uid has 64 waiting already
+
+    def connect() -> str:
+        with mpsd_client.connect(d.pipe_dir) as ctx:
+            return str(ctx.malloc(16) > 0)
+
+    assert _as_user(user, connect) == "True"
+    for sock in silent:
+        sock.close()
+
+
+def test_a_client_that_reads_no_replies_is_disconnected(ctx, daemon):
+    """Requests whose replies are never read (each mem_fd reply holds a dup'd fd until it is sent) make the
+    daemon close that connection once 64 fds' worth wait, and give every fd back; other clients carry on
+    (5,000 such requests held 4,725 fds)."""
+    before = _daemon_fds(daemon)
+    sock = _greeted(daemon)
+    body = msgpack.packb([0, 1, "malloc", {"nbytes": 4096}])
+    sock.sendall(mpsd_protocol.HEADER.pack(len(body), 0) + body)
+    conn = mpsd_protocol.Connection(mpsd_protocol.Role.CLIENT)
+    conn._sent_first = True  # this raw peer sent its own bytes
+    while not isinstance(reply := conn.next_event(), mpsd_protocol.Reply) or reply.id != 1:
+        if reply is mpsd_protocol.NEED_DATA:
+            conn.receive_data(sock.recv(65536))
+    try:
+        for i in range(2, 5000):
+            body = msgpack.packb([0, i, "mem_fd", {"ptr": reply.result}])
+            sock.sendall(mpsd_protocol.HEADER.pack(len(body), 0) + body)
+    except OSError:
+        pass  # the daemon has shut the connection: the point
+    while sock.recv(1 << 16):  # what was sent before (its fds are dropped); the old daemon never closed
+        pass
+    sock.close()
+    deadline = time.monotonic() + 20
+    while "replies unread" not in (log := daemon.server_log()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert "file descriptors of replies unread (at most 8388608 and 64 may wait); its connection was closed" in log
+    assert _daemon_fds(daemon) == before
+    assert ctx.mem_get_info()[0] > 0
+
+
+def test_the_daemon_raises_its_soft_fd_limit_to_the_hard_one(daemon_factory):
+    """Started with a soft limit of 256 (as systemd's 1024, under which 502 one-MiB allocations fitted), the
+    daemon raises it to the hard limit, says so in server.log, and a client's 300 allocations of 4 MiB (600
+    fds) fit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+    try:
+        d = start_daemon("--time-scale", "100")  # inherits the low soft limit
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    daemon_factory.append(d)
+    assert psutil.Process(d.proc.pid).rlimit(psutil.RLIMIT_NOFILE) == (hard, hard)
+    assert f"] File descriptor limit {hard} (raised from 256)" in d.server_log()
+    with mpsd_client.connect(d.pipe_dir) as ctx:
+        pointers = [ctx.malloc(4 << 20) for _ in range(300)]
+        for p in pointers:
+            ctx.free(p)

@@ -171,6 +171,48 @@ def test_importer_keeps_the_bytes_after_the_exporter_dies(daemon):
             ctx.ipc_open_mem_handle(bytes.fromhex(handle))  # nothing left to open
 
 
+SMALL_EXPORTER = """
+    import mpsd_client
+    ctx = mpsd_client.connect()
+    a, b = ctx.malloc(512), ctx.malloc(512)
+    ctx.memset(a, 7, 512)
+    ctx.memset(b, 9, 512)
+    ctx.synchronize()
+    print(ctx.ipc_get_mem_handle(a).hex())
+    print("ready", flush=True)
+    input()
+    ctx.free(a)
+    c = ctx.malloc(512)
+    ctx.memset(c, 1, 512)
+    ctx.synchronize()
+    print(int(c) != int(a), bytes(b.host_view()[:2]).hex(), flush=True)
+    input()
+    print(int(ctx.malloc(512)) == int(a), flush=True)
+    input()
+"""
+
+
+def test_small_allocations_share_a_chunk_but_not_their_bytes(daemon):
+    """A 512-byte allocation lives in its chunk's memfd beside others, yet an importer sees its 512 bytes
+    alone; after the exporter frees it, its range is not handed out again until the importer closes it, so
+    the importer keeps its bytes and never sees a later allocation's."""
+    worker, (handle,) = export_from_worker(daemon, SMALL_EXPORTER)
+    with mpsd_client.connect(daemon.pipe_dir) as ctx:
+        q = ctx.ipc_open_mem_handle(bytes.fromhex(handle))
+        assert q.size == 512 and bytes(q.host_view()) == b"\x07" * 512
+        worker.stdin.write("free\n")
+        worker.stdin.flush()
+        assert worker.stdout.readline().split() == ["True", "0909"]  # a new allocation, elsewhere
+        out = bytearray(512)
+        ctx.memcpy_dtoh(out, q)
+        assert out == b"\x07" * 512 and bytes(q.host_view()) == b"\x07" * 512
+        ctx.ipc_close_mem_handle(q)
+        worker.stdin.write("again\n")
+        worker.stdin.flush()
+        assert worker.stdout.readline().strip() == "True"  # closed: the range is free again
+    finish(worker)
+
+
 def test_shared_weights_are_counted_once(daemon):
     """Four workers open one exported buffer: the device is charged for it once, and they for nothing."""
     worker, (handle,) = export_from_worker(daemon, EXPORTER)

@@ -181,6 +181,37 @@ def test_frame_claiming_missing_fds_closes_the_queue():
         os.fstat(fd)
 
 
+def test_fds_waiting_for_their_frames_are_bounded():
+    """Fds that arrive with the body of a frame still incomplete (where no frame can begin to claim them)
+    may not pile up: past MAX_QUEUED_FDS the connection fails and every one of them is closed."""
+    _, server = pair()
+    before = _open_fds()
+    body = msgpack.packb([2, "launch", {"pad": "x" * 1000}])
+    frame = HEADER.pack(len(body), 0) + body
+    server.receive_data(frame[:9])
+    for i in range(p._connection.MAX_QUEUED_FDS // 16 + 1):
+        server.receive_data(frame[9 + i:10 + i], [_memfd(b"x") for _ in range(16)])
+    with pytest.raises(RemoteProtocolError, match="at most 32 may wait"):
+        server.next_event()
+    assert _open_fds() == before
+
+
+def test_a_frame_and_the_next_may_both_wait_with_their_fds():
+    """The most an honest peer makes wait: a frame's fds with its first bytes, then the read with the rest of
+    it and the next frame, which carries that frame's fds; each frame gets its own."""
+    client, server = pair()
+    first, second = [_memfd(b"1") for _ in range(16)], [_memfd(b"2") for _ in range(16)]
+    a = client.send(Request(1, "host_register", {"pad": "x" * 1000}, tuple(first)))
+    b = client.send(Request(2, "host_register", {}, tuple(second)))
+    server.receive_data(a[:100], first)
+    server.receive_data(a[100:] + b, second)
+    received = drain(server)
+    assert [os.pread(m.fds[0], 1, 0) for m in received] == [b"1", b"2"]
+    assert [len(m.fds) for m in received] == [16, 16]
+    for m in received:
+        p.close_fds(m.fds)
+
+
 def test_truncated_ancillary_data_is_detected():
     """MSG_CTRUNC (more fds than the reader made room for) is reported, and the fds that came are closed."""
     a, b = socket.socketpair()
