@@ -7,7 +7,7 @@
 # Segments and slices are reference counted because an IPC import maps one into several address spaces; the
 # bytes live until the last mapping goes, and a freed slice that an importer still maps keeps its range of
 # the chunk from being handed out again. Whoever is sent a small allocation's fd can map its whole chunk,
-# the client's other small allocations included, as a real IPC import maps the driver's whole 2 MiB page.
+# the client's other small allocations included, as CUDA IPC shares a sub-allocation's whole block.
 from __future__ import annotations
 
 import bisect
