@@ -162,6 +162,7 @@ async def open_context(pipe_dir: str | os.PathLike[str] | None = None, device: i
         sock.close()
         raise
     actx = AsyncContext(sock, core)
+    refused: CudaError | None = None
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(actx._read)
@@ -169,9 +170,14 @@ async def open_context(pipe_dir: str | os.PathLike[str] | None = None, device: i
                 with trio.fail_after(timeout):
                     await actx._drive(core.hello())
             except trio.TooSlowError:
-                raise MpsConnectionError(f"the daemon at {path} did not answer the handshake") from None
-            yield actx
+                refused = MpsConnectionError(f"the daemon at {path} did not answer the handshake")
+            except CudaError as exc:
+                refused = exc
+            if refused is None:
+                yield actx
             nursery.cancel_scope.cancel()
     finally:
         sock.close()
         actx._conn.close_fds()
+    if refused is not None:  # raised here, outside the nursery: the caller gets the CUDA error itself
+        raise refused

@@ -93,3 +93,16 @@ async def test_daemon_exit_fails_waiting_calls(daemon_factory):
             await actx.mem_get_info()  # and every call after it
     assert d.stop(signum=None) == -9
     shutil.rmtree(d.pipe_dir.parent, ignore_errors=True)
+
+
+async def test_a_refused_hello_raises_the_cuda_error_itself(daemon_factory):
+    """A daemon that refuses the handshake (here: no room for another client) makes open_context raise that
+    CUDA error, not an ExceptionGroup from the context's nursery (mpsd-stress's tenants met one)."""
+    from daemons import start_daemon
+
+    d = start_daemon("--time-scale", "100", "--max-clients", "1")
+    daemon_factory.append(d)
+    async with mpsd_client.open_context(d.pipe_dir):
+        with pytest.raises(mpsd_client.MpsMaxClientsReachedError):
+            async with mpsd_client.open_context(d.pipe_dir):
+                pass

@@ -131,3 +131,27 @@ repeat = 4
     assert "--clock virtual" in run["host_time_warning"] and "--clock virtual" in done.stderr
     virtual = json.loads(stress(str(tmp_path / "short.toml"), "--no-solo", "--json", "-").stdout)["runs"]["mps"]
     assert virtual["host_time_warning"] is None
+
+
+def test_the_model_alone_refuses_what_the_daemon_refuses(tmp_path):
+    """--virtual-time is the daemon's own code: forty tenants asking for 4 GiB each cannot all have it on a
+    141 GB device (the old model gave 300 tenants 950 GiB); those refused say cudaErrorMemoryAllocation."""
+    (tmp_path / "greedy.toml").write_text("""
+[run]
+duration = 0.01
+[[tenant]]
+name = "greedy"
+count = 40
+memory = "4G"
+[[tenant.kernel]]
+name = "spin"
+grid = 1
+block = 32
+duration_ms = 0.01
+""")
+    done = stress(str(tmp_path / "greedy.toml"), "--virtual-time", "--no-solo", "--json", "-")
+    assert done.returncode == 0, done.stderr
+    tenants = json.loads(done.stdout)["runs"]["mps"]["tenants"]
+    held = sum(t["memory_high_water"] for t in tenants)
+    refused = [t for t in tenants if t["errors_by_name"].get("cudaErrorMemoryAllocation")]
+    assert 0 < len(refused) < 40 and held <= 150_109_880_320
