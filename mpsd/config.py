@@ -250,7 +250,8 @@ def _file_settings(document: dict[str, Any], path: Path) -> dict[str, Any]:
              if action.dest not in ("help", "config")} | {"device"}
     unknown = sorted(set(settings) - known)
     if unknown:
-        raise ConfigError(f"{path}: [mpsd]: unknown setting(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+        raise ConfigError(f"{path}: [mpsd]: unknown setting(s) {', '.join(unknown)} "
+                          f"(known: {', '.join(sorted(known))})")
     return settings
 
 

@@ -241,14 +241,16 @@ class Context:
     def _device_view(self, ptr: int, nbytes: int, what: str) -> memoryview:
         view = self.memory.view(ptr, nbytes) if isinstance(ptr, int) and isinstance(nbytes, int) else None
         if view is None:
-            raise InvalidValueError(f"{what} [{brief(ptr, 20)}, +{brief(nbytes, 20)}) is not inside one live allocation")
+            raise InvalidValueError(f"{what} [{brief(ptr, 20)}, +{brief(nbytes, 20)}) is not inside one live "
+                                    "allocation")
         return view
 
     def _host_view(self, buffer_id: int, offset: int, nbytes: int) -> memoryview:
         buffer = self.host.get(buffer_id) if isinstance(buffer_id, int) else None
         view = buffer.view(offset, nbytes) if buffer is not None and isinstance(offset, int) else None
         if view is None:
-            raise InvalidValueError(f"host range [{brief(offset, 20)}, +{brief(nbytes, 20)}) of buffer {brief(buffer_id, 20)} is invalid")
+            raise InvalidValueError(f"host range [{brief(offset, 20)}, +{brief(nbytes, 20)}) of buffer "
+                                    f"{brief(buffer_id, 20)} is invalid")
         return view
 
     # -- copies ----------------------------------------------------------------------------------------

@@ -82,7 +82,8 @@ class Device:
     def _went_idle(self, host: Host) -> None:
         context = self.contexts.get(host.client)
         if context is not None:
-            self.log.server(f"Client {context.pid}: silent for {self.engine.idle_grace:g} s of wall time; "  # type: ignore[attr-defined]
+            grace = self.engine.idle_grace  # type: ignore[attr-defined]  # only a VirtualEngine calls this
+            self.log.server(f"Client {context.pid}: silent for {grace:g} s of wall time; "
                             f"counted idle at simulated time {host.clock:.6f} s, the clock goes on without it")
 
     def _instance(self, partition: int | None) -> int | None:

@@ -177,7 +177,8 @@ class IpcRegistry:
         allowed = (self.access == "any" or ctx.uid == export.uid
                    or (self.access == "group" and ctx.gid == export.gid))
         if not allowed:
-            self.log.complaint(("uid", ctx.uid), f"Client {ctx.pid} (uid {ctx.uid}) was refused an IPC handle exported by "
+            self.log.complaint(("uid", ctx.uid),
+                               f"Client {ctx.pid} (uid {ctx.uid}) was refused an IPC handle exported by "
                             f"client {export.pid} (uid {export.uid}); access policy: {self.access}")
             raise NotPermittedError(f"the IPC access policy ({self.access}) does not let uid {ctx.uid} open a "
                                     f"handle exported by uid {export.uid}")

@@ -148,7 +148,8 @@ class Daemon:
         notify(f"STATUS={self.client_count()} clients")
         claimed = hello.get("pid")
         self.log.server(f"New client {session.pid} connected (context {context.id}, uid {session.uid}, "
-                        f"device {index})" + (f"; it claimed pid {brief(claimed, 20)}" if claimed != session.pid else ""))
+                        f"device {index})"
+                        + (f"; it claimed pid {brief(claimed, 20)}" if claimed != session.pid else ""))
         self.log.server(f"Client {session.pid}: active thread percentage {percentage:.1f} ({quotas.sm_cap} SMs), "
                         f"pinned memory limit {format_size(memory)}, priority {priority}"
                         + (f", weight {weight:g}" if weight != 1.0 else "")
@@ -306,8 +307,8 @@ class Daemon:
         self.log.server(f"Server {self.log.pid} started on {len(self.devices)} device(s): "
                         + ", ".join(d.spec.name for d in self.devices)
                         + "; policy " + ", ".join(dict.fromkeys(d.policy for d in self.devices))
-                        + (f", virtual clock (idle grace {self.config.idle_grace:g} s)" if self.config.clock == "virtual"
-                           else f", time scale {self.config.time_scale}"))
+                        + (f", virtual clock (idle grace {self.config.idle_grace:g} s)"
+                           if self.config.clock == "virtual" else f", time scale {self.config.time_scale}"))
         # Two fds per 2 MiB of device memory at most (a segment and its mapping): what the fds must cover so
         # that memory, not fds, is what runs out.
         needed = sum(2 * (device.total_memory // CHUNK) for device in self.devices)

@@ -210,7 +210,8 @@ class Session:
 
     def _protocol_error(self, text: str) -> None:
         """Say what was wrong, where the socket still allows it, then close this connection only."""
-        self.daemon.log.complaint(("uid", self.uid), f"Client {self.pid}: protocol error, closing its connection: {text}")
+        self.daemon.log.complaint(("uid", self.uid),
+                                  f"Client {self.pid}: protocol error, closing its connection: {text}")
         self._send(Notification(PROTOCOL_ERROR, {"message": text}))
 
     def _send(self, message: Reply | Notification) -> None:
@@ -223,8 +224,8 @@ class Session:
 
     # -- dispatch --------------------------------------------------------------------------------------
     def _request(self, request: Request, timing: Timing | None = None) -> None:
-        """Serve one request. Under the virtual clock `timing` is (kind, host time, stamp) of the call, and
-        the client's clock moves to when the call returns before it is answered."""
+        """Serve one request. Under the virtual clock `timing` is the call's on the client's clock, which moves
+        to when the call returns before it is answered."""
         if request.op == HELLO:
             self.daemon.greeted(self)
             self._hello(request)
@@ -305,9 +306,9 @@ class Session:
                 return
         else:
             charged = 0.0
-        if HOST_CALLS.get(message.op, (CALL,))[0] != LAUNCH:
+        if not self._full(message):
             self._go(message, charged)
-        elif self._queued >= LAUNCH_QUEUE or (self._staged >= MAX_STAGED_BYTES and _staged_bytes(message)):
+        else:
             if self.host is not None:  # it waits in the driver: it holds no one's clock meanwhile
                 self._virtual.clock.start(self._host, charged)
                 self._virtual.clock.wait(self._host)
@@ -316,11 +317,14 @@ class Session:
                     else f"{format_size(self._staged)} of pageable copies held")
             self.daemon.log.complaint(("uid", self.uid), f"Client {self.pid}: {full}; its next call waits for its "
                                                          "work to run")
-        else:
-            self._go(message, charged)
+
+    def _full(self, message: Request | Notification) -> bool:
+        """Whether `message` is a launch call that must wait for room in its client's queue."""
+        return _launches(message) and (self._queued >= LAUNCH_QUEUE or (
+            self._staged >= MAX_STAGED_BYTES and _staged_bytes(message) > 0))
 
     def _go(self, message: Request | Notification, charged: float) -> None:
-        if HOST_CALLS.get(message.op, (CALL,))[0] == LAUNCH and self.context is not None:
+        if _launches(message) and self.context is not None:
             self._queued += 1
             self._staged += _staged_bytes(message)
         if self.host is None:
@@ -337,7 +341,7 @@ class Session:
             self._notification(message)
         else:
             self._request(message, timing)
-        if HOST_CALLS.get(message.op, (CALL,))[0] == LAUNCH and self.context is not None:
+        if _launches(message) and self.context is not None:
             queued = self.context.last_op
             self.daemon.device_of(self.context).engine.when_done(
                 [queued if queued is not before else None],
@@ -353,7 +357,7 @@ class Session:
         if self.channel.closed:  # nobody to answer: the reader goes on, to find the connection ended
             self._held = None
             close_fds(message.fds)
-        elif self._queued >= LAUNCH_QUEUE or (self._staged >= MAX_STAGED_BYTES and _staged_bytes(message)):
+        elif self._full(message):
             return
         else:
             self._held = None
@@ -537,6 +541,11 @@ class Session:
     def _launch(self, args: dict[str, Any], fds: tuple[int, ...]) -> None:
         self._ctx.launch(args["name"], args["grid"], args["block"], args["args"], args.get("shared_mem", 0),
                          args.get("stream"))
+
+
+def _launches(message: Request | Notification) -> bool:
+    """Whether `message` is a launch call: it queues work on the device and returns (mpsd.sim.clock)."""
+    return HOST_CALLS.get(message.op, (CALL,))[0] == LAUNCH
 
 
 def _staged_bytes(message: Request | Notification) -> int:

@@ -82,7 +82,8 @@ def _known(table: Any, kind: str, where: str) -> None:
         raise ScenarioError(f"{where} must be a table")
     unknown = sorted(set(table) - KEYS[kind])
     if unknown:
-        raise ScenarioError(f"{where}: unknown setting(s) {', '.join(unknown)} (known: {', '.join(sorted(KEYS[kind]))})")
+        raise ScenarioError(f"{where}: unknown setting(s) {', '.join(unknown)} "
+                            f"(known: {', '.join(sorted(KEYS[kind]))})")
 
 
 def _check_keys(scenario: dict[str, Any]) -> None:
@@ -93,7 +94,8 @@ def _check_keys(scenario: dict[str, Any]) -> None:
         _known(tenant, "tenant", where)
         for kind in ("kernel", "copy"):
             for entry in tenant.get(kind, []):
-                _known(entry, kind, f"{where}: {kind} {entry.get('name', entry.get('kind')) if isinstance(entry, dict) else ''}")
+                named = entry.get("name", entry.get("kind")) if isinstance(entry, dict) else ""
+                _known(entry, kind, f"{where}: {kind} {named}")
 
 
 def run_scenario(scenario: dict[str, Any]) -> dict[str, Any]:

@@ -38,7 +38,8 @@ from ._units import format_size, parse_decimal, parse_integer, parse_mem_limits,
 globals().update({cls.__name__: cls for cls in ERROR_CLASSES.values()})
 
 __all__ = [
-    "brief", "CONTROL_PACKET", "control_packets", "read_control_reply", "CLOSED", "HEADER", "HELLO", "NEED_DATA", "PROTOCOL_ERROR", "Connection", "Role",
+    "brief", "CONTROL_PACKET", "control_packets", "read_control_reply",
+    "CLOSED", "HEADER", "HELLO", "NEED_DATA", "PROTOCOL_ERROR", "Connection", "Role",
     "CODES_BY_NAME", "ERROR_CLASSES", "CudaError", "error_class", "error_from_wire", "error_name",
     "error_string", "make_error",
     "ANCILLARY_SIZE", "RECV_FLAGS", "close_fds", "pack_fds", "unpack_fds",

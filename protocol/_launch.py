@@ -52,7 +52,8 @@ def check_shape(name: str, grid: Any, block: Any, shared_mem: Any,
             f"block {block!r} has more than {limits['max_threads_per_block']} threads")
     if not isinstance(shared_mem, int) or isinstance(shared_mem, bool) or not (
             0 <= shared_mem <= limits["shared_memory_per_block_optin"]):
-        raise InvalidValueError(f"shared_mem {brief(shared_mem, 40)} is outside 0..{limits['shared_memory_per_block_optin']}")
+        raise InvalidValueError(f"shared_mem {brief(shared_mem, 40)} is outside "
+                                f"0..{limits['shared_memory_per_block_optin']}")
     return grid3, block3
 
 

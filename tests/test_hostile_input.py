@@ -72,7 +72,8 @@ def watched(daemon_factory):
     ([[0, 1, "hello", dict(HELLO, limits={"pinned_mem_limit": True})]], "cudaErrorInvalidValue"),
     ([[0, 1, "hello", dict(HELLO, device=True)]], "cudaErrorInvalidDevice"),
     ([[0, 1, "hello", dict(HELLO, version=DEEP)]], "cudaErrorMpsConnectionFailed"),
-    ([[0, 1, "hello", dict(HELLO, pid=DEEP)], [0, 2, "launch", {"name": "x" * (1 << 19), "grid": 1, "block": 1, "args": []}]],
+    ([[0, 1, "hello", dict(HELLO, pid=DEEP)],
+      [0, 2, "launch", {"name": "x" * (1 << 19), "grid": 1, "block": 1, "args": []}]],
      "cudaErrorInvalidDeviceFunction"),
 ], ids=["nested 1000 deep", "priority True", "priority 1.0", "limit True", "device True", "deep version",
         "claimed pid deep, long kernel name"])

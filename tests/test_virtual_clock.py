@@ -18,7 +18,8 @@ from mpsd.sim import H200
 
 # A worker: connects when told (CONNECT on stdin: the runner connects workers one after another, so their
 # client ids, which order ties in the daemon as in the model, follow the entries), says READY, waits for GO
-# (holding the clock at its start), then runs its entries (kernels back to back and one synchronise, or a closed loop of launch, synchronise and sleep) and
+# (holding the clock at its start), then runs its entries (kernels back to back and one synchronise, or a
+# closed loop of launch, synchronise and sleep) and
 # prints its clock at the end and each closed-loop latency.
 WORKER = """
 import json, sys

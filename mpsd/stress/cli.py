@@ -66,7 +66,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     console = _console(options)
     wall = options.clock == "wall" and not options.virtual_time
     results: dict[str, Any] = {"workload": workload.source, "in_process": options.virtual_time,
-                               "clock": "wall" if wall else "virtual", "time_scale": options.time_scale if wall else 1.0,
+                               "clock": "wall" if wall else "virtual",
+                               "time_scale": options.time_scale if wall else 1.0,
                                "duration_s": workload.duration, "runs": {}}
     runs: dict[str, Timeline] = {}
     try:

@@ -257,7 +257,8 @@ def _read_trace(path: Path, daemon: _Daemon | None) -> dict[str, Any]:
 class _TenantProcess:
     """One tenant process and the thread that reads its lines."""
 
-    def __init__(self, name: str, work: Path, setup: dict[str, Any], lines: queue.Queue[tuple[str, str | None]]) -> None:
+    def __init__(self, name: str, work: Path, setup: dict[str, Any],
+                 lines: queue.Queue[tuple[str, str | None]]) -> None:
         self.name = name
         env = {k: v for k, v in os.environ.items() if k not in LIMIT_VARIABLES}
         env.update(setup["environ"], MPSD_PIPE_DIRECTORY=str(work))
@@ -352,8 +353,9 @@ def _count(progress: Progress, name: str, result: dict[str, Any]) -> None:
 
 # -- tenant tasks beside a daemon in this process ---------------------------------------------------------
 
-def run_virtual(workload: Workload, policy: str, policy_options: dict[str, Any], tenants: list[TenantSpec] | None = None,
-                on_progress: Callable[[Progress], None] = lambda p: None, label: str | None = None) -> Timeline:
+def run_virtual(workload: Workload, policy: str, policy_options: dict[str, Any],
+                tenants: list[TenantSpec] | None = None, on_progress: Callable[[Progress], None] = lambda p: None,
+                label: str | None = None) -> Timeline:
     """Run ``tenants`` as tasks of this process against a daemon in this process, on its virtual clock: no
     processes, the same figures as `run_real` gives, to the bit.
 
