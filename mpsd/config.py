@@ -10,9 +10,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+import psutil
+
 from mpsd.engine import DEFAULT_IDLE_GRACE
 from mpsd.sim import H200, POLICIES as SIM_POLICIES, DeviceSpec, Simulator
-from mpsd_protocol import parse_integer, parse_mem_limits
+from mpsd_protocol import parse_integer, parse_mem_limits, parse_size
 
 DEVICE_MODELS: dict[str, DeviceSpec] = {"h200": H200}
 POLICIES = tuple(SIM_POLICIES)  # whatever the simulator offers
@@ -48,6 +50,7 @@ class Config:
     multiuser: bool = False  # one server for every user, instead of one user's server at a time
     max_clients: int = 48  # per device, as Volta+ MPS (CUDA 13.0, measured driver)
     handshake_timeout: float = HANDSHAKE_TIMEOUT  # seconds from connecting to hello, after which it is closed
+    host_memory: int | None = None  # bytes of host RAM simulated device memory may take; None: mpsd.hostmem's default
     policy_options: dict[str, Any] = field(default_factory=dict)  # e.g. {"timeslice": 0.001}
     trace: Path | None = None  # record the device timeline; written there at exit
     # Per-device policy and options from [mpsd.device.N] sections; devices without one use policy and policy_options.
@@ -141,6 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--handshake-timeout", type=float, metavar="SECONDS",
                         help=f"wall seconds a connection may take to say hello before it is closed "
                              f"(default {HANDSHAKE_TIMEOUT:g})")
+    parser.add_argument("--host-memory", metavar="SIZE|PERCENT",
+                        help="host RAM the simulated device memory may take, e.g. 16G or 25%% of this host's "
+                             "(default 50%%); touching more fails with cudaErrorMemoryAllocation")
     parser.add_argument("--trace", metavar="FILE",
                         help="record every device's timeline and write it at exit as Chrome/Perfetto trace JSON "
                              "(opens in ui.perfetto.dev)")
@@ -221,6 +227,7 @@ def load_config(argv: Sequence[str] | None = None, environ: dict[str, str] | Non
     handshake_timeout = float(pick("handshake_timeout", HANDSHAKE_TIMEOUT))
     if not 0 < handshake_timeout < float("inf"):
         raise ConfigError(f"--handshake-timeout must be a positive number of seconds, not {handshake_timeout}")
+    host_memory = _host_memory(pick("host_memory"))
     priority = int(pick("client_priority", 0))
     if priority not in (0, 1):
         raise ConfigError("client priority must be 0 or 1")
@@ -229,6 +236,7 @@ def load_config(argv: Sequence[str] | None = None, environ: dict[str, str] | Non
                   active_thread_percentage=percentage,
                   pinned_mem_limits=limits, client_priority=priority, fault_containment=containment,
                   ipc_access=ipc_access, max_clients=max_clients, handshake_timeout=handshake_timeout,
+                  host_memory=host_memory,
                   policy_options=policy_options,
                   multiuser=bool(pick("multiuser", False)), device_policies=device_policies,
                   trace=Path(trace) if (trace := pick("trace")) else None)
@@ -253,6 +261,25 @@ def _file_settings(document: dict[str, Any], path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: [mpsd]: unknown setting(s) {', '.join(unknown)} "
                           f"(known: {', '.join(sorted(known))})")
     return settings
+
+
+def _host_memory(value: Any) -> int | None:
+    """``--host-memory``: a size (``16G``) or a share of the host's RAM (``25%``); None when not given."""
+    if value is None:
+        return None
+    text = str(value).strip()
+    try:
+        if text.endswith("%"):
+            share = float(text[:-1])
+            if not 0 < share <= 100:
+                raise ValueError
+            return int(psutil.virtual_memory().total * share / 100)
+        size = parse_size(text)
+    except ValueError:
+        size = 0
+    if size <= 0:
+        raise ConfigError(f"--host-memory must be a size such as 16G or a share such as 25%, not {text!r}")
+    return size
 
 
 def _host_time(text: str) -> float | None:

@@ -29,7 +29,8 @@ from mpsd_protocol import (  # type: ignore[attr-defined]
     format_size,
 )
 from mpsd.kernels import KERNELS
-from mpsd.memory import AddressSpace, Allocation, HostBuffer
+from mpsd.hostmem import Reservation
+from mpsd.memory import AddressSpace, Allocation, HostBuffer, Segment
 from mpsd.sim import COPY_KINDS, Copy, Kernel, Marker, Op, copy_kernel, kernel_cost
 
 if TYPE_CHECKING:
@@ -116,6 +117,7 @@ class Context:
         self.host: dict[int, HostBuffer] = {}
         self.streams: dict[int, Stream] = {0: Stream(0, 0, True, (client_id, 0))}
         self.events: dict[int, Event] = {}
+        self._reservations: set[Reservation] = set()  # host RAM that queued ops may still touch
         self._orphans: list[Op] = []  # last ops of destroyed streams: their work still counts
         self.last_op: Op | None = None  # the op the latest call queued
         self.sticky: CudaError | None = None
@@ -220,6 +222,30 @@ class Context:
         self.device.charge(nbytes, self.partition)
         self.counters.peak_used = max(self.counters.peak_used, self.used)
 
+    def _extent(self, ptr: int, nbytes: int) -> tuple[Segment, int] | None:
+        """The memfd segment that holds [ptr, ptr + nbytes) and where in it they begin, if one allocation does."""
+        alloc = self.memory.find(ptr) if isinstance(ptr, int) and isinstance(nbytes, int) else None
+        if alloc is None or nbytes < 0 or ptr + nbytes > alloc.end:
+            return None
+        segment = alloc.segment
+        return getattr(segment, "chunk", segment), segment.offset + ptr - alloc.addr
+
+    def _reserve(self, ranges: list[tuple[int, int]]) -> Reservation:
+        """Count against the daemon's host RAM budget what the ranges an op will touch may newly cost.
+
+        Raises:
+            OutOfMemoryError: it would take the daemon past its budget (the call fails; nothing is queued).
+        """
+        extents = [(*extent, nbytes) for ptr, nbytes in ranges if (extent := self._extent(ptr, nbytes))]
+        reservation = self.device.host_memory.reserve(extents)  # type: ignore[arg-type]
+        self._reservations.add(reservation)
+        return reservation
+
+    def _settle(self, reservation: Reservation) -> None:
+        if reservation in self._reservations:
+            self._reservations.remove(reservation)
+            self.device.host_memory.settle(reservation)
+
     def host_register(self, fd: int, nbytes: int) -> int:
         if not isinstance(nbytes, int) or nbytes <= 0:
             raise InvalidValueError(f"host buffer size {brief(nbytes, 40)} is not a positive byte count")
@@ -269,10 +295,13 @@ class Context:
         if staged:
             source.release()
 
+        touched = self._reserve([(dst, nbytes)])
+
         def effect(op: Op) -> None:
             view = self.memory.view(dst, nbytes)
             if view is not None and not self.closed:
                 view[:] = data
+            self._settle(touched)
 
         return self._copy(s, "h2d", nbytes, effect)
 
@@ -280,12 +309,14 @@ class Context:
         s = self._stream(stream)
         self._device_view(src, nbytes, "source").release()
         self._host_view(host, offset, nbytes).release()
+        touched = self._reserve([(src, nbytes)])
 
         def effect(op: Op) -> None:
             source = self.memory.view(src, nbytes)
             buffer = self.host.get(host)
             if source is not None and buffer is not None and not self.closed:
                 buffer.map[offset:offset + nbytes] = source
+            self._settle(touched)
 
         return self._copy(s, "d2h", nbytes, effect)
 
@@ -293,11 +324,13 @@ class Context:
         s = self._stream(stream)
         self._device_view(dst, nbytes, "destination").release()
         self._device_view(src, nbytes, "source").release()
+        touched = self._reserve([(src, nbytes), (dst, nbytes)])
 
         def effect(op: Op) -> None:
             source, target = self.memory.view(src, nbytes), self.memory.view(dst, nbytes)
             if source is not None and target is not None and not self.closed:
                 _move(target, source)
+            self._settle(touched)
 
         return self._copy(s, "d2d", nbytes, effect)
 
@@ -307,14 +340,22 @@ class Context:
             raise InvalidValueError(f"memset value {brief(value, 20)} is not an int")
         self._device_view(ptr, nbytes, "memset range").release()
         byte = value & 0xFF  # cudaMemset uses the low byte, as memset does
+        # Zeros are written as holes, which cost the host no RAM: only the partial pages at the ends count.
+        touched = self._reserve([(ptr, min(nbytes, 1)), (ptr + nbytes - 1, min(nbytes, 1))] if byte == 0
+                                else [(ptr, nbytes)])
 
         def effect(op: Op) -> None:
-            view = self.memory.view(ptr, nbytes)
-            if view is not None and not self.closed:
-                pattern = bytes([byte]) * min(nbytes, _CHUNK)
-                for start in range(0, nbytes, _CHUNK):
-                    end = min(start + _CHUNK, nbytes)
-                    view[start:end] = pattern[:end - start]
+            extent = self._extent(ptr, nbytes)
+            if extent is not None and not self.closed:
+                if byte == 0:
+                    self.device.host_memory.zero(*extent, nbytes)
+                else:
+                    view = self.memory.view(ptr, nbytes)
+                    pattern = bytes([byte]) * min(nbytes, _CHUNK)
+                    for start in range(0, nbytes, _CHUNK):
+                        end = min(start + _CHUNK, nbytes)
+                        view[start:end] = pattern[:end - start]  # type: ignore[index]
+            self._settle(touched)
 
         return self._copy(s, "memset", nbytes, effect)
 
@@ -349,8 +390,15 @@ class Context:
             raise LaunchOutOfResourcesError(f"a block of {threads} threads and {shared_mem} bytes of shared "
                                             "memory does not fit on one SM")
         cost = kernel_cost(spec, name, blocks, threads, checked)
+        touched = self._reserve([(int(checked[index]), nbytes) for index, nbytes in kernel.extents(checked)])
 
         def effect(op: Op) -> None:
+            try:
+                run()
+            finally:
+                self._settle(touched)
+
+        def run() -> None:
             if self.closed or self.sticky is not None:
                 return
             views = []
@@ -495,6 +543,8 @@ class Context:
         """Release everything the client holds (it exited or was killed). Returns what was reclaimed."""
         self.closed = True
         self.device.engine.cancel(self.id)
+        for reservation in list(self._reservations):  # work that will never run touches nothing
+            self._settle(reservation)
         imports = len({id(export) for export in self.imports.values()})
         self.ipc.context_closed(self)
         allocations = list(self.memory)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mpsd.engine import DEFAULT_IDLE_GRACE, Engine, VirtualEngine
+from mpsd.hostmem import HostMemory, default_budget
 from mpsd.recorder import Recorder
 from mpsd.sim import DeviceSpec, Simulator, sm_cap
 from mpsd_protocol import CudaError
@@ -55,8 +56,9 @@ class Device:
     def __init__(self, index: int, spec: DeviceSpec, *, policy: str, time_scale: float,
                  containment: str, log: ServerLog, policy_options: dict[str, Any] | None = None,
                  trace: Path | None = None, clock: str = "wall", idle_grace: float = DEFAULT_IDLE_GRACE,
-                 shared_process: bool = False) -> None:
+                 shared_process: bool = False, host_memory: HostMemory | None = None) -> None:
         self.index = index
+        self.host_memory = host_memory if host_memory is not None else HostMemory(default_budget())
         self.spec = spec
         self.shared_process = shared_process
         self.properties = device_properties(spec, index)

@@ -23,6 +23,7 @@ from mpsd.config import Config
 from mpsd.context import Context, Quotas
 from mpsd.control import Control, Settings
 from mpsd.device import Device
+from mpsd.hostmem import HostMemory, default_budget
 from mpsd.ipc import IpcRegistry
 from mpsd.listeners import Greetings, Listeners, ListenError, open_listeners
 from mpsd.memory import CHUNK
@@ -70,11 +71,13 @@ class Daemon:
             raise DaemonError(str(exc)) from None
         except OSError as exc:
             raise DaemonError(f"cannot write logs in {config.log_dir}: {exc.strerror}") from None
+        # One budget of host RAM for every device's simulated memory: they all live in this process.
+        self.host_memory = HostMemory(config.host_memory if config.host_memory is not None else default_budget())
         self.devices = [
             Device(i, spec, policy=config.device_policy(i)[0], time_scale=config.time_scale,
                    containment=config.fault_containment, log=self.log, policy_options=config.device_policy(i)[1],
                    trace=config.trace_path(i), clock=config.clock, idle_grace=config.idle_grace,
-                   shared_process=config.shared_process)
+                   shared_process=config.shared_process, host_memory=self.host_memory)
             for i, spec in enumerate(config.devices)
         ]
         self.ipc = IpcRegistry(config.ipc_access, self.log)
@@ -259,7 +262,9 @@ class Daemon:
                     "priority": ctx.quotas.priority, "weight": ctx.quotas.weight, "partition": ctx.partition,
                     "sticky_error": ctx.sticky.name if ctx.sticky else None,
                 })
-        return {"server_pid": self.log.pid, "devices": devices, "processes": processes}
+        return {"server_pid": self.log.pid, "devices": devices, "processes": processes,
+                "host_memory": {"resident": self.host_memory.resident, "reserved": self.host_memory.pending,
+                                "budget": self.host_memory.budget}}
 
     def client_statistics(self, context: Context) -> dict[str, Any]:
         stats = context.device.sim.statistics()

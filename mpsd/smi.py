@@ -1,8 +1,9 @@
 # `mpsd-smi`: a status table in the spirit of nvidia-smi, from the daemon's control socket. Devices (memory,
 # SM utilisation since the last look, counted from the blocks that ended; SMs busy now; the device's own
-# policy) and processes (type M+C as MPS clients show, memory, SM cap, priority, sticky error). `--json`
-# prints the same data, with each process's fair-share weight and MIG instance, for programs; `-l SECONDS`
-# refreshes.
+# policy), the host RAM that simulated memory takes (device memory is sparse memfds: only touched pages cost
+# RAM, within the daemon's --host-memory budget), and processes (type M+C as MPS clients show, memory, SM cap,
+# priority, sticky error). `--json` prints the same data, with each process's fair-share weight and MIG
+# instance, for programs; `-l SECONDS` refreshes.
 from __future__ import annotations
 
 import argparse
@@ -65,6 +66,10 @@ def render(status: dict[str, Any]) -> str:
         memory = f"{format_size(d['memory_used'])} / {format_size(d['memory_total'])}"
         lines.append(f"{d['index']:>3}  {d['name']:<12} {memory:>26}  {d['sm_utilization']:>6.0%}  "
                      f"{d['sms_busy']:>8}  {d['policy']:<11} {d['clients']:>7}")
+    host = status.get("host_memory")
+    if isinstance(host, dict) and {"resident", "reserved", "budget"} <= host.keys():
+        lines.append(f"Host RAM holding simulated device memory: {format_size(host['resident'])} of a "
+                     f"{format_size(host['budget'])} budget ({format_size(host['reserved'])} reserved by queued work)")
     lines += ["", f"{'GPU':>3}  {'PID':>8}  {'Type':<4}  {'UID':>6}  {'Memory':>10}  {'SMs':>4}  {'ATP':>6}  "
                   f"{'Prio':>4}  Sticky error"]
     if not status["processes"]:

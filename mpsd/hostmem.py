@@ -1,0 +1,119 @@
+# The host RAM that simulated device memory costs, and the budget it is kept within. Device memory lives in
+# sparse memfds (mpsd.memory): an allocation costs nothing until it is touched, and then each page touched costs
+# a page of the host's RAM (tmpfs pages, counted in the memfd's st_blocks). Reading through a mapping
+# materialises pages as writing does, so every byte a copy, memset or kernel will touch counts.
+#
+# The budget is checked when a call is made, not when its work runs: the work is queued only if the pages it
+# may touch for the first time fit beside what is resident and what work already queued may still touch. A
+# client that would push the host toward the OOM killer gets cudaErrorMemoryAllocation for that call, and no
+# other client notices. A memset to zero gives whole pages back (punches holes) instead of writing zeros, so
+# clearing memory, the commonest first touch, costs nothing.
+from __future__ import annotations
+
+import ctypes
+import errno
+import mmap
+import os
+from dataclasses import dataclass, field
+
+import psutil
+
+from mpsd.memory import Segment
+from mpsd_protocol import OutOfMemoryError, format_size  # type: ignore[attr-defined]
+
+PAGE = mmap.PAGESIZE
+DEFAULT_SHARE = 0.5  # of the host's RAM, when no budget is given: room for the daemon, its clients and the rest
+
+_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+
+
+def default_budget() -> int:
+    return int(psutil.virtual_memory().total * DEFAULT_SHARE)
+
+
+@dataclass(eq=False, slots=True)
+class Reservation:
+    """Pages that one queued op may touch for the first time, counted until it has run (or never will)."""
+
+    nbytes: int
+    segments: list[Segment] = field(default_factory=list)
+
+
+class HostMemory:
+    """What the daemon's memfds hold of the host's RAM, against a budget shared by every device and client."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.resident = 0  # bytes of RAM the segments held when last measured
+        self.pending = 0  # bytes that queued work may still materialise
+        self._resident: dict[Segment, int] = {}
+
+    def reserve(self, extents: list[tuple[Segment, int, int]]) -> Reservation:
+        """Count the pages of `extents` ((segment, offset, bytes) each) not yet resident against the budget.
+
+        Raises:
+            OutOfMemoryError: they do not fit beside what is resident and reserved.
+        """
+        new = sum(self._holes(segment, offset, nbytes) for segment, offset, nbytes in extents)
+        if new and self.resident + self.pending + new > self.budget:
+            raise OutOfMemoryError(
+                f"touching {format_size(new)} more of simulated device memory would take the daemon's host RAM "
+                f"past its budget of {format_size(self.budget)} ({format_size(self.resident)} in use, "
+                f"{format_size(self.pending)} reserved by queued work; mpsd --host-memory sets the budget)")
+        self.pending += new
+        return Reservation(new, [segment for segment, _, _ in extents])
+
+    def settle(self, reservation: Reservation) -> None:
+        """The op ran, or never will: its pages are measured instead of reserved."""
+        self.pending -= reservation.nbytes
+        reservation.nbytes = 0
+        for segment in reservation.segments:
+            if segment.refs > 0:  # still open (a segment closes when its last mapping goes)
+                self._measure(segment)
+        reservation.segments.clear()
+
+    def zero(self, segment: Segment, offset: int, nbytes: int) -> None:
+        """Make [offset, offset + nbytes) of `segment` read as zeros: whole pages are given back to the host,
+        and only the partial pages at either end that hold data are written."""
+        start, end = offset, offset + nbytes
+        first, last = -(-start // PAGE) * PAGE, end // PAGE * PAGE
+        if first >= last:
+            first = last = end  # no whole page inside: write it all
+        elif _libc.fallocate(segment.fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, first, last - first) != 0:
+            raise OSError(ctypes.get_errno(), "cannot punch a hole in device memory")
+        for a, b in ((start, first), (last, end)):
+            if a < b and self._holes(segment, a, b - a) < PAGE:  # a page that is a hole already reads as zeros
+                segment.map[a:b] = bytes(b - a)
+        self._measure(segment)
+
+    def _measure(self, segment: Segment) -> None:
+        now = os.fstat(segment.fd).st_blocks * 512
+        before = self._resident.get(segment)
+        if before is None:
+            segment.on_release.append(lambda: self._forget(segment))
+        self._resident[segment] = now
+        self.resident += now - (before or 0)
+
+    def _forget(self, segment: Segment) -> None:
+        self.resident -= self._resident.pop(segment, 0)
+
+    def _holes(self, segment: Segment, offset: int, nbytes: int) -> int:
+        """Bytes of the pages [offset, offset + nbytes) touches that are not resident yet."""
+        if nbytes <= 0 or self._resident.get(segment, 0) >= segment.size:
+            return 0
+        pos, end = offset // PAGE * PAGE, min(-(-(offset + nbytes) // PAGE) * PAGE, segment.size)
+        holes = 0
+        while pos < end:
+            try:
+                data = min(os.lseek(segment.fd, pos, os.SEEK_DATA), end)
+            except OSError as exc:
+                if exc.errno != errno.ENXIO:
+                    raise
+                data = end  # nothing but a hole from here to the end of the file
+            holes += data - pos
+            if data >= end:
+                break
+            pos = os.lseek(segment.fd, data, os.SEEK_HOLE)
+        return holes

@@ -1,0 +1,89 @@
+# The host RAM that simulated device memory costs stays within the daemon's budget (issue 13, item 7): device
+# memory is sparse memfds, a touched page costs a page of RAM, and touching more than the budget fails that
+# call with cudaErrorMemoryAllocation instead of taking the host to the OOM killer. A real daemon, real clients,
+# and the daemon's own figures as mpsd-smi shows them; one in-process check of the page arithmetic.
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+import mpsd_client
+from daemons import start_daemon
+from mpsd.hostmem import PAGE, HostMemory
+from mpsd.memory import Segment
+from mpsd.smi import query, render
+from mpsd_protocol import OutOfMemoryError
+
+MiB = 1 << 20
+
+
+def _host(daemon) -> dict:
+    return query(daemon.pipe_dir)["host_memory"]
+
+
+def test_touching_past_the_budget_fails_that_call_and_zeros_cost_nothing(daemon_factory):
+    daemon = start_daemon("--time-scale", "100", "--host-memory", "64M")
+    daemon_factory.append(daemon)
+    with mpsd_client.connect(daemon.pipe_dir) as a, mpsd_client.connect(daemon.pipe_dir) as b:
+        p = a.malloc(1 << 30)  # a GiB of device memory costs no RAM until it is touched
+        a.memset(p, 0, 1 << 30)  # nor does clearing it: zeros are holes
+        a.synchronize()
+        assert _host(daemon)["resident"] < MiB
+        a.memset(p, 7, 56 * MiB)
+        a.synchronize()
+        assert 56 * MiB <= _host(daemon)["resident"] < 58 * MiB
+        with pytest.raises(OutOfMemoryError, match="budget of 64"):
+            a.memset(p + 56 * MiB, 7, 32 * MiB)
+        assert _host(daemon)["resident"] < 58 * MiB
+        # A pageable copy goes in pieces: those that fit land, the first that does not fails.
+        with pytest.raises(OutOfMemoryError):
+            a.memcpy_htod(p + 56 * MiB, np.ones(32 * MiB, np.uint8))
+        a.launch("fill_f32", 64, 256, [p + 64 * MiB, 1.0, 8 * MiB])  # 32 MiB of first touches
+        with pytest.raises(OutOfMemoryError):
+            a.synchronize()
+        assert _host(daemon)["resident"] <= 64 * MiB
+        # The other client goes on, and rewriting pages already resident costs nothing more.
+        b.launch("spin", 8, 32, [1000])
+        b.synchronize()
+        a.memset(p, 9, 56 * MiB)
+        a.synchronize()
+        # Clearing gives the pages back, and then the same memset fits.
+        a.memset(p, 0, 64 * MiB)
+        a.synchronize()
+        assert _host(daemon)["resident"] < MiB
+        q = b.malloc(MiB)
+        b.memset(q, 1, MiB)
+        a.memset(p + 56 * MiB, 7, 32 * MiB)
+        out = np.empty(4, np.uint8)
+        a.memcpy_dtoh(out, p + 56 * MiB - 2)
+        assert list(out) == [0, 0, 7, 7]
+        host = _host(daemon)
+        assert 32 * MiB <= host["resident"] < 36 * MiB and host["reserved"] == 0 and host["budget"] == 64 * MiB
+        assert "Host RAM holding simulated device memory: 3" in render(query(daemon.pipe_dir))
+        a.free(p)
+        assert _host(daemon)["resident"] <= 2 * MiB  # b's chunk
+    assert _host(daemon)["resident"] == 0
+
+
+def test_pages_are_counted_as_the_kernel_touches_them():
+    """The arithmetic on one segment: what a reservation counts, what settling measures, what zeroing frees."""
+    host = HostMemory(budget=16 * PAGE)
+    segment = Segment(64 * PAGE)
+    try:
+        first = host.reserve([(segment, PAGE // 2, 4 * PAGE)])  # straddles five pages
+        assert first.nbytes == 5 * PAGE and host.pending == 5 * PAGE
+        segment.map[0:5 * PAGE] = b"\1" * (5 * PAGE)
+        host.settle(first)
+        assert (host.pending, host.resident) == (0, 5 * PAGE)
+        assert host.reserve([(segment, 0, 5 * PAGE)]).nbytes == 0  # resident already
+        with pytest.raises(OutOfMemoryError):
+            host.reserve([(segment, 5 * PAGE, 12 * PAGE)])
+        host.zero(segment, 100, 5 * PAGE - 200)  # three whole pages punched; the two ends written
+        assert host.resident == 2 * PAGE == os.fstat(segment.fd).st_blocks * 512
+        assert bytes(segment.map[100:5 * PAGE - 100]) == bytes(5 * PAGE - 200)
+        assert segment.map[99] == 1 and segment.map[5 * PAGE - 100] == 1
+    finally:
+        segment.release()
+    assert host.resident == 0
