@@ -30,7 +30,7 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import mpsd_client  # noqa: E402
 from daemons import start_daemon  # noqa: E402
-from mpsd.smi import query  # noqa: E402
+from mpsd.tools.smi import query  # noqa: E402
 
 
 def client(pipe_dir: Path, seed: int, handles: Path) -> None:

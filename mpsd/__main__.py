@@ -1,5 +1,5 @@
 import sys
 
-from mpsd.cli import main
+from mpsd.daemon.cli import main
 
 sys.exit(main())

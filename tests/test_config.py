@@ -13,7 +13,7 @@ import pytest
 
 import mpsd_client
 from daemons import short_tempdir, start_daemon
-from mpsd.config import ConfigError, load_config
+from mpsd.daemon.config import ConfigError, load_config
 from mpsd.sim import H200, MIG_PROFILES
 
 BIN = Path(sys.executable).parent

@@ -19,7 +19,7 @@ import pytest
 
 import mpsd_client
 from daemons import short_tempdir, start_daemon
-from mpsd.servlog import COMPLAINT_BURST, MAX_LINE
+from mpsd.daemon.servlog import COMPLAINT_BURST, MAX_LINE
 from mpsd_protocol import PROTOCOL_VERSION
 
 BIN = Path(sys.executable).parent

@@ -11,9 +11,9 @@ import pytest
 
 import mpsd_client
 from daemons import start_daemon
-from mpsd.hostmem import PAGE, HostMemory
-from mpsd.memory import Segment
-from mpsd.smi import query, render
+from mpsd.backends.hostmem import PAGE, HostMemory
+from mpsd.runtime.memory import Segment
+from mpsd.tools.smi import query, render
 from mpsd_protocol import OutOfMemoryError
 
 MiB = 1 << 20

@@ -8,7 +8,7 @@ import pytest
 import mpsd_client
 from daemons import start_daemon
 from test_daemon import wait_for_log
-from mpsd.memory import CHUNK
+from mpsd.runtime.memory import CHUNK
 from mpsd.sim import H200, MIG_PROFILES
 
 LAYOUT = ("3g.71gb", "1g.18gb")

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, event, example, given, settings, strategies 
 
 import mpsd_client
 from daemons import run_worker, start_daemon
-from mpsd.memory import CHUNK
+from mpsd.runtime.memory import CHUNK
 from mpsd.sim import H200
 from mpsd_client import InvalidDeviceError, InvalidValueError, NoDeviceError
 from mpsd_protocol import parse_mem_limits

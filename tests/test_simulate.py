@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from mpsd.sim import H200
-from mpsd.simulate import ScenarioError, run_scenario
+from mpsd.tools.simulate import ScenarioError, run_scenario
 
 HOST_MS = (H200.launch_latency + H200.sync_latency) * 1e3  # what an idle tenant pays on the host, once per wait
 OVERHEAD_MS = H200.kernel_overhead * 1e3  # what the device pays before each kernel of a stream

@@ -8,7 +8,7 @@ import pytest
 from mpsd.stress.metrics import summarize
 from mpsd.stress.report import write_report
 from mpsd.stress.timeline import KernelRecord, Request, Span, TenantInfo, Timeline
-from mpsd.trace import load_trace
+from mpsd.stress.trace import load_trace
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mpsd.stress.timeline import KernelRecord, Request, Span, TenantInfo, Timeline
-from mpsd.trace import chrome_trace, load_trace, read_chrome_trace, write_trace
+from mpsd.stress.trace import chrome_trace, load_trace, read_chrome_trace, write_trace
 
 
 def rich_timeline() -> Timeline:

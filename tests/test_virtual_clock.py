@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from daemons import spawn_worker, start_daemon
-from mpsd.simulate import run_scenario
+from mpsd.tools.simulate import run_scenario
 from mpsd.sim import H200
 
 # A worker: connects when told (CONNECT on stdin: the runner connects workers one after another, so their

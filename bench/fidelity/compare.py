@@ -12,7 +12,7 @@ time-slicing against the blocks a context holds; h200_bandwidth.json: a memory-b
 SM caps and neighbours; h200_copies.json to h200_copies4.json: copies by kind and size, memsets, copy calls,
 device copies under SM caps and beside kernels, small copies beside streams of large ones, both directions at
 once, two and three streams on one engine). Every workload is run on the simulator alone in virtual
-time (mpsd.simulate): MPS rows under the `mps` policy, no-MPS rows under `timeslice`; a batch starts when its
+time (mpsd.tools.simulate): MPS rows under the `mps` policy, no-MPS rows under `timeslice`; a batch starts when its
 process began launching. Issue 4's target is every row within 5%, wave counts exact. `--repeats` shows how far
 the H200 differs from itself: the figures measured in two runs or more with the same inputs to the model, and
 those whose runs differ so much that no prediction could be within 5% of them all.
@@ -62,7 +62,7 @@ from mpsd.sim import H200, Kernel, Simulator, kernel_cost, sm_cap
 from mpsd.sim.costs import COPY_THREADS
 from mpsd.sim.specs import dram_bandwidth, dram_threads
 from mpsd.sim.policies import POLICIES
-from mpsd.simulate import run_scenario
+from mpsd.tools.simulate import run_scenario
 
 HERE = Path(__file__).parent
 REFERENCE, RUN1, RUN2 = HERE / "h200_timing.json", HERE / "h200_timing_extra.json", HERE / "h200_timing_repeat.json"

@@ -8,7 +8,7 @@ It starts an MPS control daemon on private pipe and log directories, runs one pr
 and stops the daemon. Each probe reports cudaMemGetInfo right after context creation, the largest single
 allocation that succeeds (to 1 MiB), how much free memory a 1-byte allocation costs, the 256 MiB then
 512 MiB sequence measured earlier, and what 16 allocations of various sizes cost and where they land.
-mpsd's model of context memory and allocation granularity (mpsd.sim.specs, mpsd.memory) comes from this.
+mpsd's model of context memory and allocation granularity (mpsd.sim.specs, mpsd.runtime.memory) comes from this.
 """
 from __future__ import annotations
 

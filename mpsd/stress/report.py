@@ -16,7 +16,7 @@ import numpy as np
 
 from mpsd.stress.metrics import occupancy, percentile
 from mpsd.stress.timeline import Timeline
-from mpsd.trace import write_trace
+from mpsd.stress.trace import write_trace
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -35,7 +35,7 @@ def write_report(directory: str | PathLike[str], runs: dict[str, Timeline],
 
     Per policy P: ``latency_cdf_P.png`` (a latency CDF per tenant, log latency axis), ``occupancy_P.png``
     (SMs occupied over time, stacked by tenant, under the device's SM count) and ``trace_P.json`` (see
-    mpsd.trace); with two policies or more also ``compare.png`` (p99 latency per tenant group, bars grouped
+    mpsd.stress.trace); with two policies or more also ``compare.png`` (p99 latency per tenant group, bars grouped
     by policy). Characters of P that do not belong in a file name become "_".
 
     Args:

@@ -31,7 +31,7 @@ import trio
 
 from mpsd.stress.timeline import KernelRecord, Request, Span, TenantInfo, Timeline
 from mpsd.stress.workload import TenantSpec, Workload, arrival_times, entitlements
-from mpsd.trace import read_chrome_trace
+from mpsd.stress.trace import read_chrome_trace
 
 __all__ = ["RunError", "Progress", "run_real", "run_virtual"]
 
@@ -228,7 +228,7 @@ def _configure(work: Path, tenants: list[tuple[TenantSpec, dict[str, Any]]]) -> 
     commands = [f"{command} {info['pid']} {value!r}" for command, info, value in _levels(tenants)]
     if not commands:
         return
-    done = subprocess.run([sys.executable, "-m", "mpsd.control_cli"], input="\n".join(commands) + "\n",
+    done = subprocess.run([sys.executable, "-m", "mpsd.tools.control"], input="\n".join(commands) + "\n",
                           capture_output=True, text=True, timeout=60, env=dict(os.environ, MPSD_PIPE_DIRECTORY=str(work)))
     if done.returncode != 0 or done.stdout.strip():
         raise RunError(f"the daemon refused the tenants' priorities or weights: {(done.stdout + done.stderr).strip()}")
@@ -362,8 +362,8 @@ def run_virtual(workload: Workload, policy: str, policy_options: dict[str, Any],
     Raises:
         RunError: the daemon could not start, or a tenant failed in a way that leaves no run to measure.
     """
-    from mpsd.config import ConfigError, load_config
-    from mpsd.server import Daemon, DaemonError
+    from mpsd.daemon.config import ConfigError, load_config
+    from mpsd.daemon.server import Daemon, DaemonError
 
     plan = _plan(workload, tenants, "virtual")
     progress = Progress(label or policy, workload.duration,

@@ -10,16 +10,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mpsd.engine import DEFAULT_IDLE_GRACE, Engine, VirtualEngine
-from mpsd.hostmem import HostMemory, default_budget
-from mpsd.recorder import Recorder
+from mpsd.backends.engine import DEFAULT_IDLE_GRACE, Engine, VirtualEngine
+from mpsd.backends.hostmem import HostMemory, default_budget
+from mpsd.backends.recorder import Recorder
 from mpsd.sim import DeviceSpec, Simulator, sm_cap
 from mpsd_protocol import CudaError
 
 if TYPE_CHECKING:
-    from mpsd.context import Context
+    from mpsd.runtime.context import Context
     from mpsd.sim.clock import Host
-    from mpsd.servlog import ServerLog
+    from mpsd.daemon.servlog import ServerLog
 
 
 def device_properties(spec: DeviceSpec, index: int) -> dict[str, Any]:

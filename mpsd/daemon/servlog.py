@@ -1,7 +1,7 @@
 # The logs MPS operators already read: control.log and server.log in $MPSD_LOG_DIRECTORY, one line per event,
 # `[YYYY-MM-DD HH:MM:SS.mmm Control   PID] text` and `[... Server   PID] text`, as nvidia-cuda-mps-control
 # writes them. Lines are written whole and flushed, so a tail -f or a test sees them at once. The directory must
-# be the daemon's own and the files are never opened through a symlink (mpsd.ownership): the daemon runs as
+# be the daemon's own and the files are never opened through a symlink (mpsd.daemon.ownership): the daemon runs as
 # root, and a log planted as a link would have it append to any file on the system.
 #
 # Clients put text in these lines (commands, pids they claim, what their bad requests held). So that none can
@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Hashable, TextIO
 
-from mpsd.ownership import UnsafePathError, open_log, private_directory
+from mpsd.daemon.ownership import UnsafePathError, open_log, private_directory
 
 
 MAX_LINE = 1000  # characters of text in one line

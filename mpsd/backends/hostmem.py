@@ -1,5 +1,5 @@
 # The host RAM that simulated device memory costs, and the budget it is kept within. Device memory lives in
-# sparse memfds (mpsd.memory): an allocation costs nothing until it is touched, and then each page touched costs
+# sparse memfds (mpsd.runtime.memory): an allocation costs nothing until it is touched, and then each page touched costs
 # a page of the host's RAM (tmpfs pages, counted in the memfd's st_blocks). Reading through a mapping
 # materialises pages as writing does, so every byte a copy, memset or kernel will touch counts.
 #
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from mpsd.memory import Segment
+from mpsd.runtime.memory import Segment
 from mpsd_protocol import OutOfMemoryError, format_size  # type: ignore[attr-defined]
 
 PAGE = mmap.PAGESIZE

@@ -28,14 +28,14 @@ from mpsd_protocol import (  # type: ignore[attr-defined]
     check_shape,
     format_size,
 )
-from mpsd.kernels import KERNELS
-from mpsd.hostmem import Reservation
-from mpsd.memory import AddressSpace, Allocation, HostBuffer, Segment
+from mpsd.runtime.kernels import KERNELS
+from mpsd.backends.hostmem import Reservation
+from mpsd.runtime.memory import AddressSpace, Allocation, HostBuffer, Segment
 from mpsd.sim import COPY_KINDS, Copy, Kernel, Marker, Op, copy_kernel, kernel_cost
 
 if TYPE_CHECKING:
-    from mpsd.device import Device
-    from mpsd.ipc import Export, IpcRegistry
+    from mpsd.runtime.device import Device
+    from mpsd.runtime.ipc import Export, IpcRegistry
 
 STREAM_PRIORITY_GREATEST, STREAM_PRIORITY_LEAST = -5, 0  # cudaDeviceGetStreamPriorityRange on Hopper
 NON_BLOCKING = 0x1  # cudaStreamNonBlocking

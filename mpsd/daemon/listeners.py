@@ -3,7 +3,7 @@
 # systemd socket activation the sockets come ready-made from fd 3 on (LISTEN_PID, LISTEN_FDS, LISTEN_FDNAMES
 # "mpsd" and "control"); those belong to systemd, so they are neither bound nor removed here.
 #
-# A directory we bind in must be the daemon's own (mpsd.ownership): a directory another user made first, or can
+# A directory we bind in must be the daemon's own (mpsd.daemon.ownership): a directory another user made first, or can
 # write, could hold their socket in place of ours. Under systemd it is the unit's RuntimeDirectory=, 0700 and
 # root's, which passes. In our own directory only our uid can have left anything, so a stale socket is
 # replaced, but anything else at a socket's path is left alone and named: it may be someone's data.
@@ -27,7 +27,7 @@ from typing import AsyncIterator, Hashable, Mapping
 
 import trio
 
-from mpsd.ownership import UnsafePathError, describe, private_directory
+from mpsd.daemon.ownership import UnsafePathError, describe, private_directory
 
 SD_LISTEN_FDS_START = 3
 MAX_UNGREETED = 64  # connections of one uid that may be waiting to say hello at once

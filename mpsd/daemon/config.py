@@ -12,7 +12,7 @@ from typing import Any, Sequence
 
 import psutil
 
-from mpsd.engine import DEFAULT_IDLE_GRACE
+from mpsd.backends.engine import DEFAULT_IDLE_GRACE
 from mpsd.sim import H200, POLICIES as SIM_POLICIES, DeviceSpec, Simulator
 from mpsd_protocol import parse_integer, parse_mem_limits, parse_size
 
@@ -50,7 +50,7 @@ class Config:
     multiuser: bool = False  # one server for every user, instead of one user's server at a time
     max_clients: int = 48  # per device, as Volta+ MPS (CUDA 13.0, measured driver)
     handshake_timeout: float = HANDSHAKE_TIMEOUT  # seconds from connecting to hello, after which it is closed
-    host_memory: int | None = None  # bytes of host RAM simulated device memory may take; None: mpsd.hostmem's default
+    host_memory: int | None = None  # bytes of host RAM simulated device memory may take; None: mpsd.backends.hostmem's default
     policy_options: dict[str, Any] = field(default_factory=dict)  # e.g. {"timeslice": 0.001}
     trace: Path | None = None  # record the device timeline; written there at exit
     # Per-device policy and options from [mpsd.device.N] sections; devices without one use policy and policy_options.

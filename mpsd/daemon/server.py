@@ -2,7 +2,7 @@
 # connection a Session and each session a sub-context with its quotas. Shutdown (SIGTERM, SIGINT, or `stop`)
 # stops accepting, stops reading requests, lets replies already in flight finish for a short grace period,
 # removes the socket file and returns, so the process exits 0. An exception that leaves `serve` makes the
-# process exit 1 (mpsd.cli), and control.log's last line says which.
+# process exit 1 (mpsd.daemon.cli), and control.log's last line says which.
 from __future__ import annotations
 
 import contextlib
@@ -19,17 +19,17 @@ from typing import Any
 
 import trio
 
-from mpsd.config import Config
-from mpsd.context import Context, Quotas
-from mpsd.control import Control, Settings
-from mpsd.device import Device
-from mpsd.hostmem import HostMemory, default_budget
-from mpsd.ipc import IpcRegistry
-from mpsd.listeners import Greetings, Listeners, ListenError, open_listeners
-from mpsd.memory import CHUNK
-from mpsd.ownership import UnsafePathError
-from mpsd.servlog import ServerLog
-from mpsd.session import Session
+from mpsd.daemon.config import Config
+from mpsd.runtime.context import Context, Quotas
+from mpsd.daemon.control import Control, Settings
+from mpsd.runtime.device import Device
+from mpsd.backends.hostmem import HostMemory, default_budget
+from mpsd.runtime.ipc import IpcRegistry
+from mpsd.daemon.listeners import Greetings, Listeners, ListenError, open_listeners
+from mpsd.runtime.memory import CHUNK
+from mpsd.daemon.ownership import UnsafePathError
+from mpsd.daemon.servlog import ServerLog
+from mpsd.daemon.session import Session
 from mpsd.sim import sm_cap
 from mpsd_protocol import (  # type: ignore[attr-defined]
     CONTROL_PACKET,
@@ -389,7 +389,7 @@ class Daemon:
             nursery.start_soon(serve, sock)
 
     async def _serve_session(self, tsock: trio.socket.SocketType) -> None:
-        # Sessions drive the plain socket themselves (see mpsd.channel), without trio's wrapper.
+        # Sessions drive the plain socket themselves (see mpsd.daemon.channel), without trio's wrapper.
         sock = socket.socket(fileno=tsock.detach())
         try:
             session = Session(self, sock)
@@ -457,8 +457,8 @@ class Daemon:
 
 
 def _exit_status(failure: BaseException | None) -> int:
-    """The status mpsd.cli exits with when `serve` ends with `failure`: 0 when serving ended cleanly (or our
-    caller cancelled it, which is no failure of ours), 1 for any exception (mpsd.cli turns a DaemonError into
+    """The status mpsd.daemon.cli exits with when `serve` ends with `failure`: 0 when serving ended cleanly (or our
+    caller cancelled it, which is no failure of ours), 1 for any exception (mpsd.daemon.cli turns a DaemonError into
     exit 1, and Python exits 1 on any other)."""
     if failure is None or isinstance(failure, trio.Cancelled):
         return 0

@@ -16,7 +16,7 @@ import trio
 from mpsd.sim import Op, Simulator
 from mpsd.sim.clock import HOLDING, Host, VirtualClock
 
-log = logging.getLogger("mpsd.engine")
+log = logging.getLogger("mpsd.backends.engine")
 # Instants of simulated time processed before the engine lets other tasks run. When the model falls behind
 # the wall clock (huge grids of tiny blocks), simulated time lags instead of the daemon going deaf.
 MAX_INSTANTS_PER_STEP = 16

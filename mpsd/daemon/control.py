@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from mpsd_protocol import parse_decimal, parse_integer, parse_size
 
 if TYPE_CHECKING:
-    from mpsd.server import Daemon
+    from mpsd.daemon.server import Daemon
 
 # Commands any user may send; the rest change state and need root or the daemon's owner.
 READ_ONLY = frozenset({

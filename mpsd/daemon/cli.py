@@ -8,14 +8,14 @@ from typing import Sequence
 
 import trio
 
-from mpsd.config import ConfigError, load_config
-from mpsd.server import Daemon, DaemonError
+from mpsd.daemon.config import ConfigError, load_config
+from mpsd.daemon.server import Daemon, DaemonError
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    if args[:1] == ["simulate"]:  # the GPU model alone, in virtual time (mpsd.simulate)
-        from mpsd.simulate import main as simulate
+    if args[:1] == ["simulate"]:  # the GPU model alone, in virtual time (mpsd.tools.simulate)
+        from mpsd.tools.simulate import main as simulate
 
         return simulate(args[1:])
     try:

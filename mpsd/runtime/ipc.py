@@ -14,7 +14,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from mpsd.memory import Allocation
+from mpsd.runtime.memory import Allocation
 from mpsd_protocol import (  # type: ignore[attr-defined]
     EVENT,
     MEMORY,
@@ -27,8 +27,8 @@ from mpsd_protocol import (  # type: ignore[attr-defined]
 )
 
 if TYPE_CHECKING:
-    from mpsd.context import Context, EventCell
-    from mpsd.servlog import ServerLog
+    from mpsd.runtime.context import Context, EventCell
+    from mpsd.daemon.servlog import ServerLog
 
 
 

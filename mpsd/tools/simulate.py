@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mpsd.config import DEVICE_MODELS
+from mpsd.daemon.config import DEVICE_MODELS
 from mpsd.sim import COPY_KINDS, ENGINES, Copy, Kernel, Op, Simulator, copy_kernel, kernel_cost, sm_cap
 from mpsd.sim.clock import VirtualClock
 

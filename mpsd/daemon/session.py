@@ -28,10 +28,10 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import trio
 
-from mpsd.channel import Channel
-from mpsd.context import Context
-from mpsd.kernels import signatures
-from mpsd.engine import VirtualEngine
+from mpsd.daemon.channel import Channel
+from mpsd.runtime.context import Context
+from mpsd.runtime.kernels import signatures
+from mpsd.backends.engine import VirtualEngine
 from mpsd.sim import Op
 from mpsd.sim.clock import CALL, HOST_CALLS, LAUNCH, Host, Timing
 from mpsd_protocol import (  # type: ignore[attr-defined]
@@ -58,9 +58,9 @@ from mpsd_protocol import (  # type: ignore[attr-defined]
 )
 
 if TYPE_CHECKING:
-    from mpsd.server import Daemon
+    from mpsd.daemon.server import Daemon
 
-log = logging.getLogger("mpsd.session")
+log = logging.getLogger("mpsd.daemon.session")
 IPC_LAZY_ENABLE_PEER_ACCESS = 0x1  # the one flag cudaIpcOpenMemHandle accepts
 # Calls that still answer after a sticky error, so the client can learn what happened.
 _STICKY_EXEMPT = frozenset({"get_last_error", "statistics", "device_properties"})

@@ -1,5 +1,5 @@
 # The daemon's timeline, kept on request (`mpsd --trace FILE`) and written when the daemon exits, as a
-# Chrome/Perfetto trace (mpsd.trace): one row per SM, every block group a slice named after its client. The
+# Chrome/Perfetto trace (mpsd.stress.trace): one row per SM, every block group a slice named after its client. The
 # simulator already records block groups when asked; this adds what only the daemon knows (which client is
 # which process, its quotas, the kernel's name, how much memory it held) and the clock that maps simulated
 # time onto the host's monotonic clock, so a stress run can line the device up with what its tenants saw.
@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING
 
 from mpsd.sim import Kernel
 from mpsd.stress.timeline import KernelRecord, TenantInfo, Timeline, partitions_of, spans_of
-from mpsd.trace import chrome_trace
+from mpsd.stress.trace import chrome_trace
 
 if TYPE_CHECKING:
-    from mpsd.context import Context
-    from mpsd.device import Device
+    from mpsd.runtime.context import Context
+    from mpsd.runtime.device import Device
 
 # A trace is kept in memory until exit; past this many kernels a long-running daemon stops adding to it
 # (the file then says so) rather than grow without bound.
