@@ -14,7 +14,7 @@ import bisect
 import fcntl
 import mmap
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator
 
 from mpsd_protocol import InvalidValueError  # type: ignore[attr-defined]
@@ -235,10 +235,12 @@ class _Arena:
 
 @dataclass(eq=False, slots=True)
 class _Chunk:
-    """A 2 MiB chunk of small allocations: its segment and how many allocations live in it."""
+    """A 2 MiB chunk of small allocations: its segment, how many allocations live in it, and the freed ones
+    an importer still maps (so that the chunk's going need not look through every client's held ranges)."""
 
     segment: Segment
     live: int = 0
+    held: set[int] = field(default_factory=set)
 
 
 class AddressSpace:
@@ -325,14 +327,16 @@ class AddressSpace:
             if chunk.live:
                 if alloc.segment.refs > 1:
                     self._held[addr] = alloc
+                    chunk.held.add(addr)
                     alloc.segment.on_release.append(lambda: self._let_go(chunk, alloc))
                 else:
                     self._small.remove(addr)
                 return alloc, 0
             # The chunk goes, and the ranges it held with it: a new chunk here gets a segment of its own.
-            for held in [a for a in self._held if a // CHUNK == index] + [addr]:
-                self._held.pop(held, None)
+            for held in chunk.held:
+                del self._held[held]
                 self._small.remove(held)
+            self._small.remove(addr)
             del self._chunks[index]
             return alloc, CHUNK
         alloc = self._large.remove(addr)
@@ -344,6 +348,7 @@ class AddressSpace:
         """The last importer of a freed small allocation let go: its range may be handed out again."""
         if self._chunks.get(alloc.addr // CHUNK) is chunk and self._held.get(alloc.addr) is alloc:
             del self._held[alloc.addr]
+            chunk.held.discard(alloc.addr)
             self._small.remove(alloc.addr)
 
     def get(self, addr: int) -> Allocation | None:
