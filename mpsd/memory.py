@@ -10,13 +10,13 @@
 # the client's other small allocations included, as CUDA IPC shares a sub-allocation's whole block.
 from __future__ import annotations
 
-import bisect
 import fcntl
 import mmap
 import os
 from dataclasses import dataclass, field
 from typing import Iterator
 
+from mpsd.sorted_ints import SortedInts
 from mpsd_protocol import InvalidValueError  # type: ignore[attr-defined]
 
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
@@ -111,19 +111,19 @@ class _Arena:
     is large enough. The one exception is the tail, the free range from above the highest allocation to the
     limit, which is kept apart: every other gap lies below it, so the lowest fit is the lowest gap that is
     large enough, or else the tail. To find that gap, gaps are bucketed by exact size (in `unit`s, which
-    every address and span here is a multiple of), each bucket a sorted list of starts, and a segment tree
+    every address and span here is a multiple of), each bucket a sorted set of starts, and a segment tree
     over the sizes holds, for each range of sizes, the lowest start among its buckets: the lowest gap of at
     least a size is one walk from a leaf to the root. The tree is a dict, so only sizes that occur cost memory.
     """
 
     def __init__(self, base: int, limit: int, unit: int, within: int = 0) -> None:
         self.base, self.limit, self.unit, self.within = base, limit, unit, within
-        self.starts: list[int] = []
+        self.starts = SortedInts()
         self.allocs: dict[int, Allocation] = {}
         self._gaps: dict[int, int] = {}  # start -> end of every gap but the tail
         self._gap_ends: dict[int, int] = {}  # end -> start, to merge a freed range with the gap below it
         self._tail = base  # [_tail, limit) is free, and nothing is allocated above it
-        self._by_size: dict[int, list[int]] = {}  # gap size in units -> the starts of the gaps of that size
+        self._by_size: dict[int, SortedInts] = {}  # gap size in units -> the starts of the gaps of that size
         # Leaves are sizes 0 .. _leaves - 1 (node _leaves + size); a node holds the lowest start among the
         # gaps whose size lies under it, and is absent where there is none.
         self._leaves = 1 << ((within or limit - base) // unit).bit_length()
@@ -156,10 +156,10 @@ class _Arena:
         return addr
 
     def find(self, ptr: int) -> Allocation | None:
-        index = bisect.bisect_right(self.starts, ptr) - 1
-        if index < 0:
+        start = self.starts.floor(ptr)
+        if start is None:
             return None
-        alloc = self.allocs[self.starts[index]]
+        alloc = self.allocs[start]
         return alloc if ptr < alloc.end else None
 
     def insert(self, alloc: Allocation) -> None:
@@ -173,14 +173,14 @@ class _Arena:
             gap_end = self._drop_gap(start)
             if end < gap_end:
                 self._add_gap(end, gap_end)
-        bisect.insort(self.starts, alloc.addr)
+        self.starts.add(alloc.addr)
         self.allocs[alloc.addr] = alloc
 
     def remove(self, addr: int) -> Allocation | None:
         alloc = self.allocs.pop(addr, None)
         if alloc is None:
             return None
-        del self.starts[bisect.bisect_left(self.starts, addr)]
+        self.starts.remove(addr)
         start, end = addr, addr + alloc.span
         if not self._boundary(start) and start in self._gap_ends:
             start = self._gap_ends[start]
@@ -201,9 +201,11 @@ class _Arena:
         self._gaps[start] = end
         self._gap_ends[end] = start
         units = (end - start) // self.unit
-        bucket = self._by_size.setdefault(units, [])
-        bisect.insort(bucket, start)
-        if bucket[0] == start:
+        bucket = self._by_size.get(units)
+        if bucket is None:
+            bucket = self._by_size[units] = SortedInts()
+        bucket.add(start)
+        if bucket.first() == start:
             self._lowest_changed(units, start)
 
     def _drop_gap(self, start: int) -> int:
@@ -211,12 +213,13 @@ class _Arena:
         del self._gap_ends[end]
         units = (end - start) // self.unit
         bucket = self._by_size[units]
-        index = bisect.bisect_left(bucket, start)
-        del bucket[index]
-        if index == 0:
-            self._lowest_changed(units, bucket[0] if bucket else _NOWHERE)
-        if not bucket:
+        bucket.remove(start)
+        lowest = bucket.first()
+        if lowest is None:
             del self._by_size[units]
+            self._lowest_changed(units, _NOWHERE)
+        elif lowest > start:
+            self._lowest_changed(units, lowest)
         return end
 
     def _lowest_changed(self, units: int, lowest: int) -> None:
