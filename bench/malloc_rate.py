@@ -145,8 +145,9 @@ class LinearArena:
 
 
 def in_process(n: int, steps: int, linear: bool) -> tuple[float, float, float]:
-    """(malloc us, free us, no-fit malloc us) in an AddressSpace, as the daemon's context calls it; `linear`: with the old
-    placement for the timed steps (the fill uses ours, which places the same, or it would take minutes)."""
+    """(malloc us, free us, no-fit malloc us) in an AddressSpace, as the daemon's context calls it; `linear`:
+    with the old placement for the timed steps (the fill uses ours, which places the same, or it would take
+    minutes)."""
     space = AddressSpace()
 
     def malloc(size: int) -> int:
@@ -169,8 +170,8 @@ def in_process(n: int, steps: int, linear: bool) -> tuple[float, float, float]:
 
 
 def end_to_end(pipe_dir: Path, n: int, steps: int) -> tuple[float, float, float]:
-    """(malloc us, free us, no-fit malloc us) from a blocking client of the daemon; a fresh context per level, whose exit
-    reclaims what is left."""
+    """(malloc us, free us, no-fit malloc us) from a blocking client of the daemon; a fresh context per
+    level, whose exit reclaims what is left."""
     import mpsd_client
 
     with mpsd_client.connect(pipe_dir) as ctx:
