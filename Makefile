@@ -27,6 +27,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/rpc_latency.py
 	$(BIN)/python bench/launch_rate.py
 	$(BIN)/python bench/ipc_open.py
+	$(BIN)/python bench/malloc_rate.py
 	$(BIN)/python bench/sim_rate.py
 	$(BIN)/python bench/sim_rate.py --scenario grids
 	$(BIN)/python bench/clock_rate.py

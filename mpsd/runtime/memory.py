@@ -10,13 +10,13 @@
 # the client's other small allocations included, as CUDA IPC shares a sub-allocation's whole block.
 from __future__ import annotations
 
-import bisect
 import fcntl
 import mmap
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator
 
+from mpsd.sorted_ints import SortedInts
 from mpsd_protocol import InvalidValueError  # type: ignore[attr-defined]
 
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
@@ -27,6 +27,7 @@ SMALL_ALIGN = 512
 # overlap a large one (real drivers interleave them; addresses are opaque to programs either way).
 SMALL_BASE, SMALL_LIMIT = 0x7F00_0000_0000, 0x7F40_0000_0000
 LARGE_BASE, LARGE_LIMIT = 0x7F40_0000_0000, 0x7FFF_FFE0_0000
+_NOWHERE = 1 << 64  # above every address: "no such gap"
 
 
 class Segment:
@@ -102,54 +103,147 @@ class Allocation:
 
 
 class _Arena:
-    """Allocations in one address range, by address, with first-fit placement."""
+    """Allocations in one address range, by address, and the free gaps between them, for first-fit placement
+    in O(log n): a malloc must not cost time linear in how many allocations its client has.
 
-    def __init__(self, base: int, limit: int) -> None:
-        self.base, self.limit = base, limit
-        self.starts: list[int] = []
+    The free space is kept as gaps: maximal free ranges, except that with `within` (the small arena's 2 MiB
+    chunks) a gap never crosses a chunk boundary, so that a gap fits an allocation at its start whenever it
+    is large enough. The one exception is the tail, the free range from above the highest allocation to the
+    limit, which is kept apart: every other gap lies below it, so the lowest fit is the lowest gap that is
+    large enough, or else the tail. To find that gap, gaps are bucketed by exact size (in `unit`s, which
+    every address and span here is a multiple of), each bucket a sorted set of starts, and a segment tree
+    over the sizes holds, for each range of sizes, the lowest start among its buckets: the lowest gap of at
+    least a size is one walk from a leaf to the root. The tree is a dict, so only sizes that occur cost memory.
+    """
+
+    def __init__(self, base: int, limit: int, unit: int, within: int = 0) -> None:
+        self.base, self.limit, self.unit, self.within = base, limit, unit, within
+        self.starts = SortedInts()
         self.allocs: dict[int, Allocation] = {}
+        self._gaps: dict[int, int] = {}  # start -> end of every gap but the tail
+        self._gap_ends: dict[int, int] = {}  # end -> start, to merge a freed range with the gap below it
+        self._tail = base  # [_tail, limit) is free, and nothing is allocated above it
+        self._by_size: dict[int, SortedInts] = {}  # gap size in units -> the starts of the gaps of that size
+        # Leaves are sizes 0 .. _leaves - 1 (node _leaves + size); a node holds the lowest start among the
+        # gaps whose size lies under it, and is absent where there is none.
+        self._leaves = 1 << ((within or limit - base) // unit).bit_length()
+        self._tree: dict[int, int] = {}
 
-    def place(self, span: int, align: int, within: int = 0) -> int:
-        """The lowest free address for `span` bytes at `align`; with `within`, never straddling a
-        `within`-byte boundary."""
-        cursor = self.base
-        for start in self.starts + [self.limit]:
-            if within and cursor // within != (cursor + span - 1) // within:
-                cursor = -(-cursor // within) * within
-            if start - cursor >= span:
-                break
-            if start == self.limit:
-                raise MemoryError("device address space exhausted")
-            alloc = self.allocs[start]
-            cursor = max(cursor, -(-(alloc.addr + alloc.span) // align) * align)
-        if cursor + span > self.limit:
+    def place(self, span: int) -> int:
+        """The lowest free address for `span` bytes (a multiple of the unit); with `within`, never
+        straddling a `within`-byte boundary.
+
+        Raises:
+            MemoryError: nothing below the limit fits.
+        """
+        units = span // self.unit
+        addr = _NOWHERE
+        if units < self._leaves:
+            node = units + self._leaves
+            tree = self._tree
+            addr = tree.get(node, _NOWHERE)
+            while node > 1:
+                if not node & 1:  # a left child: its right sibling holds larger sizes, which all fit
+                    addr = min(addr, tree.get(node + 1, _NOWHERE))
+                node >>= 1
+        if addr != _NOWHERE:
+            return addr
+        addr = self._tail
+        if self.within and addr // self.within != (addr + span - 1) // self.within:
+            addr = -(-addr // self.within) * self.within
+        if addr + span > self.limit:
             raise MemoryError("device address space exhausted")
-        return cursor
+        return addr
 
     def find(self, ptr: int) -> Allocation | None:
-        index = bisect.bisect_right(self.starts, ptr) - 1
-        if index < 0:
+        start = self.starts.floor(ptr)
+        if start is None:
             return None
-        alloc = self.allocs[self.starts[index]]
+        alloc = self.allocs[start]
         return alloc if ptr < alloc.end else None
 
     def insert(self, alloc: Allocation) -> None:
-        bisect.insort(self.starts, alloc.addr)
+        """Map `alloc` at the address `place` gave for its span."""
+        start, end = alloc.addr, alloc.addr + alloc.span
+        if start >= self._tail:
+            if start > self._tail:  # the tail's first chunk was too short: the rest of it becomes a gap
+                self._add_gap(self._tail, start)
+            self._tail = end
+        else:
+            gap_end = self._drop_gap(start)
+            if end < gap_end:
+                self._add_gap(end, gap_end)
+        self.starts.add(alloc.addr)
         self.allocs[alloc.addr] = alloc
 
     def remove(self, addr: int) -> Allocation | None:
         alloc = self.allocs.pop(addr, None)
-        if alloc is not None:
-            del self.starts[bisect.bisect_left(self.starts, addr)]
+        if alloc is None:
+            return None
+        self.starts.remove(addr)
+        start, end = addr, addr + alloc.span
+        if not self._boundary(start) and start in self._gap_ends:
+            start = self._gap_ends[start]
+            self._drop_gap(start)
+        if end == self._tail and not self._boundary(end):
+            self._tail = start
+            return alloc
+        if not self._boundary(end) and end in self._gaps:
+            end = self._drop_gap(end)
+        self._add_gap(start, end)
         return alloc
+
+    def _boundary(self, addr: int) -> bool:
+        """Whether gaps must not be merged across `addr` (a chunk boundary of the small arena)."""
+        return bool(self.within) and addr % self.within == 0
+
+    def _add_gap(self, start: int, end: int) -> None:
+        self._gaps[start] = end
+        self._gap_ends[end] = start
+        units = (end - start) // self.unit
+        bucket = self._by_size.get(units)
+        if bucket is None:
+            bucket = self._by_size[units] = SortedInts()
+        bucket.add(start)
+        if bucket.first() == start:
+            self._lowest_changed(units, start)
+
+    def _drop_gap(self, start: int) -> int:
+        end = self._gaps.pop(start)
+        del self._gap_ends[end]
+        units = (end - start) // self.unit
+        bucket = self._by_size[units]
+        bucket.remove(start)
+        lowest = bucket.first()
+        if lowest is None:
+            del self._by_size[units]
+            self._lowest_changed(units, _NOWHERE)
+        elif lowest > start:
+            self._lowest_changed(units, lowest)
+        return end
+
+    def _lowest_changed(self, units: int, lowest: int) -> None:
+        """The lowest gap of `units` units now starts at `lowest` (_NOWHERE: there is none): update the path
+        from its leaf to the root, as far as it changes anything."""
+        tree = self._tree
+        node = units + self._leaves
+        while node and tree.get(node, _NOWHERE) != lowest:
+            if lowest == _NOWHERE:
+                del tree[node]
+            else:
+                tree[node] = lowest
+            lowest = min(lowest, tree.get(node ^ 1, _NOWHERE))
+            node >>= 1
 
 
 @dataclass(eq=False, slots=True)
 class _Chunk:
-    """A 2 MiB chunk of small allocations: its segment and how many allocations live in it."""
+    """A 2 MiB chunk of small allocations: its segment, how many allocations live in it, and the freed ones
+    an importer still maps (so that the chunk's going need not look through every client's held ranges)."""
 
     segment: Segment
     live: int = 0
+    held: set[int] = field(default_factory=set)
 
 
 class AddressSpace:
@@ -161,8 +255,8 @@ class AddressSpace:
     """
 
     def __init__(self) -> None:
-        self._small = _Arena(SMALL_BASE, SMALL_LIMIT)
-        self._large = _Arena(LARGE_BASE, LARGE_LIMIT)
+        self._small = _Arena(SMALL_BASE, SMALL_LIMIT, SMALL_ALIGN, within=CHUNK)
+        self._large = _Arena(LARGE_BASE, LARGE_LIMIT, CHUNK)
         self._chunks: dict[int, _Chunk] = {}  # chunk index -> its segment and how many live in it
         # Freed small allocations an importer still maps: in _small, so their ranges stay taken, but not live.
         self._held: dict[int, Allocation] = {}
@@ -182,15 +276,15 @@ class AddressSpace:
         """
         if size <= SMALL_MAX:
             span = -(-size // SMALL_ALIGN) * SMALL_ALIGN
-            addr = self._small.place(span, SMALL_ALIGN, within=CHUNK)
+            addr = self._small.place(span)
             return addr, span, 0 if addr // CHUNK in self._chunks else CHUNK
         span = -(-size // CHUNK) * CHUNK
-        return self._large.place(span, CHUNK), span, span
+        return self._large.place(span), span, span
 
     def map_import(self, segment: Segment | Slice, size: int) -> Allocation:
         """Map an IPC import (2 MiB aligned, as imports are): charged to nobody here."""
         span = -(-max(size, 1) // CHUNK) * CHUNK
-        alloc = Allocation(self._large.place(span, CHUNK), size, span, segment, imported=True)
+        alloc = Allocation(self._large.place(span), size, span, segment, imported=True)
         self._large.insert(alloc)
         return alloc
 
@@ -236,14 +330,16 @@ class AddressSpace:
             if chunk.live:
                 if alloc.segment.refs > 1:
                     self._held[addr] = alloc
+                    chunk.held.add(addr)
                     alloc.segment.on_release.append(lambda: self._let_go(chunk, alloc))
                 else:
                     self._small.remove(addr)
                 return alloc, 0
             # The chunk goes, and the ranges it held with it: a new chunk here gets a segment of its own.
-            for held in [a for a in self._held if a // CHUNK == index] + [addr]:
-                self._held.pop(held, None)
+            for held in chunk.held:
+                del self._held[held]
                 self._small.remove(held)
+            self._small.remove(addr)
             del self._chunks[index]
             return alloc, CHUNK
         alloc = self._large.remove(addr)
@@ -255,6 +351,7 @@ class AddressSpace:
         """The last importer of a freed small allocation let go: its range may be handed out again."""
         if self._chunks.get(alloc.addr // CHUNK) is chunk and self._held.get(alloc.addr) is alloc:
             del self._held[alloc.addr]
+            chunk.held.discard(alloc.addr)
             self._small.remove(alloc.addr)
 
     def get(self, addr: int) -> Allocation | None:
