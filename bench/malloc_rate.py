@@ -1,5 +1,5 @@
 """Malloc rate: the median microseconds of a malloc and of a free with 1,000, 10,000 and 50,000 allocations live,
-in a client's address space (mpsd.memory.AddressSpace, in this process) and end to end (a blocking client
+in a client's address space (mpsd.runtime.memory.AddressSpace, in this process) and end to end (a blocking client
 against a daemon process), beside baselines measured in the same run.
 
     .venv/bin/python bench/malloc_rate.py [--steps 2000] [--live 1000,10000,50000] [--pin] [--json]
@@ -37,7 +37,7 @@ from typing import Callable
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _harness as h  # noqa: E402
 
-from mpsd.memory import CHUNK, SMALL_MAX, AddressSpace, Allocation  # noqa: E402
+from mpsd.runtime.memory import CHUNK, SMALL_MAX, AddressSpace, Allocation  # noqa: E402
 
 TARGET = 2.0  # our malloc at the most live / at the fewest, at most
 LINEAR_STEPS = 100  # steps of the linear baseline at most (tens of ms each at 50,000)
@@ -101,7 +101,7 @@ def measure_no_fit(malloc: Callable[[int], int], free: Callable[[int], None], st
 
 class LinearArena:
     """The baseline only: the placement mpsd had before the gap index, first fit by walking a copy of every
-    allocation's start, with the same interface as mpsd.memory._Arena."""
+    allocation's start, with the same interface as mpsd.runtime.memory._Arena."""
 
     def __init__(self, base: int, limit: int, unit: int, within: int = 0) -> None:
         self.base, self.limit, self.unit, self.within = base, limit, unit, within
@@ -110,7 +110,7 @@ class LinearArena:
 
     @classmethod
     def of(cls, arena, within: int = 0) -> LinearArena:
-        """A linear arena holding what `arena` (an mpsd.memory._Arena) holds."""
+        """A linear arena holding what `arena` (an mpsd.runtime.memory._Arena) holds."""
         linear = cls(arena.base, arena.limit, arena.unit, within)
         linear.starts, linear.allocs = list(arena.starts), dict(arena.allocs)
         return linear

@@ -1,4 +1,4 @@
-# Placement in a client's address space (mpsd.memory.AddressSpace), checked against a brute-force model: the
+# Placement in a client's address space (mpsd.runtime.memory.AddressSpace), checked against a brute-force model: the
 # free ranges found by looking at every taken range, and the lowest one that fits. The address space keeps an
 # index of its free gaps so that malloc costs O(log n); this pins that the index picks what a first-fit scan
 # would, through frees that fragment, ranges that IPC importers keep taken, and chunks that come and go.
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import random
 
-from mpsd.memory import CHUNK, LARGE_BASE, LARGE_LIMIT, SMALL_BASE, SMALL_LIMIT, SMALL_MAX, AddressSpace
+from mpsd.runtime.memory import CHUNK, LARGE_BASE, LARGE_LIMIT, SMALL_BASE, SMALL_LIMIT, SMALL_MAX, AddressSpace
 
 SMALL_ALIGN = 512
 

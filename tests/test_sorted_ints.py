@@ -1,4 +1,4 @@
-# mpsd.sorted_ints.SortedInts, the block list under the address-space indexes, against a plain sorted list
+# mpsd.runtime.sorted_ints.SortedInts, the block list under the address-space indexes, against a plain sorted list
 # through enough inserts and deletes that blocks split, shrink and empty.
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from mpsd.sorted_ints import LOAD, SortedInts
+from mpsd.runtime.sorted_ints import LOAD, SortedInts
 
 
 def test_sorted_ints_agree_with_a_sorted_list():

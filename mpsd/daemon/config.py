@@ -50,7 +50,7 @@ class Config:
     multiuser: bool = False  # one server for every user, instead of one user's server at a time
     max_clients: int = 48  # per device, as Volta+ MPS (CUDA 13.0, measured driver)
     handshake_timeout: float = HANDSHAKE_TIMEOUT  # seconds from connecting to hello, after which it is closed
-    host_memory: int | None = None  # bytes of host RAM simulated device memory may take; None: mpsd.backends.hostmem's default
+    host_memory: int | None = None  # host RAM simulated device memory may take; None: half the host's
     policy_options: dict[str, Any] = field(default_factory=dict)  # e.g. {"timeslice": 0.001}
     trace: Path | None = None  # record the device timeline; written there at exit
     # Per-device policy and options from [mpsd.device.N] sections; devices without one use policy and policy_options.

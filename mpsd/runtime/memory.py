@@ -16,7 +16,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from mpsd.sorted_ints import SortedInts
+from mpsd.runtime.sorted_ints import SortedInts
 from mpsd_protocol import InvalidValueError  # type: ignore[attr-defined]
 
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL

@@ -1,4 +1,4 @@
-# A sorted set of ints for the address-space indexes (mpsd.memory). A plain sorted list with bisect.insort
+# A sorted set of ints for the address-space indexes (mpsd.runtime.memory). A plain sorted list with bisect.insort
 # searches in O(log n) but moves half the list on every insert and delete: a C memmove, cheap at a thousand
 # entries and 10 us of every malloc and free at 50,000. Here the ints are cut into blocks of at most
 # 2 * LOAD, each a sorted list, with the first int of each block in a list of its own: a search bisects the
