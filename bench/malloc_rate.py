@@ -37,6 +37,7 @@ from typing import Callable
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _harness as h  # noqa: E402
 
+from mpsd.backends.memfd import Segment  # noqa: E402
 from mpsd.runtime.memory import CHUNK, SMALL_MAX, AddressSpace, Allocation  # noqa: E402
 
 TARGET = 2.0  # our malloc at the most live / at the fewest, at most
@@ -148,7 +149,7 @@ def in_process(n: int, steps: int, linear: bool) -> tuple[float, float, float]:
     """(malloc us, free us, no-fit malloc us) in an AddressSpace, as the daemon's context calls it; `linear`:
     with the old placement for the timed steps (the fill uses ours, which places the same, or it would take
     minutes)."""
-    space = AddressSpace()
+    space = AddressSpace(Segment)
 
     def malloc(size: int) -> int:
         addr, span, _ = space.plan(size)

@@ -12,7 +12,7 @@ import pytest
 import mpsd_client
 from daemons import start_daemon
 from mpsd.backends.hostmem import PAGE, HostMemory
-from mpsd.runtime.memory import Segment
+from mpsd.backends.memfd import Segment
 from mpsd.tools.smi import query, render
 from mpsd_protocol import OutOfMemoryError
 

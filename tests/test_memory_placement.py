@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 
+from mpsd.backends.memfd import Segment
 from mpsd.runtime.memory import CHUNK, LARGE_BASE, LARGE_LIMIT, SMALL_BASE, SMALL_LIMIT, SMALL_MAX, AddressSpace
 
 SMALL_ALIGN = 512
@@ -38,7 +39,7 @@ def test_placement_is_first_fit_through_fragmenting_frees_and_ipc_holds():
     """Every malloc and import lands where a first-fit scan over the taken ranges puts it, and the charges
     follow the chunk rules (a chunk charged with its first live allocation, released with its last)."""
     rng = random.Random(13)
-    space, importer = AddressSpace(), AddressSpace()
+    space, importer = AddressSpace(Segment), AddressSpace(Segment)
     live: dict[int, object] = {}  # the exporter's allocations, by address
     small: dict[int, int] = {}  # the model of the exporter's small arena: taken ranges, live and held
     large: dict[int, int] = {}
@@ -117,7 +118,7 @@ def test_placement_is_first_fit_through_fragmenting_frees_and_ipc_holds():
 
 def test_a_small_allocation_that_does_not_fit_its_chunk_starts_the_next():
     """A small allocation never straddles a 2 MiB boundary; the chunk's rest stays free for smaller ones."""
-    space = AddressSpace()
+    space = AddressSpace(Segment)
     first = space.plan(SMALL_MAX)
     space.allocate(first[0], SMALL_MAX, first[1])
     second = space.plan(SMALL_MAX - SMALL_ALIGN)

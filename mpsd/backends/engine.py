@@ -110,6 +110,7 @@ class Engine:
 
     def _finish(self, op: Op) -> None:
         callback: Callable[[Op], None] | None = op.tag  # type: ignore[assignment]
+        op.tag = None  # an effect applies once; what it holds (a staged copy's bytes) goes now
         if callback is not None:
             try:
                 callback(op)

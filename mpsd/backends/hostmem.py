@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from mpsd.runtime.memory import Segment
+from mpsd.backends.memfd import Segment
 from mpsd_protocol import OutOfMemoryError, format_size  # type: ignore[attr-defined]
 
 PAGE = mmap.PAGESIZE

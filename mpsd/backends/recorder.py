@@ -20,8 +20,8 @@ from mpsd.stress.timeline import KernelRecord, TenantInfo, Timeline, partitions_
 from mpsd.stress.trace import chrome_trace
 
 if TYPE_CHECKING:
+    from mpsd.backends.sim import SimBackend
     from mpsd.runtime.context import Context
-    from mpsd.runtime.device import Device
 
 # A trace is kept in memory until exit; past this many kernels a long-running daemon stops adding to it
 # (the file then says so) rather than grow without bound.
@@ -54,9 +54,9 @@ class Recorder:
             return
         self.kernels.append((op, name))
 
-    def timeline(self, device: Device) -> Timeline:
+    def timeline(self, backend: SimBackend) -> Timeline:
         """The device's timeline so far, in simulated seconds."""
-        sim = device.sim
+        sim = backend.sim
         names = {c.id: client_name(c) for c in self.contexts.values()}
         tenants = [TenantInfo(name=names[c.id], group=f"pid {c.pid}", sm_cap=c.quotas.sm_cap,
                               mem_limit=c.quotas.pinned_mem_limit, entitlement=1 / len(names), priority=c.quotas.priority)
@@ -67,27 +67,28 @@ class Recorder:
             ids[op] = n
             kernels.append(KernelRecord(names[op.client], n, name, op.blocks, op.submitted,
                                         op.started, op.ended if op.done else math.nan, op.eligible))
-        return Timeline(policy=sim.policy.name, sm_count=device.spec.sm_count, duration=sim.now,
-                        launch_overhead=device.spec.kernel_overhead, tenants=tenants, kernels=kernels,
+        return Timeline(policy=sim.policy.name, sm_count=backend.spec.sm_count, duration=sim.now,
+                        launch_overhead=backend.spec.kernel_overhead, tenants=tenants, kernels=kernels,
                         spans=spans_of(sim, names, ids),
-                        memory_high_water={names[c.id]: c.counters.peak_used for c in self.contexts.values()},
+                        memory_high_water={names[c.id]: c.account.peak for c in self.contexts.values()},
                         partitions=partitions_of(sim))
 
-    def write(self, device: Device) -> None:
+    def write(self, backend: SimBackend, index: int) -> None:
         """Write the trace (atomically: a reader never sees half a file).
 
         Raises:
             OSError: the file cannot be written.
         """
-        data = chrome_trace(self.timeline(device))
+        data = chrome_trace(self.timeline(backend))
+        engine = backend.engine
         data["otherData"]["mpsd"] = {
-            "device": device.index,
+            "device": index,
             # time.monotonic() at simulated time 0, and simulated seconds per second: maps the trace onto the
             # clock the clients stamp their requests with
-            "monotonic_origin": origin if math.isfinite(origin := device.engine.monotonic_origin()) else None,
+            "monotonic_origin": origin if math.isfinite(origin := engine.monotonic_origin()) else None,
             "clock": "virtual" if origin != origin else "wall",
-            "time_scale": device.engine.time_scale,
-            "max_lag": device.engine.max_lag,
+            "time_scale": engine.time_scale,
+            "max_lag": engine.max_lag,
             "clients": {client_name(c): {"client": c.id, "pid": c.pid, "uid": c.uid}
                         for c in self.contexts.values()},
             "kernels_not_recorded": self.dropped,

@@ -22,6 +22,7 @@ import trio
 from mpsd.daemon.config import Config
 from mpsd.runtime.context import Context, Quotas
 from mpsd.daemon.control import Control, Settings
+from mpsd.backends.sim import SimBackend
 from mpsd.runtime.device import Device
 from mpsd.backends.hostmem import HostMemory, default_budget
 from mpsd.runtime.ipc import IpcRegistry
@@ -30,7 +31,6 @@ from mpsd.runtime.memory import CHUNK
 from mpsd.daemon.ownership import UnsafePathError
 from mpsd.daemon.servlog import ServerLog
 from mpsd.daemon.session import Session
-from mpsd.sim import sm_cap
 from mpsd_protocol import (  # type: ignore[attr-defined]
     CONTROL_PACKET,
     InvalidDeviceError,
@@ -74,10 +74,10 @@ class Daemon:
         # One budget of host RAM for every device's simulated memory: they all live in this process.
         self.host_memory = HostMemory(config.host_memory if config.host_memory is not None else default_budget())
         self.devices = [
-            Device(i, spec, policy=config.device_policy(i)[0], time_scale=config.time_scale,
-                   containment=config.fault_containment, log=self.log, policy_options=config.device_policy(i)[1],
-                   trace=config.trace_path(i), clock=config.clock, idle_grace=config.idle_grace,
-                   shared_process=config.shared_process, host_memory=self.host_memory)
+            Device(i, SimBackend(spec, policy=config.device_policy(i)[0], policy_options=config.device_policy(i)[1],
+                                 clock=config.clock, time_scale=config.time_scale, idle_grace=config.idle_grace,
+                                 trace=config.trace_path(i), host_memory=self.host_memory),
+                   containment=config.fault_containment, log=self.log, shared_process=config.shared_process)
             for i, spec in enumerate(config.devices)
         ]
         self.ipc = IpcRegistry(config.ipc_access, self.log)
@@ -118,10 +118,9 @@ class Daemon:
                 raise InvalidValueError(f"active thread percentage {brief(requested, 20)} is outside (0, 100]")
             percentage = min(percentage, float(requested))
         partition = limits.get("partition")
-        if partition is not None and (type(partition) is not int or not 0 <= partition < len(
-                getattr(device.sim.policy, "partitions", ()))):
+        if partition is not None and (type(partition) is not int or not 0 <= partition < len(device.instances)):
             raise InvalidValueError(f"MIG partition {brief(partition, 20)} does not exist on device {index}")
-        if device.partitions and partition is None:
+        if device.instances and partition is None:
             partition = 0  # as the mig policy binds a client that names no instance
         memory = self.control.memory_limit_for_new_client(index) or device.memory_total(partition)
         requested = limits.get("pinned_mem_limit")
@@ -135,16 +134,17 @@ class Daemon:
             raise InvalidValueError(f"client priority {brief(requested_priority, 20)} must be 0 or 1")
         priority = _tighter(self.settings.priority_for(session.pid, session.uid), requested_priority)
         weight = self.settings.weight_for(session.pid, session.uid)
-        cap = min(sm_cap(device.spec, percentage), device.partition_sms(partition))
+        cap = min(device.backend.sm_cap(percentage), device.partition_sms(partition))
         quotas = Quotas(percentage, cap, memory, priority, weight)
-        if device.memory_free(partition) < device.spec.context_memory:
+        context_memory = device.backend.context_memory
+        if device.memory_free(partition) < context_memory:
             raise OutOfMemoryError(f"device {index} has no room for another context "
-                                   f"({format_size(device.spec.context_memory)} each)"
+                                   f"({format_size(context_memory)} each)"
                                    + (f" in MIG instance {partition}" if partition is not None else ""))
         context = Context(device, self._next_client, session.pid, session.uid, session.gid, quotas, self.ipc,
                           partition, requested_priority)
-        device.sim.configure_client(context.id, priority=priority, weight=weight, partition=partition)
-        device.charge(device.spec.context_memory, partition)
+        device.backend.attach(context, sm_cap=cap, priority=priority, weight=weight, instance=partition)
+        device.ledger.move(None, context_memory, partition=partition)
         self._next_client += 1
         device.contexts[context.id] = context
         self.control.client_arrived(session.pid, session.uid)
@@ -168,9 +168,8 @@ class Daemon:
         if (priority, weight) == (context.quotas.priority, context.quotas.weight):
             return
         context.quotas = dataclasses.replace(context.quotas, priority=priority, weight=weight)
-        device = context.device
-        device.engine.catch_up()  # what happened until now happened under the old settings
-        device.sim.configure_client(context.id, priority=priority, weight=weight, partition=context.partition)
+        context.device.backend.attach(context, sm_cap=context.quotas.sm_cap, priority=priority, weight=weight,
+                                      instance=context.partition)
         self.log.server(f"Client {context.pid}: priority {priority}, weight {weight:g}")
 
     def _device_index(self, ordinal: Any, visible: Any) -> int:
@@ -198,7 +197,7 @@ class Daemon:
         """The client is gone (closed, exited or killed): reclaim everything it held."""
         reclaimed = context.close()
         context.device.contexts.pop(context.id, None)
-        context.device.engine.forget(context.id)
+        context.device.backend.forget(context.id)
         context.device.faulted.discard(context.id)
         self.control.client_left()
         notify(f"STATUS={self.client_count()} clients")
@@ -230,7 +229,7 @@ class Daemon:
         """Terminate a client (terminate_client): its work is torn down and every later call of it fails with
         the sticky cudaErrorMpsClientTerminated. Its memory goes when it disconnects."""
         context.set_sticky(MpsClientTerminatedError(f"terminated by the control daemon ({why})"))
-        context.device.engine.cancel(context.id)
+        context.device.backend.cancel(context.id)
         self.log.server(f"Client {{PID: {context.pid}, Context: {context.id}}} terminated: {why}")
 
     @staticmethod
@@ -241,23 +240,23 @@ class Daemon:
         """Devices and processes, for mpsd-smi: memory, SM utilisation since the last look, quotas."""
         devices, processes = [], []
         for device in self.devices:
-            busy = device.sim.statistics().sm_seconds
-            now = device.engine.sim_now()
+            busy = device.backend.statistics().sm_seconds
+            now = device.backend.now()
             last_time, last_busy = device.last_look
             device.last_look = (now, busy)
-            span = (now - last_time) * device.spec.sm_count
+            span = (now - last_time) * device.properties["multiprocessor_count"]
             devices.append({
-                "index": device.index, "name": device.spec.name, "uuid": device.properties["uuid"],
-                "memory_used": device.used, "memory_total": device.total_memory,
+                "index": device.index, "name": device.name, "uuid": device.properties["uuid"],
+                "memory_used": device.ledger.device.reserved, "memory_total": device.total_memory,
                 # SM-time of the blocks that ended since the last look, over the SM-time that passed
                 "sm_utilization": min(1.0, (busy - last_busy) / span) if span > 0 else 0.0,
-                "sms_busy": device.sim.busy_sms(),
-                "policy": device.policy, "clients": len(device.contexts), "sim_time": now,
+                "sms_busy": device.backend.busy_sms(),
+                "policy": device.backend.policy, "clients": len(device.contexts), "sim_time": now,
             })
             for ctx in device.contexts.values():
                 processes.append({
                     "pid": ctx.pid, "device": device.index, "type": "M+C", "uid": ctx.uid,
-                    "memory": ctx.used, "sm_cap": ctx.quotas.sm_cap,
+                    "memory": ctx.account.reserved, "sm_cap": ctx.quotas.sm_cap,
                     "active_thread_percentage": ctx.quotas.active_thread_percentage,
                     "priority": ctx.quotas.priority, "weight": ctx.quotas.weight, "partition": ctx.partition,
                     "sticky_error": ctx.sticky.name if ctx.sticky else None,
@@ -267,14 +266,14 @@ class Daemon:
                                 "budget": self.host_memory.budget}}
 
     def client_statistics(self, context: Context) -> dict[str, Any]:
-        stats = context.device.sim.statistics()
+        stats = context.device.backend.statistics()
         mine = stats.per_client.get(context.id)
         counters = context.counters
         return {
             "client_id": context.id, "pid": context.pid, "device": context.device.index,
             "sm_cap": context.quotas.sm_cap, "pinned_mem_limit": context.quotas.pinned_mem_limit,
             "priority": context.quotas.priority, "weight": context.quotas.weight,
-            "memory_used": context.used, "memory_peak": counters.peak_used,
+            "memory_used": context.account.reserved, "memory_peak": context.account.peak,
             "memory_imported": sum(export.importers[context.id].size for export in
                                    {id(e): e for e in context.imports.values()}.values()),
             "launches": counters.launches, "copies": counters.copies, "bytes_copied": counters.bytes_copied,
@@ -310,8 +309,8 @@ class Daemon:
         self.log.control(f"Starting control daemon {self.log.pid}"
                          + (" (sockets from systemd)" if listeners.activated else ""))
         self.log.server(f"Server {self.log.pid} started on {len(self.devices)} device(s): "
-                        + ", ".join(d.spec.name for d in self.devices)
-                        + "; policy " + ", ".join(dict.fromkeys(d.policy for d in self.devices))
+                        + ", ".join(d.name for d in self.devices)
+                        + "; policy " + ", ".join(dict.fromkeys(d.backend.policy for d in self.devices))
                         + (f", virtual clock (idle grace {self.config.idle_grace:g} s)"
                            if self.config.clock == "virtual" else f", time scale {self.config.time_scale}"))
         # Two fds per 2 MiB of device memory at most (a segment and its mapping): what the fds must cover so
@@ -328,7 +327,7 @@ class Daemon:
             with received as signals:
                 async with trio.open_nursery() as engines:
                     for device in self.devices:
-                        await engines.start(device.engine.run)
+                        await engines.start(device.backend.run)
                     await self._serve_clients(listeners, signals, task_status)
                     engines.cancel_scope.cancel()
         except BaseException as exc:
@@ -346,12 +345,12 @@ class Daemon:
 
     def _write_traces(self) -> None:
         for device in self.devices:
-            if device.recorder is not None:
-                try:
-                    device.recorder.write(device)
-                    self.log.server(f"Trace of device {device.index} written to {device.recorder.path}")
-                except OSError as exc:
-                    self.log.server(f"Cannot write the trace of device {device.index}: {exc}")
+            try:
+                path = device.backend.write_trace(device.index)
+                if path is not None:
+                    self.log.server(f"Trace of device {device.index} written to {path}")
+            except OSError as exc:
+                self.log.server(f"Cannot write the trace of device {device.index}: {exc}")
 
     async def _serve_clients(self, listeners: Listeners, signals: Any,
                              task_status: trio.TaskStatus[Path]) -> None:

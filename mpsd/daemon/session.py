@@ -32,7 +32,7 @@ from mpsd.daemon.channel import Channel
 from mpsd.runtime.context import Context
 from mpsd.runtime.kernels import signatures
 from mpsd.backends.engine import VirtualEngine
-from mpsd.sim import Op
+from mpsd.backends.ops import Work
 from mpsd.sim.clock import CALL, HOST_CALLS, LAUNCH, Host, Timing
 from mpsd_protocol import (  # type: ignore[attr-defined]
     CLOSED,
@@ -86,7 +86,7 @@ class WithFds:
 class Deferred:
     """A reply that must wait: for `ops` to complete, then `then()` gives the result."""
 
-    ops: list[Op | None]
+    ops: list[Work | None]
     then: Callable[[], Any] = lambda: None
 
     def ready(self) -> bool:
@@ -139,7 +139,7 @@ class Session:
             "event_elapsed": lambda a, f: self._ctx.elapsed_ms(a["start"], a["end"]),
             "synchronize": lambda a, f: Deferred(self._ctx.tails()),
             "get_last_error": self._get_last_error,
-            "clock": lambda a, f: {"now": self.daemon.device_of(self._ctx).engine.sim_now()},
+            "clock": lambda a, f: {"now": self.daemon.device_of(self._ctx).backend.now()},
             "statistics": lambda a, f: self.daemon.client_statistics(self._ctx),
             "launch": self._launch,
             "mem_fd": self._mem_fd,
@@ -245,7 +245,7 @@ class Session:
             if timing is not None:
                 self._virtual.clock.wait(self._host)
             self._deferred += 1
-            self.daemon.device_of(self._ctx).engine.when_done(
+            self.daemon.device_of(self._ctx).backend.when_done(
                 result.ops, functools.partial(self._finish, request.id, result, timing))
             return
         self._returned(timing, waited=False)
@@ -282,7 +282,7 @@ class Session:
     # -- the virtual clock ------------------------------------------------------------------------------
     @property
     def _virtual(self) -> VirtualEngine:
-        engine = self.daemon.device_of(self._ctx).engine
+        engine = self.daemon.device_of(self._ctx).backend.virtual
         assert isinstance(engine, VirtualEngine)
         return engine
 
@@ -343,7 +343,7 @@ class Session:
             self._request(message, timing)
         if _launches(message) and self.context is not None:
             queued = self.context.last_op
-            self.daemon.device_of(self.context).engine.when_done(
+            self.daemon.device_of(self.context).backend.when_done(
                 [queued if queued is not before else None],
                 functools.partial(self._dequeued, _staged_bytes(message)))
 
@@ -458,13 +458,13 @@ class Session:
             self._closing = True
             return
         ctx = self.context
-        engine = self.daemon.device_of(ctx).engine
+        backend = self.daemon.device_of(ctx).backend
+        clock = backend.clock_info()
+        engine = backend.virtual
         if isinstance(engine, VirtualEngine):
             self.host = engine.clock.join(ctx.id)
             engine.heard(self.host)
-            clock = {"kind": "virtual", "host_time": self.daemon.config.host_time}
-        else:
-            clock = {"kind": "wall", "time_scale": engine.time_scale, "origin": engine.monotonic_origin()}
+            clock["host_time"] = self.daemon.config.host_time
         self._reply(request.id, None, {
             "version": PROTOCOL_VERSION,
             "clock": clock,
@@ -557,7 +557,7 @@ def _staged_bytes(message: Request | Notification) -> int:
     return nbytes if type(nbytes) is int and nbytes > 0 else 0
 
 
-def _queued(op: Op) -> None:
+def _queued(op: Work) -> None:
     """The reply to a call that only queues work: nothing (errors come at the next synchronising call)."""
     return None
 

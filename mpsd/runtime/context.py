@@ -3,20 +3,18 @@
 # caller must wait on; the session does the waiting, so nothing here awaits and the rules stay in one place.
 #
 # Stream semantics are the legacy default stream's: work on stream 0 waits for all earlier work in the
-# context's blocking streams, and work on a blocking stream waits for earlier work on stream 0. Ops carry
-# those dependencies into the simulator, which keeps each stream in order. Effects on bytes (copies,
-# kernels) happen when the simulator completes the op, so they land in stream order.
+# context's blocking streams, and work on a blocking stream waits for earlier work on stream 0. Work carries
+# those dependencies to the backend (mpsd.backends.base), which keeps each stream in order. Every byte range a
+# call names is resolved against the client's address space here, before the work is queued; the backend applies
+# the effects when the work completes, so they land in stream order.
 from __future__ import annotations
 
-import ctypes
 import functools
-import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from mpsd_protocol import (  # type: ignore[attr-defined]
     CudaError,
-    IllegalAddressError,
     InvalidDeviceFunctionError,
     InvalidResourceHandleError,
     InvalidValueError,
@@ -28,10 +26,9 @@ from mpsd_protocol import (  # type: ignore[attr-defined]
     check_shape,
     format_size,
 )
+from mpsd.backends.ops import Copy, Extent, Launch, Memset, Record, Work
 from mpsd.runtime.kernels import KERNELS
-from mpsd.backends.hostmem import Reservation
-from mpsd.runtime.memory import AddressSpace, Allocation, HostBuffer, Segment
-from mpsd.sim import COPY_KINDS, Copy, Kernel, Marker, Op, copy_kernel, kernel_cost
+from mpsd.runtime.memory import AddressSpace, Allocation, HostBuffer
 
 if TYPE_CHECKING:
     from mpsd.runtime.device import Device
@@ -39,7 +36,6 @@ if TYPE_CHECKING:
 
 STREAM_PRIORITY_GREATEST, STREAM_PRIORITY_LEAST = -5, 0  # cudaDeviceGetStreamPriorityRange on Hopper
 NON_BLOCKING = 0x1  # cudaStreamNonBlocking
-_CHUNK = 64 << 20  # bulk byte moves go in chunks, so a huge copy never needs a huge temporary
 MAX_STAGED_COPY = 64 << 20  # the client stages pageable copies in pieces of 8 MiB
 
 
@@ -60,14 +56,14 @@ class Stream:
     priority: int
     blocking: bool
     key: tuple[int, int]
-    tail: Op | None = None
+    tail: Work | None = None
 
 
 @dataclass(eq=False, slots=True)
 class EventCell:
     """An event's latest record. IPC event handles share one cell among the processes that opened it."""
 
-    record: Marker | None = None
+    record: Record | None = None
     users: int = 1  # events (in any context) that use this cell
     export: Export | None = None
 
@@ -80,7 +76,7 @@ class Event:
     cell: EventCell = field(default_factory=EventCell)
 
     @property
-    def record(self) -> Marker | None:
+    def record(self) -> Record | None:
         return self.cell.record
 
 
@@ -93,7 +89,6 @@ class Counters:
     bytes_copied: int = 0
     mallocs: int = 0
     frees: int = 0
-    peak_used: int = 0
 
 
 class Context:
@@ -112,21 +107,19 @@ class Context:
         # clients share one process (Config.shared_process), its own.
         self.process = -client_id if device.shared_process else pid
         self.quotas = quotas
-        self.memory = AddressSpace()
-        self.used = 0  # device bytes charged to this client
+        self.backend = device.backend
+        self.memory = AddressSpace(self.backend.allocate)
+        self.account = device.ledger.open(quotas.pinned_mem_limit, partition)  # what its memory is charged
         self.host: dict[int, HostBuffer] = {}
         self.streams: dict[int, Stream] = {0: Stream(0, 0, True, (client_id, 0))}
         self.events: dict[int, Event] = {}
-        self._reservations: set[Reservation] = set()  # host RAM that queued ops may still touch
-        self._orphans: list[Op] = []  # last ops of destroyed streams: their work still counts
-        self.last_op: Op | None = None  # the op the latest call queued
+        self._orphans: list[Work] = []  # last work of destroyed streams: it still counts
+        self.last_op: Work | None = None  # the work the latest call queued
         self.sticky: CudaError | None = None
         self.last_error: CudaError | None = None  # from fire-and-forget calls, for get_last_error
         self.counters = Counters()
         self._next_handle = 1
         self.closed = False
-        if device.recorder is not None:
-            device.recorder.attached(self)
 
     # -- errors ----------------------------------------------------------------------------------------
     def check_usable(self) -> None:
@@ -156,7 +149,7 @@ class Context:
         free (less the context's own charge) while total stays the device's; a MIG instance's client sees
         the instance's memory as the total, shared with the instance's other clients."""
         device_free = self.device.memory_free(self.partition)
-        own_free = self.quotas.pinned_mem_limit - self.device.spec.context_memory - self.used
+        own_free = self.quotas.pinned_mem_limit - self.backend.context_memory - self.account.reserved
         return max(0, min(own_free, device_free)), self.device.memory_total(self.partition)
 
     def malloc(self, nbytes: int) -> int:
@@ -180,7 +173,7 @@ class Context:
             self.memory.allocate(addr, nbytes, span)
         except OSError as exc:
             raise OutOfMemoryError(f"the daemon could not back {format_size(nbytes)}: {exc.strerror}") from None
-        self._charge(charge)
+        self.device.ledger.move(self.account, charge, nbytes)
         self.counters.mallocs += 1
         return addr
 
@@ -207,44 +200,13 @@ class Context:
         and until then they stay charged to us, against our pinned limit, and to the device (counted once, as
         real shared memory is): freeing shared memory must not make room for more."""
         self.ipc.allocation_freed(alloc)
+        ledger = self.device.ledger
+        ledger.move(self.account, 0, -alloc.size)
         if alloc.segment.refs > 1:
-            alloc.segment.on_release.append(functools.partial(self._release, released))
+            alloc.segment.on_release.append(functools.partial(ledger.move, self.account, -released))
         else:
-            self._release(released)
+            ledger.move(self.account, -released)
         alloc.segment.release()
-
-    def _release(self, nbytes: int) -> None:
-        self.used -= nbytes
-        self.device.release_memory(nbytes, self.partition)
-
-    def _charge(self, nbytes: int) -> None:
-        self.used += nbytes
-        self.device.charge(nbytes, self.partition)
-        self.counters.peak_used = max(self.counters.peak_used, self.used)
-
-    def _extent(self, ptr: int, nbytes: int) -> tuple[Segment, int] | None:
-        """The memfd segment that holds [ptr, ptr + nbytes) and where in it they begin, if one allocation does."""
-        alloc = self.memory.find(ptr) if isinstance(ptr, int) and isinstance(nbytes, int) else None
-        if alloc is None or nbytes < 0 or ptr + nbytes > alloc.end:
-            return None
-        segment = alloc.segment
-        return getattr(segment, "chunk", segment), segment.offset + ptr - alloc.addr
-
-    def _reserve(self, ranges: list[tuple[int, int]]) -> Reservation:
-        """Count against the daemon's host RAM budget what the ranges an op will touch may newly cost.
-
-        Raises:
-            OutOfMemoryError: it would take the daemon past its budget (the call fails; nothing is queued).
-        """
-        extents = [(*extent, nbytes) for ptr, nbytes in ranges if (extent := self._extent(ptr, nbytes))]
-        reservation = self.device.host_memory.reserve(extents)  # type: ignore[arg-type]
-        self._reservations.add(reservation)
-        return reservation
-
-    def _settle(self, reservation: Reservation) -> None:
-        if reservation in self._reservations:
-            self._reservations.remove(reservation)
-            self.device.host_memory.settle(reservation)
 
     def host_register(self, fd: int, nbytes: int) -> int:
         if not isinstance(nbytes, int) or nbytes <= 0:
@@ -264,24 +226,24 @@ class Context:
             raise InvalidValueError(f"no host buffer {brief(buffer_id, 20)}")
         buffer.close()
 
-    def _device_view(self, ptr: int, nbytes: int, what: str) -> memoryview:
-        view = self.memory.view(ptr, nbytes) if isinstance(ptr, int) and isinstance(nbytes, int) else None
-        if view is None:
+    def _device(self, ptr: int, nbytes: int, what: str) -> Extent:
+        extent = self.memory.extent(ptr, nbytes)
+        if extent is None:
             raise InvalidValueError(f"{what} [{brief(ptr, 20)}, +{brief(nbytes, 20)}) is not inside one live "
                                     "allocation")
-        return view
+        return extent
 
-    def _host_view(self, buffer_id: int, offset: int, nbytes: int) -> memoryview:
+    def _host(self, buffer_id: int, offset: int, nbytes: int) -> Extent:
         buffer = self.host.get(buffer_id) if isinstance(buffer_id, int) else None
-        view = buffer.view(offset, nbytes) if buffer is not None and isinstance(offset, int) else None
-        if view is None:
+        if (buffer is None or not isinstance(offset, int) or not isinstance(nbytes, int) or offset < 0
+                or nbytes < 0 or offset + nbytes > buffer.size):
             raise InvalidValueError(f"host range [{brief(offset, 20)}, +{brief(nbytes, 20)}) of buffer "
                                     f"{brief(buffer_id, 20)} is invalid")
-        return view
+        return Extent(buffer, offset, nbytes)
 
     # -- copies ----------------------------------------------------------------------------------------
     def memcpy_htod(self, dst: int, host: int, offset: int, nbytes: int, stream: int | None,
-                    staged: bool) -> Op:
+                    staged: bool) -> Work:
         """Copy host buffer bytes to the device. A staged (pageable) source is read now; a pinned one when
         the copy runs, as DMA from pinned memory does."""
         s = self._stream(stream)
@@ -289,134 +251,60 @@ class Context:
             # A staged source is copied into the daemon's memory: bounded, so no client can exhaust it.
             raise InvalidValueError(f"a staged copy moves at most {format_size(MAX_STAGED_COPY)}; "
                                     "larger ones go in pieces")
-        self._device_view(dst, nbytes, "destination").release()
-        source = self._host_view(host, offset, nbytes)
-        data: bytes | memoryview = bytes(source) if staged else source
-        if staged:
-            source.release()
+        target = self._device(dst, nbytes, "destination")
+        source = self._host(host, offset, nbytes)
+        data = bytes(source.memory.view(source.offset, nbytes)) if staged else None
+        return self._copy(s, Copy(**self._on(s), kind="h2d", dst=target, src=None if staged else source, data=data))
 
-        touched = self._reserve([(dst, nbytes)])
-
-        def effect(op: Op) -> None:
-            view = self.memory.view(dst, nbytes)
-            if view is not None and not self.closed:
-                view[:] = data
-            self._settle(touched)
-
-        return self._copy(s, "h2d", nbytes, effect)
-
-    def memcpy_dtoh(self, host: int, offset: int, src: int, nbytes: int, stream: int | None) -> Op:
+    def memcpy_dtoh(self, host: int, offset: int, src: int, nbytes: int, stream: int | None) -> Work:
         s = self._stream(stream)
-        self._device_view(src, nbytes, "source").release()
-        self._host_view(host, offset, nbytes).release()
-        touched = self._reserve([(src, nbytes)])
+        source = self._device(src, nbytes, "source")
+        return self._copy(s, Copy(**self._on(s), kind="d2h", dst=self._host(host, offset, nbytes), src=source))
 
-        def effect(op: Op) -> None:
-            source = self.memory.view(src, nbytes)
-            buffer = self.host.get(host)
-            if source is not None and buffer is not None and not self.closed:
-                buffer.map[offset:offset + nbytes] = source
-            self._settle(touched)
-
-        return self._copy(s, "d2h", nbytes, effect)
-
-    def memcpy_dtod(self, dst: int, src: int, nbytes: int, stream: int | None) -> Op:
+    def memcpy_dtod(self, dst: int, src: int, nbytes: int, stream: int | None) -> Work:
         s = self._stream(stream)
-        self._device_view(dst, nbytes, "destination").release()
-        self._device_view(src, nbytes, "source").release()
-        touched = self._reserve([(src, nbytes), (dst, nbytes)])
+        target, source = self._device(dst, nbytes, "destination"), self._device(src, nbytes, "source")
+        return self._copy(s, Copy(**self._on(s), kind="d2d", dst=target, src=source))
 
-        def effect(op: Op) -> None:
-            source, target = self.memory.view(src, nbytes), self.memory.view(dst, nbytes)
-            if source is not None and target is not None and not self.closed:
-                _move(target, source)
-            self._settle(touched)
-
-        return self._copy(s, "d2d", nbytes, effect)
-
-    def memset(self, ptr: int, value: int, nbytes: int, stream: int | None) -> Op:
+    def memset(self, ptr: int, value: int, nbytes: int, stream: int | None) -> Work:
         s = self._stream(stream)
         if not isinstance(value, int):
             raise InvalidValueError(f"memset value {brief(value, 20)} is not an int")
-        self._device_view(ptr, nbytes, "memset range").release()
-        byte = value & 0xFF  # cudaMemset uses the low byte, as memset does
-        # Zeros are written as holes, which cost the host no RAM: only the partial pages at the ends count.
-        touched = self._reserve([(ptr, min(nbytes, 1)), (ptr + nbytes - 1, min(nbytes, 1))] if byte == 0
-                                else [(ptr, nbytes)])
+        target = self._device(ptr, nbytes, "memset range")
+        # cudaMemset uses the low byte, as memset does
+        return self._copy(s, Memset(**self._on(s), dst=target, value=value & 0xFF))
 
-        def effect(op: Op) -> None:
-            extent = self._extent(ptr, nbytes)
-            if extent is not None and not self.closed:
-                if byte == 0:
-                    self.device.host_memory.zero(*extent, nbytes)
-                else:
-                    view = self.memory.view(ptr, nbytes)
-                    pattern = bytes([byte]) * min(nbytes, _CHUNK)
-                    for start in range(0, nbytes, _CHUNK):
-                        end = min(start + _CHUNK, nbytes)
-                        view[start:end] = pattern[:end - start]  # type: ignore[index]
-            self._settle(touched)
-
-        return self._copy(s, "memset", nbytes, effect)
-
-    def _copy(self, stream: Stream, engine: str, nbytes: int, effect: Callable[[Op], None]) -> Op:
+    def _copy(self, stream: Stream, work: Copy | Memset) -> Work:
         self.counters.copies += 1
-        self.counters.bytes_copied += nbytes
-        op: Op
-        if engine in COPY_KINDS:  # the runtime launches a kernel for these: the client's quotas hold
-            blocks, threads, cost = copy_kernel(self.device.spec, engine, nbytes, self.quotas.sm_cap)
-            op = Kernel(client=self.id, stream=stream.key, tag=effect, blocks=blocks, threads=threads, cost=cost,
-                        priority=stream.priority, sm_cap=self.quotas.sm_cap)
-            if self.device.recorder is not None:
-                self.device.recorder.launched(op, "memcpy_dtod" if engine == "d2d" else engine)
-        else:
-            op = Copy(client=self.id, stream=stream.key, tag=effect, engine=engine, nbytes=nbytes)
-        return self._enqueue(stream, op)
+        self.counters.bytes_copied += work.dst.nbytes
+        return self._enqueue(stream, work)
+
+    def _on(self, stream: Stream) -> dict[str, object]:
+        """What every piece of work queued on `stream` carries: whose it is, where, and the quotas it runs under."""
+        return {"client": self.id, "stream": stream.key, "priority": stream.priority, "sm_cap": self.quotas.sm_cap}
 
     # -- kernels ---------------------------------------------------------------------------------------
     def launch(self, name: str, grid: object, block: object, args: object, shared_mem: object,
-               stream: int | None) -> Op:
-        """Queue a kernel. Pointer arguments are checked when it runs: an access outside live memory is
-        an illegal address, sticky, contained as the device's fault-containment setting says."""
+               stream: int | None) -> Work:
+        """Queue a kernel. A pointer argument outside live memory is found now, and is an illegal address
+        when the kernel runs: sticky, contained as the device's fault-containment setting says."""
         kernel = KERNELS.get(name) if isinstance(name, str) else None
         if kernel is None:
             raise InvalidDeviceFunctionError(f"no kernel named {brief(name, 60)}")
         grid3, block3 = check_shape(name, grid, block, shared_mem, self.device.properties)
         checked = check_args(name, kernel.params, args)
         s = self._stream(stream)
-        blocks, threads = math.prod(grid3), math.prod(block3)
-        spec = self.device.spec
-        if self.device.sim.block_need(threads, 32, shared_mem) is None:  # type: ignore[arg-type]
+        threads = block3[0] * block3[1] * block3[2]
+        if not self.backend.fits(threads, shared_mem):  # type: ignore[arg-type]
             raise LaunchOutOfResourcesError(f"a block of {threads} threads and {shared_mem} bytes of shared "
                                             "memory does not fit on one SM")
-        cost = kernel_cost(spec, name, blocks, threads, checked)
-        touched = self._reserve([(int(checked[index]), nbytes) for index, nbytes in kernel.extents(checked)])
-
-        def effect(op: Op) -> None:
-            try:
-                run()
-            finally:
-                self._settle(touched)
-
-        def run() -> None:
-            if self.closed or self.sticky is not None:
-                return
-            views = []
-            for index, nbytes in kernel.extents(checked):
-                view = self.memory.view(int(checked[index]), nbytes)
-                if view is None:
-                    self.device.fault(self, IllegalAddressError(
-                        f"{name} argument {index} [{int(checked[index]):#x}, +{nbytes}) is outside live memory"))
-                    return
-                views.append(view)
-            kernel.run(views, checked)
-
-        op = Kernel(client=self.id, stream=s.key, tag=effect, blocks=blocks, threads=threads, cost=cost,
-                    smem=shared_mem, priority=s.priority, sm_cap=self.quotas.sm_cap)  # type: ignore[arg-type]
+        extents = tuple((index, self.memory.extent(int(checked[index]), nbytes))
+                        for index, nbytes in kernel.extents(checked))
+        work = Launch(**self._on(s), kernel=name, grid=tuple(grid3), block=tuple(block3),  # type: ignore[arg-type]
+                      shared_mem=shared_mem, args=tuple(checked), extents=extents)
+        self._enqueue(s, work)
         self.counters.launches += 1
-        if self.device.recorder is not None:
-            self.device.recorder.launched(op, name)
-        return self._enqueue(s, op)
+        return work
 
     # -- streams and events ----------------------------------------------------------------------------
     def _stream(self, stream: int | None) -> Stream:
@@ -425,18 +313,23 @@ class Context:
             raise InvalidResourceHandleError(f"no stream {brief(stream, 20)} in this context")
         return s
 
-    def _enqueue(self, stream: Stream, op: Op) -> Op:
+    def _enqueue(self, stream: Stream, work: Work) -> Work:
+        """Queue `work` on `stream`, after what the legacy default stream's rules make it wait for.
+
+        Raises:
+            OutOfMemoryError: the backend cannot hold what it would touch (nothing is queued).
+        """
         if stream.id == 0:
             deps = [s.tail for s in self.streams.values() if s.blocking and s.id != 0] + self._orphans
         elif stream.blocking:
             deps = [self.streams[0].tail]
         else:
             deps = []
-        op.after = tuple(d for d in deps if d is not None and not d.done) + tuple(op.after)
-        stream.tail = op
-        self.device.engine.submit(op)
-        self.last_op = op
-        return op
+        work.after = tuple(d for d in deps if d is not None and not d.done) + tuple(work.after)
+        self.backend.submit(work)
+        stream.tail = work
+        self.last_op = work
+        return work
 
     def create_stream(self, priority: int, flags: int) -> tuple[int, int]:
         if not isinstance(priority, int) or not isinstance(flags, int) or flags & ~NON_BLOCKING:
@@ -456,7 +349,7 @@ class Context:
         if gone.tail is not None and not gone.tail.done:
             self._orphans.append(gone.tail)
 
-    def stream_tail(self, stream: int | None) -> Op | None:
+    def stream_tail(self, stream: int | None) -> Work | None:
         return self._stream(stream).tail
 
     def stream_query(self, stream: int | None) -> bool:
@@ -466,7 +359,7 @@ class Context:
     def stream_wait_event(self, stream: int | None, event: int) -> None:
         s, e = self._stream(stream), self._event(event)
         if e.record is not None and not e.record.done:
-            self._enqueue(s, Marker(client=self.id, stream=s.key, after=(e.record,)))
+            self._enqueue(s, Record(**self._on(s), after=(e.record,)))
 
     def create_event(self, disable_timing: bool, interprocess: bool) -> int:
         if interprocess and not disable_timing:
@@ -487,7 +380,7 @@ class Context:
 
     def record_event(self, event: int, stream: int | None) -> None:
         e, s = self._event(event), self._stream(stream)
-        e.cell.record = self._enqueue(s, Marker(client=self.id, stream=s.key))  # type: ignore[assignment]
+        e.cell.record = self._enqueue(s, Record(**self._on(s)))  # type: ignore[assignment]
 
     # -- IPC -------------------------------------------------------------------------------------------
     def ipc_get_event_handle(self, event: int) -> bytes:
@@ -516,7 +409,7 @@ class Context:
             raise InvalidValueError(f"{brief(ptr, 20)} is not inside a live allocation of this context")
         return alloc
 
-    def event_record_op(self, event: int) -> Marker | None:
+    def event_record_op(self, event: int) -> Record | None:
         return self._event(event).record
 
     def event_query(self, event: int) -> bool:
@@ -533,7 +426,7 @@ class Context:
             raise NotReadyError("an event has not completed yet")
         return (b.record.ended - a.record.ended) * 1e3
 
-    def tails(self) -> list[Op]:
+    def tails(self) -> list[Work]:
         """The last op of every stream: what a context synchronize waits for."""
         tails = [s.tail for s in self.streams.values() if s.tail is not None] + self._orphans
         return [op for op in tails if not op.done]
@@ -542,9 +435,7 @@ class Context:
     def close(self) -> dict[str, int]:
         """Release everything the client holds (it exited or was killed). Returns what was reclaimed."""
         self.closed = True
-        self.device.engine.cancel(self.id)
-        for reservation in list(self._reservations):  # work that will never run touches nothing
-            self._settle(reservation)
+        self.backend.cancel(self.id)
         imports = len({id(export) for export in self.imports.values()})
         self.ipc.context_closed(self)
         allocations = list(self.memory)
@@ -553,7 +444,7 @@ class Context:
             _, released = self.memory.remove(alloc.addr)
             self._drop(alloc, released)
             reclaimed_bytes += released
-        self.device.release_memory(self.device.spec.context_memory, self.partition)
+        self.device.ledger.move(None, -self.backend.context_memory, partition=self.partition)
         for event in self.events.values():
             self.ipc.event_destroyed(event.cell)
         reclaimed = {"allocations": len(allocations), "bytes": reclaimed_bytes, "imports": imports,
@@ -563,19 +454,6 @@ class Context:
         self.host.clear()
         self.streams.clear()
         self.events.clear()
+        self._orphans.clear()
+        self.last_op = None
         return reclaimed
-
-
-def _move(target: memoryview, source: memoryview) -> None:
-    """memmove: copy `source` into `target` (same length) in chunks, correct when the two overlap."""
-    n = len(source)
-    chunks = range(0, n, _CHUNK)
-    if _address(target) > _address(source):
-        chunks = reversed(chunks)  # copy from the end, so bytes are read before they are overwritten
-    for start in chunks:
-        end = min(start + _CHUNK, n)
-        target[start:end] = bytes(source[start:end])
-
-
-def _address(view: memoryview) -> int:
-    return ctypes.addressof(ctypes.c_char.from_buffer(view)) if not view.readonly and len(view) else 0

@@ -1,8 +1,7 @@
-# Device and host memory as the daemon holds it. Device memory lives in memfd segments: sparse (a 141 GB
-# device costs no RAM until touched), nameless (nothing to leak on SIGKILL), and passable over SCM_RIGHTS
-# when IPC or host_view needs it. A large allocation has a segment of its own; small ones (up to 1 MiB) are
-# slices of their 2 MiB chunk's segment, so what a client holds in fds (two a segment: ours, and the one
-# mmap keeps) grows with its memory, never with how many small allocations it makes. Each client has its own
+# Device and host memory as the daemon holds it. Device memory is made by the backend in segments (memfds on
+# the simulated one: mpsd.backends.memfd), each with an fd that IPC can pass over SCM_RIGHTS. A large allocation
+# has a segment of its own; small ones (up to 1 MiB) are slices of their 2 MiB chunk's segment, so what a client
+# holds in fds grows with its memory, never with how many small allocations it makes. Each client has its own
 # device address space (Volta+ semantics), so the same address in two clients names different bytes.
 # Segments and slices are reference counted because an IPC import maps one into several address spaces; the
 # bytes live until the last mapping goes, and a freed slice that an importer still maps keeps its range of
@@ -14,12 +13,14 @@ import fcntl
 import mmap
 import os
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
+from mpsd.backends.base import DeviceMemory
+from mpsd.backends.memfd import close_map
+from mpsd.backends.ops import Extent
 from mpsd.runtime.sorted_ints import SortedInts
 from mpsd_protocol import InvalidValueError  # type: ignore[attr-defined]
 
-SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 CHUNK = 2 << 20  # the driver's page: device memory is charged in 2 MiB steps
 SMALL_MAX = 1 << 20  # allocations up to 1 MiB are packed into shared 2 MiB chunks at 512-byte granularity
 SMALL_ALIGN = 512
@@ -30,42 +31,13 @@ LARGE_BASE, LARGE_LIMIT = 0x7F40_0000_0000, 0x7FFF_FFE0_0000
 _NOWHERE = 1 << 64  # above every address: "no such gap"
 
 
-class Segment:
-    """A memfd of `size` bytes mapped in the daemon; freed when the last reference is dropped."""
-
-    __slots__ = ("fd", "size", "map", "refs", "on_release")
-    offset = 0  # where its bytes begin in `fd` and `map` (a Slice's lie inside its chunk's)
-
-    def __init__(self, size: int) -> None:
-        self.fd = os.memfd_create("mpsd-device", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        try:
-            os.ftruncate(self.fd, size)
-            # Sealed, so that no process this fd is ever passed to can shrink it under our mapping (SIGBUS).
-            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, SEALS)
-            self.map = mmap.mmap(self.fd, size)
-        except OSError:
-            os.close(self.fd)
-            raise
-        self.size = size
-        self.refs = 1  # mappings: the allocation that made it, and every IPC import of it
-        self.on_release: list = []  # called when the last mapping goes (charges that outlive the owner)
-
-    def release(self) -> None:
-        self.refs -= 1
-        if self.refs == 0:
-            _close_map(self.map)
-            os.close(self.fd)
-            for callback in self.on_release:
-                callback()
-
-
 class Slice:
     """A small allocation's bytes in its chunk's segment, counted as a segment of its own would be (the
     allocation and each IPC import of it); it holds one reference to the chunk's segment until its last."""
 
     __slots__ = ("chunk", "offset", "size", "refs", "on_release")
 
-    def __init__(self, chunk: Segment, offset: int, size: int) -> None:
+    def __init__(self, chunk: DeviceMemory, offset: int, size: int) -> None:
         self.chunk, self.offset, self.size = chunk, offset, size
         chunk.refs += 1
         self.refs = 1
@@ -94,7 +66,7 @@ class Allocation:
     addr: int
     size: int  # bytes the user asked for: the bounds that kernels and copies are checked against
     span: int  # bytes of address space it occupies (size rounded up)
-    segment: Segment | Slice
+    segment: DeviceMemory | Slice
     imported: bool = False  # an IPC import: charged to its exporter, not to this client
 
     @property
@@ -241,7 +213,7 @@ class _Chunk:
     """A 2 MiB chunk of small allocations: its segment, how many allocations live in it, and the freed ones
     an importer still maps (so that the chunk's going need not look through every client's held ranges)."""
 
-    segment: Segment
+    segment: DeviceMemory
     live: int = 0
     held: set[int] = field(default_factory=set)
 
@@ -254,7 +226,8 @@ class AddressSpace:
     rounded up to 2 MiB. Freed memory is charged no more.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, allocate: Callable[[int], DeviceMemory]) -> None:
+        self._allocate = allocate  # the backend's: device memory of a given size
         self._small = _Arena(SMALL_BASE, SMALL_LIMIT, SMALL_ALIGN, within=CHUNK)
         self._large = _Arena(LARGE_BASE, LARGE_LIMIT, CHUNK)
         self._chunks: dict[int, _Chunk] = {}  # chunk index -> its segment and how many live in it
@@ -281,7 +254,7 @@ class AddressSpace:
         span = -(-size // CHUNK) * CHUNK
         return self._large.place(span), span, span
 
-    def map_import(self, segment: Segment | Slice, size: int) -> Allocation:
+    def map_import(self, segment: DeviceMemory | Slice, size: int) -> Allocation:
         """Map an IPC import (2 MiB aligned, as imports are): charged to nobody here."""
         span = -(-max(size, 1) // CHUNK) * CHUNK
         alloc = Allocation(self._large.place(span), size, span, segment, imported=True)
@@ -299,14 +272,14 @@ class AddressSpace:
             index = addr // CHUNK
             chunk = self._chunks.get(index)
             if chunk is None:
-                segment = Segment(CHUNK)
+                segment = self._allocate(CHUNK)
                 segment.refs = 0  # held by the slices cut from it, one reference each
                 chunk = self._chunks[index] = _Chunk(segment)
             alloc = Allocation(addr, size, span, Slice(chunk.segment, addr - index * CHUNK, size))
             self._small.insert(alloc)
             chunk.live += 1
         else:
-            alloc = Allocation(addr, size, span, Segment(size))
+            alloc = Allocation(addr, size, span, self._allocate(size))
             self._large.insert(alloc)
         return alloc
 
@@ -367,13 +340,15 @@ class AddressSpace:
             return self.get(alloc.addr) if alloc is not None else None
         return self._large.find(ptr)
 
-    def view(self, ptr: int, nbytes: int) -> memoryview | None:
-        """The bytes [ptr, ptr + nbytes) if they lie inside one allocation, else None."""
-        alloc = self.find(ptr)
+    def extent(self, ptr: int, nbytes: int) -> Extent | None:
+        """Where the bytes [ptr, ptr + nbytes) are, if they lie inside one allocation: the device memory that
+        holds them (a small allocation's chunk) and their offset in it. None otherwise."""
+        alloc = self.find(ptr) if isinstance(ptr, int) and isinstance(nbytes, int) else None
         if alloc is None or nbytes < 0 or ptr + nbytes > alloc.end:
             return None
-        offset = alloc.segment.offset + ptr - alloc.addr
-        return memoryview(alloc.segment.map)[offset:offset + nbytes]
+        segment = alloc.segment
+        memory = segment.chunk if isinstance(segment, Slice) else segment
+        return Extent(memory, segment.offset + ptr - alloc.addr, nbytes)
 
 
 class HostBuffer:
@@ -402,11 +377,4 @@ class HostBuffer:
         return memoryview(self.map)[offset:offset + nbytes]
 
     def close(self) -> None:
-        _close_map(self.map)
-
-
-def _close_map(mapping: mmap.mmap) -> None:
-    try:
-        mapping.close()
-    except BufferError:
-        pass  # a view is still alive somewhere; the mapping goes when it does
+        close_map(self.map)

@@ -1,0 +1,125 @@
+# What the runtime asks of a device, whatever runs it: the seam between CUDA's semantics (mpsd.runtime: contexts,
+# streams, events, memory accounting, IPC) and what actually does the work (mpsd.backends.sim, the calibrated
+# simulated H200, today; a real GPU through the driver API next). The runtime speaks only this protocol and the
+# vocabulary of mpsd.backends.ops; it imports nothing from the simulator.
+"""The backend protocol."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Protocol
+
+import trio
+
+from mpsd.backends.ops import Work
+from mpsd_protocol import CudaError
+
+__all__ = ["Backend", "Client", "DeviceMemory", "Instance", "HOST_VIEW"]
+
+# Capabilities a backend may have.
+HOST_VIEW = "host_view"  # device memory is host memory the daemon can hand a client to map (a memfd)
+
+
+@dataclass(frozen=True, slots=True)
+class Instance:
+    """A partition of the device a client can be bound to: a MIG GPU instance, or a custom SM partition.
+    `memory` is 0 where it has none of its own (it shares the device's)."""
+
+    name: str
+    sm_count: int
+    memory: int
+
+
+class DeviceMemory(Protocol):
+    """Device memory a backend made: reference counted (IPC maps it into several address spaces), an fd a
+    client may be sent (a memfd, or a driver's exported handle), and with HOST_VIEW a mapping in the daemon."""
+
+    fd: int
+    size: int
+    offset: int  # 0: where its bytes begin in `fd` (the runtime's slices of it have offsets of their own)
+    refs: int
+    on_release: list[Callable[[], None]]
+
+    def release(self) -> None: ...
+
+
+class Client(Protocol):
+    """What a backend may know of a client (the runtime's Context satisfies it)."""
+
+    id: int
+    pid: int
+    uid: int
+
+
+class Backend(Protocol):
+    """One device. Work is submitted in stream order; completions are reported through `when_done`."""
+
+    name: str
+    policy: str  # how it shares the device among clients (a real GPU under MPS: "mps")
+    capabilities: frozenset[str]
+    instances: tuple[Instance, ...]
+    total_memory: int
+    server_memory: int  # what the MPS server itself holds of it
+    context_memory: int  # what each client's context holds of it
+    virtual: Any  # the virtual clock's driver (mpsd.backends.engine.VirtualEngine), where it runs one, else None
+    on_fault: Callable[[int, CudaError], None]  # told of a fatal error in a client's work, to contain it
+    on_idle: Callable[[int, float, float], None]  # virtual clock: (client, its clock, grace) counted idle
+
+    def properties(self, index: int) -> dict[str, Any]:
+        """``cudaGetDeviceProperties`` for the whole device, in snake_case."""
+
+    def allocate(self, nbytes: int) -> DeviceMemory:
+        """Back `nbytes` of device memory.
+
+        Raises:
+            OSError: the host cannot back it.
+        """
+
+    def fits(self, threads: int, shared_mem: int) -> bool:
+        """Whether one block of `threads` threads and `shared_mem` bytes of shared memory fits on an SM."""
+
+    def sm_cap(self, active_thread_percentage: float) -> int:
+        """SMs a client at that active thread percentage may hold at once."""
+
+    def attach(self, client: Client, *, sm_cap: int, priority: int, weight: float, instance: int | None) -> None:
+        """A client arrived, or its scheduling settings changed (from its next placement on)."""
+
+    def submit(self, work: Work) -> None:
+        """Queue `work` after the work it names in `after` and the work before it on its stream.
+
+        Raises:
+            OutOfMemoryError: the backend cannot hold what the work would touch (the call fails; nothing is
+                queued).
+        """
+
+    def when_done(self, work: Iterable[Work | None], callback: Callable[[], None]) -> None:
+        """Call `callback` (now, if they are) once all of `work` has completed or was cancelled."""
+
+    def cancel(self, client: int) -> None:
+        """Tear down the client's work: queued work is dropped, running work evicted, waiters told."""
+
+    def forget(self, client: int) -> None:
+        """The client has gone: keep nothing about it."""
+
+    def now(self) -> float:
+        """The device's time, in seconds."""
+
+    def statistics(self) -> Any:
+        """What the device did: `now`, `sm_seconds` in all, and `per_client` (kernels, blocks, block_seconds,
+        sm_seconds, max_sms of each client)."""
+
+    def busy_sms(self) -> int: ...
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Drive the device until cancelled."""
+
+    def clock_info(self) -> dict[str, Any]:
+        """How clients relate the device's time to theirs (the hello reply's "clock")."""
+
+    def write_trace(self, index: int) -> Path | None:
+        """Write the device's timeline where the daemon was asked to (at exit); where it went, if anywhere.
+
+        Raises:
+            OSError: it cannot be written.
+        """

@@ -1,0 +1,108 @@
+# The work the runtime hands a backend, in CUDA's terms and nobody else's: a kernel launch with its 3-D grid and
+# block, shared memory and arguments; a copy from one place to another; a memset; an event record (or a
+# stream's wait on one). Where bytes are involved they are already resolved to extents of memory (device memory
+# the backend made, or a pinned host buffer), checked against the client's address space, so a backend never
+# sees an address it has to look up. What the work costs and how its effect lands on the bytes is the backend's
+# business: the simulator models the first and computes the second with numpy, a GPU just runs it.
+#
+# Work items are compared by identity: two launches with equal fields stay two launches. A backend keeps its
+# own record of each in `handle`, and `done`, `ended` and `cancelled` read from it.
+"""The backend-neutral vocabulary of device work."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Copy", "Extent", "Launch", "Memset", "Record", "Work"]
+
+
+@dataclass(frozen=True, slots=True)
+class Extent:
+    """`nbytes` bytes at `offset` of `memory`: a backend's device memory, or a pinned host buffer (HostBuffer).
+    None in a launch: the pointer lies in no live allocation, and running the kernel is an illegal address."""
+
+    memory: Any
+    offset: int
+    nbytes: int
+
+
+@dataclass(eq=False, slots=True, kw_only=True)
+class Work:
+    """One unit of device work on one stream of one client.
+
+    Attributes:
+        client: the client's id.
+        stream: (client, stream id): work with equal streams runs in submission order.
+        priority: the stream's CUDA priority (lower is more urgent).
+        sm_cap: most SMs the client may hold at once (its active thread percentage).
+        after: other work that must complete first (the legacy default stream's rules, event waits).
+        handle: the backend's record of it, once submitted.
+    """
+
+    client: int
+    stream: tuple[int, int]
+    priority: int = 0
+    sm_cap: int | None = None
+    after: tuple[Work, ...] = field(default=(), repr=False)
+    handle: Any = field(default=None, repr=False)
+
+    @property
+    def done(self) -> bool:
+        """It completed, or was cancelled (its client's work was torn down)."""
+        return self.handle is not None and self.handle.done
+
+    @property
+    def ended(self) -> float:
+        """When it completed, in the backend's seconds (NaN until then)."""
+        return self.handle.ended if self.handle is not None else math.nan
+
+    @property
+    def cancelled(self) -> bool:
+        return self.handle is not None and self.handle.cancelled
+
+
+@dataclass(eq=False, slots=True, kw_only=True)
+class Launch(Work):
+    """A built-in kernel (mpsd.runtime.kernels) over `grid` blocks of `block` threads.
+
+    Attributes:
+        extents: for each pointer argument the kernel touches, (argument index, the bytes it touches).
+    """
+
+    kernel: str
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    shared_mem: int
+    args: tuple[int | float, ...]
+    extents: tuple[tuple[int, Extent | None], ...] = ()
+
+
+@dataclass(eq=False, slots=True, kw_only=True)
+class Copy(Work):
+    """``kind`` is "h2d", "d2h" or "d2d". A staged (pageable) host source is `data`, copied when the call was
+    made; otherwise `src` is a pinned host buffer or device memory, read when the copy runs."""
+
+    kind: str
+    dst: Extent
+    src: Extent | None = None
+    data: bytes | None = field(default=None, repr=False)
+
+    @property
+    def nbytes(self) -> int:
+        return self.dst.nbytes
+
+
+@dataclass(eq=False, slots=True, kw_only=True)
+class Memset(Work):
+    """Set every byte of `dst` to `value` (0 to 255)."""
+
+    dst: Extent
+    value: int
+
+
+@dataclass(eq=False, slots=True, kw_only=True)
+class Record(Work):
+    """Completes when it reaches its stream's head and its `after` work is done: an event record, or a
+    stream's wait on another stream's event."""

@@ -1,0 +1,293 @@
+# The simulated backend: a calibrated H200 (mpsd.sim) behind the backend protocol. It turns the runtime's work
+# (mpsd.backends.ops) into the simulator's ops with what each costs (the kernel's cost model; copy engines for
+# host copies; the kernels the runtime launches for device copies and memsets), drives the simulator under the
+# wall or the virtual clock (mpsd.backends.engine), and applies each op's effect on the bytes when it completes:
+# device memory is memfd segments (mpsd.backends.memfd), the built-in kernels are computed with numpy
+# (mpsd.backends.reference), and the host RAM all of it costs is kept within a budget (mpsd.backends.hostmem).
+"""The simulated GPU backend."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import trio
+
+from mpsd.backends import reference
+from mpsd.backends.base import HOST_VIEW, Client, Instance
+from mpsd.backends.engine import DEFAULT_IDLE_GRACE, Engine, VirtualEngine
+from mpsd.backends.hostmem import HostMemory, Reservation, default_budget
+from mpsd.backends.memfd import Segment
+from mpsd.backends.ops import Copy, Extent, Launch, Memset, Record, Work
+from mpsd.backends.recorder import Recorder
+from mpsd.sim import COPY_KINDS, DeviceSpec, Kernel, Marker, Op, Simulator, copy_kernel, kernel_cost, sm_cap
+from mpsd.sim import Copy as SimCopy
+from mpsd.sim.clock import Host
+from mpsd_protocol import CudaError, IllegalAddressError  # type: ignore[attr-defined]
+
+__all__ = ["SimBackend", "device_properties"]
+
+log = logging.getLogger("mpsd.backends.sim")
+_CHUNK = 64 << 20  # bulk byte moves go in chunks, so a huge copy never needs a huge temporary
+
+
+def device_properties(spec: DeviceSpec, index: int) -> dict[str, Any]:
+    """``cudaGetDeviceProperties`` for a whole simulated device, in snake_case."""
+    return {
+        "name": spec.name,
+        "index": index,
+        "uuid": f"GPU-5eed{index:04x}-0000-4000-8000-{0x6d707364 + index:012x}",
+        "compute_capability": list(spec.compute_capability),
+        "major": spec.compute_capability[0],
+        "minor": spec.compute_capability[1],
+        "multiprocessor_count": spec.sm_count,
+        "total_memory": spec.total_memory,
+        "max_threads_per_multiprocessor": spec.max_threads_per_sm,
+        "max_blocks_per_multiprocessor": spec.max_blocks_per_sm,
+        "max_threads_per_block": spec.max_threads_per_block,
+        "max_block_dims": list(spec.max_block_dims),
+        "max_grid_dims": list(spec.max_grid_dims),
+        "warp_size": spec.warp_size,
+        "regs_per_multiprocessor": spec.regs_per_sm,
+        "regs_per_block": spec.regs_per_sm,
+        "shared_memory_per_block": 48 * 1024,
+        "shared_memory_per_block_optin": spec.max_smem_per_block,
+        "shared_memory_per_multiprocessor": spec.smem_per_sm,
+        "clock_rate_khz": int(spec.clock_hz / 1e3),
+        "memory_bandwidth": spec.mem_bandwidth,
+        "stream_priority_range": [0, -5],
+    }
+
+
+class SimBackend:
+    """A simulated GPU.
+
+    Args:
+        spec: the device model.
+        policy, policy_options: how the simulator shares it (mpsd.sim.POLICIES).
+        clock: "wall" (simulated time follows the wall clock x `time_scale`) or "virtual" (it moves as the
+            clients' stamped calls allow, with `idle_grace`: mpsd.backends.engine).
+        trace: where to write the device's timeline at exit, if anywhere.
+        host_memory: the daemon's budget of host RAM for simulated memory, shared by its devices.
+        on_fault: told of a fatal error in a client's work (an illegal address), to contain it.
+        on_idle: under the virtual clock, told of each client counted idle after its grace (client, its
+            simulated clock, the grace).
+    """
+
+    capabilities = frozenset({HOST_VIEW})
+
+    def __init__(self, spec: DeviceSpec, *, policy: str = "mps", policy_options: dict[str, Any] | None = None,
+                 clock: str = "wall", time_scale: float = 1.0, idle_grace: float = DEFAULT_IDLE_GRACE,
+                 trace: Path | None = None, host_memory: HostMemory | None = None,
+                 on_fault: Callable[[int, CudaError], None] = lambda client, error: None,
+                 on_idle: Callable[[int, float, float], None] = lambda client, clock, grace: None) -> None:
+        self.spec = spec
+        self.name = spec.name
+        self.policy = policy
+        self.total_memory = spec.total_memory
+        self.server_memory, self.context_memory = spec.server_memory, spec.context_memory
+        self.on_fault, self.on_idle = on_fault, on_idle
+        self.sim = Simulator(spec, policy=policy, policy_options=policy_options, record=trace is not None)
+        self.engine = (VirtualEngine(self.sim, idle_grace, self._went_idle) if clock == "virtual"
+                       else Engine(self.sim, time_scale))
+        self.virtual = self.engine if isinstance(self.engine, VirtualEngine) else None
+        self.recorder = Recorder(trace) if trace is not None else None
+        self.host_memory = host_memory if host_memory is not None else HostMemory(default_budget())
+        self.instances = tuple(Instance(p.profile, p.sm_count, p.memory)
+                               for p in getattr(self.sim.policy, "partitions", ()))
+        self._reservations: dict[int, dict[Op, Reservation]] = {}  # client -> host RAM its queued ops may touch
+
+    # -- what the device is ----------------------------------------------------------------------------
+    def properties(self, index: int) -> dict[str, Any]:
+        return device_properties(self.spec, index)
+
+    def allocate(self, nbytes: int) -> Segment:
+        return Segment(nbytes)
+
+    def fits(self, threads: int, shared_mem: int) -> bool:
+        return self.sim.block_need(threads, 32, shared_mem) is not None
+
+    def sm_cap(self, active_thread_percentage: float) -> int:
+        return sm_cap(self.spec, active_thread_percentage)
+
+    def _went_idle(self, host: Host) -> None:
+        self.on_idle(host.client, host.clock, self.engine.idle_grace)  # type: ignore[attr-defined]
+
+    # -- clients -----------------------------------------------------------------------------------------
+    def attach(self, client: Client, *, sm_cap: int, priority: int, weight: float, instance: int | None) -> None:
+        self.engine.catch_up()  # what happened until now happened under the old settings
+        self.sim.configure_client(client.id, priority=priority, weight=weight, partition=instance)
+        if self.recorder is not None:
+            self.recorder.attached(client)
+
+    def cancel(self, client: int) -> None:
+        self.engine.cancel(client)
+        for reservation in self._reservations.pop(client, {}).values():  # work that never runs touches nothing
+            self.host_memory.settle(reservation)
+
+    def forget(self, client: int) -> None:
+        self.engine.forget(client)
+        for reservation in self._reservations.pop(client, {}).values():
+            self.host_memory.settle(reservation)
+
+    # -- work --------------------------------------------------------------------------------------------
+    def submit(self, work: Work) -> None:
+        touched = self.host_memory.reserve(self._touches(work))
+        op = self._op(work)
+        try:
+            self.engine.submit(op)
+        except BaseException:
+            self.host_memory.settle(touched)
+            raise
+        work.handle = op
+        if touched.segments:
+            self._reservations.setdefault(work.client, {})[op] = touched
+
+    def when_done(self, work: Iterable[Work | None], callback: Callable[[], None]) -> None:
+        self.engine.when_done([w.handle for w in work if w is not None], callback)
+
+    def _op(self, work: Work) -> Op:
+        after = tuple(w.handle for w in work.after if w.handle is not None)
+        common = dict(client=work.client, stream=work.stream, after=after)
+        op: Op
+        if isinstance(work, Launch):
+            blocks, threads = math.prod(work.grid), math.prod(work.block)
+            cost = kernel_cost(self.spec, work.kernel, blocks, threads, work.args)
+            op = Kernel(**common, blocks=blocks, threads=threads, cost=cost, smem=work.shared_mem,  # type: ignore
+                        priority=work.priority, sm_cap=work.sm_cap)
+            self._record(op, work.kernel)
+        elif isinstance(work, (Copy, Memset)):
+            kind = work.kind if isinstance(work, Copy) else "memset"
+            nbytes = work.dst.nbytes
+            if kind in COPY_KINDS:  # the runtime launches a kernel for these: the client's quotas hold
+                blocks, threads, cost = copy_kernel(self.spec, kind, nbytes, work.sm_cap)
+                op = Kernel(**common, blocks=blocks, threads=threads, cost=cost,  # type: ignore[arg-type]
+                            priority=work.priority, sm_cap=work.sm_cap)
+                self._record(op, "memcpy_dtod" if kind == "d2d" else kind)
+            else:
+                op = SimCopy(**common, engine=kind, nbytes=nbytes)  # type: ignore[arg-type]
+        elif isinstance(work, Record):
+            op = Marker(**common)  # type: ignore[arg-type]
+        else:
+            raise TypeError(f"no such work: {work!r}")
+        # The op holds its work only through its tag, which the engine drops once the op completes or is
+        # cancelled, so a staged copy's bytes go with it; and the work forgets what it waited for, so that no
+        # chain of finished work stays reachable from a stream's tail.
+        op.tag = functools.partial(self._complete, work)
+        work.after = ()
+        return op
+
+    def _record(self, op: Kernel, name: str) -> None:
+        if self.recorder is not None:
+            self.recorder.launched(op, name)
+
+    def _touches(self, work: Work) -> list[tuple[Segment, int, int]]:
+        """The device memory `work` will touch: what the host RAM budget must make room for."""
+        extents: list[Extent | None]
+        if isinstance(work, Launch):
+            extents = [extent for _, extent in work.extents]
+        elif isinstance(work, Copy):
+            extents = [work.dst, work.src]
+        elif isinstance(work, Memset) and work.value == 0:
+            # Zeros are written as holes, which cost no RAM: only the partial pages at the ends count.
+            dst = work.dst
+            extents = [Extent(dst.memory, dst.offset, min(dst.nbytes, 1)),
+                       Extent(dst.memory, dst.offset + dst.nbytes - 1, min(dst.nbytes, 1))]
+        elif isinstance(work, Memset):
+            extents = [work.dst]
+        else:
+            extents = []
+        return [(e.memory, e.offset, e.nbytes) for e in extents
+                if e is not None and isinstance(e.memory, Segment)]
+
+    def _complete(self, work: Work, op: Op) -> None:
+        """The op completed in the simulator: its effect lands on the bytes, then its host RAM is measured."""
+        try:
+            self._effect(work)
+        finally:
+            touched = self._reservations.get(work.client, {}).pop(op, None)
+            if touched is not None:
+                self.host_memory.settle(touched)
+
+    def _effect(self, work: Work) -> None:
+        if isinstance(work, Launch):
+            views = []
+            for index, extent in work.extents:
+                view = _view(extent)
+                if view is None:
+                    self.on_fault(work.client, IllegalAddressError(
+                        f"{work.kernel} argument {index} ({int(work.args[index]):#x}) points outside live memory"))
+                    return
+                views.append(view)
+            reference.RUN[work.kernel](views, work.args)
+        elif isinstance(work, Copy):
+            target = _view(work.dst)
+            source = work.data if work.data is not None else _view(work.src)
+            if target is not None and source is not None:
+                # A device copy within one segment may overlap: then, as memmove, copy from the end.
+                backwards = work.src is not None and work.src.memory is work.dst.memory and \
+                    work.dst.offset > work.src.offset
+                _move(target, source, backwards)
+        elif isinstance(work, Memset):
+            dst = work.dst
+            if work.value == 0 and isinstance(dst.memory, Segment):
+                self.host_memory.zero(dst.memory, dst.offset, dst.nbytes)
+                return
+            target = _view(dst)
+            if target is not None:
+                pattern = bytes([work.value]) * min(dst.nbytes, _CHUNK)
+                for start in range(0, dst.nbytes, _CHUNK):
+                    end = min(start + _CHUNK, dst.nbytes)
+                    target[start:end] = pattern[:end - start]
+
+    # -- time and what happened ----------------------------------------------------------------------
+    def now(self) -> float:
+        return self.engine.sim_now()
+
+    def clock_info(self) -> dict[str, Any]:
+        """How clients relate the device's time to theirs (sent in the hello reply)."""
+        if self.virtual is not None:
+            return {"kind": "virtual"}
+        return {"kind": "wall", "time_scale": self.engine.time_scale, "origin": self.engine.monotonic_origin()}
+
+    def statistics(self) -> Any:
+        return self.sim.statistics()
+
+    def busy_sms(self) -> int:
+        return self.sim.busy_sms()
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        await self.engine.run(task_status=task_status)
+
+    def write_trace(self, index: int) -> Path | None:
+        """Write the device's timeline, if one was asked for; where it went.
+
+        Raises:
+            OSError: it cannot be written.
+        """
+        if self.recorder is None:
+            return None
+        self.recorder.write(self, index)
+        return self.recorder.path
+
+
+def _view(extent: Extent | None) -> memoryview | None:
+    """The bytes of `extent` in the daemon's mapping of its memory, or None if that mapping is gone (a host
+    buffer the client unregistered while a copy into it was queued)."""
+    if extent is None or extent.memory.map.closed:
+        return None
+    return memoryview(extent.memory.map)[extent.offset:extent.offset + extent.nbytes]
+
+
+def _move(target: memoryview, source: memoryview | bytes, backwards: bool = False) -> None:
+    """Copy `source` into `target` (same length) in chunks, so a huge copy never needs a huge temporary;
+    `backwards` when the two overlap with the target above the source, so bytes are read before they are
+    overwritten."""
+    n = len(source)
+    chunks = range(0, n, _CHUNK)
+    for start in reversed(chunks) if backwards else chunks:
+        end = min(start + _CHUNK, n)
+        target[start:end] = bytes(source[start:end])
