@@ -12,9 +12,9 @@
 #   stdin  <- GO <t0>        (the simulated time at which the run starts; every time it reports is relative to it)
 #   stdout -> P <completed> <failed>  (now and then), then DONE {"requests": [[submitted, completed, error,
 #             host]], "errors", "statistics"}
-# A request is the tenant's input copied to the device, its kernels (and copies) launched in order and its
-# output copied back, all on its stream, then a synchronize; an open-loop request's submission time is when it was due, so
-# time spent queued behind the previous request counts as latency. `host` is the time it took to issue it
+# A request is the tenant's input copied to the device, its kernels and copies called in order and its output
+# copied back, all on its stream, then a synchronize; an open-loop request's submission time is when it was
+# due, so time spent queued behind the previous request counts as latency. `host` is the time it took to issue it
 # (its calls before the synchronize): under the wall clock, the host's own speed shows there.
 # Under the virtual clock a tenant that has set up sleeps until the run's start before it says READY, so that
 # while it waits for GO outside mpsd it holds the clock at the start, where it keeps no one else's set-up
