@@ -8,6 +8,7 @@
 #   at = T                              ->  start = T
 #   [[tenant.copy]] kind                ->  a [[tenant.kernel]] call memcpy_htod, memcpy_dtoh, memcpy_dtod, memset
 #   [device] policy, policy_options     ->  [run] policy, [run.policy_options.<policy>]
+# and [run] duration is one that every request is due within (an hour when a closed loop's end is not known).
 # What has no such translation is refused, naming the tenant: one tenant's entries paced apart or on streams
 # of their own (a workload tenant is one loop on one stream), several closed loops in one tenant.
 """Reading and converting the deprecated scenario format of `mpsd simulate`."""
@@ -15,6 +16,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Any
 
@@ -30,6 +32,7 @@ KEYS = {
     "kernel": {"name", "grid", "block", "args", "repeat", "stream", "stream_priority", "at", "period", "sleep"},
     "copy": {"kind", "bytes", "repeat", "stream", "stream_priority", "at", "period", "sleep"},
 }
+CLOSED_DURATION = 3600.0  # simulated seconds: longer than any scenario's closed loops take
 _OLD_ONLY = {"args", "stream", "stream_priority", "at", "period", "sleep"}  # kernel keys no workload has
 _SCALARS = {"spin": ("cycles", 1), "work": ("iterations", 1), "fill_f32": ("elements", 3),
             "vector_add_f32": ("elements", 4), "saxpy_f32": ("elements", 4), "reduce_sum_f32": ("elements", 3)}
@@ -70,7 +73,20 @@ def to_workload(scenario: dict[str, Any]) -> dict[str, Any]:
         raise WorkloadError("the scenario launches no kernels")
     if idle:
         raise WorkloadError(f"tenant {idle[0]}: launches nothing (leave it out)")
+    last = [_last_due(t) for t in tenants]
+    run["duration"] = CLOSED_DURATION if None in last else math.floor(max(last)) + 1.0
     return {"run": run, "tenant": tenants}
+
+
+def _last_due(tenant: dict[str, Any]) -> float | None:
+    """When a converted tenant's last request is due; None for a closed loop of several (that depends on the
+    model)."""
+    start, requests = tenant.get("start", 0.0), tenant["requests"]
+    if tenant.get("arrival") == "uniform":
+        return start + (requests - 1) / tenant["rate"]
+    if tenant.get("arrival") == "trace":
+        return start + tenant["trace"][-1]
+    return start if requests == 1 else None
 
 
 def _tenant(tenant: Any, index: int) -> dict[str, Any]:

@@ -54,8 +54,8 @@ class TenantResult:
 
 @dataclass
 class _Loop:
-    """A closed loop: its next request follows the last one's synchronise and a think time, while it has
-    requests left (None: until the run's duration)."""
+    """A closed loop: its next request follows the last one's synchronise and a think time, until the run's
+    duration and while it has requests left (None: no limit)."""
 
     make: Callable[[], list[Op]]
     left: int | None
@@ -143,7 +143,7 @@ def run_workload(workload: Workload) -> dict[str, Any]:
             if loop is None or loop.left == 0:
                 continue
             at = hosts[op.client].thread.synchronize(op.ended) + loop.think
-            if loop.left is None and at >= loop.until:
+            if at >= loop.until:
                 continue
             left = None if loop.left is None else loop.left - 1
             request(op.client, at, loop.make(), _Loop(loop.make, left, loop.think, loop.until))

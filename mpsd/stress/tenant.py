@@ -164,7 +164,7 @@ class Tenant:
 
     async def run(self, t0: float, duration: float, arrivals: list[float] | None,
                   link: Link) -> list[list[Any]]:
-        """Requests until the run's end or its ``requests`` (closed loop, from its start) or its last arrival
+        """Requests until the run's end or its ``requests`` (closed loop, from its start), or its last arrival
         (open loop); times relative to t0."""
         ctx, limit, start = self.ctx, self.spec.requests, self.spec.start
         out: list[list[Any]] = []
@@ -174,7 +174,7 @@ class Tenant:
         while True:
             now = await ctx.clock() - t0
             if due is None:
-                if (len(out) >= limit) if limit is not None else now >= duration:
+                if now >= duration or (limit is not None and len(out) >= limit):
                     break
                 submitted = start if start is not None and start > now else now
             else:

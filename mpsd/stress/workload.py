@@ -12,7 +12,7 @@
 #                before each request's kernels and device to host after them, from and to pinned memory),
 #                arrival = "closed" | "uniform" | "poisson" | "bursty" | "trace", rate, burst, trace, think_ms,
 #                start (s into the run when the tenant begins; a uniform tenant's first arrival),
-#                requests (make this many, whatever the duration), ipc = "producer" | "consumer", ipc_size,
+#                requests (at most this many; without it, as many as the duration holds), ipc = "producer" | "consumer", ipc_size,
 #                ipc_peer
 #   [[tenant.kernel]]  a request's calls in order: name, grid, block, repeat, and per kernel: duration_ms or
 #                cycles (spin), iterations (work), elements (fill_f32, vector_add_f32, saxpy_f32,
@@ -185,8 +185,8 @@ def entitlements(tenants: list[TenantSpec]) -> dict[str, float]:
 
 def arrival_times(tenant: TenantSpec, duration: float, seed: int, copy: int = 0) -> list[float] | None:
     """When copy ``copy`` of an open-loop tenant has its requests due, in seconds from the start: from the
-    tenant's ``start``, until ``duration``, or its first ``requests`` whatever the duration; None for a
-    closed loop (each request follows the last).
+    tenant's ``start`` until ``duration``, its first ``requests`` at most; None for a closed loop (each
+    request follows the last).
 
     Drawn from a generator of its own, seeded by the workload's seed and the instance's name: the same
     instance gets the same arrivals whoever else runs (alone for its isolation baseline, or under another
@@ -198,7 +198,7 @@ def arrival_times(tenant: TenantSpec, duration: float, seed: int, copy: int = 0)
     start, limit = tenant.start or 0.0, tenant.requests
 
     def more(t: float, made: int) -> bool:  # another arrival, at t after the start, after `made` of them?
-        return made < limit if limit is not None else start + t < duration
+        return start + t < duration and (limit is None or made < limit)
 
     out: list[float] = []
     if tenant.arrival == "trace":
