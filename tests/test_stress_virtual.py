@@ -26,8 +26,10 @@ def spin(ms: float, grid: int = 264, repeat: int = 1) -> dict:
     return {"name": "spin", "grid": grid, "block": 1024, "duration_ms": ms, "repeat": repeat}
 
 
-@pytest.mark.parametrize("path", sorted(WORKLOADS.glob("*.toml")), ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", sorted([*WORKLOADS.glob("*.toml"), *WORKLOADS.parent.glob("simulate/*.toml")]),
+                         ids=lambda p: p.stem)
 def test_shipped_workloads_parse(path):
+    """Every shipped workload, those for mpsd simulate too (one format), is a valid workload file."""
     w = load_workload(path)
     assert w.tenants and w.duration > 0
 
