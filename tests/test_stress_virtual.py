@@ -26,8 +26,10 @@ def spin(ms: float, grid: int = 264, repeat: int = 1) -> dict:
     return {"name": "spin", "grid": grid, "block": 1024, "duration_ms": ms, "repeat": repeat}
 
 
-@pytest.mark.parametrize("path", sorted(WORKLOADS.glob("*.toml")), ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", sorted([*WORKLOADS.glob("*.toml"), *WORKLOADS.parent.glob("simulate/*.toml")]),
+                         ids=lambda p: p.stem)
 def test_shipped_workloads_parse(path):
+    """Every shipped workload, those for mpsd simulate too (one format), is a valid workload file."""
     w = load_workload(path)
     assert w.tenants and w.duration > 0
 
@@ -47,6 +49,10 @@ def test_shipped_workloads_parse(path):
     ({"tenant": [{"name": "a", "input": -1, "kernel": [spin(1)]}]}, "tenant a: input"),
     ({"tenant": [{"name": "a", "kernel": [spin(1)]}, {"name": "a", "kernel": [spin(1)]}]}, "unique"),
     ({"tenant": [{"name": "c", "ipc": "consumer", "ipc_peer": "p", "kernel": [spin(1)]}]}, "ipc_peer"),
+    ({"tenant": [{"name": "a", "kernel": [{"name": "memset"}]}]}, "kernel 0 (memset): needs bytes"),
+    ({"tenant": [{"name": "a", "kernel": [{"name": "memset", "bytes": 4, "grid": 2}]}]}, "unknown setting(s) grid"),
+    ({"tenant": [{"name": "a", "requests": 0, "kernel": [spin(1)]}]}, "tenant a: requests must be"),
+    ({"tenant": [{"name": "a", "start": -1, "kernel": [spin(1)]}]}, "tenant a: start must be"),
 ])
 def test_a_bad_workload_says_what_is_wrong(data, message):
     with pytest.raises(WorkloadError) as info:
@@ -71,6 +77,42 @@ def test_arrival_processes():
     assert len(b) % 10 == 0 and all(b[i] == b[i - i % 10] for i in range(len(b)))  # bursts of ten at one instant
     assert t == [0.1, 0.5]  # sorted, and cut at the end of the run
     assert c is None  # closed loop
+
+
+def test_start_and_requests_bound_arrivals():
+    """`start` shifts a tenant's arrivals (a uniform tenant's first is at it, without a random phase);
+    `requests` makes that many at most, within the run's duration."""
+    w = parse_workload({"tenant": [
+        {"name": "u", "arrival": "uniform", "rate": 200, "start": 0.5, "requests": 250, "kernel": [spin(1)]},
+        {"name": "p", "arrival": "poisson", "rate": 1000, "requests": 5, "kernel": [spin(1)]},
+        {"name": "t", "arrival": "trace", "trace": [0.0, 0.25, 9.0], "start": 1.0, "kernel": [spin(1)]},
+    ]})
+    u, p, t = (arrival_times(x, 2.0, seed=1) for x in w.tenants)
+    assert u == [0.5 + i * 0.005 for i in range(250)]
+    assert len(arrival_times(w.tenants[0], 1.0, seed=1)) == 100  # what the run's duration holds
+    assert p == arrival_times(replace(w.tenants[1], requests=None), 2.0, seed=1)[:5]
+    assert t == [1.0, 1.25]
+
+
+def test_a_closed_loop_starts_late_and_stops_after_its_requests():
+    """A closed loop with start and requests: its first request when it starts, and exactly that many."""
+    timeline = run_virtual(workload({"name": "a", "start": 0.01, "requests": 3, "kernel": [spin(0.1)]},
+                                    duration=0.012), "mps", {})
+    submitted = [r.submitted for r in timeline.requests]
+    assert len(submitted) == 3 and submitted[0] == 0.01
+
+
+def test_copies_are_calls_of_a_request():
+    """A request of a device-to-device copy and a memset: both kernels of the runtime's, on the tenant's
+    stream, so the request takes both; a host-to-device copy step takes its engine as `input` does."""
+    steps = [{"name": "memcpy_dtod", "bytes": "64M"}, {"name": "memset", "bytes": "64M", "repeat": 2}]
+    timeline = run_virtual(workload({"name": "a", "kernel": steps}, duration=1e-4), "mps", {})
+    assert len(timeline.kernels) == 3 and timeline.requests[0].error is None
+    as_input = workload({"name": "a", "input": 55_000_000, "kernel": [{"name": "spin", "cycles": 0}]}, duration=1e-4)
+    as_step = workload({"name": "a", "kernel": [{"name": "memcpy_htod", "bytes": 55_000_000},
+                                               {"name": "spin", "cycles": 0}]}, duration=1e-4)
+    assert [r.latency for r in run_virtual(as_step, "mps", {}).requests] == \
+        [r.latency for r in run_virtual(as_input, "mps", {}).requests]
 
 
 def test_trace_file_is_read_relative_to_the_workload(tmp_path):

@@ -32,7 +32,7 @@ class Segment:
             raise
         self.size = size
         self.refs = 1  # mappings: the allocation that made it, and every IPC import of it
-        self.on_release: list[Callable[[], None]] = []  # called when the last mapping goes (charges that outlive the owner)
+        self.on_release: list[Callable[[], None]] = []  # called when the last mapping goes
 
     def release(self) -> None:
         self.refs -= 1

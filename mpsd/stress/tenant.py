@@ -12,9 +12,9 @@
 #   stdin  <- GO <t0>        (the simulated time at which the run starts; every time it reports is relative to it)
 #   stdout -> P <completed> <failed>  (now and then), then DONE {"requests": [[submitted, completed, error,
 #             host]], "errors", "statistics"}
-# A request is the tenant's input copied to the device, its kernels launched in order and its output copied
-# back, all on its stream, then a synchronize; an open-loop request's submission time is when it was due, so
-# time spent queued behind the previous request counts as latency. `host` is the time it took to issue it
+# A request is the tenant's input copied to the device, its kernels and copies called in order and its output
+# copied back, all on its stream, then a synchronize; an open-loop request's submission time is when it was
+# due, so time spent queued behind the previous request counts as latency. `host` is the time it took to issue it
 # (its calls before the synchronize): under the wall clock, the host's own speed shows there.
 # Under the virtual clock a tenant that has set up sleeps until the run's start before it says READY, so that
 # while it waits for GO outside mpsd it holds the clock at the start, where it keeps no one else's set-up
@@ -33,7 +33,7 @@ from typing import Any, Protocol
 import trio
 
 import mpsd_client
-from mpsd.stress.workload import POINTER_KERNELS, KernelSpec, TenantSpec
+from mpsd.stress.workload import COPIES, POINTER_KERNELS, KernelSpec, TenantSpec
 from mpsd_protocol import CudaError
 
 PROGRESS_EVERY = 0.2  # wall seconds between progress lines
@@ -86,7 +86,7 @@ class Tenant:
         spec, ctx = self.spec, self.ctx
         # Copies go on a stream of their own making, so the request stays one asynchronous chain, as a
         # service's cudaMemcpyAsync and launches would (copies on no stream are synchronous).
-        if spec.stream_priority or spec.input or spec.output:
+        if spec.stream_priority or spec.input or spec.output or any(k.name in COPIES for k in spec.kernels):
             self.stream = await ctx.create_stream(priority=spec.stream_priority)
         if spec.memory:
             self.held.append(await ctx.malloc(spec.memory))
@@ -97,6 +97,11 @@ class Tenant:
         for i, k in enumerate(spec.kernels):
             if k.name in POINTER_KERNELS:
                 self.pointers[i] = tuple([await ctx.malloc(4 * k.scalar) for _ in range(POINTER_KERNELS[k.name])])
+            elif k.name in COPIES:  # (destination, source): a device buffer, and one more or pinned host memory
+                other = await ctx.host_alloc(k.scalar) if k.name in ("memcpy_htod", "memcpy_dtoh") else (
+                    await ctx.malloc(k.scalar) if k.name == "memcpy_dtod" else None)
+                device = await ctx.malloc(k.scalar)
+                self.pointers[i] = (other, device) if k.name == "memcpy_dtoh" else (device, other)
         if spec.ipc == "producer":
             self.shared = await ctx.malloc(spec.ipc_size)
         elif spec.ipc == "consumer" and ipc_handle:
@@ -127,9 +132,8 @@ class Tenant:
                 else:
                     await ctx.launch("reduce_sum_f32", 132, 256, [self.shared, self.sum_out, n], stream=stream)
             for i, k in enumerate(spec.kernels):
-                args = k.args(self.pointers.get(i, ()))
                 for _ in range(k.repeat):
-                    await ctx.launch(k.name, k.grid, k.block, args, stream=stream)
+                    await self._call(i, k)
             if "output" in self.copies:
                 device, host = self.copies["output"]
                 await ctx.memcpy_dtoh(host, device, stream=stream)
@@ -143,10 +147,26 @@ class Tenant:
             if scratch is not None:
                 await ctx.free(scratch)
 
+    async def _call(self, i: int, k: KernelSpec) -> None:
+        ctx, stream = self.ctx, self.stream
+        if k.name not in COPIES:
+            await ctx.launch(k.name, k.grid, k.block, k.args(self.pointers.get(i, ())), stream=stream)
+            return
+        dst, src = self.pointers[i]
+        if k.name == "memcpy_htod":
+            await ctx.memcpy_htod(dst, src, stream=stream)
+        elif k.name == "memcpy_dtoh":
+            await ctx.memcpy_dtoh(dst, src, stream=stream)
+        elif k.name == "memcpy_dtod":
+            await ctx.memcpy_dtod(dst, src, k.scalar, stream=stream)
+        else:
+            await ctx.memset(dst, 0, k.scalar, stream=stream)
+
     async def run(self, t0: float, duration: float, arrivals: list[float] | None,
                   link: Link) -> list[list[Any]]:
-        """Requests until the run's end (closed loop) or its last arrival (open loop); times relative to t0."""
-        ctx = self.ctx
+        """Requests until the run's end or its ``requests`` (closed loop, from its start), or its last arrival
+        (open loop); times relative to t0."""
+        ctx, limit, start = self.ctx, self.spec.requests, self.spec.start
         out: list[list[Any]] = []
         failed = 0
         next_progress = time.monotonic() + PROGRESS_EVERY
@@ -154,16 +174,16 @@ class Tenant:
         while True:
             now = await ctx.clock() - t0
             if due is None:
-                if now >= duration:
+                if now >= duration or (limit is not None and len(out) >= limit):
                     break
-                submitted = now
+                submitted = start if start is not None and start > now else now
             else:
                 at = next(due, None)
                 if at is None:
                     break
                 submitted = at
-                if submitted > now:
-                    await ctx.sleep(submitted - now)
+            if submitted > now:
+                await ctx.sleep(submitted - now)
             started = await ctx.clock() - t0
             try:
                 issued, completed = await self.request()

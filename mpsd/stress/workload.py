@@ -2,15 +2,22 @@
 # completely (every mistake names its tenant and setting), and turned into plain frozen records that both
 # runners (real processes, virtual time) read, so a workload means the same thing either way.
 #
+# It is the one format of both mpsd-stress and `mpsd simulate` (which reads the old scenario files of
+# mpsd.tools.scenario by translating them into this one):
+#
 #   [run]        duration (s), seed, policy, solo (bool: also run each group alone, for isolation),
-#                [run.policy_options.<policy>] (that policy's settings, as `mpsd simulate` takes them)
+#                [run.policy_options.<policy>] (that policy's settings, as the daemon takes them)
 #   [[tenant]]   name, count, active_thread_percentage, pinned_mem_limit, priority, weight, partition,
 #                deadline_ms, memory, churn, stream_priority, input, output (bytes copied host to device
 #                before each request's kernels and device to host after them, from and to pinned memory),
 #                arrival = "closed" | "uniform" | "poisson" | "bursty" | "trace", rate, burst, trace, think_ms,
+#                start (s into the run when the tenant begins; a uniform tenant's first arrival),
+#                requests (at most this many; without it, as many as the duration holds),
 #                ipc = "producer" | "consumer", ipc_size, ipc_peer
-#   [[tenant.kernel]]  name, grid, block, repeat, and per kernel: duration_ms or cycles (spin),
-#                iterations (work), elements (fill_f32, vector_add_f32, saxpy_f32, reduce_sum_f32)
+#   [[tenant.kernel]]  a request's calls in order: name, grid, block, repeat, and per kernel: duration_ms or
+#                cycles (spin), iterations (work), elements (fill_f32, vector_add_f32, saxpy_f32,
+#                reduce_sum_f32); or a copy: name = memcpy_htod | memcpy_dtoh | memcpy_dtod | memset, bytes,
+#                repeat
 """Stress workloads: parsing and checking the TOML file."""
 
 from __future__ import annotations
@@ -25,11 +32,12 @@ from typing import Any
 from mpsd.sim import H200, DeviceSpec, sm_cap
 from mpsd_protocol import parse_size
 
-__all__ = ["ARRIVALS", "KernelSpec", "TenantSpec", "Workload", "WorkloadError", "arrival_times", "entitlements", "load_workload",
-           "parse_workload"]
+__all__ = ["ARRIVALS", "COPIES", "KernelSpec", "TenantSpec", "Workload", "WorkloadError", "arrival_times",
+           "entitlements", "load_workload", "parse_workload"]
 
 ARRIVALS = ("closed", "uniform", "poisson", "bursty", "trace")
 POINTER_KERNELS = {"fill_f32": 1, "vector_add_f32": 3, "saxpy_f32": 2, "reduce_sum_f32": 2}  # buffers each needs
+COPIES = {"memcpy_htod": "h2d", "memcpy_dtoh": "d2h", "memcpy_dtod": "d2d", "memset": "memset"}  # -> the model's kind
 
 
 class WorkloadError(Exception):
@@ -38,13 +46,14 @@ class WorkloadError(Exception):
 
 @dataclass(frozen=True, slots=True)
 class KernelSpec:
-    """One kernel of a request.
+    """One call of a request: a kernel launch or a copy (a name in COPIES).
 
     Attributes:
-        name: a built-in kernel.
-        grid, block: blocks and threads per block (flattened).
+        name: a built-in kernel, or a copy.
+        grid, block: blocks and threads per block (flattened; 1 for a copy).
         repeat: launches of it in a row.
-        scalar: its scalar argument: cycles (spin), iterations (work) or elements (the pointer kernels).
+        scalar: its scalar argument: cycles (spin), iterations (work), elements (the pointer kernels) or bytes
+            (a copy).
     """
 
     name: str
@@ -94,6 +103,8 @@ class TenantSpec:
     ipc_peer: str | None = None
     input: int = 0
     output: int = 0
+    start: float | None = None
+    requests: int | None = None
     kernels: tuple[KernelSpec, ...] = ()
 
     def instance(self, copy: int) -> str:
@@ -173,8 +184,9 @@ def entitlements(tenants: list[TenantSpec]) -> dict[str, float]:
 
 
 def arrival_times(tenant: TenantSpec, duration: float, seed: int, copy: int = 0) -> list[float] | None:
-    """When copy ``copy`` of an open-loop tenant has its requests due, in seconds from the start, within
-    ``duration``; None for a closed loop (each request follows the last).
+    """When copy ``copy`` of an open-loop tenant has its requests due, in seconds from the start: from the
+    tenant's ``start`` until ``duration``, its first ``requests`` at most; None for a closed loop (each
+    request follows the last).
 
     Drawn from a generator of its own, seeded by the workload's seed and the instance's name: the same
     instance gets the same arrivals whoever else runs (alone for its isolation baseline, or under another
@@ -183,30 +195,40 @@ def arrival_times(tenant: TenantSpec, duration: float, seed: int, copy: int = 0)
     rng = random.Random(f"{seed}:{tenant.instance(copy)}")
     if tenant.arrival == "closed":
         return None
-    if tenant.arrival == "trace":
-        return [t for t in tenant.trace if t < duration]
+    start, limit = tenant.start or 0.0, tenant.requests
+
+    def more(t: float, made: int) -> bool:  # another arrival, at t after the start, after `made` of them?
+        return start + t < duration and (limit is None or made < limit)
+
     out: list[float] = []
+    if tenant.arrival == "trace":
+        return [start + t for i, t in enumerate(tenant.trace) if more(t, i)]
     if tenant.arrival == "uniform":
         step = 1.0 / tenant.rate
+        if tenant.start is not None:  # the first arrival at the start
+            while more(len(out) * step, len(out)):
+                out.append(start + len(out) * step)
+            return out
         t = rng.uniform(0.0, step)  # a random phase, so copies of one tenant do not arrive in lockstep
-        while t < duration:
-            out.append(t)
+        while more(t, len(out)):
+            out.append(start + t)
             t += step
         return out
     per_event = tenant.burst if tenant.arrival == "bursty" else 1  # bursts arrive as Poisson at rate / burst
     t = rng.expovariate(tenant.rate / per_event)
-    while t < duration:
-        out.extend([t] * per_event)
+    while more(t, len(out)):
+        out.extend([start + t] * per_event)
         t += rng.expovariate(tenant.rate / per_event)
-    return out
+    return out if limit is None else out[:limit]
 
 
 # -- checking ---------------------------------------------------------------------------------------------
 
 _TENANT_KEYS = {"name", "count", "active_thread_percentage", "pinned_mem_limit", "priority", "weight", "partition",
                 "deadline_ms", "memory", "churn", "stream_priority", "arrival", "rate", "burst", "trace", "think_ms",
-                "ipc", "ipc_size", "ipc_peer", "input", "output", "kernel"}
+                "ipc", "ipc_size", "ipc_peer", "input", "output", "start", "requests", "kernel"}
 _KERNEL_KEYS = {"name", "grid", "block", "repeat", "duration_ms", "cycles", "iterations", "elements"}
+_COPY_KEYS = {"name", "bytes", "repeat"}
 
 
 def _tenant(entry: Any, index: int, base: Path) -> TenantSpec:
@@ -241,6 +263,7 @@ def _tenant(entry: Any, index: int, base: Path) -> TenantSpec:
     if partition is not None and (not isinstance(partition, int) or partition < 0):
         raise WorkloadError(f"{where}: partition must be a MIG partition index")
     limit = entry.get("pinned_mem_limit")
+    requests = entry.get("requests")
     return TenantSpec(
         name=name, count=count, active_thread_percentage=percentage,
         pinned_mem_limit=None if limit is None else _size(entry, "pinned_mem_limit", where),
@@ -253,6 +276,8 @@ def _tenant(entry: Any, index: int, base: Path) -> TenantSpec:
         think=_number(entry, "think_ms", where, 0.0, low=0.0) / 1e3,
         ipc=ipc, ipc_size=_size(entry, "ipc_size", where, 4 << 20), ipc_peer=entry.get("ipc_peer"),
         input=_size(entry, "input", where), output=_size(entry, "output", where),
+        start=_number(entry, "start", where, 0.0, low=0.0) if "start" in entry else None,
+        requests=None if requests is None else _integer(entry, "requests", where, 1, low=1),
         kernels=tuple(_kernel(k, j, where) for j, k in enumerate(kernels)),
     )
 
@@ -262,6 +287,11 @@ def _kernel(entry: Any, index: int, tenant: str) -> KernelSpec:
         raise WorkloadError(f"{tenant}: kernel {index} is not a table")
     name = entry.get("name")
     where = f"{tenant}: kernel {index} ({name})"
+    if name in COPIES:
+        _known(entry, _COPY_KEYS, where)
+        if "bytes" not in entry:
+            raise WorkloadError(f"{where}: needs bytes")
+        return KernelSpec(name, 1, 1, _integer(entry, "repeat", where, 1, low=1), _size(entry, "bytes", where))
     _known(entry, _KERNEL_KEYS, where)
     grid, block = _dims(entry, "grid", where, 1), _dims(entry, "block", where, 256)
     repeat = _integer(entry, "repeat", where, 1, low=1)
@@ -275,7 +305,8 @@ def _kernel(entry: Any, index: int, tenant: str) -> KernelSpec:
     elif name in POINTER_KERNELS:
         scalar = _integer(entry, "elements", where, None, low=1)
     else:
-        raise WorkloadError(f"{where}: unknown kernel; known: spin, work, {', '.join(POINTER_KERNELS)}")
+        raise WorkloadError(f"{where}: unknown kernel; known: spin, work, {', '.join(POINTER_KERNELS)}, "
+                            f"and the copies {', '.join(COPIES)}")
     return KernelSpec(name, grid, block, repeat, scalar)
 
 

@@ -1,20 +1,17 @@
-# `mpsd simulate SCENARIO.toml`: the daemon's GPU model alone, in virtual time, as fast as it can run. A
+# `mpsd simulate WORKLOAD.toml`: the daemon's GPU model alone, in virtual time, as fast as it can run. A
 # scheduling question about many tenants is answered in seconds, identically on every run: the same engine,
-# policies and virtual-clock driver (mpsd.sim.clock) the daemon runs, fed from a file instead of from client
-# processes.
+# policies and virtual-clock driver (mpsd.sim.clock) the daemon runs, fed from a workload file (the format of
+# mpsd-stress, mpsd.stress.workload) instead of from client processes. Old scenario files are translated
+# into one first (mpsd.tools.scenario), with a note saying so.
 #
-#   [device]                       model = "h200", policy = "mps", [device.policy_options] (as the daemon's)
-#   [[tenant]]                     name, count (copies), active_thread_percentage, priority, weight, partition
-#   [[tenant.kernel]]              name (a built-in), grid, block, args, repeat, stream, stream_priority,
-#                                  at (first submission, s), period (s between submissions: open loop;
-#                                  without it the repeats queue back to back on their stream), sleep (s
-#                                  after each synchronise before the next launch: closed loop)
-#   [[tenant.copy]]                kind ("h2d", "d2h": PCIe copy engines; "d2d", "memset": kernels the runtime
-#                                  launches), bytes, and repeat, stream, stream_priority, at, period, sleep as
-#                                  for a kernel (a tenant's `kernels` figure counts its copies too)
-# Times are what the tenant observes: each tenant is one host thread whose launch calls follow one another,
-# each reaching the device as it returns, and a synchronise returns a while after the kernel ends; both cost
-# more the longer the thread was idle before (mpsd.sim.host, DeviceSpec's figures measured on a real H200).
+# Each tenant instance is one host thread whose calls follow one another, each reaching the device as it
+# returns; a synchronise returns a while after the work ends, and both cost more the longer the thread was
+# idle before (mpsd.sim.host, DeviceSpec's figures measured on a real H200). A request is its calls in order
+# (input, [[tenant.kernel]], output) on one stream; an open-loop request's calls are made when it is due, even
+# if the last one has not returned (its work then queues on the stream; mpsd-stress's tenant would wait for
+# it); a closed loop's next request follows the last one's synchronise and think_ms. Each call's latency is
+# timed from its request's due time to a synchronise on it alone. The model has no memory and no IPC: a
+# tenant's memory, churn, pinned_mem_limit, ipc and deadline_ms are left out, and a note says so.
 from __future__ import annotations
 
 import argparse
@@ -30,13 +27,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mpsd.daemon.config import DEVICE_MODELS
-from mpsd.sim import COPY_KINDS, ENGINES, Copy, Kernel, Op, Simulator, copy_kernel, kernel_cost, sm_cap
+from mpsd.tools.scenario import is_scenario, to_toml, to_workload
+from mpsd.sim import COPY_KINDS, H200, Copy, DeviceSpec, Kernel, Op, Simulator, copy_kernel, kernel_cost
 from mpsd.sim.clock import VirtualClock
-
-
-class ScenarioError(Exception):
-    """The scenario file is wrong; the message says where."""
+from mpsd.stress.workload import COPIES, TenantSpec, Workload, WorkloadError, arrival_times, parse_workload
 
 
 @dataclass
@@ -60,92 +54,70 @@ class TenantResult:
 
 @dataclass
 class _Loop:
-    """A closed-loop kernel: each launch follows the previous one's synchronise and a sleep."""
+    """A closed loop: its next request follows the last one's synchronise and a think time, until the run's
+    duration and while it has requests left (None: no limit)."""
 
-    make: Callable[[], Op]
-    left: int
-    sleep: float
-
-
-# What each table of a scenario may hold: anything else is a mistake, never silently a default.
-KEYS = {
-    "scenario": {"device", "tenant"},
-    "[device]": {"model", "policy", "policy_options"},
-    "tenant": {"name", "count", "active_thread_percentage", "priority", "weight", "partition", "kernel", "copy"},
-    "kernel": {"name", "grid", "block", "args", "repeat", "stream", "stream_priority", "at", "period", "sleep"},
-    "copy": {"kind", "bytes", "repeat", "stream", "stream_priority", "at", "period", "sleep"},
-}
-
-
-def _known(table: Any, kind: str, where: str) -> None:
-    if not isinstance(table, dict):
-        raise ScenarioError(f"{where} must be a table")
-    unknown = sorted(set(table) - KEYS[kind])
-    if unknown:
-        raise ScenarioError(f"{where}: unknown setting(s) {', '.join(unknown)} "
-                            f"(known: {', '.join(sorted(KEYS[kind]))})")
-
-
-def _check_keys(scenario: dict[str, Any]) -> None:
-    _known(scenario, "scenario", "the scenario")
-    _known(scenario.get("device", {}), "[device]", "[device]")
-    for i, tenant in enumerate(scenario.get("tenant", [])):
-        where = f"tenant {tenant.get('name', i) if isinstance(tenant, dict) else i}"
-        _known(tenant, "tenant", where)
-        for kind in ("kernel", "copy"):
-            for entry in tenant.get(kind, []):
-                named = entry.get("name", entry.get("kind")) if isinstance(entry, dict) else ""
-                _known(entry, kind, f"{where}: {kind} {named}")
+    make: Callable[[], list[Op]]
+    left: int | None
+    think: float
+    until: float
 
 
 def run_scenario(scenario: dict[str, Any]) -> dict[str, Any]:
-    """Simulate a parsed scenario; returns per-tenant results and the device's figures.
+    """Simulate the tables of an old scenario file (translated by mpsd.tools.scenario); see run_workload.
 
     Raises:
-        ScenarioError: a missing, unknown or invalid setting.
+        WorkloadError: a missing, unknown or invalid setting, or a scenario with no workload form.
     """
-    _check_keys(scenario)
-    device = scenario.get("device", {})
-    spec = DEVICE_MODELS.get(str(device.get("model", "h200")).lower())
-    if spec is None:
-        raise ScenarioError(f"unknown device model {device.get('model')!r}")
+    return run_workload(parse_workload(to_workload(scenario), source="the scenario"))
+
+
+def run_workload(workload: Workload) -> dict[str, Any]:
+    """Simulate a workload on the model alone; returns per-tenant results and the device's figures.
+
+    Raises:
+        WorkloadError: a setting the model refuses (a policy option, a partition, a block too large).
+    """
+    spec = H200
+    options = workload.policy_options.get(workload.policy, {})
     try:
-        sim = Simulator(spec, policy=device.get("policy", "mps"), policy_options=device.get("policy_options"))
+        sim = Simulator(spec, policy=workload.policy, policy_options=options if isinstance(options, dict) else None)
     except ValueError as exc:
-        raise ScenarioError(f"[device]: {exc}") from None
-    arrivals: list[tuple[float, int, Op, _Loop | None]] = []  # (launch called, seq, op, loop)
+        raise WorkloadError(f"[run.policy_options.{workload.policy}]: {exc}") from None
     results: dict[int, TenantResult] = {}
-    for t_index, tenant in enumerate(scenario.get("tenant", [])):
-        for copy in range(int(tenant.get("count", 1))):
+    # Each tenant is one host thread: its calls are made one after another (``calls``, in the order they are
+    # due), and only its next one is posted to the daemon's driver (mpsd.sim.clock), at the time its work
+    # reaches the device; the driver applies them and the device's events in time order, the device's first
+    # at equal times, calls due alike in the order they were listed. No tenant holds the clock: each call is
+    # posted as soon as it is known, and the driver runs the device on until the next.
+    calls: dict[int, list[tuple[float, int, Op, _Loop | None]]] = {}  # (call made, seq, op, loop it ends)
+    seq = itertools.count()
+
+    def request(client: int, at: float, ops: list[Op], loop: _Loop | None) -> None:
+        for op in ops:
+            heapq.heappush(calls[client], (at, next(seq), op, loop if op is ops[-1] else None))
+
+    for tenant in workload.tenants:
+        for copy in range(tenant.count):
             client = len(results) + 1
-            name = tenant.get("name", f"tenant{t_index}") + (f"#{copy}" if tenant.get("count", 1) > 1 else "")
-            results[client] = TenantResult(name, client)
+            results[client], calls[client] = TenantResult(tenant.instance(copy), client), []
             try:
-                sim.configure_client(client, priority=int(tenant.get("priority", 0)),
-                                     weight=float(tenant.get("weight", 1.0)), partition=tenant.get("partition"))
-                cap = sm_cap(spec, float(tenant.get("active_thread_percentage", 100)))
+                sim.configure_client(client, priority=tenant.priority, weight=tenant.weight,
+                                     partition=tenant.partition)
             except ValueError as exc:
-                raise ScenarioError(f"tenant {name}: {exc}") from None
-            for k in tenant.get("kernel", []):
-                arrivals.extend(_kernels(spec, client, cap, k, name, len(arrivals)))
-            for c in tenant.get("copy", []):
-                arrivals.extend(_copies(spec, client, cap, c, name, len(arrivals)))
-    if not arrivals:
-        raise ScenarioError("the scenario launches no kernels")
-    # Each tenant is one host thread: its launch calls are made one after another (``calls``, in the order
-    # they are due), and only its next one is posted to the daemon's driver (mpsd.sim.clock), at the time its
-    # work reaches the device; the driver applies them and the device's events in time order, the device's
-    # first at equal times, calls due alike in the order they were listed. No tenant holds the clock: each
-    # call is posted as soon as it is known, and the driver runs the device on until the next.
+                raise WorkloadError(f"tenant {tenant.name}: {exc}") from None
+            make = _requests(spec, client, tenant)
+            arrivals = arrival_times(tenant, workload.duration, workload.seed, copy)
+            if arrivals is None:
+                left = None if tenant.requests is None else tenant.requests - 1
+                request(client, tenant.start or 0.0, make(), _Loop(make, left, tenant.think, workload.duration))
+            for at in arrivals or ():
+                request(client, at, make(), None)
     done: list = []
-    calls: dict[int, list[tuple[float, int, Op, _Loop | None]]] = {client: [] for client in results}
-    for call in arrivals:
-        heapq.heappush(calls[call[2].client], call)
     posted: set[int] = set()  # the tenants with a call posted
-    launched: dict[int, tuple[float, float]] = {}  # id(op) -> (when the tenant called launch, its warmth)
-    following: dict[int, _Loop] = {}  # closed loops waiting for their op to end, by id(op)
+    launched: dict[int, tuple[float, float]] = {}  # id(op) -> (when its request was due, the call's warmth)
+    following: dict[int, _Loop] = {}  # closed loops waiting for their request's last op to end, by id(op)
     scales = dict(spec.copy_calls)  # a copy call's host time against a launch's, by kind (the ops' tag)
-    seq = itertools.count(len(arrivals))
 
     def call_next(client: int) -> None:
         if calls[client] and client not in posted:
@@ -164,15 +136,18 @@ def run_scenario(scenario: dict[str, Any]) -> dict[str, Any]:
         call_next(op.client)
 
     def finished(ops: list) -> None:
-        # A closed loop's next launch: the synchronise returns, the tenant sleeps, then calls launch.
+        # A closed loop's next request: the synchronise returns, the tenant thinks, then makes its calls.
         done.extend(ops)
         for op in ops:
             loop = following.pop(id(op), None)
-            if loop is not None and loop.left > 0:
-                at = hosts[op.client].thread.synchronize(op.ended) + loop.sleep
-                heapq.heappush(calls[op.client], (at, next(seq), loop.make(),
-                                                  _Loop(loop.make, loop.left - 1, loop.sleep)))
-                call_next(op.client)
+            if loop is None or loop.left == 0:
+                continue
+            at = hosts[op.client].thread.synchronize(op.ended) + loop.think
+            if at >= loop.until:
+                continue
+            left = None if loop.left is None else loop.left - 1
+            request(op.client, at, loop.make(), _Loop(loop.make, left, loop.think, loop.until))
+            call_next(op.client)
 
     clock = VirtualClock(sim, finished)
     hosts = {client: clock.join(client) for client in results}
@@ -192,76 +167,55 @@ def run_scenario(scenario: dict[str, Any]) -> dict[str, Any]:
     stats = sim.statistics()
     total = sum(c.sm_seconds for c in stats.per_client.values())
     return {
-        "policy": device.get("policy", "mps"), "simulated_seconds": stats.now,
+        "policy": workload.policy, "simulated_seconds": stats.now,
         "blocks": stats.blocks_completed, "kernels": stats.kernels_completed,
         "tenants": [r.summary(stats.per_client[c].sm_seconds if c in stats.per_client else 0.0, total)
                     for c, r in results.items()],
     }
 
 
-def _kernels(spec, client: int, cap: int, k: dict[str, Any], tenant: str,
-             seq: int) -> list[tuple[float, int, Op, _Loop | None]]:
-    try:
-        grid, block = _count(k.get("grid", 1)), _count(k.get("block", 256))
-        args = list(k.get("args", []))
-        cost = kernel_cost(spec, k["name"], grid, block, args)
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ScenarioError(f"tenant {tenant}: kernel {k.get('name')!r}: {exc}") from None
+def _requests(spec: DeviceSpec, client: int, tenant: TenantSpec) -> Callable[[], list[Op]]:
+    """What makes one request's ops: its input copy, its calls in order, its output copy.
 
-    def make() -> Op:
-        return Kernel(client=client, stream=int(k.get("stream", 0)), blocks=grid, threads=block, cost=cost,
-                      priority=int(k.get("stream_priority", 0)), sm_cap=cap)
+    Raises:
+        WorkloadError: a kernel the model refuses (a block too large for an SM).
+    """
+    cap = tenant.sm_cap(spec)
 
-    return _timed(k, make, seq, f"tenant {tenant}: kernel {k.get('name')!r}")
+    def copy(kind: str, nbytes: int) -> Callable[[], Op]:
+        if kind in COPY_KINDS:  # a kernel the runtime launches: the tenant's SM cap holds
+            blocks, threads, cost = copy_kernel(spec, kind, nbytes, cap)
+            return functools.partial(Kernel, client=client, stream=0, tag=kind, blocks=blocks, threads=threads,
+                                     cost=cost, priority=tenant.stream_priority, sm_cap=cap)
+        return functools.partial(Copy, client=client, stream=0, tag=kind, engine=kind, nbytes=nbytes)
 
-
-def _copies(spec, client: int, cap: int, c: dict[str, Any], tenant: str,
-            seq: int) -> list[tuple[float, int, Op, _Loop | None]]:
-    where = f"tenant {tenant}: copy {c.get('kind')!r}"
-    kind, nbytes = c.get("kind"), c.get("bytes")
-    if not isinstance(nbytes, int) or nbytes < 0:
-        raise ScenarioError(f"{where}: bytes must be a count >= 0, got {nbytes!r}")
-    try:
-        stream, priority = int(c.get("stream", 0)), int(c.get("stream_priority", 0))
-    except (TypeError, ValueError) as exc:
-        raise ScenarioError(f"{where}: {exc}") from None
-    if kind in COPY_KINDS:  # a kernel the runtime launches: the tenant's SM cap holds
-        blocks, threads, cost = copy_kernel(spec, kind, nbytes, cap)
-
-        def make() -> Op:
-            return Kernel(client=client, stream=stream, tag=kind, blocks=blocks, threads=threads, cost=cost,
-                          priority=priority, sm_cap=cap)
-    elif kind in ENGINES:
-        def make() -> Op:
-            return Copy(client=client, stream=stream, tag=kind, engine=kind, nbytes=nbytes)
-    else:
-        raise ScenarioError(f"{where}: kind must be one of {ENGINES + COPY_KINDS}")
-    return _timed(c, make, seq, where)
+    steps = [copy("h2d", tenant.input)] if tenant.input else []
+    for k in tenant.kernels:
+        if k.name in COPIES:
+            make = copy(COPIES[k.name], k.scalar)
+        else:
+            try:
+                cost = kernel_cost(spec, k.name, k.grid, k.block, k.args((0, 0, 0)))
+            except ValueError as exc:
+                raise WorkloadError(f"tenant {tenant.name}: kernel {k.name!r}: {exc}") from None
+            make = functools.partial(Kernel, client=client, stream=0, blocks=k.grid, threads=k.block, cost=cost,
+                                     priority=tenant.stream_priority, sm_cap=cap)
+        steps.extend([make] * k.repeat)
+    if tenant.output:
+        steps.append(copy("d2h", tenant.output))
+    return lambda: [make() for make in steps]
 
 
-def _timed(entry: dict[str, Any], make: Callable[[], Op], seq: int,
-           where: str) -> list[tuple[float, int, Op, _Loop | None]]:
-    """An entry's launches: ``repeat`` of them at ``at``, one per ``period`` (open loop), or each after the
-    previous one's synchronise and a ``sleep`` (closed loop)."""
-    try:
-        at, period, sleep = float(entry.get("at", 0.0)), entry.get("period"), entry.get("sleep")
-        if period is not None and sleep is not None:
-            raise ValueError("give period (open loop) or sleep (closed loop), not both")
-        if sleep is not None and not float(sleep) >= 0.0:
-            raise ValueError(f"sleep must be >= 0, got {sleep!r}")
-        repeat = int(entry.get("repeat", 1))
-    except (TypeError, ValueError) as exc:
-        raise ScenarioError(f"{where}: {exc}") from None
-    if sleep is not None:
-        return [(at, seq, make(), _Loop(make, repeat - 1, float(sleep)))] if repeat > 0 else []
-    return [(at + (i * float(period) if period else 0.0), seq + i, make(), None) for i in range(repeat)]
-
-
-def _count(value: Any) -> int:
-    dims = value if isinstance(value, list) else [value]
-    if not dims or not all(isinstance(d, int) and d > 0 for d in dims):
-        raise ValueError(f"{value!r} is not a positive size")
-    return math.prod(dims)
+def left_out(workload: Workload) -> list[str]:
+    """What the model alone does not run of a workload, by tenant ("tenant a: memory, churn")."""
+    out = []
+    for t in workload.tenants:
+        names = [key for key, value in (("memory", t.memory), ("churn", t.churn), ("ipc", t.ipc),
+                                        ("pinned_mem_limit", t.pinned_mem_limit), ("deadline_ms", t.deadline),
+                                        ("think_ms", t.think if t.arrival != "closed" else 0)) if value]
+        if names:
+            out.append(f"tenant {t.name}: {', '.join(names)}")
+    return out
 
 
 def render(result: dict[str, Any]) -> str:
@@ -275,16 +229,30 @@ def render(result: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(prog="mpsd simulate", description="Run a scenario on the GPU model alone, "
+    parser = argparse.ArgumentParser(prog="mpsd simulate", description="Run a workload on the GPU model alone, "
                                                                        "in virtual time.")
-    parser.add_argument("scenario", type=Path, help="a TOML scenario file")
+    parser.add_argument("workload", type=Path, help="a workload TOML file (or an old scenario file)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    parser.add_argument("--convert", action="store_true",
+                        help="print the file as a workload file instead of running it (for old scenario files)")
     options = parser.parse_args(argv)
+    path = options.workload
     try:
-        scenario = tomllib.loads(options.scenario.read_text())
-        result = run_scenario(scenario)
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError, ScenarioError) as exc:
-        print(f"mpsd simulate: {options.scenario}: {exc}", file=sys.stderr)
+        data = tomllib.loads(path.read_text())
+        if is_scenario(data):
+            print(f"mpsd simulate: {path}: note: scenario files are deprecated; write it as a workload file "
+                  f"(examples/workloads/): `mpsd simulate --convert {path}` prints it as one", file=sys.stderr)
+            data = to_workload(data)
+        workload = parse_workload(data, base=path.parent, source=str(path))
+        if options.convert:
+            print(f"# {path}, converted by mpsd simulate --convert\n" + to_toml(data), end="")
+            return 0
+        result = run_workload(workload)
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError, WorkloadError) as exc:
+        print(f"mpsd simulate: {path}: {exc}", file=sys.stderr)
         return 2
+    if left_out(workload):
+        print(f"mpsd simulate: {path}: not modelled here (mpsd-stress --virtual-time runs them): "
+              f"{'; '.join(left_out(workload))}", file=sys.stderr)
     print(json.dumps(result) if options.json else render(result))
     return 0
