@@ -246,8 +246,10 @@ class Core:
             close_fds(reply.fds)
             raise MpsRpcFailureError("the daemon sent no file descriptor for the IPC mapping")
         ptr, size = reply.result["ptr"], reply.result["size"]
-        if ptr in self._maps:
-            os.close(reply.fds[0])  # opened before: the same mapping, one more reference
+        if ptr in self._maps or not reply.result.get("mappable", True):
+            # Opened before (the same mapping, one more reference), or a real GPU's memory, which the host
+            # cannot map: then the pointer works in calls but has no host_view.
+            os.close(reply.fds[0])
         else:
             self._map(ptr, size, reply.fds[0], reply.result.get("offset", 0))
         self._opens[ptr] = self._opens.get(ptr, 0) + 1

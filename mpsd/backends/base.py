@@ -85,6 +85,9 @@ class Backend(Protocol):
     def attach(self, client: Client, *, sm_cap: int, priority: int, weight: float, instance: int | None) -> None:
         """A client arrived, or its scheduling settings changed (from its next placement on)."""
 
+    def release_host(self, buffer: Any) -> None:
+        """A client's pinned host buffer is about to be unmapped (a GPU must unregister it first)."""
+
     def submit(self, work: Work) -> None:
         """Queue `work` after the work it names in `after` and the work before it on its stream.
 

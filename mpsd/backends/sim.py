@@ -133,6 +133,9 @@ class SimBackend:
         for reservation in self._reservations.pop(client, {}).values():
             self.host_memory.settle(reservation)
 
+    def release_host(self, buffer: Any) -> None:
+        """Nothing holds a pinned host buffer here beyond its mapping."""
+
     # -- work --------------------------------------------------------------------------------------------
     def submit(self, work: Work) -> None:
         touched = self.host_memory.reserve(self._touches(work))

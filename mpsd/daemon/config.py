@@ -12,6 +12,7 @@ from typing import Any, Sequence
 
 import psutil
 
+from mpsd.backends.cuda import CudaDevice, cuda_device_count
 from mpsd.backends.engine import DEFAULT_IDLE_GRACE
 from mpsd.sim import H200, POLICIES as SIM_POLICIES, DeviceSpec, Simulator
 from mpsd_protocol import parse_integer, parse_mem_limits, parse_size
@@ -33,7 +34,7 @@ class ConfigError(Exception):
 class Config:
     pipe_dir: Path
     log_dir: Path
-    devices: tuple[DeviceSpec, ...] = (H200,)
+    devices: tuple[DeviceSpec | CudaDevice, ...] = (H200,)
     policy: str = "mps"
     time_scale: float = 1.0
     clock: str = "wall"  # "virtual": simulated time moves only as the clients' simulated host clocks allow
@@ -82,20 +83,30 @@ def _index(text: str) -> int | None:
         return None
 
 
-def parse_devices(text: str) -> tuple[DeviceSpec, ...]:
-    """``h200:2`` (two H200s), ``h200``, or ``h200,h200``."""
-    specs: list[DeviceSpec] = []
+def parse_devices(text: str) -> tuple[DeviceSpec | CudaDevice, ...]:
+    """``h200:2`` (two simulated H200s), ``h200``, ``h200,h200``; ``cuda:0`` or ``cuda:0,cuda:1`` (real GPUs by
+    driver ordinal); ``auto`` (every real GPU there is, else one simulated H200)."""
+    if text.strip().lower() == "auto":
+        count = cuda_device_count()
+        return tuple(CudaDevice(i) for i in range(count)) if count else (H200,)
+    devices: list[DeviceSpec | CudaDevice] = []
     for part in filter(None, (p.strip().lower() for p in text.split(","))):
         model, _, count = part.partition(":")
+        if model == "cuda":
+            ordinal = _index(count)
+            if ordinal is None:
+                raise ConfigError(f"bad GPU ordinal {count!r} in {text!r} (cuda:0, cuda:1, ...)")
+            devices.append(CudaDevice(ordinal))
+            continue
         if model not in DEVICE_MODELS:
-            raise ConfigError(f"unknown device model {model!r} (known: {', '.join(DEVICE_MODELS)})")
+            raise ConfigError(f"unknown device model {model!r} (known: {', '.join(DEVICE_MODELS)}, cuda:N, auto)")
         number = _index(count) if count else 1
         if not (number is not None and 1 <= number <= 64):
             raise ConfigError(f"bad device count {count!r} in {text!r}")
-        specs.extend([DEVICE_MODELS[model]] * number)
-    if not specs:
+        devices.extend([DEVICE_MODELS[model]] * number)
+    if not devices:
         raise ConfigError("no devices")
-    return tuple(specs)
+    return tuple(devices)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -109,7 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--pipe-dir", help="directory for the sockets (default $MPSD_PIPE_DIRECTORY or /tmp/mpsd)")
     parser.add_argument("--log-dir", help="directory for control.log and server.log "
                                           "(default $MPSD_LOG_DIRECTORY or the pipe directory)")
-    parser.add_argument("--devices", help="simulated GPUs, e.g. h200 or h200:2 (default h200)")
+    parser.add_argument("--devices", help="GPUs: simulated (h200, h200:2; the default is one h200), real "
+                                          "(cuda:0, cuda:0,cuda:1), or auto (the real ones if any, else h200)")
     parser.add_argument("--policy", choices=POLICIES, help="scheduling policy (default mps)")
     parser.add_argument("--timeslice", type=float, metavar="SECONDS",
                         help="timeslice policy: length of a slice (default 0.0020854, measured on an H200 without MPS; "
@@ -216,8 +228,12 @@ def load_config(argv: Sequence[str] | None = None, environ: dict[str, str] | Non
     if partitions:
         policy_options["partitions"] = _partitions(partitions)
     devices = parse_devices(pick("devices", "h200"))
+    if any(isinstance(d, CudaDevice) for d in devices) and (
+            policy != "mps" or policy_options or clock == "virtual" or pick("trace") or file_settings.get("device")):
+        raise ConfigError("a real GPU (cuda:N) shares its SMs as its hardware does, on the wall clock: --policy and "
+                          "its options, [mpsd.device.N], --clock virtual and --trace need simulated devices")
     try:  # the simulator judges its own settings; asking it now turns a mistake into a usage error
-        Simulator(devices[0], policy=policy, policy_options=policy_options)
+        Simulator(_spec(devices[0]), policy=policy, policy_options=policy_options)
     except ValueError as exc:
         raise ConfigError(f"--policy {policy}: {exc}") from None
     device_policies = _device_policies(file_settings.get("device", {}), devices, policy, policy_options)
@@ -308,7 +324,12 @@ def _partitions(value: Any) -> list[str]:
     return [str(p).strip() for p in parts if str(p).strip()]
 
 
-def _device_policies(tables: Any, devices: tuple[DeviceSpec, ...], policy: str,
+def _spec(device: DeviceSpec | CudaDevice) -> DeviceSpec:
+    """The model a device's settings are judged by: its own, or for a real GPU the H200's."""
+    return device if isinstance(device, DeviceSpec) else H200
+
+
+def _device_policies(tables: Any, devices: tuple[DeviceSpec | CudaDevice, ...], policy: str,
                      options: dict[str, Any]) -> dict[int, tuple[str, dict[str, Any]]]:
     """Each [mpsd.device.N] table as (policy, options). A device keeps the default policy unless its table
     names another, and inherits the default options its policy accepts; its own options come on top.
@@ -345,7 +366,7 @@ def _device_policies(tables: Any, devices: tuple[DeviceSpec, ...], policy: str,
             else:
                 merged[option] = float(value)
         try:
-            Simulator(devices[index], policy=name, policy_options=merged)
+            Simulator(_spec(devices[index]), policy=name, policy_options=merged)
         except ValueError as exc:
             raise ConfigError(f"{where}: policy {name}: {exc}") from None
         out[index] = (name, merged)

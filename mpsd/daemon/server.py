@@ -20,8 +20,11 @@ from typing import Any
 import trio
 
 from mpsd.daemon.config import Config
+from mpsd.sim import DeviceSpec
 from mpsd.runtime.context import Context, Quotas
 from mpsd.daemon.control import Control, Settings
+from mpsd.backends.base import Backend
+from mpsd.backends.cuda import CudaBackend, CudaDevice
 from mpsd.backends.sim import SimBackend
 from mpsd.runtime.device import Device
 from mpsd.backends.hostmem import HostMemory, default_budget
@@ -73,13 +76,8 @@ class Daemon:
             raise DaemonError(f"cannot write logs in {config.log_dir}: {exc.strerror}") from None
         # One budget of host RAM for every device's simulated memory: they all live in this process.
         self.host_memory = HostMemory(config.host_memory if config.host_memory is not None else default_budget())
-        self.devices = [
-            Device(i, SimBackend(spec, policy=config.device_policy(i)[0], policy_options=config.device_policy(i)[1],
-                                 clock=config.clock, time_scale=config.time_scale, idle_grace=config.idle_grace,
-                                 trace=config.trace_path(i), host_memory=self.host_memory),
-                   containment=config.fault_containment, log=self.log, shared_process=config.shared_process)
-            for i, spec in enumerate(config.devices)
-        ]
+        self.devices = [Device(i, self._backend(i, device), containment=config.fault_containment, log=self.log,
+                               shared_process=config.shared_process) for i, device in enumerate(config.devices)]
         self.ipc = IpcRegistry(config.ipc_access, self.log)
         self.owner_uid = os.geteuid()
         self.settings = Settings(config.active_thread_percentage, {
@@ -93,6 +91,23 @@ class Daemon:
         self.greetings = Greetings(config.handshake_timeout)
         self._next_client = 1
         self._stop = trio.Event()
+
+    def _backend(self, index: int, device: DeviceSpec | CudaDevice) -> Backend:
+        """What runs device `index`: a real GPU, or the simulator.
+
+        Raises:
+            DaemonError: the real GPU cannot be opened.
+        """
+        config = self.config
+        if isinstance(device, CudaDevice):
+            try:
+                return CudaBackend(device.ordinal)
+            except (ImportError, OSError, RuntimeError) as exc:
+                raise DaemonError(f"cannot open GPU cuda:{device.ordinal}: {exc}") from None
+        policy, options = config.device_policy(index)
+        return SimBackend(device, policy=policy, policy_options=options, clock=config.clock,
+                          time_scale=config.time_scale, idle_grace=config.idle_grace, trace=config.trace_path(index),
+                          host_memory=self.host_memory)
 
     # -- clients ---------------------------------------------------------------------------------------
     def attach(self, session: Session, limits: dict[str, Any], hello: dict[str, Any]) -> Context:

@@ -32,6 +32,7 @@ from mpsd.daemon.channel import Channel
 from mpsd.runtime.context import Context
 from mpsd.runtime.kernels import signatures
 from mpsd.backends.engine import VirtualEngine
+from mpsd.backends.base import HOST_VIEW
 from mpsd.backends.ops import Work
 from mpsd.sim.clock import CALL, HOST_CALLS, LAUNCH, Host, Timing
 from mpsd_protocol import (  # type: ignore[attr-defined]
@@ -524,8 +525,8 @@ class Session:
         if args.get("flags", 1) != IPC_LAZY_ENABLE_PEER_ACCESS:
             raise InvalidValueError("ipc_open_mem_handle takes flags=1 (cudaIpcMemLazyEnablePeerAccess) only")
         mapping = self.daemon.ipc.open_memory(self._ctx, args["handle"])
-        return WithFds({"ptr": mapping.addr, "size": mapping.size, "offset": mapping.segment.offset},
-                       (os.dup(mapping.segment.fd),))
+        return WithFds({"ptr": mapping.addr, "size": mapping.size, "offset": mapping.segment.offset,
+                        "mappable": HOST_VIEW in self._ctx.backend.capabilities}, (os.dup(mapping.segment.fd),))
 
     def _ipc_close_mem_handle(self, args: dict[str, Any], fds: tuple[int, ...]) -> Deferred:
         ptr = args["ptr"]

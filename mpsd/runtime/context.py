@@ -20,12 +20,14 @@ from mpsd_protocol import (  # type: ignore[attr-defined]
     InvalidValueError,
     LaunchOutOfResourcesError,
     NotReadyError,
+    NotSupportedError,
     OutOfMemoryError,
     brief,
     check_args,
     check_shape,
     format_size,
 )
+from mpsd.backends.base import HOST_VIEW
 from mpsd.backends.ops import Copy, Extent, Launch, Memset, Record, Work
 from mpsd.runtime.kernels import KERNELS
 from mpsd.runtime.memory import AddressSpace, Allocation, HostBuffer
@@ -224,6 +226,7 @@ class Context:
         buffer = self.host.pop(buffer_id, None)
         if buffer is None:
             raise InvalidValueError(f"no host buffer {brief(buffer_id, 20)}")
+        self.backend.release_host(buffer)
         buffer.close()
 
     def _device(self, ptr: int, nbytes: int, what: str) -> Extent:
@@ -403,10 +406,14 @@ class Context:
 
         Raises:
             InvalidValueError: `ptr` is in no live allocation of this context.
+            NotSupportedError: the device's memory is not host memory (a real GPU's).
         """
         alloc = self.memory.find(ptr) if isinstance(ptr, int) else None
         if alloc is None:
             raise InvalidValueError(f"{brief(ptr, 20)} is not inside a live allocation of this context")
+        if HOST_VIEW not in self.backend.capabilities:
+            raise NotSupportedError(f"host_view needs the {HOST_VIEW} capability: {self.device.name}'s memory is "
+                                    "device memory, which the host cannot map (pinned host buffers it can)")
         return alloc
 
     def event_record_op(self, event: int) -> Record | None:
@@ -450,6 +457,7 @@ class Context:
         reclaimed = {"allocations": len(allocations), "bytes": reclaimed_bytes, "imports": imports,
                      "streams": len(self.streams) - 1, "events": len(self.events), "host_buffers": len(self.host)}
         for buffer in self.host.values():
+            self.backend.release_host(buffer)
             buffer.close()
         self.host.clear()
         self.streams.clear()
