@@ -16,7 +16,7 @@ MiB = 1 << 20
 N = 1 << 20  # floats in the test vectors
 
 BACKENDS = [
-    pytest.param(("--devices", "h200", "--time-scale", "100"), id="sim"),
+    pytest.param(("--devices", "h200", "--clock", "virtual"), id="sim"),
     pytest.param(("--devices", "cuda:0"), id="cuda", marks=pytest.mark.skipif(
         cuda_device_count() == 0, reason="no GPU here (cuda-python and a driver are needed for --devices cuda:0)")),
 ]
@@ -84,6 +84,29 @@ def test_streams_order_work_and_events_time_it(backend_daemon):
         assert _floats(ctx, p)[0] == 18.0
 
 
+CAPPED = """
+import mpsd_client
+ctx = mpsd_client.connect()
+start, end = ctx.create_event(), ctx.create_event()
+ctx.launch("spin", 1, 32, [0]); ctx.synchronize()
+start.record()
+ctx.launch("spin", 264, 1024, [2_000_000])   # one full wave of about a millisecond on a whole H200
+end.record()
+end.synchronize()
+print(ctx.device_properties()["multiprocessor_count"], start.elapsed_ms(end))
+"""
+
+
+def test_the_active_thread_percentage_caps_the_sms(backend_daemon):
+    """At 25% a client holds 32 of the H200's 132 SMs: a full wave of the device takes it five waves."""
+    whole = run_worker(CAPPED, backend_daemon.pipe_dir)
+    capped = run_worker(CAPPED, backend_daemon.pipe_dir, env={"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "25"})
+    assert whole.returncode == 0 and capped.returncode == 0, whole.stderr + capped.stderr
+    (sms_whole, ms_whole), (sms_capped, ms_capped) = ([float(v) for v in r.stdout.split()] for r in (whole, capped))
+    assert sms_capped == sms_whole // 4 // 2 * 2
+    assert ms_capped > 3 * ms_whole  # five waves, where the whole device ran one
+
+
 def test_an_illegal_address_is_sticky(backend_daemon):
     with mpsd_client.connect(backend_daemon.pipe_dir) as ctx:
         p = ctx.malloc(MiB)
@@ -117,6 +140,7 @@ def test_host_view_is_the_simulators_alone(backend_daemon):
     with mpsd_client.connect(backend_daemon.pipe_dir) as ctx:
         p = ctx.malloc(4096)
         ctx.memset(p, 3, 4096)
+        ctx.synchronize()  # a memset is asynchronous, as cudaMemset to device memory is
         if backend_daemon.real:
             with pytest.raises(NotSupportedError, match="host_view"):
                 ctx.host_view(p)

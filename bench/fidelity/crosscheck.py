@@ -2,7 +2,7 @@
 the simulated H200 (`--clock virtual`, so its figures are an H200's whatever the host), and straight on the GPU
 under real MPS (`nvidia-cuda-mps-control -d`, each process its own CUDA client with cuda-python), side by side.
 
-    python3 bench/fidelity/crosscheck.py [--processes 1,2,4] [--kernels 20] [--json FILE]
+    python3 bench/fidelity/crosscheck.py [--processes 1,2,4] [--kernels 20] [--atp 50] [--json FILE]
 
 The workload: P processes start together; each launches K full waves of `spin` (264 blocks of 1024 threads, each
 block spinning 1 ms of the H200's clock) back to back on its default stream, then synchronises. A process's
@@ -123,11 +123,15 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--processes", default="1,2,4")
     parser.add_argument("--kernels", type=int, default=20)
+    parser.add_argument("--atp", type=float, help="every tenant's CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
     parser.add_argument("--json", type=Path)
     options = parser.parse_args()
     base = dict(os.environ)
+    if options.atp is not None:
+        base["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = f"{options.atp:g}"
     rows: list[dict[str, Any]] = []
-    print(f"{options.kernels} full waves of 1-ms spin blocks ({GRID} x {BLOCK}) per process, mean ms per process")
+    print(f"{options.kernels} full waves of 1-ms spin blocks ({GRID} x {BLOCK}) per process, mean ms per process"
+          + (f", active thread percentage {options.atp:g}" if options.atp is not None else ""))
     print(f"{'P':>2}  {'real MPS':>10}  {'mpsd cuda:0':>12}  {'mpsd model':>11}  {'cuda/MPS':>8}  {'model/MPS':>9}")
     for p in (int(x) for x in options.processes.split(",")):
         real = with_real_mps(p, options.kernels, base)
@@ -135,7 +139,7 @@ def main() -> int:
         model = with_daemon(["--devices", "h200", "--clock", "virtual", "--idle-grace", "30"], p, options.kernels,
                             "virtual", base)
         mean = {k: sum(v) / len(v) for k, v in (("mps", real), ("cuda", cuda), ("model", model))}
-        rows.append({"processes": p, "kernels": options.kernels, "real_mps_ms": real, "mpsd_cuda_ms": cuda,
+        rows.append({"processes": p, "kernels": options.kernels, "atp": options.atp, "real_mps_ms": real, "mpsd_cuda_ms": cuda,
                      "mpsd_model_ms": model, "means": mean})
         print(f"{p:>2}  {mean['mps']:>10.3f}  {mean['cuda']:>12.3f}  {mean['model']:>11.3f}  "
               f"{mean['cuda'] / mean['mps']:>8.3f}  {mean['model'] / mean['mps']:>9.3f}", flush=True)

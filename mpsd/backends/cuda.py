@@ -11,12 +11,16 @@
 #   daemon's fault containment says, without corrupting the primary context that every client shares.
 # - Streams: one non-blocking CUDA stream per client stream, with its priority; the legacy default stream's
 #   rules and event waits come from the runtime as `after` work, realised with cuStreamWaitEvent.
+# - SM caps: a client whose active thread percentage gives it fewer SMs than the device has runs its streams in a
+#   green context of that many SMs. MPS's percentage is a limit on how many SMs a client holds at once, where a
+#   green context is a fixed set of them; so that clients of equal caps do not all pile onto the same SMs, the
+#   device's SMs are split into as many disjoint groups of that size as fit, and clients take them in turn.
 # - Completion: every piece of work records an event; one trio task polls the oldest pending event of each
 #   stream (work on a stream completes in order) and tells whoever waits.
 #
-# Where it differs from MPS today: SM caps (the active thread percentage) are not enforced (green contexts
-# would), weights and MIG instances are not modelled, and a cancelled client's running work is waited for
-# rather than torn down (a real GPU cannot drop work already queued).
+# Where it differs from MPS today: a green context's SMs are fixed, where MPS lets a capped client use any SMs
+# up to its cap; weights and MIG instances are not modelled; and a cancelled client's running work is waited
+# for rather than torn down (a real GPU cannot drop work already queued).
 """The real-GPU backend."""
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ __all__ = ["CudaBackend", "CudaDevice", "cuda_device_count"]
 # daemon charges them on every backend alike, so quotas mean the same on both.
 SERVER_MEMORY, CONTEXT_MEMORY = 81_172_336, 538_339_472
 POLL = 50e-6  # seconds between looks at pending work while there is some
+PORTABLE = 0x1  # CU_MEMHOSTALLOC_PORTABLE, CU_MEMHOSTREGISTER_PORTABLE: pinned for every context, green ones too
 
 KERNEL_SOURCE = r"""
 extern "C" __global__ void spin(long long cycles) {
@@ -163,11 +168,23 @@ class CudaMemory:
 
 
 @dataclass(eq=False, slots=True)
+class _Context:
+    """A CUDA context work runs in (the primary one, or a green one of some SMs), and the event that dates it:
+    events of one context are timed against its own base, recorded at a known host time."""
+
+    handle: Any
+    base: Any
+    base_time: float  # seconds since the backend's origin when `base` completed
+    sm_count: int
+
+
+@dataclass(eq=False, slots=True)
 class _Pending:
     """The backend's record of one piece of work: what `Work.done`, `ended` and `cancelled` read."""
 
     event: Any
     stream: tuple[int, int]
+    context: _Context
     done: bool = False
     cancelled: bool = False
     ended: float = math.nan
@@ -218,16 +235,56 @@ class CudaBackend:
         access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
         self.access = access
         self._functions = self._compile()
-        self._streams: dict[tuple[int, int], Any] = {}
+        self._origin = time.monotonic()
+        self._primary = self._dated(self.context, self._attrs["sm_count"])
+        self._current = self.context
+        self._green: dict[int, list[_Context]] = {}  # SM cap -> green contexts of that many SMs, disjoint
+        self._turn: dict[int, int] = {}  # SM cap -> how many clients have taken one of them
+        self._placed: dict[int, _Context] = {}  # client -> the context its streams run in
+        self._streams: dict[tuple[int, int], tuple[Any, _Context]] = {}
         self._queues: dict[tuple[int, int], deque[_Pending]] = {}
         self._host: dict[int, tuple[Any, int]] = {}  # id(HostBuffer) -> (the buffer, its registered address)
         self._wake = trio.Event()
-        self._origin = time.monotonic()
-        self._base = _check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DEFAULT))
-        _check(cu.cuEventRecord(self._base, 0))
-        _check(cu.cuEventSynchronize(self._base))
         self.on_fault: Callable[[int, CudaError], None] = lambda client, error: None
         self.on_idle: Callable[[int, float, float], None] = lambda client, clock, grace: None
+
+    def _dated(self, handle: Any, sm_count: int) -> _Context:
+        """`handle` made current, with a base event recorded and waited for."""
+        cu = self.cu
+        _check(cu.cuCtxSetCurrent(handle))
+        self._current = handle
+        base = _check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DEFAULT))
+        _check(cu.cuEventRecord(base, 0))
+        _check(cu.cuEventSynchronize(base))
+        return _Context(handle, base, time.monotonic() - self._origin, sm_count)
+
+    def _use(self, context: _Context) -> None:
+        if self._current is not context.handle:
+            _check(self.cu.cuCtxSetCurrent(context.handle))
+            self._current = context.handle
+
+    def _groups(self, cap: int) -> list[_Context]:
+        """Green contexts of `cap` SMs each, as many disjoint ones as the device holds (at least one)."""
+        groups = self._green.get(cap)
+        if groups is None:
+            cu = self.cu
+            whole = _check(cu.cuDeviceGetDevResource(self.device, cu.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM))
+            wanted = max(1, whole.sm.smCount // cap)
+            parts, count, rest = _check(cu.cuDevSmResourceSplitByCount(wanted, whole, 0, cap))
+            parts = list(parts[:count])
+            # The driver rounds a group up to its granularity (on an H200, 50% is 66 SMs and a group 72), so
+            # fewer groups may fit than the cap allows clients side by side; the SMs left over make one more
+            # group where they fall as far short of the cap as the others go past it.
+            if parts and rest is not None and rest.sm.smCount >= 2 * cap - parts[0].sm.smCount > 0:
+                parts.append(rest)
+            groups = []
+            for part in parts:
+                desc = _check(cu.cuDevResourceGenerateDesc([part], 1))
+                green = _check(cu.cuGreenCtxCreate(desc, self.device,
+                                                   cu.CUgreenCtxCreate_flags.CU_GREEN_CTX_DEFAULT_STREAM))
+                groups.append(self._dated(_check(cu.cuCtxFromGreenCtx(green)), part.sm.smCount))
+            self._green[cap] = groups
+        return groups
 
     def _compile(self) -> dict[str, Any]:
         cu, nvrtc = self.cu, self._nvrtc
@@ -244,8 +301,9 @@ class CudaBackend:
         size = _check(nvrtc.nvrtcGetCUBINSize(program))
         cubin = b" " * size
         _check(nvrtc.nvrtcGetCUBIN(program, cubin))
-        module = _check(cu.cuModuleLoadData(cubin))
-        return {name: _check(cu.cuModuleGetFunction(module, name.encode())) for name in KERNEL_PARAMS}
+        # A library's kernels are not bound to one context: they launch in whichever a stream belongs to.
+        library = _check(cu.cuLibraryLoadData(cubin, [], [], 0, [], [], 0))
+        return {name: _check(cu.cuLibraryGetKernel(library, name.encode())) for name in KERNEL_PARAMS}
 
     # -- what the device is ----------------------------------------------------------------------------
     def properties(self, index: int) -> dict[str, Any]:
@@ -274,25 +332,41 @@ class CudaBackend:
         return threads <= self._attrs["threads_per_block"] and shared_mem <= self._attrs["smem_optin"]
 
     def sm_cap(self, active_thread_percentage: float) -> int:
-        """As MPS rounds it: whole TPCs (two SMs), at least one (not enforced here: see the module's note)."""
+        """As MPS rounds it: whole TPCs (two SMs), at least one. A green context may round it again (the
+        driver splits SMs in groups of its own granularity)."""
         sms = self._attrs["sm_count"]
         return min(sms, max(2, int(sms * active_thread_percentage / 100) // 2 * 2))
 
     # -- clients -----------------------------------------------------------------------------------------
     def attach(self, client: Client, *, sm_cap: int, priority: int, weight: float, instance: int | None) -> None:
-        """Nothing to set up: a client's streams are made as its work arrives."""
+        """Place a client: in the primary context, or in a green context of its SM cap (its streams are made
+        there as its work arrives)."""
+        if client.id in self._placed:
+            return  # a priority or weight change: nothing of it is modelled here
+        if sm_cap >= self._attrs["sm_count"]:
+            self._placed[client.id] = self._primary
+            return
+        try:
+            groups = self._groups(sm_cap)
+        except CudaFailure:  # no green contexts on this driver or device: the cap goes unenforced
+            groups = [self._primary]
+            self._green[sm_cap] = groups
+        turn = self._turn.get(sm_cap, 0)
+        self._turn[sm_cap] = turn + 1
+        self._placed[client.id] = groups[turn % len(groups)]
 
     def cancel(self, client: int) -> None:
         """A real GPU cannot drop queued work: wait for the client's streams, then tell everyone waiting."""
         for key in [k for k in self._streams if k[0] == client]:
-            self.cu.cuStreamSynchronize(self._streams[key])
+            self.cu.cuStreamSynchronize(self._streams[key][0])
         self._poll()
 
     def forget(self, client: int) -> None:
         self.cancel(client)
         for key in [k for k in self._streams if k[0] == client]:
-            self.cu.cuStreamDestroy(self._streams.pop(key))
+            self.cu.cuStreamDestroy(self._streams.pop(key)[0])
             self._queues.pop(key, None)
+        self._placed.pop(client, None)
 
     def release_host(self, buffer: Any) -> None:
         """A pinned host buffer is about to be unmapped: the driver must let go of it first."""
@@ -302,22 +376,27 @@ class CudaBackend:
             self.cu.cuMemHostUnregister(registered[1])
 
     # -- work --------------------------------------------------------------------------------------------
-    def _stream(self, key: tuple[int, int], priority: int) -> Any:
-        stream = self._streams.get(key)
-        if stream is None:
+    def _stream(self, key: tuple[int, int], priority: int) -> tuple[Any, _Context]:
+        """The CUDA stream of a client stream, made in the client's context the first time, and that context."""
+        found = self._streams.get(key)
+        if found is None:
+            context = self._placed.get(key[0], self._primary)
+            self._use(context)
             least, greatest = self.priorities
             clamped = min(max(priority, greatest), least)
-            stream = self._streams[key] = _check(self.cu.cuStreamCreateWithPriority(
-                self.cu.CUstream_flags.CU_STREAM_NON_BLOCKING, clamped))
-        return stream
+            stream = _check(self.cu.cuStreamCreateWithPriority(self.cu.CUstream_flags.CU_STREAM_NON_BLOCKING,
+                                                               clamped))
+            found = self._streams[key] = (stream, context)
+        return found
 
     def submit(self, work: Work) -> None:
         cu = self.cu
-        stream = self._stream(work.stream, work.priority)
-        for dep in work.after:
+        stream, context = self._stream(work.stream, work.priority)
+        self._use(context)
+        for dep in work.after:  # an event may be waited for from another context's stream
             if dep.handle is not None and not dep.handle.done:
                 _check(cu.cuStreamWaitEvent(stream, dep.handle.event, 0))
-        pending = _Pending(_check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DEFAULT)), work.stream)
+        pending = _Pending(_check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DEFAULT)), work.stream, context)
         if isinstance(work, Launch):
             self._launch(work, stream, pending)
         elif isinstance(work, Copy):
@@ -350,7 +429,7 @@ class CudaBackend:
         cu, n = self.cu, work.nbytes
         if work.kind == "h2d":
             if work.data is not None:  # staged: from pinned memory of our own, freed when the copy is done
-                staging = _check(cu.cuMemHostAlloc(max(n, 1), 0))
+                staging = _check(cu.cuMemHostAlloc(max(n, 1), PORTABLE))
                 ctypes.memmove(int(staging), work.data, n)
                 pending.cleanup.append(lambda: cu.cuMemFreeHost(staging))
                 source = int(staging)
@@ -374,7 +453,7 @@ class CudaBackend:
             anchor = ctypes.c_char.from_buffer(buffer.map)
             address = ctypes.addressof(anchor)
             del anchor  # keep no export of the mapping, so that it can be closed
-            _check(self.cu.cuMemHostRegister(address, buffer.size, 0))
+            _check(self.cu.cuMemHostRegister(address, buffer.size, PORTABLE))
             registered = self._host[id(buffer)] = (buffer, address)
         return registered[1] + extent.offset
 
@@ -411,8 +490,9 @@ class CudaBackend:
 
     def _finish(self, pending: _Pending) -> None:
         cu = self.cu
-        err, ms = cu.cuEventElapsedTime(self._base, pending.event)
-        pending.ended = ms / 1e3 if err == cu.CUresult.CUDA_SUCCESS else self.now()
+        context = pending.context
+        err, ms = cu.cuEventElapsedTime(context.base, pending.event)
+        pending.ended = context.base_time + ms / 1e3 if err == cu.CUresult.CUDA_SUCCESS else self.now()
         cu.cuEventDestroy(pending.event)
         pending.done = True
         for cleanup in pending.cleanup:
