@@ -48,7 +48,8 @@ def test_rows_are_consistent():
 
 def test_every_row_has_a_handler_taking_its_arguments():
     """Each row is served by ``Session.on_<name>`` or the context method of its name, whose parameters are the
-    row's arguments in its order (positional dispatch depends on it), then the fds where the call takes some."""
+    row's arguments in its order (positional dispatch depends on it), then the fds where the call takes some;
+    it may defer its reply exactly when the row says the call waits."""
     assert set(HANDLERS) == set(CALLS)
     for name, (handler, _) in HANDLERS.items():
         call = CALLS[name]
@@ -56,6 +57,8 @@ def test_every_row_has_a_handler_taking_its_arguments():
         expected = [arg.name for arg in call.args] + (["fds"] if call.fds else [])
         # A context method may spell an argument more fully ("buffer_id" for the wire's "id").
         assert len(params) == len(expected) and all(p.endswith(a) for p, a in zip(params, expected)), (name, params)
+        # Only the calls whose row says they wait may answer later (a Deferred reply); context methods never do.
+        assert ("Deferred" in str(inspect.signature(handler).return_annotation)) == call.waits, name
 
 
 # A worker process notes the ops its context sends, as `_tap` does (IPC memory opens only in another process).

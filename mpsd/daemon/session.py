@@ -7,7 +7,8 @@
 # Under the virtual clock every call is stamped when it arrives with the simulated time at which it starts
 # on the client's host thread (its clock, plus its own code's time where the daemon charges it), and applied
 # when the device reaches that time, in stamp order across clients (mpsd.sim.clock, which also says what each
-# call costs the host). `clock`, `sleep` and `idle` act on the client's clock alone.
+# kind of call costs the host; a call's kind is its row's). `clock`, `sleep` and `idle` act on the client's
+# clock alone.
 #
 # Under either clock, a launch call that finds LAUNCH_QUEUE launches of its client unfinished (or
 # MAX_STAGED_BYTES of its pageable copies held) waits until one ends, and the session reads nothing more from
