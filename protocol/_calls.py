@@ -27,11 +27,13 @@ LAUNCH, SYNC, CALL, CLOCK = "launch", "sync", "call", "clock"
 @dataclass(frozen=True, slots=True)
 class Kind:
     """What a value on the wire may be: `what` names it in errors, `normal` makes a caller's value a plain one
-    (a DevicePointer a plain int, a memoryview bytes)."""
+    (a DevicePointer a plain int, a memoryview bytes). A decoded value whose type is in `wire` is of the kind
+    whatever its value (msgpack's ints are all within 64 bits): the daemon's check of a launch asks no more."""
 
     what: str
     accepts: Callable[[Any], bool]
     normal: Callable[[Any], Any] = lambda value: value
+    wire: frozenset[type] = frozenset()
 
 
 def _ints(low: int, high: int) -> Callable[[Any], bool]:
@@ -42,18 +44,21 @@ def _number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-INT = Kind("an int", _ints(-2**63, 2**64), int)  # what msgpack carries
+_INT, _NONE = frozenset({int}), frozenset({int, type(None)})
+INT = Kind("an int", _ints(-2**63, 2**64), int, _INT)  # what msgpack carries
 COUNT = Kind("a byte count", _ints(0, 2**63), int)
 PTR = Kind("a device pointer", _ints(0, 2**64), int)
-EVENT_HANDLE = Kind("an event handle", _ints(-2**63, 2**64), int)
+EVENT_HANDLE = Kind("an event handle", _ints(-2**63, 2**64), int, _INT)
 STREAM_HANDLE = Kind("a stream handle or None", lambda v: v is None or EVENT_HANDLE.accepts(v),
-              lambda v: None if v is None else int(v))
-BOOL = Kind("a bool", lambda v: isinstance(v, bool))
+                     lambda v: None if v is None else int(v), _NONE)
+BOOL = Kind("a bool", lambda v: isinstance(v, bool), wire=frozenset({bool}))
 SECONDS = Kind("a finite number of seconds >= 0", lambda v: _number(v) and 0 <= v < math.inf, float)
-STR = Kind("a string", lambda v: isinstance(v, str))
-BYTES = Kind("bytes", lambda v: isinstance(v, (bytes, bytearray, memoryview)), bytes)
-LIST = Kind("a list", lambda v: isinstance(v, (list, tuple)), list)
-DIMS = Kind("an int or a list of ints", lambda v: isinstance(v, (int, list, tuple)) and not isinstance(v, bool))
+STR = Kind("a string", lambda v: isinstance(v, str), wire=frozenset({str}))
+BYTES = Kind("bytes", lambda v: isinstance(v, (bytes, bytearray, memoryview)), bytes, frozenset({bytes}))
+LIST = Kind("a list", lambda v: isinstance(v, (list, tuple)), list, frozenset({list}))
+# A launch's grid and block: what is in the list is check_shape's to judge, with CUDA's error for a bad shape.
+DIMS = Kind("an int or a list", lambda v: isinstance(v, (int, list, tuple)) and not isinstance(v, bool),
+            wire=frozenset({int, list}))
 # Replies only.
 NOTHING = Kind("nothing", lambda v: v is None)
 FLOAT = Kind("a number", _number)
@@ -107,7 +112,8 @@ class Call:
         values = []
         for arg in self.args:
             value = args.get(arg.name, arg.default)
-            if not arg.kind.accepts(value):  # REQUIRED is of no kind
+            kind = arg.kind
+            if type(value) not in kind.wire and not kind.accepts(value):  # REQUIRED is of no kind
                 raise _wrong(self, arg, value)
             values.append(value)
         if self.fds and len(fds) != self.fds:
