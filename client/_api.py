@@ -109,7 +109,7 @@ class ContextBase:
         Raises:
             InvalidResourceHandleError: the event is not an interprocess, disable-timing event.
         """
-        return self._drive(self._core.ipc_get_event_handle(event))
+        return self._drive(self._core.invoke("ipc_get_event_handle", event))
 
     def ipc_open_event_handle(self, handle: bytes) -> Any:
         """``cudaIpcOpenEventHandle``: an Event of this context that shares the exported event's records
@@ -146,11 +146,11 @@ class ContextBase:
     def memcpy_dtod(self, dst: DevicePointer | int, src: DevicePointer | int, nbytes: int,
                     stream: Stream | None = None) -> Any:
         """Copy `nbytes` between device addresses; asynchronous with respect to the host, as in CUDA."""
-        return self._drive(self._core.memcpy_dtod(dst, src, nbytes, stream))
+        return self._drive(self._core.invoke("memcpy_dtod", dst, src, nbytes, stream))
 
     def memset(self, ptr: DevicePointer | int, value: int, nbytes: int, stream: Stream | None = None) -> Any:
         """``cudaMemset``: set `nbytes` bytes at `ptr` to the low byte of `value`, in stream order."""
-        return self._drive(self._core.memset(ptr, value, nbytes, stream))
+        return self._drive(self._core.invoke("memset", ptr, value, nbytes, stream))
 
     def create_stream(self, priority: int = 0, non_blocking: bool = False) -> Any:
         """``cudaStreamCreateWithPriority``: priorities are clamped to `stream_priority_range()`."""
@@ -179,7 +179,7 @@ class ContextBase:
 
     def synchronize(self) -> Any:
         """``cudaDeviceSynchronize``: wait for all of this context's work; raises its pending errors."""
-        return self._drive(self._core.synchronize())
+        return self._drive(self._core.invoke("synchronize"))
 
     def get_last_error(self) -> Any:
         """``cudaGetLastError``: the last error (a `CudaError`) or None, and reset it (sticky ones stay)."""
@@ -209,4 +209,4 @@ class ContextBase:
 
     def statistics(self) -> Any:
         """What the daemon counted for this client: kernels, blocks, SM-seconds, memory, copies."""
-        return self._drive(self._core.statistics())
+        return self._drive(self._core.invoke("statistics"))

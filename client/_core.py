@@ -1,7 +1,9 @@
 # The client's I/O-free core. Every API call is a generator: it yields the messages to send (a Request, to
 # which the shell answers with the matching Reply; or a Notification, answered with None) and returns the
 # call's result. The blocking `Context` and the trio `AsyncContext` are two small loops that drive these
-# generators, so the rules live here once.
+# generators, so the rules live here once. Requests are built from mpsd_protocol's table of calls (`invoke`):
+# the methods here are only the calls where the client does real work (mappings, staging, the objects users
+# hold); the others go straight from the API to `invoke`.
 #
 # Bulk bytes never cross the socket: pinned host buffers are memfds mapped by both sides, and pageable
 # copies go through pinned staging buffers taken from a pool (one per call in flight, so concurrent trio
@@ -10,7 +12,6 @@ from __future__ import annotations
 
 import fcntl
 import itertools
-import math
 import mmap
 import os
 import time
@@ -19,8 +20,11 @@ from typing import Any, Generator
 import numpy as np
 
 from mpsd_protocol import (  # type: ignore[attr-defined]
+    CALLS,
+    EVENT_HANDLE,
     PROTOCOL_ERROR,
     PROTOCOL_VERSION,
+    STREAM_HANDLE,
     CudaError,
     InvalidDeviceFunctionError,
     InvalidResourceHandleError,
@@ -81,18 +85,8 @@ class Core:
         spent, self._cpu_mark = now - self._cpu_mark, now
         return {**args, "host_time": spent}
 
-    def call(self, op: str, args: dict[str, Any], fds: tuple[int, ...] = ()) -> Op:
-        if self.broken is not None:
-            raise self.broken
-        reply = yield Request(next(self._ids) & 0xFFFFFFFF, op, self._charge(args), fds)  # ids wrap at 32 bits
-        if reply.fds:
-            close_fds(reply.fds)  # a reply carries fds only when asked for (call_with_fds)
-        if reply.error is not None:
-            raise error_from_wire(reply.error)
-        return reply.result
-
-    def call_with_fds(self, op: str, args: dict[str, Any], fds: tuple[int, ...] = ()) -> Op:
-        """Like `call`, but returns the whole Reply: its fds are the caller's to close."""
+    def _request(self, op: str, args: dict[str, Any], fds: tuple[int, ...]) -> Op:
+        """Send a request; its Reply, whose fds are the caller's to close."""
         if self.broken is not None:
             raise self.broken
         reply = yield Request(next(self._ids) & 0xFFFFFFFF, op, self._charge(args), fds)  # ids wrap at 32 bits
@@ -101,6 +95,33 @@ class Core:
             close_fds(reply.fds)
             raise error_from_wire(reply.error)
         return reply
+
+    def call(self, op: str, args: dict[str, Any], fds: tuple[int, ...] = ()) -> Op:
+        """Any request, its argument map as given: the handshake's, and tests' of what the daemon does with
+        anything. Calls of the table go through `invoke`."""
+        reply = yield from self._request(op, args, fds)
+        close_fds(reply.fds)
+        return reply.result
+
+    def invoke(self, name: str, *values: Any, fds: tuple[int, ...] = ()) -> Op:
+        """The call `name` of mpsd_protocol's table, its arguments in the row's order (streams and events as the
+        objects users hold), checked against the row. Returns its result, checked too; for a call whose reply
+        carries fds, (result, fds), the fds the caller's to close.
+
+        Raises:
+            InvalidValueError: an argument of the wrong kind; InvalidResourceHandleError: a stream or event
+                of another context.
+            MpsRpcFailureError: the daemon's reply is not what the row says.
+        """
+        call = CALLS[name]
+        args = call.encode([self._stream(v) if arg.kind is STREAM_HANDLE else self._event(v)
+                            if arg.kind is EVENT_HANDLE else v for arg, v in zip(call.args, values)])
+        reply = yield from self._request(name, args, fds)
+        if len(reply.fds) != call.reply_fds or not call.reply.accepts(reply.result):
+            close_fds(reply.fds)
+            raise MpsRpcFailureError(f"the daemon answered {name} with {brief(reply.result, 60)} and "
+                                     f"{len(reply.fds)} file descriptors, not {call.reply.what} and {call.reply_fds}")
+        return (reply.result, reply.fds) if call.reply_fds else reply.result
 
     def notification_received(self, note: Notification) -> None:
         """The daemon told us something unasked: today only that it is closing us for a protocol error."""
@@ -147,40 +168,33 @@ class Core:
     def clock(self) -> Op:
         """This client's simulated now, in seconds."""
         if self.clock_kind == "virtual":
-            return (yield from self.call("clock", {}))["now"]
+            return (yield from self.invoke("clock"))["now"]
         return (time.monotonic() - self.origin) * self.time_scale
 
     def sleep(self, seconds: float) -> Op:
         """Advance this client's simulated clock by `seconds`; returns the wall seconds the shell must still
         sleep (none under the virtual clock)."""
-        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds < math.inf:
-            raise InvalidValueError(f"sleep takes seconds >= 0, not {brief(seconds, 40)}")
+        CALLS["sleep"].encode((seconds,))  # its row's check, whichever clock keeps the time
         if self.clock_kind == "virtual":
-            yield from self.call("sleep", {"seconds": float(seconds)})
+            yield from self.invoke("sleep", seconds)
             return 0.0
         return seconds / self.time_scale
 
     def idle(self) -> Op:
         """Hold the virtual clock no longer until the next call (nothing under the wall clock)."""
         if self.clock_kind == "virtual":
-            yield from self.call("idle", {})
+            yield from self.invoke("idle")
 
     def device_properties(self) -> Op:
-        self.properties = yield from self.call("device_properties", {})
+        self.properties = yield from self.invoke("device_properties")
         return dict(self.properties)
 
     def mem_get_info(self) -> Op:
-        free, total = yield from self.call("mem_get_info", {})
+        free, total = yield from self.invoke("mem_get_info")
         return free, total
 
-    def synchronize(self) -> Op:
-        return (yield from self.call("synchronize", {}))
-
-    def statistics(self) -> Op:
-        return (yield from self.call("statistics", {}))
-
     def get_last_error(self, clear: bool) -> Op:
-        remote = yield from self.call("get_last_error", {"clear": clear})
+        remote = yield from self.invoke("get_last_error", clear)
         # An error the daemon holds came from fire-and-forget work and was never raised here, so it wins
         # over the last error this side raised.
         error = error_from_wire(remote) if remote else self.last_error
@@ -190,11 +204,11 @@ class Core:
 
     # -- memory ----------------------------------------------------------------------------------------
     def malloc(self, ctx: Any, nbytes: int) -> Op:
-        addr = yield from self.call("malloc", {"nbytes": _count(nbytes, "malloc size")})
+        addr = yield from self.invoke("malloc", nbytes)
         return DevicePointer(addr, nbytes, ctx)
 
     def free(self, ptr: int) -> Op:
-        yield from self.call("free", {"ptr": _address(ptr)})
+        yield from self.invoke("free", ptr)
         self._unmap(int(ptr))
         self._handles.pop(int(ptr), None)
 
@@ -225,33 +239,26 @@ class Core:
         for base, (mapping, start, size) in self._maps.items():
             if base <= addr < base + size:
                 return memoryview(mapping)[start + addr - base:start + size]
-        reply = yield from self.call_with_fds("mem_fd", {"ptr": addr})
-        if len(reply.fds) != 1:
-            close_fds(reply.fds)
-            raise MpsRpcFailureError("the daemon sent no file descriptor for the mapping")
-        base, size = reply.result["base"], reply.result["size"]
-        return self._map(base, size, reply.fds[0], reply.result.get("offset", 0))[addr - base:]
+        found, fds = yield from self.invoke("mem_fd", addr)
+        base, size = found["base"], found["size"]
+        return self._map(base, size, fds[0], found.get("offset", 0))[addr - base:]
 
     def ipc_get_mem_handle(self, ptr: int) -> Op:
         addr = _address(ptr)
         handle = self._handles.get(addr)
         if handle is None:  # one allocation has one handle: ask once (free forgets it)
-            handle = self._handles[addr] = bytes((yield from self.call("ipc_get_mem_handle", {"ptr": addr})))
+            handle = self._handles[addr] = yield from self.invoke("ipc_get_mem_handle", addr)
         return handle
 
     def ipc_open_mem_handle(self, ctx: Any, handle: bytes, flags: int) -> Op:
-        reply = yield from self.call_with_fds("ipc_open_mem_handle", {"handle": _handle_bytes(handle),
-                                                                      "flags": flags})
-        if len(reply.fds) != 1:
-            close_fds(reply.fds)
-            raise MpsRpcFailureError("the daemon sent no file descriptor for the IPC mapping")
-        ptr, size = reply.result["ptr"], reply.result["size"]
-        if ptr in self._maps or not reply.result.get("mappable", True):
+        mapping, fds = yield from self.invoke("ipc_open_mem_handle", handle, flags)
+        ptr, size = mapping["ptr"], mapping["size"]
+        if ptr in self._maps or not mapping.get("mappable", True):
             # Opened before (the same mapping, one more reference), or a real GPU's memory, which the host
             # cannot map: then the pointer works in calls but has no host_view.
-            os.close(reply.fds[0])
+            os.close(fds[0])
         else:
-            self._map(ptr, size, reply.fds[0], reply.result.get("offset", 0))
+            self._map(ptr, size, fds[0], mapping.get("offset", 0))
         self._opens[ptr] = self._opens.get(ptr, 0) + 1
         return DevicePointer(ptr, size, ctx)
 
@@ -261,18 +268,15 @@ class Core:
             raise InvalidValueError(f"{addr:#x} is not a pointer opened from an IPC handle in this context")
         # A request, not a notification: once this returns the pointer is invalid, as cudaIpcCloseMemHandle
         # promises, even when work queued before it still has to finish with the mapping.
-        yield from self.call("ipc_close_mem_handle", {"ptr": addr})
+        yield from self.invoke("ipc_close_mem_handle", addr)
         left = self._opens.pop(addr) - 1
         if left:
             self._opens[int(ptr)] = left
         else:
             self._unmap(int(ptr))
 
-    def ipc_get_event_handle(self, event: Event) -> Op:
-        return bytes((yield from self.call("ipc_get_event_handle", {"event": self._event(event)})))
-
     def ipc_open_event_handle(self, ctx: Any, handle: bytes) -> Op:
-        handle_id = yield from self.call("ipc_open_event_handle", {"handle": _handle_bytes(handle)})
+        handle_id = yield from self.invoke("ipc_open_event_handle", handle)
         return Event(ctx, handle_id, True, True)
 
     def host_alloc(self, nbytes: int) -> Op:
@@ -284,7 +288,7 @@ class Core:
             # The daemon maps only buffers that cannot shrink under it.
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
             buffer = HostBuffer(fd, nbytes)
-            buffer.id = yield from self.call("host_register", {"nbytes": nbytes}, (fd,))
+            buffer.id = yield from self.invoke("host_register", nbytes, fds=(fd,))
         finally:
             os.close(fd)  # the mappings on both sides keep the memory
         buffer.nbytes = nbytes
@@ -296,7 +300,7 @@ class Core:
         if not isinstance(buffer, HostBuffer) or self._pinned.get(getattr(buffer, "id", None)) is not buffer:
             raise InvalidValueError(f"{brief(buffer, 40)} is not a host buffer of this context")
         del self._pinned[buffer.id]
-        yield from self.call("host_unregister", {"id": buffer.id})
+        yield from self.invoke("host_unregister", buffer.id)
         try:
             buffer.close()
         except BufferError:
@@ -317,93 +321,50 @@ class Core:
 
     def memcpy_htod(self, dst: int, src: Any, stream: Stream | None) -> Op:
         view = _bytes_view(src, writable=False)
-        dst_addr, sid, nbytes = _address(dst), self._stream(stream), len(view)
+        dst_addr, nbytes = _address(dst), len(view)
+        self._stream(stream)  # before any bytes are staged
         if nbytes == 0:
             return
         pinned = self._find_pinned(view)
         if pinned is not None:
-            yield from self.call("memcpy_htod", {"dst": dst_addr, "host": pinned[0].id, "offset": pinned[1],
-                                                 "nbytes": nbytes, "stream": sid, "staged": False})
+            yield from self.invoke("memcpy_htod", dst_addr, pinned[0].id, pinned[1], nbytes, stream, False)
             return
         staging = yield from self._acquire_staging()
         try:
             for start in range(0, nbytes, STAGING_SIZE):
                 chunk = view[start:start + STAGING_SIZE]
                 staging[:len(chunk)] = chunk
-                yield from self.call("memcpy_htod", {"dst": dst_addr + start, "host": staging.id, "offset": 0,
-                                                     "nbytes": len(chunk), "stream": sid, "staged": True})
+                yield from self.invoke("memcpy_htod", dst_addr + start, staging.id, 0, len(chunk), stream, True)
         finally:
             self._staging.append(staging)
 
     def memcpy_dtoh(self, dst: Any, src: int, stream: Stream | None) -> Op:
         view = _bytes_view(dst, writable=True)
-        src_addr, sid, nbytes = _address(src), self._stream(stream), len(view)
+        src_addr, nbytes = _address(src), len(view)
+        self._stream(stream)
         if nbytes == 0:
             return
         pinned = self._find_pinned(view)
         if pinned is not None:
-            yield from self.call("memcpy_dtoh", {"src": src_addr, "host": pinned[0].id, "offset": pinned[1],
-                                                 "nbytes": nbytes, "stream": sid, "staged": False})
+            yield from self.invoke("memcpy_dtoh", pinned[0].id, pinned[1], src_addr, nbytes, stream, False)
             return
         staging = yield from self._acquire_staging()
         try:
             for start in range(0, nbytes, STAGING_SIZE):
                 size = min(STAGING_SIZE, nbytes - start)
-                yield from self.call("memcpy_dtoh", {"src": src_addr + start, "host": staging.id, "offset": 0,
-                                                     "nbytes": size, "stream": sid, "staged": True})
+                yield from self.invoke("memcpy_dtoh", staging.id, 0, src_addr + start, size, stream, True)
                 view[start:start + size] = staging[:size]
         finally:
             self._staging.append(staging)
 
-    def memcpy_dtod(self, dst: int, src: int, nbytes: int, stream: Stream | None) -> Op:
-        yield from self.call("memcpy_dtod", {"dst": _address(dst), "src": _address(src),
-                                             "nbytes": _count(nbytes, "memcpy_dtod size"),
-                                             "stream": self._stream(stream)})
-
-    def memset(self, ptr: int, value: int, nbytes: int, stream: Stream | None) -> Op:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise InvalidValueError(f"memset value {brief(value, 40)} is not an int")
-        yield from self.call("memset", {"ptr": _address(ptr), "value": value & 0xFF,
-                                        "nbytes": _count(nbytes, "memset size"),
-                                        "stream": self._stream(stream)})
-
     # -- streams and events ----------------------------------------------------------------------------
     def create_stream(self, ctx: Any, priority: int, non_blocking: bool) -> Op:
-        handle, clamped = yield from self.call("create_stream", {"priority": priority,
-                                                                 "flags": 1 if non_blocking else 0})
+        handle, clamped = yield from self.invoke("create_stream", priority, 1 if non_blocking else 0)
         return Stream(ctx, handle, clamped, non_blocking)
 
-    def destroy_stream(self, stream: Stream) -> Op:
-        yield from self.call("destroy_stream", {"stream": self._stream(stream)})
-
-    def stream_synchronize(self, stream: Stream) -> Op:
-        yield from self.call("stream_synchronize", {"stream": self._stream(stream)})
-
-    def stream_query(self, stream: Stream) -> Op:
-        return (yield from self.call("stream_query", {"stream": self._stream(stream)}))
-
-    def stream_wait_event(self, stream: Stream, event: Event) -> Op:
-        yield from self.call("stream_wait_event", {"stream": self._stream(stream), "event": self._event(event)})
-
     def create_event(self, ctx: Any, disable_timing: bool, interprocess: bool) -> Op:
-        handle = yield from self.call("create_event", {"disable_timing": bool(disable_timing),
-                                                       "interprocess": bool(interprocess)})
+        handle = yield from self.invoke("create_event", bool(disable_timing), bool(interprocess))
         return Event(ctx, handle, bool(disable_timing), bool(interprocess))
-
-    def destroy_event(self, event: Event) -> Op:
-        yield from self.call("destroy_event", {"event": self._event(event)})
-
-    def event_record(self, event: Event, stream: Stream | None) -> Op:
-        yield from self.call("event_record", {"event": self._event(event), "stream": self._stream(stream)})
-
-    def event_synchronize(self, event: Event) -> Op:
-        yield from self.call("event_synchronize", {"event": self._event(event)})
-
-    def event_query(self, event: Event) -> Op:
-        return (yield from self.call("event_query", {"event": self._event(event)}))
-
-    def event_elapsed(self, start: Event, end: Event) -> Op:
-        return (yield from self.call("event_elapsed", {"start": self._event(start), "end": self._event(end)}))
 
     # -- kernels ---------------------------------------------------------------------------------------
     def launch(self, name: str, grid: Any, block: Any, args: Any, stream: Stream | None,
@@ -427,21 +388,8 @@ class Core:
                                                     "shared_mem": shared_mem, "stream": self._stream(stream)}))
 
 
-def _handle_bytes(handle: Any) -> bytes:
-    try:
-        return bytes(handle)
-    except TypeError:
-        raise InvalidValueError(f"{type(handle).__name__} is not an IPC handle (64 bytes)") from None
-
-
 def _plain(value: Any) -> bool:
     return type(value) is int or (type(value) is tuple and all(type(v) is int for v in value))
-
-
-def _count(n: Any, what: str) -> int:
-    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n < 2**63:
-        raise InvalidValueError(f"{what} {brief(n, 40)} is not a byte count")
-    return int(n)
 
 
 def _address(ptr: Any) -> int:

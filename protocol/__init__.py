@@ -1,10 +1,11 @@
-"""mpsd_protocol: the sans-IO wire protocol of mpsd, and the one CUDA error table.
+"""mpsd_protocol: the sans-IO wire protocol of mpsd, its one table of calls, and the one CUDA error table.
 
 No socket I/O and no trio here: the daemon, the blocking client and the trio client are thin I/O loops around
 `Connection`. (`peer_credentials` and `check_server` read one socket option, so that both ends apply the same
 rule about whom to trust.)
 """
 from ._brief import brief
+from ._calls import CALL, CALLS, CLOCK, EVENT_HANDLE, LAUNCH, NOTHING, STREAM_HANDLE, SYNC, Arg, Call, Kind
 from ._control import CONTROL_PACKET, control_packets, read_control_reply
 from ._connection import CLOSED, HEADER, HELLO, NEED_DATA, PROTOCOL_ERROR, Connection, Role
 from ._errors import (
@@ -38,7 +39,8 @@ from ._units import format_size, parse_decimal, parse_integer, parse_mem_limits,
 globals().update({cls.__name__: cls for cls in ERROR_CLASSES.values()})
 
 __all__ = [
-    "brief", "CONTROL_PACKET", "control_packets", "read_control_reply",
+    "brief", "CALL", "CALLS", "CLOCK", "EVENT_HANDLE", "LAUNCH", "NOTHING", "STREAM_HANDLE", "SYNC", "Arg", "Call",
+    "Kind", "CONTROL_PACKET", "control_packets", "read_control_reply",
     "CLOSED", "HEADER", "HELLO", "NEED_DATA", "PROTOCOL_ERROR", "Connection", "Role",
     "CODES_BY_NAME", "ERROR_CLASSES", "CudaError", "error_class", "error_from_wire", "error_name",
     "error_string", "make_error",

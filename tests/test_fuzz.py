@@ -1,5 +1,5 @@
 # A bounded fuzz of the client socket against one real daemon (issue 13, "Show it"): random frames after a
-# valid hello (every call of the session's table with arguments of every msgpack shape), raw garbage, and
+# valid hello (every call of mpsd_protocol's table with arguments of every msgpack shape), raw garbage, and
 # frames cut short, while a healthy tenant process beside them makes round trips. Every attack connection
 # gets an answer or a clean close; the healthy tenant never stops; the daemon's fds and RSS come back.
 from __future__ import annotations
@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from daemons import spawn_worker, start_daemon
-from mpsd_protocol import PROTOCOL_VERSION
+from mpsd_protocol import CALLS as TABLE, PROTOCOL_VERSION
 
 HELLO = [0, 1, "hello", {"version": PROTOCOL_VERSION, "pid": 1, "device": 0, "visible": None, "limits": {}}]
 VALUES = st.recursive(
@@ -22,14 +22,8 @@ VALUES = st.recursive(
     | st.floats(allow_nan=True) | st.text(max_size=20) | st.binary(max_size=20),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
     max_leaves=12)
-CALLS = ["device_properties", "mem_get_info", "malloc", "free", "host_register", "host_unregister", "memcpy_htod",
-         "memcpy_dtoh", "memcpy_dtod", "memset", "create_stream", "destroy_stream", "stream_synchronize",
-         "stream_query", "stream_wait_event", "create_event", "destroy_event", "event_record", "event_synchronize",
-         "event_query", "event_elapsed", "synchronize", "get_last_error", "statistics", "launch", "mem_fd",
-         "ipc_get_mem_handle", "ipc_open_mem_handle", "ipc_close_mem_handle", "ipc_get_event_handle",
-         "ipc_open_event_handle", "clock", "sleep", "idle", "hello", "no_such_call"]
-KEYS = ["nbytes", "ptr", "dst", "src", "host", "offset", "stream", "event", "name", "grid", "block", "args",
-        "value", "id", "handle", "flags", "priority", "start", "end", "staged", "seconds", "shared_mem"]
+CALLS = [*TABLE, "hello", "no_such_call"]
+KEYS = sorted({arg.name for call in TABLE.values() for arg in call.args})
 ARGS = st.dictionaries(st.sampled_from(KEYS), VALUES | st.integers(0, 2**47), max_size=6) | VALUES
 MESSAGES = st.lists(st.tuples(st.sampled_from([0, 2]), st.integers(0, 2**32 - 1), st.sampled_from(CALLS), ARGS),
                     min_size=1, max_size=5)

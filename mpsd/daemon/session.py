@@ -1,12 +1,14 @@
-# One client connection: a thin trio loop around the sans-IO protocol Connection, and the table that maps each
-# request to its context method. Calls that must wait for the GPU (synchronize, blocking copies, free) run as
-# tasks, so the session keeps reading: replies may come back out of order, as msgpack-rpc allows, while the
-# order in which work is queued stays the order in which it arrived.
+# One client connection: a thin trio loop around the sans-IO protocol Connection, dispatching each call from
+# its row in mpsd_protocol's table of calls (arguments checked there) to the context method of its name, or to
+# `on_<name>` here where the call needs more than one. Calls that must wait for the GPU (synchronize, blocking
+# copies, free) run as tasks, so the session keeps reading: replies may come back out of order, as
+# msgpack-rpc allows, while the order in which work is queued stays the order in which it arrived.
 #
 # Under the virtual clock every call is stamped when it arrives with the simulated time at which it starts
 # on the client's host thread (its clock, plus its own code's time where the daemon charges it), and applied
 # when the device reaches that time, in stamp order across clients (mpsd.sim.clock, which also says what each
-# call costs the host). `clock`, `sleep` and `idle` act on the client's clock alone.
+# kind of call costs the host; a call's kind is its row's). `clock`, `sleep` and `idle` act on the client's
+# clock alone.
 #
 # Under either clock, a launch call that finds LAUNCH_QUEUE launches of its client unfinished (or
 # MAX_STAGED_BYTES of its pageable copies held) waits until one ends, and the session reads nothing more from
@@ -20,7 +22,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import os
 import socket
 from dataclasses import dataclass
@@ -34,19 +35,26 @@ from mpsd.runtime.kernels import signatures
 from mpsd.backends.engine import VirtualEngine
 from mpsd.backends.base import HOST_VIEW
 from mpsd.backends.ops import Work
-from mpsd.sim.clock import CALL, HOST_CALLS, LAUNCH, Host, Timing
+from mpsd.sim.clock import Host, Timing
 from mpsd_protocol import (  # type: ignore[attr-defined]
+    CALL,
+    CALLS,
+    CLOCK,
     CLOSED,
     HELLO,
+    LAUNCH,
     NEED_DATA,
+    NOTHING,
     PROTOCOL_ERROR,
     PROTOCOL_VERSION,
+    Call,
     Connection,
     CudaError,
     InvalidValueError,
     MpsConnectionError,
     MpsServerNotReadyError,
     Notification,
+    NotSupportedError,
     ProtocolError,
     Reply,
     Request,
@@ -63,9 +71,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("mpsd.daemon.session")
 IPC_LAZY_ENABLE_PEER_ACCESS = 0x1  # the one flag cudaIpcOpenMemHandle accepts
-# Calls that still answer after a sticky error, so the client can learn what happened.
-_STICKY_EXEMPT = frozenset({"get_last_error", "statistics", "device_properties"})
-CLOCK_CALLS = frozenset({"clock", "sleep", "idle"})
+# Calls served by a context method of another name.
+_CONTEXT_METHODS = {"event_record": "record_event", "event_elapsed": "elapsed_ms"}
 # Work a client may have queued before its next launch call blocks: a real H200's host call blocked once
 # about 1,000 to 1,023 launches were queued (h200-runtime-measurements.md); and the bytes of pageable copies
 # the daemon may hold for one client until they run (each staged piece is at most 8 MiB).
@@ -73,14 +80,6 @@ LAUNCH_QUEUE = 1024
 MAX_STAGED_BYTES = 256 << 20
 FAIR_MESSAGES = 16  # messages of one client served before the others get a turn
 MAX_HOST_TIME = 3600.0  # seconds of its own code a client may report for one gap between calls
-
-
-@dataclass(frozen=True, slots=True)
-class WithFds:
-    """A result that travels with file descriptors (the session owns them until they are sent)."""
-
-    result: Any
-    fds: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,42 +113,6 @@ class Session:
         self._held: Request | Notification | None = None  # a launch call waiting for room in the queue
         self._room = trio.Event()  # set when the held call has gone on
         self._answered = trio.Event()  # set when the last of them has gone
-        self._requests: dict[str, Callable[[dict[str, Any], tuple[int, ...]], Any]] = {
-            "device_properties": self._device_properties,
-            "mem_get_info": lambda a, f: list(self._ctx.mem_get_info()),
-            "malloc": lambda a, f: self._ctx.malloc(a["nbytes"]),
-            "free": self._free,
-            "host_register": self._host_register,
-            "host_unregister": lambda a, f: self._ctx.host_unregister(a["id"]),
-            "memcpy_htod": self._memcpy_htod,
-            "memcpy_dtoh": self._memcpy_dtoh,
-            "memcpy_dtod": lambda a, f: _queued(self._ctx.memcpy_dtod(a["dst"], a["src"], a["nbytes"],
-                                                                     a.get("stream"))),
-            "memset": lambda a, f: _queued(self._ctx.memset(a["ptr"], a["value"], a["nbytes"], a.get("stream"))),
-            "create_stream": lambda a, f: list(self._ctx.create_stream(a.get("priority", 0), a.get("flags", 0))),
-            "destroy_stream": lambda a, f: self._ctx.destroy_stream(a["stream"]),
-            "stream_synchronize": lambda a, f: Deferred([self._ctx.stream_tail(a.get("stream"))]),
-            "stream_query": lambda a, f: self._ctx.stream_query(a.get("stream")),
-            "stream_wait_event": lambda a, f: self._ctx.stream_wait_event(a.get("stream"), a["event"]),
-            "create_event": lambda a, f: self._ctx.create_event(bool(a.get("disable_timing")),
-                                                                bool(a.get("interprocess"))),
-            "destroy_event": lambda a, f: self._ctx.destroy_event(a["event"]),
-            "event_record": lambda a, f: self._ctx.record_event(a["event"], a.get("stream")),
-            "event_synchronize": lambda a, f: Deferred([self._ctx.event_record_op(a["event"])]),
-            "event_query": lambda a, f: self._ctx.event_query(a["event"]),
-            "event_elapsed": lambda a, f: self._ctx.elapsed_ms(a["start"], a["end"]),
-            "synchronize": lambda a, f: Deferred(self._ctx.tails()),
-            "get_last_error": self._get_last_error,
-            "clock": lambda a, f: {"now": self.daemon.device_of(self._ctx).backend.now()},
-            "statistics": lambda a, f: self.daemon.client_statistics(self._ctx),
-            "launch": self._launch,
-            "mem_fd": self._mem_fd,
-            "ipc_get_mem_handle": lambda a, f: self.daemon.ipc.export_memory(self._ctx, a["ptr"]),
-            "ipc_open_mem_handle": self._ipc_open_mem_handle,
-            "ipc_close_mem_handle": self._ipc_close_mem_handle,
-            "ipc_get_event_handle": lambda a, f: self._ctx.ipc_get_event_handle(a["event"]),
-            "ipc_open_event_handle": lambda a, f: self._ctx.ipc_open_event_handle(a["handle"]),
-        }
 
     @property
     def _ctx(self) -> Context:
@@ -231,13 +194,11 @@ class Session:
             self.daemon.greeted(self)
             self._hello(request)
             return
-        handler = self._requests.get(request.op)
+        call = CALLS.get(request.op)
         try:
-            if handler is None:
+            if call is None:
                 raise InvalidValueError(f"unknown request {brief(request.op, 60)}")
-            if request.op not in _STICKY_EXEMPT:
-                self._ctx.check_usable()
-            result = _call(handler, request.args, request.fds)
+            result = self._dispatch(call, request.args, request.fds)
         except CudaError as exc:
             result = exc
         # Whatever a handler needed from the fds it has mapped by now; they go before the reply does.
@@ -252,12 +213,21 @@ class Session:
         self._returned(timing, waited=False)
         if isinstance(result, CudaError):
             self._reply(request.id, result)
-        elif isinstance(result, WithFds):
-            self._reply(request.id, None, result.result, result.fds)
         elif isinstance(result, Deferred):
             self._complete(request.id, result)  # nothing to wait for: answer now, in order
-        else:
-            self._reply(request.id, None, result)
+        elif call.reply_fds:  # type: ignore[union-attr]
+            self._reply(request.id, None, *result)
+        else:  # a row that answers nothing answers None, whatever its context method gave (an op it queued)
+            self._reply(request.id, None, None if call.reply is NOTHING else result)  # type: ignore[union-attr]
+
+    def _dispatch(self, call: Call, args: dict[str, Any], fds: tuple[int, ...]) -> Any:
+        """Check a call's arguments against its row and run its handler: ``on_<name>`` here, else the context
+        method of its name."""
+        if not call.sticky_ok:
+            self._ctx.check_usable()
+        values = call.check(args, fds)
+        handler, on_session = HANDLERS[call.name]
+        return _call(handler, self if on_session else self._ctx, *values, *((fds,) if call.fds else ()))
 
     def _finish(self, request_id: int, deferred: Deferred, timing: Timing | None) -> None:
         self._deferred -= 1
@@ -301,9 +271,9 @@ class Session:
             engine, host = self._virtual, self._host
             charged = self._charged(message.args)
             engine.heard(host)
-            if message.op in CLOCK_CALLS and isinstance(message, Request):
-                engine.clock.start(host, charged)
-                self._clock_call(message)
+            if isinstance(message, Request) and _cost(message)[0] == CLOCK:
+                engine.clock.start(host, charged)  # answered at once: it touches the client's clock alone
+                self._request(message)
                 return
         else:
             charged = 0.0
@@ -332,7 +302,7 @@ class Session:
             self._serve(message, None)
             return
         engine = self._virtual
-        timing = engine.clock.call(self._host, message.op, charged)
+        timing = engine.clock.call(self._host, _cost(message), charged)
         engine.clock.post(self._host, timing.at, functools.partial(self._apply, message, timing))
 
     def _serve(self, message: Request | Notification, timing: Timing | None) -> None:
@@ -391,41 +361,21 @@ class Session:
             self._virtual.clock.returned(self._host, timing, waited)
             self._virtual.heard(self._host)
 
-    def _clock_call(self, request: Request) -> None:
-        """`clock` (the client's simulated now), `sleep` (advance it) and `idle` (hold the clock no longer
-        until the next call), answered at once: they touch nothing but the client's own clock."""
-        close_fds(request.fds)
-        host, clock = self._host, self._virtual.clock
-        args = request.args if isinstance(request.args, dict) else {}
-        if request.op == "sleep":
-            seconds = args.get("seconds")
-            if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds < math.inf:
-                self._reply(request.id, InvalidValueError(f"sleep takes seconds >= 0, not {brief(seconds, 20)}"))
-                return
-            host.clock += float(seconds)  # the thread makes no call meanwhile: it cools as it would
-        elif request.op == "idle":
-            clock.idle(host)
-        self._reply(request.id, None, {"now": host.clock})
-
     def _notification(self, note: Notification) -> None:
         close_fds(note.fds)
-        handler = self._requests.get(note.op) if note.op != HELLO else None
         if self.context is None:
             return
+        call = CALLS.get(note.op)
         try:
-            if handler is None:
+            if call is None:
                 raise InvalidValueError(f"unknown notification {brief(note.op, 60)}")
-            self._ctx.check_usable()
-            result = _call(handler, note.args, ())
+            # Only calls that merely queue work may come as notifications; the rest need their reply, as does
+            # a copy that turns out to be synchronous (its work is queued all the same).
+            if not call.notify or isinstance(self._dispatch(call, note.args, ()), Deferred):
+                raise InvalidValueError(f"{note.op} needs a request, not a notification")
         except CudaError as exc:
             if self._ctx.sticky is None:
                 self._ctx.last_error = exc
-            return
-        if isinstance(result, (Deferred, WithFds)):
-            # Only calls that merely queue work may come as notifications; the rest need their reply.
-            close_fds(result.fds if isinstance(result, WithFds) else ())
-            if self._ctx.sticky is None:
-                self._ctx.last_error = InvalidValueError(f"{note.op} needs a request, not a notification")
 
     def _hello(self, request: Request) -> None:
         close_fds(request.fds)
@@ -453,7 +403,7 @@ class Session:
                 raise MpsConnectionError(f"protocol version {brief(args.get('version'), 20)} is not supported "
                                          f"(the daemon speaks {PROTOCOL_VERSION})")
             # Any malformed hello becomes the CUDA error a bad argument gets, never a failed session.
-            self.context = _call(lambda a, f: self.daemon.attach(self, self._quotas_args(a, f), a), args, ())
+            self.context = _call(self.daemon.attach, self, self._quotas_args(args), args)
         except CudaError as exc:
             self._reply(request.id, exc)
             self._closing = True
@@ -478,75 +428,113 @@ class Session:
                        "priority": ctx.quotas.priority, "weight": ctx.quotas.weight},
         })
 
-    def _quotas_args(self, args: dict[str, Any], fds: tuple[int, ...]) -> dict[str, Any]:
+    def _quotas_args(self, args: dict[str, Any]) -> dict[str, Any]:
         limits = args.get("limits") or {}
         if not isinstance(limits, dict):
             raise InvalidValueError("hello limits must be a map")
         return limits
 
-    # -- handlers that need more than one line ---------------------------------------------------------
-    def _device_properties(self, args: dict[str, Any], fds: tuple[int, ...]) -> dict[str, Any]:
+    # -- the calls that need more than their context method (mpsd_protocol's CALLS) ----------------------
+    def on_device_properties(self) -> dict[str, Any]:
         return self.daemon.device_of(self._ctx).client_properties(self._ctx)
 
-    def _free(self, args: dict[str, Any], fds: tuple[int, ...]) -> Deferred:
-        ptr = args["ptr"]
+    def on_statistics(self) -> dict[str, Any]:
+        return self.daemon.client_statistics(self._ctx)
+
+    def on_free(self, ptr: int) -> Deferred:
         self._ctx.check_free(ptr)
         # cudaFree synchronises: it waits for the context's work before the memory goes.
         return Deferred(self._ctx.tails(), lambda: self._ctx.free(ptr))
 
-    def _host_register(self, args: dict[str, Any], fds: tuple[int, ...]) -> int:
-        if len(fds) != 1:
-            raise InvalidValueError("host_register needs exactly one file descriptor")
-        return self._ctx.host_register(fds[0], args["nbytes"])
+    def on_host_register(self, nbytes: int, fds: tuple[int, ...]) -> int:
+        return self._ctx.host_register(fds[0], nbytes)
 
-    def _memcpy_htod(self, args: dict[str, Any], fds: tuple[int, ...]) -> Deferred | None:
-        staged = bool(args.get("staged"))
-        stream = args.get("stream")
-        op = self._ctx.memcpy_htod(args["dst"], args["host"], args["offset"], args["nbytes"], stream, staged)
+    def on_memcpy_htod(self, dst: int, host: int, offset: int, nbytes: int, stream: int | None,
+                       staged: bool) -> Deferred | None:
+        op = self._ctx.memcpy_htod(dst, host, offset, nbytes, stream, staged)
         # A pageable source has been read already; a pinned one is read when the copy runs, so a
         # synchronous copy from pinned memory returns only once it has.
         return Deferred([op]) if stream is None and not staged else None
 
-    def _memcpy_dtoh(self, args: dict[str, Any], fds: tuple[int, ...]) -> Deferred | None:
-        staged = bool(args.get("staged"))
-        stream = args.get("stream")
-        op = self._ctx.memcpy_dtoh(args["host"], args["offset"], args["src"], args["nbytes"], stream)
+    def on_memcpy_dtoh(self, host: int, offset: int, src: int, nbytes: int, stream: int | None,
+                       staged: bool) -> Deferred | None:
+        op = self._ctx.memcpy_dtoh(host, offset, src, nbytes, stream)
         # Device-to-pageable copies are synchronous even on a stream (the bytes land in staging).
         return Deferred([op]) if stream is None or staged else None
 
-    def _mem_fd(self, args: dict[str, Any], fds: tuple[int, ...]) -> WithFds:
+    def on_synchronize(self) -> Deferred:
+        return Deferred(self._ctx.tails())
+
+    def on_stream_synchronize(self, stream: int | None) -> Deferred:
+        return Deferred([self._ctx.stream_tail(stream)])
+
+    def on_event_synchronize(self, event: int) -> Deferred:
+        return Deferred([self._ctx.event_record_op(event)])
+
+    def on_get_last_error(self, clear: bool) -> dict[str, Any] | None:
+        error = self._ctx.take_last_error(clear=clear)
+        return error.to_wire() if error else None
+
+    def on_mem_fd(self, ptr: int) -> tuple[dict[str, Any], tuple[int, ...]]:
         """The memfd behind a device pointer, so the client can map the same bytes (host_view): the
         allocation's are `size` bytes from `offset` in it (a small one's memfd is its chunk's)."""
-        alloc = self._ctx.segment_of(args["ptr"])
-        return WithFds({"base": alloc.addr, "size": alloc.size, "offset": alloc.segment.offset},
-                       (os.dup(alloc.segment.fd),))
+        alloc = self._ctx.segment_of(ptr)
+        return {"base": alloc.addr, "size": alloc.size, "offset": alloc.segment.offset}, (os.dup(alloc.segment.fd),)
 
-    def _ipc_open_mem_handle(self, args: dict[str, Any], fds: tuple[int, ...]) -> WithFds:
-        if args.get("flags", 1) != IPC_LAZY_ENABLE_PEER_ACCESS:
+    def on_ipc_get_mem_handle(self, ptr: int) -> bytes:
+        return self.daemon.ipc.export_memory(self._ctx, ptr)
+
+    def on_ipc_open_mem_handle(self, handle: bytes, flags: int) -> tuple[dict[str, Any], tuple[int, ...]]:
+        if flags != IPC_LAZY_ENABLE_PEER_ACCESS:
             raise InvalidValueError("ipc_open_mem_handle takes flags=1 (cudaIpcMemLazyEnablePeerAccess) only")
-        mapping = self.daemon.ipc.open_memory(self._ctx, args["handle"])
-        return WithFds({"ptr": mapping.addr, "size": mapping.size, "offset": mapping.segment.offset,
-                        "mappable": HOST_VIEW in self._ctx.backend.capabilities}, (os.dup(mapping.segment.fd),))
+        mapping = self.daemon.ipc.open_memory(self._ctx, handle)
+        return ({"ptr": mapping.addr, "size": mapping.size, "offset": mapping.segment.offset,
+                 "mappable": HOST_VIEW in self._ctx.backend.capabilities}, (os.dup(mapping.segment.fd),))
 
-    def _ipc_close_mem_handle(self, args: dict[str, Any], fds: tuple[int, ...]) -> Deferred:
-        ptr = args["ptr"]
+    def on_ipc_close_mem_handle(self, ptr: int) -> Deferred:
         if ptr not in self._ctx.imports:
-            raise InvalidValueError(f"{brief(ptr, 20)} is not a pointer opened from an IPC handle in this context")
+            raise InvalidValueError(f"{ptr:#x} is not a pointer opened from an IPC handle in this context")
         # Like cudaFree, the mapping goes only after the work queued before it, which may still use it.
         return Deferred(self._ctx.tails(), lambda: self.daemon.ipc.close_memory(self._ctx, ptr))
 
-    def _get_last_error(self, args: dict[str, Any], fds: tuple[int, ...]) -> dict[str, Any] | None:
-        error = self._ctx.take_last_error(clear=bool(args.get("clear", True)))
-        return error.to_wire() if error else None
+    # `clock`, `sleep` and `idle` act on the client's clock alone, under the virtual clock: answered at once,
+    # never stamped. Under the wall clock the client keeps time itself and asks only for the device's now.
+    def on_clock(self) -> dict[str, float]:
+        if self.host is None:
+            return {"now": self.daemon.device_of(self._ctx).backend.now()}
+        return {"now": self.host.clock}
 
-    def _launch(self, args: dict[str, Any], fds: tuple[int, ...]) -> None:
-        self._ctx.launch(args["name"], args["grid"], args["block"], args["args"], args.get("shared_mem", 0),
-                         args.get("stream"))
+    def on_sleep(self, seconds: float) -> dict[str, float]:
+        self._host_clock("sleep").clock += float(seconds)  # the thread makes no call meanwhile: it cools as it would
+        return {"now": self._host.clock}
+
+    def on_idle(self) -> dict[str, float]:
+        host = self._host_clock("idle")
+        self._virtual.clock.idle(host)
+        return {"now": host.clock}
+
+    def _host_clock(self, what: str) -> Host:
+        if self.host is None:
+            raise NotSupportedError(f"{what} acts on the daemon's virtual clock; this daemon's follows the wall clock")
+        return self.host
+
+
+# Each call's handler: ``Session.on_<name>``, else the context method of its name (given the context). A row
+# that has neither fails here, when the daemon is imported.
+HANDLERS: dict[str, tuple[Callable[..., Any], bool]] = {
+    call.name: (getattr(Session, "on_" + call.name), True) if hasattr(Session, "on_" + call.name)
+    else (getattr(Context, _CONTEXT_METHODS.get(call.name, call.name)), False) for call in CALLS.values()}
+
+
+def _cost(message: Request | Notification) -> tuple[str, str | None]:
+    """What a call costs the client's host thread (mpsd.sim.clock); a call of no row costs a plain call's."""
+    call = CALLS.get(message.op)
+    return call.cost if call is not None else (CALL, None)
 
 
 def _launches(message: Request | Notification) -> bool:
     """Whether `message` is a launch call: it queues work on the device and returns (mpsd.sim.clock)."""
-    return HOST_CALLS.get(message.op, (CALL,))[0] == LAUNCH
+    return _cost(message)[0] == LAUNCH
 
 
 def _staged_bytes(message: Request | Notification) -> int:
@@ -558,16 +546,10 @@ def _staged_bytes(message: Request | Notification) -> int:
     return nbytes if type(nbytes) is int and nbytes > 0 else 0
 
 
-def _queued(op: Work) -> None:
-    """The reply to a call that only queues work: nothing (errors come at the next synchronising call)."""
-    return None
-
-
-def _call(handler: Callable[[dict[str, Any], tuple[int, ...]], Any], args: dict[str, Any],
-          fds: tuple[int, ...]) -> Any:
-    """Run a handler, turning what a malformed argument map causes into the error CUDA would give."""
+def _call(handler: Callable[..., Any], *args: Any) -> Any:
+    """Run a handler, turning what malformed arguments cause into the error CUDA would give."""
     try:
-        return handler(args, fds)
+        return handler(*args)
     except CudaError:
         raise
     except (KeyError, TypeError, ValueError, OverflowError) as exc:

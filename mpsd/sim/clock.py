@@ -7,9 +7,9 @@
 #
 # The calls of every host are applied in the order of their stamps (time, then the host's client id, then the
 # order they came in), never in the order the host scheduler delivered them; device instants at a time go
-# before calls stamped at that time. `HOST_CALLS` says what each CUDA call costs its host thread
-# (mpsd.sim.host, calibrated on an H200), and so when it is applied and when it returns. Pure: no I/O, no
-# wall clock; the daemon decides when a silent host counts as idle.
+# before calls stamped at that time. A call's cost kind (which mpsd_protocol's table of calls gives each call)
+# says what it costs its host thread (mpsd.sim.host, calibrated on an H200), and so when it is applied and
+# when it returns. Pure: no I/O, no wall clock; the daemon decides when a silent host counts as idle.
 """Ordering the calls of many hosts and a device's events in simulated time."""
 
 from __future__ import annotations
@@ -24,23 +24,16 @@ from .engine import Simulator
 from .host import HostThread
 from .ops import Op
 
-__all__ = ["CALL", "HOLDING", "HOST_CALLS", "IDLE", "LAUNCH", "SYNC", "WAITING", "Host", "Timing", "VirtualClock"]
+__all__ = ["CALL", "HOLDING", "IDLE", "LAUNCH", "SYNC", "WAITING", "Host", "Timing", "VirtualClock"]
 
 HOLDING, WAITING, IDLE = "holding", "waiting", "idle"
-# What a call costs its host thread: (kind, what). LAUNCH: a launch call whose work reaches the device as it
-# returns, `what` the copy kind whose call costs a fraction of a kernel launch's (DeviceSpec.copy_calls); a
-# launch that must wait (a synchronous copy) then returns a synchronise's latency after the work ends. SYNC:
-# waits for the device, then a synchronise's latency. CALL (any call not named here): `what` "alloc" costs
+# What a call costs its host thread, by its cost (kind, what). LAUNCH: a launch call whose work reaches the
+# device as it returns, `what` the copy kind whose call costs a fraction of a kernel launch's
+# (DeviceSpec.copy_calls); a launch that must wait (a synchronous copy) then returns a synchronise's latency
+# after the work ends. SYNC: waits for the device, then a synchronise's latency. CALL: `what` "alloc" costs
 # DeviceSpec.alloc_call_latency, anything else call_latency, after any wait for the device. Event records and
 # stream waits were not measured apart from launches: they cost what a kernel launch call does.
 LAUNCH, SYNC, CALL = "launch", "sync", "call"
-HOST_CALLS: dict[str, tuple[str, str | None]] = {
-    "launch": (LAUNCH, None), "event_record": (LAUNCH, None), "stream_wait_event": (LAUNCH, None),
-    "memcpy_htod": (LAUNCH, "h2d"), "memcpy_dtoh": (LAUNCH, "d2h"), "memcpy_dtod": (LAUNCH, "d2d"),
-    "memset": (LAUNCH, "memset"),
-    "synchronize": (SYNC, None), "stream_synchronize": (SYNC, None), "event_synchronize": (SYNC, None),
-    "malloc": (CALL, "alloc"), "free": (CALL, "alloc"),
-}
 
 
 @dataclass(eq=False)
@@ -119,12 +112,12 @@ class VirtualClock:
         host.calls += 1
         return host.clock
 
-    def call(self, host: Host, name: str, charged: float = 0.0) -> Timing:
-        """A call named `name` (the protocol's names) arrives from `host`, after `charged` seconds of its own
-        code: when it is applied. A launch's cost is charged at once (its call returns as its work is
-        queued); the client's clock stays at the call's start otherwise, until `returned`."""
+    def call(self, host: Host, cost: tuple[str, str | None], charged: float = 0.0) -> Timing:
+        """A call of `cost` (kind, what) arrives from `host`, after `charged` seconds of its own code: when it
+        is applied. A launch's cost is charged at once (its call returns as its work is queued); the client's
+        clock stays at the call's start otherwise, until `returned`."""
         start = self.start(host, charged)
-        kind, what = HOST_CALLS.get(name, (CALL, None))
+        kind, what = cost
         spec = self.sim.spec
         if kind == LAUNCH:
             scale = dict(spec.copy_calls).get(what, 1.0) if what else 1.0

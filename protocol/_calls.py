@@ -1,0 +1,194 @@
+# The calls: one row per CUDA runtime call that crosses the socket, read by both ends. The daemon's session
+# dispatches from the row (its arguments checked here, then its handler) and the client core builds its request
+# from the same row, so a new call is one row and the two halves cannot drift apart. A row says what a call
+# takes and answers, whether it carries file descriptors, whether it may come as a fire-and-forget
+# notification, whether its reply may wait for the device, and what kind of host cost it has under the virtual
+# clock (the figures stay in mpsd.sim).
+#
+# Kinds are checked where a call enters either end, with the error a real runtime gives for a malformed
+# argument: cudaErrorInvalidValue, naming the argument. What only the daemon's state can judge (a live pointer,
+# a stream of this context, a launch's grid against the device's limits) stays with the runtime, which gives
+# CUDA's own error for it. The handshake (`hello`) is no call: the connection's state machine owns it.
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from ._brief import brief
+from ._errors import InvalidValueError  # type: ignore[attr-defined]
+
+# Host-cost kinds, as mpsd.sim.clock prices them (the simulator imports nothing from here; a test pins that
+# the two agree). LAUNCH: queues work and returns; SYNC: waits for the device; CALL: anything else; CLOCK:
+# touches only the client's own simulated clock, so it is answered at once and never stamped.
+LAUNCH, SYNC, CALL, CLOCK = "launch", "sync", "call", "clock"
+
+
+@dataclass(frozen=True, slots=True)
+class Kind:
+    """What a value on the wire may be: `what` names it in errors, `normal` makes a caller's value a plain one
+    (a DevicePointer a plain int, a memoryview bytes). A decoded value whose type is in `wire` is of the kind
+    whatever its value (msgpack's ints are all within 64 bits): the daemon's check of a launch asks no more."""
+
+    what: str
+    accepts: Callable[[Any], bool]
+    normal: Callable[[Any], Any] = lambda value: value
+    wire: frozenset[type] = frozenset()
+
+
+def _ints(low: int, high: int) -> Callable[[Any], bool]:
+    return lambda v: isinstance(v, int) and not isinstance(v, bool) and low <= v < high
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+_INT, _NONE = frozenset({int}), frozenset({int, type(None)})
+INT = Kind("an int", _ints(-2**63, 2**64), int, _INT)  # what msgpack carries
+COUNT = Kind("a byte count", _ints(0, 2**63), int)
+PTR = Kind("a device pointer", _ints(0, 2**64), int)
+EVENT_HANDLE = Kind("an event handle", _ints(-2**63, 2**64), int, _INT)
+STREAM_HANDLE = Kind("a stream handle or None", lambda v: v is None or EVENT_HANDLE.accepts(v),
+                     lambda v: None if v is None else int(v), _NONE)
+BOOL = Kind("a bool", lambda v: isinstance(v, bool), wire=frozenset({bool}))
+SECONDS = Kind("a finite number of seconds >= 0", lambda v: _number(v) and 0 <= v < math.inf, float)
+STR = Kind("a string", lambda v: isinstance(v, str), wire=frozenset({str}))
+BYTES = Kind("bytes", lambda v: isinstance(v, (bytes, bytearray, memoryview)), bytes, frozenset({bytes}))
+LIST = Kind("a list", lambda v: isinstance(v, (list, tuple)), list, frozenset({list}))
+# A launch's grid and block: what is in the list is check_shape's to judge, with CUDA's error for a bad shape.
+DIMS = Kind("an int or a list", lambda v: isinstance(v, (int, list, tuple)) and not isinstance(v, bool),
+            wire=frozenset({int, list}))
+# Replies only.
+NOTHING = Kind("nothing", lambda v: v is None)
+FLOAT = Kind("a number", _number)
+PAIR = Kind("a pair of ints", lambda v: isinstance(v, list) and len(v) == 2 and all(INT.accepts(x) for x in v))
+MAP = Kind("a map", lambda v: isinstance(v, dict))
+ERROR = Kind("an error or None", lambda v: v is None or isinstance(v, dict))
+
+REQUIRED: Any = object()
+
+
+@dataclass(frozen=True, slots=True)
+class Arg:
+    name: str
+    kind: Kind
+    default: Any = REQUIRED
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """One call.
+
+    Attributes:
+        name: its op on the wire, CUDA's name in snake_case.
+        args: its arguments in the order handlers take them; a missing one takes its default.
+        reply: the kind of its result.
+        fds: file descriptors its request carries (exactly these; any a call takes none of are closed).
+        reply_fds: file descriptors its reply carries.
+        notify: it may come as a notification: it only queues work, whose errors surface later.
+        waits: its reply may wait for the device (it synchronises), and earlier errors surface in it.
+        cost: its host-cost kind, and what prices it within that kind (a copy's engine, "alloc").
+        sticky_ok: it still answers after a sticky error, so the client can learn what happened.
+    """
+
+    name: str
+    args: tuple[Arg, ...] = ()
+    reply: Kind = NOTHING
+    fds: int = 0
+    reply_fds: int = 0
+    notify: bool = False
+    waits: bool = False
+    cost: tuple[str, str | None] = (CALL, None)
+    sticky_ok: bool = False
+
+    def check(self, args: dict[str, Any], fds: tuple[int, ...] = ()) -> tuple[Any, ...]:
+        """The daemon's side: the arguments of a request that arrived, in the row's order.
+
+        Raises:
+            InvalidValueError: an argument is missing or of the wrong kind, or the file descriptors are not
+                the ones the call takes.
+        """
+        values = []
+        for arg in self.args:
+            value = args.get(arg.name, arg.default)
+            kind = arg.kind
+            if type(value) not in kind.wire and not kind.accepts(value):  # REQUIRED is of no kind
+                raise _wrong(self, arg, value)
+            values.append(value)
+        if self.fds and len(fds) != self.fds:
+            raise InvalidValueError(f"{self.name} needs exactly {self.fds} file descriptor"
+                                    f"{'s' if self.fds > 1 else ''}, not {len(fds)}")
+        return tuple(values)
+
+    def encode(self, values: Sequence[Any]) -> dict[str, Any]:
+        """The client's side: the argument map of a request, from values in the row's order (trailing ones may
+        be left to their defaults).
+
+        Raises:
+            InvalidValueError: a value of the wrong kind.
+            TypeError: more values than the call has arguments (a bug of the caller).
+        """
+        if len(values) > len(self.args):
+            raise TypeError(f"{self.name} takes {len(self.args)} arguments, not {len(values)}")
+        out: dict[str, Any] = {}
+        for arg, value in zip(self.args, values):
+            if not arg.kind.accepts(value):
+                raise _wrong(self, arg, value)
+            out[arg.name] = arg.kind.normal(value)
+        return out
+
+
+def _wrong(call: Call, arg: Arg, value: Any) -> InvalidValueError:
+    if value is REQUIRED:
+        return InvalidValueError(f"{call.name} needs {arg.name} ({arg.kind.what})")
+    return InvalidValueError(f"{call.name}: {arg.name} {brief(value, 40)} is not {arg.kind.what}")
+
+
+_EVENT, _STREAM = (Arg("event", EVENT_HANDLE),), (Arg("stream", STREAM_HANDLE, None),)
+_COPY = (Arg("nbytes", COUNT), *_STREAM, Arg("staged", BOOL, False))  # pageable copies are staged
+ROWS = (
+    Call("device_properties", reply=MAP, sticky_ok=True),
+    Call("mem_get_info", reply=PAIR),
+    Call("malloc", (Arg("nbytes", COUNT),), reply=PTR, cost=(CALL, "alloc")),
+    Call("free", (Arg("ptr", PTR),), waits=True, cost=(CALL, "alloc")),  # cudaFree synchronises
+    Call("host_register", (Arg("nbytes", COUNT),), reply=INT, fds=1),  # a sealed memfd
+    Call("host_unregister", (Arg("id", INT),)),
+    Call("memcpy_htod", (Arg("dst", PTR), Arg("host", INT), Arg("offset", COUNT), *_COPY), notify=True,
+         waits=True, cost=(LAUNCH, "h2d")),  # waits without a stream, from pinned memory
+    Call("memcpy_dtoh", (Arg("host", INT), Arg("offset", COUNT), Arg("src", PTR), *_COPY), notify=True,
+         waits=True, cost=(LAUNCH, "d2h")),  # waits without a stream, or into pageable memory
+    Call("memcpy_dtod", (Arg("dst", PTR), Arg("src", PTR), Arg("nbytes", COUNT), *_STREAM), notify=True,
+         cost=(LAUNCH, "d2d")),
+    Call("memset", (Arg("ptr", PTR), Arg("value", INT), Arg("nbytes", COUNT), *_STREAM), notify=True,
+         cost=(LAUNCH, "memset")),
+    Call("create_stream", (Arg("priority", INT, 0), Arg("flags", INT, 0)), reply=PAIR),  # handle, clamped
+    Call("destroy_stream", (Arg("stream", STREAM_HANDLE),)),
+    Call("stream_synchronize", _STREAM, waits=True, cost=(SYNC, None)),
+    Call("stream_query", _STREAM, reply=BOOL),
+    Call("stream_wait_event", (*_STREAM, *_EVENT), notify=True, cost=(LAUNCH, None)),
+    Call("create_event", (Arg("disable_timing", BOOL, False), Arg("interprocess", BOOL, False)),
+         reply=EVENT_HANDLE),
+    Call("destroy_event", _EVENT),
+    Call("event_record", (*_EVENT, *_STREAM), notify=True, cost=(LAUNCH, None)),
+    Call("event_synchronize", _EVENT, waits=True, cost=(SYNC, None)),
+    Call("event_query", _EVENT, reply=BOOL),
+    Call("event_elapsed", (Arg("start", EVENT_HANDLE), Arg("end", EVENT_HANDLE)), reply=FLOAT),
+    Call("synchronize", waits=True, cost=(SYNC, None)),
+    Call("get_last_error", (Arg("clear", BOOL, True),), reply=ERROR, sticky_ok=True),
+    Call("statistics", reply=MAP, sticky_ok=True),
+    Call("launch", (Arg("name", STR), Arg("grid", DIMS), Arg("block", DIMS), Arg("args", LIST),
+                    Arg("shared_mem", INT, 0), *_STREAM), notify=True, cost=(LAUNCH, None)),
+    Call("mem_fd", (Arg("ptr", PTR),), reply=MAP, reply_fds=1),  # the memfd behind device memory (host_view)
+    Call("ipc_get_mem_handle", (Arg("ptr", PTR),), reply=BYTES),
+    Call("ipc_open_mem_handle", (Arg("handle", BYTES), Arg("flags", INT, 1)), reply=MAP, reply_fds=1),
+    Call("ipc_close_mem_handle", (Arg("ptr", PTR),), waits=True),  # after the work queued before it
+    Call("ipc_get_event_handle", _EVENT, reply=BYTES),
+    Call("ipc_open_event_handle", (Arg("handle", BYTES),), reply=EVENT_HANDLE),
+    # The client's simulated host clock, under the daemon's virtual clock: its now, let time pass, and stop
+    # holding the clock until the next call.
+    Call("clock", reply=MAP, cost=(CLOCK, None), sticky_ok=True),
+    Call("sleep", (Arg("seconds", SECONDS),), reply=MAP, cost=(CLOCK, None), sticky_ok=True),
+    Call("idle", reply=MAP, cost=(CLOCK, None), sticky_ok=True),
+)
+CALLS: dict[str, Call] = {call.name: call for call in ROWS}
