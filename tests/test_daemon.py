@@ -144,7 +144,7 @@ def test_unwritable_log_directory_is_one_line_and_exit_1(tmp_path):
 
 @pytest.mark.parametrize("args,message", [
     (["--time-scale", "-1"], "mpsd: --time-scale must be positive, not -1.0"),
-    (["--devices", "gpu9"], "mpsd: unknown device model 'gpu9' (known: h200)"),
+    (["--devices", "gpu9"], "mpsd: unknown device model 'gpu9' (known: h200, cuda:N, auto)"),
     (["--active-thread-percentage", "150"], "mpsd: --active-thread-percentage must be in (0, 100], not 150.0"),
     (["--pinned-mem-limit", "lots"], "mpsd: --pinned-mem-limit: not a size: 'lots' (expected e.g. 512M or 1G)"),
     (["--handshake-timeout", "0"], "mpsd: --handshake-timeout must be a positive number of seconds, not 0.0"),
