@@ -1,6 +1,6 @@
-# Device memory through the real daemon (served in this process, tests/inproc.py, but for the smoke tests that a
-# daemon process and a client's real environment need): allocation, per-client address spaces, copies in every direction
-# (pageable and pinned, synchronous and on streams), memset, mem_get_info and the errors CUDA gives.
+# Device memory through the real daemon (served in this process, tests/inproc.py, but for the smoke tests that
+# want a daemon process and a client's real environment): allocation, per-client address spaces, copies in
+# every direction (pageable and pinned, synchronous and on streams), memset, mem_get_info and CUDA's errors.
 from __future__ import annotations
 
 import numpy as np
