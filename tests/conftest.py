@@ -1,12 +1,16 @@
-# Fixtures: a daemon per test (a real `python -m mpsd` process on a private pipe directory) and a context on it.
+# Fixtures of the two tiers. Real processes: a daemon per test (a real `python -m mpsd` process on a private
+# pipe directory) and a blocking context on it. In-process: the daemon inside the test's trio loop and a trio
+# context on it (tests/inproc.py), for everything that needs no process of its own.
 from __future__ import annotations
 
 import shutil
-from typing import Iterator
+from typing import AsyncIterator, Iterator
 
 import pytest
 
 from daemons import DaemonProcess, start_daemon
+from inproc import InProcessDaemon, in_process_daemon
+from mpsd_client import AsyncContext
 
 
 @pytest.fixture
@@ -41,4 +45,19 @@ def ctx(daemon: DaemonProcess):
     import mpsd_client
 
     with mpsd_client.connect(daemon.pipe_dir) as context:
+        yield context
+
+
+# The in-process tier (tests/inproc.py): the daemon in the test's trio loop, a trio client on it. A test that
+# also takes `autojump_clock` waits for simulated work in no wall time.
+@pytest.fixture
+async def served() -> AsyncIterator[InProcessDaemon]:
+    """A daemon in this trio loop, simulated time 100x the (possibly mock) clock, as the `daemon` fixture's."""
+    async with in_process_daemon("--time-scale", "100") as d:
+        yield d
+
+
+@pytest.fixture
+async def actx(served: InProcessDaemon) -> AsyncIterator[AsyncContext]:
+    async with served.connect() as context:
         yield context

@@ -1,4 +1,5 @@
 # The trio client: the same calls as the blocking one, awaited, from several tasks at once over one context.
+# On a daemon in this trio loop (tests/inproc.py), but for what needs a daemon process to kill.
 from __future__ import annotations
 
 import shutil
@@ -8,15 +9,16 @@ import pytest
 import trio
 
 import mpsd_client
+from inproc import in_process_daemon
 from mpsd.sim import H200
 from mpsd_client import IllegalAddressError, InvalidValueError, OutOfMemoryError
 
 MiB = 1 << 20
 
 
-async def test_concurrent_tasks_copy_through_separate_staging_buffers(daemon):
+async def test_concurrent_tasks_copy_through_separate_staging_buffers(served, autojump_clock):
     """Four tasks copying 20 MiB each at once never mix their bytes: each call stages through its own buffer."""
-    async with mpsd_client.open_context(daemon.pipe_dir) as actx:
+    async with served.connect() as actx:
         results = {}
 
         async def round_trip(seed: int) -> None:
@@ -34,9 +36,9 @@ async def test_concurrent_tasks_copy_through_separate_staging_buffers(daemon):
         assert results == {0: True, 1: True, 2: True, 3: True}
 
 
-async def test_errors_are_the_same_classes(daemon):
+async def test_errors_are_the_same_classes(served, autojump_clock):
     """Errors raised through AsyncContext are the CUDA error classes the blocking client raises."""
-    async with mpsd_client.open_context(daemon.pipe_dir) as actx:
+    async with served.connect() as actx:
         with pytest.raises(OutOfMemoryError):
             await actx.malloc(1 << 50)
         with pytest.raises(InvalidValueError):
@@ -48,13 +50,13 @@ async def test_errors_are_the_same_classes(daemon):
         assert (await actx.get_last_error()).code == 700
 
 
-async def test_streams_and_events_work_awaited(daemon):
+async def test_streams_and_events_work_awaited(served, autojump_clock):
     """Stream and event methods return awaitables on an AsyncContext."""
-    async with mpsd_client.open_context(daemon.pipe_dir) as actx:
+    async with served.connect() as actx:
         s = await actx.create_stream(priority=-1)
         start, end = await actx.create_event(), await actx.create_event()
-        # Hold the stream while the rest queues: 100 simulated seconds, one wall second at this daemon's time
-        # scale, so even a loaded machine queues the rest before it ends.
+        # Hold the stream while the rest queues: 100 simulated seconds (none of the wall's: the mock clock
+        # moves only when every task waits, so the rest is queued before it ends).
         await actx.launch("spin", 1, 32, [int(1.98e11)], stream=s)
         await start.record(s)
         await actx.launch("spin", 264, 1024, [int(1.98e6)], stream=s)
@@ -95,14 +97,11 @@ async def test_daemon_exit_fails_waiting_calls(daemon_factory):
     shutil.rmtree(d.pipe_dir.parent, ignore_errors=True)
 
 
-async def test_a_refused_hello_raises_the_cuda_error_itself(daemon_factory):
+async def test_a_refused_hello_raises_the_cuda_error_itself(autojump_clock):
     """A daemon that refuses the handshake (here: no room for another client) makes open_context raise that
     CUDA error, not an ExceptionGroup from the context's nursery (mpsd-stress's tenants met one)."""
-    from daemons import start_daemon
-
-    d = start_daemon("--time-scale", "100", "--max-clients", "1")
-    daemon_factory.append(d)
-    async with mpsd_client.open_context(d.pipe_dir):
-        with pytest.raises(mpsd_client.MpsMaxClientsReachedError):
-            async with mpsd_client.open_context(d.pipe_dir):
-                pass
+    async with in_process_daemon("--time-scale", "100", "--max-clients", "1") as d:
+        async with d.connect():
+            with pytest.raises(mpsd_client.MpsMaxClientsReachedError):
+                async with d.connect():
+                    pass

@@ -1,15 +1,15 @@
-# Built-in kernels through the real daemon: they really compute on the device bytes, launches are validated
-# as cudaLaunchKernel validates them, and an out-of-bounds access is a sticky cudaErrorIllegalAddress,
-# contained per device (every client on it, as Volta+ MPS does) or per client.
+# Built-in kernels through the real daemon (in this process, tests/inproc.py, but for a smoke test on a daemon
+# process): they really compute on the device bytes, launches are validated as cudaLaunchKernel validates
+# them, and an out-of-bounds access is a sticky cudaErrorIllegalAddress, contained per device (every client
+# on it, as Volta+ MPS does) or per client.
 from __future__ import annotations
-
-import time
 
 import numpy as np
 import pytest
+import trio
 
 import mpsd_client
-from daemons import start_daemon
+from inproc import in_process_daemon
 from mpsd_client import (
     IllegalAddressError,
     InvalidConfigurationError,
@@ -50,13 +50,13 @@ def test_kernels_compute_on_device_bytes(ctx):
     assert (out[100:110] == -1.25).all() and np.array_equal(out[:100], (x + y)[:100])
 
 
-def test_spin_and_work_take_simulated_time_and_leave_memory_alone(ctx):
+async def test_spin_and_work_take_simulated_time_and_leave_memory_alone(actx, autojump_clock):
     """spin and work only take time; statistics count their blocks and SM-seconds."""
-    before = ctx.statistics()
-    ctx.launch("spin", 264, 1024, [int(1.98e6)])
-    ctx.launch("work", 264, 1024, [93638])
-    ctx.synchronize()
-    after = ctx.statistics()
+    before = await actx.statistics()
+    await actx.launch("spin", 264, 1024, [int(1.98e6)])
+    await actx.launch("work", 264, 1024, [93638])
+    await actx.synchronize()
+    after = await actx.statistics()
     assert after["kernels_completed"] - before["kernels_completed"] == 2
     assert after["blocks_completed"] - before["blocks_completed"] == 528
     # 264 blocks x 1 ms of spin, and 264 blocks x 1 ms of work (two blocks share each SM's issue rate);
@@ -79,95 +79,95 @@ def test_spin_and_work_take_simulated_time_and_leave_memory_alone(ctx):
     (lambda c, p: c.launch("spin", 1, (32, 1, 65), [1]), InvalidConfigurationError),  # block.z too large
     (lambda c, p: c.launch("spin", 1, 32, [1], shared_mem=300_000), InvalidValueError),
 ])
-def test_bad_launches_fail_at_the_call_and_are_not_sticky(ctx, call, error):
+async def test_bad_launches_fail_at_the_call_and_are_not_sticky(actx, call, error, autojump_clock):
     """Launch errors are returned by the launch itself, recorded as the last error, and not sticky."""
-    p = ctx.malloc(64)
+    p = await actx.malloc(64)
     with pytest.raises(error):
-        call(ctx, p)
-    assert isinstance(ctx.get_last_error(), error)
-    assert ctx.get_last_error() is None
-    ctx.launch("fill_f32", 1, 16, [p, 1.0, 16])
-    ctx.synchronize()
+        await call(actx, p)
+    assert isinstance(await actx.get_last_error(), error)
+    assert await actx.get_last_error() is None
+    await actx.launch("fill_f32", 1, 16, [p, 1.0, 16])
+    await actx.synchronize()
 
 
-def _raw_launch(ctx, **args):
+async def _raw_launch(actx, **args):
     """Send a launch the way a client that skips our checks would: straight to the daemon."""
     def op():
         yield Notification("launch", args)
-    ctx._drive(op())
+    await actx._drive(op())
 
 
-def test_daemon_checks_launches_it_is_sent_directly(ctx):
+async def test_daemon_checks_launches_it_is_sent_directly(actx, autojump_clock):
     """A launch that bypasses the client's checks is refused by the daemon; the next sync reports it."""
-    _raw_launch(ctx, name="spin", grid=[1, 1, 1], block=[4096, 1, 1], args=[1], shared_mem=0, stream=None)
+    await _raw_launch(actx, name="spin", grid=[1, 1, 1], block=[4096, 1, 1], args=[1], shared_mem=0, stream=None)
     with pytest.raises(InvalidConfigurationError):
-        ctx.synchronize()
-    _raw_launch(ctx, name="vector_add_f32", grid=[1, 1, 1], block=[1, 1, 1], args=[1], stream=None)
-    assert isinstance(ctx.peek_at_last_error(), InvalidValueError)
-    _raw_launch(ctx, name="spin", grid="lots")
-    _raw_launch(ctx, name="spin", grid=[1, 1, 1], block=[1024, 1, 1], args=[1], shared_mem=230_000)
-    ctx.get_last_error()
-    ctx.synchronize()
+        await actx.synchronize()
+    await _raw_launch(actx, name="vector_add_f32", grid=[1, 1, 1], block=[1, 1, 1], args=[1], stream=None)
+    assert isinstance(await actx.peek_at_last_error(), InvalidValueError)
+    await _raw_launch(actx, name="spin", grid="lots")
+    await _raw_launch(actx, name="spin", grid=[1, 1, 1], block=[1024, 1, 1], args=[1], shared_mem=230_000)
+    await actx.get_last_error()
+    await actx.synchronize()
 
 
-def test_out_of_bounds_access_is_sticky_illegal_address(ctx):
+async def test_out_of_bounds_access_is_sticky_illegal_address(actx, autojump_clock):
     """A kernel touching bytes past its allocation makes every later call fail with cudaErrorIllegalAddress."""
-    p = ctx.malloc(4096)
-    ctx.launch("fill_f32", 4, 256, [p, 1.0, 1025])  # one float too many
+    p = await actx.malloc(4096)
+    await actx.launch("fill_f32", 4, 256, [p, 1.0, 1025])  # one float too many
     with pytest.raises(IllegalAddressError) as info:
-        ctx.synchronize()
+        await actx.synchronize()
     assert info.value.code == 700 and info.value.sticky
-    for call in (lambda: ctx.malloc(16), lambda: ctx.mem_get_info(), ctx.synchronize, ctx.create_stream):
+    for call in (lambda: actx.malloc(16), lambda: actx.mem_get_info(), actx.synchronize, actx.create_stream):
         with pytest.raises(IllegalAddressError):
-            call()
-    assert ctx.get_last_error().code == 700
-    assert ctx.get_last_error().code == 700  # sticky: never reset
-    assert ctx.statistics()["sticky_error"]["code"] == 700
+            await call()
+    assert (await actx.get_last_error()).code == 700
+    assert (await actx.get_last_error()).code == 700  # sticky: never reset
+    assert (await actx.statistics())["sticky_error"]["code"] == 700
 
 
-def test_kernel_on_freed_memory_is_an_illegal_address(ctx):
+async def test_kernel_on_freed_memory_is_an_illegal_address(actx, autojump_clock):
     """A kernel given a pointer that has been freed faults when it runs."""
-    p = ctx.malloc(4096)
-    ctx.free(p)
-    ctx.launch("fill_f32", 1, 256, [p, 1.0, 16])
+    p = await actx.malloc(4096)
+    await actx.free(p)
+    await actx.launch("fill_f32", 1, 256, [p, 1.0, 16])
     with pytest.raises(IllegalAddressError):
-        ctx.synchronize()
+        await actx.synchronize()
 
 
 @pytest.mark.parametrize("containment", ["device", "client"])
-def test_fault_containment(daemon_factory, containment):
+async def test_fault_containment(containment, autojump_clock):
     """A fault reaches every client on the device (Volta+ MPS) or, under `client`, only the culprit; until
     the faulted clients have gone the server is in FAULT and refuses newcomers, then it serves them again."""
-    d = start_daemon("--time-scale", "100", "--fault-containment", containment)
-    daemon_factory.append(d)
-    with mpsd_client.connect(d.pipe_dir) as bystander, mpsd_client.connect(d.pipe_dir) as culprit:
-        q = bystander.malloc(64)
-        p = culprit.malloc(64)
-        culprit.launch("fill_f32", 1, 32, [p, 0.0, 17])
-        with pytest.raises(IllegalAddressError):
-            culprit.synchronize()
-        if containment == "device":
+    async with in_process_daemon("--time-scale", "100", "--fault-containment", containment) as d:
+        async with d.connect() as bystander, d.connect() as culprit:
+            q = await bystander.malloc(64)
+            p = await culprit.malloc(64)
+            await culprit.launch("fill_f32", 1, 32, [p, 0.0, 17])
             with pytest.raises(IllegalAddressError):
-                bystander.memset(q, 0, 64)
-        else:
-            bystander.memset(q, 0, 64)
-            bystander.synchronize()
-        with pytest.raises(mpsd_client.MpsServerNotReadyError):
-            mpsd_client.connect(d.pipe_dir)
-    deadline = time.monotonic() + 20
-    while d.server_log().count("disconnected") < 2 and time.monotonic() < deadline:
-        time.sleep(0.02)  # the two clients' exits reach the daemon asynchronously
-    with mpsd_client.connect(d.pipe_dir) as newcomer:  # the faulted clients are gone: it starts clean
-        newcomer.synchronize()
-    log = d.server_log()
+                await culprit.synchronize()
+            if containment == "device":
+                with pytest.raises(IllegalAddressError):
+                    await bystander.memset(q, 0, 64)
+            else:
+                await bystander.memset(q, 0, 64)
+                await bystander.synchronize()
+            with pytest.raises(mpsd_client.MpsServerNotReadyError):
+                async with d.connect():
+                    pass  # pragma: no cover
+        with trio.fail_after(20):
+            while d.server_log().count("disconnected") < 2:
+                await trio.sleep(0.02)  # the two clients' exits reach the daemon's sessions as tasks of their own
+        async with d.connect() as newcomer:  # the faulted clients are gone: it starts clean
+            await newcomer.synchronize()
+        log = d.server_log()
     assert "encountered a fatal GPU error." in log
     assert "The following client process have a sticky error set:" in log
 
 
-def test_shape_checks_are_not_fooled_by_equal_values(ctx):
+async def test_shape_checks_are_not_fooled_by_equal_values(actx, autojump_clock):
     """A float or bool grid equal to a valid int grid is still refused, even after the int one was used."""
-    ctx.launch("spin", 1, 32, [0])
+    await actx.launch("spin", 1, 32, [0])
     for grid in (1.0, True, (1.0,)):
         with pytest.raises(InvalidConfigurationError):
-            ctx.launch("spin", grid, 32, [0])
-    ctx.synchronize()
+            await actx.launch("spin", grid, 32, [0])
+    await actx.synchronize()

@@ -1,6 +1,7 @@
 # Quotas as MPS defines them, read from each client's environment and only ever tightening the daemon's:
 # the active thread percentage caps SMs in whole TPCs, the client priority is recorded, and
-# CUDA_VISIBLE_DEVICES picks and renumbers the daemon's devices.
+# CUDA_VISIBLE_DEVICES picks and renumbers the daemon's devices. Clients whose environment is all that matters
+# run in this process against a daemon in it (tests/inproc.py); tenants sharing the GPU are real processes.
 from __future__ import annotations
 
 import contextlib
@@ -12,7 +13,8 @@ import pytest
 from hypothesis import HealthCheck, event, example, given, settings, strategies as st
 
 import mpsd_client
-from daemons import run_worker, start_daemon
+from daemons import start_daemon
+from inproc import in_process_daemon
 from mpsd.runtime.memory import CHUNK
 from mpsd.sim import H200
 from mpsd_client import InvalidDeviceError, InvalidValueError, NoDeviceError
@@ -20,92 +22,78 @@ from mpsd_protocol import parse_mem_limits
 
 ONE_MS = int(1e-3 * 1.98e9)
 
-# Runs in a worker process: report the quotas seen and the simulated time of one FULL spin kernel.
-PROBE = """
-import json, mpsd_client
-with mpsd_client.connect() as ctx:
-    s = ctx.create_stream()
-    start, end = ctx.create_event(), ctx.create_event()
-    ctx.launch("spin", 1, 32, [int(20 * 1.98e9)], stream=s)   # hold the stream while the rest is queued
-    start.record(s)
-    ctx.launch("spin", 264, 1024, [%d], stream=s)
-    end.record(s)
-    end.synchronize()
-    print(json.dumps({"sms": ctx.device_properties()["multiprocessor_count"], "quotas": ctx.quotas,
-                      "ms": start.elapsed_ms(end), "max_sms": ctx.statistics()["max_sms"]}))
-""" % ONE_MS
-
-
-def probe(daemon, **env: str) -> dict:
-    result = run_worker(PROBE, daemon.pipe_dir, env=env)
-    assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout)
+async def probe(d, **env: str) -> dict:
+    """The quotas a client with this environment sees, and the simulated time of one FULL spin kernel."""
+    async with d.connect(**env) as ctx:
+        s = await ctx.create_stream()
+        start, end = await ctx.create_event(), await ctx.create_event()
+        await ctx.launch("spin", 1, 32, [int(20 * 1.98e9)], stream=s)  # hold the stream while the rest is queued
+        await start.record(s)
+        await ctx.launch("spin", 264, 1024, [ONE_MS], stream=s)
+        await end.record(s)
+        await end.synchronize()
+        return {"sms": (await ctx.device_properties())["multiprocessor_count"], "quotas": ctx.quotas,
+                "ms": await start.elapsed_ms(end), "max_sms": (await ctx.statistics())["max_sms"]}
 
 
 @pytest.mark.parametrize("percentage,sms,waves", [("25", 32, 5), ("50", 66, 2), ("100", 132, 1), ("10", 12, 11)])
-def test_active_thread_percentage_caps_sms_in_whole_tpcs(daemon, percentage, sms, waves):
+async def test_active_thread_percentage_caps_sms_in_whole_tpcs(served, autojump_clock, percentage, sms, waves):
     """25% of 132 SMs is 32 (whole TPCs, rounded down): a full-wave kernel then needs 5 waves, as measured."""
-    seen = probe(daemon, CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=percentage)
+    seen = await probe(served, CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=percentage)
     assert seen["sms"] == seen["quotas"]["sm_cap"] == sms
     assert seen["max_sms"] == sms
     assert seen["ms"] == pytest.approx(waves + H200.kernel_overhead * 1e3, abs=1e-9)
 
 
-DEVICE_COPIES = """
-import json, mpsd_client
-with mpsd_client.connect() as ctx:
-    n = 64 << 20
-    a, b = ctx.malloc(n), ctx.malloc(n)
-    s = ctx.create_stream()
-    start, mid, end = ctx.create_event(), ctx.create_event(), ctx.create_event()
-    ctx.launch("spin", 1, 32, [int(20 * 1.98e9)], stream=s)   # hold the stream while the rest is queued
-    start.record(s)
-    ctx.memset(a, 7, n, stream=s)
-    mid.record(s)
-    ctx.memcpy_dtod(b, a, n, stream=s)
-    end.record(s)
-    end.synchronize()
-    out = bytearray(16)
-    ctx.memcpy_dtoh(out, b + n - 16)
-    stats = ctx.statistics()
-    print(json.dumps({"memset_ms": start.elapsed_ms(mid), "copy_ms": mid.elapsed_ms(end), "bytes": list(out),
-                      "max_sms": stats["max_sms"], "kernels": stats["kernels_completed"]}))
-"""
+async def device_copies(d, **env: str) -> dict:
+    """A memset and a device-to-device copy of 64 MiB on a held stream: their simulated times, the bytes, the
+    client's SMs."""
+    async with d.connect(**env) as ctx:
+        n = 64 << 20
+        a, b = await ctx.malloc(n), await ctx.malloc(n)
+        s = await ctx.create_stream()
+        start, mid, end = await ctx.create_event(), await ctx.create_event(), await ctx.create_event()
+        await ctx.launch("spin", 1, 32, [int(20 * 1.98e9)], stream=s)  # hold the stream while the rest is queued
+        await start.record(s)
+        await ctx.memset(a, 7, n, stream=s)
+        await mid.record(s)
+        await ctx.memcpy_dtod(b, a, n, stream=s)
+        await end.record(s)
+        await end.synchronize()
+        out = bytearray(16)
+        await ctx.memcpy_dtoh(out, b + n - 16)
+        stats = await ctx.statistics()
+        return {"memset_ms": await start.elapsed_ms(mid), "copy_ms": await mid.elapsed_ms(end), "bytes": list(out),
+                "max_sms": stats["max_sms"], "kernels": stats["kernels_completed"]}
 
 
-def test_device_copies_run_under_the_clients_sm_cap(daemon):
+async def test_device_copies_run_under_the_clients_sm_cap(served, autojump_clock):
     """A memset and a device-to-device copy are kernels, as on a real H200: at 25% active threads they stay
     on the client's 32 SMs and take longer than at 100%, and still move the bytes."""
     seen = {}
     for percentage in ("25", "100"):
-        result = run_worker(DEVICE_COPIES, daemon.pipe_dir, env={"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": percentage})
-        assert result.returncode == 0, result.stderr
-        seen[percentage] = json.loads(result.stdout)
+        seen[percentage] = await device_copies(served, CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=percentage)
     assert seen["25"]["max_sms"] == 32 and seen["100"]["max_sms"] == 132
     assert all(s["kernels"] == 3 and s["bytes"] == [7] * 16 for s in seen.values())  # spin, memset, copy
     for op in ("memset_ms", "copy_ms"):
         assert seen["25"][op] > 1.5 * seen["100"][op] > 0
 
 
-def test_daemon_percentage_is_a_ceiling_for_clients(daemon_factory):
+async def test_daemon_percentage_is_a_ceiling_for_clients(autojump_clock):
     """With the daemon at 50%, a client asking for 75% gets 50% and one asking for 25% gets 25%."""
-    d = start_daemon("--time-scale", "100", "--active-thread-percentage", "50")
-    daemon_factory.append(d)
-    assert probe(d, CUDA_MPS_ACTIVE_THREAD_PERCENTAGE="75")["sms"] == 66
-    assert probe(d, CUDA_MPS_ACTIVE_THREAD_PERCENTAGE="25")["sms"] == 32
-    assert probe(d)["sms"] == 66
+    async with in_process_daemon("--time-scale", "100", "--active-thread-percentage", "50") as d:
+        assert (await probe(d, CUDA_MPS_ACTIVE_THREAD_PERCENTAGE="75"))["sms"] == 66
+        assert (await probe(d, CUDA_MPS_ACTIVE_THREAD_PERCENTAGE="25"))["sms"] == 32
+        assert (await probe(d))["sms"] == 66
 
 
-def test_client_priority_is_recorded_and_only_lowered(daemon_factory, monkeypatch):
+async def test_client_priority_is_recorded_and_only_lowered(autojump_clock):
     """CUDA_MPS_CLIENT_PRIORITY=1 marks the client below normal; it cannot rise above the daemon's default."""
-    d = start_daemon("--time-scale", "100", "--client-priority", "1")
-    daemon_factory.append(d)
-    monkeypatch.setenv("CUDA_MPS_CLIENT_PRIORITY", "0")
-    with mpsd_client.connect(d.pipe_dir) as ctx:
-        assert ctx.quotas["priority"] == 1
-    monkeypatch.setenv("CUDA_MPS_CLIENT_PRIORITY", "1")
-    with mpsd_client.connect(d.pipe_dir) as ctx:
-        assert ctx.quotas["priority"] == 1
+    async with in_process_daemon("--time-scale", "100", "--client-priority", "1") as d:
+        async with d.connect(CUDA_MPS_CLIENT_PRIORITY="0") as ctx:
+            assert ctx.quotas["priority"] == 1
+        async with d.connect(CUDA_MPS_CLIENT_PRIORITY="1") as ctx:
+            assert ctx.quotas["priority"] == 1
 
 
 @pytest.mark.parametrize("name,value", [

@@ -57,10 +57,10 @@ class Engine:
         origin = now if self._origin is None else self._origin
         return time.monotonic() - (now - origin)
 
-    def catch_up(self) -> None:
-        """Bring the simulator up to now, or as far towards it as one step goes, and finish whatever
-        completed meanwhile."""
-        target = self.sim_now()
+    def catch_up(self, due: float | None = None) -> None:
+        """Bring the simulator up to now (or to `due`, if later), or as far towards it as one step goes, and
+        finish whatever completed meanwhile."""
+        target = self.sim_now() if due is None else max(due, self.sim_now())
         for op in self.sim.advance(target, MAX_INSTANTS_PER_STEP):
             self._finish(op)
         if self.sim.now < target:
@@ -127,10 +127,13 @@ class Engine:
         while True:
             next_time = self.sim.next_time()
             deadline = math.inf if next_time is None else self._origin + next_time / self.time_scale
-            with trio.move_on_at(deadline):
+            with trio.move_on_at(deadline) as waited:
                 await self._wake.wait()
             self._wake = trio.Event()
-            self.catch_up()
+            # Woken by the deadline: the next event is due, even where rounding (origin + t / scale, and back)
+            # puts the clock a hair short of it. Under a clock that stands still while we loop (trio's
+            # MockClock, in tests) we would otherwise spin at that instant for ever.
+            self.catch_up(next_time if waited.cancelled_caught else None)
 
 
 class VirtualEngine(Engine):
@@ -158,7 +161,7 @@ class VirtualEngine(Engine):
     def monotonic_origin(self) -> float:
         return math.nan  # simulated time has no fixed relation to the host's clock
 
-    def catch_up(self) -> None:
+    def catch_up(self, due: float | None = None) -> None:
         """Nothing to do: the clock is the clients', and work is applied in their order (see run)."""
 
     def submit(self, op: Op) -> None:

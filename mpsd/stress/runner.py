@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import math
 import os
@@ -363,7 +362,7 @@ def run_virtual(workload: Workload, policy: str, policy_options: dict[str, Any],
         RunError: the daemon could not start, or a tenant failed in a way that leaves no run to measure.
     """
     from mpsd.daemon.config import ConfigError, load_config
-    from mpsd.daemon.server import Daemon, DaemonError
+    from mpsd.daemon.server import DaemonError
 
     plan = _plan(workload, tenants, "virtual")
     progress = Progress(label or policy, workload.duration,
@@ -375,8 +374,7 @@ def run_virtual(workload: Workload, policy: str, policy_options: dict[str, Any],
             config = dataclasses.replace(load_config(_daemon_args(
                 work, policy, policy_options, trace_path, max(48, len(plan.instances)), "virtual", 1.0), environ={}),
                 shared_process=True)
-            daemon = Daemon(config)
-            ready, done, t0 = trio.run(_in_process, daemon, plan, work, progress, on_progress)
+            ready, done, t0 = trio.run(_in_process, config, plan, work, progress, on_progress)
         except (ConfigError, DaemonError) as exc:
             raise RunError(f"the daemon did not start: {exc}") from None
         trace = _read_trace(trace_path, None)
@@ -415,13 +413,13 @@ class _TaskLink:
         self.result = result
 
 
-async def _in_process(daemon: Any, plan: _Plan, work: Path, progress: Progress,
+async def _in_process(config: Any, plan: _Plan, work: Path, progress: Progress,
                       on_progress: Callable[[Progress], None]) -> tuple[dict, dict, float]:
+    from mpsd.daemon.inprocess import open_daemon
     from mpsd.stress.tenant import play
 
     links = {name: _TaskLink(progress, name) for _, _, name in plan.instances}
-    async with trio.open_nursery() as nursery:
-        await nursery.start(functools.partial(daemon.serve, handle_signals=False))
+    async with open_daemon(config) as daemon:
         async with trio.open_nursery() as tenants:
             for _, _, name in plan.order:
                 tenants.start_soon(play, plan.setups[name], links[name], str(work))
@@ -445,7 +443,6 @@ async def _in_process(daemon: Any, plan: _Plan, work: Path, progress: Progress,
             for link in links.values():
                 link.t0 = t0
                 link.started.set()
-        daemon.stop()
     done = {}
     for name, link in links.items():
         if link.result is None:
