@@ -20,8 +20,10 @@ demo: $(STAMP)
 	$(BIN)/mpsd-stress examples/workloads/inference_training.toml --compare-policies mps,timeslice \
 		--duration 1 --json demo-report/results.json --report demo-report
 
+# One worker per core (pytest-xdist): most tests wait on daemons and client processes, so two workers on two
+# cores take about two thirds of the time one does.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n auto
 
 bench: $(STAMP)
 	$(BIN)/python bench/rpc_latency.py
