@@ -15,7 +15,7 @@ import trio
 from mpsd.backends.ops import Work
 from mpsd_protocol import CudaError
 
-__all__ = ["Backend", "Client", "DeviceMemory", "Instance", "HOST_VIEW"]
+__all__ = ["Backend", "Client", "DeviceMemory", "Instance", "HOST_VIEW", "when_all"]
 
 # Capabilities a backend may have.
 HOST_VIEW = "host_view"  # device memory is host memory the daemon can hand a client to map (a memfd)
@@ -126,3 +126,21 @@ class Backend(Protocol):
         Raises:
             OSError: it cannot be written.
         """
+
+
+def when_all(pending: list[Any], wait: Callable[[Any, Callable[[], None]], None], callback: Callable[[], None]) -> None:
+    """Call `callback` once every one of `pending` has called back through `wait(item, told)` (now, if none is
+    pending): how a backend's `when_done` waits on several pieces of work with one callback each."""
+    if not pending:
+        callback()
+        return
+    left = len(pending)
+
+    def told() -> None:
+        nonlocal left
+        left -= 1
+        if left == 0:
+            callback()
+
+    for item in pending:
+        wait(item, told)

@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterable
 
 import trio
 
-from mpsd.backends.base import Client
+from mpsd.backends.base import Client, when_all
 from mpsd.backends.ops import Copy, Extent, Launch, Memset, Record, Work
 from mpsd_protocol import CudaError, IllegalAddressError, OutOfMemoryError  # type: ignore[attr-defined]
 
@@ -458,20 +458,8 @@ class CudaBackend:
         return registered[1] + extent.offset
 
     def when_done(self, work: Iterable[Work | None], callback: Callable[[], None]) -> None:
-        pending = [w.handle for w in work if w is not None and w.handle is not None and not w.handle.done]
-        if not pending:
-            callback()
-            return
-        left = len(pending)
-
-        def one_done() -> None:
-            nonlocal left
-            left -= 1
-            if left == 0:
-                callback()
-
-        for p in pending:
-            p.waiters.append(one_done)
+        when_all([w.handle for w in work if w is not None and w.handle is not None and not w.handle.done],
+                 lambda pending, told: pending.waiters.append(told), callback)
 
     def _poll(self) -> bool:
         """Finish the work whose events have fired; whether any is still pending."""

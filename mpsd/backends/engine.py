@@ -13,6 +13,7 @@ from typing import Callable, Iterable
 
 import trio
 
+from mpsd.backends.base import when_all
 from mpsd.sim import Op, Simulator
 from mpsd.sim.clock import HOLDING, Host, VirtualClock
 
@@ -79,20 +80,8 @@ class Engine:
 
     def when_done(self, ops: Iterable[Op | None], callback: Callable[[], None]) -> None:
         """Call `callback` (now, if they are) once every op of `ops` has completed or was cancelled."""
-        pending = [op for op in ops if op is not None and not op.done]
-        if not pending:
-            callback()
-            return
-        left = len(pending)
-
-        def one_done() -> None:
-            nonlocal left
-            left -= 1
-            if left == 0:
-                callback()
-
-        for op in pending:
-            self._waiters.setdefault(op, []).append(one_done)
+        when_all([op for op in ops if op is not None and not op.done],
+                  lambda op, told: self._waiters.setdefault(op, []).append(told), callback)
 
     def cancel(self, client: int) -> None:
         """Tear down a client's work (queued dropped, running evicted) and wake everyone waiting on it."""
