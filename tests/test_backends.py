@@ -179,3 +179,15 @@ def test_ipc_passes_device_memory_between_processes(backend_daemon):
     finally:
         exporter.communicate("done\n", timeout=30)
     assert exporter.returncode == 0, exporter.stderr.read()
+
+
+def test_mpsd_smi_shows_the_device(backend_daemon):
+    """The real device's name and memory, and its utilisation (NVML's where it is, on a real GPU)."""
+    from mpsd.tools.smi import query
+
+    with mpsd_client.connect(backend_daemon.pipe_dir) as ctx:
+        ctx.launch("spin", 264, 1024, [20_000_000])  # about 10 ms on an H200
+        ctx.synchronize()
+        device = query(backend_daemon.pipe_dir)["devices"][0]
+    assert "H200" in device["name"] and device["memory_total"] > 100e9
+    assert 0.0 <= device["sm_utilization"] <= 1.0 and device["clients"] == 1

@@ -114,6 +114,10 @@ class Backend(Protocol):
 
     def busy_sms(self) -> int: ...
 
+    def utilization(self) -> float | None:
+        """The device's own figure for how busy it was lately (a GPU's NVML), or None: then the daemon counts
+        it from `statistics().sm_seconds`."""
+
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Drive the device until cancelled."""
 

@@ -245,6 +245,7 @@ class CudaBackend:
         self._queues: dict[tuple[int, int], deque[_Pending]] = {}
         self._host: dict[int, tuple[Any, int]] = {}  # id(HostBuffer) -> (the buffer, its registered address)
         self._wake = trio.Event()
+        self._nvml = _nvml_handle(self.properties(ordinal)["uuid"])
         self.on_fault: Callable[[int, CudaError], None] = lambda client, error: None
         self.on_idle: Callable[[int, float, float], None] = lambda client, clock, grace: None
 
@@ -503,6 +504,17 @@ class CudaBackend:
     def busy_sms(self) -> int:
         return 0  # not known without counters
 
+    def utilization(self) -> float | None:
+        """The share of the last sample period in which a kernel ran, as NVML (nvidia-smi) reports it."""
+        if self._nvml is None:
+            return None
+        import pynvml
+
+        try:
+            return pynvml.nvmlDeviceGetUtilizationRates(self._nvml).gpu / 100
+        except pynvml.NVMLError:
+            return None
+
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
         while True:
@@ -513,6 +525,17 @@ class CudaBackend:
                 self._wake = trio.Event()
 
     def write_trace(self, index: int) -> None:
+        return None
+
+
+def _nvml_handle(uuid: str) -> Any:
+    """NVML's handle of the GPU with `uuid` (nvidia-ml-py), or None where NVML is missing."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return pynvml.nvmlDeviceGetHandleByUUID(uuid)
+    except Exception:  # no nvidia-ml-py, no NVML library, or a GPU it does not know: utilisation is unknown
         return None
 
 

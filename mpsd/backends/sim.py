@@ -262,6 +262,10 @@ class SimBackend:
     def busy_sms(self) -> int:
         return self.sim.busy_sms()
 
+    def utilization(self) -> None:
+        """Not sampled: the daemon counts it from the SM-time of the blocks that ended (statistics)."""
+        return None
+
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         await self.engine.run(task_status=task_status)
 

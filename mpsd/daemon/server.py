@@ -263,8 +263,10 @@ class Daemon:
             devices.append({
                 "index": device.index, "name": device.name, "uuid": device.properties["uuid"],
                 "memory_used": device.ledger.device.reserved, "memory_total": device.total_memory,
-                # SM-time of the blocks that ended since the last look, over the SM-time that passed
-                "sm_utilization": min(1.0, (busy - last_busy) / span) if span > 0 else 0.0,
+                # SM-time of the blocks that ended since the last look, over the SM-time that passed (a real
+                # GPU says it itself)
+                "sm_utilization": sampled if (sampled := device.backend.utilization()) is not None else
+                min(1.0, (busy - last_busy) / span) if span > 0 else 0.0,
                 "sms_busy": device.backend.busy_sms(),
                 "policy": device.backend.policy, "clients": len(device.contexts), "sim_time": now,
             })

@@ -41,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="real processes: the daemon's clock. virtual (default): the figures are an H200's "
                              "for the tenants' calls, whatever this host's speed and load; wall: simulated time "
                              "follows the wall clock x --time-scale, and this host's speed shows in the figures")
+    parser.add_argument("--devices", metavar="cuda:N",
+                        help="run the tenants against a real GPU (the daemon's --devices; wall clock, mps only; the "
+                             "table then has the tenants' figures, not the device's)")
     parser.add_argument("--duration", type=float, metavar="SECONDS", help="override [run] duration")
     parser.add_argument("--time-scale", type=float, default=1.0, metavar="S",
                         help="with --clock wall: run the daemon's GPU at S x real speed (0.25: 4x slower), so that "
@@ -115,6 +118,11 @@ def _adjust(workload: Workload, options: argparse.Namespace) -> Workload:
         raise WorkloadError("--time-scale must be in (0, 100]")
     if options.time_scale != 1.0 and (options.clock != "wall" or options.virtual_time):
         raise WorkloadError("--time-scale goes with --clock wall (the virtual clock follows no wall clock)")
+    if options.devices is not None:
+        if not options.devices.startswith("cuda:") or options.virtual_time or options.time_scale != 1.0:
+            raise WorkloadError("--devices names a real GPU (cuda:N), which runs on the wall clock at its own "
+                                "speed: not with --virtual-time or --time-scale")
+        options.clock = "wall"
     tenants = tuple(t if t.ipc == "producer" else dataclasses.replace(t, count=t.count * options.scale)
                     for t in workload.tenants)
     return dataclasses.replace(workload, tenants=tenants, duration=options.duration or workload.duration)
@@ -126,6 +134,8 @@ def _policies(workload: Workload, options: argparse.Namespace) -> dict[str, dict
         names = [p.strip() for p in options.compare_policies.split(",") if p.strip()]
     else:
         names = [options.policy or workload.policy]
+    if options.devices is not None and names != ["mps"]:
+        raise WorkloadError("a real GPU shares itself as MPS does: --devices goes with the mps policy alone")
     out = {}
     for name in names:
         if name not in POLICIES:
@@ -161,7 +171,7 @@ def _player(workload: Workload, policy: str, policy_options: dict[str, Any], opt
             if options.virtual_time:
                 return run_virtual(workload, policy, policy_options, tenants, on_progress=show, label=label)
             return run_real(workload, policy, policy_options, tenants, on_progress=show, label=label,
-                            time_scale=options.time_scale, clock=options.clock)
+                            time_scale=options.time_scale, clock=options.clock, devices=options.devices)
 
     return play
 

@@ -28,6 +28,7 @@ from typing import Any, Callable
 
 import trio
 
+from mpsd.sim import H200
 from mpsd.stress.timeline import KernelRecord, Request, Span, TenantInfo, Timeline
 from mpsd.stress.workload import TenantSpec, Workload, arrival_times, entitlements
 from mpsd.stress.trace import read_chrome_trace
@@ -131,9 +132,12 @@ def _levels(tenants: list[tuple[TenantSpec, dict[str, Any]]]) -> list[tuple[str,
 
 
 def _daemon_args(work: Path, policy: str, options: dict[str, Any], trace: Path, max_clients: int, clock: str,
-                 time_scale: float) -> list[str]:
+                 time_scale: float, devices: str | None = None) -> list[str]:
+    if devices is not None and devices.startswith("cuda"):
+        # A real GPU shares itself as its hardware does, on the wall clock, and keeps no trace.
+        return ["--pipe-dir", str(work), "--devices", devices, "--max-clients", str(max_clients)]
     args = ["--pipe-dir", str(work), "--policy", policy, "--trace", str(trace), "--max-clients", str(max_clients),
-            "--clock", clock]
+            "--clock", clock] + (["--devices", devices] if devices else [])
     args += ["--idle-grace", repr(IDLE_GRACE)] if clock == "virtual" else ["--time-scale", repr(time_scale)]
     for key, value in options.items():
         if key == "partitions":
@@ -149,8 +153,11 @@ def _daemon_args(work: Path, policy: str, options: dict[str, Any], trace: Path, 
 
 def run_real(workload: Workload, policy: str, policy_options: dict[str, Any], tenants: list[TenantSpec] | None = None,
              on_progress: Callable[[Progress], None] = lambda p: None, label: str | None = None,
-             time_scale: float = 1.0, clock: str = "virtual") -> Timeline:
+             time_scale: float = 1.0, clock: str = "virtual", devices: str | None = None) -> Timeline:
     """Run ``tenants`` (default: all of the workload's) as processes against a fresh daemon under ``policy``.
+
+    With ``devices`` a real GPU (``cuda:0``) the daemon owns it instead of the model: the wall clock, the
+    hardware's own sharing, and no device trace, so the timeline holds the tenants' requests alone.
 
     Under the virtual clock (the default) the figures are the model's for the tenants' calls, whatever the
     host's speed. Under the wall clock the daemon's GPU runs at ``time_scale`` x real speed (its
@@ -167,7 +174,7 @@ def run_real(workload: Workload, policy: str, policy_options: dict[str, Any], te
     try:
         trace_path = work / "trace.json"
         daemon = _start_daemon(_daemon_args(work, policy, policy_options, trace_path,
-                                            max(48, len(plan.instances)), clock, time_scale))
+                                            max(48, len(plan.instances)), clock, time_scale, devices))
         procs: dict[str, _TenantProcess] = {}
         try:
             lines: queue.Queue[tuple[str, str | None]] = queue.Queue()
@@ -191,7 +198,7 @@ def run_real(workload: Workload, policy: str, policy_options: dict[str, Any], te
             for proc in procs.values():
                 proc.kill()
             _stop_daemon(daemon)
-        trace = _read_trace(trace_path, daemon)
+        trace = None if devices and devices.startswith("cuda") else _read_trace(trace_path, daemon)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return _timeline(workload, policy, plan, ready, done, trace, t0)
@@ -457,10 +464,12 @@ async def _in_process(config: Any, plan: _Plan, work: Path, progress: Progress,
 # -- the timeline -----------------------------------------------------------------------------------------
 
 def _timeline(workload: Workload, policy: str, plan: _Plan, ready: dict[str, dict[str, Any]],
-              done: dict[str, dict[str, Any]], trace: dict[str, Any], t0: float) -> Timeline:
-    """Tenants' requests and the daemon's device, on one clock: simulated seconds from t0."""
-    device = read_chrome_trace(trace)
-    meta = trace["otherData"]["mpsd"]
+              done: dict[str, dict[str, Any]], trace: dict[str, Any] | None, t0: float) -> Timeline:
+    """Tenants' requests and the daemon's device, on one clock: simulated seconds from t0. Without a trace (a
+    real GPU), the tenants' requests alone, on an H200's SMs."""
+    device = read_chrome_trace(trace) if trace is not None else Timeline(
+        policy=policy, sm_count=H200.sm_count, duration=0.0, launch_overhead=H200.kernel_overhead)
+    meta = trace["otherData"]["mpsd"] if trace is not None else {"clients": {}, "clock": "wall"}
     by_client = {info["client"]: name for name, info in ready.items() if info.get("client") is not None}
     rename = {client: by_client.get(info["client"]) for client, info in meta["clients"].items()}
     seen_as = {name: t for t in device.tenants if (name := rename.get(t.name))}  # instance -> daemon's view
