@@ -26,6 +26,7 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 import os
 import time
@@ -97,8 +98,11 @@ class CudaDevice:
     name = "cuda"
 
 
+@functools.cache
 def _bindings() -> tuple[Any, Any]:
-    from cuda.bindings import driver, nvrtc  # only where a real GPU is asked for: CI has neither
+    """cuda-python's driver and NVRTC modules, imported the first time a real GPU is asked for (CI has
+    neither); cached, as every driver call's status goes through here."""
+    from cuda.bindings import driver, nvrtc
 
     return driver, nvrtc
 
@@ -121,9 +125,9 @@ class CudaFailure(RuntimeError):
 
 def _check(result: Any) -> Any:
     """The values a cuda-python call returns after its status, or CudaFailure."""
-    cu, nvrtc = _bindings()
     status, *values = result if isinstance(result, tuple) else (result,)
-    if status not in (cu.CUresult.CUDA_SUCCESS, nvrtc.nvrtcResult.NVRTC_SUCCESS):
+    if int(status):  # CUDA_SUCCESS and NVRTC_SUCCESS are both 0
+        cu, _ = _bindings()
         if status == cu.CUresult.CUDA_ERROR_OUT_OF_MEMORY:
             raise OutOfMemoryError("the GPU has no room for it")
         raise CudaFailure(f"{status!r}")
