@@ -101,7 +101,7 @@ with mpsd_client.connect() as ctx:
 def test_a_flooding_client_is_blocked_not_the_daemon(daemon_factory, flood):
     """A client that queues launches or pageable copies faster than they run is held at 1,024 launches (a
     real H200's queue) or 256 MiB of staged bytes: its calls wait, the daemon says so in server.log, its RSS
-    stays bounded, and another client is served meanwhile."""
+    stays bounded, another client is served meanwhile, and killing it frees everything at once."""
     daemon = start_daemon("--time-scale", "1")
     daemon_factory.append(daemon)
     rss = psutil.Process(daemon.proc.pid).memory_info
@@ -131,6 +131,10 @@ sys.stdin.readline()
             other.free(p)
             assert other.mem_get_info()[0] > 0
         assert rss().rss - baseline < 384 << 20
+        # Killed while its call is held, it is noticed at once, not when its queue has drained (17 minutes of
+        # launches, or a minute-long kernel before the copies): its connection goes and its work is reclaimed.
+        flooder.kill()
+        _wait_for(lambda: f"Client {flooder.pid} disconnected" in daemon.server_log(), timeout=10)
     finally:
         flooder.kill()
         flooder.communicate()

@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import select
 import socket
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
@@ -79,6 +80,7 @@ _CONTEXT_METHODS = {"event_record": "record_event", "event_elapsed": "elapsed_ms
 LAUNCH_QUEUE = 1024
 MAX_STAGED_BYTES = 256 << 20
 FAIR_MESSAGES = 16  # messages of one client served before the others get a turn
+HANGUP_POLL = 0.1  # wall seconds between looks at a blocked client's socket for a hang-up
 MAX_HOST_TIME = 3600.0  # seconds of its own code a client may report for one gap between calls
 
 
@@ -163,14 +165,25 @@ class Session:
                 self._receive(event)
                 if self._closing:
                     return
-                if self._held is not None:  # the client's call blocks: read nothing more until it goes on
-                    await self._room.wait()
+                if self._held is not None and not await self._wait_for_room():
+                    return  # the client hung up while its call was held
                 elif (served := served + 1) % FAIR_MESSAGES == 0:
                     await trio.lowlevel.checkpoint()  # one read holds many messages: let other clients in
             else:
                 close_fds(event.fds)  # type: ignore[union-attr]
                 self._protocol_error("a client does not send replies")
                 return
+
+    async def _wait_for_room(self) -> bool:
+        """Wait until the held call goes on (the client's call blocks: nothing more is read meanwhile). False
+        if the client hangs up first: a client killed while its launch call is held is noticed now, not once
+        its queue has drained."""
+        while True:
+            with trio.move_on_after(HANGUP_POLL):
+                await self._room.wait()
+                return True
+            if _hung_up(self.channel.sock):
+                return False
 
     def _protocol_error(self, text: str) -> None:
         """Say what was wrong, where the socket still allows it, then close this connection only."""
@@ -535,6 +548,13 @@ def _cost(message: Request | Notification) -> tuple[str, str | None]:
 def _launches(message: Request | Notification) -> bool:
     """Whether `message` is a launch call: it queues work on the device and returns (mpsd.sim.clock)."""
     return _cost(message)[0] == LAUNCH
+
+
+def _hung_up(sock: socket.socket) -> bool:
+    """Whether the peer has closed its end, seen without reading what it sent before (POLLRDHUP)."""
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLRDHUP)
+    return any(events & (select.POLLRDHUP | select.POLLHUP | select.POLLERR) for _, events in poller.poll(0))
 
 
 def _staged_bytes(message: Request | Notification) -> int:
