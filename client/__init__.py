@@ -20,12 +20,13 @@ from mpsd_protocol import (  # noqa: F401  (the error classes are part of the cl
 
 from ._api import ContextBase
 from ._async import AsyncContext, open_context
+from ._caching import CachingAllocator
 from ._objects import DevicePointer, Event, HostBuffer, Stream
 from ._sync import Context, connect
 
 globals().update({cls.__name__: cls for cls in ERROR_CLASSES.values()})
 
 __all__ = [
-    "AsyncContext", "Context", "ContextBase", "CudaError", "DevicePointer", "Event", "HostBuffer", "Stream",
+    "AsyncContext", "CachingAllocator", "Context", "ContextBase", "CudaError", "DevicePointer", "Event", "HostBuffer", "Stream",
     "connect", "error_name", "error_string", "format_size", "open_context", "parse_size",
 ] + [cls.__name__ for cls in ERROR_CLASSES.values()]

@@ -1,0 +1,104 @@
+"""Record PyTorch's CUDA caching allocator on a real GPU, step by step, for mpsd_client.CachingAllocator to be
+checked against (tests/test_caching_allocator.py replays every trace recorded here).
+
+    python3 bench/fidelity/record_torch_allocator.py OUT.json.gz
+
+Each trace is a seeded sequence of steps on one device: allocate N bytes on stream S (0: the default stream,
+1: a second stream), free an earlier allocation, or empty the cache. Sizes are drawn from every size class the
+allocator treats apart: under 512 B, small (up to 1 MiB), 1 to 10 MiB (packed in 20 MiB segments), and large. After
+every step it records memory_stats() and the segments (their addresses: what cudaMalloc returned) with their
+blocks (sizes and states, in address order within a segment). Each trace runs in a process of its own, under its
+own PYTORCH_CUDA_ALLOC_CONF.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import random
+import subprocess
+import sys
+
+CONFIGS = ["", "max_split_size_mb:40", "roundup_power2_divisions:4"]
+SEEDS = [1, 2, 3]
+STEPS = 300
+
+
+def sizes(rng: random.Random) -> int:
+    kind = rng.random()
+    if kind < 0.1:
+        return rng.randint(1, 511)
+    if kind < 0.5:
+        return rng.randint(512, 1 << 20)
+    if kind < 0.8:
+        return rng.randint((1 << 20) + 1, 10 << 20)
+    return rng.randint(10 << 20, 96 << 20)
+
+
+def steps(seed: int) -> list[list]:
+    rng = random.Random(seed)
+    live: list[int] = []
+    out: list[list] = []
+    for n in range(STEPS):
+        roll = rng.random()
+        if roll < 0.02:
+            out.append(["empty_cache"])
+        elif live and roll < 0.45:
+            out.append(["free", live.pop(rng.randrange(len(live)))])
+        else:
+            out.append(["alloc", n, sizes(rng), 1 if rng.random() < 0.2 else 0])
+            live.append(n)
+    return out
+
+
+def layout(torch) -> list[dict]:
+    """The segments in address order, each with its blocks."""
+    segments = []
+    for seg in torch.cuda.memory_snapshot():
+        segments.append({"address": seg["address"], "total_size": seg["total_size"],
+                         "segment_type": seg["segment_type"], "stream": 0 if seg["stream"] == 0 else 1,
+                         "blocks": [[b["size"], b["state"]] for b in seg["blocks"]]})
+    return segments
+
+
+def record(config: str, seed: int) -> dict:
+    import torch
+
+    torch.cuda.init()
+    side = torch.cuda.Stream()
+    streams = {0: torch.cuda.current_stream(), 1: side}
+    pointers: dict[int, int] = {}
+    out = []
+    for step in steps(seed):
+        if step[0] == "alloc":
+            _, n, size, stream = step
+            pointers[n] = torch.cuda.caching_allocator_alloc(size, 0, streams[stream])
+        elif step[0] == "free":
+            torch.cuda.caching_allocator_delete(pointers.pop(step[1]))
+        else:
+            torch.cuda.empty_cache()
+        segments = layout(torch)
+        stats = {k: v for k, v in torch.cuda.memory_stats().items() if isinstance(v, int)}
+        out.append({"step": step, "stats": stats, "segments": segments})
+    return {"config": config, "seed": seed, "torch": torch.__version__, "steps": out}
+
+
+def main() -> int:
+    if len(sys.argv) == 4 and sys.argv[1] == "--one":
+        print(json.dumps(record(os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), int(sys.argv[3]))))
+        return 0
+    traces = []
+    for config in CONFIGS:
+        for seed in SEEDS:
+            env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF=config)
+            result = subprocess.run([sys.executable, __file__, "--one", config, str(seed)], env=env,
+                                    capture_output=True, text=True, check=True)
+            traces.append(json.loads(result.stdout))
+            print(f"recorded {config or 'defaults'} seed {seed}: {len(traces[-1]['steps'])} steps", flush=True)
+    with gzip.open(sys.argv[1], "wt") as f:
+        json.dump(traces, f, separators=(",", ":"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

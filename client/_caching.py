@@ -1,0 +1,438 @@
+# A caching allocator in the client that behaves as PyTorch's CUDA caching allocator does, so that a program
+# written for torch.cuda's memory statistics and snapshots reads the same figures here, for the same trace of
+# allocations: the same segments, the same splits, the same statistics (tests/test_caching_allocator.py replays
+# traces recorded from PyTorch 2.11 on an H200, bench/fidelity/record_torch_allocator.py).
+#
+# The rules, as PyTorch states them: sizes round up to 512 bytes (or to power-of-two divisions); requests up to
+# 1 MiB come from the small pool, packed in 2 MiB segments; larger ones from the large pool, in 20 MiB segments
+# below 10 MiB and otherwise their size rounded to 2 MiB. A free block is found by best fit among the same
+# stream's, and split when what is left is worth keeping (512 bytes in the small pool; more than 1 MiB in the
+# large, for requests under max_split_size); freed blocks merge with free neighbours of their segment. A segment
+# goes back to the device (cudaFree, here ctx.free) only when it is whole and free: on empty_cache(), or when a
+# device allocation fails, before a retry.
+"""PyTorch's caching allocator, on mpsd."""
+
+from __future__ import annotations
+
+import bisect
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from mpsd_protocol import OutOfMemoryError  # type: ignore[attr-defined]
+
+__all__ = ["CachingAllocator"]
+
+MIN_BLOCK = 512  # every size is rounded to at least this
+SMALL_SIZE = 1 << 20  # the largest small allocation
+SMALL_BUFFER = 2 << 20  # small allocations are packed in segments of this size
+LARGE_BUFFER = 20 << 20  # allocations between 1 and 10 MiB are packed in segments of this size
+MIN_LARGE_ALLOC = 10 << 20
+ROUND_LARGE = 2 << 20  # larger allocations round up to this
+UNLIMITED = (1 << 64) - 1  # max_split_size when none is set (PyTorch reports it as -1)
+STATS = ("allocation", "segment", "active", "inactive_split", "allocated_bytes", "reserved_bytes", "active_bytes",
+         "inactive_split_bytes", "requested_bytes")
+POOLS = ("all", "small_pool", "large_pool")
+
+
+@dataclass
+class _Stat:
+    current: int = 0
+    peak: int = 0
+    allocated: int = 0
+    freed: int = 0
+
+    def up(self, amount: int) -> None:
+        self.current += amount
+        self.peak = max(self.peak, self.current)
+        self.allocated += amount
+
+    def down(self, amount: int) -> None:
+        self.current -= amount
+        self.freed += amount
+
+
+@dataclass(eq=False)
+class _Block:
+    stream: int
+    size: int
+    ptr: int
+    small: bool
+    requested: int = 0
+    allocated: bool = False
+    prev: _Block | None = None
+    next: _Block | None = None
+
+    @property
+    def key(self) -> tuple[int, int, int]:
+        return (self.stream, self.size, self.ptr)  # PyTorch's order of free blocks: stream, size, address
+
+    def is_split(self) -> bool:
+        return self.prev is not None or self.next is not None
+
+
+class _Pool:
+    """Free blocks of one pool, in (stream, size, address) order, for best fit."""
+
+    def __init__(self, small: bool) -> None:
+        self.small = small
+        self.keys: list[tuple[int, int, int]] = []
+        self.blocks: dict[tuple[int, int, int], _Block] = {}
+
+    def insert(self, block: _Block) -> None:
+        bisect.insort(self.keys, block.key)
+        self.blocks[block.key] = block
+
+    def remove(self, block: _Block) -> None:
+        del self.keys[bisect.bisect_left(self.keys, block.key)]
+        del self.blocks[block.key]
+
+    def best_fit(self, stream: int, size: int) -> _Block | None:
+        index = bisect.bisect_left(self.keys, (stream, size, 0))
+        if index == len(self.keys) or self.keys[index][0] != stream:
+            return None
+        return self.blocks[self.keys[index]]
+
+
+def _config(text: str) -> dict[str, float]:
+    """PYTORCH_CUDA_ALLOC_CONF's options this allocator honours: ``max_split_size_mb:N,roundup_power2_divisions:N``.
+
+    Raises:
+        ValueError: an option it does not know, or a value that is not a number.
+    """
+    out: dict[str, float] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, _, value = item.partition(":")
+        if name not in ("max_split_size_mb", "roundup_power2_divisions"):
+            raise ValueError(f"PYTORCH_CUDA_ALLOC_CONF: {name!r} is not an option this allocator knows "
+                             "(max_split_size_mb, roundup_power2_divisions)")
+        out[name] = float(value)
+    return out
+
+
+class CachingAllocator:
+    """PyTorch's CUDA caching allocator over a context's device memory.
+
+    Args:
+        ctx: a blocking `Context` (its malloc, free and synchronize are the device's).
+        config: PYTORCH_CUDA_ALLOC_CONF's syntax (default: that variable); ``max_split_size_mb`` and
+            ``roundup_power2_divisions`` (one number, for every size) are honoured.
+    """
+
+    def __init__(self, ctx: Any, config: str | None = None) -> None:
+        self.ctx = ctx
+        options = _config(os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") if config is None else config)
+        self.max_split_size = int(options["max_split_size_mb"] * (1 << 20)) if "max_split_size_mb" in options \
+            else UNLIMITED
+        self.divisions = int(options.get("roundup_power2_divisions", 0))
+        self._pools = {True: _Pool(True), False: _Pool(False)}
+        self._active: dict[int, _Block] = {}  # address of each allocated block
+        self._segments: dict[int, _Block] = {}  # base address of each segment -> its first block
+        self._stats = {name: {pool: _Stat() for pool in POOLS} for name in STATS}
+        self._oversize = {"oversize_allocations": _Stat(), "oversize_segments": _Stat()}
+        self._counts = {"num_alloc_retries": 0, "num_ooms": 0, "num_sync_all_streams": 0, "num_device_alloc": 0,
+                        "num_device_free": 0}
+
+    # -- the allocator -------------------------------------------------------------------------------------
+    def malloc(self, nbytes: int, stream: Any = None) -> int:
+        """An allocation of `nbytes` for use on `stream` (None: the default stream); its address.
+
+        Raises:
+            OutOfMemoryError: the device has no room even after the cache was emptied, with PyTorch's message.
+        """
+        size = self._round(nbytes)
+        small = size <= SMALL_SIZE
+        stream_key = _stream(stream)
+        block = self._free_block(small, stream_key, size)
+        if block is None:
+            block = self._new_segment(small, stream_key, size, retry=False)
+            if block is None and self._release_available(small, stream_key, size):
+                block = self._new_segment(small, stream_key, size, retry=False)
+            if block is None:
+                self._release_cached()
+                block = self._new_segment(small, stream_key, size, retry=True)
+            if block is None:
+                self._counts["num_ooms"] += 1
+                raise OutOfMemoryError(self._oom_message(_allocation_size(size)))
+        return self._hand_out(block, size, nbytes).ptr
+
+    def free(self, ptr: int) -> None:
+        """Give an allocation back to the cache (its memory stays reserved until empty_cache())."""
+        block = self._active.pop(int(ptr), None)
+        if block is None:
+            raise ValueError(f"{int(ptr):#x} was not allocated by this allocator, or was freed already")
+        block.allocated = False
+        for stat in self._selected("allocation", block.small):
+            stat.down(1)
+        for stat in self._selected("allocated_bytes", block.small):
+            stat.down(block.size)
+        if block.size >= self.max_split_size:
+            self._oversize["oversize_allocations"].down(1)
+        size, requested = block.size, block.requested
+        blocks_change = bytes_change = 0
+        for neighbour in (block.prev, block.next):
+            merged = self._merge(block, neighbour)
+            if merged:
+                blocks_change -= 1
+                bytes_change -= merged
+        self._pools[block.small].insert(block)
+        if block.is_split():
+            blocks_change += 1
+            bytes_change += block.size
+        self._change("inactive_split", block.small, blocks_change)
+        self._change("inactive_split_bytes", block.small, bytes_change)
+        for name, amount in (("active", 1), ("active_bytes", size), ("requested_bytes", requested)):
+            for stat in self._selected(name, block.small):
+                stat.down(amount)
+
+    def empty_cache(self) -> None:
+        """Give every whole, free segment back to the device (after waiting for the device's work, as PyTorch
+        synchronises before it frees)."""
+        self._release_cached()
+
+    # -- statistics, as torch.cuda has them ------------------------------------------------------------------
+    def memory_stats(self) -> dict[str, int]:
+        """Every figure torch.cuda.memory_stats() gives, under the same keys."""
+        out: dict[str, int] = {}
+        for name, pools in self._stats.items():
+            for pool, stat in pools.items():
+                for field_name in ("current", "peak", "allocated", "freed"):
+                    out[f"{name}.{pool}.{field_name}"] = getattr(stat, field_name)
+        for name, stat in self._oversize.items():
+            for field_name in ("current", "peak", "allocated", "freed"):
+                out[f"{name}.{field_name}"] = getattr(stat, field_name)
+        out.update(self._counts)
+        out["max_split_size"] = -1 if self.max_split_size == UNLIMITED else self.max_split_size
+        return dict(sorted(out.items()))
+
+    def memory_allocated(self) -> int:
+        return self._stats["allocated_bytes"]["all"].current
+
+    def max_memory_allocated(self) -> int:
+        return self._stats["allocated_bytes"]["all"].peak
+
+    def memory_reserved(self) -> int:
+        return self._stats["reserved_bytes"]["all"].current
+
+    def max_memory_reserved(self) -> int:
+        return self._stats["reserved_bytes"]["all"].peak
+
+    def reset_peak_memory_stats(self) -> None:
+        for stat in [s for pools in self._stats.values() for s in pools.values()] + list(self._oversize.values()):
+            stat.peak = stat.current
+
+    def memory_snapshot(self) -> list[dict[str, Any]]:
+        """The segments and their blocks, in address order, in torch.cuda.memory_snapshot()'s shape."""
+        out = []
+        for base in sorted(self._segments):
+            block: _Block | None = self._segments[base]
+            first = block
+            blocks = []
+            while block is not None:
+                blocks.append({"address": block.ptr, "size": block.size,
+                               "requested_size": block.requested if block.allocated else 0,
+                               "state": "active_allocated" if block.allocated else "inactive"})
+                block = block.next
+            total = sum(b["size"] for b in blocks)
+            allocated = sum(b["size"] for b in blocks if b["state"] == "active_allocated")
+            out.append({"device": 0, "address": base, "total_size": total, "allocated_size": allocated,
+                        "active_size": allocated, "requested_size": sum(b["requested_size"] for b in blocks),
+                        "stream": first.stream if first is not None else 0,
+                        "segment_type": "small" if first is not None and first.small else "large",
+                        "segment_pool_id": (0, 0), "is_expandable": False, "frames": [], "blocks": blocks})
+        return out
+
+    # -- inside --------------------------------------------------------------------------------------------
+    def _round(self, nbytes: int) -> int:
+        if nbytes < MIN_BLOCK:
+            return MIN_BLOCK
+        divisions = self.divisions
+        if divisions > 1 and nbytes > MIN_BLOCK * divisions:
+            return _power2_division(nbytes, divisions)
+        return -(-nbytes // MIN_BLOCK) * MIN_BLOCK
+
+    def _free_block(self, small: bool, stream: int, size: int) -> _Block | None:
+        pool = self._pools[small]
+        block = pool.best_fit(stream, size)
+        if block is None:
+            return None
+        if size < self.max_split_size and block.size >= self.max_split_size:
+            return None  # an oversize block is not cut up for a request below the limit
+        if size >= self.max_split_size and block.size >= size + LARGE_BUFFER:
+            return None  # nor given whole to a large request it exceeds by 20 MiB or more
+        pool.remove(block)
+        return block
+
+    def _new_segment(self, small: bool, stream: int, size: int, retry: bool) -> _Block | None:
+        nbytes = SMALL_BUFFER if small else _allocation_size(size)
+        if retry:
+            self._counts["num_alloc_retries"] += 1
+        try:
+            ptr = int(self.ctx.malloc(nbytes))
+        except OutOfMemoryError:
+            return None
+        block = _Block(stream, nbytes, ptr, small)
+        self._segments[ptr] = block
+        for name, amount in (("segment", 1), ("reserved_bytes", nbytes)):
+            for stat in self._selected(name, small):
+                stat.up(amount)
+        if nbytes >= self.max_split_size:
+            self._oversize["oversize_segments"].up(1)
+        self._counts["num_device_alloc"] += 1
+        return block
+
+    def _hand_out(self, block: _Block, size: int, requested: int) -> _Block:
+        """Take `size` bytes from the front of the free `block` (splitting off the rest where worth it)."""
+        was_split = block.is_split()
+        remaining = block.size - size
+        if block.small:
+            split = remaining >= MIN_BLOCK
+        else:
+            split = size < self.max_split_size and remaining > SMALL_SIZE
+        if split:
+            rest = _Block(block.stream, remaining, block.ptr + size, block.small, prev=None, next=block.next)
+            front = _Block(block.stream, size, block.ptr, block.small, prev=block.prev, next=rest)
+            rest.prev = front
+            if front.prev is not None:
+                front.prev.next = front
+            else:
+                self._segments[front.ptr] = front
+            if rest.next is not None:
+                rest.next.prev = rest
+            self._pools[block.small].insert(rest)
+            if was_split:
+                self._change("inactive_split_bytes", block.small, -size)
+            else:
+                self._change("inactive_split_bytes", block.small, remaining)
+                self._change("inactive_split", block.small, 1)
+            block = front
+        elif was_split:
+            self._change("inactive_split_bytes", block.small, -block.size)
+            self._change("inactive_split", block.small, -1)
+        block.allocated = True
+        block.requested = requested
+        self._active[block.ptr] = block
+        for name, amount in (("allocation", 1), ("allocated_bytes", block.size), ("active", 1),
+                             ("active_bytes", block.size), ("requested_bytes", requested)):
+            for stat in self._selected(name, block.small):
+                stat.up(amount)
+        if block.size >= self.max_split_size:
+            self._oversize["oversize_allocations"].up(1)
+        return block
+
+    def _merge(self, block: _Block, other: _Block | None) -> int:
+        """Absorb the free neighbour `other` into `block`; the bytes absorbed (0 if it is not free)."""
+        if other is None or other.allocated:
+            return 0
+        self._pools[block.small].remove(other)
+        if block.prev is other:
+            block.ptr = other.ptr
+            block.prev = other.prev
+            if block.prev is not None:
+                block.prev.next = block
+            else:
+                self._segments[block.ptr] = block
+        else:
+            block.next = other.next
+            if block.next is not None:
+                block.next.prev = block
+        block.size += other.size
+        return other.size
+
+    def _release_available(self, small: bool, stream: int, size: int) -> bool:
+        """With a max_split_size, free oversize cached blocks, enough for `size`; whether any was."""
+        if self.max_split_size == UNLIMITED:
+            return False
+        pool = self._pools[small]
+        target = max(size, self.max_split_size)
+        index = bisect.bisect_left(pool.keys, (stream, target, 0))
+        if index < len(pool.keys) and pool.keys[index][0] == stream:
+            self._release(pool.blocks[pool.keys[index]])
+            return True
+        released = 0
+        index -= 1  # the largest of this stream's, going down
+        while released < target and index >= 0:
+            block = pool.blocks[pool.keys[index]]
+            if block.size < self.max_split_size or block.stream != stream:
+                break
+            released += block.size
+            self._release(block)
+            index -= 1
+        return released >= target
+
+    def _release_cached(self) -> None:
+        self.ctx.synchronize()
+        self._counts["num_sync_all_streams"] += 1
+        for small in (False, True):
+            pool = self._pools[small]
+            for key in list(pool.keys):
+                block = pool.blocks[key]
+                if not block.is_split():
+                    self._release(block)
+
+    def _release(self, block: _Block) -> None:
+        """Give a whole free segment back to the device."""
+        self._pools[block.small].remove(block)
+        del self._segments[block.ptr]
+        self.ctx.free(block.ptr)
+        self._counts["num_device_free"] += 1
+        for name, amount in (("segment", 1), ("reserved_bytes", block.size)):
+            for stat in self._selected(name, block.small):
+                stat.down(amount)
+        if block.size >= self.max_split_size:
+            self._oversize["oversize_segments"].down(1)
+
+    def _selected(self, name: str, small: bool) -> tuple[_Stat, _Stat]:
+        pools = self._stats[name]
+        return pools["all"], pools["small_pool" if small else "large_pool"]
+
+    def _change(self, name: str, small: bool, amount: int) -> None:
+        for stat in self._selected(name, small):
+            if amount > 0:
+                stat.up(amount)
+            elif amount < 0:
+                stat.down(-amount)
+
+    def _oom_message(self, nbytes: int) -> str:
+        free, total = self.ctx.mem_get_info()
+        allocated, reserved = self.memory_allocated(), self.memory_reserved()
+        return (f"CUDA out of memory. Tried to allocate {_torch_size(nbytes)}. GPU 0 has a total capacity of "
+                f"{_torch_size(total)} of which {_torch_size(free)} is free. Of the allocated memory "
+                f"{_torch_size(allocated)} is allocated by PyTorch, and {_torch_size(reserved - allocated)} is "
+                "reserved by PyTorch but unallocated. If reserved but unallocated memory is large try setting "
+                "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.")
+
+
+def _allocation_size(size: int) -> int:
+    if size <= SMALL_SIZE:
+        return SMALL_BUFFER
+    if size < MIN_LARGE_ALLOC:
+        return LARGE_BUFFER
+    return -(-size // ROUND_LARGE) * ROUND_LARGE
+
+
+def _power2_division(size: int, divisions: int) -> int:
+    """`size` rounded up to the next of `divisions` equal steps between the powers of two around it."""
+    if size & (size - 1) == 0:
+        return size
+    floor = 1 << (size.bit_length() - 1)
+    step = floor >> (divisions.bit_length() - 1)
+    if step == 0:
+        return floor << 1
+    low = size & ~(step - 1)
+    return size if low == size else low + step
+
+
+def _stream(stream: Any) -> int:
+    """A stream's place in PyTorch's order of free blocks: the default stream first, then by handle."""
+    return 0 if stream is None else int(getattr(stream, "handle", stream))
+
+
+def _torch_size(nbytes: int) -> str:
+    """PyTorch's format_size: bytes, KiB, MiB or GiB with two decimals."""
+    if nbytes <= 1024:
+        return f"{nbytes} bytes"
+    for unit, scale in (("KiB", 1 << 10), ("MiB", 1 << 20)):
+        if nbytes <= scale * 1024:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes / (1 << 30):.2f} GiB"

@@ -1,0 +1,121 @@
+# mpsd_client.CachingAllocator against PyTorch's own. bench/fidelity/record_torch_allocator.py recorded PyTorch
+# 2.11's CUDA caching allocator on an H200: allocations of every size class on two streams, frees and empty_cache,
+# under three PYTORCH_CUDA_ALLOC_CONF settings, with memory_stats() and every segment and block after each step.
+# Replayed with the addresses cudaMalloc gave (they decide best fit between blocks of equal size: the H200's
+# driver hands out addresses from the top down, the daemon from the bottom up), the allocator must give the same
+# statistics and the same segments, split the same way, at the same addresses, after every step. On a real daemon
+# the same traces must hold the allocator's own accounting together and give everything back.
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+
+import mpsd_client
+from daemons import start_daemon
+from mpsd_client import CachingAllocator
+from mpsd_protocol import OutOfMemoryError
+
+RECORDED = Path(__file__).parent.parent / "bench" / "fidelity" / "torch_allocator_h200.json.gz"
+TRACES = json.loads(gzip.open(RECORDED, "rt").read())
+IDS = [f"{t['config'] or 'defaults'}-seed{t['seed']}" for t in TRACES]
+
+
+class RecordedDevice:
+    """The device as the recording saw it: each cudaMalloc returns the address it returned on the H200."""
+
+    def __init__(self, trace: dict) -> None:
+        self.steps = trace["steps"]
+        self.step = 0
+        self.live: set[int] = set()
+
+    def malloc(self, nbytes: int) -> int:
+        fresh = [s["address"] for s in self.steps[self.step]["segments"]
+                 if s["address"] not in self.live and s["total_size"] == nbytes]
+        assert fresh, f"step {self.step}: PyTorch made no segment of {nbytes} bytes here"
+        self.live.add(fresh[0])
+        return fresh[0]
+
+    def free(self, ptr: int) -> None:
+        self.live.remove(ptr)
+
+    def synchronize(self) -> None:
+        """Nothing is queued on a replayed device."""
+
+    def create_stream(self) -> int:
+        return 1
+
+
+def _replay(allocator: CachingAllocator, trace: dict, side: object, each_step) -> None:
+    pointers: dict[int, int] = {}
+    for n, recorded in enumerate(trace["steps"]):
+        step = recorded["step"]
+        if step[0] == "alloc":
+            _, ident, size, stream = step
+            pointers[ident] = allocator.malloc(size, side if stream else None)
+        elif step[0] == "free":
+            allocator.free(pointers.pop(step[1]))
+        else:
+            allocator.empty_cache()
+        each_step(n, recorded)
+
+
+@pytest.mark.parametrize("trace", TRACES, ids=IDS)
+def test_a_recorded_pytorch_trace_replays_step_for_step(trace):
+    device = RecordedDevice(trace)
+    allocator = CachingAllocator(device, config=trace["config"])
+
+    def check(n: int, recorded: dict) -> None:
+        assert allocator.memory_stats() == recorded["stats"], f"step {n}: {recorded['step']}"
+        segments = [{"address": s["address"], "total_size": s["total_size"], "segment_type": s["segment_type"],
+                     "stream": s["stream"], "blocks": [[b["size"], b["state"]] for b in s["blocks"]]}
+                    for s in allocator.memory_snapshot()]
+        assert segments == recorded["segments"], f"step {n}: {recorded['step']}"
+        device.step = n + 1
+
+    _replay(allocator, trace, 1, check)
+
+
+@pytest.mark.parametrize("trace", TRACES[::3], ids=IDS[::3])
+def test_on_a_daemon_the_accounting_holds_and_everything_goes_back(daemon, trace):
+    with mpsd_client.connect(daemon.pipe_dir) as ctx:
+        free_before = ctx.mem_get_info()[0]
+        allocator = CachingAllocator(ctx, config=trace["config"])
+
+        def check(n: int, recorded: dict) -> None:
+            stats, segments = allocator.memory_stats(), allocator.memory_snapshot()
+            blocks = [b for s in segments for b in s["blocks"]]
+            assert stats["reserved_bytes.all.current"] == sum(s["total_size"] for s in segments)
+            assert stats["allocated_bytes.all.current"] == sum(b["size"] for b in blocks
+                                                               if b["state"] == "active_allocated")
+            assert stats["segment.all.current"] == len(segments)
+            assert all(a["address"] + a["size"] == b["address"]
+                       for s in segments for a, b in zip(s["blocks"], s["blocks"][1:]))
+
+        _replay(allocator, trace, ctx.create_stream(), check)
+        for ptr in [b["address"] for s in allocator.memory_snapshot() for b in s["blocks"]
+                    if b["state"] == "active_allocated"]:
+            allocator.free(ptr)
+        allocator.empty_cache()
+        assert allocator.memory_reserved() == 0 and ctx.mem_get_info()[0] == free_before
+
+
+def test_out_of_memory_frees_the_cache_retries_then_raises_as_pytorch(daemon_factory):
+    daemon = start_daemon("--time-scale", "100", "--pinned-mem-limit", "1G")
+    daemon_factory.append(daemon)
+    with mpsd_client.connect(daemon.pipe_dir) as ctx:  # about 510 MiB left beside the context's own
+        allocator = CachingAllocator(ctx, config="")
+        allocator.free(allocator.malloc(200 << 20))  # 200 MiB cached, unused
+        kept = allocator.malloc(320 << 20)  # fits only once the cache has gone back to the device: a retry
+        stats = allocator.memory_stats()
+        assert stats["num_alloc_retries"] == 1 and stats["num_device_free"] == 1
+        with pytest.raises(OutOfMemoryError, match=r"CUDA out of memory. Tried to allocate 400.00 MiB. GPU 0 has a "
+                                                   r"total capacity of .* Of the allocated memory 320.00 MiB is "
+                                                   r"allocated by PyTorch, and 0 bytes is reserved"):
+            allocator.malloc(400 << 20)
+        assert allocator.memory_stats()["num_ooms"] == 1
+        allocator.free(kept)
+        allocator.empty_cache()
+        assert allocator.memory_reserved() == 0 and ctx.mem_get_info()[0] > 400 << 20
