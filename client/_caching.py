@@ -33,6 +33,7 @@ UNLIMITED = (1 << 64) - 1  # max_split_size when none is set (PyTorch reports it
 STATS = ("allocation", "segment", "active", "inactive_split", "allocated_bytes", "reserved_bytes", "active_bytes",
          "inactive_split_bytes", "requested_bytes")
 POOLS = ("all", "small_pool", "large_pool")
+OPTIONS = ("max_split_size_mb", "roundup_power2_divisions", "garbage_collection_threshold")
 
 
 @dataclass
@@ -62,6 +63,7 @@ class _Block:
     allocated: bool = False
     prev: _Block | None = None
     next: _Block | None = None
+    gc_base: int = 0
 
     @property
     def key(self) -> tuple[int, int, int]:
@@ -79,9 +81,10 @@ class _Pool:
         self.keys: list[tuple[int, int, int]] = []
         self.blocks: dict[tuple[int, int, int], _Block] = {}
 
-    def insert(self, block: _Block) -> None:
+    def insert(self, block: _Block, now: int = 0) -> None:
         bisect.insort(self.keys, block.key)
         self.blocks[block.key] = block
+        block.gc_base = now  # the pool's search count when it was cached: its age starts here
 
     def remove(self, block: _Block) -> None:
         del self.keys[bisect.bisect_left(self.keys, block.key)]
@@ -95,7 +98,8 @@ class _Pool:
 
 
 def _config(text: str) -> dict[str, float]:
-    """PYTORCH_CUDA_ALLOC_CONF's options this allocator honours: ``max_split_size_mb:N,roundup_power2_divisions:N``.
+    """PYTORCH_CUDA_ALLOC_CONF's options this allocator honours: ``max_split_size_mb:N``,
+    ``roundup_power2_divisions:N`` and ``garbage_collection_threshold:F``.
 
     Raises:
         ValueError: an option it does not know, or a value that is not a number.
@@ -103,9 +107,9 @@ def _config(text: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         name, _, value = item.partition(":")
-        if name not in ("max_split_size_mb", "roundup_power2_divisions"):
+        if name not in OPTIONS:
             raise ValueError(f"PYTORCH_CUDA_ALLOC_CONF: {name!r} is not an option this allocator knows "
-                             "(max_split_size_mb, roundup_power2_divisions)")
+                             f"({', '.join(OPTIONS)})")
         out[name] = float(value)
     return out
 
@@ -115,8 +119,9 @@ class CachingAllocator:
 
     Args:
         ctx: a blocking `Context` (its malloc, free and synchronize are the device's).
-        config: PYTORCH_CUDA_ALLOC_CONF's syntax (default: that variable); ``max_split_size_mb`` and
-            ``roundup_power2_divisions`` (one number, for every size) are honoured.
+        config: PYTORCH_CUDA_ALLOC_CONF's syntax (default: that variable); ``max_split_size_mb``,
+            ``roundup_power2_divisions`` (one number, for every size) and ``garbage_collection_threshold`` (which,
+            as in PyTorch, acts only under ``set_per_process_memory_fraction``) are honoured.
     """
 
     def __init__(self, ctx: Any, config: str | None = None) -> None:
@@ -125,6 +130,10 @@ class CachingAllocator:
         self.max_split_size = int(options["max_split_size_mb"] * (1 << 20)) if "max_split_size_mb" in options \
             else UNLIMITED
         self.divisions = int(options.get("roundup_power2_divisions", 0))
+        self.gc_threshold = options.get("garbage_collection_threshold", 0.0)
+        self.allowed: int | None = None  # set_per_process_memory_fraction's bytes, if set
+        self._reserved_total = 0  # bytes of every segment held: what the fraction caps
+        self._gc_calls = {True: 0, False: 0}  # best-fit searches per pool while garbage collection is on
         self._pools = {True: _Pool(True), False: _Pool(False)}
         self._active: dict[int, _Block] = {}  # address of each allocated block
         self._segments: dict[int, _Block] = {}  # base address of each segment -> its first block
@@ -145,6 +154,8 @@ class CachingAllocator:
         stream_key = _stream(stream)
         block = self._free_block(small, stream_key, size)
         if block is None:
+            if self.allowed is not None and self.gc_threshold > 0:
+                self._collect_garbage()
             block = self._new_segment(small, stream_key, size, retry=False)
             if block is None and self._release_available(small, stream_key, size):
                 block = self._new_segment(small, stream_key, size, retry=False)
@@ -175,7 +186,7 @@ class CachingAllocator:
             if merged:
                 blocks_change -= 1
                 bytes_change -= merged
-        self._pools[block.small].insert(block)
+        self._pools[block.small].insert(block, self._gc_calls[block.small])
         if block.is_split():
             blocks_change += 1
             bytes_change += block.size
@@ -184,6 +195,12 @@ class CachingAllocator:
         for name, amount in (("active", 1), ("active_bytes", size), ("requested_bytes", requested)):
             for stat in self._selected(name, block.small):
                 stat.down(amount)
+
+    def set_per_process_memory_fraction(self, fraction: float) -> None:
+        """Cap what this allocator may reserve at `fraction` of the device's memory."""
+        if not 0 <= fraction <= 1:
+            raise ValueError(f"invalid fraction {fraction}: it must be between 0 and 1")
+        self.allowed = int(fraction * self.ctx.mem_get_info()[1])
 
     def empty_cache(self) -> None:
         """Give every whole, free segment back to the device (after waiting for the device's work, as PyTorch
@@ -253,6 +270,8 @@ class CachingAllocator:
 
     def _free_block(self, small: bool, stream: int, size: int) -> _Block | None:
         pool = self._pools[small]
+        if self.allowed is not None and self.gc_threshold > 0:
+            self._gc_calls[small] += 1  # a cached block's age counts these searches
         block = pool.best_fit(stream, size)
         if block is None:
             return None
@@ -267,10 +286,13 @@ class CachingAllocator:
         nbytes = SMALL_BUFFER if small else _allocation_size(size)
         if retry:
             self._counts["num_alloc_retries"] += 1
+        if self.allowed is not None and self._reserved_total + nbytes > self.allowed:
+            return None  # past the process's fraction: as if the device had no room
         try:
             ptr = int(self.ctx.malloc(nbytes))
         except OutOfMemoryError:
             return None
+        self._reserved_total += nbytes
         block = _Block(stream, nbytes, ptr, small)
         self._segments[ptr] = block
         for name, amount in (("segment", 1), ("reserved_bytes", nbytes)):
@@ -299,7 +321,7 @@ class CachingAllocator:
                 self._segments[front.ptr] = front
             if rest.next is not None:
                 rest.next.prev = rest
-            self._pools[block.small].insert(rest)
+            self._pools[block.small].insert(rest, self._gc_calls[block.small])
             if was_split:
                 self._change("inactive_split_bytes", block.small, -size)
             else:
@@ -360,6 +382,31 @@ class CachingAllocator:
             index -= 1
         return released >= target
 
+    def _collect_garbage(self) -> None:
+        """Past the threshold's share of the allowed memory, give back the large pool's whole free segments that
+        have sat longer than the average, until enough is back (PyTorch's garbage collection)."""
+        assert self.allowed is not None
+        threshold = int(self.gc_threshold * self.allowed)
+        if self._reserved_total <= threshold:
+            return
+        target = self._reserved_total - threshold
+        pool, now = self._pools[False], self._gc_calls[False]
+        whole = [pool.blocks[k] for k in pool.keys if not pool.blocks[k].is_split()]
+        if not whole:
+            return
+        total_age, count, reclaimed, freed = sum(now - b.gc_base for b in whole), len(whole), 0, True
+        while reclaimed < target and freed and count > 0:
+            average = total_age / count
+            freed = False
+            for key in list(pool.keys):
+                block = pool.blocks.get(key)
+                if block is not None and not block.is_split() and now - block.gc_base >= average:
+                    freed = True
+                    reclaimed += block.size
+                    total_age -= now - block.gc_base
+                    count -= 1
+                    self._release(block)
+
     def _release_cached(self) -> None:
         self.ctx.synchronize()
         self._counts["num_sync_all_streams"] += 1
@@ -375,6 +422,7 @@ class CachingAllocator:
         self._pools[block.small].remove(block)
         del self._segments[block.ptr]
         self.ctx.free(block.ptr)
+        self._reserved_total -= block.size
         self._counts["num_device_free"] += 1
         for name, amount in (("segment", 1), ("reserved_bytes", block.size)):
             for stat in self._selected(name, block.small):
@@ -396,8 +444,9 @@ class CachingAllocator:
     def _oom_message(self, nbytes: int) -> str:
         free, total = self.ctx.mem_get_info()
         allocated, reserved = self.memory_allocated(), self.memory_reserved()
+        allowed = f"{_torch_size(self.allowed)} allowed; " if self.allowed is not None else ""
         return (f"CUDA out of memory. Tried to allocate {_torch_size(nbytes)}. GPU 0 has a total capacity of "
-                f"{_torch_size(total)} of which {_torch_size(free)} is free. Of the allocated memory "
+                f"{_torch_size(total)} of which {_torch_size(free)} is free. {allowed}Of the allocated memory "
                 f"{_torch_size(allocated)} is allocated by PyTorch, and {_torch_size(reserved - allocated)} is "
                 "reserved by PyTorch but unallocated. If reserved but unallocated memory is large try setting "
                 "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.")

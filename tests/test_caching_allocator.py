@@ -1,6 +1,8 @@
 # mpsd_client.CachingAllocator against PyTorch's own. bench/fidelity/record_torch_allocator.py recorded PyTorch
 # 2.11's CUDA caching allocator on an H200: allocations of every size class on two streams, frees and empty_cache,
-# under three PYTORCH_CUDA_ALLOC_CONF settings, with memory_stats() and every segment and block after each step.
+# under three PYTORCH_CUDA_ALLOC_CONF settings and, capped by set_per_process_memory_fraction so that allocations
+# run out of memory, with and without garbage collection; with memory_stats() and every segment and block after
+# each step.
 # Replayed with the addresses cudaMalloc gave (they decide best fit between blocks of equal size: the H200's
 # driver hands out addresses from the top down, the daemon from the bottom up), the allocator must give the same
 # statistics and the same segments, split the same way, at the same addresses, after every step. On a real daemon
@@ -20,7 +22,7 @@ from mpsd_protocol import OutOfMemoryError
 
 RECORDED = Path(__file__).parent.parent / "bench" / "fidelity" / "torch_allocator_h200.json.gz"
 TRACES = json.loads(gzip.open(RECORDED, "rt").read())
-IDS = [f"{t['config'] or 'defaults'}-seed{t['seed']}" for t in TRACES]
+IDS = [f"{t['config'] or 'defaults'}{'-fraction' if t['fraction'] else ''}-seed{t['seed']}" for t in TRACES]
 
 
 class RecordedDevice:
@@ -28,6 +30,7 @@ class RecordedDevice:
 
     def __init__(self, trace: dict) -> None:
         self.steps = trace["steps"]
+        self.total = trace["total_memory"]
         self.step = 0
         self.live: set[int] = set()
 
@@ -44,22 +47,32 @@ class RecordedDevice:
     def synchronize(self) -> None:
         """Nothing is queued on a replayed device."""
 
+    def mem_get_info(self) -> tuple[int, int]:
+        return 0, self.total
+
     def create_stream(self) -> int:
         return 1
 
 
 def _replay(allocator: CachingAllocator, trace: dict, side: object, each_step) -> None:
+    if trace["fraction"] is not None:
+        allocator.set_per_process_memory_fraction(trace["fraction"])
     pointers: dict[int, int] = {}
     for n, recorded in enumerate(trace["steps"]):
         step = recorded["step"]
+        oom = False
         if step[0] == "alloc":
             _, ident, size, stream = step
-            pointers[ident] = allocator.malloc(size, side if stream else None)
+            try:
+                pointers[ident] = allocator.malloc(size, side if stream else None)
+            except OutOfMemoryError:
+                oom = True
         elif step[0] == "free":
-            allocator.free(pointers.pop(step[1]))
+            if step[1] in pointers:
+                allocator.free(pointers.pop(step[1]))
         else:
             allocator.empty_cache()
-        each_step(n, recorded)
+        each_step(n, recorded, oom)
 
 
 @pytest.mark.parametrize("trace", TRACES, ids=IDS)
@@ -67,7 +80,8 @@ def test_a_recorded_pytorch_trace_replays_step_for_step(trace):
     device = RecordedDevice(trace)
     allocator = CachingAllocator(device, config=trace["config"])
 
-    def check(n: int, recorded: dict) -> None:
+    def check(n: int, recorded: dict, oom: bool) -> None:
+        assert oom == recorded["oom"], f"step {n}: {recorded['step']}"
         assert allocator.memory_stats() == recorded["stats"], f"step {n}: {recorded['step']}"
         segments = [{"address": s["address"], "total_size": s["total_size"], "segment_type": s["segment_type"],
                      "stream": s["stream"], "blocks": [[b["size"], b["state"]] for b in s["blocks"]]}
@@ -84,7 +98,7 @@ def test_on_a_daemon_the_accounting_holds_and_everything_goes_back(daemon, trace
         free_before = ctx.mem_get_info()[0]
         allocator = CachingAllocator(ctx, config=trace["config"])
 
-        def check(n: int, recorded: dict) -> None:
+        def check(n: int, recorded: dict, oom: bool) -> None:
             stats, segments = allocator.memory_stats(), allocator.memory_snapshot()
             blocks = [b for s in segments for b in s["blocks"]]
             assert stats["reserved_bytes.all.current"] == sum(s["total_size"] for s in segments)

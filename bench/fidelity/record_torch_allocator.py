@@ -8,7 +8,8 @@ Each trace is a seeded sequence of steps on one device: allocate N bytes on stre
 allocator treats apart: under 512 B, small (up to 1 MiB), 1 to 10 MiB (packed in 20 MiB segments), and large. After
 every step it records memory_stats() and the segments (their addresses: what cudaMalloc returned) with their
 blocks (sizes and states, in address order within a segment). Each trace runs in a process of its own, under its
-own PYTORCH_CUDA_ALLOC_CONF.
+own PYTORCH_CUDA_ALLOC_CONF and, for some, set_per_process_memory_fraction (then allocations run out of memory,
+and their retries and garbage collection are recorded too).
 """
 from __future__ import annotations
 
@@ -19,7 +20,10 @@ import random
 import subprocess
 import sys
 
-CONFIGS = ["", "max_split_size_mb:40", "roundup_power2_divisions:4"]
+# (PYTORCH_CUDA_ALLOC_CONF, set_per_process_memory_fraction or None): 0.004 of an H200 is about 573 MiB, so the
+# traces under it run out of memory, retry and collect garbage.
+CONFIGS = [("", None), ("max_split_size_mb:40", None), ("roundup_power2_divisions:4", None), ("", 0.004),
+           ("garbage_collection_threshold:0.6", 0.004)]
 SEEDS = [1, 2, 3]
 STEPS = 300
 
@@ -61,40 +65,51 @@ def layout(torch) -> list[dict]:
     return segments
 
 
-def record(config: str, seed: int) -> dict:
+def record(config: str, fraction: float | None, seed: int) -> dict:
     import torch
 
     torch.cuda.init()
+    if fraction is not None:
+        torch.cuda.set_per_process_memory_fraction(fraction)
     side = torch.cuda.Stream()
     streams = {0: torch.cuda.current_stream(), 1: side}
     pointers: dict[int, int] = {}
     out = []
     for step in steps(seed):
+        oom = False
         if step[0] == "alloc":
             _, n, size, stream = step
-            pointers[n] = torch.cuda.caching_allocator_alloc(size, 0, streams[stream])
+            try:
+                pointers[n] = torch.cuda.caching_allocator_alloc(size, 0, streams[stream])
+            except torch.cuda.OutOfMemoryError:
+                oom = True
         elif step[0] == "free":
-            torch.cuda.caching_allocator_delete(pointers.pop(step[1]))
+            if step[1] in pointers:  # an allocation that ran out of memory has nothing to free
+                torch.cuda.caching_allocator_delete(pointers.pop(step[1]))
         else:
             torch.cuda.empty_cache()
         segments = layout(torch)
         stats = {k: v for k, v in torch.cuda.memory_stats().items() if isinstance(v, int)}
-        out.append({"step": step, "stats": stats, "segments": segments})
-    return {"config": config, "seed": seed, "torch": torch.__version__, "steps": out}
+        out.append({"step": step, "oom": oom, "stats": stats, "segments": segments})
+    return {"config": config, "fraction": fraction, "seed": seed, "torch": torch.__version__,
+            "total_memory": torch.cuda.mem_get_info()[1], "steps": out}
 
 
 def main() -> int:
     if len(sys.argv) == 4 and sys.argv[1] == "--one":
-        print(json.dumps(record(os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), int(sys.argv[3]))))
+        fraction = None if sys.argv[2] == "-" else float(sys.argv[2])
+        print(json.dumps(record(os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), fraction, int(sys.argv[3]))))
         return 0
     traces = []
-    for config in CONFIGS:
+    for config, fraction in CONFIGS:
         for seed in SEEDS:
             env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF=config)
-            result = subprocess.run([sys.executable, __file__, "--one", config, str(seed)], env=env,
-                                    capture_output=True, text=True, check=True)
+            result = subprocess.run([sys.executable, __file__, "--one", "-" if fraction is None else str(fraction),
+                                     str(seed)], env=env, capture_output=True, text=True, check=True)
             traces.append(json.loads(result.stdout))
-            print(f"recorded {config or 'defaults'} seed {seed}: {len(traces[-1]['steps'])} steps", flush=True)
+            ooms = sum(s["oom"] for s in traces[-1]["steps"])
+            print(f"recorded {config or 'defaults'} fraction {fraction} seed {seed}: "
+                  f"{len(traces[-1]['steps'])} steps, {ooms} out of memory", flush=True)
     with gzip.open(sys.argv[1], "wt") as f:
         json.dump(traces, f, separators=(",", ":"))
     return 0
