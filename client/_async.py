@@ -22,6 +22,7 @@ from mpsd_protocol import (  # type: ignore[attr-defined]
     Reply,
     Request,
     Role,
+    pipe_directory,
     check_server,
     close_fds,
     pack_fds,
@@ -30,7 +31,7 @@ from mpsd_protocol import (  # type: ignore[attr-defined]
 
 from ._api import ContextBase
 from ._core import Core
-from ._env import check_ordinal, pipe_directory, requested_limits, visible_devices
+from ._env import check_ordinal, requested_limits, visible_devices
 
 READ_SIZE = 1 << 16
 
@@ -139,7 +140,7 @@ async def open_context(pipe_dir: str | os.PathLike[str] | None = None, device: i
     """Connect to the daemon from trio: ``async with open_context() as actx: p = await actx.malloc(n)``.
 
     `environ` stands for the process's environment where CUDA_VISIBLE_DEVICES, the CUDA_MPS_* variables and
-    MPSD_PIPE_DIRECTORY are read (default os.environ): a program that plays many clients gives each its own.
+    CUDA_MPS_PIPE_DIRECTORY are read (default os.environ): a program that plays many clients gives each its own.
 
     Raises:
         MpsConnectionError: no daemon is listening, it runs as a user other than root or ours, or it refused

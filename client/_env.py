@@ -3,12 +3,11 @@
 # CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, CUDA_MPS_PINNED_DEVICE_MEM_LIMIT and CUDA_MPS_CLIENT_PRIORITY ask for
 # tighter quotas (the daemon never lets them loosen its own: a smaller share, a smaller limit, a less urgent
 # priority than the daemon's level, whose finer levels only the control plane sets), MPSD_MIG_PARTITION picks
-# a MIG instance, MPSD_PIPE_DIRECTORY says where the daemon is. Only the daemon applies the rules; this
-# module only reads and checks the variables.
+# a MIG instance, CUDA_MPS_PIPE_DIRECTORY (or MPSD_PIPE_DIRECTORY) says where the daemon is. Only the daemon
+# applies the rules; this module only reads and checks the variables.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any, Mapping
 
 from mpsd_protocol import (  # type: ignore[attr-defined]
@@ -20,11 +19,6 @@ from mpsd_protocol import (  # type: ignore[attr-defined]
     parse_mem_limits,
 )
 
-DEFAULT_PIPE_DIRECTORY = "/tmp/mpsd"
-
-
-def pipe_directory(pipe_dir: str | os.PathLike[str] | None, environ: Mapping[str, str] = os.environ) -> Path:
-    return Path(pipe_dir or environ.get("MPSD_PIPE_DIRECTORY") or DEFAULT_PIPE_DIRECTORY)
 
 
 def visible_devices(environ: Mapping[str, str] = os.environ) -> list[int] | None:

@@ -22,6 +22,7 @@ from mpsd_protocol import (  # type: ignore[attr-defined]
     Reply,
     Request,
     Role,
+    pipe_directory,
     brief,
     check_server,
     close_fds,
@@ -31,7 +32,7 @@ from mpsd_protocol import (  # type: ignore[attr-defined]
 
 from ._api import ContextBase
 from ._core import Core
-from ._env import check_ordinal, pipe_directory, requested_limits, visible_devices
+from ._env import check_ordinal, requested_limits, visible_devices
 
 READ_SIZE = 1 << 16
 
@@ -139,7 +140,8 @@ def connect(pipe_dir: str | os.PathLike[str] | None = None, device: int = 0, tim
     """Connect to the mpsd daemon and create this process's context on `device`.
 
     Args:
-        pipe_dir: the daemon's pipe directory (default $MPSD_PIPE_DIRECTORY, then /tmp/mpsd).
+        pipe_dir: the daemon's pipe directory (default $CUDA_MPS_PIPE_DIRECTORY, or its alias
+            $MPSD_PIPE_DIRECTORY, then /tmp/nvidia-mps, as MPS).
         device: this process's device ordinal (CUDA_VISIBLE_DEVICES applies).
         timeout: seconds to wait for the daemon to accept and answer the handshake.
 

@@ -106,7 +106,7 @@ def start_daemon(pipe_dir: Path, log_dir: Path) -> tuple[subprocess.Popen, list[
 class Worker:
     def __init__(self, role: str, quota_env: dict[str, str], pipe_dir: Path) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("CUDA_MPS_")}
-        env.update(quota_env, MPSD_PIPE_DIRECTORY=str(pipe_dir), PYTHONUNBUFFERED="1")
+        env.update(quota_env, CUDA_MPS_PIPE_DIRECTORY=str(pipe_dir), PYTHONUNBUFFERED="1")
         self.role = role
         self.quota_env = quota_env
         self.proc = subprocess.Popen([sys.executable, str(WORKER), role], env=env, text=True, cwd=HERE.parent,

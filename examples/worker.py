@@ -3,7 +3,7 @@
     python examples/worker.py ROLE        (ROLE: inference, training, batch or background)
 
 It reads its quotas from the environment exactly as a real MPS client does (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE,
-CUDA_MPS_PINNED_DEVICE_MEM_LIMIT, CUDA_MPS_CLIENT_PRIORITY) and finds the daemon through MPSD_PIPE_DIRECTORY.
+CUDA_MPS_PINNED_DEVICE_MEM_LIMIT, CUDA_MPS_CLIENT_PRIORITY) and finds the daemon through CUDA_MPS_PIPE_DIRECTORY.
 
 Talking to examples/demo.py on stdin/stdout, so that every tenant starts its work at the same instant:
   1. connect, do any set-up, print ``READY`` and wait for a line on stdin;
@@ -218,7 +218,7 @@ def main(argv: list[str]) -> int:
     role = argv[1]
     setup, run = ROLES[role]
     try:
-        with mpsd_client.connect() as ctx:  # MPSD_PIPE_DIRECTORY says where
+        with mpsd_client.connect() as ctx:  # CUDA_MPS_PIPE_DIRECTORY says where
             tenant = Tenant(role, ctx)
             if setup:
                 setup(tenant)

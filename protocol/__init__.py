@@ -7,6 +7,14 @@ rule about whom to trust.)
 from ._brief import brief
 from ._calls import CALL, CALLS, CLOCK, EVENT_HANDLE, LAUNCH, NOTHING, STREAM_HANDLE, SYNC, Arg, Call, Kind
 from ._control import CONTROL_PACKET, control_packets, read_control_reply
+from ._dirs import (
+    DEFAULT_LOG_DIRECTORY,
+    DEFAULT_PIPE_DIRECTORY,
+    LOG_VARIABLES,
+    PIPE_VARIABLES,
+    log_directory,
+    pipe_directory,
+)
 from ._connection import CLOSED, HEADER, HELLO, NEED_DATA, PROTOCOL_ERROR, Connection, Role
 from ._errors import (
     CODES_BY_NAME,
@@ -41,6 +49,8 @@ globals().update({cls.__name__: cls for cls in ERROR_CLASSES.values()})
 __all__ = [
     "brief", "CALL", "CALLS", "CLOCK", "EVENT_HANDLE", "LAUNCH", "NOTHING", "STREAM_HANDLE", "SYNC", "Arg", "Call",
     "Kind", "CONTROL_PACKET", "control_packets", "read_control_reply",
+    "DEFAULT_LOG_DIRECTORY", "DEFAULT_PIPE_DIRECTORY", "LOG_VARIABLES", "PIPE_VARIABLES", "log_directory",
+    "pipe_directory",
     "CLOSED", "HEADER", "HELLO", "NEED_DATA", "PROTOCOL_ERROR", "Connection", "Role",
     "CODES_BY_NAME", "ERROR_CLASSES", "CudaError", "error_class", "error_from_wire", "error_name",
     "error_string", "make_error",

@@ -76,10 +76,10 @@ def start_daemon(*args: str, pipe_dir: Path | None = None, env: dict[str, str] |
 
 def run_worker(code: str, pipe_dir: Path, *args: str, env: dict[str, str] | None = None,
                timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
-    """Run `code` in a fresh Python process with MPSD_PIPE_DIRECTORY set; returns its result."""
+    """Run `code` in a fresh Python process with CUDA_MPS_PIPE_DIRECTORY set; returns its result."""
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code), *args],
-        env={**os.environ, "MPSD_PIPE_DIRECTORY": str(pipe_dir), **(env or {})},
+        env={**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(pipe_dir), **(env or {})},
         capture_output=True, text=True, timeout=timeout,
     )
 
@@ -88,6 +88,6 @@ def spawn_worker(code: str, pipe_dir: Path, *args: str, env: dict[str, str] | No
     """Start `code` in a fresh Python process (stdin, stdout and stderr are pipes)."""
     return subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(code), *args],
-        env={**os.environ, "MPSD_PIPE_DIRECTORY": str(pipe_dir), **(env or {})},
+        env={**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(pipe_dir), **(env or {})},
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )

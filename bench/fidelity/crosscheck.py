@@ -99,7 +99,7 @@ def with_daemon(args: list[str], processes: int, kernels: int, mode: str, base: 
                 break
         else:
             raise RuntimeError("the daemon did not start")
-        return run_tenants(MPSD_WORKER, processes, kernels, dict(base, MPSD_PIPE_DIRECTORY=str(pipe)), mode)
+        return run_tenants(MPSD_WORKER, processes, kernels, dict(base, CUDA_MPS_PIPE_DIRECTORY=str(pipe)), mode)
     finally:
         daemon.terminate()
         daemon.wait(timeout=30)
@@ -139,7 +139,8 @@ def main() -> int:
         model = with_daemon(["--devices", "h200", "--clock", "virtual", "--idle-grace", "30"], p, options.kernels,
                             "virtual", base)
         mean = {k: sum(v) / len(v) for k, v in (("mps", real), ("cuda", cuda), ("model", model))}
-        rows.append({"processes": p, "kernels": options.kernels, "atp": options.atp, "real_mps_ms": real, "mpsd_cuda_ms": cuda,
+        rows.append({"processes": p, "kernels": options.kernels, "atp": options.atp, "real_mps_ms": real,
+                     "mpsd_cuda_ms": cuda,
                      "mpsd_model_ms": model, "means": mean})
         print(f"{p:>2}  {mean['mps']:>10.3f}  {mean['cuda']:>12.3f}  {mean['model']:>11.3f}  "
               f"{mean['cuda'] / mean['mps']:>8.3f}  {mean['model'] / mean['mps']:>9.3f}", flush=True)

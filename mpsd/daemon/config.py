@@ -15,13 +15,12 @@ import psutil
 from mpsd.backends.cuda import CudaDevice, cuda_device_count
 from mpsd.backends.engine import DEFAULT_IDLE_GRACE
 from mpsd.sim import H200, POLICIES as SIM_POLICIES, DeviceSpec, Simulator
-from mpsd_protocol import parse_integer, parse_mem_limits, parse_size
+from mpsd_protocol import log_directory, parse_integer, parse_mem_limits, parse_size, pipe_directory
 
 DEVICE_MODELS: dict[str, DeviceSpec] = {"h200": H200}
 POLICIES = tuple(SIM_POLICIES)  # whatever the simulator offers
 CONTAINMENT = ("device", "client")
 IPC_ACCESS = ("uid", "group", "any")
-DEFAULT_PIPE_DIRECTORY = "/tmp/mpsd"
 CLOCKS = ("wall", "virtual")
 HANDSHAKE_TIMEOUT = 10.0  # wall seconds a connection has to say hello (the client waits as long for the reply)
 
@@ -34,6 +33,7 @@ class ConfigError(Exception):
 class Config:
     pipe_dir: Path
     log_dir: Path
+    default_log_dir: bool = False  # MPS's /var/log/nvidia-mps, left for the pipe directory if it cannot be written
     devices: tuple[DeviceSpec | CudaDevice, ...] = (H200,)
     policy: str = "mps"
     time_scale: float = 1.0
@@ -117,9 +117,11 @@ def build_parser() -> argparse.ArgumentParser:
                "policy options given here (or under [mpsd]) are the defaults for every device; a device "
                "inherits those its policy accepts.")
     parser.add_argument("--config", type=Path, help="TOML file with the same settings (options win)")
-    parser.add_argument("--pipe-dir", help="directory for the sockets (default $MPSD_PIPE_DIRECTORY or /tmp/mpsd)")
+    parser.add_argument("--pipe-dir", help="directory for the sockets (default $CUDA_MPS_PIPE_DIRECTORY, or its alias "
+                                           "$MPSD_PIPE_DIRECTORY, or /tmp/nvidia-mps as MPS)")
     parser.add_argument("--log-dir", help="directory for control.log and server.log "
-                                          "(default $MPSD_LOG_DIRECTORY or the pipe directory)")
+                                          "(default $CUDA_MPS_LOG_DIRECTORY or its alias $MPSD_LOG_DIRECTORY; else "
+                                          "the pipe directory when one was named, else /var/log/nvidia-mps as MPS)")
     parser.add_argument("--devices", help="GPUs: simulated (h200, h200:2; the default is one h200), real "
                                           "(cuda:0, cuda:0,cuda:1), or auto (the real ones if any, else h200)")
     parser.add_argument("--policy", choices=POLICIES, help="scheduling policy (default mps)")
@@ -188,8 +190,8 @@ def load_config(argv: Sequence[str] | None = None, environ: dict[str, str] | Non
         value = getattr(options, name)
         return value if value is not None else file_settings.get(name.replace("_", "-"), default)
 
-    pipe_dir = Path(pick("pipe_dir") or environ.get("MPSD_PIPE_DIRECTORY") or DEFAULT_PIPE_DIRECTORY)
-    log_dir = Path(pick("log_dir") or environ.get("MPSD_LOG_DIRECTORY") or pipe_dir)
+    pipe_dir = pipe_directory(pick("pipe_dir"), environ)
+    log_dir, default_log = log_directory(pick("log_dir"), pipe_dir, environ)
     time_scale = float(pick("time_scale", 1.0))
     if not 0 < time_scale < float("inf"):
         raise ConfigError(f"--time-scale must be positive, not {time_scale}")
@@ -247,7 +249,7 @@ def load_config(argv: Sequence[str] | None = None, environ: dict[str, str] | Non
     priority = int(pick("client_priority", 0))
     if priority not in (0, 1):
         raise ConfigError("client priority must be 0 or 1")
-    return Config(pipe_dir=pipe_dir, log_dir=log_dir, devices=devices,
+    return Config(pipe_dir=pipe_dir, log_dir=log_dir, default_log_dir=default_log, devices=devices,
                   policy=policy, time_scale=time_scale, clock=clock, host_time=host_time, idle_grace=idle_grace,
                   active_thread_percentage=percentage,
                   pinned_mem_limits=limits, client_priority=priority, fault_containment=containment,

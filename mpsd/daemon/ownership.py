@@ -1,5 +1,5 @@
 # The daemon's directories and files, made safe as careful daemons make theirs (sshd, postfix, systemd): the
-# default pipe directory /tmp/mpsd is a name anyone can take first, and the daemon usually runs as root. So a
+# default pipe directory /tmp/nvidia-mps is a name anyone can take first, and the daemon usually runs as root. So a
 # pipe or log directory is used only if it is the daemon's own: a real directory (never a symlink, which could
 # point anywhere), owned by the daemon's euid, and writable by nobody else (only then can nothing in it have
 # been planted by another user). Group and others may read and search it (--multiuser lets other users' clients

@@ -1,4 +1,4 @@
-# The daemon: one trio event loop that owns the devices, listens on $MPSD_PIPE_DIRECTORY/mpsd.sock, gives each
+# The daemon: one trio event loop that owns the devices, listens on $CUDA_MPS_PIPE_DIRECTORY/mpsd.sock, gives each
 # connection a Session and each session a sub-context with its quotas. Shutdown (SIGTERM, SIGINT, or `stop`)
 # stops accepting, stops reading requests, lets replies already in flight finish for a short grace period,
 # removes the socket file and returns, so the process exits 0. An exception that leaves `serve` makes the
@@ -68,12 +68,23 @@ class Daemon:
             DaemonError: the log directory cannot be written, or is not safely the daemon's own.
         """
         self.config = config
+        moved = None
         try:
-            self.log = ServerLog(config.log_dir)
+            try:
+                self.log = ServerLog(config.log_dir)
+            except OSError as exc:
+                if not config.default_log_dir or isinstance(exc, UnsafePathError):
+                    raise
+                # MPS's default log directory is root's to make: any other user's daemon logs beside its pipes.
+                moved = f"cannot write logs in {config.log_dir} ({exc.strerror}); they go in {config.pipe_dir}"
+                self.log = ServerLog(config.pipe_dir)
         except UnsafePathError as exc:
             raise DaemonError(str(exc)) from None
         except OSError as exc:
-            raise DaemonError(f"cannot write logs in {config.log_dir}: {exc.strerror}") from None
+            raise DaemonError(f"cannot write logs in {exc.filename or config.log_dir}: {exc.strerror}") from None
+        if moved is not None:
+            logging.getLogger("mpsd").warning(moved)
+            self.log.server(moved[0].upper() + moved[1:])
         # One budget of host RAM for every device's simulated memory: they all live in this process.
         self.host_memory = HostMemory(config.host_memory if config.host_memory is not None else default_budget())
         self.devices = [Device(i, self._backend(i, device), containment=config.fault_containment, log=self.log,

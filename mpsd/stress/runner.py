@@ -235,7 +235,8 @@ def _configure(work: Path, tenants: list[tuple[TenantSpec, dict[str, Any]]]) -> 
     if not commands:
         return
     done = subprocess.run([sys.executable, "-m", "mpsd.tools.control"], input="\n".join(commands) + "\n",
-                          capture_output=True, text=True, timeout=60, env=dict(os.environ, MPSD_PIPE_DIRECTORY=str(work)))
+                          capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ, CUDA_MPS_PIPE_DIRECTORY=str(work)))
     if done.returncode != 0 or done.stdout.strip():
         raise RunError(f"the daemon refused the tenants' priorities or weights: {(done.stdout + done.stderr).strip()}")
 
@@ -267,7 +268,7 @@ class _TenantProcess:
                  lines: queue.Queue[tuple[str, str | None]]) -> None:
         self.name = name
         env = {k: v for k, v in os.environ.items() if k not in LIMIT_VARIABLES}
-        env.update(setup["environ"], MPSD_PIPE_DIRECTORY=str(work))
+        env.update(setup["environ"], CUDA_MPS_PIPE_DIRECTORY=str(work))
         self.stderr = open(work / f"{name}.stderr", "w+")  # noqa: SIM115 - closed in kill()
         self.proc = subprocess.Popen([sys.executable, "-m", "mpsd.stress.tenant"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self.stderr, text=True, env=env)

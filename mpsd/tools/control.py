@@ -18,6 +18,7 @@ from mpsd_protocol import (  # type: ignore[attr-defined]
     CONTROL_PACKET,
     MpsConnectionError,
     check_server,
+    pipe_directory,
     read_control_reply,
 )
 
@@ -25,7 +26,7 @@ READY_TIMEOUT = 30.0
 
 
 def _pipe_dir(option: str | None) -> Path:
-    return Path(option or os.environ.get("MPSD_PIPE_DIRECTORY") or "/tmp/mpsd")
+    return pipe_directory(option)
 
 
 def start_background(daemon_args: list[str]) -> int:
@@ -89,7 +90,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("-d", action="store_true", help="start the daemon in the background")
     mode.add_argument("-f", action="store_true", help="run the daemon in the foreground")
-    parser.add_argument("--pipe-dir", help="the daemon's pipe directory (default $MPSD_PIPE_DIRECTORY, /tmp/mpsd)")
+    parser.add_argument("--pipe-dir",
+                        help="the daemon's pipe directory (default $CUDA_MPS_PIPE_DIRECTORY, /tmp/nvidia-mps)")
     options, rest = parser.parse_known_args(argv)
     daemon_args = (["--pipe-dir", options.pipe_dir] if options.pipe_dir else []) + rest
     if options.d:

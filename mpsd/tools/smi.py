@@ -19,6 +19,7 @@ from mpsd_protocol import (  # type: ignore[attr-defined]
     CONTROL_PACKET,
     MpsConnectionError,
     check_server,
+    pipe_directory,
     format_size,
     read_control_reply,
 )
@@ -83,13 +84,14 @@ def render(status: dict[str, Any]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mpsd-smi", description="Show mpsd's devices and client processes.")
-    parser.add_argument("--pipe-dir", help="the daemon's pipe directory (default $MPSD_PIPE_DIRECTORY, /tmp/mpsd)")
+    parser.add_argument("--pipe-dir",
+                        help="the daemon's pipe directory (default $CUDA_MPS_PIPE_DIRECTORY, /tmp/nvidia-mps)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("-l", "--loop", type=float, metavar="SECONDS", help="refresh every SECONDS until stopped")
     options = parser.parse_args(argv)
     if options.loop is not None and not options.loop > 0:
         parser.error("-l needs a positive number of seconds")
-    pipe_dir = Path(options.pipe_dir or os.environ.get("MPSD_PIPE_DIRECTORY") or "/tmp/mpsd")
+    pipe_dir = pipe_directory(options.pipe_dir)
     try:
         while True:
             try:
