@@ -70,3 +70,25 @@ except MpsConnectionError as exc:
     result = run_worker(code, daemon.pipe_dir, env={"CUDA_MPS_PIPE_DIRECTORY": str(empty),
                                                     "MPSD_PIPE_DIRECTORY": str(daemon.pipe_dir)})
     assert result.stdout.startswith("cudaErrorMpsConnectionFailed") and str(empty) in result.stdout, result.stderr
+
+
+def test_the_pid_file_and_mps_names():
+    """Launch scripts wait for nvidia-cuda-mps-control.pid in the pipe directory and look for the daemon by
+    name: with --mps-names (which the nvidia-cuda-mps-control command gives) pgrep and pidof find it."""
+    import shutil
+
+    from daemons import start_daemon
+
+    daemon = start_daemon("--time-scale", "100", "--mps-names")
+    try:
+        pid_file = daemon.pipe_dir / "nvidia-cuda-mps-control.pid"
+        assert pid_file.read_text() == f"{daemon.proc.pid}\n" and pid_file.stat().st_mode & 0o777 == 0o644
+        cmdline = Path(f"/proc/{daemon.proc.pid}/cmdline").read_bytes()
+        assert cmdline.split(b"\0")[0] == b"nvidia-cuda-mps-control"
+        assert Path(f"/proc/{daemon.proc.pid}/comm").read_text().strip() == "nvidia-cuda-mps"  # 15 characters
+        found = subprocess.run(["pgrep", "-f", "^nvidia-cuda-mps-control"], capture_output=True, text=True)
+        assert str(daemon.proc.pid) in found.stdout.split()
+    finally:
+        assert daemon.stop() == 0
+    assert not pid_file.exists()
+    shutil.rmtree(daemon.pipe_dir.parent, ignore_errors=True)

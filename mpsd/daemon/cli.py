@@ -6,10 +6,13 @@ import logging
 import sys
 from typing import Sequence
 
+import setproctitle
 import trio
 
 from mpsd.daemon.config import ConfigError, load_config
 from mpsd.daemon.server import Daemon, DaemonError
+
+MPS_CONTROL_NAME = "nvidia-cuda-mps-control"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -24,6 +27,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"mpsd: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.WARNING, format="mpsd: %(levelname)s: %(message)s")
+    if config.mps_names:  # the command line and /proc/PID/comm (15 characters: nvidia-cuda-mps) say MPS's name
+        setproctitle.setproctitle(MPS_CONTROL_NAME)
     try:
         daemon = Daemon(config)
     except DaemonError as exc:

@@ -49,6 +49,7 @@ class Config:
     fault_containment: str = "device"
     ipc_access: str = "uid"
     multiuser: bool = False  # one server for every user, instead of one user's server at a time
+    mps_names: bool = False  # the process shows as nvidia-cuda-mps-control
     max_clients: int = 48  # per device, as Volta+ MPS (CUDA 13.0, measured driver)
     handshake_timeout: float = HANDSHAKE_TIMEOUT  # seconds from connecting to hello, after which it is closed
     host_memory: int | None = None  # host RAM simulated device memory may take; None: half the host's
@@ -155,6 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--multiuser", action="store_true", default=None,
                         help="one server serves every user (otherwise other users' clients wait their turn)")
     parser.add_argument("--max-clients", type=int, help="clients per device (default 48, as Volta+ MPS)")
+    parser.add_argument("--mps-names", action="store_true", default=None,
+                        help="show the process as nvidia-cuda-mps-control, as MPS's does, for scripts that look for it "
+                             "by name (pgrep, pidof); the nvidia-cuda-mps-control command sets it")
     parser.add_argument("--handshake-timeout", type=float, metavar="SECONDS",
                         help=f"wall seconds a connection may take to say hello before it is closed "
                              f"(default {HANDSHAKE_TIMEOUT:g})")
@@ -256,7 +260,8 @@ def load_config(argv: Sequence[str] | None = None, environ: dict[str, str] | Non
                   ipc_access=ipc_access, max_clients=max_clients, handshake_timeout=handshake_timeout,
                   host_memory=host_memory,
                   policy_options=policy_options,
-                  multiuser=bool(pick("multiuser", False)), device_policies=device_policies,
+                  multiuser=bool(pick("multiuser", False)), mps_names=bool(pick("mps_names", False)),
+                  device_policies=device_policies,
                   trace=Path(trace) if (trace := pick("trace")) else None)
 
 

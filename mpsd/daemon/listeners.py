@@ -19,6 +19,7 @@ import fcntl
 import os
 import socket
 import stat
+import tempfile
 import termios
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -31,6 +32,8 @@ from mpsd.daemon.ownership import UnsafePathError, describe, private_directory
 
 SD_LISTEN_FDS_START = 3
 MAX_UNGREETED = 64  # connections of one uid that may be waiting to say hello at once
+
+PID_FILE = "nvidia-cuda-mps-control.pid"  # as MPS names it, in the pipe directory
 
 
 class ListenError(Exception):
@@ -100,17 +103,38 @@ async def open_listeners(pipe_dir: Path, environ: Mapping[str, str] = os.environ
     _check(pipe_dir, tighten=True, mode=0o755 if multiuser else 0o700)
     clients_path, control_path = pipe_dir / "mpsd.sock", pipe_dir / "control"
     clients_sock = await _bind(clients_path, socket.SOCK_STREAM)
+    control_sock = None
     try:
         control_sock = await _bind(control_path, socket.SOCK_SEQPACKET)
         for path in (clients_path, control_path) if multiuser else ():
             os.chmod(path, 0o666)  # in our own directory: no link to follow
+        pid_path = _pid_file(pipe_dir)
     except (ListenError, OSError) as exc:
         clients_sock.close()
         _unlink(clients_path)
+        if control_sock is not None:
+            control_sock.close()
+            _unlink(control_path)
         if isinstance(exc, ListenError):
             raise
         raise ListenError(f"cannot set the mode of the sockets in {pipe_dir}: {exc.strerror}") from None
-    return Listeners(clients_sock, control_sock, False, [clients_path, control_path])
+    return Listeners(clients_sock, control_sock, False, [clients_path, control_path, pid_path])
+
+
+def _pid_file(pipe_dir: Path) -> Path:
+    """MPS's pid file, which launch scripts wait for: the daemon's pid, written whole (a temporary file renamed
+    into place in our own directory, so that no reader sees half of it and nothing planted is followed)."""
+    path = pipe_dir / PID_FILE
+    fd, tmp = tempfile.mkstemp(prefix=f".{PID_FILE}.", dir=pipe_dir)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(f"{os.getpid()}\n")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except OSError as exc:
+        _unlink(Path(tmp))
+        raise ListenError(f"cannot write {path}: {exc.strerror}") from None
+    return path
 
 
 def _trio(sock: socket.socket | trio.socket.SocketType) -> trio.socket.SocketType:

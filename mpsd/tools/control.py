@@ -23,6 +23,7 @@ from mpsd_protocol import (  # type: ignore[attr-defined]
 )
 
 READY_TIMEOUT = 30.0
+MPS_NAME = "nvidia-cuda-mps-control"  # this command's name where it stands in for MPS's
 
 
 def _pipe_dir(option: str | None) -> Path:
@@ -94,6 +95,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="the daemon's pipe directory (default $CUDA_MPS_PIPE_DIRECTORY, /tmp/nvidia-mps)")
     options, rest = parser.parse_known_args(argv)
     daemon_args = (["--pipe-dir", options.pipe_dir] if options.pipe_dir else []) + rest
+    if os.path.basename(sys.argv[0]) == MPS_NAME:  # run as MPS's own command: the daemon shows as MPS's
+        daemon_args.append("--mps-names")
     if options.d:
         return start_background(daemon_args)
     if options.f:
