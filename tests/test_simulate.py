@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from mpsd.sim import H200
+from mpsd.stress.workload import WorkloadError
 from mpsd.tools.scenario import to_toml, to_workload
 from mpsd.tools.simulate import run_scenario
-from mpsd.stress.workload import WorkloadError
 
 HOST_MS = (H200.launch_latency + H200.sync_latency) * 1e3  # what an idle tenant pays on the host, once per wait
 OVERHEAD_MS = H200.kernel_overhead * 1e3  # what the device pays before each kernel of a stream

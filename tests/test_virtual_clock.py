@@ -13,8 +13,8 @@ import sys
 import pytest
 
 from daemons import spawn_worker, start_daemon
-from mpsd.tools.simulate import run_scenario
 from mpsd.sim import H200
+from mpsd.tools.simulate import run_scenario
 
 # A worker: connects when told (CONNECT on stdin: the runner connects workers one after another, so their
 # client ids, which order ties in the daemon as in the model, follow the entries), says READY, waits for GO

@@ -60,8 +60,8 @@ from pathlib import Path
 
 from mpsd.sim import H200, Kernel, Simulator, kernel_cost, sm_cap
 from mpsd.sim.costs import COPY_THREADS
-from mpsd.sim.specs import dram_bandwidth, dram_threads
 from mpsd.sim.policies import POLICIES
+from mpsd.sim.specs import dram_bandwidth, dram_threads
 from mpsd.tools.simulate import run_scenario
 
 HERE = Path(__file__).parent

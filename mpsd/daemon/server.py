@@ -19,21 +19,21 @@ from typing import Any
 
 import trio
 
-from mpsd.daemon.config import Config
-from mpsd.sim import DeviceSpec
-from mpsd.runtime.context import Context, Quotas
-from mpsd.daemon.control import Control, Settings
 from mpsd.backends.base import Backend
 from mpsd.backends.cuda import CudaBackend, CudaDevice
-from mpsd.backends.sim import SimBackend
-from mpsd.runtime.device import Device
 from mpsd.backends.hostmem import HostMemory, default_budget
-from mpsd.runtime.ipc import IpcRegistry
+from mpsd.backends.sim import SimBackend
+from mpsd.daemon.config import Config
+from mpsd.daemon.control import Control, Settings
 from mpsd.daemon.listeners import Greetings, Listeners, ListenError, open_listeners
-from mpsd.runtime.memory import CHUNK
 from mpsd.daemon.ownership import UnsafePathError
 from mpsd.daemon.servlog import ServerLog
 from mpsd.daemon.session import Session
+from mpsd.runtime.context import Context, Quotas
+from mpsd.runtime.device import Device
+from mpsd.runtime.ipc import IpcRegistry
+from mpsd.runtime.memory import CHUNK
+from mpsd.sim import DeviceSpec
 from mpsd_protocol import (  # type: ignore[attr-defined]
     CONTROL_PACKET,
     InvalidDeviceError,

@@ -30,12 +30,12 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import trio
 
+from mpsd.backends.base import HOST_VIEW
+from mpsd.backends.engine import VirtualEngine
+from mpsd.backends.ops import Work
 from mpsd.daemon.channel import Channel
 from mpsd.runtime.context import Context
 from mpsd.runtime.kernels import signatures
-from mpsd.backends.engine import VirtualEngine
-from mpsd.backends.base import HOST_VIEW
-from mpsd.backends.ops import Work
 from mpsd.sim.clock import Host, Timing
 from mpsd_protocol import (  # type: ignore[attr-defined]
     CALL,

@@ -27,8 +27,8 @@ from mpsd_protocol import (  # type: ignore[attr-defined]
 )
 
 if TYPE_CHECKING:
-    from mpsd.runtime.context import Context, EventCell
     from mpsd.daemon.servlog import ServerLog
+    from mpsd.runtime.context import Context, EventCell
 
 
 

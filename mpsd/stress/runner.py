@@ -30,8 +30,8 @@ import trio
 
 from mpsd.sim import H200
 from mpsd.stress.timeline import KernelRecord, Request, Span, TenantInfo, Timeline
-from mpsd.stress.workload import TenantSpec, Workload, arrival_times, entitlements
 from mpsd.stress.trace import read_chrome_trace
+from mpsd.stress.workload import TenantSpec, Workload, arrival_times, entitlements
 
 __all__ = ["RunError", "Progress", "run_real", "run_virtual"]
 

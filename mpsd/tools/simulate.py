@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mpsd.tools.scenario import is_scenario, to_toml, to_workload
 from mpsd.sim import COPY_KINDS, H200, Copy, DeviceSpec, Kernel, Op, Simulator, copy_kernel, kernel_cost
 from mpsd.sim.clock import VirtualClock
 from mpsd.stress.workload import COPIES, TenantSpec, Workload, WorkloadError, arrival_times, parse_workload
+from mpsd.tools.scenario import is_scenario, to_toml, to_workload
 
 
 @dataclass
