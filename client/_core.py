@@ -49,7 +49,7 @@ STAGING_SIZE = 8 << 20
 class Core:
     """State and rules of one client connection, without I/O."""
 
-    def __init__(self, device: int, visible: list[int] | None, limits: dict[str, Any]) -> None:
+    def __init__(self, device: int, visible: list[int | str] | None, limits: dict[str, Any]) -> None:
         self.device = device
         self.visible = visible
         self.limits = limits

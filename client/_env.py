@@ -21,22 +21,29 @@ from mpsd_protocol import (  # type: ignore[attr-defined]
 
 
 
-def visible_devices(environ: Mapping[str, str] = os.environ) -> list[int] | None:
-    """The daemon's device indices CUDA_VISIBLE_DEVICES names, in order (None when it is unset).
+def visible_devices(environ: Mapping[str, str] = os.environ) -> list[int | str] | None:
+    """The devices CUDA_VISIBLE_DEVICES names, in order (None when it is unset): indices, or UUIDs (``GPU-...``,
+    whole or a prefix that names one device, as CUDA takes them).
 
-    Like CUDA, the list ends at the first entry that is not a device index; the daemon drops the indices
-    it does not have (and what follows them), then renumbers what is left from 0.
+    Like CUDA, the list ends at the first entry that is neither; the daemon drops the devices it does not have
+    (and what follows them), then renumbers what is left from 0.
     """
     visible = environ.get("CUDA_VISIBLE_DEVICES")
     if visible is None:
         return None
-    ordinals: list[int] = []
+    devices: list[int | str] = []
     for part in (p.strip() for p in visible.split(",")):
+        if part.startswith("GPU-") and len(part) <= UUID_MAX and part.isascii():
+            devices.append(part)
+            continue
         try:
-            ordinals.append(parse_integer(part))
+            devices.append(parse_integer(part))
         except ValueError:  # "²" and "٥" are not device indices either, whatever str.isdigit() says
             break
-    return ordinals
+    return devices
+
+
+UUID_MAX = 64  # characters of a device UUID (GPU- and 36), with room to spare; longer is no UUID
 
 
 def check_ordinal(device: object) -> int:

@@ -134,6 +134,32 @@ def test_visible_devices_select_and_renumber(daemon_factory, monkeypatch):
         mpsd_client.connect(d.pipe_dir, device=1)
 
 
+def test_visible_devices_by_uuid(daemon_factory, monkeypatch):
+    """CUDA_VISIBLE_DEVICES takes UUIDs as CUDA does, whole or a prefix that names one device; and the device's
+    properties carry torch's name for the SM count beside CUDA's."""
+    d = start_daemon("--time-scale", "100", "--devices", "h200:2")
+    daemon_factory.append(d)
+    with mpsd_client.connect(d.pipe_dir, device=1) as ctx:
+        properties = ctx.device_properties()
+    uuid = properties["uuid"]
+    assert properties["multi_processor_count"] == properties["multiprocessor_count"] == 132
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", uuid)
+    with mpsd_client.connect(d.pipe_dir) as ctx:
+        assert ctx.device_properties()["index"] == 1
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", f"{uuid},0")  # a UUID, then an index
+    with mpsd_client.connect(d.pipe_dir, device=1) as ctx:
+        assert ctx.device_properties()["index"] == 0
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", uuid[:-3])  # a prefix that names one device
+    with mpsd_client.connect(d.pipe_dir) as ctx:
+        assert ctx.device_properties()["index"] == 1
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-5eed")  # a prefix of both: names none
+    with pytest.raises(NoDeviceError):
+        mpsd_client.connect(d.pipe_dir)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-00000000-0000-0000-0000-000000000000")
+    with pytest.raises(NoDeviceError):
+        mpsd_client.connect(d.pipe_dir)
+
+
 def test_devices_are_separate(daemon_factory):
     """Memory and work on one simulated GPU do not show on the other."""
     d = start_daemon("--time-scale", "100", "--devices", "h200:2")

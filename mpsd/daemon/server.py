@@ -208,16 +208,25 @@ class Daemon:
         count = len(self.devices)
         if visible is None:
             indices = list(range(count))
-        elif isinstance(visible, list) and all(type(v) is int for v in visible):
-            # As in CUDA, an index that does not exist ends the list.
-            indices = list(itertools.takewhile(lambda v: 0 <= v < count, visible))
+        elif isinstance(visible, list) and all(type(v) is int or (type(v) is str and len(v) <= 64) for v in visible):
+            # As in CUDA, an entry that names no device (an index we do not have, a UUID prefix that matches
+            # none or several) ends the list.
+            found = (self._visible_index(v) for v in visible)
+            indices = list(itertools.takewhile(lambda i: i is not None, found))  # type: ignore[arg-type]
             if not indices:
                 raise NoDeviceError(f"CUDA_VISIBLE_DEVICES names none of the daemon's {count} device(s)")
         else:
-            raise InvalidValueError("hello: visible must be a list of device indices")
+            raise InvalidValueError("hello: visible must be a list of device indices and UUIDs")
         if type(ordinal) is not int or not 0 <= ordinal < len(indices):
             raise InvalidDeviceError(f"device {brief(ordinal, 20)} does not exist ({len(indices)} visible)")
         return indices[ordinal]
+
+    def _visible_index(self, entry: int | str) -> int | None:
+        """Our index of one CUDA_VISIBLE_DEVICES entry: an index, or a UUID or a prefix of one device's UUID."""
+        if type(entry) is int:
+            return entry if 0 <= entry < len(self.devices) else None
+        matches = [d.index for d in self.devices if d.properties["uuid"].startswith(entry)]  # type: ignore[arg-type]
+        return matches[0] if len(matches) == 1 else None
 
     def detach(self, context: Context) -> None:
         """The client is gone (closed, exited or killed): reclaim everything it held."""

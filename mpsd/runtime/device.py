@@ -33,6 +33,8 @@ class Device:
         self.name = backend.name
         self.shared_process = shared_process
         self.properties = backend.properties(index)
+        # torch's name for it beside CUDA's (torch.cuda.get_device_properties(0).multi_processor_count)
+        self.properties["multi_processor_count"] = self.properties["multiprocessor_count"]
         self.instances = backend.instances
         self.ledger = Ledger(backend.total_memory, backend.server_memory, [i.memory for i in self.instances])
         self.contexts: dict[int, Context] = {}
@@ -63,7 +65,7 @@ class Device:
         """What one client sees: the SM count capped by its active thread percentage, and under MIG its GPU
         instance's memory, as a MIG instance reports them."""
         return dict(self.properties, multiprocessor_count=context.quotas.sm_cap,
-                    total_memory=self.memory_total(context.partition))
+                    multi_processor_count=context.quotas.sm_cap, total_memory=self.memory_total(context.partition))
 
     def went_idle(self, client: int, clock: float, grace: float) -> None:
         """Under the virtual clock, a client stayed silent past its grace and the others go on without it."""
