@@ -3,7 +3,8 @@
 # policy), the host RAM that simulated memory takes (device memory is sparse memfds: only touched pages cost
 # RAM, within the daemon's --host-memory budget), and processes (type M+C as MPS clients show, memory, SM cap,
 # priority, sticky error). `--json` prints the same data, with each process's fair-share weight and MIG
-# instance, for programs; `-l SECONDS` refreshes.
+# instance, for programs; `-l SECONDS` refreshes. `-L`, `--query-gpu=` and `--query-compute-apps=` print what
+# nvidia-smi prints for them (mpsd.tools.smi_query), for scripts that parse it.
 from __future__ import annotations
 
 import argparse
@@ -15,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from mpsd.tools.smi_query import APP_FIELDS, GPU_FIELDS, QueryError, csv, list_gpus
 from mpsd_protocol import (  # type: ignore[attr-defined]
     CONTROL_PACKET,
     MpsConnectionError,
@@ -82,12 +84,29 @@ def render(status: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _output(status: dict[str, Any], options: argparse.Namespace) -> str:
+    """What one look prints: nvidia-smi's list or CSV where asked for, else JSON or the table."""
+    if options.list_gpus:
+        return list_gpus(status)
+    if options.query_gpu is not None:
+        return csv(status, "gpu", options.query_gpu, options.format)
+    if options.query_compute_apps is not None:
+        return csv(status, "apps", options.query_compute_apps, options.format)
+    return json.dumps(status) if options.json else render(status)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mpsd-smi", description="Show mpsd's devices and client processes.")
     parser.add_argument("--pipe-dir",
                         help="the daemon's pipe directory (default $CUDA_MPS_PIPE_DIRECTORY, /tmp/nvidia-mps)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("-l", "--loop", type=float, metavar="SECONDS", help="refresh every SECONDS until stopped")
+    parser.add_argument("-L", "--list-gpus", action="store_true", help="one line a device, as nvidia-smi -L")
+    parser.add_argument("--query-gpu", metavar="FIELDS",
+                        help=f"as nvidia-smi: the devices' {', '.join(GPU_FIELDS)}")
+    parser.add_argument("--query-compute-apps", metavar="FIELDS",
+                        help=f"as nvidia-smi: the client processes' {', '.join(APP_FIELDS)}")
+    parser.add_argument("--format", default="csv", help="with a query: csv[,noheader][,nounits] (default csv)")
     options = parser.parse_args(argv)
     if options.loop is not None and not options.loop > 0:
         parser.error("-l needs a positive number of seconds")
@@ -103,7 +122,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"mpsd-smi: no mpsd daemon answers at {pipe_dir}: {exc}", file=sys.stderr)
                 return 1
             try:
-                print(json.dumps(status) if options.json else render(status), flush=True)
+                print(_output(status, options), flush=True)
+            except QueryError as exc:  # nvidia-smi's words, and its exit status
+                print(exc, file=sys.stderr)
+                return 2
             except BrokenPipeError:  # `mpsd-smi | head`: the reader has what it wanted
                 os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
                 return 0

@@ -1,0 +1,84 @@
+# nvidia-smi's own outputs, for the scripts that parse them: `-L`, and `--query-gpu=` / `--query-compute-apps=`
+# with `--format=csv[,noheader][,nounits]`, in the shapes an H200's nvidia-smi prints (recorded on the H200
+# machine: "GPU 0: NVIDIA H200 (UUID: GPU-...)"; "index, name, memory.total [MiB]" over
+# "0, NVIDIA H200, 143771 MiB"; a field it does not know is an error, exit status 2).
+"""nvidia-smi's list and CSV queries, from mpsd's status."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import psutil
+
+__all__ = ["APP_FIELDS", "GPU_FIELDS", "QueryError", "csv", "list_gpus"]
+
+MiB = 1 << 20
+
+
+class QueryError(ValueError):
+    """A query names a field nvidia-smi would refuse; the message is nvidia-smi's."""
+
+
+def _mib(nbytes: int) -> int:
+    return round(nbytes / MiB)  # to the nearest, as nvidia-smi showed 150,109,880,320 bytes free as 143156 MiB
+
+
+def _process_name(pid: int) -> str:
+    try:
+        return psutil.Process(pid).name()
+    except (psutil.Error, OSError):
+        return "[Not Found]"
+
+
+# field -> (its header, its unit, its value from a device or process of the status)
+Field = tuple[str, str, Callable[[dict[str, Any], dict[str, Any]], Any]]
+GPU_FIELDS: dict[str, Field] = {
+    "index": ("index", "", lambda d, s: d["index"]),
+    "name": ("name", "", lambda d, s: d["name"]),
+    "uuid": ("uuid", "", lambda d, s: d["uuid"]),
+    "memory.total": ("memory.total", "MiB", lambda d, s: _mib(d["memory_total"])),
+    "memory.used": ("memory.used", "MiB", lambda d, s: _mib(d["memory_used"])),
+    "memory.free": ("memory.free", "MiB", lambda d, s: _mib(d["memory_total"] - d["memory_used"])),
+    "utilization.gpu": ("utilization.gpu", "%", lambda d, s: round(d["sm_utilization"] * 100)),
+}
+APP_FIELDS: dict[str, Field] = {
+    "pid": ("pid", "", lambda p, s: p["pid"]),
+    "process_name": ("process_name", "", lambda p, s: _process_name(p["pid"])),
+    "used_memory": ("used_gpu_memory", "MiB", lambda p, s: _mib(p["memory"])),
+    "used_gpu_memory": ("used_gpu_memory", "MiB", lambda p, s: _mib(p["memory"])),
+    "gpu_uuid": ("gpu_uuid", "", lambda p, s: next(d["uuid"] for d in s["devices"] if d["index"] == p["device"])),
+}
+
+
+def list_gpus(status: dict[str, Any]) -> str:
+    """`nvidia-smi -L`."""
+    return "\n".join(f"GPU {d['index']}: {d['name']} (UUID: {d['uuid']})" for d in status["devices"])
+
+
+def csv(status: dict[str, Any], kind: str, fields: str, options: str) -> str:
+    """`--query-gpu=FIELDS` (kind "gpu") or `--query-compute-apps=FIELDS` (kind "apps"), with `--format`'s
+    options after csv (``noheader``, ``nounits``).
+
+    Raises:
+        QueryError: a field that does not exist, or a format other than csv.
+    """
+    table = GPU_FIELDS if kind == "gpu" else APP_FIELDS
+    names = [name.strip() for name in fields.split(",") if name.strip()]
+    for name in names:
+        if name not in table:
+            raise QueryError(f'Field "{name}" is not a valid field to query.')
+    format_options = [o.strip() for o in options.split(",")]
+    if format_options[0] != "csv" or not set(format_options[1:]) <= {"noheader", "nounits"}:
+        raise QueryError(f'"{options}" is not a valid format: csv, with noheader and nounits')
+    units = "nounits" not in format_options
+    rows = status["devices"] if kind == "gpu" else status["processes"]
+    lines = [] if "noheader" in format_options else [", ".join(
+        f"{table[n][0]} [{table[n][1]}]" if table[n][1] else table[n][0] for n in names)]
+    for row in rows:
+        values = []
+        for name in names:
+            _, unit, value = table[name]
+            shown = value(row, status)
+            values.append(f"{shown} {unit}" if unit and units else str(shown))
+        lines.append(", ".join(values))
+    return "\n".join(lines)
