@@ -1,6 +1,7 @@
 # The CUDA backend: a real GPU behind the backend protocol, through the driver API (cuda-python's
 # cuda.bindings), as the MPS server does it: the daemon is the one process that touches the device, every
-# client's work goes through its one primary context, and clients never see a CUDA handle.
+# client's work goes through its contexts (the primary one, and green ones for capped clients, below), and
+# clients never see a CUDA handle.
 #
 # - Memory: cuMemCreate with POSIX file descriptor handles, mapped in the daemon's address space; its exported
 #   fd is what IPC passes over SCM_RIGHTS (the seed's dma-buf path). The runtime keeps its own client address
