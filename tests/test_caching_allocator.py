@@ -50,9 +50,6 @@ class RecordedDevice:
     def mem_get_info(self) -> tuple[int, int]:
         return 0, self.total
 
-    def create_stream(self) -> int:
-        return 1
-
 
 def _replay(allocator: CachingAllocator, trace: dict, side: object, each_step) -> None:
     if trace["fraction"] is not None:

@@ -138,15 +138,18 @@ class SimBackend:
 
     # -- work --------------------------------------------------------------------------------------------
     def submit(self, work: Work) -> None:
-        touched = self.host_memory.reserve(self._touches(work))
+        # Most launches touch no memory (spin, work): they skip the host RAM budget altogether.
+        touches = self._touches(work)
+        touched = self.host_memory.reserve(touches) if touches else None
         op = self._op(work)
         try:
             self.engine.submit(op)
         except BaseException:
-            self.host_memory.settle(touched)
+            if touched is not None:
+                self.host_memory.settle(touched)
             raise
         work.handle = op
-        if touched.segments:
+        if touched is not None:
             self._reservations.setdefault(work.client, {})[op] = touched
 
     def when_done(self, work: Iterable[Work | None], callback: Callable[[], None]) -> None:
