@@ -6,8 +6,12 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test bench clean
 
-$(STAMP): pyproject.toml
-	$(PYTHON) -m venv $(VENV)
+# The crate in simcore/ is built by maturin, the package's build backend, into mpsd/sim/ (an editable install
+# does not rebuild it by itself, so a change to the crate reinstalls).
+CORE := simcore/Cargo.toml simcore/Cargo.lock $(wildcard simcore/src/*.rs simcore/src/*/*.rs)
+
+$(STAMP): pyproject.toml $(CORE)
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[test]'
 	touch $(STAMP)
@@ -23,6 +27,7 @@ demo: $(STAMP)
 # One worker per core (pytest-xdist): most tests wait on daemons and client processes, so two workers on two
 # cores take about two thirds of the time one does.
 test: $(STAMP)
+	cargo test --quiet --manifest-path simcore/Cargo.toml
 	$(BIN)/python -m pytest -q -p no:cacheprovider -n auto
 
 bench: $(STAMP)
@@ -35,4 +40,4 @@ bench: $(STAMP)
 	$(BIN)/python bench/clock_rate.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info simcore/target mpsd/sim/_core*.so
