@@ -19,12 +19,19 @@ from mpsd_protocol import (  # noqa: F401  (the error classes are part of the cl
 )
 
 from ._api import ContextBase
-from ._async import AsyncContext, open_context
 from ._caching import CachingAllocator
 from ._objects import DevicePointer, Event, HostBuffer, Stream
 from ._sync import Context, connect
 
 globals().update({cls.__name__: cls for cls in ERROR_CLASSES.values()})
+
+
+def __getattr__(name: str):
+    # The trio shell is imported on first use: a blocking client never loads trio (10 MiB of a process).
+    if name in ("AsyncContext", "open_context"):
+        from . import _async
+        return getattr(_async, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
     "AsyncContext", "CachingAllocator", "Context", "ContextBase", "CudaError", "DevicePointer", "Event", "HostBuffer", "Stream",

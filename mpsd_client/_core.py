@@ -10,6 +10,7 @@
 # tasks never share one).
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import itertools
 import mmap
@@ -17,7 +18,6 @@ import os
 import time
 from typing import Any, Generator
 
-import numpy as np
 
 from mpsd_protocol import (  # type: ignore[attr-defined]
     CALLS,
@@ -410,7 +410,20 @@ def _bytes_view(obj: Any, writable: bool) -> memoryview:
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
 
 
+class _PyBuffer(ctypes.Structure):
+    # The head of CPython's Py_buffer (its layout is part of the stable ABI): only `buf` is read, the rest is
+    # room for PyObject_GetBuffer to fill.
+    _fields_ = [("buf", ctypes.c_void_p), ("obj", ctypes.c_void_p), ("rest", ctypes.c_byte * 96)]
+
+
 def _address_of(view: memoryview) -> int:
+    """Where a host buffer's bytes are, read or write alike (ctypes' from_buffer takes only writable ones, and
+    numpy for this alone costs a client process 15 MiB)."""
     if len(view) == 0:
         return 0
-    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+    raw = _PyBuffer()
+    ctypes.pythonapi.PyObject_GetBuffer(ctypes.py_object(view), ctypes.byref(raw), 0)
+    try:
+        return int(raw.buf)
+    finally:
+        ctypes.pythonapi.PyBuffer_Release(ctypes.byref(raw))

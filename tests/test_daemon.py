@@ -347,3 +347,25 @@ def test_client_limit_per_device(daemon_factory):
         mpsd_client.connect(d.pipe_dir)
     for c in clients:
         c.close()
+
+
+def test_a_blocking_client_loads_neither_numpy_nor_trio(daemon):
+    """A worker process that only blocks pays for what it uses: copies from bytes and from a pinned buffer work
+    without numpy, and trio comes in only with the trio shell (the two were 26 MiB of a client's 39)."""
+    from daemons import run_worker
+    proc = run_worker("""
+        import sys
+        import mpsd_client
+        with mpsd_client.connect() as ctx:
+            p = ctx.malloc(1 << 16)
+            ctx.memcpy_htod(p, b"x" * 4096)
+            pinned = ctx.host_alloc(4096)
+            ctx.memcpy_dtoh(pinned, p)
+            ctx.synchronize()
+            assert bytes(memoryview(pinned)[:4]) == b"xxxx"
+        print(sorted(m for m in ("numpy", "trio") if m in sys.modules))
+        mpsd_client.open_context
+        print("trio" in sys.modules)
+    """, daemon.pipe_dir)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["[]", "True"]
