@@ -4,9 +4,14 @@
 # starts when the simulator says and the wall clock no longer matters.
 from __future__ import annotations
 
+import sys
+import textwrap
+
 import pytest
+import trio
 
 import mpsd_client
+from inproc import in_process_daemon
 from mpsd.sim import H200
 from mpsd_client import InvalidResourceHandleError, NotReadyError
 
@@ -193,3 +198,27 @@ async def test_async_context_runs_calls_from_concurrent_tasks(served, autojump_c
         assert order[-1] == "slow"
         assert ("quick", 9.0) in order
         assert (await actx.statistics())["kernels_completed"] == 2
+
+
+async def test_calls_read_together_reach_the_device_together(tmp_path):
+    """Under the wall clock, launches a client sent faster than the daemon serves them are submitted at the
+    simulated time they were read, not spread out by the daemon's own time over each (which would leave the
+    device idle in the model while they wait in the socket); that wait counts as lag instead."""
+    trace = tmp_path / "trace.json"
+    async with in_process_daemon("--time-scale", "1000", "--trace", str(trace)) as d:
+        worker = """
+            import mpsd_client
+            with mpsd_client.connect() as ctx:
+                for _ in range(400):
+                    ctx.launch("spin", 1, 32, [0])
+                ctx.synchronize()
+        """
+        proc = await trio.run_process([sys.executable, "-c", textwrap.dedent(worker)], capture_stderr=True,
+                                      check=False, env={"CUDA_MPS_PIPE_DIRECTORY": str(d.pipe_dir)})
+        assert proc.returncode == 0, proc.stderr
+        backend = d.daemon.devices[0].backend
+        submitted = [op.submitted for op, _ in backend.recorder.kernels]
+    assert len(submitted) == 400
+    # Each read from the socket holds many launches; every launch of one read has one submission time.
+    assert len(set(submitted)) < len(submitted) / 4
+    assert backend.engine.max_lag > 0

@@ -88,6 +88,10 @@ class Backend(Protocol):
     def release_host(self, buffer: Any) -> None:
         """A client's pinned host buffer is about to be unmapped (a GPU must unregister it first)."""
 
+    def received(self, at: float) -> None:
+        """The calls served next were read from their client's socket at trio time `at`: work they queue
+        arrived then, however long the daemon took to get to it."""
+
     def submit(self, work: Work) -> None:
         """Queue `work` after the work it names in `after` and the work before it on its stream.
 

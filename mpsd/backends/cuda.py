@@ -395,6 +395,9 @@ class CudaBackend:
             found = self._streams[key] = (stream, context)
         return found
 
+    def received(self, at: float) -> None:
+        """A real GPU runs work when it is given, not when its call arrived."""
+
     def submit(self, work: Work) -> None:
         cu = self.cu
         stream, context = self._stream(work.stream, work.priority)

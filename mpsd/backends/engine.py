@@ -43,8 +43,13 @@ class Engine:
         self._wake = trio.Event()
         self._waiters: dict[Op, list[Callable[[], None]]] = {}
         # The furthest simulated time has fallen behind the clock (seconds of simulated time): the model
-        # could not keep up with the work given (huge grids of short blocks), so completions came late.
+        # could not keep up with the work given (huge grids of short blocks), so completions came late; or
+        # the daemon could not keep up with its clients, so work was submitted well after its call arrived.
         self.max_lag = 0.0
+        # trio time the calls being served were read (a session says so before serving each): the work they
+        # queue is submitted at that simulated time, so calls read together reach the device together,
+        # rather than spread out by however long the daemon takes over each one. None: now.
+        self.arrival: float | None = None
 
     def sim_now(self) -> float:
         """The simulated time that corresponds to now."""
@@ -61,21 +66,29 @@ class Engine:
     def catch_up(self, due: float | None = None) -> None:
         """Bring the simulator up to now (or to `due`, if later), or as far towards it as one step goes, and
         finish whatever completed meanwhile."""
-        target = self.sim_now() if due is None else max(due, self.sim_now())
-        for op in self.sim.advance(target, MAX_INSTANTS_PER_STEP):
+        self._advance_to(self.sim_now() if due is None else max(due, self.sim_now()))
+
+    def _advance_to(self, target: float) -> None:
+        for op in self.sim.advance(max(target, self.sim.now), MAX_INSTANTS_PER_STEP):
             self._finish(op)
         if self.sim.now < target:
             self._wake.set()  # behind: the run loop comes back after letting other tasks in
             self.max_lag = max(self.max_lag, target - self.sim.now)
 
     def submit(self, op: Op) -> None:
-        """Hand `op` to the simulator at the current time.
+        """Hand `op` to the simulator at the time its call arrived (or later, where the simulator is past it:
+        simulated time never goes back); the time from arrival to submission counts as lag.
 
         Raises:
             ValueError: the simulator refused it (a kernel that cannot fit on an SM, say).
         """
-        self.catch_up()
+        now = self.sim_now()
+        arrived = now
+        if self.arrival is not None and self._origin is not None:
+            arrived = min(now, (self.arrival - self._origin) * self.time_scale)
+        self._advance_to(arrived)
         self.sim.submit(op)
+        self.max_lag = max(self.max_lag, now - self.sim.now)
         self._wake.set()
 
     def when_done(self, ops: Iterable[Op | None], callback: Callable[[], None]) -> None:

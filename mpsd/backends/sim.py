@@ -137,6 +137,9 @@ class SimBackend:
         """Nothing holds a pinned host buffer here beyond its mapping."""
 
     # -- work --------------------------------------------------------------------------------------------
+    def received(self, at: float) -> None:
+        self.engine.arrival = at
+
     def submit(self, work: Work) -> None:
         # Most launches touch no memory (spin, work): they skip the host RAM budget altogether.
         touches = self._touches(work)

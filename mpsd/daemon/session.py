@@ -115,6 +115,7 @@ class Session:
         self._held: Request | Notification | None = None  # a launch call waiting for room in the queue
         self._room = trio.Event()  # set when the held call has gone on
         self._answered = trio.Event()  # set when the last of them has gone
+        self._read_at = 0.0  # trio time of the last read from the socket: when the calls it held arrived
 
     @property
     def _ctx(self) -> Context:
@@ -153,6 +154,7 @@ class Session:
                 event = self.conn.next_event()
                 if event is NEED_DATA:
                     self.conn.receive_data(*await self.channel.receive())
+                    self._read_at = trio.current_time()
                     continue
             except ProtocolError as exc:
                 self._protocol_error(str(exc))
@@ -312,6 +314,8 @@ class Session:
             self._queued += 1
             self._staged += _staged_bytes(message)
         if self.host is None:
+            if self.context is not None:  # other sessions may have served calls since this one's were read
+                self.context.device.backend.received(self._read_at)
             self._serve(message, None)
             return
         engine = self._virtual
