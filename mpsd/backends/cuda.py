@@ -329,6 +329,7 @@ class CudaBackend:
             "shared_memory_per_multiprocessor": a["smem_per_sm"], "clock_rate_khz": a["clock_khz"],
             "memory_bandwidth": 2 * a["memory_clock_khz"] * 1e3 * a["bus_width"] / 8,
             "stream_priority_range": list(self.priorities),
+            "pci_domain_id": a["pci_domain"], "pci_bus_id": a["pci_bus"], "pci_device_id": a["pci_device"],
         }
 
     def allocate(self, nbytes: int) -> CudaMemory:
@@ -565,4 +566,5 @@ _ATTRIBUTES = {
     "regs_per_block": "MAX_REGISTERS_PER_BLOCK", "smem_per_block": "MAX_SHARED_MEMORY_PER_BLOCK",
     "smem_optin": "MAX_SHARED_MEMORY_PER_BLOCK_OPTIN", "smem_per_sm": "MAX_SHARED_MEMORY_PER_MULTIPROCESSOR",
     "clock_khz": "CLOCK_RATE", "memory_clock_khz": "MEMORY_CLOCK_RATE", "bus_width": "GLOBAL_MEMORY_BUS_WIDTH",
+    "pci_domain": "PCI_DOMAIN_ID", "pci_bus": "PCI_BUS_ID", "pci_device": "PCI_DEVICE_ID",
 }

@@ -59,6 +59,8 @@ def device_properties(spec: DeviceSpec, index: int) -> dict[str, Any]:
         "clock_rate_khz": int(spec.clock_hz / 1e3),
         "memory_bandwidth": spec.mem_bandwidth,
         "stream_priority_range": [0, -5],
+        # cudaDeviceProp's pciDomainID, pciBusID, pciDeviceID: one bus per simulated device
+        "pci_domain_id": 0, "pci_bus_id": 0x18 + index, "pci_device_id": 0,
     }
 
 

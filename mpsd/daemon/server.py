@@ -282,6 +282,10 @@ class Daemon:
             span = (now - last_time) * device.properties["multiprocessor_count"]
             devices.append({
                 "index": device.index, "name": device.name, "uuid": device.properties["uuid"],
+                "pci_bus_id": "{:08X}:{:02X}:{:02X}.0".format(*(device.properties[f"pci_{k}_id"]
+                                                               for k in ("domain", "bus", "device"))),
+                "server_memory": device.backend.server_memory, "mig": bool(device.instances),
+                "compute_capability": device.properties["compute_capability"],
                 "memory_used": device.ledger.device.reserved, "memory_total": device.total_memory,
                 # SM-time of the blocks that ended since the last look, over the SM-time that passed (a real
                 # GPU says it itself)

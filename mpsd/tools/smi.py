@@ -3,11 +3,14 @@
 # policy), the host RAM that simulated memory takes (device memory is sparse memfds: only touched pages cost
 # RAM, within the daemon's --host-memory budget), and processes (type M+C as MPS clients show, memory, SM cap,
 # priority, sticky error). `--json` prints the same data, with each process's fair-share weight and MIG
-# instance, for programs; `-l SECONDS` refreshes. `-L`, `--query-gpu=` and `--query-compute-apps=` print what
-# nvidia-smi prints for them (mpsd.tools.smi_query), for scripts that parse it.
+# instance, for programs; `-l SECONDS` refreshes. `-L`, `--query-gpu=`, `--query-compute-apps=`, `-q [-d ...]` and
+# `-i` print what nvidia-smi prints for them (mpsd.tools.smi_query, smi_views), for scripts that parse it; run
+# as `nvidia-smi` (a link of that name, made on request) or with `--smi-name`, the plain view is nvidia-smi's
+# table too, so such scripts need no change at all.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import socket
@@ -17,6 +20,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from mpsd.tools.smi_query import APP_FIELDS, GPU_FIELDS, QueryError, csv, list_gpus
+from mpsd.tools.smi_views import DISPLAY_SECTIONS, NoDevices, query_report, select, table
 from mpsd_protocol import (  # type: ignore[attr-defined]
     CONTROL_PACKET,
     MpsConnectionError,
@@ -85,14 +89,35 @@ def render(status: dict[str, Any]) -> str:
 
 
 def _output(status: dict[str, Any], options: argparse.Namespace) -> str:
-    """What one look prints: nvidia-smi's list or CSV where asked for, else JSON or the table."""
+    """What one look prints: nvidia-smi's list, CSV, report or table where asked for, else JSON or our table.
+
+    Raises:
+        QueryError: options nvidia-smi would refuse (its words).
+        NoDevices: -i names no device.
+    """
     if options.list_gpus:
+        for flag, given in (("-i", options.id is not None), ("-q", options.query)):
+            if given:
+                raise QueryError(f"ERROR: Option {flag} is not valid for this command. Please run 'nvidia-smi -h' "
+                                 "for help.\n")
         return list_gpus(status)
+    status = select(status, options.id)
     if options.query_gpu is not None:
         return csv(status, "gpu", options.query_gpu, options.format)
     if options.query_compute_apps is not None:
         return csv(status, "apps", options.query_compute_apps, options.format)
-    return json.dumps(status) if options.json else render(status)
+    if options.query or options.display is not None:
+        return query_report(status, options.display)
+    if options.json:
+        return json.dumps(status)
+    return table(status, _version()) if options.smi_name else render(status)
+
+
+def _version() -> str:
+    try:
+        return "mpsd-" + importlib.metadata.version("mpsd")
+    except importlib.metadata.PackageNotFoundError:
+        return "mpsd"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -107,7 +132,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--query-compute-apps", metavar="FIELDS",
                         help=f"as nvidia-smi: the client processes' {', '.join(APP_FIELDS)}")
     parser.add_argument("--format", default="csv", help="with a query: csv[,noheader][,nounits] (default csv)")
+    parser.add_argument("-q", "--query", action="store_true", help="as nvidia-smi -q: a report of each device")
+    parser.add_argument("-d", "--display", metavar="SECTIONS",
+                        help=f"with -q: only these sections, comma-separated: {', '.join(DISPLAY_SECTIONS)}")
+    parser.add_argument("-i", "--id", metavar="IDS",
+                        help="only these devices: indices, UUIDs or PCI bus ids, comma-separated")
+    parser.add_argument("--smi-name", action="store_true",
+                        help="behave as nvidia-smi: the plain view is its table (the default when run as nvidia-smi)")
     options = parser.parse_args(argv)
+    options.smi_name = options.smi_name or Path(sys.argv[0]).name == "nvidia-smi"
+    if options.display is not None and not options.query:
+        options.query = True  # nvidia-smi takes -d with -q; alone it means the same
     if options.loop is not None and not options.loop > 0:
         parser.error("-l needs a positive number of seconds")
     pipe_dir = pipe_directory(options.pipe_dir)
@@ -126,6 +161,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             except QueryError as exc:  # nvidia-smi's words, and its exit status
                 print(exc, file=sys.stderr)
                 return 2
+            except NoDevices:
+                print("No devices were found", file=sys.stderr)
+                return 6
             except BrokenPipeError:  # `mpsd-smi | head`: the reader has what it wanted
                 os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
                 return 0

@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 import psutil
 
-__all__ = ["APP_FIELDS", "GPU_FIELDS", "QueryError", "csv", "list_gpus"]
+__all__ = ["APP_FIELDS", "GPU_FIELDS", "MiB", "QueryError", "compute_apps", "csv", "list_gpus", "process_name"]
 
 MiB = 1 << 20
 
@@ -23,7 +23,7 @@ def _mib(nbytes: int) -> int:
     return round(nbytes / MiB)  # to the nearest, as nvidia-smi showed 150,109,880,320 bytes free as 143156 MiB
 
 
-def _process_name(pid: int) -> str:
+def process_name(pid: int) -> str:
     try:
         return psutil.Process(pid).name()
     except (psutil.Error, OSError):
@@ -43,11 +43,24 @@ GPU_FIELDS: dict[str, Field] = {
 }
 APP_FIELDS: dict[str, Field] = {
     "pid": ("pid", "", lambda p, s: p["pid"]),
-    "process_name": ("process_name", "", lambda p, s: _process_name(p["pid"])),
+    "process_name": ("process_name", "", lambda p, s: process_name(p["pid"])),
     "used_memory": ("used_gpu_memory", "MiB", lambda p, s: _mib(p["memory"])),
     "used_gpu_memory": ("used_gpu_memory", "MiB", lambda p, s: _mib(p["memory"])),
     "gpu_uuid": ("gpu_uuid", "", lambda p, s: next(d["uuid"] for d in s["devices"] if d["index"] == p["device"])),
 }
+
+
+def compute_apps(status: dict[str, Any]) -> list[dict[str, Any]]:
+    """The compute processes nvidia-smi lists: on each device with clients the MPS server (type C), then its
+    clients (M+C)."""
+    apps = []
+    for device in status["devices"]:
+        clients = [p for p in status["processes"] if p["device"] == device["index"]]
+        if clients:
+            apps.append({"pid": status["server_pid"], "device": device["index"], "type": "C",
+                         "memory": device.get("server_memory", 0)})
+            apps += clients
+    return apps
 
 
 def list_gpus(status: dict[str, Any]) -> str:
@@ -71,7 +84,7 @@ def csv(status: dict[str, Any], kind: str, fields: str, options: str) -> str:
     if format_options[0] != "csv" or not set(format_options[1:]) <= {"noheader", "nounits"}:
         raise QueryError(f'"{options}" is not a valid format: csv, with noheader and nounits')
     units = "nounits" not in format_options
-    rows = status["devices"] if kind == "gpu" else status["processes"]
+    rows = status["devices"] if kind == "gpu" else compute_apps(status)
     lines = [] if "noheader" in format_options else [", ".join(
         f"{table[n][0]} [{table[n][1]}]" if table[n][1] else table[n][0] for n in names)]
     for row in rows:
