@@ -23,7 +23,8 @@ from mpsd_protocol import (  # type: ignore[attr-defined]
 
 def visible_devices(environ: Mapping[str, str] = os.environ) -> list[int | str] | None:
     """The devices CUDA_VISIBLE_DEVICES names, in order (None when it is unset): indices, or UUIDs (``GPU-...``,
-    whole or a prefix that names one device, as CUDA takes them).
+    whole or a prefix that names one device, as CUDA takes them), or MIG devices (``MIG-<uuid>``, or the older
+    ``MIG-GPU-<uuid>/<gi>/<ci>``).
 
     Like CUDA, the list ends at the first entry that is neither; the daemon drops the devices it does not have
     (and what follows them), then renumbers what is left from 0.
@@ -33,7 +34,7 @@ def visible_devices(environ: Mapping[str, str] = os.environ) -> list[int | str] 
         return None
     devices: list[int | str] = []
     for part in (p.strip() for p in visible.split(",")):
-        if part.startswith("GPU-") and len(part) <= UUID_MAX and part.isascii():
+        if part.startswith(("GPU-", "MIG-")) and len(part) <= UUID_MAX and part.isascii():
             devices.append(part)
             continue
         try:

@@ -3,6 +3,9 @@
 # while the other instances' memory stays untouched. Expected figures come from the model's own tables.
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 import mpsd_client
@@ -84,3 +87,28 @@ def test_an_instance_without_room_for_a_context_refuses_the_client(daemon_factor
         hog.malloc(hog.mem_get_info()[0] // CHUNK * CHUNK)
         with pytest.raises(mpsd_client.OutOfMemoryError, match="MIG instance 0"):
             _connect(d, monkeypatch, 0)
+
+
+def test_cuda_visible_devices_names_a_mig_device(mig, monkeypatch):
+    """nvidia-smi -L lists each instance's MIG UUID under its GPU; CUDA_VISIBLE_DEVICES takes it (or the older
+    MIG-GPU-<uuid>/<gi>/<ci>) and binds the client to that instance, as CUDA enumerates a MIG device; one that
+    names no instance is no device."""
+    listed = subprocess.run([sys.executable, "-m", "mpsd.tools.smi", "--pipe-dir", str(mig.pipe_dir), "-L"],
+                            capture_output=True, text=True, timeout=30).stdout.splitlines()
+    assert listed[0].startswith("GPU 0: NVIDIA H200 (UUID: GPU-")
+    gpu = listed[0].split("UUID: ")[1].rstrip(")")
+    assert [line.split(": (UUID: ")[0] for line in listed[1:]] == ["  MIG 3g.71gb     Device  0",
+                                                                   "  MIG 1g.18gb     Device  1"]
+    migs = [line.split("UUID: ")[1].rstrip(")") for line in listed[1:]]
+    for visible in (migs[1], migs[1][:12], f"MIG-{gpu}/1/0"):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+        with mpsd_client.connect(mig.pipe_dir) as ctx:
+            assert ctx.device_properties()["total_memory"] == _instance_memory(LAYOUT[1])
+    for visible in ("MIG-ffffffff", f"MIG-{gpu}/2/0", f"MIG-{gpu}/1/1"):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+        with pytest.raises(mpsd_client.NoDeviceError):
+            mpsd_client.connect(mig.pipe_dir)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", migs[0])
+    monkeypatch.setenv("MPSD_MIG_PARTITION", "1")
+    with pytest.raises(mpsd_client.InvalidValueError, match="disagree"):
+        mpsd_client.connect(mig.pipe_dir)

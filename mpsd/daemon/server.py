@@ -130,8 +130,8 @@ class Daemon:
         """
         if self.control.server.shutting_down:
             raise MpsServerNotReadyError("the MPS server is shutting down")
-        device = self.devices[self._device_index(hello.get("device", 0), hello.get("visible"))]
-        index = device.index
+        index, instance = self._device_index(hello.get("device", 0), hello.get("visible"))
+        device = self.devices[index]
         if device.faulted:
             raise MpsServerNotReadyError(f"the server is handling a fatal GPU error on device {index}; new "
                                          "clients wait until the faulting clients have exited")
@@ -146,6 +146,11 @@ class Daemon:
         partition = limits.get("partition")
         if partition is not None and (type(partition) is not int or not 0 <= partition < len(device.instances)):
             raise InvalidValueError(f"MIG partition {brief(partition, 20)} does not exist on device {index}")
+        if instance is not None:  # CUDA_VISIBLE_DEVICES named a MIG device
+            if partition is not None and partition != instance:
+                raise InvalidValueError(f"MPSD_MIG_PARTITION={partition} and CUDA_VISIBLE_DEVICES's MIG device "
+                                        f"(partition {instance}) disagree")
+            partition = instance
         if device.instances and partition is None:
             partition = 0  # as the mig policy binds a client that names no instance
         memory = self.control.memory_limit_for_new_client(index) or device.memory_total(partition)
@@ -198,8 +203,9 @@ class Daemon:
                                       instance=context.partition)
         self.log.server(f"Client {context.pid}: priority {priority}, weight {weight:g}")
 
-    def _device_index(self, ordinal: Any, visible: Any) -> int:
-        """Our index of the client's device `ordinal`, through its CUDA_VISIBLE_DEVICES list (None: unset).
+    def _device_index(self, ordinal: Any, visible: Any) -> tuple[int, int | None]:
+        """Our index of the client's device `ordinal`, through its CUDA_VISIBLE_DEVICES list (None: unset),
+        and the MIG instance it names where the entry is a MIG device's (else None).
 
         Raises:
             NoDeviceError: the list names none of our devices.
@@ -207,7 +213,7 @@ class Daemon:
         """
         count = len(self.devices)
         if visible is None:
-            indices = list(range(count))
+            indices: list[tuple[int, int | None]] = [(i, None) for i in range(count)]
         elif isinstance(visible, list) and all(type(v) is int or (type(v) is str and len(v) <= 64) for v in visible):
             # As in CUDA, an entry that names no device (an index we do not have, a UUID prefix that matches
             # none or several) ends the list.
@@ -221,12 +227,26 @@ class Daemon:
             raise InvalidDeviceError(f"device {brief(ordinal, 20)} does not exist ({len(indices)} visible)")
         return indices[ordinal]
 
-    def _visible_index(self, entry: int | str) -> int | None:
-        """Our index of one CUDA_VISIBLE_DEVICES entry: an index, or a UUID or a prefix of one device's UUID."""
+    def _visible_index(self, entry: int | str) -> tuple[int, int | None] | None:
+        """Our (device index, MIG instance or None) for one CUDA_VISIBLE_DEVICES entry: an index, a UUID or a
+        prefix of one device's UUID, or a MIG device as ``MIG-<uuid>`` or ``MIG-GPU-<uuid>/<gi>/<ci>`` (the
+        older form; the compute instance must be 0, the only one a partition has here)."""
         if type(entry) is int:
-            return entry if 0 <= entry < len(self.devices) else None
-        matches = [d.index for d in self.devices if d.properties["uuid"].startswith(entry)]  # type: ignore[arg-type]
-        return matches[0] if len(matches) == 1 else None
+            return (entry, None) if 0 <= entry < len(self.devices) else None
+        assert isinstance(entry, str)
+        if entry.startswith("MIG-GPU-"):
+            gpu, _, rest = entry.removeprefix("MIG-").partition("/")
+            found = [d for d in self.devices if d.properties["uuid"] == gpu]
+            gi, _, ci = rest.partition("/")
+            if (len(found) == 1 and gi.isdecimal() and ci == "0"
+                    and int(gi) < len(found[0].instances)):
+                return found[0].index, int(gi)
+            return None
+        if entry.startswith("MIG-"):
+            migs = [(d.index, n) for d in self.devices for n, u in enumerate(d.mig_uuids) if u.startswith(entry)]
+            return migs[0] if len(migs) == 1 else None
+        matches = [d.index for d in self.devices if d.properties["uuid"].startswith(entry)]
+        return (matches[0], None) if len(matches) == 1 else None
 
     def detach(self, context: Context) -> None:
         """The client is gone (closed, exited or killed): reclaim everything it held."""
@@ -286,6 +306,7 @@ class Daemon:
                                                                for k in ("domain", "bus", "device"))),
                 "server_memory": device.backend.server_memory, "mig": bool(device.instances),
                 "compute_capability": device.properties["compute_capability"],
+                "mig_devices": [{"profile": i.name, "uuid": u} for i, u in zip(device.instances, device.mig_uuids)],
                 "memory_used": device.ledger.device.reserved, "memory_total": device.total_memory,
                 # SM-time of the blocks that ended since the last look, over the SM-time that passed (a real
                 # GPU says it itself)

@@ -3,6 +3,8 @@
 # gets the sticky error), or per client when the daemon is told so.
 from __future__ import annotations
 
+import uuid
+
 from typing import TYPE_CHECKING, Any
 
 from mpsd.backends.base import Backend
@@ -36,6 +38,10 @@ class Device:
         # torch's name for it beside CUDA's (torch.cuda.get_device_properties(0).multi_processor_count)
         self.properties["multi_processor_count"] = self.properties["multiprocessor_count"]
         self.instances = backend.instances
+        # Each MIG instance's UUID, as nvidia-smi -L lists them and CUDA_VISIBLE_DEVICES takes them: derived
+        # from the device's, so that the same device gives the same ones on every run.
+        gpu = self.properties["uuid"]
+        self.mig_uuids = [f"MIG-{uuid.uuid5(uuid.NAMESPACE_OID, f'{gpu}/{n}')}" for n in range(len(self.instances))]
         self.ledger = Ledger(backend.total_memory, backend.server_memory, [i.memory for i in self.instances])
         self.contexts: dict[int, Context] = {}
         self.containment = containment

@@ -65,7 +65,12 @@ def compute_apps(status: dict[str, Any]) -> list[dict[str, Any]]:
 
 def list_gpus(status: dict[str, Any]) -> str:
     """`nvidia-smi -L`."""
-    return "\n".join(f"GPU {d['index']}: {d['name']} (UUID: {d['uuid']})" for d in status["devices"])
+    lines = []
+    for d in status["devices"]:
+        lines.append(f"GPU {d['index']}: {d['name']} (UUID: {d['uuid']})")
+        lines += [f"  MIG {m['profile']:<11} Device {n:>2}: (UUID: {m['uuid']})"
+                  for n, m in enumerate(d.get("mig_devices", ()))]
+    return "\n".join(lines)
 
 
 def csv(status: dict[str, Any], kind: str, fields: str, options: str) -> str:
