@@ -4,6 +4,8 @@
 # why, so CI stays green.
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -191,3 +193,38 @@ def test_mpsd_smi_shows_the_device(backend_daemon):
         device = query(backend_daemon.pipe_dir)["devices"][0]
     assert "H200" in device["name"] and device["memory_total"] > 100e9
     assert 0.0 <= device["sm_utilization"] <= 1.0 and device["clients"] == 1
+
+
+HOLDER = """
+import sys
+import mpsd_client
+ctx = mpsd_client.connect()
+ctx.malloc(64 << 20)
+ctx.launch("spin", 1, 32, [int(8 * 1.98e9)])  # 8 s of one block: still running when the process is killed
+print("running", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_killed_clients_running_kernel_stalls_nobody(backend_daemon):
+    """A client killed while its kernel runs: a GPU cannot drop the kernel, so it runs out, but the daemon does
+    not wait for it. Another client's calls are answered meanwhile and the killed one's memory is reclaimed at
+    once (the driver's pages go when the kernel has ended). The bound is far from the kernel's 8 s: only a
+    daemon that waits for the kernel misses it."""
+    holder = spawn_worker(HOLDER, backend_daemon.pipe_dir)
+    try:
+        assert holder.stdout.readline() == "running\n", holder.stderr.read()
+        with mpsd_client.connect(backend_daemon.pipe_dir) as other:
+            free_with_holder = other.mem_get_info()[0]
+            holder.kill()
+            holder.wait(30)
+            start = time.monotonic()
+            while other.mem_get_info()[0] < free_with_holder + (64 << 20) and time.monotonic() - start < 30:
+                time.sleep(0.01)
+            assert time.monotonic() - start < 4.0
+            assert other.mem_get_info()[0] >= free_with_holder + (64 << 20)
+            other.launch("fill_f32", 1, 32, [other.malloc(4 * 32), 1.0, 32])
+            other.synchronize()
+    finally:
+        holder.kill()
+        holder.communicate(timeout=30)

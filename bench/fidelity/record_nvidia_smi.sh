@@ -15,4 +15,8 @@ OUT=${OUT:-out}; mkdir -p "$OUT"
     nvidia-smi $args 2>&1
     echo "===== rc=$?"
   done
+  echo "# The errors above are on stdout: the same commands with 2>/dev/null printed"
+  for a in "-i 7" "-q -d BOGUS" "-L -i 0" "--query-gpu=bogus --format=csv"; do
+    echo "== $a stdout only:"; nvidia-smi $a 2>/dev/null; echo "rc=$?"
+  done
 } > "$OUT/nvidia_smi_q_h200.txt"

@@ -160,16 +160,22 @@ class CudaMemory:
         self.on_release: list[Callable[[], None]] = []
 
     def release(self) -> None:
+        """The last reference is gone. Its charge goes now, as cudaFree returns having freed it; the driver's
+        memory goes once no work given before may touch it (CudaBackend.bury), since cudaFree's implicit
+        synchronisation is not ours to make: the daemon must not wait on the GPU."""
         self.refs -= 1
-        if self.refs:
-            return
+        if not self.refs:
+            for callback in self.on_release:
+                callback()
+            self._backend.bury(self)
+
+    def free(self) -> None:
+        """Give the memory back to the driver (the GPU touches it no more: see CudaBackend.bury)."""
         cu = self._backend.cu
         os.close(self.fd)
         cu.cuMemUnmap(self.dptr, self._span)
         cu.cuMemAddressFree(self.dptr, self._span)
         cu.cuMemRelease(self._handle)
-        for callback in self.on_release:
-            callback()
 
 
 @dataclass(eq=False, slots=True)
@@ -190,8 +196,9 @@ class _Pending:
     event: Any
     stream: tuple[int, int]
     context: _Context
-    done: bool = False
+    done: bool = False  # completed, or let go with its client (cancelled)
     cancelled: bool = False
+    retired: bool = False  # the GPU has finished it (a cancelled piece of work runs out all the same)
     ended: float = math.nan
     fault: CudaError | None = None
     waiters: list[Callable[[], None]] = field(default_factory=list)
@@ -248,6 +255,10 @@ class CudaBackend:
         self._placed: dict[int, _Context] = {}  # client -> the context its streams run in
         self._streams: dict[tuple[int, int], tuple[Any, _Context]] = {}
         self._queues: dict[tuple[int, int], deque[_Pending]] = {}
+        self._draining: list[deque[_Pending]] = []  # queues of forgotten clients' streams, running out
+        # Memory released while work given before may still touch it, and the last work then given to each
+        # stream: freed once all of that has retired (streams retire in order).
+        self._graves: list[tuple[CudaMemory, list[_Pending]]] = []
         self._host: dict[int, tuple[Any, int]] = {}  # id(HostBuffer) -> (the buffer, its registered address)
         self._wake = trio.Event()
         self._nvml = _nvml_handle(self.properties(ordinal)["uuid"])
@@ -363,17 +374,36 @@ class CudaBackend:
         self._placed[client.id] = groups[turn % len(groups)]
 
     def cancel(self, client: int) -> None:
-        """A real GPU cannot drop queued work: wait for the client's streams, then tell everyone waiting."""
-        for key in [k for k in self._streams if k[0] == client]:
-            self.cu.cuStreamSynchronize(self._streams[key][0])
-        self._poll()
+        """A real GPU cannot drop work it was given: the client's work is let go at once (whoever waits on it
+        is told, nothing reports it completed) and runs out on the GPU meanwhile, without the daemon waiting
+        for it; the memory it may touch is freed once it has (bury)."""
+        for key, queue in self._queues.items():
+            if key[0] == client:
+                for pending in queue:
+                    if not pending.done:
+                        pending.cancelled = pending.done = True
+                        _tell(pending.waiters)
+        self._wake.set()
 
     def forget(self, client: int) -> None:
         self.cancel(client)
         for key in [k for k in self._streams if k[0] == client]:
+            # The driver frees a destroyed stream's resources once its work is done; ours go on being polled.
             self.cu.cuStreamDestroy(self._streams.pop(key)[0])
-            self._queues.pop(key, None)
+            queue = self._queues.pop(key, None)
+            if queue:
+                self._draining.append(queue)
         self._placed.pop(client, None)
+
+    def bury(self, memory: CudaMemory) -> None:
+        """Free `memory` now if no work the GPU was given may still touch it, else once that work has retired
+        (a killed client's kernels run out before its memory goes, as on a real GPU under MPS)."""
+        tails = [queue[-1] for queue in (*self._queues.values(), *self._draining) if queue]
+        if tails:
+            self._graves.append((memory, tails))
+            self._wake.set()
+        else:
+            memory.free()
 
     def release_host(self, buffer: Any) -> None:
         """A pinned host buffer is about to be unmapped: the driver must let go of it first."""
@@ -472,10 +502,11 @@ class CudaBackend:
                  lambda pending, told: pending.waiters.append(told), callback)
 
     def _poll(self) -> bool:
-        """Finish the work whose events have fired; whether any is still pending."""
+        """Finish the work whose events have fired, and free the memory nothing may touch any more; whether
+        any work or memory is still waiting."""
         cu = self.cu
         busy = False
-        for queue in self._queues.values():
+        for queue in (*self._queues.values(), *self._draining):
             while queue:
                 head = queue[0]
                 status = cu.cuEventQuery(head.event)[0]
@@ -484,21 +515,32 @@ class CudaBackend:
                     break
                 queue.popleft()
                 self._finish(head)
-        return busy
+        self._draining = [queue for queue in self._draining if queue]
+        if self._graves:
+            graves, self._graves = self._graves, []
+            for memory, tails in graves:
+                if all(pending.retired for pending in tails):
+                    memory.free()
+                else:
+                    self._graves.append((memory, tails))
+        return busy or bool(self._graves)
 
     def _finish(self, pending: _Pending) -> None:
         cu = self.cu
         context = pending.context
-        err, ms = cu.cuEventElapsedTime(context.base, pending.event)
-        pending.ended = context.base_time + ms / 1e3 if err == cu.CUresult.CUDA_SUCCESS else self.now()
+        if not pending.cancelled:
+            err, ms = cu.cuEventElapsedTime(context.base, pending.event)
+            pending.ended = context.base_time + ms / 1e3 if err == cu.CUresult.CUDA_SUCCESS else self.now()
         cu.cuEventDestroy(pending.event)
-        pending.done = True
+        pending.retired = True
         for cleanup in pending.cleanup:
             cleanup()
+        if pending.cancelled:  # its client is gone: nobody is told again, and its fault is nobody's now
+            return
+        pending.done = True
         if pending.fault is not None:
             self.on_fault(pending.stream[0], pending.fault)
-        for waiter in pending.waiters:
-            waiter()
+        _tell(pending.waiters)
 
     # -- time and what happened ----------------------------------------------------------------------
     def now(self) -> float:
@@ -568,3 +610,9 @@ _ATTRIBUTES = {
     "clock_khz": "CLOCK_RATE", "memory_clock_khz": "MEMORY_CLOCK_RATE", "bus_width": "GLOBAL_MEMORY_BUS_WIDTH",
     "pci_domain": "PCI_DOMAIN_ID", "pci_bus": "PCI_BUS_ID", "pci_device": "PCI_DEVICE_ID",
 }
+
+
+def _tell(waiters: list[Callable[[], None]]) -> None:
+    for waiter in waiters:
+        waiter()
+    waiters.clear()

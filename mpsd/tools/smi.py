@@ -158,11 +158,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return 1
             try:
                 print(_output(status, options), flush=True)
-            except QueryError as exc:  # nvidia-smi's words, and its exit status
-                print(exc, file=sys.stderr)
+            except QueryError as exc:  # nvidia-smi's words, and its exit status (on stdout, as it prints them)
+                print(exc)
                 return 2
             except NoDevices:
-                print("No devices were found", file=sys.stderr)
+                print("No devices were found")
                 return 6
             except BrokenPipeError:  # `mpsd-smi | head`: the reader has what it wanted
                 os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit

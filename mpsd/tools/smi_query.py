@@ -84,7 +84,7 @@ def csv(status: dict[str, Any], kind: str, fields: str, options: str) -> str:
     names = [name.strip() for name in fields.split(",") if name.strip()]
     for name in names:
         if name not in table:
-            raise QueryError(f'Field "{name}" is not a valid field to query.')
+            raise QueryError(f'Field "{name}" is not a valid field to query.\n')
     format_options = [o.strip() for o in options.split(",")]
     if format_options[0] != "csv" or not set(format_options[1:]) <= {"noheader", "nounits"}:
         raise QueryError(f'"{options}" is not a valid format: csv, with noheader and nounits')
