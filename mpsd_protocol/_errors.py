@@ -54,6 +54,8 @@ _TABLE: list[tuple[int, str, str, str, type[BaseException] | None, bool]] = [
     (100, "cudaErrorNoDevice", "no CUDA-capable device is detected", "NoDeviceError", None, False),
     (101, "cudaErrorInvalidDevice", "invalid device ordinal", "InvalidDeviceError", ValueError, False),
     (201, "cudaErrorDeviceUninitialized", "invalid device context", "DeviceUninitializedError", None, False),
+    (217, "cudaErrorPeerAccessUnsupported", "peer access is not supported between these two devices",
+     "PeerAccessUnsupportedError", None, False),
     (400, "cudaErrorInvalidResourceHandle", "invalid resource handle", "InvalidResourceHandleError", ValueError,
      False),
     (500, "cudaErrorNotFound", "named symbol not found", "NotFoundError", None, False),

@@ -10,6 +10,7 @@ import pwd
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,6 +21,7 @@ from mpsd_client import (
     DeviceUninitializedError,
     InvalidResourceHandleError,
     InvalidValueError,
+    PeerAccessUnsupportedError,
 )
 
 MiB = 1 << 20
@@ -110,8 +112,9 @@ def test_handles_follow_cuda_rules_in_the_exporter(ctx):
 
 
 def test_bad_handles_are_errors_not_crashes(daemon_factory):
-    """Forged, stale, malformed and foreign-device handles and bad flags get CUDA's errors."""
-    d = start_daemon("--time-scale", "100", "--devices", "h200:2")
+    """Forged, stale, malformed and foreign-device handles (where the devices are no peers) and bad flags get
+    CUDA's errors."""
+    d = start_daemon("--time-scale", "100", "--devices", "h200:2", "--peer-access", "none")
     daemon_factory.append(d)
     worker, (handle_hex, stale_hex) = export_from_worker(d, """
         import mpsd_client
@@ -133,7 +136,7 @@ def test_bad_handles_are_errors_not_crashes(daemon_factory):
                 ctx.ipc_open_mem_handle(bad)
         with pytest.raises(InvalidValueError):
             ctx.ipc_open_mem_handle(handle, flags=0)
-        with pytest.raises(InvalidValueError):
+        with pytest.raises(PeerAccessUnsupportedError):
             other_device.ipc_open_mem_handle(handle)
         q = ctx.ipc_open_mem_handle(handle)
         with pytest.raises(InvalidValueError):
@@ -143,6 +146,28 @@ def test_bad_handles_are_errors_not_crashes(daemon_factory):
             ctx.ipc_get_event_handle(e)  # not interprocess
         with pytest.raises(InvalidValueError):
             ctx.ipc_open_event_handle(handle)  # a memory handle is not an event handle
+        ctx.ipc_close_mem_handle(q)
+    finish(worker)
+
+
+def test_a_handle_opens_on_a_peer_device(daemon_factory):
+    """A buffer exported on device 0 opens on device 1 (cudaIpcMemLazyEnablePeerAccess: simulated devices are
+    NVLink peers): the same bytes, which device 1's kernels read and write; the importer's statistics say the
+    memory is another device's, mapped over peer access."""
+    d = start_daemon("--time-scale", "100", "--devices", "h200:2")
+    daemon_factory.append(d)
+    worker, (handle_hex,) = export_from_worker(d, EXPORTER)
+    with mpsd_client.connect(d.pipe_dir, device=1) as ctx:
+        q = ctx.ipc_open_mem_handle(bytes.fromhex(handle_hex))
+        total = ctx.malloc(4)
+        ctx.memset(total, 0, 4)
+        ctx.launch("saxpy_f32", 1024, 1024, [1.0, q, q, MiB])  # on device 1, in device 0's memory: q += q
+        ctx.launch("reduce_sum_f32", 1, 1024, [q, total, MiB])
+        out = np.empty(1, np.float32)
+        ctx.memcpy_dtoh(out, total)
+        assert out[0] == 5.0 * MiB
+        stats = ctx.statistics()
+        assert stats["memory_imported"] == stats["memory_imported_peer"] == 4 * MiB
         ctx.ipc_close_mem_handle(q)
     finish(worker)
 
@@ -406,8 +431,23 @@ def test_access_policy_with_a_real_second_user(daemon_factory, access, allowed):
 
 def test_example_pipeline_runs():
     """examples/ipc_pipeline.py, the example users run, completes and checks its own results."""
-    from pathlib import Path
 
     example = Path(__file__).parent.parent / "examples" / "ipc_pipeline.py"
     result = subprocess.run([sys.executable, str(example)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+
+
+@pytest.mark.parametrize("peer_access", ["all", "none"])
+def test_two_gpu_pipeline_example_runs(peer_access):
+    """examples/two_gpu_pipeline.py: preprocessing on GPU 0, inference on GPU 1, through a peer mapping or
+    staged through the host, and the statistics say which."""
+    example = Path(__file__).parent.parent / "examples" / "two_gpu_pipeline.py"
+    proc = subprocess.run([sys.executable, str(example), "--peer-access", peer_access], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    consumer = next(line for line in proc.stdout.splitlines() if line.startswith("consumer: memory"))
+    if peer_access == "all":
+        assert f"memory_imported_peer={MiB} " in consumer and "mapped GPU 0's feature buffer" in proc.stdout
+    else:
+        assert "memory_imported_peer=0 " in consumer and "cudaErrorPeerAccessUnsupported" in proc.stdout
+        assert int(consumer.split("bytes_copied=")[1].split()[0]) >= 4 * MiB  # four batches of 1 MiB staged in

@@ -21,6 +21,7 @@ DEVICE_MODELS: dict[str, DeviceSpec] = {"h200": H200}
 POLICIES = tuple(SIM_POLICIES)  # whatever the simulator offers
 CONTAINMENT = ("device", "client")
 IPC_ACCESS = ("uid", "group", "any")
+PEER_ACCESS = ("all", "none")
 CLOCKS = ("wall", "virtual")
 HANDSHAKE_TIMEOUT = 10.0  # wall seconds a connection has to say hello (the client waits as long for the reply)
 
@@ -48,6 +49,9 @@ class Config:
     client_priority: int = 0
     fault_containment: str = "device"
     ipc_access: str = "uid"
+    # Whether a client on one device may map another device's memory (an IPC handle opened across devices):
+    # "all" as the GPUs of an HGX H200 board over NVLink, "none" as GPUs without peer access.
+    peer_access: str = "all"
     multiuser: bool = False  # one server for every user, instead of one user's server at a time
     mps_names: bool = False  # the process shows as nvidia-cuda-mps-control
     max_clients: int = 48  # per device, as Volta+ MPS (CUDA 13.0, measured driver)
@@ -170,6 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "(opens in ui.perfetto.dev)")
     parser.add_argument("--ipc-access", choices=IPC_ACCESS,
                         help="who may open an IPC handle: the exporter's uid (default, as CUDA), its group, anyone")
+    parser.add_argument("--peer-access", choices=PEER_ACCESS,
+                        help="simulated devices: all (default) map each other's memory, as NVLink peers; none "
+                             "(an IPC handle opened on another device is cudaErrorPeerAccessUnsupported)")
     return parser
 
 
@@ -223,6 +230,9 @@ def load_config(argv: Sequence[str] | None = None, environ: dict[str, str] | Non
     ipc_access = pick("ipc_access", "uid")
     if ipc_access not in IPC_ACCESS:
         raise ConfigError(f"IPC access must be one of {', '.join(IPC_ACCESS)}")
+    peer_access = pick("peer_access", "all")
+    if peer_access not in PEER_ACCESS:
+        raise ConfigError(f"peer access must be one of {', '.join(PEER_ACCESS)}")
     policy_options: dict[str, Any] = {}
     for name, key in (("timeslice", "timeslice"), ("context_switch", "switch"), ("aging", "aging")):
         value = pick(name)
@@ -257,7 +267,7 @@ def load_config(argv: Sequence[str] | None = None, environ: dict[str, str] | Non
                   policy=policy, time_scale=time_scale, clock=clock, host_time=host_time, idle_grace=idle_grace,
                   active_thread_percentage=percentage,
                   pinned_mem_limits=limits, client_priority=priority, fault_containment=containment,
-                  ipc_access=ipc_access, max_clients=max_clients, handshake_timeout=handshake_timeout,
+                  ipc_access=ipc_access, peer_access=peer_access, max_clients=max_clients, handshake_timeout=handshake_timeout,
                   host_memory=host_memory,
                   policy_options=policy_options,
                   multiuser=bool(pick("multiuser", False)), mps_names=bool(pick("mps_names", False)),

@@ -19,7 +19,7 @@ from typing import Any
 
 import trio
 
-from mpsd.backends.base import Backend
+from mpsd.backends.base import HOST_VIEW, Backend
 from mpsd.backends.cuda import CudaBackend, CudaDevice
 from mpsd.backends.hostmem import HostMemory, default_budget
 from mpsd.backends.sim import SimBackend
@@ -89,7 +89,7 @@ class Daemon:
         self.host_memory = HostMemory(config.host_memory if config.host_memory is not None else default_budget())
         self.devices = [Device(i, self._backend(i, device), containment=config.fault_containment, log=self.log,
                                shared_process=config.shared_process) for i, device in enumerate(config.devices)]
-        self.ipc = IpcRegistry(config.ipc_access, self.log)
+        self.ipc = IpcRegistry(config.ipc_access, self.log, self._peers)
         self.owner_uid = os.geteuid()
         self.settings = Settings(config.active_thread_percentage, {
             i: limit for i in range(len(self.devices)) if (limit := config.pinned_mem_limit(i)) is not None
@@ -119,6 +119,12 @@ class Daemon:
         return SimBackend(device, policy=policy, policy_options=options, clock=config.clock,
                           time_scale=config.time_scale, idle_grace=config.idle_grace, trace=config.trace_path(index),
                           host_memory=self.host_memory)
+
+    def _peers(self, exporter: int, importer: int) -> bool:
+        """Whether a context on device `importer` may map device `exporter`'s memory: simulated devices (their
+        memory is the host's) unless --peer-access none; a real GPU's peers are not built yet (it takes two)."""
+        return self.config.peer_access == "all" and all(
+            HOST_VIEW in self.devices[index].backend.capabilities for index in (exporter, importer))
 
     # -- clients ---------------------------------------------------------------------------------------
     def attach(self, session: Session, limits: dict[str, Any], hello: dict[str, Any]) -> Context:
@@ -338,6 +344,10 @@ class Daemon:
             "memory_used": context.account.reserved, "memory_peak": context.account.peak,
             "memory_imported": sum(export.importers[context.id].size for export in
                                    {id(e): e for e in context.imports.values()}.values()),
+            # of which another device's, mapped over peer access (a copy between devices goes as bytes_copied)
+            "memory_imported_peer": sum(export.importers[context.id].size for export in
+                                        {id(e): e for e in context.imports.values()}.values()
+                                        if export.device != context.device.index),
             "launches": counters.launches, "copies": counters.copies, "bytes_copied": counters.bytes_copied,
             "mallocs": counters.mallocs, "frees": counters.frees,
             "kernels_completed": mine.kernels if mine else 0,

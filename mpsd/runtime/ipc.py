@@ -12,7 +12,7 @@ import hmac
 import itertools
 import secrets
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from mpsd.runtime.memory import Allocation
 from mpsd_protocol import (  # type: ignore[attr-defined]
@@ -23,6 +23,7 @@ from mpsd_protocol import (  # type: ignore[attr-defined]
     InvalidValueError,
     IpcHandle,
     NotPermittedError,
+    PeerAccessUnsupportedError,
     brief,
 )
 
@@ -56,9 +57,11 @@ class Export:
 class IpcRegistry:
     """Every export of one daemon."""
 
-    def __init__(self, access: str, log: ServerLog) -> None:
+    def __init__(self, access: str, log: ServerLog,
+                 peers: Callable[[int, int], bool] = lambda exporter, importer: False) -> None:
         self.access = access  # who may open a handle: "uid" (the exporter's, CUDA's rule), "group", "any"
         self.log = log
+        self.peers = peers  # whether a context on device `importer` may map memory of device `exporter`
         self._ids = itertools.count(1)
         self._exports: dict[int, Export] = {}
         self._by_allocation: dict[Allocation, Export] = {}
@@ -83,7 +86,9 @@ class IpcRegistry:
         """``cudaIpcOpenMemHandle``: map the export into `ctx` (again: the same mapping, one more reference).
 
         Raises:
-            InvalidValueError: malformed handle, or one for another device.
+            InvalidValueError: malformed handle.
+            PeerAccessUnsupportedError: the export is another device's, and this one cannot map its memory
+                (opened across devices, cudaIpcMemLazyEnablePeerAccess enables peer access where it can).
             InvalidResourceHandleError: no such export (forged, or its memory is gone).
             DeviceUninitializedError: opened in the exporting process.
             NotPermittedError: the access policy refuses this client.
@@ -172,8 +177,12 @@ class IpcRegistry:
                 kind == MEMORY and export.allocation is None):
             raise InvalidResourceHandleError("no such IPC export (the handle is stale or forged)")
         if parsed.device != ctx.device.index:
-            raise InvalidValueError(f"the handle is for device {parsed.device}, this context is on "
-                                    f"device {ctx.device.index}")
+            if kind != MEMORY:
+                raise InvalidValueError(f"the handle is for device {parsed.device}, this context is on "
+                                        f"device {ctx.device.index}")
+            if not self.peers(parsed.device, ctx.device.index):
+                raise PeerAccessUnsupportedError(f"device {ctx.device.index} cannot map device {parsed.device}'s "
+                                                 "memory (no peer access between them)")
         allowed = (self.access == "any" or ctx.uid == export.uid
                    or (self.access == "group" and ctx.gid == export.gid))
         if not allowed:
