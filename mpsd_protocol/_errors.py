@@ -50,6 +50,8 @@ _TABLE: list[tuple[int, str, str, str, type[BaseException] | None, bool]] = [
      ValueError, False),
     (17, "cudaErrorInvalidDevicePointer", "invalid device pointer", "InvalidDevicePointerError", ValueError,
      False),
+    (46, "cudaErrorDevicesUnavailable", "CUDA-capable device(s) is/are busy or unavailable",
+     "DevicesUnavailableError", None, False),
     (98, "cudaErrorInvalidDeviceFunction", "invalid device function", "InvalidDeviceFunctionError", None, False),
     (100, "cudaErrorNoDevice", "no CUDA-capable device is detected", "NoDeviceError", None, False),
     (101, "cudaErrorInvalidDevice", "invalid device ordinal", "InvalidDeviceError", ValueError, False),

@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 
 import psutil
+import pytest
 
 import mpsd_client
 from daemons import start_daemon
@@ -106,3 +107,17 @@ def test_nvidia_smi_table_report_and_ids(daemon_factory):
         for args, words in ((("-L", "-i", "0"), _recorded("-i 0 -L")), (("-q", "-d", "BOGUS"), _recorded("-q -d BOGUS"))):
             refused = _smi(daemon, *args)
             assert [*refused.stdout.splitlines(), str(refused.returncode)] == words
+
+
+def test_compute_mode(daemon):
+    """-c as nvidia-smi: PROHIBITED refuses new clients (cudaErrorDevicesUnavailable), the reports say the mode,
+    DEFAULT lets clients in again; a mode nvidia-smi does not take is its error and exit status 2."""
+    set_prohibited = _smi(daemon, "-c", "PROHIBITED")
+    assert (set_prohibited.returncode, set_prohibited.stdout.splitlines()[-1]) == (0, "All done.")
+    assert "    Compute Mode" + " " * 39 + ": Prohibited" in _smi(daemon, "-q", "-d", "COMPUTE").stdout
+    with pytest.raises(mpsd_client.DevicesUnavailableError):
+        mpsd_client.connect(daemon.pipe_dir)
+    assert _smi(daemon, "-c", "0").returncode == 0
+    with mpsd_client.connect(daemon.pipe_dir) as ctx:
+        assert ctx.malloc(16)
+    assert _smi(daemon, "-c", "1").returncode == 2

@@ -24,6 +24,7 @@ import shlex
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
+from mpsd.runtime.device import COMPUTE_MODES
 from mpsd_protocol import parse_decimal, parse_integer, parse_size
 
 if TYPE_CHECKING:
@@ -387,6 +388,15 @@ class Control:
     def cmd_mpsd_status(self, args: list[str]) -> str:
         """Not MPS's: the state mpsd-smi shows, as JSON."""
         return json.dumps(self.daemon.status())
+
+    def cmd_mpsd_compute_mode(self, args: list[str]) -> str:
+        """Not MPS's: a device's compute mode, as nvidia-smi -c sets it (mpsd-smi -c sends this)."""
+        usage = f"mpsd_compute_mode <device> <{'|'.join(COMPUTE_MODES)}>"
+        device, mode = self._args(args, 2, usage)
+        if mode not in COMPUTE_MODES:
+            raise CommandError(f"Usage: {usage}")
+        self.daemon.devices[self._device(device)].compute_mode = mode
+        return ""
 
     def cmd_quit(self, args: list[str]) -> str:
         usage = "Usage: quit [-t <timeout in seconds>]"

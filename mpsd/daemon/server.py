@@ -30,12 +30,13 @@ from mpsd.daemon.ownership import UnsafePathError
 from mpsd.daemon.servlog import ServerLog
 from mpsd.daemon.session import Session
 from mpsd.runtime.context import Context, Quotas
-from mpsd.runtime.device import Device
+from mpsd.runtime.device import COMPUTE_MODES, Device
 from mpsd.runtime.ipc import IpcRegistry
 from mpsd.runtime.memory import CHUNK
 from mpsd.sim import DeviceSpec
 from mpsd_protocol import (  # type: ignore[attr-defined]
     CONTROL_PACKET,
+    DevicesUnavailableError,
     InvalidDeviceError,
     InvalidValueError,
     MpsClientTerminatedError,
@@ -138,6 +139,8 @@ class Daemon:
             raise MpsServerNotReadyError("the MPS server is shutting down")
         index, instance = self._device_index(hello.get("device", 0), hello.get("visible"))
         device = self.devices[index]
+        if device.compute_mode == "PROHIBITED":
+            raise DevicesUnavailableError(f"device {index}'s compute mode is PROHIBITED (nvidia-smi -c)")
         if device.faulted:
             raise MpsServerNotReadyError(f"the server is handling a fatal GPU error on device {index}; new "
                                          "clients wait until the faulting clients have exited")
@@ -312,6 +315,7 @@ class Daemon:
                                                                for k in ("domain", "bus", "device"))),
                 "server_memory": device.backend.server_memory, "mig": bool(device.instances),
                 "compute_capability": device.properties["compute_capability"],
+                "compute_mode": COMPUTE_MODES[device.compute_mode],
                 "mig_devices": [{"profile": i.name, "uuid": u} for i, u in zip(device.instances, device.mig_uuids)],
                 "memory_used": device.ledger.device.reserved, "memory_total": device.total_memory,
                 # SM-time of the blocks that ended since the last look, over the SM-time that passed (a real

@@ -16,6 +16,10 @@ if TYPE_CHECKING:
     from mpsd.runtime.context import Context
 
 
+# nvidia-smi's compute modes, as -c takes them -> as its reports name them
+COMPUTE_MODES = {"DEFAULT": "Default", "PROHIBITED": "Prohibited", "EXCLUSIVE_PROCESS": "Exclusive_Process"}
+
+
 class Device:
     """A GPU shared by the daemon's clients.
 
@@ -46,6 +50,9 @@ class Device:
         self.contexts: dict[int, Context] = {}
         self.containment = containment
         self.log = log
+        # nvidia-smi -c's setting (mpsd-smi -c): PROHIBITED refuses new clients; DEFAULT and EXCLUSIVE_PROCESS,
+        # the one MPS is run under, let every client in through the server alike.
+        self.compute_mode = "DEFAULT"
         self.last_look: tuple[float, float] = (0.0, 0.0)  # (device time, SM-seconds) when mpsd-smi last looked
         # Contexts torn down by a fatal fault and not yet gone: while any is, the server is in FAULT and new
         # clients are refused, as MPS refuses them until the faulting clients have exited.

@@ -37,18 +37,50 @@ def query(pipe_dir: Path) -> dict[str, Any]:
     Raises:
         OSError: no daemon answers at `pipe_dir`.
         MpsConnectionError: the control socket there is served by a user other than root or ours.
+        ValueError: its reply is not the status this mpsd-smi reads.
+    """
+    status = json.loads(command(pipe_dir, "mpsd_status"))
+    _check_shape(status)
+    return status
+
+
+# -c's modes, by name or number as nvidia-smi takes them (1, EXCLUSIVE_THREAD, is long gone)
+COMPUTE_MODES = {"0": "DEFAULT", "DEFAULT": "DEFAULT", "2": "PROHIBITED", "PROHIBITED": "PROHIBITED",
+                 "3": "EXCLUSIVE_PROCESS", "EXCLUSIVE_PROCESS": "EXCLUSIVE_PROCESS"}
+
+
+def command(pipe_dir: Path, line: str) -> str:
+    """Run one control command at the daemon; what it printed (empty: done).
+
+    Raises:
+        OSError: no daemon answers at `pipe_dir`.
+        MpsConnectionError: the control socket there is served by a user other than root or ours.
     """
     with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
         sock.settimeout(10)
         sock.connect(str(pipe_dir / "control"))
         check_server(sock, pipe_dir / "control")
-        sock.send(b"mpsd_status")
+        sock.send(line.encode())
         reply = read_control_reply(lambda: sock.recv(CONTROL_PACKET))
     if reply is None:
         raise ConnectionError("the daemon closed the control connection")
-    status = json.loads(reply)
-    _check_shape(status)
-    return status
+    return reply.decode(errors="replace")
+
+
+def set_compute_mode(pipe_dir: Path, status: dict[str, Any], mode: str) -> tuple[str, int]:
+    """nvidia-smi -c MODE on the devices of `status`: what it prints, and its exit status."""
+    wanted = COMPUTE_MODES.get(mode.upper())
+    if wanted is None:
+        return (f'ERROR: Invalid compute mode "{mode}". Valid modes are DEFAULT (0), PROHIBITED (2) and '
+                "EXCLUSIVE_PROCESS (3).", 2)
+    lines = []
+    for device in status["devices"]:
+        refused = command(pipe_dir, f"mpsd_compute_mode {device['index']} {wanted}")
+        if refused:
+            return "\n".join(lines + [f"Setting compute mode to {wanted} for GPU {device.get('pci_bus_id')} "
+                                       f"failed: {refused}"]), 4
+        lines.append(f"Set compute mode to {wanted} for GPU {device.get('pci_bus_id')}.")
+    return "\n".join(lines + ["All done."]), 0
 
 
 def _check_shape(status: Any) -> None:
@@ -137,6 +169,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help=f"with -q: only these sections, comma-separated: {', '.join(DISPLAY_SECTIONS)}")
     parser.add_argument("-i", "--id", metavar="IDS",
                         help="only these devices: indices, UUIDs or PCI bus ids, comma-separated")
+    parser.add_argument("-c", "--compute-mode", metavar="MODE",
+                        help="set the devices' compute mode (with -i, only those): DEFAULT, PROHIBITED (new "
+                             "clients are refused) or EXCLUSIVE_PROCESS, by name or number")
     parser.add_argument("--smi-name", action="store_true",
                         help="behave as nvidia-smi: the plain view is its table (the default when run as nvidia-smi)")
     options = parser.parse_args(argv)
@@ -153,9 +188,25 @@ def main(argv: Sequence[str] | None = None) -> int:
             except MpsConnectionError as exc:
                 print(f"mpsd-smi: {exc.detail}", file=sys.stderr)
                 return 1
-            except (OSError, ValueError) as exc:
-                print(f"mpsd-smi: no mpsd daemon answers at {pipe_dir}: {exc}", file=sys.stderr)
+            except OSError as exc:
+                if options.compute_mode is None:
+                    print(f"mpsd-smi: no mpsd daemon answers at {pipe_dir}: {exc}", file=sys.stderr)
+                    return 1
+                # mpsd's devices exist only while its daemon runs; a script that sets the mode before it
+                # starts one (as NVIDIA's device plugin does, before nvidia-cuda-mps-control -d) goes on
+                print(f"Compute mode not set: no mpsd daemon answers at {pipe_dir}, so it has no devices yet "
+                      "(MPS runs them as EXCLUSIVE_PROCESS).")
+                return 0
+            except ValueError as exc:
+                print(f"mpsd-smi: the daemon at {pipe_dir} does not answer as mpsd does: {exc}", file=sys.stderr)
                 return 1
+            if options.compute_mode is not None:
+                try:
+                    said, code = set_compute_mode(pipe_dir, select(status, options.id), options.compute_mode)
+                except NoDevices:
+                    said, code = "No devices were found", 6
+                print(said)
+                return code
             try:
                 print(_output(status, options), flush=True)
             except QueryError as exc:  # nvidia-smi's words, and its exit status (on stdout, as it prints them)

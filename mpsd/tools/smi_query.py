@@ -40,6 +40,9 @@ GPU_FIELDS: dict[str, Field] = {
     "memory.used": ("memory.used", "MiB", lambda d, s: _mib(d["memory_used"])),
     "memory.free": ("memory.free", "MiB", lambda d, s: _mib(d["memory_total"] - d["memory_used"])),
     "utilization.gpu": ("utilization.gpu", "%", lambda d, s: round(d["sm_utilization"] * 100)),
+    "pci.bus_id": ("pci.bus_id", "", lambda d, s: d.get("pci_bus_id", "[N/A]")),
+    "compute_mode": ("compute_mode", "", lambda d, s: d.get("compute_mode", "Default")),
+    "count": ("count", "", lambda d, s: len(s["devices"])),
 }
 APP_FIELDS: dict[str, Field] = {
     "pid": ("pid", "", lambda p, s: p["pid"]),

@@ -21,6 +21,7 @@ DISPLAY_SECTIONS = ("MEMORY", "UTILIZATION", "COMPUTE", "PIDS")
 _KEY = 55  # -q's keys are padded to this column before ": "
 # Compute capability major -> the architecture -q names
 _ARCHITECTURES = {7: "Volta", 8: "Ampere", 9: "Hopper", 10: "Blackwell", 12: "Blackwell"}
+_TABLE_MODES = {"Default": "Default", "Exclusive_Process": "E. Process", "Prohibited": "Prohibited"}
 _RULE = "+" + "-" * 89 + "+"
 _CELLS = "+" + "-" * 41 + "+" + "-" * 24 + "+" + "-" * 22 + "+"
 
@@ -73,7 +74,8 @@ def table(status: dict[str, Any], smi_version: str) -> str:
         util = f"{round(d['sm_utilization'] * 100)}%"
         lines += [f"| {d['index']:>3}  {d['name'][:29]:<29}{'N/A':>4}  |   {d.get('pci_bus_id', 'N/A'):<16} Off |"
                   f"{'0':>21} |",
-                  f"| {'N/A':>3}{'N/A':>6}{'N/A':>6}{'N/A':>16} / {'N/A':>5} |{memory:>23} |{util:>8}{'Default':>13} |",
+                  f"| {'N/A':>3}{'N/A':>6}{'N/A':>6}{'N/A':>16} / {'N/A':>5} |{memory:>23} |{util:>8}"
+                  f"{_TABLE_MODES.get(d.get('compute_mode', 'Default'), 'Default'):>13} |",
                   f"|{'':41}|{'':24}|{'Enabled' if d.get('mig') else 'Disabled':>21} |"]
     lines += [_CELLS, "", _RULE, "| Processes:" + " " * 78 + "|",
               "|  GPU   GI   CI              PID   Type   Process name                        GPU Memory |",
@@ -130,7 +132,7 @@ def query_report(status: dict[str, Any], display: str | None) -> str:
             lines += [_key(1, "FB Memory Usage"), _key(2, "Total", f"{total} MiB"), _key(2, "Reserved", "0 MiB"),
                       _key(2, "Used", f"{used} MiB"), _key(2, "Free", f"{total - used} MiB")]
         if "COMPUTE" in sections:
-            lines.append(_key(1, "Compute Mode", "Default"))
+            lines.append(_key(1, "Compute Mode", d.get("compute_mode", "Default")))
         if "UTILIZATION" in sections:
             lines += [_key(1, "Utilization"), _key(2, "GPU", f"{round(d['sm_utilization'] * 100)} %"),
                       _key(2, "Memory", "N/A")]
