@@ -21,6 +21,7 @@ from mpsd_protocol import (  # noqa: F401  (the error classes are part of the cl
 from ._api import ContextBase
 from ._caching import CachingAllocator
 from ._objects import DevicePointer, Event, HostBuffer, Stream
+from ._pools import MemPool, PoolStatistics
 from ._sync import Context, connect
 
 globals().update({cls.__name__: cls for cls in ERROR_CLASSES.values()})
@@ -34,6 +35,7 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
-    "AsyncContext", "CachingAllocator", "Context", "ContextBase", "CudaError", "DevicePointer", "Event", "HostBuffer", "Stream",
+    "AsyncContext", "CachingAllocator", "Context", "ContextBase", "CudaError", "DevicePointer", "Event", "HostBuffer", "MemPool", "PoolStatistics",
+    "Stream",
     "connect", "error_name", "error_string", "format_size", "open_context", "parse_size",
 ] + [cls.__name__ for cls in ERROR_CLASSES.values()]

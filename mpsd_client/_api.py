@@ -7,8 +7,9 @@ from typing import Any
 
 from mpsd_protocol import CudaError
 
-from ._core import Core
+from ._core import CURRENT, Core
 from ._objects import DevicePointer, Event, HostBuffer, Stream
+from ._pools import MemPool
 
 
 class ContextBase:
@@ -68,6 +69,65 @@ class ContextBase:
             InvalidValueError: `ptr` is not the base of a live allocation of this context.
         """
         return self._drive(self._core.free(ptr))
+
+    # -- stream-ordered allocation (mpsd_client._pools) ---------------------------------------------------
+    def malloc_async(self, nbytes: int, stream: Stream | None = None) -> Any:
+        """``cudaMallocAsync``: `nbytes` from the device's current pool, for work on `stream` from here on (in
+        stream order). No round trip, unless the pool must grow (in 32 MiB steps).
+
+        Raises:
+            OutOfMemoryError: the pool cannot grow (the device, this client's pinned limit, its max_size).
+            InvalidValueError: `nbytes` is not a byte count. InvalidResourceHandleError: not a stream of this
+                context.
+        """
+        return self._drive(self._core.malloc_async(self, nbytes, stream, CURRENT))
+
+    def malloc_from_pool_async(self, nbytes: int, pool: MemPool, stream: Stream | None = None) -> Any:
+        """``cudaMallocFromPoolAsync``: as `malloc_async`, from `pool`.
+
+        Raises:
+            InvalidValueError: `pool` is not a live pool of this context; otherwise as `malloc_async`.
+        """
+        return self._drive(self._core.malloc_async(self, nbytes, stream, pool))
+
+    def free_async(self, ptr: DevicePointer | int, stream: Stream | None = None) -> None:
+        """``cudaFreeAsync``: give `ptr` back to its pool in `stream`'s order: work queued on `stream` before
+        it may still use the bytes; later allocations reuse them as CUDA's rules allow. Never blocks.
+
+        Raises:
+            InvalidValueError: `ptr` is not a live stream-ordered allocation of this context (a double free).
+            InvalidResourceHandleError: not a stream of this context.
+        """
+        try:
+            self._core.free_async(ptr, stream)
+        except CudaError as exc:
+            self._core.last_error = exc
+            raise
+
+    def device_get_default_mem_pool(self) -> MemPool:
+        """``cudaDeviceGetDefaultMemPool``: this context's device's default pool."""
+        return self._core.default_pool(self)
+
+    def device_get_mem_pool(self) -> MemPool:
+        """``cudaDeviceGetMemPool``: the pool `malloc_async` takes from (the default one until set)."""
+        return self._core.current(self)
+
+    def device_set_mem_pool(self, pool: MemPool) -> None:
+        """``cudaDeviceSetMemPool``.
+
+        Raises:
+            InvalidValueError: `pool` is not a live pool of this context.
+        """
+        self._core.current_pool = self._core.pool_of(self, pool)
+
+    def mem_pool_create(self, location: int | None = None, max_size: int = 0) -> MemPool:
+        """``cudaMemPoolCreate``: a pool on this context's device (`location`, if given, must be its ordinal),
+        reserving at most `max_size` bytes (0: no limit but the device's and this client's).
+
+        Raises:
+            InvalidValueError: another device, or `max_size` is not a byte count.
+        """
+        return self._core.mem_pool_create(self, location, max_size)
 
     def host_view(self, ptr: DevicePointer | int) -> Any:
         """A writable memoryview of the device bytes from `ptr` to the end of its allocation (local or opened

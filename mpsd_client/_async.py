@@ -81,8 +81,14 @@ class AsyncContext(ContextBase):
 
     async def _send(self, message: Request | Notification) -> None:
         data = self._conn.send(message)
+        notes = self._core.take_notes()  # stream-ordered allocations made since the last message go first
+        ahead = b"".join([self._conn.send(note) for note in notes]) if notes else b""
+        if ahead and not message.fds:  # else the fds go with the message's own first byte, after these
+            data, ahead = ahead + data, b""
         try:
             async with self._send_lock:
+                while ahead:
+                    ahead = ahead[await self._sock.send(ahead):]
                 sent = await self._sock.sendmsg([data], pack_fds(message.fds))
                 while sent < len(data):
                     data = data[sent:]

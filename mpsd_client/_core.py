@@ -31,6 +31,7 @@ from mpsd_protocol import (  # type: ignore[attr-defined]
     InvalidValueError,
     MpsRpcFailureError,
     Notification,
+    OutOfMemoryError,
     Reply,
     Request,
     brief,
@@ -41,9 +42,12 @@ from mpsd_protocol import (  # type: ignore[attr-defined]
 )
 
 from ._objects import DevicePointer, Event, HostBuffer, Stream
+from ._pools import ALIGN, RESERVE_STEP, SYNCHRONISING, MemPool, Ordering
 
 Op = Generator[Request | Notification, Reply | None, Any]
 STAGING_SIZE = 8 << 20
+CURRENT: Any = object()  # malloc_async's pool: the device's current one
+MAX_NOTES = 256  # stream-ordered allocations reported at most this late (they go with the next message)
 
 
 class Core:
@@ -67,6 +71,14 @@ class Core:
         self._maps: dict[int, tuple[mmap.mmap, int, int]] = {}
         self._handles: dict[int, bytes] = {}  # allocation base -> its IPC handle
         self._opens: dict[int, int] = {}  # IPC mapping -> opens not yet closed (the daemon counts the same)
+        # Stream-ordered allocation (mpsd_client._pools): the pools, the default one first; what each live
+        # allocation came from (its pool, segment and rounded size); what is known of order between streams; the
+        # notifications that wait for the next message (the shells send them ahead of it, in order).
+        self.pools: list[MemPool] = []
+        self.current_pool: MemPool | None = None
+        self._pool_live: dict[int, tuple[MemPool, Any, int]] = {}
+        self.ordering = Ordering()
+        self._notes: list[Notification] = []
         self._shapes: dict[tuple[Any, Any, Any], tuple[tuple[int, int, int], tuple[int, int, int]]] = {}
         # The daemon's clock: "wall" (simulated time = (monotonic - origin) x time_scale) or "virtual" (this
         # client's simulated host clock lives in the daemon; `measure` says whether to report our CPU time).
@@ -121,7 +133,26 @@ class Core:
             close_fds(reply.fds)
             raise MpsRpcFailureError(f"the daemon answered {name} with {brief(reply.result, 60)} and "
                                      f"{len(reply.fds)} file descriptors, not {call.reply.what} and {call.reply_fds}")
+        if self.pools:
+            self.ordering.observe(name, args)
+            if name in SYNCHRONISING:  # pools give back what is past their release threshold
+                for pool in self.pools:
+                    self._release(pool.unused(pool.release_threshold))
+                yield from self._flush()
         return (reply.result, reply.fds) if call.reply_fds else reply.result
+
+    # -- notifications that wait for the next message --------------------------------------------------
+    def take_notes(self) -> list[Notification]:
+        """The shells' side: the notifications to send ahead of the message they send now."""
+        notes, self._notes = self._notes, []
+        return notes
+
+    def _flush(self) -> Op:
+        if self._notes:
+            yield self._notes.pop()  # the shell sends the others ahead of it
+
+    def _release(self, bases: list[int]) -> None:
+        self._notes.extend(Notification("mem_pool_release", {"ptr": base}) for base in bases)
 
     def notification_received(self, note: Notification) -> None:
         """The daemon told us something unasked: today only that it is closing us for a protocol error."""
@@ -208,9 +239,102 @@ class Core:
         return DevicePointer(addr, nbytes, ctx)
 
     def free(self, ptr: int) -> Op:
+        if int(ptr) in self._pool_live:  # cudaFree of stream-ordered memory: freed in order, then synchronised
+            self.free_async(ptr, None)
+            yield from self.invoke("synchronize")
+            return
         yield from self.invoke("free", ptr)
         self._unmap(int(ptr))
         self._handles.pop(int(ptr), None)
+
+    # -- stream-ordered allocation (mpsd_client._pools) ---------------------------------------------------
+    def default_pool(self, ctx: Any) -> MemPool:
+        if not self.pools:
+            self.pools.append(MemPool(ctx, default=True))
+            self.current_pool = self.pools[0]
+        return self.pools[0]
+
+    def current(self, ctx: Any) -> MemPool:
+        """The device's current pool (cudaDeviceGetMemPool)."""
+        self.default_pool(ctx)
+        assert self.current_pool is not None
+        return self.current_pool
+
+    def pool_of(self, ctx: Any, pool: Any) -> MemPool:
+        """`pool` if it is a live pool of this context."""
+        if not isinstance(pool, MemPool) or pool.ctx._core is not self or pool.destroyed:
+            raise InvalidValueError(f"{brief(pool, 40)} is not a memory pool of this context")
+        return pool
+
+    def mem_pool_create(self, ctx: Any, location: Any, max_size: Any) -> MemPool:
+        if location is not None and location != self.device:
+            raise InvalidValueError(f"a pool of this context lives on its device {self.device}, not {brief(location, 20)}")
+        if not isinstance(max_size, int) or isinstance(max_size, bool) or max_size < 0:
+            raise InvalidValueError(f"max_size {brief(max_size, 20)} is not a byte count")
+        self.default_pool(ctx)
+        pool = MemPool(ctx, max_size=max_size)
+        self.pools.append(pool)
+        return pool
+
+    def malloc_async(self, ctx: Any, nbytes: int, stream: Stream | None, pool: Any) -> Op:
+        """``cudaMallocFromPoolAsync``: an address from the pool's reservations; a round trip only to grow it."""
+        key = self._stream(stream) or 0
+        pool = self.current(ctx) if pool is CURRENT else self.pool_of(ctx, pool)
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not 0 <= nbytes < 2**63:
+            raise InvalidValueError(f"malloc_async size {brief(nbytes, 40)} is not a byte count")
+        if nbytes == 0:
+            return DevicePointer(0, 0, ctx)
+        size = -(-nbytes // ALIGN) * ALIGN
+        found = pool.take(size, key, self.ordering)
+        if found is None:
+            grow = -(-size // RESERVE_STEP) * RESERVE_STEP
+            if pool.max_size and pool.reserved + grow > pool.max_size:
+                raise OutOfMemoryError(f"the pool's max_size of {pool.max_size} bytes has no room for {nbytes} more")
+            pool.add((yield from self.invoke("mem_pool_reserve", grow)), grow)
+            found = pool.take(size, key, self.ordering)
+            assert found is not None, "a fresh reservation fits what it was made for"
+        addr, segment, after = found
+        self._pool_live[addr] = (pool, segment, size)
+        self._notes.append(Notification("malloc_async", {"ptr": addr, "nbytes": nbytes, "stream": key,
+                                                         "after": after}))
+        if len(self._notes) >= MAX_NOTES:
+            yield from self._flush()
+        return DevicePointer(addr, nbytes, ctx)
+
+    def free_async(self, ptr: Any, stream: Stream | None) -> None:
+        """``cudaFreeAsync``: the bytes go back to their pool in `stream`'s order (no I/O: the daemon hears of it
+        with the next message)."""
+        key = self._stream(stream) or 0
+        addr = _address(ptr)
+        if addr == 0:
+            return
+        found = self._pool_live.pop(addr, None)
+        if found is None:
+            raise InvalidValueError(f"{addr:#x} is not a live stream-ordered allocation of this context (freed "
+                                    "already, or from malloc)")
+        pool, segment, size = found
+        pool.give_back(segment, addr, size, self.ordering.freed(key))
+        self._notes.append(Notification("free_async", {"ptr": addr, "stream": key}))
+        if pool.destroyed and segment.live == 0:
+            self._release(pool.unused(0))
+
+    def mem_pool_trim_to(self, pool: MemPool, keep: Any) -> Op:
+        pool = self.pool_of(pool.ctx, pool)
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
+            raise InvalidValueError(f"trim_to takes a byte count, not {brief(keep, 20)}")
+        self._release(pool.unused(keep))
+        yield from self._flush()
+
+    def mem_pool_destroy(self, pool: MemPool) -> Op:
+        pool = self.pool_of(pool.ctx, pool)
+        if pool.default:
+            raise InvalidValueError("a device's default memory pool cannot be destroyed")
+        pool.destroyed = True
+        self.pools.remove(pool)
+        if self.current_pool is pool:
+            self.current_pool = self.pools[0]
+        self._release(pool.unused(0))
+        yield from self._flush()
 
     # -- mappings of device memory in this process (host_view, IPC) ------------------------------------
     def _map(self, base: int, size: int, fd: int, offset: int) -> memoryview:
@@ -236,6 +360,11 @@ class Core:
         """A writable memoryview of the device bytes from `ptr` to the end of its allocation: the same
         memory the daemon's kernels and copies use, mapped from its memfd."""
         addr = _address(ptr)
+        view = yield from self._host_view(addr)
+        pooled = self._pool_live.get(addr)
+        return view[:pooled[2]] if pooled else view  # a pool's allocation ends where its bytes do
+
+    def _host_view(self, addr: int) -> Op:
         for base, (mapping, start, size) in self._maps.items():
             if base <= addr < base + size:
                 return memoryview(mapping)[start + addr - base:start + size]

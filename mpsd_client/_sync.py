@@ -75,6 +75,13 @@ class Context(ContextBase):
             raise self._core.connection_lost("the context is closed")
         try:
             data = self._conn.send(message)
+            notes = self._core.take_notes()  # stream-ordered allocations made since the last message go first
+            if notes:
+                ahead = b"".join([self._conn.send(note) for note in notes])
+                if message.fds:  # the fds go with the message's own first byte
+                    self._sock.sendall(ahead)
+                else:
+                    data = ahead + data
             if message.fds:
                 sent = self._sock.sendmsg([data], pack_fds(message.fds))
                 data = data[sent:]

@@ -152,6 +152,15 @@ ROWS = (
     Call("mem_get_info", reply=PAIR),
     Call("malloc", (Arg("nbytes", COUNT),), reply=PTR, cost=(CALL, "alloc")),
     Call("free", (Arg("ptr", PTR),), waits=True, cost=(CALL, "alloc")),  # cudaFree synchronises
+    # Stream-ordered allocation. A pool is the client's, as CUDA's is the driver's in the process: its memory is
+    # reserved by request (the round trip CUDA's pool pays to grow), what it hands out and takes back comes as
+    # notifications (no round trip: the pointer is the client's pick), and so does memory it gives back. Each is
+    # priced as a launch call under the virtual clock (mpsd.sim has no figure of their own yet).
+    Call("mem_pool_reserve", (Arg("nbytes", COUNT),), reply=PTR, cost=(CALL, "alloc")),
+    Call("mem_pool_release", (Arg("ptr", PTR),), notify=True, cost=(LAUNCH, None)),
+    Call("malloc_async", (Arg("ptr", PTR), Arg("nbytes", COUNT), *_STREAM, Arg("after", LIST, ())), notify=True,
+         cost=(LAUNCH, None)),  # after: streams whose work so far it waits for (the pool's internal dependency)
+    Call("free_async", (Arg("ptr", PTR), *_STREAM), notify=True, cost=(LAUNCH, None)),
     Call("host_register", (Arg("nbytes", COUNT),), reply=INT, fds=1),  # a sealed memfd
     Call("host_unregister", (Arg("id", INT),)),
     Call("memcpy_htod", (Arg("dst", PTR), Arg("host", INT), Arg("offset", COUNT), *_COPY), notify=True,

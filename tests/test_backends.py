@@ -138,6 +138,32 @@ def test_the_pinned_limit_holds(backend_daemon):
     assert result.returncode == 0 and result.stdout.split() == ["refused", "True"], result.stderr
 
 
+def test_stream_ordered_memory_computes_and_goes_back(backend_daemon):
+    """malloc_async's memory is a pool's reservation, made by the backend as any allocation: kernels and copies
+    use it in stream order, a freed range is reused on the same stream, and at the synchronisation after the
+    last free the reservation goes back to the device."""
+    with mpsd_client.connect(backend_daemon.pipe_dir) as ctx:
+        free = ctx.mem_get_info()[0]
+        s = ctx.create_stream()
+        a = ctx.malloc_async(4 * N, s)
+        ctx.launch("fill_f32", 64, 256, [a, 2.0, N], stream=s)
+        b = ctx.malloc_async(4 * N, s)
+        assert b == a + 4 * N  # back to back in one 32 MiB reservation
+        ctx.memcpy_dtod(b, a, 4 * N, s)
+        ctx.free_async(a, s)
+        c = ctx.malloc_async(4 * N, s)
+        assert c == a
+        ctx.launch("vector_add_f32", 128, 256, [b, b, c, N], stream=s)
+        out = np.empty(N, np.float32)
+        ctx.memcpy_dtoh(out, c, s)
+        assert (out == 4.0).all()
+        assert free - ctx.mem_get_info()[0] == 32 * MiB
+        ctx.free_async(b, s)
+        ctx.free_async(c, s)
+        s.synchronize()
+        assert ctx.mem_get_info()[0] == free
+
+
 def test_host_view_is_the_simulators_alone(backend_daemon):
     with mpsd_client.connect(backend_daemon.pipe_dir) as ctx:
         p = ctx.malloc(4096)

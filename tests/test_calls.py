@@ -77,8 +77,14 @@ print(" ".join(sorted(sent)))
 
 
 def _tap(ctx, sent: set[str]) -> None:
-    """Note the op of every message `ctx` sends (its shell's drive and post, wrapped)."""
-    drive, post = ctx._drive, ctx._post
+    """Note the op of every message `ctx` sends (its shell's drive and post, wrapped, and the notifications
+    that wait in the core for the next message)."""
+    drive, post, take = ctx._drive, ctx._post, ctx._core.take_notes
+
+    def taken():
+        notes = take()
+        sent.update(note.op for note in notes)
+        return notes
 
     def tapped(op):
         reply = None
@@ -92,6 +98,7 @@ def _tap(ctx, sent: set[str]) -> None:
 
     ctx._drive = lambda op: drive(tapped(op))
     ctx._post = lambda note: (sent.add(note.op), post(note))[1]
+    ctx._core.take_notes = taken
 
 
 def test_every_row_is_reachable_from_the_client_and_nothing_else_is(daemon, virtual):
@@ -113,6 +120,7 @@ def test_every_row_is_reachable_from_the_client_and_nothing_else_is(daemon, virt
         ctx.launch("fill_f32", 1, 256, [p, 2.0, 256], stream=stream)
         ctx.memcpy_htod(p, host, stream)
         ctx.memcpy_dtoh(host, q, stream)
+        ctx.free_async(ctx.malloc_async(1 << 20, stream), stream)
         end.record(stream)
         stream.wait_event(end)
         stream.query()

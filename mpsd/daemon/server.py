@@ -354,6 +354,9 @@ class Daemon:
                                         if export.device != context.device.index),
             "launches": counters.launches, "copies": counters.copies, "bytes_copied": counters.bytes_copied,
             "mallocs": counters.mallocs, "frees": counters.frees,
+            "memory_in_use": context.account.in_use,  # of memory_used: live allocations (pools reserve more)
+            "memory_pool_reserved": sum(r.size for r in context.reservations.values()),
+            "async_mallocs": counters.async_mallocs, "async_frees": counters.async_frees,
             "kernels_completed": mine.kernels if mine else 0,
             "blocks_completed": mine.blocks if mine else 0,
             "block_seconds": mine.block_seconds if mine else 0.0,

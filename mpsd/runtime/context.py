@@ -30,7 +30,7 @@ from mpsd_protocol import (  # type: ignore[attr-defined]
 from mpsd.backends.base import HOST_VIEW
 from mpsd.backends.ops import Copy, Extent, Launch, Memset, Record, Work
 from mpsd.runtime.kernels import KERNELS
-from mpsd.runtime.memory import AddressSpace, Allocation, HostBuffer
+from mpsd.runtime.memory import CHUNK, AddressSpace, Allocation, HostBuffer
 
 if TYPE_CHECKING:
     from mpsd.runtime.device import Device
@@ -82,6 +82,15 @@ class Event:
         return self.cell.record
 
 
+@dataclass(eq=False, slots=True)
+class Reservation:
+    """Memory a stream-ordered pool of the client holds, and the allocations the client made in it."""
+
+    size: int
+    live: dict[int, int] = field(default_factory=dict)  # address -> bytes
+    in_use: int = 0
+
+
 @dataclass(slots=True)
 class Counters:
     """What the client did, for its statistics."""
@@ -91,6 +100,8 @@ class Counters:
     bytes_copied: int = 0
     mallocs: int = 0
     frees: int = 0
+    async_mallocs: int = 0  # malloc_async and free_async, as the client reported them
+    async_frees: int = 0
 
 
 class Context:
@@ -115,6 +126,7 @@ class Context:
         self.host: dict[int, HostBuffer] = {}
         self.streams: dict[int, Stream] = {0: Stream(0, 0, True, (client_id, 0))}
         self.events: dict[int, Event] = {}
+        self.reservations: dict[int, Reservation] = {}  # stream-ordered pools' memory, by base address
         self._orphans: list[Work] = []  # last work of destroyed streams: it still counts
         self.last_op: Work | None = None  # the work the latest call queued
         self.sticky: CudaError | None = None
@@ -159,6 +171,17 @@ class Context:
             raise InvalidValueError(f"malloc size {brief(nbytes, 40)} is not a byte count")
         if nbytes == 0:
             return 0  # cudaMalloc(0) succeeds with a null pointer
+        addr = self._map_new(nbytes, pool=False)
+        self.counters.mallocs += 1
+        return addr
+
+    def _map_new(self, nbytes: int, pool: bool) -> int:
+        """Back and map `nbytes` of new device memory, charged to this client (in use too, unless it is a pool's
+        reservation, whose bytes are in use as the client hands them out); its address.
+
+        Raises:
+            OutOfMemoryError: past the device's free memory, this client's pinned limit or the address space.
+        """
         free, _ = self.mem_get_info()
         try:
             addr, span, charge = self.memory.plan(nbytes)
@@ -172,11 +195,10 @@ class Context:
                    if limit < self.device.memory_total(self.partition)
                    else " in its MIG instance" if self.partition is not None else " on the device"))
         try:
-            self.memory.allocate(addr, nbytes, span)
+            self.memory.allocate(addr, nbytes, span, pool=pool)
         except OSError as exc:
             raise OutOfMemoryError(f"the daemon could not back {format_size(nbytes)}: {exc.strerror}") from None
-        self.device.ledger.move(self.account, charge, nbytes)
-        self.counters.mallocs += 1
+        self.device.ledger.move(self.account, charge, 0 if pool else nbytes)
         return addr
 
     def check_free(self, addr: int) -> None:
@@ -187,6 +209,8 @@ class Context:
             raise InvalidValueError(f"{addr:#x} is not the base of a live allocation in this context")
         if alloc.imported:
             raise InvalidValueError(f"{addr:#x} was opened from an IPC handle: close it with ipc_close_mem_handle")
+        if alloc.pool:
+            raise InvalidValueError(f"{addr:#x} is a memory pool's reservation: its allocations go with free_async")
 
     def free(self, addr: int) -> None:
         """Free an allocation; the caller has already waited for the context's work (cudaFree synchronises)."""
@@ -197,13 +221,15 @@ class Context:
         self._drop(alloc, released)
         self.counters.frees += 1
 
-    def _drop(self, alloc: Allocation, released: int) -> None:
+    def _drop(self, alloc: Allocation, released: int, in_use: int | None = None) -> None:
         """An allocation of ours is gone from our address space; its bytes go when the last importer's do,
         and until then they stay charged to us, against our pinned limit, and to the device (counted once, as
         real shared memory is): freeing shared memory must not make room for more."""
         self.ipc.allocation_freed(alloc)
         ledger = self.device.ledger
-        ledger.move(self.account, 0, -alloc.size)
+        if in_use is None:
+            in_use = self.reservations.pop(alloc.addr).in_use if alloc.pool else alloc.size
+        ledger.move(self.account, 0, -in_use)
         if alloc.segment.refs > 1:
             alloc.segment.on_release.append(functools.partial(ledger.move, self.account, -released))
         else:
@@ -243,6 +269,61 @@ class Context:
             raise InvalidValueError(f"host range [{brief(offset, 20)}, +{brief(nbytes, 20)}) of buffer "
                                     f"{brief(buffer_id, 20)} is invalid")
         return Extent(buffer, offset, nbytes)
+
+    # -- stream-ordered pools -----------------------------------------------------------------------------
+    # A pool is the client's (mpsd_client._pools), as CUDA's is the driver's in the process: it picks addresses
+    # from the memory reserved here, so that malloc_async costs no round trip, and reports what it handed out in
+    # notifications, which keep the ledger's "in use" and check that nothing is handed out twice. Kernels are
+    # checked against a reservation's bounds, not an allocation's: pool memory stays mapped, as on a GPU.
+    def mem_pool_reserve(self, nbytes: int) -> int:
+        """Reserve `nbytes` (a multiple of 2 MiB) for a pool: charged to this client, none of it in use."""
+        if not isinstance(nbytes, int) or nbytes <= 0 or nbytes % CHUNK:
+            raise InvalidValueError(f"a pool reserves whole 2 MiB pages, not {brief(nbytes, 40)} bytes")
+        addr = self._map_new(nbytes, pool=True)
+        self.reservations[addr] = Reservation(nbytes)
+        return addr
+
+    def mem_pool_release(self, ptr: int) -> None:
+        """The pool gives a reservation back. Its address range goes now; its memory once the work queued so far,
+        which may still use it, has run."""
+        alloc = self.memory.get(ptr)
+        if alloc is None or not alloc.pool:
+            raise InvalidValueError(f"{brief(ptr, 20)} is not a memory pool's reservation in this context")
+        _, released = self.memory.remove(ptr)
+        in_use = self.reservations.pop(ptr).in_use  # nothing, unless the client let go of live allocations
+        self.backend.when_done(self.tails(), functools.partial(self._drop, alloc, released, in_use))
+
+    def _reservation(self, ptr: int, nbytes: int) -> Reservation:
+        alloc = self.memory.find(ptr)
+        if alloc is None or not alloc.pool or ptr + nbytes > alloc.end:
+            raise InvalidValueError(f"[{ptr:#x}, +{nbytes}) is not inside one of this context's memory pools")
+        return self.reservations[alloc.addr]
+
+    def malloc_async(self, ptr: int, nbytes: int, stream: int | None, after: list[object]) -> None:
+        """The client's pool handed out [ptr, +nbytes) on `stream`, after the work queued so far on the streams
+        in `after` (memory freed there, reused without an event between: the pool's internal dependency)."""
+        s = self._stream(stream)
+        waits = [self._stream(a).tail for a in after]  # type: ignore[arg-type]
+        reservation = self._reservation(ptr, nbytes)
+        if ptr in reservation.live:
+            raise InvalidValueError(f"{ptr:#x} was handed out twice by its pool")
+        reservation.live[ptr] = nbytes
+        reservation.in_use += nbytes
+        self.device.ledger.move(self.account, 0, nbytes)
+        self.counters.async_mallocs += 1
+        pending = tuple(w for w in waits if w is not None and not w.done)
+        if pending:
+            self._enqueue(s, Record(**self._on(s), after=pending))
+
+    def free_async(self, ptr: int, stream: int | None) -> None:
+        self._stream(stream)
+        reservation = self._reservation(ptr, 0)
+        nbytes = reservation.live.pop(ptr, None)
+        if nbytes is None:
+            raise InvalidValueError(f"{ptr:#x} is no live allocation of a memory pool")
+        reservation.in_use -= nbytes
+        self.device.ledger.move(self.account, 0, -nbytes)
+        self.counters.async_frees += 1
 
     # -- copies ----------------------------------------------------------------------------------------
     def memcpy_htod(self, dst: int, host: int, offset: int, nbytes: int, stream: int | None,

@@ -76,6 +76,8 @@ class IpcRegistry:
         alloc = ctx.memory.get(ptr) if isinstance(ptr, int) else None
         if alloc is None or alloc.imported:
             raise InvalidValueError(f"{brief(ptr, 20)} is not the base of an allocation made by this context")
+        if alloc.pool:  # CUDA shares pool memory only through an exportable pool (not built), never this way
+            raise InvalidValueError(f"{brief(ptr, 20)} is memory of a stream-ordered pool, which has no IPC handle")
         export = self._by_allocation.get(alloc)
         if export is None:
             export = self._new(ctx, MEMORY, allocation=alloc)

@@ -68,6 +68,7 @@ class Allocation:
     span: int  # bytes of address space it occupies (size rounded up)
     segment: DeviceMemory | Slice
     imported: bool = False  # an IPC import: charged to its exporter, not to this client
+    pool: bool = False  # a stream-ordered pool's reservation: the client sub-allocates it (mpsd.runtime.context)
 
     @property
     def end(self) -> int:
@@ -261,7 +262,7 @@ class AddressSpace:
         self._large.insert(alloc)
         return alloc
 
-    def allocate(self, addr: int, size: int, span: int) -> Allocation:
+    def allocate(self, addr: int, size: int, span: int, pool: bool = False) -> Allocation:
         """Back and map `size` bytes at the address `plan` gave: a slice of its chunk's segment (made with
         the chunk's first allocation) when small, a segment of its own when large.
 
@@ -279,7 +280,7 @@ class AddressSpace:
             self._small.insert(alloc)
             chunk.live += 1
         else:
-            alloc = Allocation(addr, size, span, self._allocate(size))
+            alloc = Allocation(addr, size, span, self._allocate(size), pool=pool)
             self._large.insert(alloc)
         return alloc
 
