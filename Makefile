@@ -35,6 +35,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/launch_rate.py
 	$(BIN)/python bench/ipc_open.py
 	$(BIN)/python bench/malloc_rate.py
+	$(BIN)/python bench/alloc_rate.py
 	$(BIN)/python bench/sim_rate.py
 	$(BIN)/python bench/sim_rate.py --scenario grids
 	$(BIN)/python bench/clock_rate.py

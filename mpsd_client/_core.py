@@ -21,6 +21,9 @@ from typing import Any, Generator
 
 from mpsd_protocol import (  # type: ignore[attr-defined]
     CALLS,
+    POOL_ALLOC,
+    POOL_FREE,
+    POOL_RELEASE,
     EVENT_HANDLE,
     PROTOCOL_ERROR,
     PROTOCOL_VERSION,
@@ -47,7 +50,7 @@ from ._pools import ALIGN, RESERVE_STEP, SYNCHRONISING, MemPool, Ordering
 Op = Generator[Request | Notification, Reply | None, Any]
 STAGING_SIZE = 8 << 20
 CURRENT: Any = object()  # malloc_async's pool: the device's current one
-MAX_NOTES = 256  # stream-ordered allocations reported at most this late (they go with the next message)
+MAX_OPS = 1024  # pool operations that may wait for the next message, at most
 
 
 class Core:
@@ -73,12 +76,12 @@ class Core:
         self._opens: dict[int, int] = {}  # IPC mapping -> opens not yet closed (the daemon counts the same)
         # Stream-ordered allocation (mpsd_client._pools): the pools, the default one first; what each live
         # allocation came from (its pool, segment and rounded size); what is known of order between streams; the
-        # notifications that wait for the next message (the shells send them ahead of it, in order).
+        # pool operations that wait for the next message (the shells send them ahead of it, in one notification).
         self.pools: list[MemPool] = []
         self.current_pool: MemPool | None = None
         self._pool_live: dict[int, tuple[MemPool, Any, int]] = {}
         self.ordering = Ordering()
-        self._notes: list[Notification] = []
+        self._ops: list[list[Any]] = []
         self._shapes: dict[tuple[Any, Any, Any], tuple[tuple[int, int, int], tuple[int, int, int]]] = {}
         # The daemon's clock: "wall" (simulated time = (monotonic - origin) x time_scale) or "virtual" (this
         # client's simulated host clock lives in the daemon; `measure` says whether to report our CPU time).
@@ -141,18 +144,23 @@ class Core:
                 yield from self._flush()
         return (reply.result, reply.fds) if call.reply_fds else reply.result
 
-    # -- notifications that wait for the next message --------------------------------------------------
+    # -- pool operations that wait for the next message ---------------------------------------------------
+    # One notification carries every stream-ordered allocation, free and release made since the client's last
+    # message, in order: the daemon then pays for one message, not two per pair (mpsd_protocol's row says why).
     def take_notes(self) -> list[Notification]:
         """The shells' side: the notifications to send ahead of the message they send now."""
-        notes, self._notes = self._notes, []
-        return notes
+        if not self._ops:
+            return []
+        ops, self._ops = self._ops, []
+        return [Notification("mem_pool_ops", {"ops": ops})]
 
     def _flush(self) -> Op:
-        if self._notes:
-            yield self._notes.pop()  # the shell sends the others ahead of it
+        notes = self.take_notes()
+        if notes:
+            yield notes[0]
 
     def _release(self, bases: list[int]) -> None:
-        self._notes.extend(Notification("mem_pool_release", {"ptr": base}) for base in bases)
+        self._ops.extend([POOL_RELEASE, base] for base in bases)
 
     def notification_received(self, note: Notification) -> None:
         """The daemon told us something unasked: today only that it is closing us for a protocol error."""
@@ -276,30 +284,47 @@ class Core:
         self.pools.append(pool)
         return pool
 
-    def malloc_async(self, ctx: Any, nbytes: int, stream: Stream | None, pool: Any) -> Op:
-        """``cudaMallocFromPoolAsync``: an address from the pool's reservations; a round trip only to grow it."""
+    def _pool_request(self, ctx: Any, nbytes: Any, stream: Stream | None, pool: Any) -> tuple[MemPool, int]:
         key = self._stream(stream) or 0
         pool = self.current(ctx) if pool is CURRENT else self.pool_of(ctx, pool)
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not 0 <= nbytes < 2**63:
             raise InvalidValueError(f"malloc_async size {brief(nbytes, 40)} is not a byte count")
-        if nbytes == 0:
-            return DevicePointer(0, 0, ctx)
+        return pool, key
+
+    def _hand_out(self, ctx: Any, pool: MemPool, key: int, nbytes: int) -> DevicePointer | None:
+        """`nbytes` from what `pool` holds for stream `key`, or None if it must grow."""
         size = -(-nbytes // ALIGN) * ALIGN
         found = pool.take(size, key, self.ordering)
         if found is None:
-            grow = -(-size // RESERVE_STEP) * RESERVE_STEP
+            return None
+        addr, segment, after = found
+        self._pool_live[addr] = (pool, segment, size)
+        self._ops.append([POOL_ALLOC, addr, nbytes, key, after])
+        return DevicePointer(addr, nbytes, ctx)
+
+    def malloc_async_now(self, ctx: Any, nbytes: int, stream: Stream | None, pool: Any) -> DevicePointer | None:
+        """The blocking shell's fast path: `malloc_async` where it needs no message (None: it does)."""
+        if len(self._ops) >= MAX_OPS:
+            return None
+        pool, key = self._pool_request(ctx, nbytes, stream, pool)
+        return DevicePointer(0, 0, ctx) if nbytes == 0 else self._hand_out(ctx, pool, key, nbytes)
+
+    def malloc_async(self, ctx: Any, nbytes: int, stream: Stream | None, pool: Any) -> Op:
+        """``cudaMallocFromPoolAsync``: an address from the pool's reservations; a round trip only to grow it."""
+        pool, key = self._pool_request(ctx, nbytes, stream, pool)
+        if nbytes == 0:
+            return DevicePointer(0, 0, ctx)
+        ptr = self._hand_out(ctx, pool, key, nbytes)
+        if ptr is None:
+            grow = -(-(-(-nbytes // ALIGN) * ALIGN) // RESERVE_STEP) * RESERVE_STEP
             if pool.max_size and pool.reserved + grow > pool.max_size:
                 raise OutOfMemoryError(f"the pool's max_size of {pool.max_size} bytes has no room for {nbytes} more")
             pool.add((yield from self.invoke("mem_pool_reserve", grow)), grow)
-            found = pool.take(size, key, self.ordering)
-            assert found is not None, "a fresh reservation fits what it was made for"
-        addr, segment, after = found
-        self._pool_live[addr] = (pool, segment, size)
-        self._notes.append(Notification("malloc_async", {"ptr": addr, "nbytes": nbytes, "stream": key,
-                                                         "after": after}))
-        if len(self._notes) >= MAX_NOTES:
+            ptr = self._hand_out(ctx, pool, key, nbytes)
+            assert ptr is not None, "a fresh reservation fits what it was made for"
+        if len(self._ops) >= MAX_OPS:
             yield from self._flush()
-        return DevicePointer(addr, nbytes, ctx)
+        return ptr
 
     def free_async(self, ptr: Any, stream: Stream | None) -> None:
         """``cudaFreeAsync``: the bytes go back to their pool in `stream`'s order (no I/O: the daemon hears of it
@@ -313,8 +338,8 @@ class Core:
             raise InvalidValueError(f"{addr:#x} is not a live stream-ordered allocation of this context (freed "
                                     "already, or from malloc)")
         pool, segment, size = found
-        pool.give_back(segment, addr, size, self.ordering.freed(key))
-        self._notes.append(Notification("free_async", {"ptr": addr, "stream": key}))
+        pool.give_back(segment, addr, size, key, self.ordering.freed(key))
+        self._ops.append([POOL_FREE, addr, key])
         if pool.destroyed and segment.live == 0:
             self._release(pool.unused(0))
 

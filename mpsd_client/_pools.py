@@ -22,6 +22,7 @@
 from __future__ import annotations
 
 import bisect
+import operator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +40,7 @@ FLAGS = ("reuse_follow_event_dependencies", "reuse_allow_opportunistic", "reuse_
 ATTRIBUTES = FLAGS + ("release_threshold", "reserved_mem_current", "reserved_mem_high", "used_mem_current",
                       "used_mem_high")
 SYNCHRONISING = ("synchronize", "stream_synchronize", "event_synchronize")
+_ADDR = operator.attrgetter("addr")
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,7 +157,9 @@ class MemPool:
             for index, free in enumerate(segment.free):
                 if free.size < size:
                     continue
-                after = order.dependencies(self, free.frees, stream)
+                frees = free.frees
+                after = [] if not frees or (len(frees) == 1 and stream in frees) else \
+                    order.dependencies(self, frees, stream)
                 if after is None:
                     continue
                 addr = free.addr
@@ -170,19 +174,27 @@ class MemPool:
                 return addr, segment, after
         return None
 
-    def give_back(self, segment: _Segment, addr: int, size: int, frees: dict[int, int]) -> None:
-        """Bytes freed: a free range again, merged with its free neighbours (whose frees it then carries)."""
+    def give_back(self, segment: _Segment, addr: int, size: int, stream: int, count: int) -> None:
+        """Bytes freed on `stream` as its free number `count`: a free range again, merged with its free
+        neighbours (the merged range carries their frees too)."""
         segment.live -= 1
         self.used -= size
         ranges = segment.free
-        index = bisect.bisect_left(ranges, addr, key=lambda r: r.addr)
-        new = _Range(addr, size, frees)
-        if index and ranges[index - 1].addr + ranges[index - 1].size == addr:
-            index -= 1
-            new = _merged(ranges.pop(index), new)
-        if index < len(ranges) and addr + size == ranges[index].addr:
-            new = _merged(new, ranges.pop(index))
-        ranges.insert(index, new)
+        index = bisect.bisect_left(ranges, addr, key=_ADDR)
+        low = ranges[index - 1] if index and ranges[index - 1].addr + ranges[index - 1].size == addr else None
+        high = ranges[index] if index < len(ranges) and ranges[index].addr == addr + size else None
+        if low is not None:
+            low.size += size
+            low.frees[stream] = count  # counts only grow, stream by stream
+            if high is not None:
+                low.size += high.size
+                _join(low.frees, high.frees)
+                del ranges[index]
+        elif high is not None:
+            high.addr, high.size = addr, high.size + size
+            high.frees[stream] = count
+        else:
+            ranges.insert(index, _Range(addr, size, {stream: count}))
 
     def add(self, base: int, size: int) -> None:
         index = bisect.bisect_left(self.segments, base, key=lambda s: s.base)
@@ -200,13 +212,6 @@ class MemPool:
                 self.reserved -= segment.size
                 gone.append(segment.base)
         return gone
-
-
-def _merged(low: _Range, high: _Range) -> _Range:
-    frees = dict(low.frees)
-    for stream, count in high.frees.items():
-        frees[stream] = max(frees.get(stream, 0), count)
-    return _Range(low.addr, low.size + high.size, frees)
 
 
 def _count(value: Any) -> bool:
@@ -230,9 +235,10 @@ class Ordering:
         self.completed: dict[int, int] = {}  # stream -> frees on it known to have completed
         self.recorded: dict[int, dict[int, int]] = {}  # event -> what its latest record comes after
 
-    def freed(self, stream: int) -> dict[int, int]:
+    def freed(self, stream: int) -> int:
+        """A free on `stream`: its number there."""
         count = self.frees[stream] = self.frees.get(stream, 0) + 1
-        return {stream: count}
+        return count
 
     def dependencies(self, pool: MemPool, frees: dict[int, int], stream: int) -> list[int] | None:
         """The streams `stream` must wait for to reuse bytes freed by `frees` (none: it may at once), or None if

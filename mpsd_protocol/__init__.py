@@ -5,7 +5,22 @@ No socket I/O and no trio here: the daemon, the blocking client and the trio cli
 rule about whom to trust.)
 """
 from ._brief import brief
-from ._calls import CALL, CALLS, CLOCK, EVENT_HANDLE, LAUNCH, NOTHING, STREAM_HANDLE, SYNC, Arg, Call, Kind
+from ._calls import (
+    CALL,
+    CALLS,
+    CLOCK,
+    EVENT_HANDLE,
+    LAUNCH,
+    NOTHING,
+    POOL_ALLOC,
+    POOL_FREE,
+    POOL_RELEASE,
+    STREAM_HANDLE,
+    SYNC,
+    Arg,
+    Call,
+    Kind,
+)
 from ._control import CONTROL_PACKET, control_packets, read_control_reply
 from ._dirs import (
     DEFAULT_LOG_DIRECTORY,
@@ -47,8 +62,8 @@ from ._units import format_size, parse_decimal, parse_integer, parse_mem_limits,
 globals().update({cls.__name__: cls for cls in ERROR_CLASSES.values()})
 
 __all__ = [
-    "brief", "CALL", "CALLS", "CLOCK", "EVENT_HANDLE", "LAUNCH", "NOTHING", "STREAM_HANDLE", "SYNC", "Arg", "Call",
-    "Kind", "CONTROL_PACKET", "control_packets", "read_control_reply",
+    "brief", "CALL", "CALLS", "CLOCK", "EVENT_HANDLE", "LAUNCH", "NOTHING", "POOL_ALLOC", "POOL_FREE", "POOL_RELEASE",
+    "STREAM_HANDLE", "SYNC", "Arg", "Call", "Kind", "CONTROL_PACKET", "control_packets", "read_control_reply",
     "DEFAULT_LOG_DIRECTORY", "DEFAULT_PIPE_DIRECTORY", "LOG_VARIABLES", "PIPE_VARIABLES", "log_directory",
     "pipe_directory",
     "CLOSED", "HEADER", "HELLO", "NEED_DATA", "PROTOCOL_ERROR", "Connection", "Role",

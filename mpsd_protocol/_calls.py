@@ -68,6 +68,11 @@ ERROR = Kind("an error or None", lambda v: v is None or isinstance(v, dict))
 
 REQUIRED: Any = object()
 
+# The operations of mem_pool_ops, each a list: [POOL_ALLOC, ptr, nbytes, stream, [streams it waits for]] (a
+# malloc_async; the streams: memory freed there reused without an event between, the pool's internal dependency),
+# [POOL_FREE, ptr, stream] (a free_async), [POOL_RELEASE, ptr] (a reservation the pool gives back).
+POOL_ALLOC, POOL_FREE, POOL_RELEASE = 0, 1, 2
+
 
 @dataclass(frozen=True, slots=True)
 class Arg:
@@ -153,14 +158,13 @@ ROWS = (
     Call("malloc", (Arg("nbytes", COUNT),), reply=PTR, cost=(CALL, "alloc")),
     Call("free", (Arg("ptr", PTR),), waits=True, cost=(CALL, "alloc")),  # cudaFree synchronises
     # Stream-ordered allocation. A pool is the client's, as CUDA's is the driver's in the process: its memory is
-    # reserved by request (the round trip CUDA's pool pays to grow), what it hands out and takes back comes as
-    # notifications (no round trip: the pointer is the client's pick), and so does memory it gives back. Each is
-    # priced as a launch call under the virtual clock (mpsd.sim has no figure of their own yet).
+    # reserved by request (the round trip CUDA's pool pays to grow), and what it hands out, takes back and gives
+    # back comes as one notification ahead of the client's next message, a list of POOL_OPS in the order they
+    # were made: one message for a batch, not two for every pair, so a pair costs the daemon a few dict
+    # operations (bench/alloc_rate.py). Priced as one launch call under the virtual clock (mpsd.sim has no figure
+    # of its own for these yet).
     Call("mem_pool_reserve", (Arg("nbytes", COUNT),), reply=PTR, cost=(CALL, "alloc")),
-    Call("mem_pool_release", (Arg("ptr", PTR),), notify=True, cost=(LAUNCH, None)),
-    Call("malloc_async", (Arg("ptr", PTR), Arg("nbytes", COUNT), *_STREAM, Arg("after", LIST, ())), notify=True,
-         cost=(LAUNCH, None)),  # after: streams whose work so far it waits for (the pool's internal dependency)
-    Call("free_async", (Arg("ptr", PTR), *_STREAM), notify=True, cost=(LAUNCH, None)),
+    Call("mem_pool_ops", (Arg("ops", LIST),), notify=True, cost=(LAUNCH, None)),
     Call("host_register", (Arg("nbytes", COUNT),), reply=INT, fds=1),  # a sealed memfd
     Call("host_unregister", (Arg("id", INT),)),
     Call("memcpy_htod", (Arg("dst", PTR), Arg("host", INT), Arg("offset", COUNT), *_COPY), notify=True,

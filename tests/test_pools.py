@@ -14,7 +14,7 @@ import pytest
 
 import mpsd_client
 from daemons import spawn_worker
-from mpsd_client._core import MAX_NOTES
+from mpsd_client._core import MAX_OPS
 from mpsd_client import InvalidResourceHandleError, InvalidValueError, MemPool, OutOfMemoryError
 
 MiB = 1 << 20
@@ -277,12 +277,13 @@ async def test_every_error_is_cudas_and_raised_by_the_call(served, autojump_cloc
         await actx.synchronize()
         assert (await actx.mem_get_info())[0] >= free + len(held) * 32 * MiB
 
-        # Notifications only this module should send: what a client that bypassed it gets.
+        # Operations only the client's pools should send: what a client that bypassed them gets.
         stats = await actx.statistics()
-        for op, args in [("malloc_async", {"ptr": plain, "nbytes": 8}), ("free_async", {"ptr": p}),
-                         ("mem_pool_release", {"ptr": plain}), ("mem_pool_reserve", {"nbytes": 1000})]:
+        for ops in ([[0, int(plain), 8, 0, []]], [[1, int(p), 0]], [[2, int(plain)]], [[7]], ["x"], [[0, "p", 1, 0, []]]):
             with pytest.raises(InvalidValueError):
-                await actx._drive(actx._core.call(op, args))
+                await actx._drive(actx._core.call("mem_pool_ops", {"ops": ops}))
+        with pytest.raises(InvalidValueError):
+            await actx._drive(actx._core.call("mem_pool_reserve", {"nbytes": 1000}))
         assert (await actx.statistics())["memory_in_use"] == stats["memory_in_use"]
         with pytest.raises(InvalidValueError, match="pool"):
             await actx.ipc_get_mem_handle(await actx.malloc_async(MiB))
@@ -297,10 +298,10 @@ async def test_a_pair_makes_no_round_trip_and_the_daemon_hears_of_it_with_the_ne
     for _ in range(1000):
         actx.free_async(await actx.malloc_async(MiB, s), s)
     live = [await actx.malloc_async(MiB, s) for _ in range(3)]
-    assert sent == [] and 0 < len(actx._core._notes) <= MAX_NOTES  # they go in batches, with no reply to wait for
+    assert sent == [] and 0 < len(actx._core._ops) <= MAX_OPS  # they go in batches, with no reply to wait for
     stats = await actx.statistics()
     assert (stats["async_mallocs"], stats["async_frees"], stats["memory_in_use"]) == (1004, 1001, 3 * MiB)
-    assert sent == ["statistics"] and actx._core._notes == []
+    assert sent == ["statistics"] and actx._core._ops == []
     await actx.free(live[0])  # cudaFree of pool memory: freed in order, after the context's work
     assert (await actx.statistics())["memory_in_use"] == 2 * MiB
 

@@ -21,6 +21,9 @@ from mpsd_protocol import (  # type: ignore[attr-defined]
     LaunchOutOfResourcesError,
     NotReadyError,
     NotSupportedError,
+    POOL_ALLOC,
+    POOL_FREE,
+    POOL_RELEASE,
     OutOfMemoryError,
     brief,
     check_args,
@@ -272,9 +275,10 @@ class Context:
 
     # -- stream-ordered pools -----------------------------------------------------------------------------
     # A pool is the client's (mpsd_client._pools), as CUDA's is the driver's in the process: it picks addresses
-    # from the memory reserved here, so that malloc_async costs no round trip, and reports what it handed out in
-    # notifications, which keep the ledger's "in use" and check that nothing is handed out twice. Kernels are
-    # checked against a reservation's bounds, not an allocation's: pool memory stays mapped, as on a GPU.
+    # from the memory reserved here, so that malloc_async costs no round trip, and reports what it handed out,
+    # took back and gave back in one notification per batch (mem_pool_ops), which keeps the ledger's "in use"
+    # and checks that nothing is handed out twice. Kernels are checked against a reservation's bounds, not an
+    # allocation's: pool memory stays mapped, as on a GPU.
     def mem_pool_reserve(self, nbytes: int) -> int:
         """Reserve `nbytes` (a multiple of 2 MiB) for a pool: charged to this client, none of it in use."""
         if not isinstance(nbytes, int) or nbytes <= 0 or nbytes % CHUNK:
@@ -283,47 +287,74 @@ class Context:
         self.reservations[addr] = Reservation(nbytes)
         return addr
 
-    def mem_pool_release(self, ptr: int) -> None:
-        """The pool gives a reservation back. Its address range goes now; its memory once the work queued so far,
-        which may still use it, has run."""
-        alloc = self.memory.get(ptr)
-        if alloc is None or not alloc.pool:
-            raise InvalidValueError(f"{brief(ptr, 20)} is not a memory pool's reservation in this context")
-        _, released = self.memory.remove(ptr)
-        in_use = self.reservations.pop(ptr).in_use  # nothing, unless the client let go of live allocations
-        self.backend.when_done(self.tails(), functools.partial(self._drop, alloc, released, in_use))
+    def mem_pool_ops(self, ops: list[object]) -> None:
+        """The client's pool operations since its last message, in order (mpsd_protocol.POOL_ALLOC and the
+        rest). A bad one is skipped and its error raised once the others are applied."""
+        error: CudaError | None = None
+        in_use = 0
+        for op in ops:
+            try:
+                kind = op[0] if isinstance(op, list) and op else None  # type: ignore[index]
+                if kind == POOL_ALLOC and len(op) == 5:  # type: ignore[arg-type]
+                    in_use += self._pool_alloc(*op[1:])  # type: ignore[index]
+                elif kind == POOL_FREE and len(op) == 3:  # type: ignore[arg-type]
+                    in_use -= self._pool_free(*op[1:])  # type: ignore[index]
+                elif kind == POOL_RELEASE and len(op) == 2:  # type: ignore[arg-type]
+                    self._pool_release(op[1])  # type: ignore[index]
+                else:
+                    raise InvalidValueError(f"mem_pool_ops: {brief(op, 40)} is no pool operation")
+            except CudaError as exc:
+                error = error or exc
+            except (TypeError, ValueError, OverflowError) as exc:  # a malformed operation of a client of its own
+                error = error or InvalidValueError(f"mem_pool_ops: {brief(op, 40)}: {type(exc).__name__}")
+        self.device.ledger.move(self.account, 0, in_use)
+        if error is not None:
+            raise error
 
-    def _reservation(self, ptr: int, nbytes: int) -> Reservation:
-        alloc = self.memory.find(ptr)
-        if alloc is None or not alloc.pool or ptr + nbytes > alloc.end:
-            raise InvalidValueError(f"[{ptr:#x}, +{nbytes}) is not inside one of this context's memory pools")
+    def _reservation(self, ptr: object, nbytes: object) -> Reservation:
+        alloc = self.memory.find(ptr) if isinstance(ptr, int) and isinstance(nbytes, int) and nbytes >= 0 else None
+        if alloc is None or not alloc.pool or ptr + nbytes > alloc.end:  # type: ignore[operator]
+            raise InvalidValueError(f"[{brief(ptr, 20)}, +{brief(nbytes, 20)}) is not inside one of this context's "
+                                    "memory pools")
         return self.reservations[alloc.addr]
 
-    def malloc_async(self, ptr: int, nbytes: int, stream: int | None, after: list[object]) -> None:
-        """The client's pool handed out [ptr, +nbytes) on `stream`, after the work queued so far on the streams
-        in `after` (memory freed there, reused without an event between: the pool's internal dependency)."""
+    def _pool_alloc(self, ptr: int, nbytes: int, stream: int | None, after: object) -> int:
+        """The pool handed out [ptr, +nbytes) on `stream`, after the work queued so far on the streams in `after`
+        (memory freed there, reused without an event between); the bytes now in use."""
         s = self._stream(stream)
+        if not isinstance(after, list):
+            raise InvalidValueError(f"malloc_async waits for a list of streams, not {brief(after, 20)}")
         waits = [self._stream(a).tail for a in after]  # type: ignore[arg-type]
         reservation = self._reservation(ptr, nbytes)
         if ptr in reservation.live:
             raise InvalidValueError(f"{ptr:#x} was handed out twice by its pool")
         reservation.live[ptr] = nbytes
         reservation.in_use += nbytes
-        self.device.ledger.move(self.account, 0, nbytes)
         self.counters.async_mallocs += 1
         pending = tuple(w for w in waits if w is not None and not w.done)
         if pending:
             self._enqueue(s, Record(**self._on(s), after=pending))
+        return nbytes
 
-    def free_async(self, ptr: int, stream: int | None) -> None:
+    def _pool_free(self, ptr: int, stream: int | None) -> int:
         self._stream(stream)
         reservation = self._reservation(ptr, 0)
         nbytes = reservation.live.pop(ptr, None)
         if nbytes is None:
             raise InvalidValueError(f"{ptr:#x} is no live allocation of a memory pool")
         reservation.in_use -= nbytes
-        self.device.ledger.move(self.account, 0, -nbytes)
         self.counters.async_frees += 1
+        return nbytes
+
+    def _pool_release(self, ptr: object) -> None:
+        """The pool gives a reservation back. Its address range goes now; its memory once the work queued so far,
+        which may still use it, has run."""
+        alloc = self.memory.get(ptr) if isinstance(ptr, int) else None
+        if alloc is None or not alloc.pool:
+            raise InvalidValueError(f"{brief(ptr, 20)} is not a memory pool's reservation in this context")
+        _, released = self.memory.remove(alloc.addr)
+        in_use = self.reservations.pop(alloc.addr).in_use  # nothing, unless the client let go of live allocations
+        self.backend.when_done(self.tails(), functools.partial(self._drop, alloc, released, in_use))
 
     # -- copies ----------------------------------------------------------------------------------------
     def memcpy_htod(self, dst: int, host: int, offset: int, nbytes: int, stream: int | None,
