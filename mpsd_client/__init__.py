@@ -19,7 +19,7 @@ from mpsd_protocol import (  # noqa: F401  (the error classes are part of the cl
 )
 
 from ._api import ContextBase
-from ._caching import CachingAllocator
+from ._caching import CachingAllocator, caching_allocator
 from ._objects import DevicePointer, Event, HostBuffer, Stream
 from ._pools import MemPool, PoolStatistics
 from ._sync import Context, connect
@@ -37,5 +37,5 @@ def __getattr__(name: str):
 __all__ = [
     "AsyncContext", "CachingAllocator", "Context", "ContextBase", "CudaError", "DevicePointer", "Event", "HostBuffer", "MemPool", "PoolStatistics",
     "Stream",
-    "connect", "error_name", "error_string", "format_size", "open_context", "parse_size",
+    "caching_allocator", "connect", "error_name", "error_string", "format_size", "open_context", "parse_size",
 ] + [cls.__name__ for cls in ERROR_CLASSES.values()]

@@ -16,12 +16,18 @@ from __future__ import annotations
 
 import bisect
 import os
-from dataclasses import dataclass
+import pickle
+import sys
+import weakref
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Any
 
 from mpsd_protocol import OutOfMemoryError  # type: ignore[attr-defined]
 
-__all__ = ["CachingAllocator"]
+from ._caching_report import History, summary
+
+__all__ = ["CachingAllocator", "caching_allocator"]
 
 MIN_BLOCK = 512  # every size is rounded to at least this
 SMALL_SIZE = 1 << 20  # the largest small allocation
@@ -64,6 +70,9 @@ class _Block:
     prev: _Block | None = None
     next: _Block | None = None
     gc_base: int = 0
+    stream_uses: dict[int, Any] = field(default_factory=dict)  # record_stream's streams, by key: their objects
+    event_count: int = 0  # events recorded on those streams at its free that have not completed
+    frames: list[dict[str, Any]] = field(default_factory=list)  # its allocation's stack, when history is on
 
     @property
     def key(self) -> tuple[int, int, int]:
@@ -141,6 +150,12 @@ class CachingAllocator:
         self._oversize = {"oversize_allocations": _Stat(), "oversize_segments": _Stat()}
         self._counts = {"num_alloc_retries": 0, "num_ooms": 0, "num_sync_all_streams": 0, "num_device_alloc": 0,
                         "num_device_free": 0}
+        # Blocks freed while streams of record_stream still used them wait for an event on each such stream;
+        # the events of a stream complete in order (PyTorch's cuda_events). Spent events are kept for reuse.
+        self._events: dict[int, deque[tuple[Any, _Block]]] = {}
+        self._spare_events: list[Any] = []
+        self._history: History | None = None
+        self._segment_frames: dict[int, list[dict[str, Any]]] = {}  # each segment's allocation stack
 
     # -- the allocator -------------------------------------------------------------------------------------
     def malloc(self, nbytes: int, stream: Any = None) -> int:
@@ -149,6 +164,7 @@ class CachingAllocator:
         Raises:
             OutOfMemoryError: the device has no room even after the cache was emptied, with PyTorch's message.
         """
+        self._process_events()
         size = self._round(nbytes)
         small = size <= SMALL_SIZE
         stream_key = _stream(stream)
@@ -164,8 +180,27 @@ class CachingAllocator:
                 block = self._new_segment(small, stream_key, size, retry=True)
             if block is None:
                 self._counts["num_ooms"] += 1
+                if self._history is not None:
+                    self._history.add("oom", 0, size, stream_key, device_free=self.ctx.mem_get_info()[0])
                 raise OutOfMemoryError(self._oom_message(_allocation_size(size)))
-        return self._hand_out(block, size, nbytes).ptr
+        block = self._hand_out(block, size, nbytes)
+        if self._history is not None:
+            block.frames = self._history.add("alloc", block.ptr, nbytes, stream_key)
+        return block.ptr
+
+    def record_stream(self, ptr: int, stream: Any) -> None:
+        """Mark the allocation at `ptr` as used by work on `stream` too (torch.Tensor.record_stream): when it is
+        freed, its block is not reused before the work queued on `stream` until then has completed.
+
+        Raises:
+            ValueError: `ptr` is not a live allocation of this allocator.
+        """
+        block = self._active.get(int(ptr))
+        if block is None:
+            raise ValueError(f"{int(ptr):#x} is not a live allocation of this allocator")
+        key = _stream(stream)
+        if key != block.stream:  # its own stream orders its reuse already
+            block.stream_uses[key] = stream
 
     def free(self, ptr: int) -> None:
         """Give an allocation back to the cache (its memory stays reserved until empty_cache())."""
@@ -179,6 +214,23 @@ class CachingAllocator:
             stat.down(block.size)
         if block.size >= self.max_split_size:
             self._oversize["oversize_allocations"].down(1)
+        if self._history is not None:
+            self._history.add("free_requested", block.ptr, block.requested, block.stream)
+        if block.stream_uses:
+            for key, stream in block.stream_uses.items():
+                event = self._spare_events.pop() if self._spare_events else self.ctx.create_event(disable_timing=True)
+                event.record(stream)
+                self._events.setdefault(key, deque()).append((event, block))
+                block.event_count += 1
+            block.stream_uses = {}
+        else:
+            self._return_block(block)
+
+    def _return_block(self, block: _Block) -> None:
+        """A freed block goes back to its pool, merged with its free neighbours (once no stream uses it)."""
+        if self._history is not None:
+            self._history.add("free_completed", block.ptr, block.requested, block.stream)
+        block.frames = []
         size, requested = block.size, block.requested
         blocks_change = bytes_change = 0
         for neighbour in (block.prev, block.next):
@@ -201,6 +253,29 @@ class CachingAllocator:
         if not 0 <= fraction <= 1:
             raise ValueError(f"invalid fraction {fraction}: it must be between 0 and 1")
         self.allowed = int(fraction * self.ctx.mem_get_info()[1])
+
+    def _process_events(self) -> None:
+        """Blocks whose streams' events have all completed go back to their pools (at each malloc, as PyTorch
+        looks): each stream's events in the order they were recorded, up to the first still pending."""
+        for key in list(self._events):
+            waiting = self._events[key]
+            while waiting and waiting[0][0].query():
+                self._event_done(*waiting.popleft())
+            if not waiting:
+                del self._events[key]
+
+    def _event_done(self, event: Any, block: _Block) -> None:
+        self._spare_events.append(event)
+        block.event_count -= 1
+        if block.event_count == 0:
+            self._return_block(block)
+
+    def _synchronize_and_free_events(self) -> None:
+        for waiting in self._events.values():
+            for event, block in waiting:
+                event.synchronize()
+                self._event_done(event, block)
+        self._events.clear()
 
     def empty_cache(self) -> None:
         """Give every whole, free segment back to the device (after waiting for the device's work, as PyTorch
@@ -246,18 +321,51 @@ class CachingAllocator:
             first = block
             blocks = []
             while block is not None:
+                state = ("active_allocated" if block.allocated else "active_pending_free" if block.event_count
+                         else "inactive")
                 blocks.append({"address": block.ptr, "size": block.size,
-                               "requested_size": block.requested if block.allocated else 0,
-                               "state": "active_allocated" if block.allocated else "inactive"})
+                               "requested_size": block.requested if state != "inactive" else 0,
+                               "state": state, "frames": block.frames})
                 block = block.next
             total = sum(b["size"] for b in blocks)
             allocated = sum(b["size"] for b in blocks if b["state"] == "active_allocated")
+            active = sum(b["size"] for b in blocks if b["state"] != "inactive")
             out.append({"device": 0, "address": base, "total_size": total, "allocated_size": allocated,
-                        "active_size": allocated, "requested_size": sum(b["requested_size"] for b in blocks),
+                        "active_size": active, "requested_size": sum(b["requested_size"] for b in blocks),
                         "stream": first.stream if first is not None else 0,
                         "segment_type": "small" if first is not None and first.small else "large",
-                        "segment_pool_id": (0, 0), "is_expandable": False, "frames": [], "blocks": blocks})
+                        "segment_pool_id": (0, 0), "is_expandable": False,
+                        "frames": self._segment_frames.get(base, []), "blocks": blocks})
         return out
+
+    def memory_summary(self, device: int = 0, abbreviated: bool = False) -> str:
+        """torch.cuda.memory_summary()'s table of memory_stats(), in its layout."""
+        return summary(self.memory_stats(), device, abbreviated)
+
+    def _record_memory_history(self, enabled: str | None = "all", context: str | None = "all",
+                               stacks: str = "python", max_entries: int = sys.maxsize) -> None:
+        """torch.cuda.memory._record_memory_history: keep the allocator's events (alloc, free_requested,
+        free_completed, segment_alloc, segment_free, oom), with the Python stack of each where `context` says
+        ("all", "alloc", or None for none); `enabled=None` stops and forgets them. Stacks are Python's only.
+
+        Raises:
+            ValueError: an `enabled`, `context` or `stacks` PyTorch does not take.
+        """
+        if enabled not in (None, "all", "state") or context not in (None, "state", "alloc", "all") \
+                or stacks not in ("python", "all"):
+            raise ValueError(f"_record_memory_history(enabled={enabled!r}, context={context!r}, stacks={stacks!r})")
+        self._history = None if enabled is None else History(context, max_entries if enabled == "all" else 0)
+
+    def _snapshot(self) -> dict[str, Any]:
+        """torch.cuda.memory._snapshot(): the segments and the recorded events (one device's list)."""
+        return {"segments": self.memory_snapshot(),
+                "device_traces": [list(self._history.entries) if self._history is not None else []]}
+
+    def _dump_snapshot(self, filename: str = "dump_snapshot.pickle") -> None:
+        """torch.cuda.memory._dump_snapshot: pickle _snapshot() to `filename`, which pytorch.org/memory_viz
+        opens."""
+        with open(filename, "wb") as f:
+            pickle.dump(self._snapshot(), f)
 
     # -- inside --------------------------------------------------------------------------------------------
     def _round(self, nbytes: int) -> int:
@@ -295,6 +403,8 @@ class CachingAllocator:
         self._reserved_total += nbytes
         block = _Block(stream, nbytes, ptr, small)
         self._segments[ptr] = block
+        if self._history is not None:
+            self._segment_frames[ptr] = self._history.add("segment_alloc", ptr, nbytes, stream)
         for name, amount in (("segment", 1), ("reserved_bytes", nbytes)):
             for stat in self._selected(name, small):
                 stat.up(amount)
@@ -344,7 +454,7 @@ class CachingAllocator:
 
     def _merge(self, block: _Block, other: _Block | None) -> int:
         """Absorb the free neighbour `other` into `block`; the bytes absorbed (0 if it is not free)."""
-        if other is None or other.allocated:
+        if other is None or other.allocated or other.event_count:  # in use, or waiting for a stream's event
             return 0
         self._pools[block.small].remove(other)
         if block.prev is other:
@@ -408,6 +518,7 @@ class CachingAllocator:
                     self._release(block)
 
     def _release_cached(self) -> None:
+        self._synchronize_and_free_events()
         self.ctx.synchronize()
         self._counts["num_sync_all_streams"] += 1
         for small in (False, True):
@@ -421,6 +532,9 @@ class CachingAllocator:
         """Give a whole free segment back to the device."""
         self._pools[block.small].remove(block)
         del self._segments[block.ptr]
+        self._segment_frames.pop(block.ptr, None)
+        if self._history is not None:
+            self._history.add("segment_free", block.ptr, block.size, block.stream)
         self.ctx.free(block.ptr)
         self._reserved_total -= block.size
         self._counts["num_device_free"] += 1
@@ -485,3 +599,15 @@ def _torch_size(nbytes: int) -> str:
         if nbytes <= scale * 1024:
             return f"{nbytes / scale:.2f} {unit}"
     return f"{nbytes / (1 << 30):.2f} GiB"
+
+
+_DEFAULTS: weakref.WeakKeyDictionary[Any, CachingAllocator] = weakref.WeakKeyDictionary()
+
+
+def caching_allocator(ctx: Any) -> CachingAllocator:
+    """The context's default CachingAllocator, made on first use with PYTORCH_CUDA_ALLOC_CONF (as torch.cuda has
+    one allocator per device): what a program's modules share instead of each caching memory of its own."""
+    allocator = _DEFAULTS.get(ctx)
+    if allocator is None:
+        allocator = _DEFAULTS[ctx] = CachingAllocator(ctx)
+    return allocator

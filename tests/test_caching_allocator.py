@@ -130,3 +130,52 @@ def test_out_of_memory_frees_the_cache_retries_then_raises_as_pytorch(daemon_fac
         allocator.free(kept)
         allocator.empty_cache()
         assert allocator.memory_reserved() == 0 and ctx.mem_get_info()[0] > 400 << 20
+
+
+def test_a_block_used_on_another_stream_waits_for_that_stream_before_reuse(ctx):
+    """record_stream: a block freed while another stream's work may still use it is 'active_pending_free' (no
+    longer allocated, still active) and not handed out until that stream's work has completed; then the next
+    malloc finds it again. Without record_stream it is reused at once."""
+    allocator = CachingAllocator(ctx, config="")
+    side = ctx.create_stream()
+    a = allocator.malloc(1 << 20)
+    ctx.launch("spin", 8, 32, [int(20 * 1.98e9)], stream=side)  # 20 simulated seconds: 0.2 s of wall time here
+    allocator.record_stream(a, side)
+    allocator.record_stream(a, None)  # its own stream: nothing to wait for
+    allocator.free(a)
+    stats = allocator.memory_stats()
+    assert (stats["allocated_bytes.all.current"], stats["active_bytes.all.current"]) == (0, 1 << 20)
+    states = [b["state"] for s in allocator.memory_snapshot() for b in s["blocks"]]
+    assert states == ["active_pending_free", "inactive"]
+    b = allocator.malloc(1 << 20)
+    assert b != a and not side.query()  # the block still waits for the side stream
+    side.synchronize()
+    c = allocator.malloc(1 << 20)
+    assert c == a
+    allocator.free(c)
+    assert allocator.malloc(1 << 20) == a  # freed with no other stream: back at once
+    with pytest.raises(ValueError):
+        allocator.record_stream(b + 512, side)
+
+
+def test_empty_cache_waits_for_pending_blocks_and_gives_everything_back(ctx):
+    """empty_cache synchronises the events of blocks freed under record_stream, so their segments go too."""
+    allocator = CachingAllocator(ctx, config="")
+    side = ctx.create_stream()
+    free_before = ctx.mem_get_info()[0]
+    p = allocator.malloc(3 << 20)
+    ctx.launch("spin", 8, 32, [int(5 * 1.98e9)], stream=side)
+    allocator.record_stream(p, side)
+    allocator.free(p)
+    allocator.empty_cache()
+    assert allocator.memory_reserved() == 0 and allocator.memory_stats()["active_bytes.all.current"] == 0
+    assert ctx.mem_get_info()[0] == free_before
+
+
+def test_each_context_has_one_default_allocator(daemon):
+    """mpsd_client.caching_allocator(ctx) is the same allocator for a context every time, another for another."""
+    with mpsd_client.connect(daemon.pipe_dir) as one, mpsd_client.connect(daemon.pipe_dir) as two:
+        first = mpsd_client.caching_allocator(one)
+        assert mpsd_client.caching_allocator(one) is first and mpsd_client.caching_allocator(two) is not first
+        first.free(first.malloc(4096))
+        assert mpsd_client.caching_allocator(one).memory_reserved() == 2 << 20
