@@ -35,7 +35,7 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
-    "AsyncContext", "CachingAllocator", "Context", "ContextBase", "CudaError", "DevicePointer", "Event", "HostBuffer", "MemPool", "PoolStatistics",
-    "Stream",
+    "AsyncContext", "CachingAllocator", "Context", "ContextBase", "CudaError", "DevicePointer", "Event", "HostBuffer",
+    "MemPool", "PoolStatistics", "Stream",
     "caching_allocator", "connect", "error_name", "error_string", "format_size", "open_context", "parse_size",
 ] + [cls.__name__ for cls in ERROR_CLASSES.values()]

@@ -82,6 +82,7 @@ class Core:
         self._pool_live: dict[int, tuple[MemPool, Any, int]] = {}
         self.ordering = Ordering()
         self._ops: list[list[Any]] = []
+        self._destroyed: set[int] = set()  # streams destroyed (their handles are never given out again)
         self._shapes: dict[tuple[Any, Any, Any], tuple[tuple[int, int, int], tuple[int, int, int]]] = {}
         # The daemon's clock: "wall" (simulated time = (monotonic - origin) x time_scale) or "virtual" (this
         # client's simulated host clock lives in the daemon; `measure` says whether to report our CPU time).
@@ -136,6 +137,8 @@ class Core:
             close_fds(reply.fds)
             raise MpsRpcFailureError(f"the daemon answered {name} with {brief(reply.result, 60)} and "
                                      f"{len(reply.fds)} file descriptors, not {call.reply.what} and {call.reply_fds}")
+        if name == "destroy_stream":
+            self._destroyed.add(args["stream"])
         if self.pools:
             self.ordering.observe(name, args)
             if name in SYNCHRONISING:  # pools give back what is past their release threshold
@@ -179,6 +182,14 @@ class Core:
         if not isinstance(ctx_stream, Stream) or ctx_stream.ctx._core is not self:
             raise InvalidResourceHandleError(f"{brief(ctx_stream, 40)} is not a stream of this context")
         return ctx_stream.handle
+
+    def _pool_stream(self, stream: Stream | None) -> int:
+        """A stream's key for the pools (0: the legacy default stream). A pool's host call knows at once that a
+        stream was destroyed, as CUDA's does (a launch learns it from the daemon, later)."""
+        key = self._stream(stream) or 0
+        if key in self._destroyed:
+            raise InvalidResourceHandleError(f"stream {key} of this context was destroyed")
+        return key
 
     def _event(self, event: Event) -> int:
         if not isinstance(event, Event) or event.ctx._core is not self:
@@ -276,7 +287,8 @@ class Core:
 
     def mem_pool_create(self, ctx: Any, location: Any, max_size: Any) -> MemPool:
         if location is not None and location != self.device:
-            raise InvalidValueError(f"a pool of this context lives on its device {self.device}, not {brief(location, 20)}")
+            raise InvalidValueError(f"a pool of this context lives on its device {self.device}, "
+                                    f"not {brief(location, 20)}")
         if not isinstance(max_size, int) or isinstance(max_size, bool) or max_size < 0:
             raise InvalidValueError(f"max_size {brief(max_size, 20)} is not a byte count")
         self.default_pool(ctx)
@@ -285,7 +297,7 @@ class Core:
         return pool
 
     def _pool_request(self, ctx: Any, nbytes: Any, stream: Stream | None, pool: Any) -> tuple[MemPool, int]:
-        key = self._stream(stream) or 0
+        key = self._pool_stream(stream)
         pool = self.current(ctx) if pool is CURRENT else self.pool_of(ctx, pool)
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not 0 <= nbytes < 2**63:
             raise InvalidValueError(f"malloc_async size {brief(nbytes, 40)} is not a byte count")
@@ -329,7 +341,7 @@ class Core:
     def free_async(self, ptr: Any, stream: Stream | None) -> None:
         """``cudaFreeAsync``: the bytes go back to their pool in `stream`'s order (no I/O: the daemon hears of it
         with the next message)."""
-        key = self._stream(stream) or 0
+        key = self._pool_stream(stream)
         addr = _address(ptr)
         if addr == 0:
             return

@@ -81,6 +81,11 @@ class Context(ContextBase):
                 raise
         return ptr if ptr is not None else super().malloc_async(nbytes, stream)
 
+    def free_async(self, ptr: Any, stream: Any = None) -> None:
+        """``cudaFreeAsync`` (see `ContextBase.free_async`), under the lock other threads' calls take."""
+        with self._lock:
+            super().free_async(ptr, stream)
+
     def _send(self, message: Request | Notification) -> None:
         if self.closed:
             raise self._core.connection_lost("the context is closed")

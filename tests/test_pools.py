@@ -279,7 +279,8 @@ async def test_every_error_is_cudas_and_raised_by_the_call(served, autojump_cloc
 
         # Operations only the client's pools should send: what a client that bypassed them gets.
         stats = await actx.statistics()
-        for ops in ([[0, int(plain), 8, 0, []]], [[1, int(p), 0]], [[2, int(plain)]], [[7]], ["x"], [[0, "p", 1, 0, []]]):
+        for ops in ([[0, int(plain), 8, 0, []]], [[1, int(p), 0]], [[2, int(plain)]], [[7]], ["x"],
+                    [[0, "p", 1, 0, []]]):
             with pytest.raises(InvalidValueError):
                 await actx._drive(actx._core.call("mem_pool_ops", {"ops": ops}))
         with pytest.raises(InvalidValueError):
@@ -333,3 +334,15 @@ def test_a_killed_clients_pool_memory_is_reclaimed(daemon):
         while ctx.mem_get_info()[0] != free and time.monotonic() < deadline:
             time.sleep(0.05)
         assert ctx.mem_get_info()[0] == free
+
+
+async def test_a_destroyed_stream_is_refused_at_once_and_the_ledger_stays_whole(actx, autojump_clock):
+    """free_async on a stream destroyed since is cudaErrorInvalidResourceHandle from the call, as CUDA's host
+    call gives it; the allocation stays live and is freed on another stream."""
+    s = await actx.create_stream()
+    p = await actx.malloc_async(MiB, s)
+    await s.destroy()
+    with pytest.raises(InvalidResourceHandleError):
+        actx.free_async(p, s)
+    actx.free_async(p)
+    assert (await actx.statistics())["memory_in_use"] == 0

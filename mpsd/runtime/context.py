@@ -337,13 +337,13 @@ class Context:
         return nbytes
 
     def _pool_free(self, ptr: int, stream: int | None) -> int:
-        self._stream(stream)
         reservation = self._reservation(ptr, 0)
         nbytes = reservation.live.pop(ptr, None)
         if nbytes is None:
             raise InvalidValueError(f"{ptr:#x} is no live allocation of a memory pool")
         reservation.in_use -= nbytes
         self.counters.async_frees += 1
+        self._stream(stream)  # after the bookkeeping: the pool that sent it counts the bytes free either way
         return nbytes
 
     def _pool_release(self, ptr: object) -> None:
