@@ -1,0 +1,190 @@
+# Properties of the two client-side allocators under random traces (Hypothesis): a stream-ordered pool
+# (mpsd_client._pools, driven as the core drives it, with reservations at addresses a daemon would give) and
+# the caching allocator (over a device that hands out addresses from the bottom up). No two live allocations
+# overlap, the figures are the sums of what is live and reserved, free ranges are merged, memory freed on one
+# stream goes to another only as the reuse flags allow, and emptying gives back every unused segment.
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mpsd_client import CachingAllocator
+from mpsd_client._pools import ALIGN, FLAGS, RESERVE_STEP, MemPool, Ordering
+
+MiB = 1 << 20
+STREAMS = (0, 1, 2)
+SIZES = st.one_of(st.integers(1, 64 << 10), st.integers(1, 8 * MiB), st.integers(30 * MiB, 70 * MiB))
+POOL_STEPS = st.lists(st.one_of(
+    st.tuples(st.just("alloc"), SIZES, st.sampled_from(STREAMS)),
+    st.tuples(st.just("free"), st.integers(0, 1 << 16), st.sampled_from(STREAMS)),
+    st.tuples(st.just("wait"), st.sampled_from(STREAMS), st.sampled_from(STREAMS)),
+    st.tuples(st.just("sync"), st.sampled_from(STREAMS)),
+    st.tuples(st.just("trim"), st.integers(0, 128 * MiB))), min_size=5, max_size=60)
+
+
+class Owner:
+    """What the core does around a pool, without the daemon: reservations at rising addresses."""
+
+    def __init__(self, flags: dict[str, bool]) -> None:
+        self.pool = MemPool(None, default=True)  # type: ignore[arg-type]
+        self.pool.flags.update(flags)
+        self.order = Ordering()
+        self.live: dict[int, tuple[object, int, int]] = {}  # address -> segment, rounded size, stream
+        self.next_base = 1 << 40
+        self.events = 0
+
+    def alloc(self, nbytes: int, stream: int) -> tuple[int, list[int]]:
+        size = -(-nbytes // ALIGN) * ALIGN
+        found = self.pool.take(size, stream, self.order)
+        if found is None:
+            grow = -(-size // RESERVE_STEP) * RESERVE_STEP
+            self.pool.add(self.next_base, grow)
+            self.next_base += grow + RESERVE_STEP  # reservations need not touch
+            found = self.pool.take(size, stream, self.order)
+        assert found is not None
+        addr, segment, after = found
+        self.live[addr] = (segment, size, stream)
+        return addr, after
+
+    def free(self, addr: int, stream: int) -> None:
+        segment, size, _ = self.live.pop(addr)
+        self.pool.give_back(segment, addr, size, stream, self.order.freed(stream))
+
+    def wait(self, waiter: int, recorder: int) -> None:
+        """An event recorded on `recorder`, then `waiter` waits for it."""
+        self.events += 1
+        self.order.observe("event_record", {"event": self.events, "stream": recorder})
+        self.order.observe("stream_wait_event", {"event": self.events, "stream": waiter})
+
+    def check(self) -> None:
+        pool = self.pool
+        assert pool.used == sum(size for _, size, _ in self.live.values())
+        assert pool.reserved == sum(s.size for s in pool.segments)
+        spans = sorted([(a, a + size) for a, (_, size, _) in self.live.items()]
+                       + [(r.addr, r.addr + r.size) for s in pool.segments for r in s.free])
+        assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:])), "ranges overlap"
+        for segment in pool.segments:
+            mine = [(a, size) for a, (s, size, _) in self.live.items() if s is segment]
+            assert segment.live == len(mine)
+            assert sum(size for _, size in mine) + sum(r.size for r in segment.free) == segment.size
+            assert all(segment.base <= a and a + size <= segment.base + segment.size for a, size in mine)
+            assert all(low.addr + low.size < high.addr for low, high in zip(segment.free, segment.free[1:])), \
+                "free neighbours not merged"
+
+
+@settings(max_examples=60, deadline=None)
+@given(POOL_STEPS, st.fixed_dictionaries({flag: st.booleans() for flag in FLAGS}))
+def test_a_pools_ranges_never_overlap_and_its_figures_add_up(steps, flags):
+    """Whatever the trace and the flags: no overlap, used and reserved are the sums, the free ranges and the
+    live allocations tile every reservation, and freeing all and trimming to 0 gives every byte back."""
+    owner = Owner(flags)
+    for step in steps:
+        kind = step[0]
+        if kind == "alloc":
+            _, nbytes, stream = step
+            _, after = owner.alloc(nbytes, stream)
+            assert stream not in after
+            assert not after or flags["reuse_allow_internal_dependencies"]
+        elif kind == "free" and owner.live:
+            owner.free(sorted(owner.live)[step[1] % len(owner.live)], step[2])
+        elif kind == "wait":
+            owner.wait(step[1], step[2])
+        elif kind == "sync":
+            owner.order.observe("stream_synchronize", {"stream": step[1]})
+        elif kind == "trim":
+            kept = owner.pool.reserved
+            gone = owner.pool.unused(step[1])
+            assert owner.pool.reserved >= min(step[1], kept) or not gone
+        owner.check()
+    for addr, (_, _, stream) in list(owner.live.items()):
+        owner.free(addr, stream)
+    owner.pool.unused(0)
+    assert owner.pool.reserved == 0 and owner.pool.used == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 4 * MiB), st.sampled_from((1, 2))), min_size=1, max_size=12),
+       st.booleans())
+def test_memory_freed_on_one_stream_goes_to_another_only_as_the_flags_allow(sizes, follow):
+    """With internal dependencies and opportunistic reuse off, stream 2 gets none of what stream 1 freed, until
+    it waits for an event recorded on stream 1 after the frees (if it follows event dependencies)."""
+    owner = Owner({"reuse_allow_internal_dependencies": False, "reuse_allow_opportunistic": False,
+                   "reuse_follow_event_dependencies": follow})
+    first = [owner.alloc(nbytes, 1)[0] for nbytes, _ in sizes]
+    freed = {a: owner.live[a][1] for a in first}
+    for addr in first:
+        owner.free(addr, 1)
+
+    def reused(addr: int, size: int) -> bool:
+        return any(a <= addr < a + n or addr <= a < addr + size for a, n in freed.items())
+
+    for nbytes, _ in sizes:
+        addr, _ = owner.alloc(nbytes, 2)
+        assert not reused(addr, owner.live[addr][1])
+    owner.wait(2, 1)
+    addr, _ = owner.alloc(sizes[0][0], 2)
+    assert reused(addr, owner.live[addr][1]) == follow
+    owner.check()
+
+
+class Device:
+    """Addresses from the bottom up, with a gap between segments, and nothing to wait for."""
+
+    def __init__(self) -> None:
+        self.next = 1 << 40
+        self.live: set[int] = set()
+
+    def malloc(self, nbytes: int) -> int:
+        self.next += nbytes + (2 << 20)
+        self.live.add(self.next - nbytes - (2 << 20))
+        return self.next - nbytes - (2 << 20)
+
+    def free(self, ptr: int) -> None:
+        self.live.remove(ptr)
+
+    def synchronize(self) -> None:
+        pass
+
+    def mem_get_info(self) -> tuple[int, int]:
+        return 1 << 30, 1 << 34
+
+
+CACHE_STEPS = st.lists(st.one_of(
+    st.tuples(st.just("malloc"), SIZES, st.sampled_from((None, 1))),
+    st.tuples(st.just("free"), st.integers(0, 1 << 16)),
+    st.tuples(st.just("empty_cache"))), min_size=5, max_size=60)
+
+
+@settings(max_examples=60, deadline=None)
+@given(CACHE_STEPS, st.sampled_from(["", "max_split_size_mb:24", "roundup_power2_divisions:4"]))
+def test_the_caching_allocators_statistics_are_the_sums_of_its_blocks(steps, config):
+    """No two blocks overlap and they tile their segments; the statistics are the sums of the snapshot's blocks
+    and segments; the device holds exactly the segments; empty_cache leaves no segment without an active block."""
+    device = Device()
+    allocator = CachingAllocator(device, config=config)
+    live: list[int] = []
+    for step in steps:
+        if step[0] == "malloc":
+            live.append(allocator.malloc(step[1], step[2]))
+        elif step[0] == "free" and live:
+            allocator.free(live.pop(step[1] % len(live)))
+        elif step[0] == "empty_cache":
+            allocator.empty_cache()
+            assert all(any(b["state"] != "inactive" for b in s["blocks"]) for s in allocator.memory_snapshot())
+        segments = allocator.memory_snapshot()
+        stats = allocator.memory_stats()
+        blocks = [b for s in segments for b in s["blocks"]]
+        for s in segments:
+            ends = [b["address"] + b["size"] for b in s["blocks"]]
+            assert [b["address"] for b in s["blocks"]] == [s["address"]] + ends[:-1]
+            assert ends[-1] == s["address"] + s["total_size"]
+        allocated = [b for b in blocks if b["state"] == "active_allocated"]
+        assert sorted(b["address"] for b in allocated) == sorted(live)
+        assert stats["allocated_bytes.all.current"] == sum(b["size"] for b in allocated)
+        assert stats["requested_bytes.all.current"] == sum(b["requested_size"] for b in allocated)
+        assert stats["reserved_bytes.all.current"] == sum(s["total_size"] for s in segments)
+        assert stats["segment.all.current"] == len(segments) and device.live == {s["address"] for s in segments}
+    for ptr in live:
+        allocator.free(ptr)
+    allocator.empty_cache()
+    assert allocator.memory_reserved() == 0 and not device.live
