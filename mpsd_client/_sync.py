@@ -73,13 +73,21 @@ class Context(ContextBase):
     def malloc_async(self, nbytes: int, stream: Any = None) -> Any:
         """``cudaMallocAsync`` (see `ContextBase.malloc_async`): where the pool has room it is the core's alone,
         without the generator a message needs (the figure bench/alloc_rate.py measures)."""
+        ptr = self._malloc_now(nbytes, stream, CURRENT)
+        return ptr if ptr is not None else super().malloc_async(nbytes, stream)
+
+    def malloc_from_pool_async(self, nbytes: int, pool: Any, stream: Any = None) -> Any:
+        """``cudaMallocFromPoolAsync`` (see `ContextBase.malloc_from_pool_async`), as fast as `malloc_async`."""
+        ptr = self._malloc_now(nbytes, stream, pool)
+        return ptr if ptr is not None else super().malloc_from_pool_async(nbytes, pool, stream)
+
+    def _malloc_now(self, nbytes: int, stream: Any, pool: Any) -> Any:
         with self._lock:
             try:
-                ptr = self._core.malloc_async_now(self, nbytes, stream, CURRENT)
+                return self._core.malloc_async_now(self, nbytes, stream, pool)
             except CudaError as exc:
                 self._core.last_error = exc
                 raise
-        return ptr if ptr is not None else super().malloc_async(nbytes, stream)
 
     def free_async(self, ptr: Any, stream: Any = None) -> None:
         """``cudaFreeAsync`` (see `ContextBase.free_async`), under the lock other threads' calls take."""

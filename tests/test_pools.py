@@ -6,8 +6,13 @@
 # processes.
 from __future__ import annotations
 
+import json
+import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -346,3 +351,27 @@ async def test_a_destroyed_stream_is_refused_at_once_and_the_ledger_stays_whole(
         actx.free_async(p, s)
     actx.free_async(p)
     assert (await actx.statistics())["memory_in_use"] == 0
+
+
+def test_the_fidelity_probe_runs_on_mpsd_and_finds_the_rules_above(daemon):
+    """bench/fidelity/measure_pools.py, the probe meant for the H200 as well, run against mpsd: it finds the
+    512-byte packing, the 32 MiB steps, the thresholds and the reuse flags as the tests above pin them."""
+    probe = Path(__file__).parent.parent / "bench" / "fidelity" / "measure_pools.py"
+    result = subprocess.run([sys.executable, str(probe), "--mpsd", "--no-timing"], capture_output=True, text=True,
+                            env={**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(daemon.pipe_dir)}, timeout=120)
+    assert result.returncode == 0, result.stderr
+    found = json.loads(result.stdout)
+    assert {size: set(row["gaps"]) for size, row in found["packing"].items()} == {
+        "1": {512}, "100": {512}, "512": {512}, "513": {1024}, "1000": {1024}, "4096": {4096}, "65536": {65536},
+        str(MiB): {MiB}, str(MiB + 1): {MiB + 512}, str(3 * MiB): {3 * MiB}}
+    assert {mib: row["reserved"] // MiB for mib, row in found["large"].items()} == {
+        "31": 32, "32": 32, "33": 64, "40": 64, "64": 64, "100": 128}
+    assert {t: row["after_sync"] // MiB for t, row in found["thresholds"].items()} == {
+        "0": 0, str(40 * MiB): 64, str(UINT64_MAX): 96}
+    assert found["reuse"]["reuse_follow_event_dependencies=0/reuse_allow_opportunistic=0/"
+                          "reuse_allow_internal_dependencies=0"] == dict.fromkeys(
+        ("at_once", "after_an_event", "after_a_sync"), False)
+    assert all(row["after_an_event"] for name, row in found["reuse"].items()
+               if "reuse_follow_event_dependencies=1" in name)
+    assert found["marks"] == {"used_high": 4 * MiB, "reserved_high": 32 * MiB, "used_high_reset": MiB,
+                              "reserved_high_reset": 32 * MiB}
