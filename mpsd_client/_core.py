@@ -186,7 +186,9 @@ class Core:
     def _pool_stream(self, stream: Stream | None) -> int:
         """A stream's key for the pools (0: the legacy default stream). A pool's host call knows at once that a
         stream was destroyed, as CUDA's does (a launch learns it from the daemon, later)."""
-        key = self._stream(stream) or 0
+        if stream is None:
+            return 0
+        key = stream.handle if type(stream) is Stream and stream.ctx._core is self else self._stream(stream)
         if key in self._destroyed:
             raise InvalidResourceHandleError(f"stream {key} of this context was destroyed")
         return key
@@ -275,9 +277,7 @@ class Core:
 
     def current(self, ctx: Any) -> MemPool:
         """The device's current pool (cudaDeviceGetMemPool)."""
-        self.default_pool(ctx)
-        assert self.current_pool is not None
-        return self.current_pool
+        return self.current_pool or self.default_pool(ctx)
 
     def pool_of(self, ctx: Any, pool: Any) -> MemPool:
         """`pool` if it is a live pool of this context."""

@@ -89,6 +89,7 @@ class Event:
 class Reservation:
     """Memory a stream-ordered pool of the client holds, and the allocations the client made in it."""
 
+    base: int
     size: int
     live: dict[int, int] = field(default_factory=dict)  # address -> bytes
     in_use: int = 0
@@ -130,6 +131,7 @@ class Context:
         self.streams: dict[int, Stream] = {0: Stream(0, 0, True, (client_id, 0))}
         self.events: dict[int, Event] = {}
         self.reservations: dict[int, Reservation] = {}  # stream-ordered pools' memory, by base address
+        self._last_reservation: Reservation | None = None
         self._orphans: list[Work] = []  # last work of destroyed streams: it still counts
         self.last_op: Work | None = None  # the work the latest call queued
         self.sticky: CudaError | None = None
@@ -284,7 +286,7 @@ class Context:
         if not isinstance(nbytes, int) or nbytes <= 0 or nbytes % CHUNK:
             raise InvalidValueError(f"a pool reserves whole 2 MiB pages, not {brief(nbytes, 40)} bytes")
         addr = self._map_new(nbytes, pool=True)
-        self.reservations[addr] = Reservation(nbytes)
+        self.reservations[addr] = Reservation(addr, nbytes)
         return addr
 
     def mem_pool_ops(self, ops: list[object]) -> None:
@@ -312,11 +314,16 @@ class Context:
             raise error
 
     def _reservation(self, ptr: object, nbytes: object) -> Reservation:
+        last = self._last_reservation  # a pool hands out most allocations from its latest reservation
+        if (last is not None and type(ptr) is int and type(nbytes) is int and last.base <= ptr < last.base + last.size
+                and 0 <= nbytes and ptr + nbytes <= last.base + last.size and self.reservations.get(last.base) is last):
+            return last
         alloc = self.memory.find(ptr) if isinstance(ptr, int) and isinstance(nbytes, int) and nbytes >= 0 else None
         if alloc is None or not alloc.pool or ptr + nbytes > alloc.end:  # type: ignore[operator]
             raise InvalidValueError(f"[{brief(ptr, 20)}, +{brief(nbytes, 20)}) is not inside one of this context's "
                                     "memory pools")
-        return self.reservations[alloc.addr]
+        self._last_reservation = self.reservations[alloc.addr]
+        return self._last_reservation
 
     def _pool_alloc(self, ptr: int, nbytes: int, stream: int | None, after: object) -> int:
         """The pool handed out [ptr, +nbytes) on `stream`, after the work queued so far on the streams in `after`
