@@ -21,10 +21,10 @@ from typing import Any, Generator
 
 from mpsd_protocol import (  # type: ignore[attr-defined]
     CALLS,
+    EVENT_HANDLE,
     POOL_ALLOC,
     POOL_FREE,
     POOL_RELEASE,
-    EVENT_HANDLE,
     PROTOCOL_ERROR,
     PROTOCOL_VERSION,
     STREAM_HANDLE,

@@ -19,8 +19,8 @@ import pytest
 
 import mpsd_client
 from daemons import spawn_worker
-from mpsd_client._core import MAX_OPS
 from mpsd_client import InvalidResourceHandleError, InvalidValueError, MemPool, OutOfMemoryError
+from mpsd_client._core import MAX_OPS
 
 MiB = 1 << 20
 UINT64_MAX = (1 << 64) - 1

@@ -14,6 +14,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from mpsd_protocol import (  # type: ignore[attr-defined]
+    POOL_ALLOC,
+    POOL_FREE,
+    POOL_RELEASE,
     CudaError,
     InvalidDeviceFunctionError,
     InvalidResourceHandleError,
@@ -21,9 +24,6 @@ from mpsd_protocol import (  # type: ignore[attr-defined]
     LaunchOutOfResourcesError,
     NotReadyError,
     NotSupportedError,
-    POOL_ALLOC,
-    POOL_FREE,
-    POOL_RELEASE,
     OutOfMemoryError,
     brief,
     check_args,
