@@ -42,7 +42,7 @@ POOLS = ("all", "small_pool", "large_pool")
 OPTIONS = ("max_split_size_mb", "roundup_power2_divisions", "garbage_collection_threshold")
 
 
-@dataclass
+@dataclass(slots=True)
 class _Stat:
     current: int = 0
     peak: int = 0
@@ -51,7 +51,8 @@ class _Stat:
 
     def up(self, amount: int) -> None:
         self.current += amount
-        self.peak = max(self.peak, self.current)
+        if self.current > self.peak:
+            self.peak = self.current
         self.allocated += amount
 
     def down(self, amount: int) -> None:
@@ -147,6 +148,9 @@ class CachingAllocator:
         self._active: dict[int, _Block] = {}  # address of each allocated block
         self._segments: dict[int, _Block] = {}  # base address of each segment -> its first block
         self._stats = {name: {pool: _Stat() for pool in POOLS} for name in STATS}
+        # (statistic, small) -> its "all" figure and its pool's, which every change moves together
+        self._pairs = {(name, small): (pools["all"], pools["small_pool" if small else "large_pool"])
+                       for name, pools in self._stats.items() for small in (True, False)}
         self._oversize = {"oversize_allocations": _Stat(), "oversize_segments": _Stat()}
         self._counts = {"num_alloc_retries": 0, "num_ooms": 0, "num_sync_all_streams": 0, "num_device_alloc": 0,
                         "num_device_free": 0}
@@ -208,9 +212,9 @@ class CachingAllocator:
         if block is None:
             raise ValueError(f"{int(ptr):#x} was not allocated by this allocator, or was freed already")
         block.allocated = False
-        for stat in self._selected("allocation", block.small):
+        for stat in self._pairs["allocation", block.small]:
             stat.down(1)
-        for stat in self._selected("allocated_bytes", block.small):
+        for stat in self._pairs["allocated_bytes", block.small]:
             stat.down(block.size)
         if block.size >= self.max_split_size:
             self._oversize["oversize_allocations"].down(1)
@@ -245,7 +249,7 @@ class CachingAllocator:
         self._change("inactive_split", block.small, blocks_change)
         self._change("inactive_split_bytes", block.small, bytes_change)
         for name, amount in (("active", 1), ("active_bytes", size), ("requested_bytes", requested)):
-            for stat in self._selected(name, block.small):
+            for stat in self._pairs[name, block.small]:
                 stat.down(amount)
 
     def set_per_process_memory_fraction(self, fraction: float) -> None:
@@ -406,7 +410,7 @@ class CachingAllocator:
         if self._history is not None:
             self._segment_frames[ptr] = self._history.add("segment_alloc", ptr, nbytes, stream)
         for name, amount in (("segment", 1), ("reserved_bytes", nbytes)):
-            for stat in self._selected(name, small):
+            for stat in self._pairs[name, small]:
                 stat.up(amount)
         if nbytes >= self.max_split_size:
             self._oversize["oversize_segments"].up(1)
@@ -446,7 +450,7 @@ class CachingAllocator:
         self._active[block.ptr] = block
         for name, amount in (("allocation", 1), ("allocated_bytes", block.size), ("active", 1),
                              ("active_bytes", block.size), ("requested_bytes", requested)):
-            for stat in self._selected(name, block.small):
+            for stat in self._pairs[name, block.small]:
                 stat.up(amount)
         if block.size >= self.max_split_size:
             self._oversize["oversize_allocations"].up(1)
@@ -539,20 +543,17 @@ class CachingAllocator:
         self._reserved_total -= block.size
         self._counts["num_device_free"] += 1
         for name, amount in (("segment", 1), ("reserved_bytes", block.size)):
-            for stat in self._selected(name, block.small):
+            for stat in self._pairs[name, block.small]:
                 stat.down(amount)
         if block.size >= self.max_split_size:
             self._oversize["oversize_segments"].down(1)
 
-    def _selected(self, name: str, small: bool) -> tuple[_Stat, _Stat]:
-        pools = self._stats[name]
-        return pools["all"], pools["small_pool" if small else "large_pool"]
-
     def _change(self, name: str, small: bool, amount: int) -> None:
-        for stat in self._selected(name, small):
-            if amount > 0:
+        if amount > 0:
+            for stat in self._pairs[name, small]:
                 stat.up(amount)
-            elif amount < 0:
+        elif amount < 0:
+            for stat in self._pairs[name, small]:
                 stat.down(-amount)
 
     def _oom_message(self, nbytes: int) -> str:
