@@ -22,7 +22,8 @@ from mpsd_protocol import OutOfMemoryError
 
 RECORDED = Path(__file__).parent.parent / "bench" / "fidelity" / "torch_allocator_h200.json.gz"
 TRACES = json.loads(gzip.open(RECORDED, "rt").read())
-IDS = [f"{t['config'] or 'defaults'}{'-fraction' if t['fraction'] else ''}-seed{t['seed']}" for t in TRACES]
+IDS = [f"{t['config'] or 'defaults'}{'-fraction' if t['fraction'] else ''}"
+       f"{'-record_stream' if t.get('record_streams') else ''}-seed{t['seed']}" for t in TRACES]
 
 
 class RecordedDevice:
@@ -50,11 +51,28 @@ class RecordedDevice:
     def mem_get_info(self) -> tuple[int, int]:
         return 0, self.total
 
+    def create_event(self, disable_timing: bool = False) -> IdleEvent:
+        return IdleEvent()
+
+
+class IdleEvent:
+    """An event on a recorded trace's idle stream: complete by the next step (record_torch_allocator.py)."""
+
+    def record(self, stream: object = None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
 
 def _replay(allocator: CachingAllocator, trace: dict, side: object, each_step) -> None:
     if trace["fraction"] is not None:
         allocator.set_per_process_memory_fraction(trace["fraction"])
     pointers: dict[int, int] = {}
+    streams: dict[int, int] = {}
     for n, recorded in enumerate(trace["steps"]):
         step = recorded["step"]
         oom = False
@@ -62,8 +80,12 @@ def _replay(allocator: CachingAllocator, trace: dict, side: object, each_step) -
             _, ident, size, stream = step
             try:
                 pointers[ident] = allocator.malloc(size, side if stream else None)
+                streams[ident] = stream
             except OutOfMemoryError:
                 oom = True
+        elif step[0] == "record_stream":  # used on the other stream too
+            if step[1] in pointers:
+                allocator.record_stream(pointers[step[1]], None if streams[step[1]] else side)
         elif step[0] == "free":
             if step[1] in pointers:
                 allocator.free(pointers.pop(step[1]))
@@ -87,6 +109,8 @@ def test_a_recorded_pytorch_trace_replays_step_for_step(trace):
         device.step = n + 1
 
     _replay(allocator, trace, 1, check)
+    if "summary" in trace:  # recorded since memory_summary() was built
+        assert allocator.memory_summary() == trace["summary"]
 
 
 @pytest.mark.parametrize("trace", TRACES[::3], ids=IDS[::3])

@@ -9,7 +9,12 @@ allocator treats apart: under 512 B, small (up to 1 MiB), 1 to 10 MiB (packed in
 every step it records memory_stats() and the segments (their addresses: what cudaMalloc returned) with their
 blocks (sizes and states, in address order within a segment). Each trace runs in a process of its own, under its
 own PYTORCH_CUDA_ALLOC_CONF and, for some, set_per_process_memory_fraction (then allocations run out of memory,
-and their retries and garbage collection are recorded too).
+and their retries and garbage collection are recorded too). Each trace ends with memory_summary()'s table.
+
+The traces of RECORD_STREAM_SEEDS also mark some allocations, before they are freed, as used on the other stream
+(Tensor.record_stream, so those allocations are tensors): such a block waits for an event on that stream, and is
+reused only once a later allocation finds the event complete (the other stream is idle here, so it always has by
+then, and the trace is the same on every run).
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ import sys
 CONFIGS = [("", None), ("max_split_size_mb:40", None), ("roundup_power2_divisions:4", None), ("", 0.004),
            ("garbage_collection_threshold:0.6", 0.004)]
 SEEDS = [1, 2, 3]
+RECORD_STREAM_SEEDS = [4, 5]  # under the default configuration
 STEPS = 300
 
 
@@ -39,7 +45,7 @@ def sizes(rng: random.Random) -> int:
     return rng.randint(10 << 20, 96 << 20)
 
 
-def steps(seed: int) -> list[list]:
+def steps(seed: int, record_streams: bool = False) -> list[list]:
     rng = random.Random(seed)
     live: list[int] = []
     out: list[list] = []
@@ -48,7 +54,10 @@ def steps(seed: int) -> list[list]:
         if roll < 0.02:
             out.append(["empty_cache"])
         elif live and roll < 0.45:
-            out.append(["free", live.pop(rng.randrange(len(live)))])
+            victim = live.pop(rng.randrange(len(live)))
+            if record_streams and rng.random() < 0.5:  # (the other traces draw the same numbers as before)
+                out.append(["record_stream", victim])
+            out.append(["free", victim])
         else:
             out.append(["alloc", n, sizes(rng), 1 if rng.random() < 0.2 else 0])
             live.append(n)
@@ -65,7 +74,7 @@ def layout(torch) -> list[dict]:
     return segments
 
 
-def record(config: str, fraction: float | None, seed: int) -> dict:
+def record(config: str, fraction: float | None, seed: int, record_streams: bool = False) -> dict:
     import torch
 
     torch.cuda.init()
@@ -74,42 +83,56 @@ def record(config: str, fraction: float | None, seed: int) -> dict:
     side = torch.cuda.Stream()
     streams = {0: torch.cuda.current_stream(), 1: side}
     pointers: dict[int, int] = {}
+    tensors: dict[int, tuple] = {}  # with record_streams: each allocation a uint8 tensor, and its stream
     out = []
-    for step in steps(seed):
+    for step in steps(seed, record_streams):
         oom = False
         if step[0] == "alloc":
             _, n, size, stream = step
             try:
-                pointers[n] = torch.cuda.caching_allocator_alloc(size, 0, streams[stream])
+                if record_streams:
+                    with torch.cuda.stream(streams[stream]):
+                        tensors[n] = (torch.empty(size, dtype=torch.uint8, device="cuda"), stream)
+                else:
+                    pointers[n] = torch.cuda.caching_allocator_alloc(size, 0, streams[stream])
             except torch.cuda.OutOfMemoryError:
                 oom = True
+        elif step[0] == "record_stream":
+            if step[1] in tensors:
+                tensor, stream = tensors[step[1]]
+                tensor.record_stream(streams[1 - stream])
         elif step[0] == "free":
             if step[1] in pointers:  # an allocation that ran out of memory has nothing to free
                 torch.cuda.caching_allocator_delete(pointers.pop(step[1]))
+            tensors.pop(step[1], None)  # its last reference: the allocator frees it
         else:
             torch.cuda.empty_cache()
         segments = layout(torch)
         stats = {k: v for k, v in torch.cuda.memory_stats().items() if isinstance(v, int)}
         out.append({"step": step, "oom": oom, "stats": stats, "segments": segments})
     return {"config": config, "fraction": fraction, "seed": seed, "torch": torch.__version__,
-            "total_memory": torch.cuda.mem_get_info()[1], "steps": out}
+            "record_streams": record_streams, "total_memory": torch.cuda.mem_get_info()[1], "steps": out,
+            "summary": torch.cuda.memory_summary()}
 
 
 def main() -> int:
-    if len(sys.argv) == 4 and sys.argv[1] == "--one":
+    if len(sys.argv) in (4, 5) and sys.argv[1] == "--one":
         fraction = None if sys.argv[2] == "-" else float(sys.argv[2])
-        print(json.dumps(record(os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), fraction, int(sys.argv[3]))))
+        print(json.dumps(record(os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), fraction, int(sys.argv[3]),
+                                record_streams=sys.argv[4:] == ["--record-streams"])))
         return 0
     traces = []
-    for config, fraction in CONFIGS:
-        for seed in SEEDS:
-            env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF=config)
-            result = subprocess.run([sys.executable, __file__, "--one", "-" if fraction is None else str(fraction),
-                                     str(seed)], env=env, capture_output=True, text=True, check=True)
-            traces.append(json.loads(result.stdout))
-            ooms = sum(s["oom"] for s in traces[-1]["steps"])
-            print(f"recorded {config or 'defaults'} fraction {fraction} seed {seed}: "
-                  f"{len(traces[-1]['steps'])} steps, {ooms} out of memory", flush=True)
+    runs = [(config, fraction, seed, False) for config, fraction in CONFIGS for seed in SEEDS]
+    runs += [("", None, seed, True) for seed in RECORD_STREAM_SEEDS]
+    for config, fraction, seed, record_streams in runs:
+        env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF=config)
+        result = subprocess.run([sys.executable, __file__, "--one", "-" if fraction is None else str(fraction),
+                                 str(seed), *(["--record-streams"] if record_streams else [])], env=env,
+                                capture_output=True, text=True, check=True)
+        traces.append(json.loads(result.stdout))
+        ooms = sum(s["oom"] for s in traces[-1]["steps"])
+        print(f"recorded {config or 'defaults'} fraction {fraction} seed {seed}: "
+              f"{len(traces[-1]['steps'])} steps, {ooms} out of memory", flush=True)
     with gzip.open(sys.argv[1], "wt") as f:
         json.dump(traces, f, separators=(",", ":"))
     return 0
