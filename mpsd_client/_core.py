@@ -79,7 +79,7 @@ class Core:
         # pool operations that wait for the next message (the shells send them ahead of it, in one notification).
         self.pools: list[MemPool] = []
         self.current_pool: MemPool | None = None
-        self._pool_live: dict[int, tuple[MemPool, Any, int]] = {}
+        self._pool_live: dict[int, tuple[MemPool, Any, int, int]] = {}  # addr -> pool, segment, size, nbytes
         self.ordering = Ordering()
         self._ops: list[list[Any]] = []
         self._destroyed: set[int] = set()  # streams destroyed (their handles are never given out again)
@@ -143,7 +143,7 @@ class Core:
             self.ordering.observe(name, args)
             if name in SYNCHRONISING:  # pools give back what is past their release threshold
                 for pool in self.pools:
-                    self._release(pool.unused(pool.release_threshold))
+                    self._release(pool.unused(pool.release_threshold, threshold=True))
                 yield from self._flush()
         return (reply.result, reply.fds) if call.reply_fds else reply.result
 
@@ -306,11 +306,11 @@ class Core:
     def _hand_out(self, ctx: Any, pool: MemPool, key: int, nbytes: int) -> DevicePointer | None:
         """`nbytes` from what `pool` holds for stream `key`, or None if it must grow."""
         size = -(-nbytes // ALIGN) * ALIGN
-        found = pool.take(size, key, self.ordering)
+        found = pool.take(size, nbytes, key, self.ordering)
         if found is None:
             return None
         addr, segment, after = found
-        self._pool_live[addr] = (pool, segment, size)
+        self._pool_live[addr] = (pool, segment, size, nbytes)
         self._ops.append([POOL_ALLOC, addr, nbytes, key, after])
         return DevicePointer(addr, nbytes, ctx)
 
@@ -349,8 +349,8 @@ class Core:
         if found is None:
             raise InvalidValueError(f"{addr:#x} is not a live stream-ordered allocation of this context (freed "
                                     "already, or from malloc)")
-        pool, segment, size = found
-        pool.give_back(segment, addr, size, key, self.ordering.freed(key))
+        pool, segment, size, nbytes = found
+        pool.give_back(segment, addr, size, nbytes, key, self.ordering.freed(key))
         self._ops.append([POOL_FREE, addr, key])
         if pool.destroyed and segment.live == 0:
             self._release(pool.unused(0))

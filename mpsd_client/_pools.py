@@ -11,11 +11,14 @@
 # system call at all). A notification the daemon refuses could only come from a client that bypassed this
 # module; it becomes the context's asynchronous error, as any notification's does.
 #
-# Reuse follows CUDA's rules, stream by stream: a range freed on stream A is handed out again on A at once (the
-# stream orders it); on another stream B only if B is known to follow the free (an event recorded on A after the
-# free that B waited for: reuse_follow_event_dependencies), or the free is known to have completed (A or the
-# device was synchronised since: reuse_allow_opportunistic), or else by making B wait for A's work so far
-# (reuse_allow_internal_dependencies, which the daemon does as a stream wait). Otherwise the pool grows.
+# Reuse follows CUDA's rules, stream by stream, as the H200 showed them (bench/fidelity/h200_pools.json): a range
+# freed on stream A is handed out again on A at once (the stream orders it); on another stream B if the free is
+# known to have completed (A or the device was synchronised since: then whatever the flags), or B is known to
+# follow the free (an event recorded on A after the free that B waited for: reuse_follow_event_dependencies), or
+# else, where no other free range fits, by making B wait for A's work so far (reuse_allow_internal_dependencies,
+# which the daemon does as a stream wait). Otherwise the pool grows. reuse_allow_opportunistic lets a GPU reuse
+# a free it sees complete without being told; the client knows only what synchronisations tell it, so here the
+# flag changes nothing (the H200 reused a free on an idle stream that mpsd keeps apart until a synchronisation).
 # Memory goes back at the next synchronisation, down to the release threshold, or with trim_to.
 """Memory pools for stream-ordered allocation."""
 
@@ -150,35 +153,48 @@ class MemPool:
         return f"<MemPool {kind} reserved={self.reserved} used={self.used}>"
 
     # -- inside: placement ---------------------------------------------------------------------------
-    def take(self, size: int, stream: int, order: Ordering) -> tuple[int, _Segment, list[int]] | None:
+    def take(self, size: int, nbytes: int, stream: int, order: Ordering) -> tuple[int, _Segment, list[int]] | None:
         """The lowest free range of `size` bytes that `stream` may use: its address, segment, and the streams
-        whose work it must wait for first; None if none."""
+        whose work it must wait for first; None if none. A range that needs no new dependency wins over one
+        that does, wherever it lies: the H200 handed out fresh memory rather than make a stream wait, with
+        internal dependencies allowed. `nbytes` (what was asked for) is what the pool counts as used, as the
+        H200's used_mem_current does."""
+        found = self._fit(size, stream, order, internal=False)
+        if found is None and self.flags["reuse_allow_internal_dependencies"]:
+            found = self._fit(size, stream, order, internal=True)
+        if found is None:
+            return None
+        segment, index, after = found
+        free = segment.free[index]
+        addr = free.addr
+        if free.size == size:
+            del segment.free[index]
+        else:
+            free.addr += size
+            free.size -= size
+        segment.live += 1
+        self.used += nbytes
+        self.used_high = max(self.used_high, self.used)
+        return addr, segment, after
+
+    def _fit(self, size: int, stream: int, order: Ordering, internal: bool) -> tuple[_Segment, int, list[int]] | None:
         for segment in self.segments:
             for index, free in enumerate(segment.free):
                 if free.size < size:
                     continue
                 frees = free.frees
                 after = [] if not frees or (len(frees) == 1 and stream in frees) else \
-                    order.dependencies(self, frees, stream)
+                    order.dependencies(self, frees, stream, internal)
                 if after is None:
                     continue
-                addr = free.addr
-                if free.size == size:
-                    del segment.free[index]
-                else:
-                    free.addr += size
-                    free.size -= size
-                segment.live += 1
-                self.used += size
-                self.used_high = max(self.used_high, self.used)
-                return addr, segment, after
+                return segment, index, after
         return None
 
-    def give_back(self, segment: _Segment, addr: int, size: int, stream: int, count: int) -> None:
+    def give_back(self, segment: _Segment, addr: int, size: int, nbytes: int, stream: int, count: int) -> None:
         """Bytes freed on `stream` as its free number `count`: a free range again, merged with its free
         neighbours (the merged range carries their frees too)."""
         segment.live -= 1
-        self.used -= size
+        self.used -= nbytes
         ranges = segment.free
         index = bisect.bisect_left(ranges, addr, key=_ADDR)
         low = ranges[index - 1] if index and ranges[index - 1].addr + ranges[index - 1].size == addr else None
@@ -202,12 +218,14 @@ class MemPool:
         self.reserved += size
         self.reserved_high = max(self.reserved_high, self.reserved)
 
-    def unused(self, keep: int) -> list[int]:
-        """Take out the segments no allocation lives in, highest first, while at least `keep` bytes stay
-        reserved; their bases."""
+    def unused(self, keep: int, threshold: bool = False) -> list[int]:
+        """Take out the segments no allocation lives in, highest first; their bases. For trim_to, while at
+        least `keep` bytes stay reserved; at a synchronisation (`threshold`), while more than `keep` are. The
+        H200 did each: 96 MiB unused trimmed to 40 MiB kept 64, and released at a 40 MiB threshold kept 32."""
         gone = []
         for segment in reversed(list(self.segments)):
-            if segment.live == 0 and self.reserved - segment.size >= keep:
+            room = self.reserved > keep if threshold else self.reserved - segment.size >= keep
+            if segment.live == 0 and room:
                 self.segments.remove(segment)
                 self.reserved -= segment.size
                 gone.append(segment.base)
@@ -240,19 +258,18 @@ class Ordering:
         count = self.frees[stream] = self.frees.get(stream, 0) + 1
         return count
 
-    def dependencies(self, pool: MemPool, frees: dict[int, int], stream: int) -> list[int] | None:
+    def dependencies(self, pool: MemPool, frees: dict[int, int], stream: int, internal: bool = True) -> list[int] | None:
         """The streams `stream` must wait for to reuse bytes freed by `frees` (none: it may at once), or None if
-        the pool's flags allow no reuse."""
+        the pool's flags (or `internal` False) allow no reuse. A free a synchronisation has seen complete is
+        anyone's, whatever the flags: the H200 reused it on another stream with all three off."""
         after: list[int] = []
         follows = self.follows.get(stream, {})
         for other, count in frees.items():
-            if other == stream:
+            if other == stream or self.completed.get(other, 0) >= count:
                 continue
             if pool.flags["reuse_follow_event_dependencies"] and follows.get(other, 0) >= count:
                 continue
-            if pool.flags["reuse_allow_opportunistic"] and self.completed.get(other, 0) >= count:
-                continue
-            if not pool.flags["reuse_allow_internal_dependencies"]:
+            if not (internal and pool.flags["reuse_allow_internal_dependencies"]):
                 return None
             after.append(other)
         return after

@@ -29,26 +29,26 @@ class Owner:
         self.pool = MemPool(None, default=True)  # type: ignore[arg-type]
         self.pool.flags.update(flags)
         self.order = Ordering()
-        self.live: dict[int, tuple[object, int, int]] = {}  # address -> segment, rounded size, stream
+        self.live: dict[int, tuple[object, int, int, int]] = {}  # address -> segment, rounded size, stream, asked
         self.next_base = 1 << 40
         self.events = 0
 
     def alloc(self, nbytes: int, stream: int) -> tuple[int, list[int]]:
         size = -(-nbytes // ALIGN) * ALIGN
-        found = self.pool.take(size, stream, self.order)
+        found = self.pool.take(size, nbytes, stream, self.order)
         if found is None:
             grow = -(-size // RESERVE_STEP) * RESERVE_STEP
             self.pool.add(self.next_base, grow)
             self.next_base += grow + RESERVE_STEP  # reservations need not touch
-            found = self.pool.take(size, stream, self.order)
+            found = self.pool.take(size, nbytes, stream, self.order)
         assert found is not None
         addr, segment, after = found
-        self.live[addr] = (segment, size, stream)
+        self.live[addr] = (segment, size, stream, nbytes)
         return addr, after
 
     def free(self, addr: int, stream: int) -> None:
-        segment, size, _ = self.live.pop(addr)
-        self.pool.give_back(segment, addr, size, stream, self.order.freed(stream))
+        segment, size, _, nbytes = self.live.pop(addr)
+        self.pool.give_back(segment, addr, size, nbytes, stream, self.order.freed(stream))
 
     def wait(self, waiter: int, recorder: int) -> None:
         """An event recorded on `recorder`, then `waiter` waits for it."""
@@ -58,13 +58,13 @@ class Owner:
 
     def check(self) -> None:
         pool = self.pool
-        assert pool.used == sum(size for _, size, _ in self.live.values())
+        assert pool.used == sum(nbytes for *_, nbytes in self.live.values())
         assert pool.reserved == sum(s.size for s in pool.segments)
-        spans = sorted([(a, a + size) for a, (_, size, _) in self.live.items()]
+        spans = sorted([(a, a + size) for a, (_, size, *_) in self.live.items()]
                        + [(r.addr, r.addr + r.size) for s in pool.segments for r in s.free])
         assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:])), "ranges overlap"
         for segment in pool.segments:
-            mine = [(a, size) for a, (s, size, _) in self.live.items() if s is segment]
+            mine = [(a, size) for a, (s, size, *_) in self.live.items() if s is segment]
             assert segment.live == len(mine)
             assert sum(size for _, size in mine) + sum(r.size for r in segment.free) == segment.size
             assert all(segment.base <= a and a + size <= segment.base + segment.size for a, size in mine)
@@ -96,7 +96,7 @@ def test_a_pools_ranges_never_overlap_and_its_figures_add_up(steps, flags):
             gone = owner.pool.unused(step[1])
             assert owner.pool.reserved >= min(step[1], kept) or not gone
         owner.check()
-    for addr, (_, _, stream) in list(owner.live.items()):
+    for addr, (_, _, stream, _) in list(owner.live.items()):
         owner.free(addr, stream)
     owner.pool.unused(0)
     assert owner.pool.reserved == 0 and owner.pool.used == 0

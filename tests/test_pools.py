@@ -58,8 +58,9 @@ async def test_the_default_pool_reserves_32_mib_steps_and_packs_allocations_back
     assert await _used(actx) - base == 64 * MiB
     small = await actx.malloc_async(100, stream)  # 512-byte steps
     assert small == ptrs[-1] + MiB and await actx.malloc_async(100, stream) == small + 512
+    # used counts the bytes asked for, as the H200's did (8 allocations of 513 bytes: 4104 used)
     assert (pool.get_attribute("reserved_mem_current"), pool.get_attribute("used_mem_current")) == (64 * MiB,
-                                                                                                    33 * MiB + 1024)
+                                                                                                    33 * MiB + 200)
     stats = await actx.statistics()
     assert (stats["memory_pool_reserved"], stats["memory_in_use"]) == (64 * MiB, 33 * MiB + 200)
     assert (stats["async_mallocs"], stats["async_frees"]) == (35, 0)
@@ -91,8 +92,9 @@ def _pool(actx, **flags) -> MemPool:
 
 async def test_another_stream_reuses_freed_memory_only_as_the_flags_allow(actx, autojump_clock):
     """With internal dependencies off, memory freed on stream A goes to stream B only after B waits for an
-    event recorded after the free (follow_event_dependencies) or once A is synchronised (opportunistic; the
-    pools keep their memory through synchronisations here, so that there is something to reuse)."""
+    event recorded after the free (follow_event_dependencies), or once A is synchronised, whatever the flags, as
+    on the H200 (the pools keep their memory through synchronisations here, so that there is something to
+    reuse)."""
     a, b = await actx.create_stream(), await actx.create_stream()
     pool = _pool(actx, reuse_allow_internal_dependencies=False, reuse_allow_opportunistic=False)
     p = await actx.malloc_from_pool_async(MiB, pool, a)
@@ -117,19 +119,22 @@ async def test_another_stream_reuses_freed_memory_only_as_the_flags_allow(actx, 
     actx.free_async(p, a)
     await freed.record(a)
     await b.wait_event(freed)
-    await actx.synchronize()
-    assert await actx.malloc_from_pool_async(MiB, pool, b) != p  # nothing allows it
+    assert await actx.malloc_from_pool_async(MiB, pool, b) != p  # the event does not count without its flag
     assert await actx.malloc_from_pool_async(MiB, pool, a) == p  # its own stream always may
+    actx.free_async(p, a)
+    await actx.synchronize()
+    assert await actx.malloc_from_pool_async(MiB, pool, b) == p  # a completed free is anyone's
 
 
 async def test_internal_dependencies_make_the_reusing_stream_wait_for_the_freeing_one(actx, autojump_clock):
-    """By default memory freed on A is handed to B at once, and B's work then waits for A's work before the free
-    (the pool inserts the dependency); memory that is not reused adds no wait."""
+    """By default memory freed on A goes to B at once where no range that needs no wait fits, and B's work then
+    waits for A's work before the free (the pool inserts the dependency); memory that is not reused adds no
+    wait."""
     a, b = await actx.create_stream(), await actx.create_stream()
-    p = await actx.malloc_async(MiB, a)
+    p = await actx.malloc_async(32 * MiB, a)  # the whole reservation, freed behind A's spin
     await actx.launch("spin", 8, 32, [20_000_000], stream=a)  # about 10 ms
     actx.free_async(p, a)
-    q = await actx.malloc_async(MiB, b)
+    q = await actx.malloc_async(32 * MiB, b)
     assert q == p
     done = await actx.create_event()
     await done.record(b)
@@ -353,25 +358,23 @@ async def test_a_destroyed_stream_is_refused_at_once_and_the_ledger_stays_whole(
     assert (await actx.statistics())["memory_in_use"] == 0
 
 
-def test_the_fidelity_probe_runs_on_mpsd_and_finds_the_rules_above(daemon):
-    """bench/fidelity/measure_pools.py, the probe meant for the H200 as well, run against mpsd: it finds the
-    512-byte packing, the 32 MiB steps, the thresholds and the reuse flags as the tests above pin them."""
+def test_the_fidelity_probe_finds_on_mpsd_what_it_found_on_the_h200(daemon):
+    """bench/fidelity/measure_pools.py, run on the H200 through cuda-python (h200_pools.json) and here against
+    mpsd: the packing, the used bytes, the reservations of large requests, the thresholds and trim_to, the
+    high marks and the reuse flags come out the same, but for the two cases we knowingly differ in (the README
+    says why): a free on an idle stream that the H200 reused opportunistically after an event, and unused room
+    that the H200 preferred to a just-freed range it could have made a stream wait for."""
     probe = Path(__file__).parent.parent / "bench" / "fidelity" / "measure_pools.py"
     result = subprocess.run([sys.executable, str(probe), "--mpsd", "--no-timing"], capture_output=True, text=True,
                             env={**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(daemon.pipe_dir)}, timeout=120)
     assert result.returncode == 0, result.stderr
     found = json.loads(result.stdout)
-    assert {size: set(row["gaps"]) for size, row in found["packing"].items()} == {
-        "1": {512}, "100": {512}, "512": {512}, "513": {1024}, "1000": {1024}, "4096": {4096}, "65536": {65536},
-        str(MiB): {MiB}, str(MiB + 1): {MiB + 512}, str(3 * MiB): {3 * MiB}}
-    assert {mib: row["reserved"] // MiB for mib, row in found["large"].items()} == {
-        "31": 32, "32": 32, "33": 64, "40": 64, "64": 64, "100": 128}
-    assert {t: row["after_sync"] // MiB for t, row in found["thresholds"].items()} == {
-        "0": 0, str(40 * MiB): 64, str(UINT64_MAX): 96}
-    assert found["reuse"]["reuse_follow_event_dependencies=0/reuse_allow_opportunistic=0/"
-                          "reuse_allow_internal_dependencies=0"] == dict.fromkeys(
-        ("at_once", "after_an_event", "after_a_sync"), False)
-    assert all(row["after_an_event"] for name, row in found["reuse"].items()
-               if "reuse_follow_event_dependencies=1" in name)
-    assert found["marks"] == {"used_high": 4 * MiB, "reserved_high": 32 * MiB, "used_high_reset": MiB,
-                              "reserved_high_reset": 32 * MiB}
+    h200 = json.loads((probe.parent / "h200_pools.json").read_text())
+    for key in ("packing", "large", "thresholds", "marks"):
+        assert found[key] == h200[key], key
+    differ = {("reuse_follow_event_dependencies=0/reuse_allow_opportunistic=1/reuse_allow_internal_dependencies=0",
+               "after_an_event"),
+              ("reuse_follow_event_dependencies=1/reuse_allow_opportunistic=1/reuse_allow_internal_dependencies=1",
+               "at_once")}
+    assert {(flags, case) for flags, row in h200["reuse"].items() for case, reused in row.items()
+            if found["reuse"][flags][case] != reused} == differ

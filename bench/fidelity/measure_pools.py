@@ -29,10 +29,11 @@ class Cuda:
 
     def __init__(self) -> None:
         try:
-            from cuda.bindings import runtime as rt  # type: ignore[import-not-found]
+            from cuda.bindings import driver, runtime as rt  # type: ignore[import-not-found]
         except ImportError:
-            from cuda import cudart as rt  # type: ignore[import-not-found,no-redef]
+            from cuda import cuda as driver, cudart as rt  # type: ignore[import-not-found,no-redef]
         self.rt = rt
+        self.uint64 = driver.cuuint64_t  # the wide attributes' type lives in the driver's module
         attr = rt.cudaMemPoolAttr
         self.attrs = {"release_threshold": attr.cudaMemPoolAttrReleaseThreshold,
                       "reuse_follow_event_dependencies": attr.cudaMemPoolReuseFollowEventDependencies,
@@ -74,7 +75,7 @@ class Cuda:
 
     def set(self, pool: Any, name: str, value: int) -> None:
         wide = name in ("release_threshold", "reserved_mem_high", "used_mem_high")
-        self.call("cudaMemPoolSetAttribute", pool, self.attrs[name], self.rt.cuuint64_t(value) if wide else value)
+        self.call("cudaMemPoolSetAttribute", pool, self.attrs[name], self.uint64(value) if wide else value)
 
     def trim(self, pool: Any, keep: int) -> None:
         self.call("cudaMemPoolTrimTo", pool, keep)

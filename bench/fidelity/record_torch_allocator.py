@@ -98,9 +98,8 @@ def record(config: str, fraction: float | None, seed: int, record_streams: bool 
             except torch.cuda.OutOfMemoryError:
                 oom = True
         elif step[0] == "record_stream":
-            if step[1] in tensors:
-                tensor, stream = tensors[step[1]]
-                tensor.record_stream(streams[1 - stream])
+            if step[1] in tensors:  # (no name of ours may hold the tensor past its free step)
+                tensors[step[1]][0].record_stream(streams[1 - tensors[step[1]][1]])
         elif step[0] == "free":
             if step[1] in pointers:  # an allocation that ran out of memory has nothing to free
                 torch.cuda.caching_allocator_delete(pointers.pop(step[1]))
