@@ -137,7 +137,7 @@ def _subsequence(needles: list[str], haystack: list[str]) -> bool:
 
 def _real_names() -> Names:
     names = Names()
-    for i, record in enumerate(CORPUS):
+    for record in CORPUS + EXTRA:
         if record.get("pid_file"):
             names.pids[record["pid_file"].strip()] = "<mps>"
         for line in record["control_log"]:
@@ -231,9 +231,9 @@ class Replay:
             if until is not None:
                 path = self.logs / "control.log"
                 if path.exists() and until.encode() in path.read_bytes()[self.offsets["control"]:]:
-                    time.sleep(0.01)  # what the daemon logs once the command is done follows in the same step
+                    time.sleep(0.002)  # what the daemon logs once the command is done follows in the same step
                     return
-            time.sleep(0.005)
+            time.sleep(0.002)
             now = sizes()
             if now != last:
                 last, still = now, time.monotonic()
@@ -257,7 +257,7 @@ class Replay:
         stdin = self.fill(record["template"], record["vars"]).encode("latin-1")
         out, err = io.BytesIO(), io.StringIO()
         rc = talk(self.pipe, io.BytesIO(stdin), out, err)
-        self.settle(until="UI closed")
+        self.settle(until=None if stdin.startswith(b"quit") else "UI closed")  # quit's connection just ends
         return Replayed(out.getvalue().decode("latin-1"), err.getvalue(), rc, **self._logs())
 
     def _logs(self) -> dict[str, list[str]]:
@@ -512,3 +512,21 @@ def test_quit_with_a_live_client_retries_with_backoff(command, first, last):
     assert delays[:3] == [50, 100, 200]
     real = [line for i in range(first, last + 1) for line in CORPUS[i]["control_log"]]
     assert "\n".join(_shapes(ours)) == "\n".join(_shapes(real))
+
+
+@pytest.mark.parametrize("i", [9, 17])
+def test_quit_forms(i):
+    """quit takes -t only with a number (then it says so in control.log); any other words are ignored and it
+    is a plain quit: the daemon exits at once without a server."""
+    record = EXTRA[i]
+    replay = Replay()
+    try:
+        start = replay.control(EXTRA[i - 1])
+        assert start.rc == 0
+        ours = replay.control(record)
+        replay.settle()
+        ours.control_log += replay.log_lines()["control"]
+    finally:
+        replay.close()
+    assert (ours.stdout, ours.stderr, ours.rc) == (record["stdout"], record["stderr"], record["rc"])
+    assert [replay.names.line(line) for line in ours.control_log] == [REAL.line(line) for line in record["control_log"]]
