@@ -148,6 +148,8 @@ def _real_names() -> Names:
             names.pids[record["stdout"].split()[0]] = "<mps>"
         if record.get("what", "").startswith("client ") and record["what"].endswith(" started"):
             names.pids[record["client_pid"]] = f"<client:{record['what'].split()[1]}>"
+        if record.get("what") == "-f exited":  # the foreground daemon's lines name only its own pid
+            names.pids.update({pid: "<mps>" for pid in re.findall(r"Control +(\d+)\]", record["stdout"])})
         if record.get("what") == "the new client's fate":
             names.pids[str(json.loads(record["stdout"].splitlines()[0])["pid"])] = "<client:late>"
         for key in ("pipe", "log"):
@@ -530,3 +532,26 @@ def test_quit_forms(i):
         replay.close()
     assert (ours.stdout, ours.stderr, ours.rc) == (record["stdout"], record["stderr"], record["rc"])
     assert [replay.names.line(line) for line in ours.control_log] == [REAL.line(line) for line in record["control_log"]]
+
+
+def test_foreground_prints_control_log():
+    """-f: the daemon in the foreground prints control.log's lines on stdout as they come, and nothing on
+    stderr; quit ends it with 0."""
+    record = next(r for r in CORPUS if r.get("what") == "-f exited")
+    replay = Replay()
+    proc = subprocess.Popen([TOOL, "-f"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=replay.env, text=True)
+    try:
+        first = [proc.stdout.readline() for _ in range(3)]  # the start-up lines: it is ready
+        talk(replay.pipe, io.BytesIO(b"get_default_active_thread_percentage\n"), io.BytesIO(), io.StringIO())
+        while not first[-1].endswith("UI closed\n"):  # as the recording did, the next command after this one
+            first.append(proc.stdout.readline())
+        talk(replay.pipe, io.BytesIO(b"quit\n"), io.BytesIO(), io.StringIO())
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    replay.names.pids[str(proc.pid)] = "<mps>"
+    assert (err, proc.returncode) == (record["stderr"], record["rc"])
+    assert [replay.names.line(line) for line in "".join(first + [out]).splitlines()] == [
+        REAL.line(line) for line in record["stdout"].splitlines()]

@@ -50,6 +50,7 @@ class Config:
     ipc_access: str = "uid"
     multiuser: bool = False  # one server for every user, instead of one user's server at a time
     mps_names: bool = False  # the process shows as nvidia-cuda-mps-control
+    control_log_stdout: bool = False  # control.log's lines also on stdout, as MPS's -f prints them
     max_clients: int = 48  # per device, as Volta+ MPS (CUDA 13.0, measured driver)
     handshake_timeout: float = HANDSHAKE_TIMEOUT  # seconds from connecting to hello, after which it is closed
     shutdown_retry: float = 0.2  # seconds before a refused shutdown is tried again (then doubling), as MPS's
@@ -163,6 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--handshake-timeout", type=float, metavar="SECONDS",
                         help=f"wall seconds a connection may take to say hello before it is closed "
                              f"(default {HANDSHAKE_TIMEOUT:g})")
+    parser.add_argument("--control-log-stdout", action="store_true", default=None,
+                        help="print control.log's lines on stdout too, as nvidia-cuda-mps-control -f does "
+                             "(mpsd-control -f sets it), instead of the line that says the daemon is ready")
     parser.add_argument("--shutdown-retry", type=float, metavar="SECONDS",
                         help="seconds after which a shutdown its clients held up is tried again, doubling each time "
                              "(default 0.2, as MPS)")
@@ -268,6 +272,7 @@ def load_config(argv: Sequence[str] | None = None, environ: dict[str, str] | Non
                   shutdown_retry=shutdown_retry, host_memory=host_memory,
                   policy_options=policy_options,
                   multiuser=bool(pick("multiuser", False)), mps_names=bool(pick("mps_names", False)),
+                  control_log_stdout=bool(pick("control_log_stdout", False)),
                   device_policies=device_policies,
                   trace=Path(trace) if (trace := pick("trace")) else None)
 

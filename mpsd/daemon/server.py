@@ -14,6 +14,7 @@ import os
 import resource
 import signal
 import socket
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +84,8 @@ class Daemon:
             raise DaemonError(str(exc)) from None
         except OSError as exc:
             raise DaemonError(f"cannot write logs in {exc.filename or config.log_dir}: {exc.strerror}") from None
+        if config.control_log_stdout:
+            self.log.echo = sys.stdout
         if moved is not None:
             logging.getLogger("mpsd").warning(moved)
             self.log.server(moved[0].upper() + moved[1:])

@@ -52,6 +52,7 @@ class ServerLog:
 
     def __init__(self, directory: Path | None) -> None:
         self.pid = os.getpid()
+        self.echo: TextIO | None = None  # where control.log's lines also go (stdout, for MPS's -f)
         self._files: dict[str, TextIO] = {}
         self._complaints: dict[Hashable, list[float]] = {}  # about whom -> [allowance, last time, left out]
         if directory is None:
@@ -69,8 +70,12 @@ class ServerLog:
 
     def _write(self, name: str, source: str, text: str, pid: int | None = None, verbatim: bool = False) -> None:
         handle = self._files.get(name)
+        line = log_line(source, self.pid if pid is None else pid, text, verbatim=verbatim) + "\n"
         if handle is not None:
-            handle.write(log_line(source, self.pid if pid is None else pid, text, verbatim=verbatim) + "\n")
+            handle.write(line)
+        if name == "control" and self.echo is not None:
+            self.echo.write(line)
+            self.echo.flush()
 
     def control(self, text: str, pid: int | None = None, verbatim: bool = False) -> None:
         """A control.log line; `pid` is whose it is where not the daemon's (MPS logs a server's start under

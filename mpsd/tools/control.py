@@ -234,8 +234,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         daemon_args.append("--mps-names")
     if options.d:
         return start_background(daemon_args, _pipe_dir(options.pipe_dir))
-    if options.f:
-        os.execv(sys.executable, [sys.executable, "-m", "mpsd", *daemon_args])
+    if options.f:  # MPS's -f prints control.log's lines as it goes
+        os.execv(sys.executable, [sys.executable, "-m", "mpsd", "--control-log-stdout", *daemon_args])
     if rest:  # MPS prints the NUL where the option's name would go
         sys.stdout.write("Unrecognized option \0\n" + help_text)
         return 0
