@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 # Commands any user may send; the rest change state and need root or the daemon's owner.
 READ_ONLY = frozenset({
     "mpsd_status",
-    "get_server_list", "get_server_status", "get_client_list", "get_device_client_list", "ps",
+    "get_server_list", "get_server_status", "get_client_list", "get_device_client_list", "ps", "device_query",
     "get_default_active_thread_percentage", "get_active_thread_percentage", "get_default_device_pinned_mem_limit",
     "get_device_pinned_mem_limit", "get_default_client_priority", "get_client_priority", "get_client_weight",
 })
