@@ -88,6 +88,7 @@ def _hostile_packets(pid: int) -> list[tuple[bytes, str]]:
         ("get_default_device_pinned_mem_limit 0", "17179869183G"),
         ("set_default_device_pinned_mem_limit 0 ٥G", ""),
         ("start_server -uid ²", "A user id (UID) is required to start a new server"),
+        ("get_default_client_priority\u00a0", 'Unknown command "get_default_client_priority\u00a0"'),  # no C space
     ]
     return [(text.encode(), answer) for text, answer in texts] + [
         (b"get_server_status \xff\xfe", "A server PID is required"),

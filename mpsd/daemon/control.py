@@ -131,6 +131,7 @@ def _brief(text: str) -> str:
     return text if len(text) <= 24 else text[:20] + "..."
 
 
+_WORDS = re.compile(r"[^ \t\n\r\v\f]+")
 _ATOI = re.compile(r"[ \t]*([+-]?[0-9]+)")
 _STRTOD = re.compile(r"[ \t]*([+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?|[+-]?(?:inf(?:inity)?|nan))",
                      re.IGNORECASE)
@@ -237,7 +238,7 @@ class Control:
         log = self.daemon.log
         self.after_command()
         log.control(f"Cmd:{line}")
-        words = line.split()
+        words = _WORDS.findall(line)  # C's whitespace only: a Unicode space is part of a word
         name, args = (words[0], words[1:]) if words else ("", [])
         command = self._commands.get(name)
         if command is None:
