@@ -13,7 +13,7 @@ MORE, LAST = b"+", b"="
 
 def control_packets(output: str) -> list[bytes]:
     """The packets that carry one command's `output`, in order."""
-    data = output.encode()
+    data = output.encode(errors="surrogateescape")  # bytes a command quoted go back as they came
     size = CONTROL_PACKET - 1
     chunks = [data[i:i + size] for i in range(0, len(data), size)] or [b""]
     return [MORE + chunk for chunk in chunks[:-1]] + [LAST + chunks[-1]]

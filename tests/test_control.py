@@ -17,6 +17,7 @@ import pytest
 
 import mpsd_client
 from daemons import short_tempdir, start_daemon
+from mpsd.daemon.control import PS_HEADER
 from test_daemon import wait_for_log
 from test_ipc import _as_user, _second_user
 
@@ -43,17 +44,17 @@ def test_outputs_match_the_real_tool(daemon):
 
 
 def test_settings_apply_to_clients_created_afterwards(daemon):
-    """New defaults reach clients that connect later; a client already connected keeps its quotas."""
+    """As in MPS: the defaults are what the next server starts with (a running server keeps its own, and so do
+    its clients); set_active_thread_percentage and set_device_pinned_mem_limit change the running server's,
+    for its clients that connect afterwards; a client already connected keeps its quotas."""
     with mpsd_client.connect(daemon.pipe_dir) as before:
         result = control(daemon, "set_default_active_thread_percentage 25\n"
                                  "set_default_device_pinned_mem_limit 0 2G\nget_default_device_pinned_mem_limit 0\n"
                                  "set_default_client_priority 1\n")
         assert result.stdout == "25.0\n2G\n"
-        with mpsd_client.connect(daemon.pipe_dir) as after:
-            assert after.device_properties()["multiprocessor_count"] == 32
-            assert after.mem_get_info()[0] == 1_609_144_176  # 2G less the context, as measured
-            assert after.quotas["priority"] == 1
-        assert before.device_properties()["multiprocessor_count"] == 132
+        with mpsd_client.connect(daemon.pipe_dir) as same_server:
+            assert same_server.device_properties()["multiprocessor_count"] == 132
+            assert same_server.quotas["priority"] == 1  # the priority is the incoming client's
         server = control(daemon, "get_server_list\n").stdout.strip()
         assert server == str(daemon.proc.pid)
         result = control(daemon, f"set_active_thread_percentage {server} 50\nget_active_thread_percentage {server}\n"
@@ -61,6 +62,11 @@ def test_settings_apply_to_clients_created_afterwards(daemon):
         assert result.stdout == "50.0\n50.0\n4G\n"
         with mpsd_client.connect(daemon.pipe_dir) as third:
             assert third.quotas["sm_cap"] == 66 and third.quotas["pinned_mem_limit"] == 4 << 30
+        assert before.device_properties()["multiprocessor_count"] == 132
+    assert control(daemon, f"shutdown_server {server}\n").stdout == ""
+    with mpsd_client.connect(daemon.pipe_dir) as next_server:
+        assert next_server.device_properties()["multiprocessor_count"] == 32
+        assert next_server.mem_get_info()[0] == 1_609_144_176  # 2G less the context, as measured
 
 
 def test_priority_and_weight_extensions_outputs(daemon):
@@ -208,8 +214,10 @@ def test_clients_servers_and_ps(daemon):
         result = control(daemon, f"get_server_list\nget_server_status {server}\nget_client_list {server}\nps\n"
                                  "get_server_status 1\n")
         lines = result.stdout.splitlines()
-        assert lines[:4] == [server, "ACTIVE", str(os.getpid()), "PID ID SERVER DEVICE NAMESPACE COMMAND"]
+        assert lines[:4] == [server, "ACTIVE", str(os.getpid()), PS_HEADER]
         assert lines[4].split()[:3] == [str(os.getpid()), "1", server]
+        argv0 = Path("/proc/self/cmdline").read_bytes().split(b"\0")[0].decode()
+        assert lines[4][76:] == f"{argv0:<15}"  # ps's last column: a client's argv[0], as MPS's shows it
         assert lines[5] == "Server 1 not found"
     assert "NEW CLIENT" in (daemon.log_dir / "control.log").read_text()
 
@@ -224,7 +232,7 @@ def test_terminate_client_makes_its_calls_fail(daemon):
             with pytest.raises(mpsd_client.MpsClientTerminatedError) as info:
                 ctx.synchronize()
             assert info.value.code == 810
-    assert control(daemon, f"terminate_client {daemon.proc.pid} 1\n").stdout == "Client 1 not found\n"
+    assert control(daemon, f"terminate_client {daemon.proc.pid} 1\n").stdout == "Invalid process 1!\n1\n"
 
 
 def test_quit_stops_the_daemon_cleanly(daemon_factory):
@@ -240,7 +248,7 @@ def test_background_mode_and_no_daemon():
     """mpsd-control -d returns once the daemon is ready; without a daemon a command exits 1 with one line."""
     pipe = short_tempdir() / "pipe"
     result = control(pipe, "get_server_list\n")
-    assert result.returncode == 1 and result.stderr.startswith("mpsd-control: cannot reach the control daemon")
+    assert (result.returncode, result.stdout, result.stderr) == (1, "", "Cannot find MPS control daemon process\n")
     started = subprocess.run([BIN / "mpsd-control", "-d", "--pipe-dir", str(pipe), "--time-scale", "100"],
                              capture_output=True, text=True, timeout=60)
     assert started.returncode == 0, started.stderr

@@ -115,8 +115,9 @@ def test_complaints_about_one_user_are_rate_limited(watched):
 
 
 def test_tools_work_with_hundreds_of_clients(daemon_factory):
-    """The status and ps of 500 contexts are larger than a control packet (64 KiB): they arrive whole, and
-    mpsd-smi and mpsd-control show every client (from about 350 mpsd-smi said "no mpsd daemon answers")."""
+    """The status of 500 contexts is larger than a control packet (64 KiB): it arrives whole, and mpsd-smi
+    shows every client (from about 350 mpsd-smi said "no mpsd daemon answers"); mpsd-control's
+    get_device_client_list lists every context of the one process, ps the process once, as MPS's do."""
     daemon = start_daemon("--time-scale", "100", "--devices", "h200:2", "--max-clients", "300")
     daemon_factory.append(daemon)
     contexts = [mpsd_client.connect(daemon.pipe_dir, device=i % 2) for i in range(500)]
@@ -125,20 +126,24 @@ def test_tools_work_with_hundreds_of_clients(daemon_factory):
         smi = subprocess.run([BIN / "mpsd-smi", "--json"], capture_output=True, text=True, timeout=60, env=env)
         assert smi.returncode == 0, smi.stderr
         assert len(smi.stdout) > 1 << 16 and len(json.loads(smi.stdout)["processes"]) == 500
-        ps = subprocess.run([BIN / "mpsd-control"], input="ps\n", capture_output=True, text=True, timeout=60, env=env)
-        assert ps.returncode == 0 and len(ps.stdout.splitlines()) == 501
+        ps = subprocess.run([BIN / "mpsd-control"], input="ps\nget_device_client_list\n", capture_output=True,
+                            text=True, timeout=60, env=env)
+        lines = ps.stdout.splitlines()
+        assert ps.returncode == 0 and len(lines) == 2 + 2 + 500
+        assert lines[1].split()[0] == str(os.getpid()) and lines[-1] == f"{os.getpid()}.500"
     finally:
         for ctx in contexts:
             ctx.close()
 
 
 def test_mpsd_control_takes_bytes_that_are_not_utf8(watched):
-    """A line that is not UTF-8 gets the daemon's complaint; the lines around it are served; no traceback."""
+    """A line that is not UTF-8 is a command like any other, its bytes quoted back as they came (MPS's
+    'Unknown command "\xff\xfe"'); the lines around it are served; no traceback."""
     env = {**os.environ, "MPSD_PIPE_DIRECTORY": str(watched.pipe_dir)}
     done = subprocess.run([BIN / "mpsd-control"], input=b"get_default_client_priority\n\xff\xfe\nget_server_list\n",
                           capture_output=True, timeout=60, env=env)
     assert done.returncode == 0 and done.stderr == b""
-    assert done.stdout.decode().splitlines()[:2] == ["0", "Invalid command: not UTF-8 text"]
+    assert done.stdout.splitlines()[:2] == [b"0", b'Unknown command "\xff\xfe"']
 
 
 @pytest.mark.parametrize("reply", [b"={}", b"=[1, 2]", b'={"server_pid": 1, "devices": [{}], "processes": []}',

@@ -38,8 +38,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     async def serve() -> None:
         async with trio.open_nursery() as nursery:
             path = await nursery.start(daemon.serve)
-            # One line that says the daemon is ready: scripts and tests wait for it instead of polling.
-            print(f"mpsd: ready on {path}", file=sys.stderr, flush=True)
+            # One line that says the daemon is ready: scripts and tests wait for it instead of polling. (With
+            # control.log on stdout, as MPS's -f, its start-up lines say it there.)
+            if not config.control_log_stdout:
+                print(f"mpsd: ready on {path}", file=sys.stderr, flush=True)
 
     failure: DaemonError | None = None
     try:

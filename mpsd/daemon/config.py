@@ -54,8 +54,10 @@ class Config:
     peer_access: str = "all"
     multiuser: bool = False  # one server for every user, instead of one user's server at a time
     mps_names: bool = False  # the process shows as nvidia-cuda-mps-control
+    control_log_stdout: bool = False  # control.log's lines also on stdout, as MPS's -f prints them
     max_clients: int = 48  # per device, as Volta+ MPS (CUDA 13.0, measured driver)
     handshake_timeout: float = HANDSHAKE_TIMEOUT  # seconds from connecting to hello, after which it is closed
+    shutdown_retry: float = 0.2  # seconds before a refused shutdown is tried again (then doubling), as MPS's
     host_memory: int | None = None  # host RAM simulated device memory may take; None: half the host's
     policy_options: dict[str, Any] = field(default_factory=dict)  # e.g. {"timeslice": 0.001}
     trace: Path | None = None  # record the device timeline; written there at exit
@@ -166,6 +168,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--handshake-timeout", type=float, metavar="SECONDS",
                         help=f"wall seconds a connection may take to say hello before it is closed "
                              f"(default {HANDSHAKE_TIMEOUT:g})")
+    parser.add_argument("--control-log-stdout", action="store_true", default=None,
+                        help="print control.log's lines on stdout too, as nvidia-cuda-mps-control -f does "
+                             "(mpsd-control -f sets it), instead of the line that says the daemon is ready")
+    parser.add_argument("--shutdown-retry", type=float, metavar="SECONDS",
+                        help="seconds after which a shutdown its clients held up is tried again, doubling each time "
+                             "(default 0.2, as MPS)")
     parser.add_argument("--host-memory", metavar="SIZE|PERCENT",
                         help="host RAM the simulated device memory may take, e.g. 16G or 25%% of this host's "
                              "(default 50%%); touching more fails with cudaErrorMemoryAllocation")
@@ -259,6 +267,9 @@ def load_config(argv: Sequence[str] | None = None, environ: dict[str, str] | Non
     handshake_timeout = float(pick("handshake_timeout", HANDSHAKE_TIMEOUT))
     if not 0 < handshake_timeout < float("inf"):
         raise ConfigError(f"--handshake-timeout must be a positive number of seconds, not {handshake_timeout}")
+    shutdown_retry = float(pick("shutdown_retry", 0.2))
+    if not 0 < shutdown_retry < float("inf"):
+        raise ConfigError(f"--shutdown-retry must be a positive number of seconds, not {shutdown_retry}")
     host_memory = _host_memory(pick("host_memory"))
     priority = int(pick("client_priority", 0))
     if priority not in (0, 1):
@@ -267,10 +278,11 @@ def load_config(argv: Sequence[str] | None = None, environ: dict[str, str] | Non
                   policy=policy, time_scale=time_scale, clock=clock, host_time=host_time, idle_grace=idle_grace,
                   active_thread_percentage=percentage,
                   pinned_mem_limits=limits, client_priority=priority, fault_containment=containment,
-                  ipc_access=ipc_access, peer_access=peer_access, max_clients=max_clients, handshake_timeout=handshake_timeout,
-                  host_memory=host_memory,
+                  ipc_access=ipc_access, peer_access=peer_access, max_clients=max_clients,
+                  handshake_timeout=handshake_timeout, shutdown_retry=shutdown_retry, host_memory=host_memory,
                   policy_options=policy_options,
                   multiuser=bool(pick("multiuser", False)), mps_names=bool(pick("mps_names", False)),
+                  control_log_stdout=bool(pick("control_log_stdout", False)),
                   device_policies=device_policies,
                   trace=Path(trace) if (trace := pick("trace")) else None)
 

@@ -13,19 +13,24 @@
 # settings they reach running clients too, from their next block on, since the scheduler can re-read them
 # at any time; a tester can re-prioritise a job mid-run.
 #
-# Every argument is parsed strictly (mpsd_protocol's parse_integer and parse_decimal: ASCII digits, bounded
-# length), so no line any user sends can raise anything but a CommandError here; the server still answers any
-# other exception with an error line, as the last line of defence.
+# MPS's own commands answer as nvidia-cuda-mps-control does, byte for byte (bench/fidelity/mps_control_h200
+# holds what an H200's printed): its texts, its C parsing (a pid or a priority is atoi's, so "abc" is 0 and
+# "1.0" is 1; a percentage is strtod's, "50abc" is 50; a memory limit is strtoull's number in MiB, or GiB when
+# a G follows, and 0 means none), extra words ignored, and control.log's lines: each command, then what it
+# logs, then its answer line by line. The mpsd extensions keep their strict parsing (mpsd_protocol's
+# parse_integer and parse_decimal), so no line any user sends can raise anything but a CommandError there; the
+# server still answers any other exception with an error line, as the last line of defence.
 from __future__ import annotations
 
+import functools
 import json
 import os
-import shlex
+import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 from mpsd.runtime.device import COMPUTE_MODES
-from mpsd_protocol import parse_decimal, parse_integer, parse_size
+from mpsd_protocol import parse_decimal, parse_integer
 
 if TYPE_CHECKING:
     from mpsd.daemon.server import Daemon
@@ -33,7 +38,7 @@ if TYPE_CHECKING:
 # Commands any user may send; the rest change state and need root or the daemon's owner.
 READ_ONLY = frozenset({
     "mpsd_status",
-    "get_server_list", "get_server_status", "get_client_list", "get_device_client_list", "ps",
+    "get_server_list", "get_server_status", "get_client_list", "get_device_client_list", "ps", "device_query",
     "get_default_active_thread_percentage", "get_active_thread_percentage", "get_default_device_pinned_mem_limit",
     "get_device_pinned_mem_limit", "get_default_client_priority", "get_client_priority", "get_client_weight",
 })
@@ -82,11 +87,8 @@ class Server:
     pinned_mem_limits: dict[int, int] = field(default_factory=dict)
     started: bool = False
     shutting_down: bool = False
-
-
-def _shown(text: str) -> str:
-    """An argument as a complaint quotes it: whole, unless it is long."""
-    return text if len(text) <= 24 else text[:20] + "..."
+    clients_seen: int = 0  # client processes this server has had: ps's ID column
+    ids: dict[int, int] = field(default_factory=dict)  # client pid -> its ID
 
 
 def _integer(text: str, complaint: str, *, signed: bool = False) -> int:
@@ -97,42 +99,24 @@ def _integer(text: str, complaint: str, *, signed: bool = False) -> int:
         raise CommandError(complaint) from None
 
 
-def _percentage(text: str) -> float:
-    complaint = f"Invalid active thread percentage {_shown(text)!r}"
-    try:
-        value = parse_decimal(text)
-    except ValueError:
-        raise CommandError(complaint) from None
-    if not 0 < value <= 100:
-        raise CommandError(complaint)
-    return value
-
-
-def _limit(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError:
-        raise CommandError(f"Invalid memory limit {_shown(text)!r}") from None
-
-
 def _target(text: str) -> tuple[str, int]:
     """A client pid (``1234``) or a user (``uid:1000``), as the extension commands name whom they set."""
     kind, _, number = text.rpartition(":")
-    complaint = f"Invalid client {_shown(text)!r}: a pid, or uid:<uid>"
+    complaint = f"Invalid client {_brief(text)!r}: a pid, or uid:<uid>"
     if kind not in ("", "uid"):
         raise CommandError(complaint)
     return ("uid" if kind else "pid", _integer(number, complaint))
 
 
 def _level(text: str) -> int:
-    value = _integer(text, f"Invalid client priority {_shown(text)!r}", signed=True)
+    value = _integer(text, f"Invalid client priority {_brief(text)!r}", signed=True)
     if abs(value) >= MAX_LEVEL:
-        raise CommandError(f"Invalid client priority {_shown(text)!r}")
+        raise CommandError(f"Invalid client priority {_brief(text)!r}")
     return value
 
 
 def _weight(text: str) -> float:
-    complaint = f"Invalid client weight {_shown(text)!r}"
+    complaint = f"Invalid client weight {_brief(text)!r}"
     try:
         value = parse_decimal(text)
     except ValueError:
@@ -142,12 +126,89 @@ def _weight(text: str) -> float:
     return value
 
 
-def _size_text(nbytes: int) -> str:
-    """A limit as MPS prints it: the largest whole unit (10G, 900M, 4096)."""
-    for unit, scale in (("T", 1 << 40), ("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
-        if nbytes % scale == 0:
-            return f"{nbytes // scale}{unit}"
-    return str(nbytes)
+
+def _brief(text: str) -> str:
+    """An argument as a complaint quotes it: whole, unless it is long."""
+    return text if len(text) <= 24 else text[:20] + "..."
+
+
+_WORDS = re.compile(r"[^ \t\n\r\v\f]+")
+_ATOI = re.compile(r"[ \t]*([+-]?[0-9]+)")
+_STRTOD = re.compile(r"[ \t]*([+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?|[+-]?(?:inf(?:inity)?|nan))",
+                     re.IGNORECASE)
+GiB, MiB = 1 << 30, 1 << 20
+U64 = (1 << 64) - 1
+MPS_VERSION = 13000  # what the H200's control daemon and server call their binary version
+DRIVER_VERSION = 580
+
+
+def _digits(text: str, most: int) -> int:
+    """Decimal digits as a number no larger than `most` (past 20 digits it is larger whatever they are; Python
+    would not even convert a few thousand)."""
+    return most if len(text.lstrip("0")) > 20 else min(int(text), most)
+
+
+def atoi(text: str | None) -> int:
+    """C's atoi, as MPS reads pids and priorities: the leading number, 0 where there is none."""
+    match = _ATOI.match(text or "")
+    if not match:
+        return 0
+    number = match.group(1)
+    value = _digits(number.lstrip("+-"), 1 << 63)
+    return -value if number.startswith("-") else min(value, (1 << 63) - 1)
+
+
+def strtod(text: str | None) -> float | None:
+    """C's strtod on the leading number, None where there is none (MPS then says the value is invalid)."""
+    match = _STRTOD.match(text or "")
+    return float(match.group(1)) if match else None
+
+
+def memory_limit(text: str) -> int:
+    """A pinned memory limit as MPS reads one: strtoull's number (a minus wraps, too many digits saturate)
+    in MiB, or in GiB when the next character is G or g; anything else after it is ignored. 0: no limit."""
+    match = _ATOI.match(text)
+    if not match:
+        return 0
+    number, rest = match.group(1), text[match.end():]
+    value = _digits(number.lstrip("+-"), U64)
+    if number.startswith("-"):
+        value = -value & U64
+    return (value * (GiB if rest[:1] in ("G", "g") else MiB)) & U64
+
+
+def limit_text(nbytes: int) -> str:
+    """A limit as MPS prints it: whole GiB from 1 GiB up, else whole MiB."""
+    return f"{nbytes >> 30}G" if nbytes >= GiB else f"{nbytes >> 20}M"
+
+
+def ps_row(pid: object, client_id: object, server: object, device: object, namespace: object, command: object) -> str:
+    """One row of ps (the header too) in MPS's columns, each padded, none cut but the device: its UUID's first
+    22 characters."""
+    return f"{pid!s:<10}{client_id!s:<10}{server!s:<15}{str(device)[:22]:<26}{namespace!s:<15}{command!s:<15}"
+
+
+PS_HEADER = ps_row("PID", "ID", "SERVER", "DEVICE", "NAMESPACE", "COMMAND")
+
+
+def device_table(devices: list[tuple[int, str, str, str]], csv: bool) -> list[str]:
+    """device_query's table of (ordinal, PCI id, UUID, name), as MPS prints it."""
+    header = ("Device Ordinal", "PCI IDs", "UUID", "Name", "Attributes")
+    rows = [header] + [(str(ordinal), pci, uuid, name, "N/A") for ordinal, pci, uuid, name in devices]
+    if csv:
+        return [",".join(row) for row in rows]
+    return [f"{a:<16}{b:<15}{c:<42}{d:<34}{e}" for a, b, c, d, e in rows]
+
+
+def pci_id(properties: dict) -> tuple[int, int, int, int]:
+    """(domain, bus, device, function) of a device: its own where the backend gives a PCI bus id, else the
+    simulator's, one bus per device."""
+    text = str(properties.get("pci_bus_id", ""))
+    match = re.fullmatch(r"([0-9a-fA-F]+):([0-9a-fA-F]+):([0-9a-fA-F]+)\.([0-9a-fA-F])", text)
+    if match:
+        domain, bus, device, function = (int(part, 16) for part in match.groups())
+        return domain, bus, device, function
+    return 0, int(properties.get("index", 0)), 0, 0
 
 
 class Control:
@@ -160,35 +221,65 @@ class Control:
         self._commands: dict[str, Callable[[list[str]], str]] = {
             name[4:]: getattr(self, name) for name in dir(self) if name.startswith("cmd_")
         }
+        self._retry_at: float | None = None  # when the shutdown in progress tries again (trio time)
+        self._backoff = daemon.config.shutdown_retry  # MPS tries again after 200 ms, then 400, 800...
+        self._force_at: float | None = None  # quit -t: when the server is shut down whatever its clients
+        self._quitting = False
+        self._entries: list[str] | None = None  # control.log's lines for a command, where not its answer's
+        self._later: list[Callable[[], None]] = []  # lines to log once the command's connection is done
+        self._in_command = False
+        self.orphans: set[int] = set()  # contexts of a server shut down with -f: no server's clients any more
+
+    @property
+    def quitting(self) -> bool:
+        return self._quitting
 
     def execute(self, line: str, uid: int) -> str:
         """Run one command line from a client of uid `uid`; returns what the tool prints (maybe nothing)."""
         log = self.daemon.log
-        try:
-            words = shlex.split(line)
-        except ValueError:
-            words = line.split()
-        if not words:
-            return ""
-        name, args = words[0], words[1:]
-        log.control(f"Cmd:{line.strip()}")
+        self.after_command()
+        log.control(f"Cmd:{line}")
+        words = _WORDS.findall(line)  # C's whitespace only: a Unicode space is part of a word
+        name, args = (words[0], words[1:]) if words else ("", [])
         command = self._commands.get(name)
         if command is None:
-            return f'Unknown command "{_shown(name)}"'
-        if name not in READ_ONLY and uid not in (0, self.daemon.owner_uid):
+            reply = f'Unknown command "{name}"'
+        elif name not in READ_ONLY and uid not in (0, self.daemon.owner_uid):
             log.control(f"User {uid} is not allowed to run {name}")
-            return f"Permission denied: {name} needs root or the daemon's owner"
-        self._caller = uid
-        try:
-            return command(args)
-        except CommandError as exc:
-            log.control(str(exc))
-            return str(exc)
+            reply = f"Permission denied: {name} needs root or the daemon's owner"
+        else:
+            self._caller, self._in_command = uid, True
+            try:
+                reply = command(args)
+            except CommandError as exc:
+                reply = str(exc)
+            finally:
+                self._in_command = False
+        entries, self._entries = self._entries, None
+        if entries is not None:  # a command whose log lines are not its answer's lines
+            for text in entries:
+                log.control(text, verbatim=True)
+        else:
+            for text in reply.split("\n")[:-1] if reply.endswith("\n") else reply.split("\n") if reply else ():
+                log.control(text)
+        return reply
+
+    def after_command(self) -> None:
+        """What MPS logs once the command that caused it has been answered: a server's start comes from the
+        server's own process, after the tool has had its answer."""
+        later, self._later = self._later, []
+        for write in later:
+            write()
 
     # -- helpers ---------------------------------------------------------------------------------------
-    def _server_pid(self, text: str) -> Server:
-        if _integer(text, f"Server {_shown(text)} not found") != self.server.pid or not self.server.started:
-            raise CommandError(f"Server {_shown(text)} not found")
+    def _note(self, text: str) -> None:
+        """A control.log line that is no part of the answer."""
+        self.daemon.log.control(text)
+
+    def _server_pid(self, text: str | None) -> Server:
+        pid = atoi(text)
+        if pid != self.server.pid or not self.server.started:
+            raise CommandError(f"Server {pid} not found")
         return self.server
 
     @staticmethod
@@ -197,149 +288,245 @@ class Control:
             raise CommandError(f"Usage: {usage}")
         return args
 
-    def _device(self, text: str) -> int:
-        index = _integer(text, f"Invalid device {_shown(text)!r}")
-        if index >= len(self.daemon.devices):
-            raise CommandError(f"Invalid device {_shown(text)!r}")
-        return index
+    def _device(self, text: str) -> int | None:
+        """A device as MPS reads one for a limit: decimal digits (a device it has not is fine), else None."""
+        if not text.isascii() or not text.isdigit():
+            self._note(f"Invalid device identifier format: {text}")
+            return None
+        return int(text)
 
     def _contexts(self):
-        return [ctx for device in self.daemon.devices for ctx in device.contexts.values()]
+        return [ctx for device in self.daemon.devices for ctx in device.contexts.values()
+                if ctx.id not in self.orphans]
+
+    def _processes(self) -> dict[int, list]:
+        """The server's client processes (pid -> its contexts), in the order they came."""
+        processes: dict[int, list] = {}
+        for ctx in sorted(self._contexts(), key=lambda c: c.id):
+            processes.setdefault(ctx.pid, []).append(ctx)
+        return processes
+
+    def _workers(self) -> int:
+        """What MPS counts as a server's active worker threads: one per client process and one per context."""
+        return sum(1 + len(contexts) for contexts in self._processes().values())
 
     # -- servers and clients ---------------------------------------------------------------------------
     def cmd_get_server_list(self, args: list[str]) -> str:
         return str(self.server.pid) if self.server.started else ""
 
     def cmd_get_server_status(self, args: list[str]) -> str:
-        (pid,) = self._args(args, 1, "get_server_status <PID>")
-        self._server_pid(pid)
+        if atoi(args[0] if args else None) == 0:
+            return "A server PID is required"
+        self._server_pid(args[0])
         return "FAULT" if any(device.faulted for device in self.daemon.devices) else "ACTIVE"
 
     def cmd_start_server(self, args: list[str]) -> str:
-        usage = "Usage: start_server -uid <uid>"
-        if len(args) != 2 or args[0] != "-uid":
-            raise CommandError(usage)
-        uid = _integer(args[1], usage)
-        if not self.server.started:
-            self.server.started = True
-            self.server.uid = None if self.daemon.config.multiuser else uid
-            self.daemon.log.control(f"Starting new server {self.server.pid} for user {uid}")
+        required = "A user id (UID) is required to start a new server"
+        if len(args) < 2:
+            return required
+        if args[0] != "-uid":
+            return "Invalid start_server cmd. Expected cmd: start_server -uid <user id>"
+        match = _ATOI.match(args[1])
+        if not match:
+            return required
+        uid = atoi(match.group(1))
+        server = self.server
+        if server.started and (server.uid is None or server.uid == uid):
+            return ""
+        if server.started:
+            if self._contexts():
+                return ""  # it waits its turn, as a client of that user would
+            self._note(f"Try shutting down server {server.pid}, backoff is disabled")
+            self._exit_server()
+        if not 0 <= uid < (1 << 32) - 1:  # what setuid refuses
+
+            def failed() -> None:
+                self.daemon.log.control(f"Starting new server {server.pid} for user {uid}", pid=server.pid)
+                self.daemon.log.control(f"Failed to start server using uid {uid}, error: Invalid argument",
+                                        pid=server.pid)
+                self._note(f"Server {server.pid} exited with status 1")
+
+            self._later.append(failed)
+            return ""
+        self._later.append(self._start_server(uid))
         return ""
 
+    def _start_server(self, uid: int) -> Callable[[], None]:
+        """The server comes up for `uid`, with the defaults as they are now; returns what logs its start as
+        MPS's does."""
+        server, settings = self.server, self.daemon.settings
+        server.started, server.shutting_down = True, False
+        server.uid = None if self.daemon.config.multiuser else uid
+        server.active_thread_percentage = settings.active_thread_percentage
+        server.pinned_mem_limits = dict(settings.pinned_mem_limits)
+        server.clients_seen, server.ids = 0, {}
+        self._retry_at = self._force_at = None
+        return lambda: self._log_start(uid)
+
+    def _log_start(self, uid: int) -> None:
+        server, log, settings = self.server, self.daemon.log, self.daemon.settings
+        log.control(f"Starting new server {server.pid} for user {uid}", pid=server.pid)
+        log.control("Accepting connection...")
+        for text in ("Startup", f"Connecting to control daemon on socket: {self.daemon.config.pipe_dir / 'control'}",
+                     "Initializing server process"):
+            log.server(text, source="Other")
+        first = self.daemon.devices[0]
+        log.server(f"Creating server context on device 0 ({first.name})")
+        log.server(f"Created anonymous shared memory region mps.shm.0.{server.pid}")
+        log.server(f"CUDA MPS Server for Linux/Unix. Binary version: {MPS_VERSION}")
+        log.server(f"Display Driver version: {DRIVER_VERSION}")
+        log.server(f"Active Threads Percentage set to {settings.active_thread_percentage:.1f}")
+        for device, limit in sorted(server.pinned_mem_limits.items(), reverse=True):
+            log.server(f"Device pinned memory limit for device {device} set to {limit:#x} bytes")
+        log.server(f"Server Priority set to {settings.client_priority}")
+        log.server("Server has started")
+        self._note(f"NEW SERVER {server.pid}: Ready")
+
     def cmd_shutdown_server(self, args: list[str]) -> str:
-        if not args or len(args) > 2 or (len(args) == 2 and args[1] != "-f"):
-            raise CommandError("Usage: shutdown_server <PID> [-f]")
-        server = self._server_pid(args[0])
-        if len(args) == 2:  # -f: its clients are terminated now
-            for ctx in self._contexts():
-                self.daemon.terminate(ctx, "the server was shut down with -f")
-            server.started = False
-        else:
-            server.shutting_down = True  # new clients are refused; it goes when its clients have
-            if not self._contexts():
-                server.started = server.shutting_down = False
-        self.daemon.log.control(f"Server {server.pid} is shutting down")
+        self._server_pid(args[0] if args else None)
+        self.try_shutdown(force=args[1:2] == ["-f"])
         return ""
 
     def cmd_get_client_list(self, args: list[str]) -> str:
-        (pid,) = self._args(args, 1, "get_client_list <PID>")
-        self._server_pid(pid)
-        return "\n".join(str(ctx.pid) for ctx in self._contexts())
+        self._server_pid(args[0] if args else None)
+        return "\n".join(str(pid) for pid in self._processes())
 
     def cmd_get_device_client_list(self, args: list[str]) -> str:
-        if len(args) > 1:
-            raise CommandError("Usage: get_device_client_list [<PID>]")
         if args:
             self._server_pid(args[0])
         lines = []
         for device in self.daemon.devices:
-            pids = [str(ctx.pid) for ctx in device.contexts.values()]
-            if pids:
-                lines.append(f"{device.properties['uuid']}:")
-                lines.extend(f"    {pid}" for pid in pids)
+            contexts = [ctx for ctx in device.contexts.values() if ctx.id not in self.orphans]
+            if contexts:
+                _, bus, slot, function = pci_id(device.properties)
+                lines.append(f"[{device.index}] {bus:02x}:{slot:02x}.{function:x}, {device.name}")
+                for pid, mine in self._processes().items():
+                    lines.extend(f"{pid}.{n}" for n, ctx in enumerate(mine, 1) if ctx.device is device)
         return "\n".join(lines)
 
     def cmd_terminate_client(self, args: list[str]) -> str:
-        server_pid, client_pid = self._args(args, 2, "terminate_client <server PID> <client PID>")
-        self._server_pid(server_pid)
-        victims = [ctx for ctx in self._contexts() if str(ctx.pid) == client_pid]
+        server = atoi(args[0] if args else None)
+        if server != self.server.pid or not self.server.started:
+            return f"Server {server} not found\nServer {server} not found!\n1"
+        pid = atoi(args[1] if len(args) > 1 else None)
+        victims = self._processes().get(pid, [])
         if not victims:
-            raise CommandError(f"Client {_shown(client_pid)} not found")
-        for ctx in victims:
+            return f"Invalid process {pid}!\n1"
+        for n, ctx in enumerate(victims, 1):
+            self.daemon.log.server(f"MPS server requesting client {{PID: {pid}, Context ID: {n}}} to exit")
             self.daemon.terminate(ctx, "terminate_client")
+            self.daemon.log.server("Client termination succeeded.")
         return "0"
 
     def cmd_ps(self, args: list[str]) -> str:
-        if args and (len(args) != 2 or args[0] != "-p"):
-            raise CommandError("Usage: ps [-p PID]")
-        rows = ["PID ID SERVER DEVICE NAMESPACE COMMAND"]
+        if args[:1] == ["-p"]:
+            pid = atoi(args[1] if len(args) > 1 else None)
+            if pid != self.server.pid or not self.server.started:
+                return f"Server {pid} not found\nServer {pid} not found\n"
+        if not self.server.started:
+            return "Server not found"
         everyone = self._caller in (0, self.daemon.owner_uid)  # others see their own processes only
-        for ctx in self._contexts():
-            if (args and str(ctx.pid) != args[1]) or not (everyone or ctx.uid == self._caller):
-                continue
-            rows.append(f"{ctx.pid} {ctx.id} {self.server.pid} {ctx.device.properties['uuid']} "
-                        f"{_namespace(ctx.pid)} {_command(ctx.pid)}")
-        return "\n".join(rows)
+        rows = [ps_row(pid, self.server.ids.get(pid, "-"), self.server.pid, mine[0].device.properties["uuid"],
+                       _namespace(pid), _command(pid))
+                for pid, mine in self._processes().items() if everyone or mine[0].uid == self._caller]
+        return "\n".join([PS_HEADER] + rows) if rows else ""
+
+    def cmd_device_query(self, args: list[str]) -> str:
+        csv = "--csv" in args
+        named = [arg for arg in args if arg != "--csv"]
+        if named:
+            self._server_pid(named[0])
+        devices = [(d.index, "{:04x}:{:02x}.{:02x}.{:02x}".format(*pci_id(d.properties)), d.properties["uuid"],
+                    d.name) for d in self.daemon.devices]
+        entries = ["Default", *device_table(devices, csv)]
+        if self.server.started:  # MPS logs the server's part as one message that begins with a newline
+            entries += [f"\nServer {self.server.pid}", *device_table(devices, csv)]
+            self.daemon.log.server(f"Received device query command. There are {len(devices)} devices")
+        self._entries = entries
+        return "\n".join(entries)
 
     # -- settings --------------------------------------------------------------------------------------
+    def _percentage(self, text: str | None) -> float | None:
+        value = strtod(text)
+        if value is None or not 0 < value <= 100:
+            self._note("Invalid percentage, expected between (0.0, 100.0]")
+            return None
+        return value
+
     def cmd_get_default_active_thread_percentage(self, args: list[str]) -> str:
-        self._args(args, 0, "get_default_active_thread_percentage")
         return f"{self.daemon.settings.active_thread_percentage:.1f}"
 
     def cmd_set_default_active_thread_percentage(self, args: list[str]) -> str:
-        (text,) = self._args(args, 1, "set_default_active_thread_percentage <percentage>")
-        self.daemon.settings.active_thread_percentage = _percentage(text)
+        value = self._percentage(args[0] if args else None)
+        if value is not None:
+            self.daemon.settings.active_thread_percentage = value
         return f"{self.daemon.settings.active_thread_percentage:.1f}"
 
     def cmd_get_active_thread_percentage(self, args: list[str]) -> str:
-        (pid,) = self._args(args, 1, "get_active_thread_percentage <PID>")
-        server = self._server_pid(pid)
-        value = server.active_thread_percentage
-        return f"{self.daemon.settings.active_thread_percentage if value is None else value:.1f}"
+        self._server_pid(args[0] if args else None)
+        return f"{self.percentage_for_new_client():.1f}"
 
     def cmd_set_active_thread_percentage(self, args: list[str]) -> str:
-        pid, text = self._args(args, 2, "set_active_thread_percentage <PID> <percentage>")
-        server = self._server_pid(pid)
-        server.active_thread_percentage = _percentage(text)
-        return f"{server.active_thread_percentage:.1f}"
+        server = self._server_pid(args[0] if args else None)
+        value = self._percentage(args[1] if len(args) > 1 else None)
+        if value is not None:
+            server.active_thread_percentage = value
+        return f"{self.percentage_for_new_client():.1f}"
 
     def cmd_get_default_device_pinned_mem_limit(self, args: list[str]) -> str:
-        (device,) = self._args(args, 1, "get_default_device_pinned_mem_limit <device>")
-        limit = self.daemon.settings.pinned_mem_limits.get(self._device(device))
-        if limit is None:
-            self.daemon.log.control("No default pinned memory limit set for the device!")
+        if not args:
+            self._note("Invalid command format.")
             return ""
-        return _size_text(limit)
+        device = self._device(args[0])
+        if device is None:
+            return ""
+        limit = self.daemon.settings.pinned_mem_limits.get(device)
+        if limit is None:
+            self._note("No default pinned memory limit set for the device!")
+            return ""
+        return limit_text(limit)
 
     def cmd_set_default_device_pinned_mem_limit(self, args: list[str]) -> str:
-        device, text = self._args(args, 2, "set_default_device_pinned_mem_limit <device> <value>")
-        self.daemon.settings.pinned_mem_limits[self._device(device)] = _limit(text)
+        if len(args) < 2:
+            self._note("Invalid command format.")
+            return ""
+        self._note(f"set_default_device_pinned_mem_limit {args[0]} {args[1]}.")
+        device = self._device(args[0])
+        if device is not None:
+            _store(self.daemon.settings.pinned_mem_limits, device, memory_limit(args[1]))
         return ""
 
     def cmd_get_device_pinned_mem_limit(self, args: list[str]) -> str:
-        pid, device = self._args(args, 2, "get_device_pinned_mem_limit <PID> <device>")
-        server = self._server_pid(pid)
-        index = self._device(device)
-        limit = server.pinned_mem_limits.get(index, self.daemon.settings.pinned_mem_limits.get(index))
-        if limit is None:
-            self.daemon.log.control("No pinned memory limit set for the device!")
+        if len(args) < 2:
+            self._note("Invalid command format.")
             return ""
-        return _size_text(limit)
+        server = self._server_pid(args[0])
+        device = self._device(args[1])
+        limit = None if device is None else server.pinned_mem_limits.get(device)
+        return "" if limit is None else limit_text(limit)
 
     def cmd_set_device_pinned_mem_limit(self, args: list[str]) -> str:
-        pid, device, text = self._args(args, 3, "set_device_pinned_mem_limit <PID> <device> <value>")
-        self._server_pid(pid).pinned_mem_limits[self._device(device)] = _limit(text)
+        if len(args) < 3:
+            self._note("Invalid command format.")
+            return ""
+        server = self._server_pid(args[0])
+        device = self._device(args[1])
+        if device is not None:
+            limit = memory_limit(args[2])
+            _store(server.pinned_mem_limits, device, limit)
+            self.daemon.log.server(f"Device pinned memory limit for device {device} set to {limit:#x} bytes")
         return ""
 
     def cmd_get_default_client_priority(self, args: list[str]) -> str:
-        self._args(args, 0, "get_default_client_priority")
         return str(self.daemon.settings.client_priority)
 
     def cmd_set_default_client_priority(self, args: list[str]) -> str:
-        (text,) = self._args(args, 1, "set_default_client_priority <0|1>")
-        if text not in ("0", "1"):
-            raise CommandError(f"Invalid client priority {_shown(text)!r}")
-        self.daemon.settings.client_priority = int(text)
+        if not args:
+            return ""
+        value = atoi(args[0])
+        if value not in (0, 1):
+            return "Invalid priority value - must be 0 or 1!"
+        self.daemon.settings.client_priority = value
         return ""
 
     # -- mpsd extensions: finer priorities and fair-share weights, per client pid or per user ---------------
@@ -395,58 +582,170 @@ class Control:
         device, mode = self._args(args, 2, usage)
         if mode not in COMPUTE_MODES:
             raise CommandError(f"Usage: {usage}")
-        self.daemon.devices[self._device(device)].compute_mode = mode
+        index = int(device) if device.isascii() and device.isdigit() else len(self.daemon.devices)
+        if index >= len(self.daemon.devices):
+            raise CommandError(f"Invalid device {device}")
+        self.daemon.devices[index].compute_mode = mode
         return ""
 
+    # -- shutting down: MPS's retries with backoff --------------------------------------------------------
     def cmd_quit(self, args: list[str]) -> str:
-        usage = "Usage: quit [-t <timeout in seconds>]"
-        if args and (len(args) != 2 or args[0] != "-t"):
-            raise CommandError(usage)
-        self.daemon.stop(float(_integer(args[1], usage)) if args else None)
+        """quit [-t N]: the server is shut down as shutdown_server does it (after N seconds by force), then the
+        daemon exits. The tool that sent it gets no answer: its connection closes when the daemon is gone."""
+        if args[:1] == ["-t"] and _ATOI.match(args[1] if len(args) > 1 else ""):  # else a plain quit
+            timeout = atoi(args[1])
+            self._note(f"quit command issued with timeout of {timeout}")
+            self._force_at = self.daemon.now() + max(timeout, 0)
+        self._quitting = True
+        if self.server.started:
+            self.try_shutdown(force=False)
+            self.after_command()  # no answer comes, nor "UI closed": what it caused is logged now
+        else:
+            self.daemon.stop()
         return ""
+
+    def try_shutdown(self, force: bool, backoff: bool = False) -> None:
+        """One try at shutting the server down; with clients it is refused, and tried again later (with -f, or
+        once quit's timeout has passed, it goes anyway and its clients' calls fail)."""
+        server, log = self.server, self.daemon.log
+        if not server.started:
+            return
+        if self._force_at is not None and self.daemon.now() >= self._force_at:
+            force, backoff = True, False
+        self._note(f"Try shutting down server {server.pid}, backoff is {'enabled' if backoff else 'disabled'}")
+        log.server("Server has been notified to shutdown")
+        workers = self._workers()
+        if workers:
+            self._note(f"Server {server.pid} has {workers} active worker threads. Server will not shutdown.")
+            log.server(f"Server was unable to shutdown due to {workers} active clients")
+            if not force:
+                if backoff or self._retry_at is None:
+                    if self._retry_at is not None:
+                        self._backoff *= 2
+                    self._retry_at = self.daemon.now() + self._backoff
+                    self.daemon.wake_control()
+                self._note(f"Control will try shutting down server {server.pid} again in at most "
+                           f"{round(self._backoff * 1000)}ms")
+                server.shutting_down = True
+                return
+            self._note(f"Force shutting down server {server.pid}")
+            for ctx in self._contexts():
+                self.daemon.server_gone(ctx)
+                self.orphans.add(ctx.id)
+        else:
+            log.server("Waiting for current clients to finish")
+            log.server("Exiting")
+        self._exit_server()
+        if self._quitting:
+            self.daemon.stop()
+
+    def next_retry(self) -> float | None:
+        """When (trio time) the shutdown in progress tries again, if one is."""
+        if self._retry_at is None:
+            return None
+        return self._retry_at if self._force_at is None else min(self._retry_at, self._force_at)
+
+    def retry_due(self) -> None:
+        """The daemon's timer: the scheduled retry of the shutdown in progress."""
+        self.try_shutdown(force=False, backoff=True)
 
     # -- what new clients get --------------------------------------------------------------------------
     def percentage_for_new_client(self) -> float:
-        value = self.server.active_thread_percentage
+        value = self.server.active_thread_percentage if self.server.started else None
         return self.daemon.settings.active_thread_percentage if value is None else value
 
     def memory_limit_for_new_client(self, device: int) -> int | None:
-        return self.server.pinned_mem_limits.get(device, self.daemon.settings.pinned_mem_limits.get(device))
+        limits = self.server.pinned_mem_limits if self.server.started else self.daemon.settings.pinned_mem_limits
+        return limits.get(device) or None
 
     def admits(self, uid: int) -> bool:
         """Whether a client of `uid` may attach now (else it waits for the current server to exit)."""
         server = self.server
-        return not server.started or server.uid is None or server.uid == uid or (
-            not self._contexts() and not server.shutting_down)
+        return not server.started or server.uid is None or server.uid == uid or not self._contexts()
 
-    def client_arrived(self, pid: int, uid: int) -> None:
-        server = self.server
-        if server.started and (server.uid is None or server.uid == uid):
-            self.daemon.log.control(f"NEW CLIENT {pid} from user {uid}: Server already exists")
+    def client_arrived(self, ctx: Any) -> None:
+        """A context connected: control.log and server.log say what MPS's say when a client process opens one
+        (its first context: the process's connection, numbered 0, then the CUDA context)."""
+        server, log, pid, uid = self.server, self.daemon.log, ctx.pid, ctx.uid
+        first = pid not in self._processes() or [c.id for c in self._processes()[pid]] == [ctx.id]
+        log.control("Accepting connection...")
+        if first:
+            log.control("User did not send valid credentials")
+            log.control("Accepting connection...")
+            if not (server.started and (server.uid is None or server.uid == uid)):
+                if server.started:  # idle, serving another user: it makes way
+                    self._note(f"Try shutting down server {server.pid}, backoff is disabled")
+                    log.server("Server has been notified to shutdown")
+                    log.server("Waiting for current clients to finish")
+                    log.server("Exiting")
+                    self._exit_server()
+                log.control(f"NEW CLIENT {pid} from user {uid}: Server is not ready, push client to pending list")
+                self.after_command()
+                self._start_server(uid)()
+            else:
+                log.control(f"NEW CLIENT {pid} from user {uid}: Server already exists")
+            log.control("Accepting connection...")
+        log.control(f"NEW CLIENT {pid} from user {uid}: Server already exists")
+        number = len(self._processes().get(pid, ()))
+        if first:
+            server.clients_seen += 1
+            server.ids[pid] = server.clients_seen
+            log.server(f"Received new client request for {{PID: {pid}, Context ID: 0}}")
+            log.server(f"Client {{PID: {pid}, Context ID: 0}} connected")
+            log.server(f"Creating worker thread for client {{PID: {pid}, Context ID: 0}}")
+        log.server(f"Received new client request for {{PID: {pid}, Context ID: 0}}")
+        log.server(f"Client {{PID: {pid}, Context ID: {number}}} connected")
+        log.server(f"Creating worker thread for client {{PID: {pid}, Context ID: {number}}}")
+        log.server(f"Device {ctx.device.name} (uuid {ctx.device.properties['uuid']}) is associated")
+        log.server(f"Status of client {{PID: {pid}, Context ID: {number}}} is ACTIVE")
+
+    def client_leaving(self, ctx: Any) -> None:
+        """A context is going (before the daemon forgets it): server.log says so as MPS's does."""
+        if ctx.id in self.orphans:
             return
-        if server.started:  # idle, serving another user: it makes way
-            self._exit_server()
-        self.daemon.log.control(f"NEW CLIENT {pid} from user {uid}: Server is not ready, push client to "
-                                "pending list")
-        server.started = True
-        server.uid = None if self.daemon.config.multiuser else uid
-        self.daemon.log.control(f"Starting new server {server.pid} for user {uid}")
+        log, pid = self.daemon.log, ctx.pid
+        mine = [c.id for c in self._processes().get(pid, [])]
+        number = mine.index(ctx.id) + 1 if ctx.id in mine else 1
+        left = len(self._contexts()) - 1
+        log.server(f"Server failed to recevie command with status 806, assuming client {{PID: {pid}, Context ID: "
+                   f"{number}}} exit")
+        log.server(f"Client {{PID: {pid}, Context ID: {number}}} exiting. Number of active client contexts is "
+                   f"{left}.")
+        if len(mine) <= 1:
+            log.server(f"Server failed to recevie command with status 806, assuming client {{PID: {pid}, Context "
+                       "ID: 0} exit")
+            log.server(f"Client process {pid} disconnected")
 
     def client_waiting(self, pid: int, uid: int) -> None:
         self.daemon.log.control(f"NEW CLIENT {pid} from user {uid}: Server {self.server.pid} serves user "
                                 f"{self.server.uid}, push client to pending list")
 
-    def client_left(self) -> None:
+    def client_left(self, ctx: Any) -> None:
+        self.orphans.discard(ctx.id)
         if self._contexts():
             return
-        if self.server.shutting_down or self.daemon.pending_clients:
+        if self.daemon.pending_clients and not self.server.shutting_down:
+            self._note(f"Try shutting down server {self.server.pid}, backoff is disabled")
             self._exit_server()
 
     def _exit_server(self) -> None:
         server = self.server
         server.started = server.shutting_down = False
-        self.daemon.log.control(f"Server {server.pid} exited with status 0")
+        self._retry_at = None
+        self._backoff = self.daemon.config.shutdown_retry
         self.daemon.server_changed()
+        exited = functools.partial(self._note, f"Server {server.pid} exited with status 0")
+        if self._in_command:  # MPS sees its server go after it has answered the command that stopped it
+            self._later.append(exited)
+        else:
+            exited()
+
+
+def _store(limits: dict[int, int], device: int, limit: int) -> None:
+    if limit:
+        limits[device] = limit
+    else:
+        limits.pop(device, None)
 
 
 def _namespace(pid: int) -> str:
@@ -457,12 +756,10 @@ def _namespace(pid: int) -> str:
 
 
 def _command(pid: int) -> str:
-    """The client's command line on one line, shortened, as ps shows it."""
+    """The client's command as MPS's ps shows it: its argv[0] (the path it was started by, not its executable's)."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            words = f.read().decode(errors="replace").split("\0")
+            first = f.read().split(b"\0")[0].decode(errors="replace")
     except OSError:
         return "-"
-    text = " ".join(" ".join(words).split())
-    return (text[:77] + "...") if len(text) > 80 else text or "-"
-
+    return first or "-"

@@ -85,7 +85,7 @@ def open_log(path: Path) -> TextIO:
         if st.st_uid != os.geteuid():
             raise UnsafePathError(f"{path} belongs to uid {st.st_uid}, not to the daemon's uid {os.geteuid()}")
         os.set_blocking(fd, True)
-        return os.fdopen(fd, "a", buffering=1, encoding="utf-8")
+        return os.fdopen(fd, "a", buffering=1, encoding="utf-8", errors="surrogateescape")  # bytes as they came
     except BaseException:
         os.close(fd)
         raise

@@ -14,6 +14,7 @@ import os
 import resource
 import signal
 import socket
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ from mpsd.backends.cuda import CudaBackend, CudaDevice
 from mpsd.backends.hostmem import HostMemory, default_budget
 from mpsd.backends.sim import SimBackend
 from mpsd.daemon.config import Config
-from mpsd.daemon.control import Control, Settings
+from mpsd.daemon.control import MPS_VERSION, Control, Settings
 from mpsd.daemon.listeners import Greetings, Listeners, ListenError, open_listeners
 from mpsd.daemon.ownership import UnsafePathError
 from mpsd.daemon.servlog import ServerLog
@@ -41,6 +42,7 @@ from mpsd_protocol import (  # type: ignore[attr-defined]
     InvalidValueError,
     MpsClientTerminatedError,
     MpsMaxClientsReachedError,
+    MpsRpcFailureError,
     MpsServerNotReadyError,
     NoDeviceError,
     OutOfMemoryError,
@@ -83,6 +85,8 @@ class Daemon:
             raise DaemonError(str(exc)) from None
         except OSError as exc:
             raise DaemonError(f"cannot write logs in {exc.filename or config.log_dir}: {exc.strerror}") from None
+        if config.control_log_stdout:
+            self.log.echo = sys.stdout
         if moved is not None:
             logging.getLogger("mpsd").warning(moved)
             self.log.server(moved[0].upper() + moved[1:])
@@ -103,6 +107,7 @@ class Daemon:
         self.greetings = Greetings(config.handshake_timeout)
         self._next_client = 1
         self._stop = trio.Event()
+        self._retry_wakeup = trio.Event()
 
     def _backend(self, index: int, device: DeviceSpec | CudaDevice) -> Backend:
         """What runs device `index`: a real GPU, or the simulator.
@@ -135,8 +140,8 @@ class Daemon:
             InvalidDeviceError: no such device.
             InvalidValueError: a requested limit is malformed.
         """
-        if self.control.server.shutting_down:
-            raise MpsServerNotReadyError("the MPS server is shutting down")
+        if self.control.quitting:  # a server being shut down still takes clients, as MPS's does; quit not
+            raise MpsServerNotReadyError("the MPS control daemon is quitting")
         index, instance = self._device_index(hello.get("device", 0), hello.get("visible"))
         device = self.devices[index]
         if device.compute_mode == "PROHIBITED":
@@ -187,7 +192,7 @@ class Daemon:
         device.ledger.move(None, context_memory, partition=partition)
         self._next_client += 1
         device.contexts[context.id] = context
-        self.control.client_arrived(session.pid, session.uid)
+        self.control.client_arrived(context)
         notify(f"STATUS={self.client_count()} clients")
         claimed = hello.get("pid")
         self.log.server(f"New client {session.pid} connected (context {context.id}, uid {session.uid}, "
@@ -259,11 +264,12 @@ class Daemon:
 
     def detach(self, context: Context) -> None:
         """The client is gone (closed, exited or killed): reclaim everything it held."""
+        self.control.client_leaving(context)
         reclaimed = context.close()
         context.device.contexts.pop(context.id, None)
         context.device.backend.forget(context.id)
         context.device.faulted.discard(context.id)
-        self.control.client_left()
+        self.control.client_left(context)
         notify(f"STATUS={self.client_count()} clients")
         self.log.server(
             f"Client {context.pid} disconnected; reclaimed {reclaimed['allocations']} allocations "
@@ -295,6 +301,33 @@ class Daemon:
         context.set_sticky(MpsClientTerminatedError(f"terminated by the control daemon ({why})"))
         context.device.backend.cancel(context.id)
         self.log.server(f"Client {{PID: {context.pid}, Context: {context.id}}} terminated: {why}")
+
+    def server_gone(self, context: Context) -> None:
+        """The client's server was shut down by force (shutdown_server -f, quit's timeout): its work is torn
+        down and every later call fails with cudaErrorMpsRpcFailure, as MPS's clients' calls do."""
+        context.set_sticky(MpsRpcFailureError("the MPS server was shut down"))
+        context.device.backend.cancel(context.id)
+        self.log.server(f"Client {{PID: {context.pid}, Context: {context.id}}} lost its server (forced shutdown)")
+
+    def now(self) -> float:
+        return trio.current_time()
+
+    def wake_control(self) -> None:
+        """The control plane has a (new) time for its next shutdown retry."""
+        self._retry_wakeup.set()
+
+    async def _shutdown_retries(self) -> None:
+        """Runs the control plane's shutdown retries when they fall due."""
+        while True:
+            due = self.control.next_retry()
+            if due is None:
+                await self._retry_wakeup.wait()
+                self._retry_wakeup = trio.Event()
+                continue
+            await trio.sleep_until(due)
+            due = self.control.next_retry()
+            if due is not None and trio.current_time() >= due:
+                self.control.retry_due()
 
     @staticmethod
     def device_of(context: Context) -> Device:
@@ -385,8 +418,12 @@ class Daemon:
             listeners = await open_listeners(self.config.pipe_dir, multiuser=self.config.multiuser)
         except ListenError as exc:
             raise DaemonError(str(exc)) from None
-        self.log.control(f"Starting control daemon {self.log.pid}"
+        control_path = self.config.pipe_dir / "control"
+        self.log.control(f"Starting control daemon using socket {control_path}"
                          + (" (sockets from systemd)" if listeners.activated else ""))
+        self.log.control("To connect CUDA applications to this daemon, set env "
+                         f"CUDA_MPS_PIPE_DIRECTORY={self.config.pipe_dir}")
+        self.log.control(f"CUDA MPS Control binary version: {MPS_VERSION}")
         self.log.server(f"Server {self.log.pid} started on {len(self.devices)} device(s): "
                         + ", ".join(d.name for d in self.devices)
                         + "; policy " + ", ".join(dict.fromkeys(d.backend.policy for d in self.devices))
@@ -437,6 +474,7 @@ class Daemon:
             async with trio.open_nursery() as front:  # the tasks that end when shutdown begins
                 front.start_soon(self._accept, listeners.clients, sessions, self._serve_session)
                 front.start_soon(self._accept, listeners.control, sessions, self._serve_control)
+                front.start_soon(self._shutdown_retries)
                 if signals is not None:
                     front.start_soon(self._watch_signals, signals)
                 watchdog = _watchdog_interval()
@@ -502,24 +540,34 @@ class Daemon:
         self.greetings.greeted(session.uid, session)
 
     async def _serve_control(self, sock: trio.socket.SocketType) -> None:
-        """One control connection: a command per packet in, its output back (mpsd_protocol.control_packets)."""
+        """One control connection: a command per packet in, its output back (mpsd_protocol.control_packets),
+        with control.log's lines for it as MPS writes them. After quit it gets no answer: the connection
+        closes when the daemon has gone, which is when the tool that sent quit returns; while quitting, the
+        daemon takes no more commands."""
         with sock:
+            if self.control.quitting:
+                return
+            self.log.control("Accepting connection...")
+            self.log.control("NEW UI")
             try:
                 uid = peer_credentials(sock)[1]
                 while packet := await sock.recv(CONTROL_PACKET):
-                    for reply in control_packets(self._control_reply(packet, uid)):
-                        await sock.send(reply)
+                    reply = self._control_reply(packet, uid)
+                    if self.control.quitting:
+                        await self._stop.wait()  # the daemon is on its way out: the tool sees it go
+                        return
+                    for part in control_packets(reply):
+                        await sock.send(part)
             except OSError:
                 pass  # the control client went away
+            self.log.control("UI closed")
+            self.control.after_command()
 
     def _control_reply(self, packet: bytes, uid: int) -> str:
         """What one control packet gets back. Any user may send one, so nothing in it may end the daemon: a
-        bug met while running the command answers that command with an error and is logged."""
-        try:
-            line = packet.decode()
-        except UnicodeDecodeError:
-            self.log.control("Invalid command: not UTF-8 text")
-            return "Invalid command: not UTF-8 text"
+        bug met while running the command answers that command with an error and is logged. As MPS reads a
+        command as a C string, it ends at a NUL; bytes that are not UTF-8 are kept as they came."""
+        line = packet.split(b"\0", 1)[0].decode(errors="surrogateescape")
         try:
             return self.control.execute(line, uid)
         except Exception as exc:

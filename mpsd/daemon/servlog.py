@@ -20,20 +20,23 @@ from typing import Hashable, TextIO
 from mpsd.daemon.ownership import UnsafePathError, open_log, private_directory
 
 
-MAX_LINE = 1000  # characters of text in one line
+MAX_LINE = 4088  # characters in one line, its prefix included: where MPS cuts its lines (measured on an H200)
 COMPLAINT_BURST = 20  # complaints about one client logged in a row before the rate limit applies
 COMPLAINT_INTERVAL = 1.0  # seconds between complaints about one client after that
-_CONTROL = re.compile(r"[\x00-\x1f\x7f\u2028\u2029\x85]")
+_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f\u2028\u2029\x85]")  # a tab stays: MPS logs it as it came
 
 
-def log_line(source: str, pid: int, text: str, now: datetime.datetime | None = None) -> str:
-    """One log line in the MPS format (without the newline), its text escaped and bounded."""
+def log_line(source: str, pid: int, text: str, now: datetime.datetime | None = None, verbatim: bool = False) -> str:
+    """One log line in the MPS format (without the newline), its text escaped and bounded.
+
+    The prefix is MPS's: the source, one space and the pid right-aligned in five columns
+    (``Control   484``, ``Server  1140``, ``Other   486``).
+    """
     now = now or datetime.datetime.now()
     stamp = now.strftime("%Y-%m-%d %H:%M:%S.") + f"{now.microsecond // 1000:03d}"
-    text = _CONTROL.sub(lambda m: repr(m.group())[1:-1], text[:MAX_LINE])
-    if len(text) > MAX_LINE:
-        text = text[:MAX_LINE - 3] + "..."
-    return f"[{stamp} {source:<9} {pid}] {text}"
+    if not verbatim:  # only text of the daemon's own may start a line: device_query's table does, as MPS's
+        text = _CONTROL.sub(lambda m: repr(m.group())[1:-1], text[:MAX_LINE])
+    return f"[{stamp} {source} {pid:5d}] {text}"[:MAX_LINE]
 
 
 class ServerLog:
@@ -49,6 +52,7 @@ class ServerLog:
 
     def __init__(self, directory: Path | None) -> None:
         self.pid = os.getpid()
+        self.echo: TextIO | None = None  # where control.log's lines also go (stdout, for MPS's -f)
         self._files: dict[str, TextIO] = {}
         self._complaints: dict[Hashable, list[float]] = {}  # about whom -> [allowance, last time, left out]
         if directory is None:
@@ -64,16 +68,23 @@ class ServerLog:
             self.close()
             raise
 
-    def _write(self, name: str, source: str, text: str) -> None:
+    def _write(self, name: str, source: str, text: str, pid: int | None = None, verbatim: bool = False) -> None:
         handle = self._files.get(name)
+        line = log_line(source, self.pid if pid is None else pid, text, verbatim=verbatim) + "\n"
         if handle is not None:
-            handle.write(log_line(source, self.pid, text) + "\n")
+            handle.write(line)
+        if name == "control" and self.echo is not None:
+            self.echo.write(line)
+            self.echo.flush()
 
-    def control(self, text: str) -> None:
-        self._write("control", "Control", text)
+    def control(self, text: str, pid: int | None = None, verbatim: bool = False) -> None:
+        """A control.log line; `pid` is whose it is where not the daemon's (MPS logs a server's start under
+        the server's pid); `verbatim` for the daemon's own text that holds newlines on purpose."""
+        self._write("control", "Control", text, pid, verbatim)
 
-    def server(self, text: str) -> None:
-        self._write("server", "Server", text)
+    def server(self, text: str, source: str = "Server", pid: int | None = None) -> None:
+        """A server.log line; `source` "Other" for what MPS's server writes before it has its context."""
+        self._write("server", source, text, pid)
 
     def complaint(self, about: Hashable, text: str) -> None:
         """A server.log line about what a client did wrong, unless that client has had its share lately."""

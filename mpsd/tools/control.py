@@ -1,10 +1,18 @@
 # `mpsd-control`: nvidia-cuda-mps-control for mpsd. With -d it starts the daemon in the background and returns
 # once the daemon says it is ready (sd_notify over a private socket: no polling); with -f it becomes the
 # daemon in the foreground; otherwise it sends each line of stdin to the daemon's control socket and prints
-# what comes back. Exit codes: 0 done, 1 no daemon (or it failed to start), 2 bad usage.
+# what comes back, as MPS's tool does (bench/fidelity/mps_control_h200 has what an H200's printed): a line at a
+# time, as it comes, so that it works on a terminal; a line is what C's fgets(4096) reads (a longer line goes
+# as several commands of 4095 bytes); an empty line is a command too, and so is a last line without a newline;
+# the answers go to stdout block-buffered on a pipe and line by line on a terminal. quit's answer is the
+# daemon's exit. MPS's texts and exit codes: "Cannot find MPS control daemon process" (1) without a daemon,
+# "Cannot send command to MPS control daemon process" (1) where it takes no more commands (quitting), help
+# and version with 0, an unknown option with its help and 0.
 from __future__ import annotations
 
 import argparse
+import datetime
+import io
 import os
 import select
 import socket
@@ -12,26 +20,125 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Sequence
+from typing import BinaryIO, Sequence, TextIO
 
 from mpsd_protocol import (  # type: ignore[attr-defined]
     CONTROL_PACKET,
     MpsConnectionError,
     check_server,
+    log_directory,
     pipe_directory,
     read_control_reply,
 )
 
 READY_TIMEOUT = 30.0
 MPS_NAME = "nvidia-cuda-mps-control"  # this command's name where it stands in for MPS's
+PID_FILE = "nvidia-cuda-mps-control.pid"
+LINE = 4096  # MPS's tool reads its commands with fgets into a buffer this long
+NO_DAEMON = "Cannot find MPS control daemon process"
+NOT_TAKEN = "Cannot send command to MPS control daemon process"
+RUNNING = "An instance of this daemon is already running"
+VERSION = ("CUDA MPS Control for Linux/Unix/QNX. Binary version: 13000\n"
+           "Copyright (C) 2003 - 2025 NVIDIA Corporation.\n\n")
+# MPS's help, as its -h printed it (a fact to match: scripts parse it)
+HELP = (
+    "CUDA MPS Control for Linux/Unix/QNX.\n"
+    "Copyright (C) 2003 - 2025 NVIDIA Corporation.\n"
+    "\n"
+    "  This program allows multiple CUDA processes to share a single GPU context. For information on how"
+    " to use the CUDA MPS, see the nvidia-cuda-mps-control manual page.\n"
+    "\n"
+    "nvidia-cuda-mps-control [options] [command]\n"
+    "OPTIONS:\n"
+    "  -h,--help                Print this message\n"
+    "  -d,--daemon              Setup the daemon in the background\n"
+    "  -f,--forground           Setup the daemon in the foreground\n"
+    "  -M,--multiuser-server    Enable multi-user mode\n"
+    "  -q,--ready-devices      Prepare the daemon to query devices on startup\n"
+    "\n"
+    "COMMAND:\n"
+    "  start_server -uid <user id>\n"
+    "                       Start a new instance of nvidia-cuda-mps-server with the given user ID\n"
+    "  quit\n"
+    "                       Terminate the controller\n"
+    "  get_server_list\n"
+    "                       Print out a list of servers\n"
+    "  get_server_status <PID>\n"
+    "                       Print out the status of the server\n"
+    "  get_client_list <PID>\n"
+    "                       List the client applications connected to the server\n"
+    "  get_device_client_list [<PID>]\n"
+    "                       List the devices and their client applications\n"
+    "  ps [-p PID]\n"
+    "                       Report a snapshot of the current client processes\n"
+    "  set_default_active_thread_percentage <percentage>\n"
+    "                       Set default active thread percentage for upcoming servers\n"
+    "  get_default_active_thread_percentage\n"
+    "                       Query the current default available thread percentage\n"
+    "  set_active_thread_percentage <PID> <percentage>\n"
+    "                       Override the active thread percentage of the MPS server\n"
+    "  get_active_thread_percentage <PID>\n"
+    "                       Query the current active thread percentage of the MPS server\n"
+    "  set_default_device_pinned_mem_limit <dev> <value>\n"
+    "                       Set default device pinned memory for upcoming servers\n"
+    "  get_default_device_pinned_mem_limit <dev>\n"
+    "                       Query the current default pinned memory limit for the device\n"
+    "  set_device_pinned_mem_limit <PID> <dev> <value>\n"
+    "                       Override the device pinned memory limit for MPS servers\n"
+    "  get_device_pinned_mem_limit <PID> <dev>\n"
+    "                       Query the current device pinned memory limit of the MPS server for the device\n"
+    "  set_default_client_priority <priority>\n"
+    "                       Sets default client priority for incoming clients\n"
+    "  get_default_client_priority\n"
+    "                       Query the current priority value that will be used for new clients\n"
+    "  terminate_client <server PID> <client PID>\n"
+    "                       Terminate all the outstanding GPU work of the MPS client process running on"
+    " the MPS server\n"
+    "  device_query [<PID>] [--csv]\n"
+    "                       Enumerate all usable devices\n"
+    "\n"
+)
+MPSD_OPTIONS = """mpsd-control also takes mpsd's daemon options after -d or -f (mpsd --help lists them), and
+  --pipe-dir DIR           the daemon's pipe directory (default $CUDA_MPS_PIPE_DIRECTORY, /tmp/nvidia-mps)
+"""
 
 
 def _pipe_dir(option: str | None) -> Path:
     return pipe_directory(option)
 
 
-def start_background(daemon_args: list[str]) -> int:
-    """Start `mpsd` detached (its own session, no terminal) and wait for its READY=1."""
+def _running(pipe_dir: Path) -> bool:
+    """Whether the daemon that wrote `pipe_dir`'s pid file still runs (asked without connecting, which the
+    daemon would log)."""
+    try:
+        pid = int((pipe_dir / PID_FILE).read_text())
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, ValueError, IndexError):
+        return False
+
+
+def _note_in_server_log(pipe_dir: Path, text: str) -> None:
+    """A line in the running daemon's server.log from this process (MPS's second -d writes one there),
+    where this user may append to it; never through a symlink, and nothing is created."""
+    directory, _ = log_directory(None, pipe_dir)
+    now = datetime.datetime.now()
+    stamp = now.strftime("%Y-%m-%d %H:%M:%S.") + f"{now.microsecond // 1000:03d}"
+    try:
+        fd = os.open(directory / "server.log", os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return
+    with os.fdopen(fd, "a", encoding="utf-8", errors="surrogateescape") as f:
+        f.write(f"[{stamp} Other {os.getpid():5d}] {text}\n")
+
+
+def start_background(daemon_args: list[str], pipe_dir: Path | None = None) -> int:
+    """Start `mpsd` detached (its own session, no terminal) and wait for its READY=1; where a daemon already
+    answers on the pipe directory, say so as MPS does and exit 1."""
+    if pipe_dir is not None and _running(pipe_dir):
+        _note_in_server_log(pipe_dir, f"Using log directory: {log_directory(None, pipe_dir)[0]}")
+        print(RUNNING, flush=True)
+        return 1
     # Its stderr goes to an unlinked file: readable here if it fails to start, harmless once we are gone.
     with tempfile.TemporaryDirectory(prefix="mpsd-control-") as scratch, tempfile.TemporaryFile("w+") as errors:
         address = os.path.join(scratch, "notify")
@@ -55,56 +162,91 @@ def start_background(daemon_args: list[str]) -> int:
             return 1
 
 
-def send_commands(pipe_dir: Path, lines: Sequence[bytes]) -> int:
+def talk(pipe_dir: Path, stdin: BinaryIO, stdout: BinaryIO, stderr: TextIO) -> int:
+    """Send each line of `stdin` to the daemon on `pipe_dir` as it comes and write the answers to `stdout`
+    (flushed after each where it is a terminal); returns the exit status."""
     path = pipe_dir / "control"
     with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
         try:
             sock.connect(str(path))
-        except OSError as exc:
-            print(f"mpsd-control: cannot reach the control daemon at {path}: {exc.strerror}", file=sys.stderr)
+        except OSError:
+            print(NO_DAEMON, file=stderr)
             return 1
         try:
             check_server(sock, path)  # a control socket another user serves gets no command of ours
         except MpsConnectionError as exc:
-            print(f"mpsd-control: {exc.detail}", file=sys.stderr)
+            print(f"mpsd-control: {exc.detail}", file=stderr)
             return 1
-        for line in lines:
-            if not line.strip():
-                continue
+        interactive = stdout.isatty()
+        while line := stdin.readline(LINE - 1):
+            command = line[:-1] if line.endswith(b"\n") else line
+            command = command[:-1] if command.endswith(b"\r") else command
+            # The NUL ends the command as C's string does; it also keeps an empty line's packet from being
+            # read as the end of the connection.
+            command = command.split(b"\0", 1)[0] + b"\0"
             try:
-                sock.send(line.strip())
+                sock.send(command)
                 reply = read_control_reply(lambda: sock.recv(CONTROL_PACKET))
             except (OSError, ValueError):
                 reply = None
-            if reply is None:  # the daemon went away (after quit, it does)
-                break
-            text = reply.decode(errors="replace")
-            if text:
-                print(text, flush=True)
+            if reply is None:  # after quit the daemon has gone: that is quit's answer
+                stdout.flush()
+                if command.rstrip(b"\0").split()[:1] == [b"quit"]:
+                    return 0
+                print(NOT_TAKEN, file=stderr)
+                return 1
+            if reply:
+                stdout.write(reply + b"\n")
+                if interactive:
+                    stdout.flush()
+    stdout.flush()
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="mpsd-control", description="Control mpsd with the nvidia-cuda-mps-control command language "
-                                         "(commands one per line on stdin).")
+def _options(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(prog="mpsd-control", add_help=False, allow_abbrev=False)
+    parser.add_argument("-h", "--help", action="store_true")
+    parser.add_argument("-v", "--version", action="store_true")
     mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("-d", action="store_true", help="start the daemon in the background")
-    mode.add_argument("-f", action="store_true", help="run the daemon in the foreground")
-    parser.add_argument("--pipe-dir",
-                        help="the daemon's pipe directory (default $CUDA_MPS_PIPE_DIRECTORY, /tmp/nvidia-mps)")
-    options, rest = parser.parse_known_args(argv)
-    daemon_args = (["--pipe-dir", options.pipe_dir] if options.pipe_dir else []) + rest
-    if os.path.basename(sys.argv[0]) == MPS_NAME:  # run as MPS's own command: the daemon shows as MPS's
+    mode.add_argument("-d", "--daemon", action="store_true", dest="d")
+    mode.add_argument("-f", "--foreground", "--forground", action="store_true", dest="f")
+    parser.add_argument("-M", "--multiuser-server", "-multiuser-server", "-m", action="store_true", dest="multiuser")
+    parser.add_argument("-q", "--ready-devices", action="store_true")  # MPS queries devices at start; so do we
+    parser.add_argument("--pipe-dir")
+    return parser.parse_known_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    options, rest = _options(args)
+    as_mps = os.path.basename(sys.argv[0]) == MPS_NAME
+    help_text = HELP if as_mps else HELP + MPSD_OPTIONS
+    if options.help:
+        sys.stdout.write(help_text)
+        return 0
+    if options.version:
+        sys.stdout.write(VERSION)
+        return 0
+    daemon_args = (["--pipe-dir", options.pipe_dir] if options.pipe_dir else [])
+    daemon_args += ["--multiuser"] if options.multiuser else []
+    daemon_args += rest
+    if as_mps:  # run as MPS's own command: the daemon shows as MPS's
         daemon_args.append("--mps-names")
     if options.d:
-        return start_background(daemon_args)
-    if options.f:
-        os.execv(sys.executable, [sys.executable, "-m", "mpsd", *daemon_args])
-    if rest:
-        parser.error(f"unexpected arguments {' '.join(rest)} (commands go on stdin)")
-    # Bytes, not text: a line that is not UTF-8 goes to the daemon as it is, which says so, and the rest go on.
-    return send_commands(_pipe_dir(options.pipe_dir), sys.stdin.buffer.read().splitlines())
+        return start_background(daemon_args, _pipe_dir(options.pipe_dir))
+    if options.f:  # MPS's -f prints control.log's lines as it goes
+        os.execv(sys.executable, [sys.executable, "-m", "mpsd", "--control-log-stdout", *daemon_args])
+    if rest:  # MPS prints the NUL where the option's name would go
+        sys.stdout.write("Unrecognized option \0\n" + help_text)
+        return 0
+    # stdout as C's stdio has it, whatever PYTHONUNBUFFERED says: a buffer of a page on a pipe or file, each
+    # answer at once on a terminal (talk flushes there).
+    stdout = sys.stdout.buffer if sys.stdout.isatty() else io.BufferedWriter(io.FileIO(sys.stdout.fileno(), "w",
+                                                                                      closefd=False), 4096)
+    try:
+        return talk(_pipe_dir(options.pipe_dir), sys.stdin.buffer, stdout, sys.stderr)
+    finally:
+        stdout.flush()
 
 
 if __name__ == "__main__":
