@@ -36,14 +36,15 @@ from .specs import H200, BlockNeed, DeviceSpec
 from .stats import Counters, SimStatistics
 from .streams import Streams
 
-__all__ = ["Simulator"]
+__all__ = ["PythonEngine"]
 
 _READY, _GROUP_END, _SM, _COPY_END, _TIMER, _DRAM = range(6)
 _SWEEP = 1 << 12  # SM changes between sweeps of the fit tables no ready kernel needs
 
 
-class Simulator(Blocks):
-    """A simulated GPU shared by many clients.
+class PythonEngine(Blocks):
+    """The simulator's engine in Python: the reference the compiled one (``mpsd.sim.Simulator``) must match to
+    the bit, and the engine of the policies not compiled yet; its API is ``Simulator``'s.
 
     Args:
         spec: the device model.

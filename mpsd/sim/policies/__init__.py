@@ -14,7 +14,7 @@ from .shares import FairPolicy, PriorityPolicy, RoundRobinPolicy
 from .tenancy import ExclusivePolicy, TimeslicePolicy
 
 if TYPE_CHECKING:
-    from ..engine import Simulator
+    from ..engine import PythonEngine as Simulator
 
 __all__ = [
     "DEFAULT_CLIENT",

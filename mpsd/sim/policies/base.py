@@ -14,7 +14,7 @@ from ..ops import Kernel
 from ..specs import BlockNeed, DeviceSpec
 
 if TYPE_CHECKING:
-    from ..engine import Simulator
+    from ..engine import PythonEngine as Simulator
     from ..sms import Group
 
 __all__ = ["ClientConfig", "KernelRun", "Policy", "mps_key", "place_in_launch_order", "spread"]
