@@ -29,6 +29,19 @@ SPECS = {
 MIG_OPTIONS = {"h200": ["3g.71gb", "2g.35gb", "1g.18gb"], "small": [4, 2, 2], "tiny": [1, 2], "flat": [6, 4, 2]}
 
 
+def options(rng: random.Random, policy: str, spec_name: str) -> dict | None:
+    """Policy options for a scenario: the defaults, or other settings the policy accepts."""
+    if policy == "mig":
+        return {"partitions": MIG_OPTIONS[spec_name]} if rng.random() < 0.7 else None if spec_name == "h200" else {
+            "partitions": MIG_OPTIONS[spec_name][:1]}
+    if policy == "priority" and rng.random() < 0.5:
+        return {"aging": rng.choice([0.0, 1e-5, 2e-4, 1e-3])}
+    if policy == "timeslice" and rng.random() < 0.6:
+        return {"timeslice": rng.choice([1e-4, 5e-4, 2e-3]), "switch": rng.choice([0.0, 1e-5, 1e-4]),
+                "state": rng.choice([(), ((0.5, 1e-5, 1e-6), (1.0, 3e-5, 5e-6))])}
+    return None
+
+
 def _bits(x: float) -> str:
     return struct.pack("<d", x).hex()
 
@@ -127,8 +140,7 @@ def play(make, seed: int, policy: str) -> list:
     """Run scenario ``seed`` on ``make(spec, policy, record=True, policy_options=...)``; everything it showed."""
     spec_name, steps = build(seed)
     spec = SPECS[spec_name]
-    options = {"partitions": MIG_OPTIONS[spec_name]} if policy == "mig" else None
-    sim = make(spec, policy, True, options)
+    sim = make(spec, policy, True, options(random.Random(seed + 1 << 20), policy, spec_name))
     index: dict[int, int] = {}
     ops: list = []
     out: list = [spec_name]

@@ -32,6 +32,46 @@ def _spec_numbers(spec: DeviceSpec) -> tuple:
             (spec.copy_latency, spec.pcie_bandwidth, spec.copy_timeslice, duplex.get("d2h"), duplex.get("h2d")))
 
 
+def _policy_args(policy: Policy, spec: DeviceSpec) -> object:
+    """What the compiled policy needs of the settings its Python object checked (the same floats)."""
+    if policy.name == "priority":
+        return None if policy._aging is None else float(policy._aging)
+    if policy.name == "timeslice":
+        return (policy._slice, policy._switch, policy._state, policy._warp_slots)
+    if policy.name == "mig":
+        return [(p.first_sm, p.sm_count, p.memory / spec.total_memory if p.memory else p.sm_count / spec.sm_count)
+                for p in policy.partitions]
+    return None
+
+
+class _CompiledPolicy:
+    """The policy in force, as ``Simulator.policy`` shows it when the compiled engine runs it.
+
+    What is fixed once the options are checked (name, settings, a MIG layout and how it names partitions)
+    comes from the Python policy object that checked them; what moves as the simulation runs (timeslice's
+    ``switches``) comes from the engine. Anything else is state the engine keeps and this does not show.
+    """
+
+    _STATIC = frozenset({"name", "options", "settings", "dispatch_when_idle", "partitions", "resolve",
+                         "partition_of", "window", "copy_lane", "dram_share"})
+
+    def __init__(self, policy: Policy, core: Any) -> None:
+        self._policy = policy
+        self._core = core
+
+    def __getattr__(self, name: str) -> Any:
+        value = self._core.policy_counter(name)
+        if value is not None:
+            return value
+        if name in self._STATIC:
+            return getattr(self._policy, name)
+        raise AttributeError(f"{type(self._policy).__name__} keeps {name!r} in the compiled engine, which does not "
+                             f"show it")
+
+    def __repr__(self) -> str:
+        return f"<compiled {self._policy.name} policy>"
+
+
 class Simulator:
     """A simulated GPU shared by many clients.
 
@@ -65,7 +105,9 @@ class Simulator:
         self._min_block = spec.min_block_time
         # The Python policy object checks the options and is what ``policy`` shows; the engine runs its own.
         self._policy = make_policy(policy, self, policy_options)
-        self._core = _core.Engine(_spec_numbers(spec), policy, self.trace, BlockGroup, record)
+        self._core = _core.Engine(_spec_numbers(spec), policy, _policy_args(self._policy, spec), self.trace,
+                                  BlockGroup, record)
+        self._view = _CompiledPolicy(self._policy, self._core)
 
     @property
     def now(self) -> float:
@@ -151,9 +193,10 @@ class Simulator:
         if self._ref is not None:
             return self._ref.configure_client(client, priority=priority, weight=weight, partition=partition)
         config = ClientConfig(priority, weight, partition)
-        self._policy.configure(client, config)
+        self._policy.configure(client, config)  # checks it (a MIG partition must exist)
         self._clients[client] = config
-        self._core.configure_client(client, priority, float(weight), 0)
+        index = self._policy.resolve(partition) if self._policy.name == "mig" else 0
+        self._core.configure_client(client, priority, float(weight), index)
         return None
 
     def forget_client(self, client: int) -> None:
@@ -175,7 +218,7 @@ class Simulator:
     @property
     def policy(self) -> Policy:
         """The policy in force (its name is ``policy.name``)."""
-        return self._policy if self._ref is None else self._ref.policy
+        return self._view if self._ref is None else self._ref.policy
 
     def next_time(self) -> float | None:
         """Time of the next internal event.

@@ -10,10 +10,12 @@ pub mod fit;
 pub mod ops;
 pub mod policy;
 pub mod ready;
+pub mod shares;
 pub mod room;
 pub mod sms;
 pub mod spread;
 pub mod streams;
+pub mod tenancy;
 
 #[cfg(feature = "python")]
 mod python;

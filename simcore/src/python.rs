@@ -6,6 +6,8 @@
 use crate::engine::{Core, KernelArgs};
 use crate::ops::{slot, Cost, Need};
 use crate::policy::{ClientConfig, Mps, Policy};
+use crate::shares::{Fair, Priority, RoundRobin};
+use crate::tenancy::{Exclusive, Mig, Timeslice};
 use pyo3::exceptions::PyValueError;
 use pyo3::intern;
 use pyo3::prelude::*;
@@ -28,11 +30,22 @@ fn spread(
     crate::spread::spread(&fits, left, budget, |i| occupied.contains(&i), lo, hi, room.as_deref())
 }
 
-fn make_policy(name: &str) -> PyResult<Box<dyn Policy>> {
-    match name {
-        "mps" => Ok(Box::new(Mps)),
-        _ => Err(PyValueError::new_err(format!("policy {name:?} is not compiled"))),
-    }
+/// The compiled policy `name`, from the settings the Python policy object checked (`args`: what the
+/// policy needs of them, see mpsd/sim/simulator.py's `_policy_args`).
+fn make_policy(name: &str, args: &Bound<'_, PyAny>) -> PyResult<Box<dyn Policy>> {
+    Ok(match name {
+        "mps" => Box::new(Mps),
+        "round-robin" => Box::new(RoundRobin::default()),
+        "fair" => Box::new(Fair::default()),
+        "exclusive" => Box::new(Exclusive::default()),
+        "priority" => Box::new(Priority::new(args.extract()?)),
+        "mig" => Box::new(Mig::new(args.extract()?)),
+        "timeslice" => {
+            let (slice, switch, state, warp_slots): (f64, f64, Vec<(f64, f64, f64)>, i64) = args.extract()?;
+            Box::new(Timeslice::new(slice, switch, state, warp_slots))
+        }
+        _ => return Err(PyValueError::new_err(format!("policy {name:?} is not compiled"))),
+    })
 }
 
 /// The compiled engine (mpsd.sim.Simulator wraps it; it is not an API of its own).
@@ -48,7 +61,7 @@ struct Engine {
 
 #[pyfunction]
 fn compiled_policies() -> Vec<&'static str> {
-    vec!["mps"]
+    vec!["mps", "round-robin", "priority", "fair", "exclusive", "mig", "timeslice"]
 }
 
 impl Engine {
@@ -145,8 +158,8 @@ impl Engine {
 impl Engine {
     #[new]
     #[allow(clippy::too_many_arguments)]
-    fn new(spec: &Bound<'_, PyTuple>, policy: &str, trace: Py<PyList>, block_group: PyObject, record: bool)
-           -> PyResult<Self> {
+    fn new(spec: &Bound<'_, PyTuple>, policy: &str, policy_args: &Bound<'_, PyAny>, trace: Py<PyList>,
+           block_group: PyObject, record: bool) -> PyResult<Self> {
         let (sm_count, warps_per_sm, blocks_per_sm, regs_per_sm, smem_per_sm, min_block_time, kernel_overhead,
              dram, copy): (usize, i64, i64, i64, i64, f64, f64, (Vec<(f64, f64)>, i64, f64),
                            (f64, f64, f64, Option<f64>, Option<f64>)) = spec.extract()?;
@@ -156,7 +169,7 @@ impl Engine {
             copy: crate::copies::CopySpec { latency: copy.0, bandwidth: copy.1, timeslice: copy.2,
                                            duplex: [copy.3, copy.4] },
         };
-        Ok(Engine { core: Core::new(spec, record), policy: make_policy(policy)?, objs: Vec::new(),
+        Ok(Engine { core: Core::new(spec, record), policy: make_policy(policy, policy_args)?, objs: Vec::new(),
                     by_addr: HashMap::new(), trace, block_group })
     }
 
