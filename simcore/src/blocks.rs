@@ -1,6 +1,9 @@
 //! Blocks onto SMs and off again: placement (spreading a grid over the SMs with room, resuming preempted
 //! blocks first), the end of fixed-cost groups (a whole wave at a time), preemption, eviction and the
-//! accounting every departure does; mpsd/sim/blocks.py's steps in its order.
+//! accounting every departure does. It is the engine's hot path. The fit tables are updated once for all the
+//! SMs of a placement or of a wave's end, after the loop: nothing in it reads them (the policy's group hooks
+//! only count; a kernel that finishes only releases ops in stream order, which queues copies and launch-
+//! overhead events), so they end as per-SM updates would leave them.
 
 use crate::engine::Core;
 use crate::events::GROUP_END;

@@ -1,7 +1,13 @@
-//! DRAM bandwidth shared by the resident memory-bound groups of one domain (the device, or a MIG partition):
-//! every group runs at the same fraction `rate` of its speed alone, so one number, `progress`, tracks them
-//! all and a group is done when progress reaches its target. Python's steps, in Python's order (see
-//! mpsd/sim/sms.py's DramPool for the model).
+//! DRAM bandwidth, shared by every resident memory-bound ("dram") group of its domain (the device, or one MIG
+//! partition, whose bandwidth is at most `cap`). A dram group's work is in seconds at the rate its threads
+//! reach alone (threads times their `BlockCost.weight` times the first slope of `spec.dram_curve`). Together,
+//! groups reach the curve's bandwidth at the sum over SMs of `threads()` (an SM's threads past the knee count
+//! less, threads counting their weight everywhere), shared in proportion to threads, so every group runs at
+//! the same fraction `rate` of its speed alone. One number therefore tracks them all: `progress`, the work
+//! every resident group has done since the pool began; a group is done when progress reaches its target, and
+//! a heap keeps the nearest first, so a group joining, leaving or finishing costs a heap operation, not a pass
+//! over the others. As with an SM's shared groups, the engine pushes one event per reschedule and ignores
+//! events of an older version. A spec without a curve gives every group its speed alone.
 
 use crate::ops::{Groups, Ops};
 use crate::sms::EPSILON;

@@ -1,7 +1,20 @@
-//! The event loop and the engine's bookkeeping (mpsd/sim/engine.py's, step for step: the Python engine's
-//! comments give the exact-equivalence arguments behind each shortcut). Work is handled an instant at a time:
-//! every event due at t first, then freed capacity is dispatched once. `Core` holds the state; the policy is
-//! passed to every method that may call it, so that a policy's `dispatch` can call back into `Core::place`.
+//! The event loop, in SimPy's manner: a heap of (time, seq) events with seq unique, so ties keep the order they
+//! were pushed in. Work is handled an instant at a time: every event at time t first (blocks ending, kernels
+//! passing their launch overhead, copies ending, policy timers), then freed capacity is dispatched once, so
+//! blocks that end together free their SMs together. `Core` owns time and bookkeeping; stream order is in
+//! streams.rs, SM accounting and processor sharing in sms.rs, the shared DRAM bandwidth in dram.rs, placing
+//! blocks and taking them off in blocks.rs, the ready kernels and their keys in ready.rs, the copy engines in
+//! copies.rs, the choice of which kernel goes next and which SMs a client may use in the policies. The policy
+//! is passed to every method that may call it, so that its `dispatch` can call back into `Core::place`.
+//! What keeps an instant cheap on a busy device (each exact, not an approximation): ready kernels are kept in
+//! hardware order, so policies never sort; a dispatch stops once every (shape, window) key of the ready
+//! kernels is full (ready.rs says why that is exact); the fit tables say which SMs have room; the fixed-cost
+//! groups of one placement, and of placements pushed back to back with the same end time, share one event
+//! (`push_groups`), and such a wave ends in one pass with one fit-table update (blocks.rs).
+//! Floats are computed in the Python engine's order, step for step (it was the reference this one matched to
+//! the bit before it went: tests/sim_golden.json.gz): Rust does not contract a * b + c, sums run left to
+//! right, and min/max keep the first of equals as Python's do. The clock is the caller's: `run` for virtual
+//! time, or any external clock driving `advance`.
 
 use crate::copies::{CopyEngines, CopySpec};
 use crate::dram::{DramPool, DramSpec};

@@ -94,3 +94,70 @@ impl FitIndex {
         });
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// Every table equals a fresh fit of each SM in its window (0 outside) and its room the SMs with a fit,
+    /// after any takes and releases (told one by one or in batches), tables added late, and sweeps.
+    fn check(index: &mut FitIndex, sms: &[Sm], keys: &[(u32, Need, usize, usize)]) {
+        for &(key, need, lo, hi) in keys {
+            let t = index.lookup(sms, key, need, lo, hi);
+            let want: Vec<u32> = sms.iter().enumerate()
+                .map(|(i, sm)| if lo <= i && i < hi { sm.fit(&need) as u32 } else { 0 }).collect();
+            assert_eq!(t.fits, want);
+            assert_eq!(t.room.to_vec(), (0..sms.len()).filter(|&i| want[i] > 0).collect::<Vec<_>>());
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn tables_stay_exact(steps in prop::collection::vec((0usize..132, 0usize..4, any::<bool>(), 0u8..100), 1..400)) {
+            let needs = [Need { warps: 4, regs: 4096, smem: 1024 }, Need { warps: 32, regs: 32768, smem: 1024 },
+                         Need { warps: 8, regs: 16384, smem: 17408 }, Need { warps: 3, regs: 0, smem: 1024 }];
+            let windows = [(0, 132), (0, 60), (60, 120)];
+            let mut sms: Vec<Sm> = (0..132).map(|_| Sm::empty(64, 32, 65536, 233472)).collect();
+            let mut index = FitIndex::default();
+            let mut keys: Vec<(u32, Need, usize, usize)> = Vec::new();
+            let mut resident: Vec<(usize, Need, i64)> = Vec::new();
+            let mut pending: Vec<usize> = Vec::new();
+            for (step, &(i, n, release, r)) in steps.iter().enumerate() {
+                if step % 50 == 0 {
+                    index.changed_many(&sms, &pending);
+                    pending.clear();
+                    check(&mut index, &sms, &keys);
+                    let (lo, hi) = windows[r as usize % 3];
+                    keys.push((keys.len() as u32, needs[n], lo, hi));
+                    let &(k, need, lo, hi) = keys.last().unwrap();
+                    index.lookup(&sms, k, need, lo, hi);
+                }
+                if step % 170 == 169 {
+                    index.changed_many(&sms, &pending);
+                    pending.clear();
+                    check(&mut index, &sms, &keys);
+                    index.sweep(|_| false);
+                }
+                let need = needs[n];
+                let changed = if release && !resident.is_empty() {
+                    let (j, gone, count) = resident.remove(r as usize % resident.len());
+                    sms[j].release(&gone, count);
+                    Some(j)
+                } else if sms[i].fit(&need) > 0 {
+                    let count = 1 + r as i64 % sms[i].fit(&need);
+                    sms[i].take(&need, count);
+                    resident.push((i, need, count));
+                    Some(i)
+                } else {
+                    None
+                };
+                if let Some(j) = changed {
+                    if r % 2 == 0 { pending.push(j) } else { index.changed_many(&sms, &pending); pending.clear(); index.changed(&sms, j) }
+                }
+            }
+            index.changed_many(&sms, &pending);
+            check(&mut index, &sms, &keys);
+        }
+    }
+}

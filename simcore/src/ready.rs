@@ -1,7 +1,10 @@
-//! The ready queue: kernels past their launch overhead with blocks to place, in hardware order (stream
-//! priority, when eligible, launch order), and their keys: a key names (block shape, SM window), and kernels
-//! with equal keys compete for the very same room, so a key found full stands for all of them and a dispatch
-//! can stop once every key is full (mpsd/sim/ready.py says why that is exact).
+//! The ready queue: kernels past their launch overhead with blocks left to place, in hardware order (stream
+//! priority, when eligible, launch order), and the keys that let a dispatch stop early. A kernel's key names
+//! its block shape and the SM window its client may use; kernels with equal keys compete for the very same
+//! room, so a key found without room for one block stands for all of them. Placing only takes room, so a key
+//! filed full stays full until the dispatch ends, and once every key of the ready kernels is full nothing more
+//! can be placed: a pass stops there instead of walking a long queue. `version` changes whenever the ready
+//! list or its keys change, so a policy may keep what it derives from the list until then.
 
 use crate::fit::FitIndex;
 use crate::ops::{Need, Ops};

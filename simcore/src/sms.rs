@@ -1,6 +1,9 @@
-//! SM state: free resources and the throughput-bound ("shared") groups resident on each SM, which divide its
-//! issue rate (processor sharing). An SM's version changes on every reschedule, so the engine's events of an
-//! older version are void (lazy invalidation). The float steps are Python's, in Python's order.
+//! SM state: free resources and the throughput-bound ("shared") groups resident on each SM. Blocks are never
+//! simulated one by one: blocks of one kernel placed on one SM at one instant form a group with one end time.
+//! Shared groups on an SM divide its issue rate (processor sharing: each block asks min(1, threads /
+//! saturation_threads) of it, scaled down when the asks pass 1), so their ends move whenever the SM's
+//! membership changes. An SM's version therefore changes on every reschedule, and the engine ignores events
+//! of an older version (lazy invalidation) instead of searching the heap.
 
 use crate::ops::{Groups, Need};
 

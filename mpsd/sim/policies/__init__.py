@@ -7,34 +7,33 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .base import DEFAULT_CLIENT, ClientConfig, KernelRun, Policy
+from .base import DEFAULT_CLIENT, BuiltinPolicy, ClientConfig
 from .mig import MIG_PROFILES, MigPartition, MigPolicy, mig_layout
 from .mps import MpsPolicy
 from .shares import FairPolicy, PriorityPolicy, RoundRobinPolicy
 from .tenancy import ExclusivePolicy, TimeslicePolicy
 
 if TYPE_CHECKING:
-    from ..engine import PythonEngine as Simulator
+    from ..simulator import Simulator
 
 __all__ = [
     "DEFAULT_CLIENT",
     "MIG_PROFILES",
     "POLICIES",
     "ClientConfig",
-    "KernelRun",
+    "BuiltinPolicy",
     "MigPartition",
-    "Policy",
     "make_policy",
     "mig_layout",
 ]
 
-POLICIES: dict[str, type[Policy]] = {
+POLICIES: dict[str, type[BuiltinPolicy]] = {
     p.name: p
     for p in (MpsPolicy, RoundRobinPolicy, PriorityPolicy, FairPolicy, ExclusivePolicy, MigPolicy, TimeslicePolicy)
 }
 
 
-def make_policy(name: str, sim: Simulator, options: dict[str, Any] | None = None) -> Policy:
+def make_policy(name: str, sim: Simulator, options: dict[str, Any] | None = None) -> BuiltinPolicy:
     """Build the named policy for ``sim``.
 
     Raises:
