@@ -13,6 +13,8 @@ from typing import Any
 from . import _core
 from .ops import ENGINES, BlockGroup, Copy, Kernel, Marker, Op
 from .policies import DEFAULT_CLIENT, BuiltinPolicy, ClientConfig, make_policy
+from .policies.custom import Policy, load_policy
+from .policies.mig import MigPolicy
 from .shapes import Shapes
 from .specs import H200, BlockNeed, DeviceSpec
 from .stats import ClientStatistics, SimStatistics
@@ -37,7 +39,9 @@ class Simulator:
     Args:
         spec: the device model.
         policy: dispatch policy name, a key of ``POLICIES``: "mps", "round-robin", "priority", "fair",
-            "exclusive", "mig" or "timeslice".
+            "exclusive", "mig" or "timeslice"; or a policy written in Python (``mpsd.sim.Policy``): an
+            instance, or its class named as "module:Class" (built with ``policy_options`` as keyword
+            arguments).
         record: keep a trace of every block group in ``trace`` (a block preempted and resumed appears once
             per stretch it ran).
         policy_options: the policy's settings, e.g. ``{"aging": 0.005}`` for "priority",
@@ -48,7 +52,7 @@ class Simulator:
         ValueError: unknown policy, or an option it does not know or accept.
     """
 
-    def __init__(self, spec: DeviceSpec = H200, policy: str = "mps", record: bool = False,
+    def __init__(self, spec: DeviceSpec = H200, policy: str | Policy = "mps", record: bool = False,
                  policy_options: dict[str, Any] | None = None) -> None:
         self.spec = spec
         self.trace: list[BlockGroup] = []
@@ -57,7 +61,16 @@ class Simulator:
         self._launch: dict[tuple[int, int, int], tuple] = {}  # (threads, regs, smem) -> the engine's numbers
         self._streams: dict[tuple, int] = {}  # (client, stream) -> the engine's number for it
         self._min_block = spec.min_block_time
-        # The Python policy object checks the options and is what ``policy`` shows; the engine runs its own.
+        if isinstance(policy, str) and ":" in policy:
+            policy = load_policy(policy, policy_options)
+        elif isinstance(policy, Policy) and policy_options:
+            raise ValueError("a policy object takes its settings in its own constructor, not policy_options")
+        self._policy: BuiltinPolicy | Policy
+        if isinstance(policy, Policy):  # written in Python: the engine calls it at each dispatch
+            self._policy = policy
+            self._core = _core.Engine(_spec_numbers(spec), "python", policy, self.trace, BlockGroup, record)
+            return
+        # A built-in's Python object checks the options and is what ``policy`` shows; the engine runs its own.
         self._policy = make_policy(policy, self, policy_options)
         self._core = _core.Engine(_spec_numbers(spec), policy, self._policy.engine_args(), self.trace,
                                   BlockGroup, record)
@@ -142,7 +155,7 @@ class Simulator:
         config = ClientConfig(priority, weight, partition)
         self._policy.configure(client, config)  # checks it (a MIG partition must exist)
         self._clients[client] = config
-        index = self._policy.resolve(partition) if self._policy.name == "mig" else 0
+        index = self._policy.resolve(partition) if isinstance(self._policy, MigPolicy) else 0
         self._core.configure_client(client, priority, float(weight), index)
         return None
 
@@ -159,7 +172,7 @@ class Simulator:
         return self._clients.get(client, DEFAULT_CLIENT)
 
     @property
-    def policy(self) -> BuiltinPolicy:
+    def policy(self) -> BuiltinPolicy | Policy:
         """The policy in force (its name is ``policy.name``)."""
         return self._policy
 

@@ -12,7 +12,15 @@ use pyo3::exceptions::PyValueError;
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple};
+use std::cell::RefCell;
 use std::collections::{HashMap, HashSet};
+use std::rc::Rc;
+
+/// The Python op objects by slot (and the address each was kept under), shared with a policy written in
+/// Python, which hands its dispatch the kernels themselves.
+type Objects = Rc<RefCell<Vec<Option<(PyObject, usize)>>>>;
+/// An exception a Python policy raised inside the engine, raised again when the engine returns.
+type Raised = Rc<RefCell<Option<PyErr>>>;
 
 /// `mpsd.sim.policies.base.spread`, compiled: (SM index, block count) pairs by SM index.
 #[pyfunction]
@@ -30,10 +38,17 @@ fn spread(
     crate::spread::spread(&fits, left, budget, |i| occupied.contains(&i), lo, hi, room.as_deref())
 }
 
-/// The compiled policy `name`, from the settings the Python policy object checked (`args`: what the
-/// policy needs of them, see mpsd/sim/simulator.py's `_policy_args`).
-fn make_policy(name: &str, args: &Bound<'_, PyAny>) -> PyResult<Box<dyn Policy>> {
+/// The compiled policy `name`, from the settings the Python policy object checked (`args`: what the policy
+/// needs of them, its `engine_args()`); "python": `args` is a policy written in Python.
+fn make_policy(name: &str, args: &Bound<'_, PyAny>, objs: &Objects, raised: &Raised) -> PyResult<Box<dyn Policy>> {
     Ok(match name {
+        "python" => Box::new(PyPolicy {
+            obj: args.clone().unbind(),
+            name: args.getattr("name")?.extract()?,
+            when_idle: args.getattr("dispatch_when_idle")?.is_truthy()?,
+            objs: objs.clone(),
+            raised: raised.clone(),
+        }),
         "mps" => Box::new(Mps),
         "round-robin" => Box::new(RoundRobin::default()),
         "fair" => Box::new(Fair::default()),
@@ -48,12 +63,111 @@ fn make_policy(name: &str, args: &Bound<'_, PyAny>) -> PyResult<Box<dyn Policy>>
     })
 }
 
+/// A policy written in Python (mpsd.sim.Policy): the engine calls its `_dispatch` at every dispatch with the
+/// ready kernels and a `Placer`, and its `window` once per client until clients are configured again.
+struct PyPolicy {
+    obj: PyObject,
+    name: String,
+    when_idle: bool,
+    objs: Objects,
+    raised: Raised,
+}
+
+impl PyPolicy {
+    fn keep_error(&self, e: PyErr) {
+        let mut r = self.raised.borrow_mut();
+        if r.is_none() {
+            *r = Some(e);
+        }
+    }
+}
+
+impl Policy for PyPolicy {
+    fn name(&self) -> &str {
+        &self.name
+    }
+    fn dispatch_when_idle(&self) -> bool {
+        self.when_idle
+    }
+    fn dispatch(&mut self, core: &mut Core, ready: &[u64]) {
+        if self.raised.borrow().is_some() {
+            return;
+        }
+        Python::with_gil(|py| {
+            let result = (|| -> PyResult<()> {
+                let entries = {
+                    let objs = self.objs.borrow();
+                    let mut entries = Vec::with_capacity(ready.len());
+                    for &r in ready {
+                        let o = core.ops.at(r);
+                        if o.unplaced == 0 {
+                            continue;
+                        }
+                        let k = objs[slot(r)].as_ref().expect("a live kernel").0.clone_ref(py);
+                        entries.push((k, o.unplaced, o.run_eligible, r));
+                    }
+                    entries
+                };
+                let obj = self.obj.clone_ref(py);
+                // The placer reaches the engine through raw pointers, valid only while this call lasts (it is
+                // switched off after): the engine and this policy are not otherwise touched meanwhile.
+                let placer = Py::new(py, Placer { core: core as *mut Core, policy: self as *mut PyPolicy, live: true })?;
+                let out = obj.call_method1(py, intern!(py, "_dispatch"), (entries, placer.clone_ref(py)));
+                placer.borrow_mut(py).live = false;
+                out.map(|_| ())
+            })();
+            if let Err(e) = result {
+                self.keep_error(e);
+            }
+        });
+    }
+    fn window(&self, client: i64) -> crate::ready::Window {
+        Python::with_gil(|py| {
+            match self.obj.call_method1(py, intern!(py, "window"), (client,))
+                .and_then(|w| w.extract::<Option<(usize, usize)>>(py)) {
+                Ok(w) => w,
+                Err(e) => {
+                    self.keep_error(e);
+                    None
+                }
+            }
+        })
+    }
+}
+
+/// What a Python policy's dispatch places blocks through (mpsd.sim.ReadyKernel.place calls it).
+#[pyclass(unsendable, module = "mpsd.sim._core")]
+struct Placer {
+    core: *mut Core,
+    policy: *mut PyPolicy,
+    live: bool,
+}
+
+#[pymethods]
+impl Placer {
+    /// Place up to `limit` blocks of the ready kernel `handle`; the blocks placed.
+    fn place(&self, handle: u64, limit: i64) -> PyResult<i64> {
+        if !self.live {
+            return Err(pyo3::exceptions::PyRuntimeError::new_err("blocks can be placed only during a dispatch"));
+        }
+        // SAFETY: live only inside PyPolicy::dispatch, which holds the engine and the policy and uses neither
+        // while Python runs.
+        let core = unsafe { &mut *self.core };
+        let policy = unsafe { &mut *self.policy };
+        if core.ops.get(handle).is_none_or(|o| !o.has_run || o.run_cancelled || o.key == u32::MAX) {
+            return Err(PyValueError::new_err("not a ready kernel of this dispatch"));
+        }
+        Ok(core.place(policy, handle, limit))
+    }
+}
+
 /// The compiled engine (mpsd.sim.Simulator wraps it; it is not an API of its own).
 #[pyclass(unsendable, module = "mpsd.sim._core")]
 struct Engine {
     core: Core,
     policy: Box<dyn Policy>,
-    objs: Vec<Option<(PyObject, usize)>>,
+    objs: Objects,
+    raised: Raised,
     by_addr: HashMap<usize, u64>,
     trace: Py<PyList>,
     block_group: PyObject,
@@ -67,16 +181,25 @@ fn compiled_policies() -> Vec<&'static str> {
 impl Engine {
     fn keep(&mut self, h: u64, obj: &Bound<'_, PyAny>) {
         let i = slot(h);
-        if self.objs.len() <= i {
-            self.objs.resize_with(i + 1, || None);
+        let mut objs = self.objs.borrow_mut();
+        if objs.len() <= i {
+            objs.resize_with(i + 1, || None);
         }
         let addr = obj.as_ptr() as usize;
-        self.objs[i] = Some((obj.clone().unbind(), addr));
+        objs[i] = Some((obj.clone().unbind(), addr));
         self.by_addr.insert(addr, h);
     }
 
     fn obj<'py>(&self, py: Python<'py>, h: u64) -> Bound<'py, PyAny> {
-        self.objs[slot(h)].as_ref().expect("a live op").0.bind(py).clone()
+        self.objs.borrow()[slot(h)].as_ref().expect("a live op").0.bind(py).clone()
+    }
+
+    /// Raise what a Python policy raised during the last call into the engine.
+    fn raise(&self) -> PyResult<()> {
+        match self.raised.borrow_mut().take() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
     }
 
     /// Handles of `after`'s ops: live ones as they are; done or cancelled ones are left out (they hold
@@ -140,13 +263,14 @@ impl Engine {
         for &h in &self.core.ops.released {
             let i = slot(h);
             if self.core.ops.get(h).is_some() {
-                if let Some((_, addr)) = self.objs[i].take() {
+                let taken = self.objs.borrow_mut()[i].take();
+                if let Some((_, addr)) = taken {
                     self.by_addr.remove(&addr);
                 }
             }
         }
         self.core.ops.reclaim();
-        Ok(())
+        self.raise()
     }
 
     fn objects<'py>(&self, py: Python<'py>, handles: &[u64]) -> PyResult<Bound<'py, PyList>> {
@@ -169,8 +293,10 @@ impl Engine {
             copy: crate::copies::CopySpec { latency: copy.0, bandwidth: copy.1, timeslice: copy.2,
                                            duplex: [copy.3, copy.4] },
         };
-        Ok(Engine { core: Core::new(spec, record), policy: make_policy(policy, policy_args)?, objs: Vec::new(),
-                    by_addr: HashMap::new(), trace, block_group })
+        let objs: Objects = Rc::new(RefCell::new(Vec::new()));
+        let raised: Raised = Rc::new(RefCell::new(None));
+        let policy = make_policy(policy, policy_args, &objs, &raised)?;
+        Ok(Engine { core: Core::new(spec, record), policy, objs, raised, by_addr: HashMap::new(), trace, block_group })
     }
 
     #[getter]
@@ -250,7 +376,8 @@ impl Engine {
     fn configure_client(&mut self, client: i64, priority: i64, weight: f64, partition: usize) -> PyResult<()> {
         self.core
             .configure_client(&mut *self.policy, client, ClientConfig { priority, weight, partition })
-            .map_err(PyValueError::new_err)
+            .map_err(PyValueError::new_err)?;
+        self.raise()
     }
 
     /// (now, kernels, blocks, copies, [(client, kernels, blocks, block_seconds, sm_seconds, copies,

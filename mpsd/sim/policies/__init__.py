@@ -1,6 +1,6 @@
 # The registry of dispatch policies, by the names the daemon's --policy offers. One module per family:
 # mps (the hardware), shares (block-by-block sharing among clients), tenancy (one client at a time), mig
-# (static partitions); base holds what they all share.
+# (static partitions); base holds what they all share; custom the interface of policies written in Python.
 """Dispatch policies."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from .base import DEFAULT_CLIENT, BuiltinPolicy, ClientConfig
+from .custom import Policy, ReadyKernel, load_policy
 from .mig import MIG_PROFILES, MigPartition, MigPolicy, mig_layout
 from .mps import MpsPolicy
 from .shares import FairPolicy, PriorityPolicy, RoundRobinPolicy
@@ -23,6 +24,9 @@ __all__ = [
     "ClientConfig",
     "BuiltinPolicy",
     "MigPartition",
+    "Policy",
+    "ReadyKernel",
+    "load_policy",
     "make_policy",
     "mig_layout",
 ]
