@@ -28,9 +28,9 @@ impl Core {
     /// Place up to `limit` of `run`'s unplaced blocks where they fit, within its client's SM cap and the SMs
     /// the policy lets it use; preempted blocks go first with the work they had left. Returns blocks placed.
     pub fn place(&mut self, pol: &mut dyn Policy, run: u64, limit: i64) -> i64 {
-        let (mut left, key, client, cap) = {
+        let (mut left, key, client, ci, cap) = {
             let o = self.ops.at(run);
-            (o.unplaced, o.key, o.client, o.sm_cap)
+            (o.unplaced, o.key, o.client, o.ci, o.sm_cap)
         };
         if limit < left {
             left = limit;
@@ -48,7 +48,6 @@ impl Core {
             self.ready.set_full(key);
             return 0;
         }
-        let ci = self.client(client);
         let n = self.sms.len();
         if self.cl[ci].occupied.is_empty() {
             self.cl[ci].occupied = vec![0; n];
@@ -248,13 +247,12 @@ impl Core {
             }
             self.unlink(gid);
             let i = g.sm as usize;
-            let (need, client, sm_share) = {
+            let (need, ci, sm_share) = {
                 let o = self.ops.at(g.run);
-                (o.need, o.client, o.sm_share)
+                (o.need, o.ci, o.sm_share)
             };
             self.sms[i].release(&need, g.count);
             touched.push(i);
-            let ci = self.client(client);
             self.unoccupy(ci, i, g.count);
             self.groups.at_mut(gid).end = now;
             self.ops.at_mut(g.run).running -= g.count;
@@ -296,8 +294,7 @@ impl Core {
         self.vacate(pol, gid);
         let g = *self.groups.at(gid);
         self.blocks += g.count;
-        let client = self.ops.at(g.run).client;
-        let ci = self.client(client);
+        let ci = self.ops.at(g.run).ci;
         self.counter(ci).blocks += g.count;
         self.retire_if_done(pol, g.run, ci);
     }
@@ -326,13 +323,12 @@ impl Core {
         let g = *self.groups.at(gid);
         self.unlink(gid);
         let i = g.sm as usize;
-        let (need, client, sm_share) = {
+        let (need, ci, sm_share) = {
             let o = self.ops.at(g.run);
-            (o.need, o.client, o.sm_share)
+            (o.need, o.ci, o.sm_share)
         };
         self.sms[i].release(&need, g.count);
         self.fit.changed(&self.sms, i);
-        let ci = self.client(client);
         self.unoccupy(ci, i, g.count);
         self.groups.at_mut(gid).end = now;
         self.ops.at_mut(g.run).running -= g.count;

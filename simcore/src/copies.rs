@@ -12,7 +12,8 @@
 
 use crate::events::{Events, COPY_END};
 use crate::ops::Ops;
-use std::collections::{HashMap, VecDeque};
+use crate::hash::Map;
+use std::collections::VecDeque;
 
 pub const D2H: u8 = 0;
 pub const H2D: u8 = 1;
@@ -43,12 +44,12 @@ struct Engine {
 pub struct CopyEngines {
     pub spec: CopySpec,
     engines: Vec<Engine>,
-    index: HashMap<Lane, usize>,
+    index: Map<Lane, usize>,
 }
 
 impl CopyEngines {
     pub fn new(spec: CopySpec) -> Self {
-        CopyEngines { spec, engines: Vec::new(), index: HashMap::new() }
+        CopyEngines { spec, engines: Vec::new(), index: Map::default() }
     }
 
     fn engine_of(&mut self, lane: Lane) -> usize {

@@ -12,7 +12,8 @@
 use crate::ops::{Groups, Ops};
 use crate::sms::EPSILON;
 use std::cmp::Ordering;
-use std::collections::{BinaryHeap, HashMap};
+use crate::hash::Map;
+use std::collections::BinaryHeap;
 
 #[derive(Clone, Debug, Default)]
 pub struct DramSpec {
@@ -70,7 +71,7 @@ pub struct DramPool {
     pub key: u64,
     pub cap: f64,
     /// Resident group -> (target, the order of its heap entry).
-    targets: HashMap<u32, (f64, u64)>,
+    targets: Map<u32, (f64, u64)>,
     heap: BinaryHeap<Entry>,
     order: u64,
     threads: f64,
@@ -86,7 +87,7 @@ pub struct DramPool {
 
 impl DramPool {
     pub fn new(key: u64, cap: f64, sms: usize) -> Self {
-        DramPool { key, cap, targets: HashMap::new(), heap: BinaryHeap::new(), order: 0, threads: 0.0,
+        DramPool { key, cap, targets: Map::default(), heap: BinaryHeap::new(), order: 0, threads: 0.0,
                    sm_threads: vec![0.0; sms], sm_present: vec![false; sms], sm_count: 0, axis: 0.0,
                    progress: 0.0, last: 0.0, rate: 1.0, version: 0 }
     }

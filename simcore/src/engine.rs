@@ -25,7 +25,8 @@ use crate::policy::{ClientConfig, Policy};
 use crate::ready::ReadyQueue;
 use crate::sms::Sm;
 use crate::streams::Streams;
-use std::collections::{HashMap, VecDeque};
+use crate::hash::Map;
+use std::collections::VecDeque;
 
 const SWEEP: u64 = 1 << 12; // SM changes between sweeps of the fit tables no ready kernel needs
 
@@ -89,9 +90,9 @@ pub struct Core {
     pub dirty: bool,
     pub touched: Vec<usize>,
     touched_mark: Vec<bool>,
-    pub dram: HashMap<u64, DramPool>,
+    pub dram: Map<u64, DramPool>,
     pub dram_touched: Vec<u64>,
-    clients: HashMap<i64, usize>,
+    clients: Map<i64, usize>,
     pub cl: Vec<Client>,
     counter_order: Vec<usize>,
     pub copies: CopyEngines,
@@ -145,9 +146,9 @@ impl Core {
             dirty: false,
             touched: Vec::new(),
             touched_mark: vec![false; n],
-            dram: HashMap::new(),
+            dram: Map::default(),
             dram_touched: Vec::new(),
-            clients: HashMap::new(),
+            clients: Map::default(),
             cl: Vec::new(),
             counter_order: Vec::new(),
             completed: Vec::new(),
@@ -213,7 +214,10 @@ impl Core {
     }
 
     fn enter(&mut self, pol: &mut dyn Policy, h: u64) {
+        let client = self.ops.at(h).client;
+        let ci = self.client(client);
         let o = self.ops.at_mut(h);
+        o.ci = ci;
         o.seq = self.op_seq;
         self.op_seq += 1;
         o.submitted = self.now;
@@ -326,11 +330,10 @@ impl Core {
     }
 
     fn end_copy(&mut self, pol: &mut dyn Policy, h: u64) {
-        let (client, nbytes) = {
+        let (ci, nbytes) = {
             let o = self.ops.at(h);
-            (o.client, o.nbytes)
+            (o.ci, o.nbytes)
         };
-        let ci = self.client(client);
         let c = self.counter(ci);
         c.copies += 1;
         c.bytes_copied += nbytes as i64;

@@ -7,6 +7,7 @@ pub mod dram;
 pub mod engine;
 pub mod events;
 pub mod fit;
+pub mod hash;
 pub mod ops;
 pub mod policy;
 pub mod ready;

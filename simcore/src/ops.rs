@@ -34,6 +34,8 @@ pub struct Op {
     pub gen: u32,
     pub kind: Kind,
     pub client: i64,
+    /// The engine's index of its client.
+    pub ci: usize,
     pub stream: u64,
     pub seq: u64,
     pub after: Vec<u64>,
@@ -80,6 +82,7 @@ impl Op {
             gen: 0,
             kind,
             client: 0,
+            ci: 0,
             stream: 0,
             seq: u64::MAX,
             after: Vec::new(),

@@ -74,18 +74,32 @@ pub fn place_in_launch_order(core: &mut Core, pol: &mut dyn Policy, ready: &[u64
     if open.is_empty() {
         return;
     }
-    for &r in ready {
-        let (key, n) = {
-            let o = core.ops.at(r);
-            (o.key, o.unplaced)
-        };
-        if open.contains(&key) && core.place(pol, r, n) > 0 {
+    // `ready` is the ready list, whose keys sit beside it (nothing changes them during a dispatch)
+    let keys = std::mem::take(&mut core.ready.run_keys);
+    debug_assert_eq!(keys.len(), ready.len());
+    let mut mask = vec![false; core.ready.parts.len()];
+    for &k in &open {
+        mask[k as usize] = true;
+    }
+    for (i, &r) in ready.iter().enumerate() {
+        if !mask[keys[i] as usize] {
+            continue;
+        }
+        let n = core.ops.at(r).unplaced;
+        if core.place(pol, r, n) > 0 {
+            for &k in &open {
+                mask[k as usize] = false;
+            }
             core.close_keys(&mut open);
             if open.is_empty() {
-                return;
+                break;
+            }
+            for &k in &open {
+                mask[k as usize] = true;
             }
         }
     }
+    core.ready.run_keys = keys;
 }
 
 /// `mps`: hardware-faithful MPS (mpsd/sim/policies/mps.py).

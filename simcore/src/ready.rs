@@ -9,7 +9,7 @@
 use crate::fit::FitIndex;
 use crate::ops::{Need, Ops};
 use crate::sms::Sm;
-use std::collections::HashMap;
+use crate::hash::Map;
 
 pub type Window = Option<(usize, usize)>;
 
@@ -22,6 +22,8 @@ pub struct Part {
 #[derive(Default)]
 pub struct ReadyQueue {
     pub runs: Vec<u64>,
+    /// The key of each of `runs`, beside it (a pass over the keys reads no op).
+    pub run_keys: Vec<u32>,
     /// Ready kernels with blocks unplaced, by key.
     counts: Vec<u32>,
     ncounts: usize,
@@ -30,8 +32,8 @@ pub struct ReadyQueue {
     full_list: Vec<u32>,
     pub drained: bool,
     pub version: u64,
-    windows: HashMap<i64, Window>,
-    keys: HashMap<(u32, Window), u32>,
+    windows: Map<i64, Window>,
+    keys: Map<(u32, Window), u32>,
     pub parts: Vec<Part>,
     sm_count: usize,
 }
@@ -109,11 +111,14 @@ impl ReadyQueue {
                     }
                 }
                 self.runs.insert(lo, run);
+                self.run_keys.insert(lo, key);
             } else {
                 self.runs.push(run);
+                self.run_keys.push(key);
             }
         } else {
             self.runs.push(run);
+            self.run_keys.push(key);
         }
         self.count_add(key);
         self.version += 1;
@@ -131,6 +136,7 @@ impl ReadyQueue {
     pub fn prune(&mut self, ops: &Ops) {
         if self.drained {
             self.runs.retain(|&r| ops.at(r).unplaced != 0);
+            self.run_keys = self.runs.iter().map(|&r| ops.at(r).key).collect();
             self.drained = false;
             self.version += 1;
         }
@@ -160,6 +166,7 @@ impl ReadyQueue {
                 self.count_add(key);
             }
         }
+        self.run_keys = self.runs.iter().map(|&r| ops.at(r).key).collect();
     }
 
     pub fn clear_full(&mut self) {

@@ -4,16 +4,18 @@
 
 use crate::engine::Core;
 use crate::policy::{ClientConfig, Policy};
-use std::collections::{BinaryHeap, HashMap, HashSet};
+use crate::hash::{Map, Set};
+use std::collections::BinaryHeap;
 
 /// Ready kernels as turn-taking reads them: by client (in order of first appearance), the clients
 /// ascending, and which clients have kernels of each key.
 #[derive(Default)]
 pub struct Turns {
     pub queues: Vec<(i64, Vec<u64>)>,
-    index: HashMap<i64, usize>,
+    index: Map<i64, usize>,
     pub clients: Vec<i64>,
-    by_key: HashMap<u32, HashSet<i64>>,
+    /// Key -> the queues (by position) with a kernel of it.
+    by_key: Map<u32, Vec<usize>>,
 }
 
 impl Turns {
@@ -26,23 +28,32 @@ impl Turns {
                 t.queues.len() - 1
             });
             t.queues[i].1.push(r);
-            t.by_key.entry(o.key).or_default().insert(o.client);
+            let ks = t.by_key.entry(o.key).or_default();
+            if !ks.contains(&i) {
+                ks.push(i);
+            }
         }
         t.clients = t.queues.iter().map(|q| q.0).collect();
         t.clients.sort_unstable();
         t
     }
 
+    pub fn position(&self, client: i64) -> usize {
+        self.index[&client]
+    }
+
     pub fn queue(&self, client: i64) -> &[u64] {
         &self.queues[self.index[&client]].1
     }
 
-    /// The clients with a kernel of one of `open` keys.
-    pub fn able(&self, open: &[u32]) -> HashSet<i64> {
-        let mut out = HashSet::new();
+    /// Which queues (by position) have a kernel of one of `open` keys.
+    pub fn able(&self, open: &[u32]) -> Vec<bool> {
+        let mut out = vec![false; self.queues.len()];
         for k in open {
-            if let Some(s) = self.by_key.get(k) {
-                out.extend(s.iter().copied());
+            if let Some(qs) = self.by_key.get(k) {
+                for &q in qs {
+                    out[q] = true;
+                }
             }
         }
         out
@@ -94,7 +105,7 @@ pub fn take_turns(core: &mut Core, pol: &mut dyn Policy, turns: &Turns, after: O
             Some(a) => clients.partition_point(|&c| c <= a),
         };
         let mut rotation: Vec<i64> = clients[cut..].iter().chain(clients[..cut].iter()).copied()
-            .filter(|c| able.contains(c)).collect();
+            .filter(|&c| able[turns.position(c)]).collect();
         loop {
             let mut still = Vec::new();
             for &c in &rotation {
@@ -150,8 +161,8 @@ impl Policy for RoundRobin {
 #[derive(Default)]
 pub struct Priority {
     aging: Option<f64>,
-    levels_of: HashMap<i64, i64>,
-    last: HashMap<i64, Option<i64>>,
+    levels_of: Map<i64, i64>,
+    last: Map<i64, Option<i64>>,
     version: Option<u64>,
     levels: Vec<(i64, Turns)>,
     by_age: Vec<u64>,
@@ -282,19 +293,21 @@ fn rank_gt(a: Rank, b: Rank) -> bool {
 /// `fair`: weighted fair share of SM-time, work-conserving, newcomers levelled with the least served.
 #[derive(Default)]
 pub struct Fair {
-    service: HashMap<i64, f64>,
+    service: Map<i64, f64>,
     resident: Vec<(i64, i64)>,
-    waiting: HashSet<i64>,
-    weights: HashMap<i64, f64>,
+    waiting: Set<i64>,
+    /// `waiting` is `everyone` (Python's alias, without the copy).
+    waiting_all: bool,
+    weights: Map<i64, f64>,
     version: Option<u64>,
     turns: Turns,
-    weight: HashMap<i64, f64>,
-    everyone: HashSet<i64>,
-    rank: HashMap<i64, Rank>,
-    moved: HashSet<i64>,
-    live: HashMap<i64, HashSet<u64>>,
-    idle_since: HashMap<i64, f64>,
-    joining: HashSet<i64>,
+    weight: Map<i64, f64>,
+    everyone: Set<i64>,
+    rank: Map<i64, Rank>,
+    moved: Set<i64>,
+    live: Map<i64, Set<u64>>,
+    idle_since: Map<i64, f64>,
+    joining: Set<i64>,
 }
 
 impl Fair {
@@ -341,14 +354,15 @@ impl Fair {
 
     fn offer(&mut self, core: &mut Core, turns: &Turns, open: &mut Vec<u32>) {
         let able = turns.able(open);
-        let mut heap: BinaryHeap<Entry> = able.iter().map(|c| Entry(self.rank[c])).collect();
+        let mut heap: BinaryHeap<Entry> = turns.queues.iter().enumerate().filter(|&(i, _)| able[i])
+            .map(|(_, q)| Entry(self.rank[&q.0])).collect();
         let mut stuck: Option<Option<Rank>> = None; // Some(None): no stuck client
         while !heap.is_empty() && !core.ready.saturated() {
             if heap.len() == 1 {
                 if stuck.is_none() {
                     let mut most: Option<Rank> = None;
                     for c in &turns.clients {
-                        if able.contains(c) {
+                        if able[turns.position(*c)] {
                             continue;
                         }
                         let r = self.rank[c];
@@ -455,6 +469,11 @@ impl Policy for Fair {
             self.version = Some(core.ready.version);
             self.turns = Turns::new(core, ready);
             self.weight = self.turns.queues.iter().map(|q| (q.0, self.weights.get(&q.0).copied().unwrap_or(1.0))).collect();
+            if self.waiting_all {
+                // the clients left waiting are the ready list's of then, not of now
+                self.waiting = std::mem::take(&mut self.everyone);
+                self.waiting_all = false;
+            }
             self.everyone = self.turns.queues.iter().map(|q| q.0).collect();
             self.level_newcomers();
             for q in &self.turns.queues {
@@ -473,8 +492,9 @@ impl Policy for Fair {
         if core.ready.drained {
             self.waiting = turns.queues.iter()
                 .filter(|q| q.1.iter().any(|&r| core.ops.at(r).unplaced != 0)).map(|q| q.0).collect();
+            self.waiting_all = false;
         } else {
-            self.waiting = self.everyone.clone();
+            self.waiting_all = true;
         }
         self.turns = turns;
     }

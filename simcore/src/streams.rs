@@ -3,13 +3,14 @@
 //! (client, stream).
 
 use crate::ops::Ops;
-use std::collections::{HashMap, VecDeque};
+use crate::hash::Map;
+use std::collections::VecDeque;
 
 #[derive(Default)]
 pub struct Streams {
-    queues: HashMap<u64, (i64, VecDeque<u64>)>,
-    blocked: HashMap<u64, u32>,
-    waiters: HashMap<u64, Vec<u64>>,
+    queues: Map<u64, (i64, VecDeque<u64>)>,
+    blocked: Map<u64, u32>,
+    waiters: Map<u64, Vec<u64>>,
 }
 
 impl Streams {
