@@ -18,7 +18,8 @@ impl Core {
     pub fn push_groups(&mut self, time: f64, groups: Vec<u32>) {
         if let Some(last) = self.ev.last {
             if last.time == time && last.kind == GROUP_END {
-                self.ev.list_mut(last.a).extend(groups);
+                self.ev.list_mut(last.a).extend_from_slice(&groups);
+                self.ev.recycle(groups);
                 return;
             }
         }
@@ -89,7 +90,7 @@ impl Core {
             let o = self.ops.at(run);
             (o.need, o.cost, o.seconds, o.demand, !o.partial.is_empty())
         };
-        let mut wave: Vec<u32> = Vec::new();
+        let mut wave: Vec<u32> = self.ev.fresh_list();
         let mut placed = 0;
         let pool = if cost.dram { Some(self.dram_pool(pol, client)) } else { None };
         if !has_partial && !cost.shared && !cost.dram {
@@ -166,6 +167,8 @@ impl Core {
         }
         if !wave.is_empty() {
             self.push_groups(now + fresh, wave);
+        } else {
+            self.ev.recycle(wave);
         }
         let o = self.ops.at_mut(run);
         o.unplaced -= placed;

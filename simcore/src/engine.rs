@@ -361,9 +361,11 @@ impl Core {
     /// Drop a popped event nobody will handle, with what only it referred to.
     fn discard(&mut self, kind: u8, a: u64) {
         if kind == GROUP_END {
-            for g in self.ev.take_list(a) {
+            let list = self.ev.take_list(a);
+            for &g in &list {
                 self.groups.free(g);
             }
+            self.ev.recycle(list);
         } else if kind == READY {
             self.ops.at_mut(a).ready_pending = false;
             self.ops.release(a);
@@ -392,9 +394,10 @@ impl Core {
                 GROUP_END => {
                     let list = self.ev.take_list(e.a);
                     self.end_fixed(pol, &list);
-                    for g in list {
+                    for &g in &list {
                         self.groups.free(g);
                     }
+                    self.ev.recycle(list);
                 }
                 SM => {
                     let i = e.a as usize;

@@ -55,6 +55,8 @@ pub struct Events {
     pub last: Option<Event>,
     lists: Vec<Vec<u32>>,
     free_lists: Vec<usize>,
+    /// Emptied lists kept for reuse (a wave's list is made and dropped per placement otherwise).
+    spare: Vec<Vec<u32>>,
 }
 
 impl Events {
@@ -68,7 +70,10 @@ impl Events {
     pub fn push_list(&mut self, time: f64, groups: Vec<u32>) {
         let i = match self.free_lists.pop() {
             Some(i) => {
-                self.lists[i] = groups;
+                let old = std::mem::replace(&mut self.lists[i], groups);
+                if old.capacity() > 0 && self.spare.len() < 64 {
+                    self.spare.push(old);
+                }
                 i
             }
             None => {
@@ -87,10 +92,22 @@ impl Events {
         &self.lists[i as usize]
     }
 
-    /// Take a popped event's list (the slot is reused).
+    /// Take a popped event's list (the slot is reused); hand it back to `recycle` when done with it.
     pub fn take_list(&mut self, i: u64) -> Vec<u32> {
         self.free_lists.push(i as usize);
         std::mem::take(&mut self.lists[i as usize])
+    }
+
+    pub fn recycle(&mut self, mut list: Vec<u32>) {
+        if self.spare.len() < 64 {
+            list.clear();
+            self.spare.push(list);
+        }
+    }
+
+    /// An empty list, with room, for the next wave.
+    pub fn fresh_list(&mut self) -> Vec<u32> {
+        self.spare.pop().unwrap_or_default()
     }
 
     pub fn peek(&self) -> Option<&Event> {

@@ -3,6 +3,7 @@
 //! function of the SMs' free resources, so keeping, dropping or rebuilding one never changes a result; the
 //! sweep drops the ones no ready kernel needs so that an SM's change walks only a handful.
 
+use crate::hash::Map;
 use crate::ops::Need;
 use crate::room::Room;
 use crate::sms::{fit_of, Sm};
@@ -22,7 +23,13 @@ pub struct FitIndex {
     pub tables: Vec<Option<Table>>,
     live: Vec<u32>,
     pub changes: u64,
+    /// The fit in every live table (in `live`'s order) of an SM with these free (blocks, warps, regs, smem):
+    /// a pure function of them, and a busy device cycles through a few hundred such states, so looking a row
+    /// up gives the very numbers computing it would. Emptied whenever a table comes or goes.
+    memo: Map<(i64, i64, i64, i64), Box<[u32]>>,
 }
+
+const MEMO_LIMIT: usize = 1 << 16; // rows remembered at most
 
 impl FitIndex {
     pub fn get(&self, key: u32) -> Option<&Table> {
@@ -31,14 +38,22 @@ impl FitIndex {
 
     pub fn changed(&mut self, sms: &[Sm], index: usize) {
         let sm = &sms[index];
-        for &k in &self.live {
-            let t = self.tables[k as usize].as_mut().unwrap();
-            if index < t.lo || index >= t.hi {
-                continue;
+        let state = (sm.free_blocks, sm.free_warps, sm.free_regs, sm.free_smem);
+        if !self.memo.contains_key(&state) {
+            if self.memo.len() >= MEMO_LIMIT {
+                self.memo.clear();
             }
-            let f = fit_of(sm.free_blocks, sm.free_warps, sm.free_regs, sm.free_smem, t.need.warps, t.need.regs,
-                           t.need.smem) as u32;
-            if f != t.fits[index] {
+            let row: Box<[u32]> = self.live.iter().map(|&k| {
+                let t = self.tables[k as usize].as_ref().unwrap();
+                fit_of(state.0, state.1, state.2, state.3, t.need.warps, t.need.regs, t.need.smem) as u32
+            }).collect();
+            self.memo.insert(state, row);
+        }
+        let row = &self.memo[&state];
+        for (n, &k) in self.live.iter().enumerate() {
+            let t = self.tables[k as usize].as_mut().unwrap();
+            let f = row[n];
+            if f != t.fits[index] && t.lo <= index && index < t.hi {
                 t.fits[index] = f;
                 if f != 0 {
                     t.room.add(index);
@@ -74,6 +89,7 @@ impl FitIndex {
             }
             self.tables[k] = Some(Table { fits, room, need, lo, hi, asked: true });
             self.live.push(key);
+            self.memo.clear();
         }
         let t = self.tables[k].as_mut().unwrap();
         t.asked = true;
@@ -82,6 +98,7 @@ impl FitIndex {
 
     /// Drop the tables not asked for since the last sweep whose keys `keep` does not hold.
     pub fn sweep(&mut self, keep: impl Fn(u32) -> bool) {
+        let before = self.live.len();
         let tables = &mut self.tables;
         self.live.retain(|&k| {
             let t = tables[k as usize].as_mut().unwrap();
@@ -92,6 +109,9 @@ impl FitIndex {
             }
             stay
         });
+        if self.live.len() != before {
+            self.memo.clear();
+        }
     }
 }
 

@@ -5,7 +5,6 @@
 use crate::engine::Core;
 use crate::policy::{ClientConfig, Policy};
 use crate::hash::{Map, Set};
-use std::collections::BinaryHeap;
 
 /// Ready kernels as turn-taking reads them: by client (in order of first appearance), the clients
 /// ascending, and which clients have kernels of each key.
@@ -257,30 +256,6 @@ impl Policy for Priority {
 #[derive(Clone, Copy, PartialEq, PartialOrd)]
 struct Rank(f64, i64);
 
-/// A min-heap entry of (service / weight, client).
-#[derive(Clone, Copy)]
-struct Entry(Rank);
-impl PartialEq for Entry {
-    fn eq(&self, o: &Self) -> bool {
-        self.cmp(o) == std::cmp::Ordering::Equal
-    }
-}
-impl Eq for Entry {}
-impl PartialOrd for Entry {
-    fn partial_cmp(&self, o: &Self) -> Option<std::cmp::Ordering> {
-        Some(self.cmp(o))
-    }
-}
-impl Ord for Entry {
-    fn cmp(&self, o: &Self) -> std::cmp::Ordering {
-        // reversed (std's heap is a max-heap); Python's tuple order: the float, then the client
-        match o.0 .0.partial_cmp(&self.0 .0) {
-            Some(std::cmp::Ordering::Equal) | None => o.0 .1.cmp(&self.0 .1),
-            Some(x) => x,
-        }
-    }
-}
-
 /// Python's `a > b` on (float, client) tuples.
 fn rank_gt(a: Rank, b: Rank) -> bool {
     if a.0 != b.0 {
@@ -304,6 +279,8 @@ pub struct Fair {
     weight: Map<i64, f64>,
     everyone: Set<i64>,
     rank: Map<i64, Rank>,
+    /// `rank` of each queue of `turns`, by position (what a dispatch reads, without hashing).
+    qrank: Vec<Rank>,
     moved: Set<i64>,
     live: Map<i64, Set<u64>>,
     idle_since: Map<i64, f64>,
@@ -352,27 +329,32 @@ impl Fair {
         }
     }
 
+    /// Offer blocks one at a time to the least-served client that can place one, until one client is left
+    /// (it then places all it can, once its service passes the most-served stuck client's) or everything is
+    /// full (mpsd/sim/policies/shares.py's FairPolicy._offer said why that is the block-by-block answer).
+    /// The clients that may place are few, so the least served is found by a scan rather than a heap: the
+    /// same (service / weight, client) order, whose entries are all distinct.
     fn offer(&mut self, core: &mut Core, turns: &Turns, open: &mut Vec<u32>) {
         let able = turns.able(open);
-        let mut heap: BinaryHeap<Entry> = turns.queues.iter().enumerate().filter(|&(i, _)| able[i])
-            .map(|(_, q)| Entry(self.rank[&q.0])).collect();
+        let mut heap: Vec<Rank> = (0..turns.queues.len()).filter(|&i| able[i]).map(|i| self.qrank[i]).collect();
         let mut stuck: Option<Option<Rank>> = None; // Some(None): no stuck client
         while !heap.is_empty() && !core.ready.saturated() {
             if heap.len() == 1 {
                 if stuck.is_none() {
                     let mut most: Option<Rank> = None;
                     for c in &turns.clients {
-                        if able[turns.position(*c)] {
+                        let p = turns.position(*c);
+                        if able[p] {
                             continue;
                         }
-                        let r = self.rank[c];
+                        let r = self.qrank[p];
                         if most.is_none_or(|m| rank_gt(r, m)) {
                             most = Some(r);
                         }
                     }
                     stuck = Some(most);
                 }
-                let top = heap.peek().unwrap().0;
+                let top = heap[0];
                 let past = match stuck.unwrap() {
                     None => true,
                     Some(s) => rank_gt(top, s),
@@ -382,7 +364,13 @@ impl Fair {
                     return;
                 }
             }
-            let c = heap.pop().unwrap().0 .1;
+            let mut m = 0;
+            for k in 1..heap.len() {
+                if rank_gt(heap[m], heap[k]) {
+                    m = k;
+                }
+            }
+            let c = heap.swap_remove(m).1;
             for &r in turns.queue(c) {
                 let (unplaced, key) = {
                     let o = core.ops.at(r);
@@ -392,7 +380,7 @@ impl Fair {
                     if core.fit.get(key).is_none_or(|t| t.room.is_empty()) {
                         core.close_keys(open);
                     }
-                    heap.push(Entry(Rank(self.service[&c] / self.weight[&c], c)));
+                    heap.push(Rank(self.service[&c] / self.weight[&c], c));
                     break;
                 }
             }
@@ -459,13 +447,18 @@ impl Policy for Fair {
         *self.resident_mut(c) -= g.count;
     }
     fn dispatch(&mut self, core: &mut Core, ready: &[u64]) {
-        if !self.moved.is_empty() {
-            for c in std::mem::take(&mut self.moved) {
-                let r = Rank(self.service.get(&c).copied().unwrap_or(0.0) / self.weights.get(&c).copied().unwrap_or(1.0), c);
-                self.rank.insert(c, r);
-            }
+        let moved: Vec<i64> = self.moved.drain().collect();
+        for &c in &moved {
+            let r = Rank(self.service.get(&c).copied().unwrap_or(0.0) / self.weights.get(&c).copied().unwrap_or(1.0), c);
+            self.rank.insert(c, r);
         }
-        if self.version != Some(core.ready.version) {
+        if self.version == Some(core.ready.version) {
+            for c in moved {
+                if let Some(&p) = self.turns.index.get(&c) {
+                    self.qrank[p] = self.rank[&c];
+                }
+            }
+        } else {
             self.version = Some(core.ready.version);
             self.turns = Turns::new(core, ready);
             self.weight = self.turns.queues.iter().map(|q| (q.0, self.weights.get(&q.0).copied().unwrap_or(1.0))).collect();
@@ -483,6 +476,7 @@ impl Policy for Fair {
                     self.rank.insert(c, Rank(self.service.get(&c).copied().unwrap_or(0.0) / w, c));
                 }
             }
+            self.qrank = self.turns.queues.iter().map(|q| self.rank[&q.0]).collect();
         }
         let mut open = core.open_keys();
         let turns = std::mem::take(&mut self.turns);
