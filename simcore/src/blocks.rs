@@ -55,7 +55,9 @@ impl Core {
         }
         let occ_len = self.cl[ci].occ_len;
         let budget = match cap { None => n as i64, Some(c) => c - occ_len };
-        let placements: Vec<(usize, i64)> = {
+        let mut placements = std::mem::take(&mut self.place_buf);
+        placements.clear();
+        {
             let t = self.fit.get(key).unwrap();
             let occupied = &self.cl[ci].occupied;
             if left == 1 && budget > 0 {
@@ -66,22 +68,24 @@ impl Core {
                         best = i;
                     }
                 }
-                vec![(best, 1)]
+                placements.push((best, 1));
             } else if t.room.len() == 1 {
                 let i = t.room.iter().next().unwrap();
                 if budget <= 0 && occupied[i] == 0 {
+                    self.place_buf = placements;
                     return 0;
                 }
                 let f = t.fits[i] as i64;
-                vec![(i, if f < left { f } else { left })]
+                placements.push((i, if f < left { f } else { left }));
             } else {
                 let room = t.room.to_vec();
-                crate::spread::spread(&t.fits, left.min(u32::MAX as i64) as u32, budget.max(0) as u32,
-                                      |i| occupied[i] > 0, 0, n, Some(&room))
-                    .into_iter().map(|(i, c)| (i, c as i64)).collect()
+                placements.extend(crate::spread::spread(&t.fits, left.min(u32::MAX as i64) as u32,
+                                                        budget.max(0) as u32, |i| occupied[i] > 0, 0, n, Some(&room))
+                    .into_iter().map(|(i, c)| (i, c as i64)));
             }
-        };
+        }
         if placements.is_empty() {
+            self.place_buf = placements;
             return 0;
         }
         let now = self.now;
@@ -97,7 +101,8 @@ impl Core {
             // The usual case, fresh fixed-cost blocks only: one group per SM, all in the wave; the fit tables
             // once for them all afterwards (nothing in the loop reads them).
             let end = now + fresh;
-            let mut touched = Vec::with_capacity(placements.len());
+            let mut touched = std::mem::take(&mut self.sm_buf);
+            touched.clear();
             for &(i, count) in &placements {
                 self.sms[i].take(&need, count);
                 touched.push(i);
@@ -110,6 +115,7 @@ impl Core {
                 }
             }
             self.fit.changed_many(&self.sms, &touched);
+            self.sm_buf = touched;
         } else {
             for &(i, count) in &placements {
                 self.sms[i].take(&need, count);
@@ -162,14 +168,16 @@ impl Core {
                     }
                 }
             }
-            let idx: Vec<usize> = placements.iter().map(|&(i, _)| i).collect();
-            self.fit.changed_many(&self.sms, &idx);
+            for &(i, _) in &placements {
+                self.fit.changed(&self.sms, i);
+            }
         }
         if !wave.is_empty() {
             self.push_groups(now + fresh, wave);
         } else {
             self.ev.recycle(wave);
         }
+        self.place_buf = placements;
         let o = self.ops.at_mut(run);
         o.unplaced -= placed;
         o.running += placed;
@@ -241,7 +249,8 @@ impl Core {
     pub fn end_fixed(&mut self, pol: &mut dyn Policy, groups: &[u32]) {
         let now = self.now;
         let hooks = pol.group_hooks();
-        let mut touched = Vec::new();
+        let mut touched = std::mem::take(&mut self.sm_buf);
+        touched.clear();
         let mut ended = 0;
         for &gid in groups {
             let g = *self.groups.at(gid);
@@ -279,6 +288,7 @@ impl Core {
             self.fit.changed_many(&self.sms, &touched);
             self.dirty = true;
         }
+        self.sm_buf = touched;
     }
 
     fn retire_if_done(&mut self, pol: &mut dyn Policy, run: u64, ci: usize) {

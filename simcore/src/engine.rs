@@ -102,6 +102,11 @@ pub struct Core {
     pub blocks: i64,
     pub copies_done: i64,
     pub ready: ReadyQueue,
+    /// Buffers the hot paths reuse instead of allocating per call.
+    pub open_mask: Vec<bool>,
+    pub sm_buf: Vec<usize>,
+    key_buf: Vec<u32>,
+    pub place_buf: Vec<(usize, i64)>,
 }
 
 /// What a kernel's submit hands the engine (the shape's numbers come from Python's cached shapes).
@@ -156,6 +161,10 @@ impl Core {
             kernels: 0,
             blocks: 0,
             copies_done: 0,
+            open_mask: Vec::new(),
+            sm_buf: Vec::new(),
+            key_buf: Vec::new(),
+            place_buf: Vec::new(),
         }
     }
 
@@ -689,8 +698,16 @@ impl Core {
         key
     }
 
+    /// The keys with room among the ready kernels' (a buffer: give it back with `done_keys`).
     pub fn open_keys(&mut self) -> Vec<u32> {
-        self.ready.open_keys(&mut self.fit, &self.sms)
+        let mut open = std::mem::take(&mut self.key_buf);
+        open.clear();
+        self.ready.open_keys(&mut self.fit, &self.sms, &mut open);
+        open
+    }
+
+    pub fn done_keys(&mut self, open: Vec<u32>) {
+        self.key_buf = open;
     }
 
     pub fn close_keys(&mut self, open: &mut Vec<u32>) {

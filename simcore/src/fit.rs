@@ -39,17 +39,19 @@ impl FitIndex {
     pub fn changed(&mut self, sms: &[Sm], index: usize) {
         let sm = &sms[index];
         let state = (sm.free_blocks, sm.free_warps, sm.free_regs, sm.free_smem);
-        if !self.memo.contains_key(&state) {
-            if self.memo.len() >= MEMO_LIMIT {
-                self.memo.clear();
+        let row = match self.memo.get(&state) {
+            Some(row) => row,
+            None => {
+                if self.memo.len() >= MEMO_LIMIT {
+                    self.memo.clear();
+                }
+                let row: Box<[u32]> = self.live.iter().map(|&k| {
+                    let t = self.tables[k as usize].as_ref().unwrap();
+                    fit_of(state.0, state.1, state.2, state.3, t.need.warps, t.need.regs, t.need.smem) as u32
+                }).collect();
+                self.memo.entry(state).or_insert(row)
             }
-            let row: Box<[u32]> = self.live.iter().map(|&k| {
-                let t = self.tables[k as usize].as_ref().unwrap();
-                fit_of(state.0, state.1, state.2, state.3, t.need.warps, t.need.regs, t.need.smem) as u32
-            }).collect();
-            self.memo.insert(state, row);
-        }
-        let row = &self.memo[&state];
+        };
         for (n, &k) in self.live.iter().enumerate() {
             let t = self.tables[k as usize].as_mut().unwrap();
             let f = row[n];

@@ -72,12 +72,15 @@ pub fn place_in_launch_order(core: &mut Core, pol: &mut dyn Policy, ready: &[u64
     }
     let mut open = core.open_keys();
     if open.is_empty() {
+        core.done_keys(open);
         return;
     }
     // `ready` is the ready list, whose keys sit beside it (nothing changes them during a dispatch)
     let keys = std::mem::take(&mut core.ready.run_keys);
     debug_assert_eq!(keys.len(), ready.len());
-    let mut mask = vec![false; core.ready.parts.len()];
+    let mut mask = std::mem::take(&mut core.open_mask);
+    mask.clear();
+    mask.resize(core.ready.parts.len(), false);
     for &k in &open {
         mask[k as usize] = true;
     }
@@ -100,6 +103,8 @@ pub fn place_in_launch_order(core: &mut Core, pol: &mut dyn Policy, ready: &[u64
         }
     }
     core.ready.run_keys = keys;
+    core.open_mask = mask;
+    core.done_keys(open);
 }
 
 /// `mps`: hardware-faithful MPS (mpsd/sim/policies/mps.py).

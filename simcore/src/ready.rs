@@ -195,8 +195,7 @@ impl ReadyQueue {
     }
 
     /// The keys of ready kernels with room in their window (the others are filed full), ascending.
-    pub fn open_keys(&mut self, fit: &mut FitIndex, sms: &[Sm]) -> Vec<u32> {
-        let mut open = Vec::new();
+    pub fn open_keys(&mut self, fit: &mut FitIndex, sms: &[Sm], open: &mut Vec<u32>) {
         for k in 0..self.counts.len() {
             if self.counts[k] == 0 || self.full[k] {
                 continue;
@@ -212,7 +211,6 @@ impl ReadyQueue {
                 self.set_full(key);
             }
         }
-        open
     }
 
     /// Drop from `open` (and file full) the keys a placement has just filled up.
