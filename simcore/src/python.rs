@@ -136,12 +136,22 @@ impl Policy for PyPolicy {
 }
 
 /// What a Python policy's dispatch places blocks through (mpsd.sim.ReadyKernel.place calls it).
-#[pyclass(unsendable, module = "mpsd.sim._core")]
+#[pyclass(module = "mpsd.sim._core")]
 struct Placer {
     core: *mut Core,
     policy: *mut PyPolicy,
     live: bool,
 }
+
+// SAFETY (both): the module is built for CPython with the GIL (abi3, not free-threaded), and every access to
+// an Engine or a Placer, and so to the Rc, RefCell and raw pointers they hold, happens in a call holding it,
+// one at a time, checked by PyO3's borrow flag. They may be created on one thread and used or dropped on
+// another (a daemon's simulator is made in one thread and may be collected in another); they are never used
+// by two at once.
+unsafe impl Send for Engine {}
+unsafe impl Sync for Engine {}
+unsafe impl Send for Placer {}
+unsafe impl Sync for Placer {}
 
 #[pymethods]
 impl Placer {
@@ -162,7 +172,7 @@ impl Placer {
 }
 
 /// The compiled engine (mpsd.sim.Simulator wraps it; it is not an API of its own).
-#[pyclass(unsendable, module = "mpsd.sim._core")]
+#[pyclass(module = "mpsd.sim._core")]
 struct Engine {
     core: Core,
     policy: Box<dyn Policy>,
