@@ -67,12 +67,12 @@ class Policy:
     may use. Everything else (time, events, stream order, SM accounting, processor sharing, DRAM, copies,
     statistics, the trace) is the engine's, as for the built-in policies.
 
-    A Python policy is much slower than the built-in ones: each dispatch builds the ready list in Python
-    (thousands of kernels on a busy device) and each placement is a call from Python into the engine. On
-    the mixed scenario of ``bench/sim_rate.py`` (851,793 blocks, up to 5,120 kernels ready at once),
-    ``examples/sjf_policy.py``'s shortest-job-first ran at 43,000 blocks/s where the built-in ``mps`` ran
-    at 1.9 million, 44 times slower (``bench/sim_rate.py --policy examples.sjf_policy:ShortestJobFirst``
-    beside ``--policy mps``, one run each on a loaded 2-core machine).
+    A Python policy is much slower than the built-in ones, about 80 times on a busy device: each dispatch
+    builds the ready list in Python and each placement is a call from Python into the engine. On the mixed
+    scenario of ``bench/sim_rate.py`` (851,793 blocks, up to 128 kernels ready at once),
+    ``examples/sjf_policy.py``'s shortest-job-first ran at 46,000 blocks/s where the built-in ``mps`` ran at
+    3.8 million (``bench/sim_rate.py --policy examples.sjf_policy:ShortestJobFirst`` beside ``--policy mps``,
+    medians of 3 in one session on a shared 2-core machine).
 
     Attributes:
         name: what statistics and reports call it.
