@@ -102,9 +102,4 @@ impl Streams {
         dropped.sort_by_key(|&h| ops.at(h).seq);
         dropped
     }
-
-    /// A placeholder op was submitted for real: it takes its place in its stream as `add` does.
-    pub fn waiters_of(&self, op: u64) -> bool {
-        self.waiters.contains_key(&op)
-    }
 }
