@@ -110,3 +110,12 @@ def test_each_device_runs_its_own_policy(daemon_factory, tmp_path):
                                 env={**os.environ, "MPSD_PIPE_DIRECTORY": str(d.pipe_dir)})
     assert [dev["policy"] for dev in json.loads(status.stdout)["devices"]] == ["mps", "mig"]
     assert "policy mps, mig" in d.server_log()
+
+
+def test_a_policy_written_in_python_is_named_module_colon_class(tmp_path):
+    """--policy module:Class runs a Python policy (built by the simulator); one that cannot be loaded is a usage
+    error naming it."""
+    config = _config(tmp_path, "", "--policy", "examples.sjf_policy:ShortestJobFirst")
+    assert config.policy == "examples.sjf_policy:ShortestJobFirst"
+    with pytest.raises(ConfigError, match="no_such_module"):
+        _config(tmp_path, "", "--policy", "no_such_module:Policy")

@@ -1,10 +1,16 @@
 """The placement rule's shortcuts (one SM with room, closed form when the SM cap cannot bind) choose exactly
-what placing one block at a time on the SM with the most room chooses."""
+what placing one block at a time on the SM with the most room chooses (the engine's rule, compiled:
+mpsd.sim._core.spread)."""
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mpsd.sim.policies.base import spread
+from mpsd.sim import _core
+
+
+def spread(fits, left, budget, occupied, lo, hi, room):
+    """The compiled rule, called as the engine calls it (a budget below 0 is one that is spent)."""
+    return _core.spread(fits, left, max(budget, 0), set(occupied), lo, hi, sorted(room) if room is not None else None)
 
 
 def one_block_at_a_time(fits, left, budget, occupied, lo, hi):

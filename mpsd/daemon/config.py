@@ -131,7 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
                                           "the pipe directory when one was named, else /var/log/nvidia-mps as MPS)")
     parser.add_argument("--devices", help="GPUs: simulated (h200, h200:2; the default is one h200), real "
                                           "(cuda:0, cuda:0,cuda:1), or auto (the real ones if any, else h200)")
-    parser.add_argument("--policy", choices=POLICIES, help="scheduling policy (default mps)")
+    parser.add_argument("--policy", help=f"scheduling policy: {', '.join(POLICIES)}, or a policy written in Python "
+                                         "(mpsd.sim.Policy) named module:Class (default mps)")
     parser.add_argument("--timeslice", type=float, metavar="SECONDS",
                         help="timeslice policy: length of a slice (default 0.0020854, measured on an H200 without MPS; "
                              "shorter by up to 38 us for contexts that hold many warps)")
@@ -231,8 +232,8 @@ def load_config(argv: Sequence[str] | None = None, environ: dict[str, str] | Non
         raise ConfigError(f"--pinned-mem-limit: {exc}") from None
     policy = pick("policy", "mps")
     containment = pick("fault_containment", "device")
-    if policy not in POLICIES:
-        raise ConfigError(f"unknown policy {policy!r} (known: {', '.join(POLICIES)})")
+    if policy not in POLICIES and ":" not in str(policy):
+        raise ConfigError(f"unknown policy {policy!r} (known: {', '.join(POLICIES)}, or module:Class)")
     if containment not in CONTAINMENT:
         raise ConfigError(f"fault containment must be one of {', '.join(CONTAINMENT)}")
     ipc_access = pick("ipc_access", "uid")
@@ -380,9 +381,9 @@ def _device_policies(tables: Any, devices: tuple[DeviceSpec | CudaDevice, ...], 
             raise ConfigError(f"{where}: unknown setting(s) {', '.join(unknown)} "
                               f"(known: {', '.join(DEVICE_KEYS)})")
         name = table.get("policy", policy)
-        if name not in POLICIES:
-            raise ConfigError(f"{where}: unknown policy {name!r} (known: {', '.join(POLICIES)})")
-        accepted = SIM_POLICIES[name].options
+        if name not in POLICIES and ":" not in str(name):
+            raise ConfigError(f"{where}: unknown policy {name!r} (known: {', '.join(POLICIES)}, or module:Class)")
+        accepted = SIM_POLICIES[name].options if name in SIM_POLICIES else {}
         merged = {k: v for k, v in options.items() if k in accepted}
         for setting, option in DEVICE_KEYS.items():
             if option is None or setting not in table:

@@ -3,9 +3,9 @@
 """mpsd.sim: a deterministic model of a GPU shared under NVIDIA MPS."""
 
 from .costs import COPY_KINDS, KERNEL_COSTS, BlockCost, copy_kernel, kernel_cost
-from .engine import Simulator
+from .simulator import Simulator
 from .ops import ENGINES, BlockGroup, Copy, Kernel, Marker, Op
-from .policies import MIG_PROFILES, POLICIES, ClientConfig, MigPartition, mig_layout
+from .policies import MIG_PROFILES, POLICIES, ClientConfig, MigPartition, Policy, ReadyKernel, mig_layout
 from .specs import H200, BlockNeed, DeviceSpec, block_need, occupancy, sm_cap
 from .stats import ClientStatistics, SimStatistics
 
@@ -27,6 +27,8 @@ __all__ = [
     "Marker",
     "MigPartition",
     "Op",
+    "Policy",
+    "ReadyKernel",
     "SimStatistics",
     "Simulator",
     "block_need",

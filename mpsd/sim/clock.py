@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .engine import Simulator
+from .simulator import Simulator
 from .host import HostThread
 from .ops import Op
 

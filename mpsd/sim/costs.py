@@ -22,13 +22,13 @@ class BlockCost:
         seconds: the per-block duration: fixed (latency-bound) or, if ``shared``, the duration when the
             block alone gets the SM's full issue rate.
         shared: True for throughput-bound blocks: co-resident shared blocks on one SM divide its issue
-            rate (processor sharing, see ``mpsd.sim.sms``).
+            rate (processor sharing, see simcore/src/sms.rs).
         clocked: True for blocks that wait on the SM's clock (``spin``): the clock runs on while the block
             is preempted, so a resumed block ends when its ``seconds`` since it started have passed, or at
             once if they already have. Other blocks resume with the work they had left.
         dram: True for memory-bound blocks: ``seconds`` is the block's time at the DRAM rate its threads
             reach alone, and resident dram blocks share the device's DRAM bandwidth (``DeviceSpec.dram_curve``,
-            ``mpsd.sim.sms.DramPool``).
+            simcore/src/dram.rs).
         weight: for dram blocks, what each thread counts on the curve's axis and in the sharing (a kernel
             that keeps more bytes in flight per thread than c = a + b counts more).
     """

@@ -1,6 +1,6 @@
 # Launch shapes: what one block of a launch takes from an SM, and the small integer the engine names that
 # block shape by. Every submitted kernel asks, and a daemon's launches repeat a handful of shapes, so the
-# answers are cached here; keys in ready.py are built from these shape numbers (cheaper to hash than a
+# answers are cached here; the engine's ready keys are built from these shape numbers (cheaper to hash than a
 # BlockNeed).
 """Block shapes of launches, cached."""
 

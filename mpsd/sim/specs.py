@@ -67,7 +67,7 @@ class DeviceSpec:
     call_latency: float = 0.0
     # DRAM bandwidth that memory-bound blocks reach together, against the threads they hold resident:
     # (threads, bytes/s) points, ascending, linear between them and from (0, 0), flat past the last. Such
-    # blocks share it in proportion to their threads (``mpsd.sim.sms.DramPool``). Empty: each block instead
+    # blocks share it in proportion to their threads (simcore/src/dram.rs). Empty: each block instead
     # moves its bytes at its share of ``mem_bandwidth`` by the slots it holds, whatever else runs. An SM's
     # threads past ``dram_knee`` count ``dram_beyond`` each on the curve's axis (more threads on one SM
     # add less than on another SM).

@@ -1,7 +1,26 @@
-//! The Python face of the crate, `mpsd.sim._core`: thin conversions around the pure engine.
+//! The Python face of the crate, `mpsd.sim._core`: thin conversions around the pure engine. The engine keeps
+//! ops by handle; this keeps the Python op objects beside them (by slot, and by address for the `after`
+//! lookups of later submits) and writes the engine's times onto them at the end of every call, so that the
+//! objects the caller holds read as the Python engine left them.
 
+use crate::engine::{Core, KernelArgs};
+use crate::ops::{slot, Cost, Need};
+use crate::policy::{ClientConfig, Mps, Policy};
+use crate::shares::{Fair, Priority, RoundRobin};
+use crate::tenancy::{Exclusive, Mig, Timeslice};
+use pyo3::exceptions::PyValueError;
+use pyo3::intern;
 use pyo3::prelude::*;
-use std::collections::HashSet;
+use pyo3::types::{PyList, PyTuple};
+use std::cell::RefCell;
+use std::collections::{HashMap, HashSet};
+use std::rc::Rc;
+
+/// The Python op objects by slot (and the address each was kept under), shared with a policy written in
+/// Python, which hands its dispatch the kernels themselves.
+type Objects = Rc<RefCell<Vec<Option<(PyObject, usize)>>>>;
+/// An exception a Python policy raised inside the engine, raised again when the engine returns.
+type Raised = Rc<RefCell<Option<PyErr>>>;
 
 /// `mpsd.sim.policies.base.spread`, compiled: (SM index, block count) pairs by SM index.
 #[pyfunction]
@@ -19,8 +38,388 @@ fn spread(
     crate::spread::spread(&fits, left, budget, |i| occupied.contains(&i), lo, hi, room.as_deref())
 }
 
+/// The compiled policy `name`, from the settings the Python policy object checked (`args`: what the policy
+/// needs of them, its `engine_args()`); "python": `args` is a policy written in Python.
+fn make_policy(name: &str, args: &Bound<'_, PyAny>, objs: &Objects, raised: &Raised) -> PyResult<Box<dyn Policy>> {
+    Ok(match name {
+        "python" => Box::new(PyPolicy {
+            obj: args.clone().unbind(),
+            name: args.getattr("name")?.extract()?,
+            when_idle: args.getattr("dispatch_when_idle")?.is_truthy()?,
+            objs: objs.clone(),
+            raised: raised.clone(),
+        }),
+        "mps" => Box::new(Mps),
+        "round-robin" => Box::new(RoundRobin::default()),
+        "fair" => Box::new(Fair::default()),
+        "exclusive" => Box::new(Exclusive::default()),
+        "priority" => Box::new(Priority::new(args.extract()?)),
+        "mig" => Box::new(Mig::new(args.extract()?)),
+        "timeslice" => {
+            let (slice, switch, state, warp_slots): (f64, f64, Vec<(f64, f64, f64)>, i64) = args.extract()?;
+            Box::new(Timeslice::new(slice, switch, state, warp_slots))
+        }
+        _ => return Err(PyValueError::new_err(format!("policy {name:?} is not compiled"))),
+    })
+}
+
+/// A policy written in Python (mpsd.sim.Policy): the engine calls its `_dispatch` at every dispatch with the
+/// ready kernels and a `Placer`, and its `window` once per client until clients are configured again.
+struct PyPolicy {
+    obj: PyObject,
+    name: String,
+    when_idle: bool,
+    objs: Objects,
+    raised: Raised,
+}
+
+impl PyPolicy {
+    fn keep_error(&self, e: PyErr) {
+        let mut r = self.raised.borrow_mut();
+        if r.is_none() {
+            *r = Some(e);
+        }
+    }
+}
+
+impl Policy for PyPolicy {
+    fn name(&self) -> &str {
+        &self.name
+    }
+    fn dispatch_when_idle(&self) -> bool {
+        self.when_idle
+    }
+    fn dispatch(&mut self, core: &mut Core, ready: &[u64]) {
+        if self.raised.borrow().is_some() {
+            return;
+        }
+        Python::with_gil(|py| {
+            let result = (|| -> PyResult<()> {
+                let entries = {
+                    let objs = self.objs.borrow();
+                    let mut entries = Vec::with_capacity(ready.len());
+                    for &r in ready {
+                        let o = core.ops.at(r);
+                        if o.unplaced == 0 {
+                            continue;
+                        }
+                        let k = objs[slot(r)].as_ref().expect("a live kernel").0.clone_ref(py);
+                        entries.push((k, o.unplaced, o.run_eligible, r));
+                    }
+                    entries
+                };
+                let obj = self.obj.clone_ref(py);
+                // The placer reaches the engine through raw pointers, valid only while this call lasts (it is
+                // switched off after): the engine and this policy are not otherwise touched meanwhile.
+                let placer = Py::new(py, Placer { core: core as *mut Core, policy: self as *mut PyPolicy, live: true })?;
+                let out = obj.call_method1(py, intern!(py, "_dispatch"), (entries, placer.clone_ref(py)));
+                placer.borrow_mut(py).live = false;
+                out.map(|_| ())
+            })();
+            if let Err(e) = result {
+                self.keep_error(e);
+            }
+        });
+    }
+    fn window(&self, client: i64) -> crate::ready::Window {
+        Python::with_gil(|py| {
+            match self.obj.call_method1(py, intern!(py, "window"), (client,))
+                .and_then(|w| w.extract::<Option<(usize, usize)>>(py)) {
+                Ok(w) => w,
+                Err(e) => {
+                    self.keep_error(e);
+                    None
+                }
+            }
+        })
+    }
+}
+
+/// What a Python policy's dispatch places blocks through (mpsd.sim.ReadyKernel.place calls it).
+#[pyclass(module = "mpsd.sim._core")]
+struct Placer {
+    core: *mut Core,
+    policy: *mut PyPolicy,
+    live: bool,
+}
+
+// SAFETY (both): the module is built for CPython with the GIL (abi3, not free-threaded), and every access to
+// an Engine or a Placer, and so to the Rc, RefCell and raw pointers they hold, happens in a call holding it,
+// one at a time, checked by PyO3's borrow flag. They may be created on one thread and used or dropped on
+// another (a daemon's simulator is made in one thread and may be collected in another); they are never used
+// by two at once.
+unsafe impl Send for Engine {}
+unsafe impl Sync for Engine {}
+unsafe impl Send for Placer {}
+unsafe impl Sync for Placer {}
+
+#[pymethods]
+impl Placer {
+    /// Place up to `limit` blocks of the ready kernel `handle`; the blocks placed.
+    fn place(&self, handle: u64, limit: i64) -> PyResult<i64> {
+        if !self.live {
+            return Err(pyo3::exceptions::PyRuntimeError::new_err("blocks can be placed only during a dispatch"));
+        }
+        // SAFETY: live only inside PyPolicy::dispatch, which holds the engine and the policy and uses neither
+        // while Python runs.
+        let core = unsafe { &mut *self.core };
+        let policy = unsafe { &mut *self.policy };
+        if core.ops.get(handle).is_none_or(|o| !o.has_run || o.run_cancelled || o.key == u32::MAX) {
+            return Err(PyValueError::new_err("not a ready kernel of this dispatch"));
+        }
+        Ok(core.place(policy, handle, limit))
+    }
+}
+
+/// The compiled engine (mpsd.sim.Simulator wraps it; it is not an API of its own).
+#[pyclass(module = "mpsd.sim._core")]
+struct Engine {
+    core: Core,
+    policy: Box<dyn Policy>,
+    objs: Objects,
+    raised: Raised,
+    by_addr: HashMap<usize, u64>,
+    trace: Py<PyList>,
+    block_group: PyObject,
+}
+
+#[pyfunction]
+fn compiled_policies() -> Vec<&'static str> {
+    vec!["mps", "round-robin", "priority", "fair", "exclusive", "mig", "timeslice"]
+}
+
+impl Engine {
+    fn keep(&mut self, h: u64, obj: &Bound<'_, PyAny>) {
+        let i = slot(h);
+        let mut objs = self.objs.borrow_mut();
+        if objs.len() <= i {
+            objs.resize_with(i + 1, || None);
+        }
+        let addr = obj.as_ptr() as usize;
+        objs[i] = Some((obj.clone().unbind(), addr));
+        self.by_addr.insert(addr, h);
+    }
+
+    fn obj<'py>(&self, py: Python<'py>, h: u64) -> Bound<'py, PyAny> {
+        self.objs.borrow()[slot(h)].as_ref().expect("a live op").0.bind(py).clone()
+    }
+
+    /// Raise what a Python policy raised during the last call into the engine.
+    fn raise(&self) -> PyResult<()> {
+        match self.raised.borrow_mut().take() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// Handles of `after`'s ops: live ones as they are; done or cancelled ones are left out (they hold
+    /// nothing up); others (not submitted yet) get a placeholder their submit fills.
+    fn deps(&mut self, after: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
+        let mut out = Vec::new();
+        for dep in after.try_iter()? {
+            let dep = dep?;
+            if let Some(&h) = self.by_addr.get(&(dep.as_ptr() as usize)) {
+                out.push(h);
+                continue;
+            }
+            let py = dep.py();
+            if dep.getattr(intern!(py, "done"))?.is_truthy()? || dep.getattr(intern!(py, "cancelled"))?.is_truthy()? {
+                continue;
+            }
+            let h = self.core.placeholder();
+            self.keep(h, &dep);
+            out.push(h);
+        }
+        Ok(out)
+    }
+
+    fn slot_for(&mut self, op: &Bound<'_, PyAny>) -> Option<u64> {
+        self.by_addr.get(&(op.as_ptr() as usize)).copied()
+    }
+
+    fn entered(&mut self, h: u64, op: &Bound<'_, PyAny>) -> PyResult<()> {
+        self.keep(h, op);
+        let py = op.py();
+        let o = self.core.ops.at(h);
+        op.setattr(intern!(py, "seq"), o.seq)?;
+        op.setattr(intern!(py, "submitted"), o.submitted)?;
+        Ok(())
+    }
+
+    /// Write the engine's changes onto the Python objects, extend the trace, and let go of finished ops.
+    fn sync(&mut self, py: Python<'_>) -> PyResult<()> {
+        for h in std::mem::take(&mut self.core.ops.dirty) {
+            let o = self.core.ops.at_mut(h);
+            o.dirty = false;
+            let (e, s, t, d, c) = (o.eligible, o.started, o.ended, o.done, o.cancelled);
+            let obj = self.obj(py, h);
+            obj.setattr(intern!(py, "eligible"), e)?;
+            obj.setattr(intern!(py, "started"), s)?;
+            obj.setattr(intern!(py, "ended"), t)?;
+            if d {
+                obj.setattr(intern!(py, "done"), true)?;
+            }
+            if c {
+                obj.setattr(intern!(py, "cancelled"), true)?;
+            }
+        }
+        if !self.core.trace.is_empty() {
+            let trace = self.trace.bind(py);
+            let bg = self.block_group.bind(py);
+            for (h, sm, count, start, end) in std::mem::take(&mut self.core.trace) {
+                trace.append(bg.call1((self.obj(py, h), sm, count, start, end))?)?;
+            }
+        }
+        for &h in &self.core.ops.released {
+            let i = slot(h);
+            if self.core.ops.get(h).is_some() {
+                let taken = self.objs.borrow_mut()[i].take();
+                if let Some((_, addr)) = taken {
+                    self.by_addr.remove(&addr);
+                }
+            }
+        }
+        self.core.ops.reclaim();
+        self.raise()
+    }
+
+    fn objects<'py>(&self, py: Python<'py>, handles: &[u64]) -> PyResult<Bound<'py, PyList>> {
+        PyList::new(py, handles.iter().map(|&h| self.obj(py, h)))
+    }
+}
+
+#[pymethods]
+impl Engine {
+    #[new]
+    #[allow(clippy::too_many_arguments)]
+    fn new(spec: &Bound<'_, PyTuple>, policy: &str, policy_args: &Bound<'_, PyAny>, trace: Py<PyList>,
+           block_group: PyObject, record: bool) -> PyResult<Self> {
+        let (sm_count, warps_per_sm, blocks_per_sm, regs_per_sm, smem_per_sm, min_block_time, kernel_overhead,
+             dram, copy): (usize, i64, i64, i64, i64, f64, f64, (Vec<(f64, f64)>, i64, f64),
+                           (f64, f64, f64, Option<f64>, Option<f64>)) = spec.extract()?;
+        let spec = crate::engine::Spec {
+            sm_count, warps_per_sm, blocks_per_sm, regs_per_sm, smem_per_sm, min_block_time, kernel_overhead,
+            dram: crate::dram::DramSpec { curve: dram.0, knee: dram.1, beyond: dram.2 },
+            copy: crate::copies::CopySpec { latency: copy.0, bandwidth: copy.1, timeslice: copy.2,
+                                           duplex: [copy.3, copy.4] },
+        };
+        let objs: Objects = Rc::new(RefCell::new(Vec::new()));
+        let raised: Raised = Rc::new(RefCell::new(None));
+        let policy = make_policy(policy, policy_args, &objs, &raised)?;
+        Ok(Engine { core: Core::new(spec, record), policy, objs, raised, by_addr: HashMap::new(), trace, block_group })
+    }
+
+    #[getter]
+    fn now(&self) -> f64 {
+        self.core.now
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn submit_kernel(&mut self, py: Python<'_>, op: &Bound<'_, PyAny>, client: i64, stream: u64,
+                     after: &Bound<'_, PyAny>, blocks: i64, threads: u32, priority: i64, sm_cap: Option<i64>,
+                     cost: (f64, bool, bool, bool, f64), shape: (u32, i64, i64, i64, f64, f64), seconds: f64)
+                     -> PyResult<()> {
+        let after = self.deps(after)?;
+        let into = self.slot_for(op);
+        let args = KernelArgs {
+            client, stream, after, threads, priority, sm_cap,
+            cost: Cost { seconds: cost.0, shared: cost.1, clocked: cost.2, dram: cost.3, weight: cost.4 },
+            need: Need { warps: shape.1, regs: shape.2, smem: shape.3 },
+            shape: shape.0, seconds, demand: shape.4, sm_share: shape.5, blocks,
+        };
+        let h = self.core.submit_kernel(&mut *self.policy, into, args);
+        self.entered(h, op)?;
+        self.sync(py)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn submit_copy(&mut self, py: Python<'_>, op: &Bound<'_, PyAny>, client: i64, stream: u64,
+                   after: &Bound<'_, PyAny>, engine: u8, nbytes: u64) -> PyResult<()> {
+        let after = self.deps(after)?;
+        let into = self.slot_for(op);
+        let h = self.core.submit_copy(&mut *self.policy, into, client, stream, after, engine, nbytes);
+        self.entered(h, op)?;
+        self.sync(py)
+    }
+
+    fn submit_marker(&mut self, py: Python<'_>, op: &Bound<'_, PyAny>, client: i64, stream: u64,
+                     after: &Bound<'_, PyAny>) -> PyResult<()> {
+        let after = self.deps(after)?;
+        let into = self.slot_for(op);
+        let h = self.core.submit_marker(&mut *self.policy, into, client, stream, after);
+        self.entered(h, op)?;
+        self.sync(py)
+    }
+
+    #[pyo3(signature = (until, max_instants=None))]
+    fn advance<'py>(&mut self, py: Python<'py>, until: f64, max_instants: Option<u64>)
+                    -> PyResult<Bound<'py, PyList>> {
+        let done = self.core.advance(&mut *self.policy, until, max_instants);
+        let out = self.objects(py, &done)?;
+        self.sync(py)?;
+        Ok(out)
+    }
+
+    fn run<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let done = self.core.run(&mut *self.policy);
+        let out = self.objects(py, &done)?;
+        self.sync(py)?;
+        Ok(out)
+    }
+
+    fn next_time(&mut self) -> Option<f64> {
+        self.core.next_time(&*self.policy)
+    }
+
+    fn cancel<'py>(&mut self, py: Python<'py>, client: i64) -> PyResult<Bound<'py, PyList>> {
+        let dropped = self.core.cancel(&mut *self.policy, client);
+        let out = self.objects(py, &dropped)?;
+        self.sync(py)?;
+        Ok(out)
+    }
+
+    fn forget_client(&mut self, py: Python<'_>, client: i64) -> PyResult<()> {
+        self.core.forget_client(&mut *self.policy, client);
+        self.sync(py)
+    }
+
+    fn configure_client(&mut self, client: i64, priority: i64, weight: f64, partition: usize) -> PyResult<()> {
+        self.core
+            .configure_client(&mut *self.policy, client, ClientConfig { priority, weight, partition })
+            .map_err(PyValueError::new_err)?;
+        self.raise()
+    }
+
+    /// (now, kernels, blocks, copies, [(client, kernels, blocks, block_seconds, sm_seconds, copies,
+    /// bytes_copied, max_sms)], sm_seconds)
+    #[allow(clippy::type_complexity)]
+    fn statistics(&self) -> (f64, i64, i64, i64, Vec<(i64, i64, i64, f64, f64, i64, i64, i64)>, f64) {
+        let s = self.core.statistics();
+        let per = s.per_client.iter()
+            .map(|(id, c)| (*id, c.kernels, c.blocks, c.block_seconds, c.sm_seconds, c.copies, c.bytes_copied,
+                            c.max_sms))
+            .collect();
+        (s.now, s.kernels, s.blocks, s.copies, per, s.sm_seconds)
+    }
+
+    #[pyo3(signature = (client=None))]
+    fn busy_sms(&self, client: Option<i64>) -> i64 {
+        self.core.busy_sms(client)
+    }
+
+    fn stranded_blocks(&mut self) -> i64 {
+        self.core.stranded_blocks()
+    }
+
+    fn policy_counter(&self, name: &str) -> Option<i64> {
+        self.policy.counter(name)
+    }
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(spread, m)?)?;
+    m.add_function(wrap_pyfunction!(compiled_policies, m)?)?;
+    m.add_class::<Engine>()?;
     Ok(())
 }

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ..specs import DeviceSpec
-from .base import ClientConfig, KernelRun, Policy, place_in_launch_order
+from .base import BuiltinPolicy, ClientConfig
 
 __all__ = ["MIG_PROFILES", "MigPartition", "MigPolicy", "mig_layout"]
 
@@ -77,8 +77,9 @@ def mig_layout(spec: DeviceSpec, partitions) -> tuple[MigPartition, ...]:
     return tuple(out)
 
 
-class MigPolicy(Policy):
-    """Static partitions: a client's blocks only go on its partition's SMs.
+class MigPolicy(BuiltinPolicy):
+    """Static partitions: a client's blocks only go on its partition's SMs, its copies on its partition's copy
+    engines, and its memory-bound blocks share its partition's DRAM bandwidth.
 
     Inside a partition work is dispatched as under ``mps`` (launch order, stream priorities, SM caps).
     Partitions share nothing: no SM, no copy engine, no DRAM bandwidth, so load in one never changes
@@ -128,22 +129,12 @@ class MigPolicy(Policy):
         """The partition ``client`` is bound to."""
         return self.partitions[self._bound.get(client, 0)]
 
-    def window(self, client: int) -> tuple[int, int]:
-        """The client's partition's SMs."""
-        p = self.partition_of(client)
-        return (p.first_sm, p.first_sm + p.sm_count)
-
-    def copy_lane(self, client: int) -> int:
-        """Each partition has its own copy engines."""
-        return self._bound.get(client, 0)
-
-    def dram_share(self, client: int) -> tuple[int, float]:
-        """Each partition has its own memory slices: its eighths of the bandwidth (a custom partition: its
-        share of the SMs). Not measured: MIG cannot be set up on the lent H200s."""
-        index = self._bound.get(client, 0)
+    def bandwidth_share(self, index: int) -> float:
+        """Partition ``index`` has its own memory slices: its eighths of the DRAM bandwidth (a custom partition:
+        its share of the SMs). Not measured: MIG cannot be set up on the lent H200s."""
         p = self.partitions[index]
-        return (index, p.memory / self.spec.total_memory if p.memory else p.sm_count / self.spec.sm_count)
+        return p.memory / self.spec.total_memory if p.memory else p.sm_count / self.spec.sm_count
 
-    def dispatch(self, ready: list[KernelRun]) -> None:
-        """Launch order, as under ``mps``; windows keep partitions apart."""
-        place_in_launch_order(self.sim, ready)  # each kernel's key includes its partition's window
+    def engine_args(self) -> object:
+        """(first SM, SMs, share of the device's DRAM bandwidth) of each partition."""
+        return [(p.first_sm, p.sm_count, self.bandwidth_share(i)) for i, p in enumerate(self.partitions)]

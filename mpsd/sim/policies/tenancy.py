@@ -2,7 +2,8 @@
 # time-slicing without MPS. Both must know which clients have work in flight, which the hardware order of
 # ready kernels cannot tell (a kernel paying its launch overhead is not ready yet, but its client is still
 # busy), so they count eligible, unfinished kernels per client through the engine's hooks. Time-slicing adds
-# timers (slice ends, context switches) and preemption, both done by the engine on the policy's request.
+# timers (slice ends, context switches) and preemption, both done by the engine on the policy's request. The
+# dispatch is compiled (simcore/src/tenancy.rs); these classes check the options and say what it does.
 """The ``exclusive`` and ``timeslice`` policies."""
 
 from __future__ import annotations
@@ -10,46 +11,12 @@ from __future__ import annotations
 import math
 from typing import Any, ClassVar
 
-from .base import KernelRun, Policy
+from .base import BuiltinPolicy
 
 __all__ = ["ExclusivePolicy", "TimeslicePolicy"]
 
 
-class _Tenancy(Policy):
-    """Tracks each client's eligible, unfinished kernels; places only the owner's."""
-
-    dispatch_when_idle = True
-
-    def __init__(self, sim, options=None) -> None:
-        super().__init__(sim, options)
-        self._live: dict[int, dict[KernelRun, float]] = {}  # client -> its live runs (ordered set)
-        self.owner: int | None = None
-
-    def eligible(self, run: KernelRun) -> None:
-        """Count ``run`` as its client's work in flight."""
-        self._live.setdefault(run.kernel.client, {})[run] = run.eligible
-
-    def retired(self, run: KernelRun) -> None:
-        """``run`` is over."""
-        live = self._live.get(run.kernel.client)
-        if live is not None:
-            live.pop(run, None)
-            if not live:
-                del self._live[run.kernel.client]
-
-    def busy(self, client: int | None) -> bool:
-        """True if ``client`` has eligible kernels not yet finished."""
-        return client in self._live
-
-    def _place_owner(self, ready: list[KernelRun]) -> None:
-        place = self.sim._place
-        owner = self.owner
-        for run in ready:  # already in hardware order
-            if run.kernel.client == owner:
-                place(run, run.unplaced)
-
-
-class ExclusivePolicy(_Tenancy):
+class ExclusivePolicy(BuiltinPolicy):
     """Exclusive-process compute mode: one client's kernels at a time, never preempted.
 
     The owner keeps the GPU while it has kernels eligible and unfinished (back-to-back kernels of a stream
@@ -58,19 +25,10 @@ class ExclusivePolicy(_Tenancy):
     """
 
     name = "exclusive"
-
-    def dispatch(self, ready: list[KernelRun]) -> None:
-        """Hand the GPU on if the owner is done, then place the owner's kernels."""
-        if not self.busy(self.owner):
-            self.owner = None
-            oldest = [min((r.eligible, r.kernel.seq) for r in runs) + (c,) for c, runs in self._live.items()]
-            if oldest:
-                self.owner = min(oldest)[2]
-        if self.owner is not None:
-            self._place_owner(ready)
+    dispatch_when_idle = True
 
 
-class TimeslicePolicy(_Tenancy):
+class TimeslicePolicy(BuiltinPolicy):
     """Time-slicing without MPS: one context owns the GPU for a timeslice at a time.
 
     The owner's kernels run as under ``mps`` (launch order inside the client, SM caps). When its slice ends
@@ -107,6 +65,7 @@ class TimeslicePolicy(_Tenancy):
     options: ClassVar[dict[str, Any]] = {
         "timeslice": 2.0854e-3, "switch": 164.3e-6,
         "state": ((0.25, 8.1e-6, 5.6e-6), (0.5, 25.2e-6, 16.8e-6), (1.0, 69.0e-6, 37.9e-6))}
+    dispatch_when_idle = True
 
     def __init__(self, sim, options=None) -> None:
         super().__init__(sim, options)
@@ -118,11 +77,15 @@ class TimeslicePolicy(_Tenancy):
         self._switch = float(self.settings["switch"])
         self._state = self._state_points(self.settings["state"], self._slice)
         self._warp_slots = sim.spec.sm_count * (sim.spec.max_threads_per_sm // sim.spec.warp_size)
-        self._held: dict[int, float] = {}  # client -> share of warp slots its preempted blocks hold
-        self._resident: int | None = None  # the context loaded on the GPU (the last owner)
-        self._incoming: int | None = None  # being switched in
-        self._epoch = 0  # timers of older epochs are stale
-        self.switches = 0
+
+    @property
+    def switches(self) -> int:
+        """Context switches so far (the compiled engine counts them)."""
+        return self.sim._core.policy_counter("switches")
+
+    def engine_args(self) -> object:
+        """(timeslice, switch, state points, warp slots of the device)."""
+        return (self._slice, self._switch, self._state, self._warp_slots)
 
     @staticmethod
     def _state_points(points: object, timeslice: float) -> list[tuple[float, float, float]]:
@@ -137,76 +100,3 @@ class TimeslicePolicy(_Tenancy):
                                  f"timeslice), got {points!r}")
             last = h
         return out
-
-    def _costs(self, held: float) -> tuple[float, float]:
-        """(extra switch seconds, slice seconds lost) for a context whose preempted blocks hold ``held``."""
-        lo = (0.0, 0.0, 0.0)
-        for point in self._state:
-            if held <= point[0]:
-                f = (held - lo[0]) / (point[0] - lo[0])
-                return lo[1] + f * (point[1] - lo[1]), lo[2] + f * (point[2] - lo[2])
-            lo = point
-        return lo[1], lo[2]
-
-    def retired(self, run: KernelRun) -> None:
-        """``run`` is over; a client with nothing left in flight has nothing preempted either."""
-        super().retired(run)
-        if not self.busy(run.kernel.client):
-            self._held.pop(run.kernel.client, None)
-
-    def timer_stale(self, token: object) -> bool:
-        """Only the latest slice-end or switch-end timer counts."""
-        return token != self._epoch
-
-    def _next(self) -> int | None:
-        clients = sorted(self._live)
-        if not clients:
-            return None
-        after = self._resident
-        return next((c for c in clients if after is None or c > after), clients[0])
-
-    def _hand_over(self, saved: float = 0.0) -> None:
-        """The owner is gone, having left ``saved`` of the warp slots preempted: start switching to the next
-        client, or take it on at once if it is resident."""
-        self.owner = None
-        self._epoch += 1
-        nxt = self._next()
-        if nxt is None:
-            return
-        cost = self._switch + (self._costs(saved)[0] + self._costs(self._held.get(nxt, 0.0))[0]) / 2
-        if self._resident is None or nxt == self._resident or cost == 0.0:
-            self._grant(nxt)
-        else:
-            self._incoming = nxt
-            self.switches += 1
-            self.sim._set_timer(self.sim.now + cost, self._epoch)
-
-    def _grant(self, client: int) -> None:
-        self.owner = self._resident = client
-        self._incoming = None
-        self._epoch += 1
-        loss = self._costs(self._held.pop(client, 0.0))[1]
-        self.sim._set_timer(self.sim.now + self._slice - loss, self._epoch)
-
-    def on_timer(self, token: object) -> None:
-        """A switch completed, or the owner's slice ended."""
-        if self._incoming is not None:
-            self._grant(self._incoming)
-        elif any(c != self.owner for c in self._live):
-            owner = self.owner
-            saved = self.sim._preempt(owner) / self._warp_slots
-            if saved:
-                self._held[owner] = saved
-            self._hand_over(saved)
-        else:
-            self._epoch += 1
-            self.sim._set_timer(self.sim.now + self._slice, self._epoch)
-
-    def dispatch(self, ready: list[KernelRun]) -> None:
-        """Hand over if the owner has run out of work; place the owner's kernels."""
-        if self._incoming is not None:
-            return
-        if self.owner is None or not self.busy(self.owner):
-            self._hand_over()
-        if self.owner is not None:
-            self._place_owner(ready)

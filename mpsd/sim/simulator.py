@@ -1,0 +1,247 @@
+# The simulator's public class. Its engine is compiled (the crate in simcore/, imported as mpsd.sim._core):
+# this class checks what comes in, turns the spec and each launch's shape into the numbers the engine needs
+# (once per device, once per launch shape), and hands the engine the caller's own op objects, which come
+# back from advance/run/cancel with their times written on them. There is one engine: the Python one it
+# replaced was deleted once this one matched it to the bit (tests/test_sim_differential.py holds it to the
+# Python engine's recorded behaviour).
+"""The simulated GPU: ``Simulator``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import _core
+from .ops import ENGINES, BlockGroup, Copy, Kernel, Marker, Op
+from .policies import DEFAULT_CLIENT, BuiltinPolicy, ClientConfig, make_policy
+from .policies.custom import Policy, load_policy
+from .policies.mig import MigPolicy
+from .shapes import Shapes
+from .specs import H200, BlockNeed, DeviceSpec
+from .stats import ClientStatistics, SimStatistics
+
+__all__ = ["Simulator"]
+
+_ENGINE_CODES = {"d2h": 0, "h2d": 1}
+
+
+def _spec_numbers(spec: DeviceSpec) -> tuple:
+    """What the compiled engine needs of ``spec``, in the order it takes them."""
+    duplex = dict(spec.copy_duplex)
+    return (spec.sm_count, spec.max_threads_per_sm // spec.warp_size, spec.max_blocks_per_sm, spec.regs_per_sm,
+            spec.smem_per_sm, spec.min_block_time, spec.kernel_overhead,
+            ([(float(t), float(b)) for t, b in spec.dram_curve], spec.dram_knee, float(spec.dram_beyond)),
+            (spec.copy_latency, spec.pcie_bandwidth, spec.copy_timeslice, duplex.get("d2h"), duplex.get("h2d")))
+
+
+class Simulator:
+    """A simulated GPU shared by many clients.
+
+    Args:
+        spec: the device model.
+        policy: dispatch policy name, a key of ``POLICIES``: "mps", "round-robin", "priority", "fair",
+            "exclusive", "mig" or "timeslice"; or a policy written in Python (``mpsd.sim.Policy``): an
+            instance, or its class named as "module:Class" (built with ``policy_options`` as keyword
+            arguments).
+        record: keep a trace of every block group in ``trace`` (a block preempted and resumed appears once
+            per stretch it ran).
+        policy_options: the policy's settings, e.g. ``{"aging": 0.005}`` for "priority",
+            ``{"partitions": ["3g.71gb", "3g.71gb"]}`` for "mig", ``{"timeslice": 1e-3, "switch": 25e-6}``
+            for "timeslice".
+
+    Raises:
+        ValueError: unknown policy, or an option it does not know or accept.
+    """
+
+    def __init__(self, spec: DeviceSpec = H200, policy: str | Policy = "mps", record: bool = False,
+                 policy_options: dict[str, Any] | None = None) -> None:
+        self.spec = spec
+        self.trace: list[BlockGroup] = []
+        self._clients: dict[int, ClientConfig] = {}
+        self._shapes = Shapes(spec)
+        self._launch: dict[tuple[int, int, int], tuple] = {}  # (threads, regs, smem) -> the engine's numbers
+        self._streams: dict[tuple, int] = {}  # (client, stream) -> the engine's number for it
+        self._min_block = spec.min_block_time
+        if isinstance(policy, str) and ":" in policy:
+            policy = load_policy(policy, policy_options)
+        elif isinstance(policy, Policy) and policy_options:
+            raise ValueError("a policy object takes its settings in its own constructor, not policy_options")
+        self._policy: BuiltinPolicy | Policy
+        if isinstance(policy, Policy):  # written in Python: the engine calls it at each dispatch
+            self._policy = policy
+            self._core = _core.Engine(_spec_numbers(spec), "python", policy, self.trace, BlockGroup, record)
+            return
+        # A built-in's Python object checks the options and is what ``policy`` shows; the engine runs its own.
+        self._policy = make_policy(policy, self, policy_options)
+        self._core = _core.Engine(_spec_numbers(spec), policy, self._policy.engine_args(), self.trace,
+                                  BlockGroup, record)
+
+    @property
+    def now(self) -> float:
+        """Simulated seconds."""
+        return self._core.now
+
+    def submit(self, op: Op) -> None:
+        """Submit an op at the current time (sets ``op.submitted`` and ``op.seq``).
+
+        Args:
+            op: a Kernel, Copy or Marker not submitted before.
+
+        Raises:
+            ValueError: the op was already submitted; a kernel with blocks < 1, a block that cannot fit
+                on an SM, or sm_cap < 1; a copy on an unknown engine or with negative nbytes.
+            TypeError: not a Kernel, Copy or Marker.
+        """
+        if op.seq != -1:
+            raise ValueError("op already submitted")
+        if isinstance(op, Kernel):
+            if op.blocks < 1:
+                raise ValueError(f"kernel needs at least one block, got {op.blocks}")
+            shape = (op.threads, op.regs_per_thread, op.smem)
+            numbers = self._launch.get(shape)
+            if numbers is None:
+                launch = self._shapes.launch(*shape)
+                need = launch.need
+                numbers = self._launch[shape] = (launch.shape, need.warps, need.regs, need.smem, launch.demand,
+                                                 launch.sm_share)
+            if op.sm_cap is not None and op.sm_cap < 1:
+                raise ValueError(f"sm_cap must be >= 1, got {op.sm_cap}")
+            cost = op.cost
+            seconds = cost.seconds
+            self._core.submit_kernel(op, op.client, self._stream(op), op.after, op.blocks, op.threads, op.priority,
+                                     op.sm_cap, (seconds, cost.shared, cost.clocked, cost.dram, cost.weight),
+                                     numbers, self._min_block if self._min_block > seconds else seconds)
+        elif isinstance(op, Copy):
+            if op.engine not in ENGINES:
+                raise ValueError(f"unknown copy engine {op.engine!r}; known: {ENGINES}")
+            if op.nbytes < 0:
+                raise ValueError(f"nbytes must be >= 0, got {op.nbytes}")
+            self._core.submit_copy(op, op.client, self._stream(op), op.after, _ENGINE_CODES[op.engine], op.nbytes)
+        elif isinstance(op, Marker):
+            self._core.submit_marker(op, op.client, self._stream(op), op.after)
+        else:
+            raise TypeError(f"cannot submit {type(op).__name__}")
+        return None
+
+    def _stream(self, op: Op) -> int:
+        key = (op.client, op.stream)
+        n = self._streams.get(key)
+        if n is None:
+            n = self._streams[key] = len(self._streams)
+        return n
+
+    def block_need(self, threads: int, regs_per_thread: int = 32, smem: int = 0) -> BlockNeed | None:
+        """What one block of this shape takes from an SM, or None if one cannot fit (cached: every launch
+        asks)."""
+        return self._shapes.block_need(threads, regs_per_thread, smem)
+
+    def configure_client(self, client: int, *, priority: int = 0, weight: float = 1.0,
+                         partition: str | int | None = None) -> None:
+        """Set how the policy treats ``client`` (call when it attaches; unconfigured clients get the defaults).
+
+        Takes effect for blocks placed from now on; blocks already resident stay where they are.
+
+        Args:
+            client: the tenant id.
+            priority: lower is more urgent: 0 normal, 1 below normal (CUDA_MPS_CLIENT_PRIORITY), other
+                integers for finer daemon-side levels (used by "priority").
+            weight: share of SM-time, > 0 (used by "fair").
+            partition: MIG partition: index, its decimal string or a profile name; None for partition 0
+                (used by "mig").
+
+        Raises:
+            ValueError: a non-integer priority, a weight that is not positive and finite, or a partition
+                the MIG layout does not have.
+        """
+        config = ClientConfig(priority, weight, partition)
+        self._policy.configure(client, config)  # checks it (a MIG partition must exist)
+        self._clients[client] = config
+        index = self._policy.resolve(partition) if isinstance(self._policy, MigPolicy) else 0
+        self._core.configure_client(client, priority, float(weight), index)
+        return None
+
+    def forget_client(self, client: int) -> None:
+        """A client is gone for good: cancel what it left, and keep nothing per client about it (its SM-time
+        still counts in ``statistics().sm_seconds``)."""
+        self._core.forget_client(client)
+        self._policy.forget(client)
+        self._clients.pop(client, None)
+        return None
+
+    def client_config(self, client: int) -> ClientConfig:
+        """The configuration ``client`` was given, or the defaults."""
+        return self._clients.get(client, DEFAULT_CLIENT)
+
+    @property
+    def policy(self) -> BuiltinPolicy | Policy:
+        """The policy in force (its name is ``policy.name``)."""
+        return self._policy
+
+    def next_time(self) -> float | None:
+        """Time of the next internal event.
+
+        Returns:
+            ``now`` if completions are waiting to be returned, else the time of the earliest pending
+            event, or None if nothing is running or waiting on time.
+        """
+        return self._core.next_time()
+
+    def advance(self, until: float, max_instants: int | None = None) -> list[Op]:
+        """Process every event with time <= ``until`` and move the clock to ``until``.
+
+        Args:
+            until: the new simulated time.
+            max_instants: stop after this many instants with events; the clock then stays at the last
+                one processed (below ``until``), so a caller in real time can yield and come back.
+
+        Returns:
+            The ops completed (including those completed at submit), in completion order, ties in
+            submission order; each has started, ended and done set.
+
+        Raises:
+            ValueError: ``until`` is before ``now`` (or NaN).
+        """
+        now = self._core.now
+        if not until >= now:
+            raise ValueError(f"cannot go back in time from {now} to {until}")
+        if max_instants is not None and max_instants < 0:
+            max_instants = 0
+        return self._core.advance(float(until), max_instants)
+
+    def run(self) -> list[Op]:
+        """Advance in virtual time until nothing is left to do.
+
+        Returns:
+            Every op completed, in completion order.
+        """
+        return self._core.run()
+
+    def cancel(self, client: int) -> list[Op]:
+        """A client's context is torn down (it died, or a fatal fault took it): drop all its work.
+
+        Ops not yet started are dropped; running blocks are evicted at once and a copy in flight stops, as
+        when the MPS server destroys a context. None of them is reported as completed. Other clients' ops
+        that depend on any of them go ahead now.
+
+        Args:
+            client: the tenant id.
+
+        Returns:
+            The dropped (never started) ops, in submission order.
+        """
+        return self._core.cancel(client)
+
+    def statistics(self) -> SimStatistics:
+        """A snapshot of the counters (see ``SimStatistics``)."""
+        now, kernels, blocks, copies, per_client, sm_seconds = self._core.statistics()
+        return SimStatistics(now, kernels, blocks, copies, {c[0]: ClientStatistics(*c[1:]) for c in per_client},
+                             sm_seconds)
+
+    def busy_sms(self, client: int | None = None) -> int:
+        """SMs with at least one resident block (of ``client``, if given)."""
+        return self._core.busy_sms(client)
+
+    def stranded_blocks(self) -> int:
+        """Blocks of ready kernels that would fit now on SMs their client may use (its MIG window, its SM
+        cap), yet wait: idle capacity while work is queued. Always 0 between calls under the
+        work-conserving policies ("mps", "round-robin", "fair", "mig", and "priority" without aging)."""
+        return self._core.stranded_blocks()
