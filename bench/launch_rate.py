@@ -22,6 +22,8 @@ from typing import Callable
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _harness as h  # noqa: E402
 
+import psutil  # noqa: E402
+
 from mpsd.sim import H200  # noqa: E402
 
 TARGET = 0.40  # our rate / raw rate, at least
@@ -60,6 +62,21 @@ def block_raw(sock, reader: h.FrameReader, n: int, warmup: int) -> float:
     t0 = time.perf_counter()
     stream(n)
     return time.perf_counter() - t0
+
+
+def simulator_share(n: int) -> float:
+    """Seconds of this process's CPU per launch for what the daemon asks the simulator for each one: a Kernel
+    record, submit, and the advance that completes it (the calls mpsd.backends.engine makes, nothing else)."""
+    from mpsd.sim import Kernel, Simulator, kernel_cost
+
+    sim = Simulator(H200)
+    cost = kernel_cost(H200, *KERNEL[:3], KERNEL[3])
+    now, t0 = 0.0, time.process_time()
+    for _ in range(n):
+        sim.submit(Kernel(client=1, stream=(1, 0), blocks=1, threads=32, cost=cost))
+        now += 5e-6
+        sim.advance(now, 16)
+    return (time.process_time() - t0) / n
 
 
 def direct_launches(ordinal: int) -> Callable[[int, int], float]:
@@ -111,7 +128,11 @@ def main() -> int:
             baseline = lambda: block_raw(*peer, args.n, args.warmup)  # noqa: E731
         if args.pin:
             h.pin(0, h.CLIENT_CPU)
+        daemon_cpu = psutil.Process(d.proc.pid)
+        cpu_before = sum(daemon_cpu.cpu_times()[:2])
         ours, raw = h.alternate(args, "launch_client", lambda: block_ours(ctx, args.n, args.warmup), baseline)
+        # the daemon idles while the raw side runs: its CPU over the whole run is that of our launches
+        cpu_per_launch = (sum(daemon_cpu.cpu_times()[:2]) - cpu_before) / (args.repeat * (args.n + args.warmup))
         done = None if real else ctx.statistics().get("kernels_completed")  # a real GPU has no such count
         expected = args.repeat * (args.n + args.warmup)
         if done is not None and done != expected:
@@ -124,10 +145,18 @@ def main() -> int:
              f"{H200.kernel_overhead * 1e6:g} us / {args.time_scale:g} per kernel, so it does not bound the rate"),
             ("blocks", f"{args.repeat} x {args.n} per side, alternating, {args.warmup} warm-up per block"),
             ("mpsd rate", f"{rate:,.0f} launches/s   (per block "
-                          + " ".join(f"{args.n / t:,.0f}" for t in ours) + ")")]
+                          + " ".join(f"{args.n / t:,.0f}" for t in ours) + ")"),
+            ("daemon CPU", f"{cpu_per_launch * 1e6:.1f} us per launch (user + system, read with psutil)")]
+    if not real:
+        share = simulator_share(args.n)
+        rows.append(("simulator", f"{share * 1e6:.2f} us of it per launch: Kernel, submit and the advance that "
+                                  f"completes it, timed here on the same simulator (target: under 5 us)"))
     target = REAL_TARGET if real else TARGET
     line = {"bench": "launch_rate", "n": args.n, "repeat": args.repeat, "time_scale": args.time_scale,
-            "devices": args.devices, "rate_per_s": round(rate), "target_ratio": target}
+            "devices": args.devices, "rate_per_s": round(rate), "target_ratio": target,
+            "daemon_cpu_us_per_launch": round(cpu_per_launch * 1e6, 2)}
+    if not real:
+        line["simulator_us_per_launch"] = round(share * 1e6, 2)
     verdict = None
     if raw:
         raw_rate = args.n * len(raw) / sum(raw)
