@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 from . import _core
@@ -60,6 +61,7 @@ class Simulator:
         self._shapes = Shapes(spec)
         self._launch: dict[tuple[int, int, int], tuple] = {}  # (threads, regs, smem) -> the engine's numbers
         self._streams: dict[tuple, int] = {}  # (client, stream) -> the engine's number for it
+        self._stream_numbers = itertools.count()  # never reused: a forgotten client's numbers stay retired
         self._min_block = spec.min_block_time
         if isinstance(policy, str) and ":" in policy:
             policy = load_policy(policy, policy_options)
@@ -126,7 +128,7 @@ class Simulator:
         key = (op.client, op.stream)
         n = self._streams.get(key)
         if n is None:
-            n = self._streams[key] = len(self._streams)
+            n = self._streams[key] = next(self._stream_numbers)
         return n
 
     def block_need(self, threads: int, regs_per_thread: int = 32, smem: int = 0) -> BlockNeed | None:
@@ -165,6 +167,8 @@ class Simulator:
         self._core.forget_client(client)
         self._policy.forget(client)
         self._clients.pop(client, None)
+        for key in [key for key in self._streams if key[0] == client]:  # a daemon meets clients without end
+            del self._streams[key]
         return None
 
     def client_config(self, client: int) -> ClientConfig:
