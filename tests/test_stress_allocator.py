@@ -55,3 +55,24 @@ def test_a_tenant_whose_allocator_runs_out_fails_those_requests_only():
 def test_a_bad_allocator_setting_says_what_is_wrong(entry, message):
     with pytest.raises(WorkloadError, match=message):
         parse_workload({"tenant": [{"name": "a", "kernel": [{"name": "spin", "duration_ms": 1}], **entry}]})
+
+
+def test_the_report_draws_each_allocators_segments_over_time(tmp_path):
+    """With allocator tenants, --report adds segments_P.png; its series has one point per request, in time
+    order, whose largest reserved figure is the allocator's reserved peak (no retry gave any back)."""
+    from test_stress_report import assert_picture
+
+    from mpsd.stress.report import write_report
+
+    w = parse_workload({"run": {"duration": 0.05, "solo": False},
+                        "tenant": [churner("buddy", "buddy"), churner("slab", "slab")]})
+    run = run_virtual(w, "mps", {})
+    written = write_report(tmp_path, {"mps": run}, {})
+    assert [p.name for p in written] == ["latency_cdf_mps.png", "occupancy_mps.png", "segments_mps.png",
+                                         "trace_mps.json"]
+    assert_picture(written[2])
+    for tenant, series in run.allocator_series.items():
+        assert len(series) == sum(1 for r in run.requests if r.tenant == tenant)
+        assert [s[0] for s in series] == sorted(s[0] for s in series)
+        assert all(reserved >= allocated > 0 and segments > 0 for _, reserved, allocated, segments in series)
+        assert max(s[1] for s in series) == run.allocators[tenant]["reserved_bytes.all.peak"]

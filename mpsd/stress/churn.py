@@ -67,6 +67,7 @@ class Churn:
         self.live: deque[int] = deque()
         self.real: dict[int, Any] = {}  # the ledger's address of each segment -> mpsd's pointer
         self.samples: list[tuple[float, float]] = []  # (external, internal) after each allocation
+        self.series: list[tuple[int, int, int]] = []  # (reserved, allocated, segments) after each request's churn
 
     async def step(self) -> None:
         """One request's churn.
@@ -82,6 +83,8 @@ class Churn:
             self.samples.append((stats["fragmentation.external"], stats["fragmentation.internal"]))
         finally:
             await self.flush()
+            self.series.append((self.allocator.memory_reserved(), self.allocator.memory_allocated(),
+                                len(self.allocator.memory_snapshot())))
 
     async def flush(self) -> None:
         """Await the segment calls the allocator made; the first refusal is raised once all were tried."""

@@ -239,7 +239,8 @@ async def _serve(ctx: mpsd_client.AsyncContext, setup: dict[str, Any], link: Lin
     statistics = await ctx.statistics()
     link.done({"requests": requests, "errors": tenant.errors,
                "statistics": {k: v for k, v in statistics.items() if isinstance(v, (int, float, str))},
-               "allocator": tenant.churn.figures() if tenant.churn is not None else None})
+               "allocator": tenant.churn.figures() if tenant.churn is not None else None,
+               "allocator_series": tenant.churn.series if tenant.churn is not None else None})
 
 
 class _Lines:

@@ -132,6 +132,7 @@ class Timeline:
         requests, kernels, spans: as recorded, in no particular order.
         memory_high_water: tenant name -> most device memory charged to it at once, bytes.
         allocators: tenant name -> its caching allocator's figures (mpsd.stress.churn), for tenants with one.
+        allocator_series: tenant name -> (submitted, reserved, allocated, segments) after each request's churn.
         partitions: MIG partitions as (name, first SM, end SM), for trace rows; empty without MIG.
         virtual: True if the run was on the virtual clock (every time is the model's, not the host's).
         lag: the furthest the daemon's model fell behind the wall clock, seconds (0 on the virtual clock): when
@@ -148,6 +149,7 @@ class Timeline:
     spans: list[Span] = field(default_factory=list)
     memory_high_water: dict[str, int] = field(default_factory=dict)
     allocators: dict[str, dict[str, Any]] = field(default_factory=dict)
+    allocator_series: dict[str, list[tuple[float, int, int, int]]] = field(default_factory=dict)
     partitions: list[tuple[str, int, int]] = field(default_factory=list)
     virtual: bool = False
     lag: float = 0.0
