@@ -134,7 +134,19 @@ class CachingAllocator:
             as in PyTorch, acts only under ``set_per_process_memory_fraction``) are honoured.
     """
 
-    def __init__(self, ctx: Any, config: str | None = None) -> None:
+    def __new__(cls, ctx: Any, config: str | None = None, strategy: str = "pytorch", **options: Any) -> Any:
+        # strategy="buddy" | "slab" gives one of mpsd_client._strategies' allocators instead: the same calls
+        # over other rules, for comparing how each fragments (imported here, as that module builds on this one).
+        if strategy == "pytorch":
+            if options:
+                raise TypeError(f"the pytorch strategy takes no options {sorted(options)}")
+            return super().__new__(cls)
+        from ._strategies import STRATEGIES
+        if strategy not in STRATEGIES:
+            raise ValueError(f"strategy {strategy!r}: one of pytorch, {', '.join(STRATEGIES)}")
+        return STRATEGIES[strategy](ctx, **options)
+
+    def __init__(self, ctx: Any, config: str | None = None, strategy: str = "pytorch") -> None:
         self.ctx = ctx
         options = _config(os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") if config is None else config)
         self.max_split_size = int(options["max_split_size_mb"] * (1 << 20)) if "max_split_size_mb" in options \
@@ -287,8 +299,9 @@ class CachingAllocator:
         self._release_cached()
 
     # -- statistics, as torch.cuda has them ------------------------------------------------------------------
-    def memory_stats(self) -> dict[str, int]:
-        """Every figure torch.cuda.memory_stats() gives, under the same keys."""
+    def memory_stats(self) -> dict[str, float]:
+        """Every figure torch.cuda.memory_stats() gives, under the same keys, and mpsd's own
+        ``fragmentation.*`` figures (see `fragmentation`)."""
         out: dict[str, int] = {}
         for name, pools in self._stats.items():
             for pool, stat in pools.items():
@@ -299,6 +312,8 @@ class CachingAllocator:
                 out[f"{name}.{field_name}"] = getattr(stat, field_name)
         out.update(self._counts)
         out["max_split_size"] = -1 if self.max_split_size == UNLIMITED else self.max_split_size
+        free = [block.size for pool in self._pools.values() for block in pool.blocks.values()]
+        out.update(fragmentation(free, out["requested_bytes.all.current"], out["allocated_bytes.all.current"]))
         return dict(sorted(out.items()))
 
     def memory_allocated(self) -> int:
@@ -557,14 +572,37 @@ class CachingAllocator:
                 stat.down(-amount)
 
     def _oom_message(self, nbytes: int) -> str:
-        free, total = self.ctx.mem_get_info()
-        allocated, reserved = self.memory_allocated(), self.memory_reserved()
-        allowed = f"{_torch_size(self.allowed)} allowed; " if self.allowed is not None else ""
-        return (f"CUDA out of memory. Tried to allocate {_torch_size(nbytes)}. GPU 0 has a total capacity of "
-                f"{_torch_size(total)} of which {_torch_size(free)} is free. {allowed}Of the allocated memory "
-                f"{_torch_size(allocated)} is allocated by PyTorch, and {_torch_size(reserved - allocated)} is "
-                "reserved by PyTorch but unallocated. If reserved but unallocated memory is large try setting "
-                "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.")
+        return _oom_message(self.ctx, nbytes, self.memory_allocated(), self.memory_reserved(), self.allowed)
+
+
+def _oom_message(ctx: Any, nbytes: int, allocated: int, reserved: int, allowed_bytes: int | None) -> str:
+    """PyTorch's OutOfMemoryError text (every strategy raises it, so that scripts matching it still do)."""
+    free, total = ctx.mem_get_info()
+    allowed = f"{_torch_size(allowed_bytes)} allowed; " if allowed_bytes is not None else ""
+    return (f"CUDA out of memory. Tried to allocate {_torch_size(nbytes)}. GPU 0 has a total capacity of "
+            f"{_torch_size(total)} of which {_torch_size(free)} is free. {allowed}Of the allocated memory "
+            f"{_torch_size(allocated)} is allocated by PyTorch, and {_torch_size(reserved - allocated)} is "
+            "reserved by PyTorch but unallocated. If reserved but unallocated memory is large try setting "
+            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.")
+
+
+def fragmentation(free_blocks: list[int], requested: int, allocated: int) -> dict[str, float]:
+    """mpsd's fragmentation figures, which PyTorch has no keys for, over the memory an allocator has reserved:
+
+    - ``fragmentation.free_bytes``: the cached blocks no allocation holds (reserved less active, pending
+      frees aside);
+    - ``fragmentation.largest_free_block``: the largest of them, the most one allocation could get without
+      reserving more;
+    - ``fragmentation.external``: 1 - largest_free_block / free_bytes (0 with nothing free): how much of the
+      free memory is in pieces too small for a request as large as it all;
+    - ``fragmentation.internal``: 1 - requested / allocated bytes (0 with nothing allocated): the share of what
+      is handed out that rounding gave beyond what was asked.
+    """
+    free = sum(free_blocks)
+    largest = max(free_blocks, default=0)
+    return {"fragmentation.free_bytes": free, "fragmentation.largest_free_block": largest,
+            "fragmentation.external": 1 - largest / free if free else 0.0,
+            "fragmentation.internal": 1 - requested / allocated if allocated else 0.0}
 
 
 def _allocation_size(size: int) -> int:

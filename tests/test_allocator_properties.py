@@ -5,6 +5,7 @@
 # stream goes to another only as the reuse flags allow, and emptying gives back every unused segment.
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -184,7 +185,76 @@ def test_the_caching_allocators_statistics_are_the_sums_of_its_blocks(steps, con
         assert stats["requested_bytes.all.current"] == sum(b["requested_size"] for b in allocated)
         assert stats["reserved_bytes.all.current"] == sum(s["total_size"] for s in segments)
         assert stats["segment.all.current"] == len(segments) and device.live == {s["address"] for s in segments}
+        _check_fragmentation(stats, segments)
     for ptr in live:
         allocator.free(ptr)
     allocator.empty_cache()
     assert allocator.memory_reserved() == 0 and not device.live
+
+
+def _check_fragmentation(stats: dict, segments: list[dict]) -> None:
+    """mpsd's fragmentation figures are what the snapshot's blocks give: free bytes and the largest free block
+    over the inactive blocks, external = 1 - largest / free, internal = 1 - requested / allocated."""
+    free = [b["size"] for s in segments for b in s["blocks"] if b["state"] == "inactive"]
+    allocated = [b for s in segments for b in s["blocks"] if b["state"] == "active_allocated"]
+    assert stats["fragmentation.free_bytes"] == sum(free) == stats["reserved_bytes.all.current"] \
+        - stats["active_bytes.all.current"]
+    assert stats["fragmentation.largest_free_block"] == max(free, default=0)
+    if free:
+        assert stats["fragmentation.external"] == pytest.approx(1 - max(free) / sum(free))
+    else:
+        assert stats["fragmentation.external"] == 0
+    size, asked = sum(b["size"] for b in allocated), sum(b["requested_size"] for b in allocated)
+    assert 0 <= stats["fragmentation.internal"] < 1 and 0 <= stats["fragmentation.external"] < 1
+    assert stats["fragmentation.internal"] == (pytest.approx(1 - asked / size) if size else 0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(CACHE_STEPS, st.sampled_from(["pytorch", "buddy", "slab"]))
+def test_every_strategys_blocks_tile_its_segments_and_its_figures_add_up(steps, strategy):
+    """For PyTorch's rules, buddy and slab alike: blocks tile their segments without overlap, the statistics and
+    the fragmentation figures are the sums of the snapshot's blocks, and empty_cache after freeing everything
+    gives every segment back. Buddy's blocks are powers of two aligned to their size in the arena, and no free
+    block's buddy is free and whole (it would have merged); a slab's blocks are all of its one size class."""
+    device = Device()
+    allocator = CachingAllocator(device, strategy=strategy)
+    live: list[int] = []
+    for step in steps:
+        if step[0] == "malloc":
+            live.append(allocator.malloc(step[1], step[2]))
+        elif step[0] == "free" and live:
+            allocator.free(live.pop(step[1] % len(live)))
+        elif step[0] == "empty_cache":
+            allocator.empty_cache()
+        segments = allocator.memory_snapshot()
+        stats = allocator.memory_stats()
+        blocks = [b for s in segments for b in s["blocks"]]
+        for s in segments:
+            ends = [b["address"] + b["size"] for b in s["blocks"]]
+            assert [b["address"] for b in s["blocks"]] == [s["address"]] + ends[:-1]
+            assert ends[-1] == s["address"] + s["total_size"]
+            offsets = {b["address"] - s["address"]: b for b in s["blocks"]}
+            if strategy == "buddy":
+                for offset, b in offsets.items():
+                    assert b["size"] & (b["size"] - 1) == 0 and offset % b["size"] == 0
+                    buddy = offsets.get(offset ^ b["size"])
+                    assert not (b["state"] == "inactive" and buddy is not None and buddy["state"] == "inactive"
+                                and buddy["size"] == b["size"] and b["size"] < s["total_size"]), "buddies unmerged"
+            elif strategy == "slab":
+                assert len({b["size"] for b in s["blocks"]}) == 1
+        allocated = [b for b in blocks if b["state"] == "active_allocated"]
+        assert sorted(b["address"] for b in allocated) == sorted(live)
+        assert all(b["requested_size"] <= b["size"] for b in allocated)
+        assert stats["allocated_bytes.all.current"] == sum(b["size"] for b in allocated)
+        assert stats["requested_bytes.all.current"] == sum(b["requested_size"] for b in allocated)
+        assert stats["reserved_bytes.all.current"] == sum(s["total_size"] for s in segments)
+        assert stats["segment.all.current"] == len(segments) and device.live == {s["address"] for s in segments}
+        assert stats["inactive_split_bytes.all.current"] <= stats["fragmentation.free_bytes"]
+        _check_fragmentation(stats, segments)
+    for ptr in live:
+        allocator.free(ptr)
+    stats = allocator.memory_stats()
+    assert stats["fragmentation.internal"] == 0 and stats["inactive_split.all.current"] == 0
+    allocator.empty_cache()
+    assert allocator.memory_reserved() == 0 and not device.live
+    assert allocator.memory_stats()["fragmentation.free_bytes"] == 0

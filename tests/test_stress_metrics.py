@@ -148,7 +148,7 @@ def test_summary_is_plain_json_with_the_documented_keys():
         "tenant", "group", "requests", "completed", "errors", "throughput_per_s", "latency_ms", "slo_attainment",
         "isolation", "sm_seconds", "sm_share", "entitlement", "normalised_share", "max_sms", "sm_cap",
         "sm_cap_violations", "memory_high_water", "mem_limit", "memory_violations", "longest_wait_ms", "kernels",
-        "blocks", "errors_by_name", "host_share"}
+        "blocks", "errors_by_name", "host_share", "allocator"}
 
 
 def test_records_of_unlisted_tenants_count_only_in_the_totals():

@@ -160,6 +160,7 @@ def summarize(timeline: Timeline, solo_p99: dict[str, float] | None = None) -> d
             "longest_wait_ms": max(longest_wait[i], 0.0) * 1e3,
             "kernels": kernels[i], "blocks": blocks[i],
             "host_share": float(np.median(host_shares[i])) if host_shares[i] else None,
+            "allocator": timeline.allocators.get(t.name),
         })
 
     completed_all = [x for per_tenant in latencies for x in per_tenant]

@@ -36,7 +36,8 @@ def write_report(directory: str | PathLike[str], runs: dict[str, Timeline],
     Per policy P: ``latency_cdf_P.png`` (a latency CDF per tenant, log latency axis), ``occupancy_P.png``
     (SMs occupied over time, stacked by tenant, under the device's SM count) and ``trace_P.json`` (see
     mpsd.stress.trace); with two policies or more also ``compare.png`` (p99 latency per tenant group, bars grouped
-    by policy). Characters of P that do not belong in a file name become "_".
+    by policy); ``segments_P.png`` (each caching allocator tenant's reserved and allocated bytes and its
+    segments over time) when a tenant has one. Characters of P that do not belong in a file name become "_".
 
     Args:
         directory: where to write; created if missing.
@@ -67,6 +68,14 @@ def write_report(directory: str | PathLike[str], runs: dict[str, Timeline],
             finally:
                 plt.close(fig)
             written.append(out / name)
+        if timeline.allocator_series:
+            fig = plt.figure(figsize=FIGSIZE, dpi=DPI)
+            try:
+                _segments(fig, policy, timeline)
+                fig.savefig(out / f"segments_{tag}.png")
+            finally:
+                plt.close(fig)
+            written.append(out / f"segments_{tag}.png")
         write_trace(out / f"trace_{tag}.json", timeline)
         written.append(out / f"trace_{tag}.json")
     if len(runs) >= 2:
@@ -139,6 +148,24 @@ def _occupancy(fig: Figure, policy: str, timeline: Timeline, summary: dict[str, 
     share = summary.get("jain_index")
     detail = f" - Jain's index {share:.3f}" if share is not None else ""
     ax.set_title(f"SM occupancy by {kind}, policy {policy}{detail}")
+    fig.tight_layout()
+
+
+def _segments(fig: Figure, policy: str, timeline: Timeline) -> None:
+    """Reserved (solid) and allocated (dashed) MiB per allocator tenant above, its segment count below: the gap
+    between the lines is what the cache holds unallocated."""
+    top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=(2, 1))
+    for tenant, series in timeline.allocator_series.items():
+        at, reserved, allocated, segments = (np.array(column) for column in zip(*series))
+        strategy = timeline.allocators.get(tenant, {}).get("strategy", "?")
+        line, = top.step(at, reserved / (1 << 20), where="post", label=f"{tenant} ({strategy})")
+        top.step(at, allocated / (1 << 20), where="post", linestyle="--", color=line.get_color())
+        bottom.step(at, segments, where="post", color=line.get_color())
+    top.set_ylabel("MiB: reserved (solid), allocated (dashed)")
+    top.legend(title="tenant (strategy)", fontsize="small", loc="upper left")
+    bottom.set_ylabel("segments")
+    bottom.set_xlabel("time since the run started (s)")
+    top.set_title(f"Caching allocators' segments over time, policy {policy}")
     fig.tight_layout()
 
 

@@ -494,4 +494,8 @@ def _timeline(workload: Workload, policy: str, plan: _Plan, ready: dict[str, dic
                     launch_overhead=device.launch_overhead, tenants=tenants, requests=requests, kernels=kernels,
                     spans=spans, partitions=device.partitions, lag=meta.get("max_lag", 0.0),
                     virtual=meta.get("clock") == "virtual",
-                    memory_high_water={rename[c]: v for c, v in device.memory_high_water.items() if rename.get(c)})
+                    memory_high_water={rename[c]: v for c, v in device.memory_high_water.items() if rename.get(c)},
+                    allocators={name: result["allocator"] for name, result in done.items() if result.get("allocator")},
+                    allocator_series={name: [(row[0], *sample) for row, sample in zip(result["requests"],
+                                                                                     result["allocator_series"])]
+                                      for name, result in done.items() if result.get("allocator_series")})

@@ -33,6 +33,7 @@ from typing import Any, Protocol
 import trio
 
 import mpsd_client
+from mpsd.stress.churn import Churn
 from mpsd.stress.workload import COPIES, POINTER_KERNELS, KernelSpec, TenantSpec
 from mpsd_protocol import CudaError
 
@@ -74,11 +75,15 @@ class Tenant:
         self.stream: Any = None
         self.pointers: dict[int, tuple[int, ...]] = {}
         self.copies: dict[str, tuple[Any, Any]] = {}  # "input" / "output" -> (device buffer, pinned host buffer)
+        self.churn: Churn | None = None
 
     async def set_up(self, ipc_handle: str | None) -> None:
         """Its stream and memory; a refusal is recorded (the run goes on, as a service's would not)."""
         try:
             await self._allocate(ipc_handle)
+            if self.spec.allocator is not None:  # the allocator's device: what the tenant has left free now
+                capacity = (await self.ctx.mem_get_info())[0]
+                self.churn = Churn(self.ctx, self.spec.allocator, self.spec.churn, capacity)
         except CudaError as exc:
             self.errors.append(exc.name)
 
@@ -120,7 +125,9 @@ class Tenant:
             CudaError: any call failed (the request counts as failed).
         """
         ctx, spec, stream = self.ctx, self.spec, self.stream
-        scratch = await ctx.malloc(spec.churn) if spec.churn else None
+        if self.churn is not None:  # through its caching allocator: a segment call only when the cache has no room
+            await self.churn.step()
+        scratch = await ctx.malloc(spec.churn) if spec.churn and self.churn is None else None
         try:
             if "input" in self.copies:
                 device, host = self.copies["input"]
@@ -231,7 +238,9 @@ async def _serve(ctx: mpsd_client.AsyncContext, setup: dict[str, Any], link: Lin
     requests = await tenant.run(t0, float(setup["duration"]), setup.get("arrivals"), link)
     statistics = await ctx.statistics()
     link.done({"requests": requests, "errors": tenant.errors,
-               "statistics": {k: v for k, v in statistics.items() if isinstance(v, (int, float, str))}})
+               "statistics": {k: v for k, v in statistics.items() if isinstance(v, (int, float, str))},
+               "allocator": tenant.churn.figures() if tenant.churn is not None else None,
+               "allocator_series": tenant.churn.series if tenant.churn is not None else None})
 
 
 class _Lines:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from mpsd.sim import Kernel, Simulator
@@ -131,6 +131,8 @@ class Timeline:
         tenants: every tenant instance, in workload order.
         requests, kernels, spans: as recorded, in no particular order.
         memory_high_water: tenant name -> most device memory charged to it at once, bytes.
+        allocators: tenant name -> its caching allocator's figures (mpsd.stress.churn), for tenants with one.
+        allocator_series: tenant name -> (submitted, reserved, allocated, segments) after each request's churn.
         partitions: MIG partitions as (name, first SM, end SM), for trace rows; empty without MIG.
         virtual: True if the run was on the virtual clock (every time is the model's, not the host's).
         lag: the furthest the daemon's model fell behind the wall clock, seconds (0 on the virtual clock): when
@@ -146,6 +148,8 @@ class Timeline:
     kernels: list[KernelRecord] = field(default_factory=list)
     spans: list[Span] = field(default_factory=list)
     memory_high_water: dict[str, int] = field(default_factory=dict)
+    allocators: dict[str, dict[str, Any]] = field(default_factory=dict)
+    allocator_series: dict[str, list[tuple[float, int, int, int]]] = field(default_factory=dict)
     partitions: list[tuple[str, int, int]] = field(default_factory=list)
     virtual: bool = False
     lag: float = 0.0

@@ -8,8 +8,11 @@
 #   [run]        duration (s), seed, policy, solo (bool: also run each group alone, for isolation),
 #                [run.policy_options.<policy>] (that policy's settings, as the daemon takes them)
 #   [[tenant]]   name, count, active_thread_percentage, pinned_mem_limit, priority, weight, partition,
-#                deadline_ms, memory, churn, stream_priority, input, output (bytes copied host to device
-#                before each request's kernels and device to host after them, from and to pinned memory),
+#                deadline_ms, memory, churn (bytes allocated and freed by each request), allocator = "pytorch" |
+#                "buddy" | "slab" (churn through that caching allocator strategy instead: sizes up to churn, the
+#                last few kept live, the allocator's figures in the results), stream_priority, input, output
+#                (bytes copied host to device before each request's kernels and device to host after them, from
+#                and to pinned memory),
 #                arrival = "closed" | "uniform" | "poisson" | "bursty" | "trace", rate, burst, trace, think_ms,
 #                start (s into the run when the tenant begins; a uniform tenant's first arrival),
 #                requests (at most this many; without it, as many as the duration holds),
@@ -37,6 +40,7 @@ __all__ = ["ARRIVALS", "COPIES", "KernelSpec", "TenantSpec", "Workload", "Worklo
 
 ARRIVALS = ("closed", "uniform", "poisson", "bursty", "trace")
 POINTER_KERNELS = {"fill_f32": 1, "vector_add_f32": 3, "saxpy_f32": 2, "reduce_sum_f32": 2}  # buffers each needs
+ALLOCATORS = ("pytorch", "buddy", "slab")  # CachingAllocator's strategies, for a tenant's churn
 COPIES = {"memcpy_htod": "h2d", "memcpy_dtoh": "d2h", "memcpy_dtod": "d2d", "memset": "memset"}  # -> the model's kind
 
 
@@ -92,6 +96,7 @@ class TenantSpec:
     deadline: float | None = None
     memory: int = 0
     churn: int = 0
+    allocator: str | None = None
     stream_priority: int = 0
     arrival: str = "closed"
     rate: float = 0.0
@@ -225,7 +230,7 @@ def arrival_times(tenant: TenantSpec, duration: float, seed: int, copy: int = 0)
 # -- checking ---------------------------------------------------------------------------------------------
 
 _TENANT_KEYS = {"name", "count", "active_thread_percentage", "pinned_mem_limit", "priority", "weight", "partition",
-                "deadline_ms", "memory", "churn", "stream_priority", "arrival", "rate", "burst", "trace", "think_ms",
+                "deadline_ms", "memory", "churn", "allocator", "stream_priority", "arrival", "rate", "burst", "trace", "think_ms",
                 "ipc", "ipc_size", "ipc_peer", "input", "output", "start", "requests", "kernel"}
 _KERNEL_KEYS = {"name", "grid", "block", "repeat", "duration_ms", "cycles", "iterations", "elements"}
 _COPY_KEYS = {"name", "bytes", "repeat"}
@@ -264,13 +269,18 @@ def _tenant(entry: Any, index: int, base: Path) -> TenantSpec:
         raise WorkloadError(f"{where}: partition must be a MIG partition index")
     limit = entry.get("pinned_mem_limit")
     requests = entry.get("requests")
+    allocator = entry.get("allocator")
+    if allocator not in (None, *ALLOCATORS):
+        raise WorkloadError(f"{where}: allocator must be one of {', '.join(ALLOCATORS)}")
+    if allocator is not None and not entry.get("churn"):
+        raise WorkloadError(f"{where}: allocator needs churn (the largest size it allocates)")
     return TenantSpec(
         name=name, count=count, active_thread_percentage=percentage,
         pinned_mem_limit=None if limit is None else _size(entry, "pinned_mem_limit", where),
         priority=_integer(entry, "priority", where, 0), weight=_number(entry, "weight", where, 1.0, low=1e-9),
         partition=partition,
         deadline=None if deadline is None else _number(entry, "deadline_ms", where, 0.0, low=1e-9) / 1e3,
-        memory=_size(entry, "memory", where), churn=_size(entry, "churn", where),
+        memory=_size(entry, "memory", where), churn=_size(entry, "churn", where), allocator=allocator,
         stream_priority=_integer(entry, "stream_priority", where, 0),
         arrival=arrival, rate=rate, burst=_integer(entry, "burst", where, 1, low=1), trace=trace,
         think=_number(entry, "think_ms", where, 0.0, low=0.0) / 1e3,
