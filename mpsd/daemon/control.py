@@ -20,6 +20,9 @@
 # logs, then its answer line by line. The mpsd extensions keep their strict parsing (mpsd_protocol's
 # parse_integer and parse_decimal), so no line any user sends can raise anything but a CommandError there; the
 # server still answers any other exception with an error line, as the last line of defence.
+#
+# A daemon started with protocol 3 (mpsd --protocol 3, nvidia-cuda-mps-control -p 3) also takes MPS v3's
+# module-verb commands; protocol 2, the default, is exactly the legacy language.
 from __future__ import annotations
 
 import functools
@@ -229,6 +232,7 @@ class Control:
         self._later: list[Callable[[], None]] = []  # lines to log once the command's connection is done
         self._in_command = False
         self.orphans: set[int] = set()  # contexts of a server shut down with -f: no server's clients any more
+        self.failed = False  # whether the last command failed (MPS v3's commands only: the tool exits 1)
 
     @property
     def quitting(self) -> bool:
@@ -242,6 +246,7 @@ class Control:
         words = _WORDS.findall(line)  # C's whitespace only: a Unicode space is part of a word
         name, args = (words[0], words[1:]) if words else ("", [])
         command = self._commands.get(name)
+        self.failed = False
         if command is None:
             reply = f'Unknown command "{name}"'
         elif name not in READ_ONLY and uid not in (0, self.daemon.owner_uid):

@@ -26,7 +26,7 @@ from mpsd.backends.hostmem import HostMemory, default_budget
 from mpsd.backends.sim import SimBackend
 from mpsd.daemon.config import Config
 from mpsd.daemon.control import MPS_VERSION, Control, Settings
-from mpsd.daemon.listeners import Greetings, Listeners, ListenError, open_listeners
+from mpsd.daemon.listeners import Greetings, Listeners, ListenError, open_listeners, write_protocol_file
 from mpsd.daemon.ownership import UnsafePathError
 from mpsd.daemon.servlog import ServerLog
 from mpsd.daemon.session import Session
@@ -418,6 +418,13 @@ class Daemon:
             listeners = await open_listeners(self.config.pipe_dir, multiuser=self.config.multiuser)
         except ListenError as exc:
             raise DaemonError(str(exc)) from None
+        try:
+            protocol_file = write_protocol_file(self.config.pipe_dir, self.config.protocol)
+        except ListenError as exc:
+            listeners.close()
+            raise DaemonError(str(exc)) from None
+        if protocol_file is not None:
+            listeners.bound.append(protocol_file)
         control_path = self.config.pipe_dir / "control"
         self.log.control(f"Starting control daemon using socket {control_path}"
                          + (" (sockets from systemd)" if listeners.activated else ""))
@@ -556,7 +563,7 @@ class Daemon:
                     if self.control.quitting:
                         await self._stop.wait()  # the daemon is on its way out: the tool sees it go
                         return
-                    for part in control_packets(reply):
+                    for part in control_packets(reply, failed=self.control.failed):
                         await sock.send(part)
             except OSError:
                 pass  # the control client went away
