@@ -22,7 +22,7 @@
 # server still answers any other exception with an error line, as the last line of defence.
 #
 # A daemon started with protocol 3 (mpsd --protocol 3, nvidia-cuda-mps-control -p 3) also takes MPS v3's
-# module-verb commands; protocol 2, the default, is exactly the legacy language.
+# module-verb commands (mpsd.daemon.control_v3); protocol 2, the default, is exactly the legacy language.
 from __future__ import annotations
 
 import functools
@@ -233,6 +233,10 @@ class Control:
         self._in_command = False
         self.orphans: set[int] = set()  # contexts of a server shut down with -f: no server's clients any more
         self.failed = False  # whether the last command failed (MPS v3's commands only: the tool exits 1)
+        from mpsd.daemon.control_v3 import MODULES, V3  # it builds on this module's helpers
+
+        self._v3 = V3(self) if daemon.config.protocol == 3 else None
+        self._v3_modules = MODULES
 
     @property
     def quitting(self) -> bool:
@@ -247,7 +251,13 @@ class Control:
         name, args = (words[0], words[1:]) if words else ("", [])
         command = self._commands.get(name)
         self.failed = False
-        if command is None:
+        if self._v3 is not None and name in self._v3_modules:  # MPS v3's module-verb commands
+            self._caller, self._in_command = uid, True
+            try:
+                reply, self.failed = self._v3.run(name, args, uid)
+            finally:
+                self._in_command = False
+        elif command is None:
             reply = f'Unknown command "{name}"'
         elif name not in READ_ONLY and uid not in (0, self.daemon.owner_uid):
             log.control(f"User {uid} is not allowed to run {name}")

@@ -101,6 +101,7 @@ class Daemon:
         }, config.client_priority)
         self.control = Control(self)
         self.pending_clients = 0  # clients of another user waiting for the current server to exit
+        self.waiting: list[tuple[int, int]] = []  # their (pid, uid), in the order they came (v3's client list)
         self._server_change = trio.Event()
         self._grace = SHUTDOWN_GRACE
         self.sessions: set[Session] = set()
@@ -282,11 +283,13 @@ class Daemon:
             return
         self.control.client_waiting(pid, uid)
         self.pending_clients += 1
+        self.waiting.append((pid, uid))
         try:
             while not self.control.admits(uid):
                 await self._server_change.wait()
         finally:
             self.pending_clients -= 1
+            self.waiting.remove((pid, uid))
 
     def server_changed(self) -> None:
         self._server_change.set()

@@ -14,7 +14,8 @@
 # running follows that daemon's protocol whatever its own -p says (the daemon says it in its pipe directory's
 # mpsd-protocol file; none is protocol 2). Under v3 the command is the words on the command line
 # (`nvidia-cuda-mps-control server list`), -q quits the daemon, -h prints v3's options, and a failed command's
-# text goes to stderr with exit status 1. V3_HELP's text is mpsd's own guess.
+# text goes to stderr with exit status 1. mpsd.daemon.control_v3 lists what had to be guessed; so does
+# V3_HELP's text, which is mpsd's own.
 from __future__ import annotations
 
 import argparse
@@ -108,7 +109,7 @@ HELP = (
     "\n"
 )
 # mpsd's guess at v3's help (NVIDIA documents the options, not this text): the options as the v3 documentation
-# lists them.
+# lists them, then the module-verb commands mpsd takes.
 V3_HELP = (
     "CUDA MPS Control for Linux/Unix/QNX (MPS v3).\n"
     "\n"
@@ -120,6 +121,16 @@ V3_HELP = (
     "  -m,--multiuser           Enable multiuser mode\n"
     "  -p,--protocol <2|3>      Protocol 2 (legacy, default) or 3\n"
     "  -q,--quit                Quit and stop the daemon\n"
+    "\n"
+    "COMMANDS:\n"
+    "  server list\n"
+    "  server create --uid=UID\n"
+    "  server delete --pid=PID [--force]\n"
+    "  server set [--pid=PID] [--device=DEV] [--active-thread-percentage=PCT] [--pinned-memory-limit=LIMIT]"
+    " [--client-priority=0|1]\n"
+    "  server get [--pid=PID] [--device=DEV] --active-thread-percentage|--pinned-memory-limit|--client-priority\n"
+    "  client list [--all]\n"
+    "  client terminate --pid=PID\n"
     "\n"
 )
 BAD_PROTOCOL = 'Invalid protocol version "{}", expected 2 or 3'  # mpsd's guess: NVIDIA documents none
