@@ -17,6 +17,8 @@ import pytest
 
 import mpsd_client
 from daemons import short_tempdir, start_daemon
+from mpsd.backends.sim import device_properties
+from mpsd.sim import H200
 from mpsd.tools.control import HELP, MPSD_OPTIONS, V3_HELP
 from test_ipc import _as_user, _second_user
 
@@ -167,3 +169,88 @@ def _wait_for(path: Path, text: str, timeout: float = 20.0) -> None:
             return
         time.sleep(0.02)
     raise AssertionError(f"{text!r} never appeared in {path}")
+
+
+CONFIG = """schema_version = "1.0"
+
+[servers.training]
+allowed_devices          = "{uuid}"
+pinned_memory_limit      = "2G"
+active_thread_percentage = "50"
+client_priority          = "1"
+uid                      = {uid}
+locality_domains         = false
+
+[servers.other]
+uid = 4242
+"""
+
+
+def test_apply_starts_named_servers_from_a_toml_file(daemon_factory, tmp_path):
+    """-a FILE with -d -p 3: a named server's settings are what its user's server starts with (its allowed
+    devices the only ones its clients may use), and server list names it; the others show INACTIVE."""
+    uuid = device_properties(H200, 1)["uuid"]  # the simulator's second device
+    config = tmp_path / "mps.toml"
+    config.write_text(CONFIG.format(uuid=uuid, uid=os.getuid()))
+    pipe = short_tempdir() / "pipe"
+    try:
+        assert tool(pipe, "-p", "3", "-a", str(config)) == (
+            1, "", "-a/--apply applies a configuration as the daemon starts: give it with -d or -f\n")
+        assert tool(pipe, "-d", "-p", "3", "-a", str(config), "--devices", "h200:2", "--time-scale", "100") == (
+            0, "", "")
+        header = "NAME           PID       UID       STATUS\n"
+        assert tool(pipe, "server", "list") == (0, header + f"training       -         {os.getuid():<10}INACTIVE\n"
+                                                         "other          -         4242      INACTIVE\n", "")
+        with mpsd_client.connect(pipe, device=1) as ctx:
+            assert ctx.quotas["sm_cap"] == 66 and ctx.quotas["pinned_mem_limit"] == 2 << 30
+            assert ctx.quotas["priority"] == 1
+            pid = (pipe / "nvidia-cuda-mps-control.pid").read_text().strip()
+            assert tool(pipe, "server", "list") == (
+                0, header + f"training       {pid:<10}{os.getuid():<10}ACTIVE\nother          -         4242      "
+                "INACTIVE\n", "")
+            assert tool(pipe, "server", "get", f"--pid={pid}", "--pinned-memory-limit") == (0, "1=2G\n", "")
+            with pytest.raises(mpsd_client.CudaError) as refused:
+                mpsd_client.connect(pipe, device=0)
+            assert refused.value.code == 46  # cudaErrorDevicesUnavailable: not among training's devices
+        log = (pipe / "control.log").read_text()
+        assert f"Applied configuration {config}: servers training, other" in log
+        assert tool(pipe, "-q") == (0, "", "")
+    finally:
+        shutil.rmtree(pipe.parent, ignore_errors=True)
+
+
+@pytest.mark.parametrize("text, error", [
+    ('schema_version = "1.0"\n[servers.a]\nuid = 1\ncolour = "red"\n', "unknown key servers.a.colour"),
+    ('schema_version = "1.0"\nserver = 1\n', "unknown key server"),
+    ('schema_version = "2.0"\n', "schema_version must be \"1.0\", not '2.0'"),
+    ('schema_version = "1.0"\n[servers.a]\nuid = 1\n[servers.a.namespaces.b]\n',
+     "servers.a.namespaces is not supported by mpsd yet"),
+    ('schema_version = "1.0"\n[compute_policy]\ntimeslice = "long"\n', "[compute_policy] is not supported by mpsd yet"),
+    ('schema_version = "1.0"\n[servers.a]\nactive_thread_percentage = "50"\n',
+     "servers.a needs a uid (each of mpsd's servers serves one user)"),
+    ('schema_version = "1.0"\n[servers.a]\nuid = 1\nactive_thread_percentage = "150"\n',
+     "servers.a.active_thread_percentage must be in (0, 100], not '150'"),
+    ('schema_version = "1.0"\n[servers.a]\nuid = 1\n[servers.b]\nuid = 1\n', "servers.a and servers.b both serve uid 1"),
+])
+def test_apply_refuses_what_it_cannot_apply(tmp_path, text, error):
+    """A configuration error stops the daemon before it listens (exit 2, the path and the key named)."""
+    config = tmp_path / "mps.toml"
+    config.write_text(text)
+    result = subprocess.run([sys.executable, "-m", "mpsd", "--pipe-dir", str(tmp_path / "pipe"), "--protocol", "3",
+                             "--apply", str(config)], capture_output=True, text=True, timeout=60)
+    assert (result.returncode, result.stderr) == (2, f"mpsd: {config}: {error}\n")
+
+
+def test_apply_needs_protocol_3_and_devices_of_the_daemon(tmp_path):
+    """--apply on a v2 daemon is refused (exit 2); a UUID the daemon has no device for, when it starts (1)."""
+    config = tmp_path / "mps.toml"
+    config.write_text('schema_version = "1.0"\n[servers.a]\nuid = 1\nallowed_devices = "GPU-0,GPU-1"\n')
+    pipe = str(tmp_path / "pipe")
+    environ = {k: v for k, v in os.environ.items() if k != "CUDA_MPS_PROTOCOL_VERSION"}
+    v2 = subprocess.run([sys.executable, "-m", "mpsd", "--pipe-dir", pipe, "--apply", str(config)],
+                        capture_output=True, text=True, timeout=60, env=environ)
+    assert (v2.returncode, v2.stderr) == (2, "mpsd: --apply (MPS v3's configuration file) needs protocol 3\n")
+    v3 = subprocess.run([sys.executable, "-m", "mpsd", "--pipe-dir", pipe, "--protocol", "3", "--apply", str(config)],
+                        capture_output=True, text=True, timeout=60, env=environ)
+    assert (v3.returncode, v3.stderr) == (
+        1, f"mpsd: {config}: servers.a.allowed_devices names no device of this daemon: GPU-0, GPU-1\n")

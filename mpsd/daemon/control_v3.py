@@ -14,7 +14,8 @@
 #   - `server set` and `server create` print nothing; `server get` prints the value as v2's get commands do
 #     (50.0, 2G, 0), `--pinned-memory-limit` without --device one DEV=LIMIT line per device that has one
 #   - `server list`'s and `client list`'s columns (NAME PID UID STATUS; PID SERVER UID STATUS DEVICE), their
-#     header only when there is a row (as v2's ps), a server without a name shown as "-"
+#     header only when there is a row (as v2's ps), a server without a name shown as "-", a named server of
+#     the -a file that does not run now as PID "-" and status INACTIVE
 #   - `client list` shows the clients of the running server (another user's only to root or the daemon's
 #     owner, as v2's ps); --all adds the clients waiting for their user's server, as PENDING
 #   - every text of a failure: "Usage: ..." lines, 'Unknown command "server x"', 'Unknown option "--x"',
@@ -25,10 +26,10 @@
 #     scripting interface, and a typo should fail rather than set 0
 from __future__ import annotations
 
-import re
 from typing import TYPE_CHECKING, Callable
 
 from mpsd.daemon.control import limit_text
+from mpsd.daemon.mps_config import parse_limit
 from mpsd_protocol import V3_MODULES, parse_decimal, parse_integer
 
 if TYPE_CHECKING:
@@ -61,8 +62,6 @@ OPTIONS: dict[tuple[str, str], dict[str, bool]] = {
     ("client", "list"): {"all": False},
     ("client", "terminate"): {"pid": True},
 }
-_LIMIT = re.compile(r"([0-9]{1,20})([MmGg]?)", re.ASCII)
-GiB, MiB = 1 << 30, 1 << 20
 
 
 class Failure(Exception):
@@ -116,10 +115,10 @@ def _percentage(text: str) -> float:
 
 def _limit(text: str) -> int:
     """A pinned memory limit as v2 writes one, strictly: a number of MiB, or of GiB with G; 0 is none."""
-    match = _LIMIT.fullmatch(text)
-    if not match:
-        raise Failure(f'Invalid pinned memory limit "{_brief(text)}", expected e.g. 900M or 10G')
-    return int(match.group(1)) * (GiB if match.group(2) in ("G", "g") else MiB)
+    try:
+        return parse_limit(text)
+    except ValueError:
+        raise Failure(f'Invalid pinned memory limit "{_brief(text)}", expected e.g. 900M or 10G') from None
 
 
 def _priority(text: str) -> int:
@@ -181,11 +180,17 @@ class V3:
     # -- server -------------------------------------------------------------------------------------------
     def server_list(self, options: dict[str, str | None], uid: int) -> str:
         server = self.control.server
-        if not server.started:
+        rows: list[tuple[object, ...]] = []
+        if server.started:
+            faulted = any(device.faulted for device in self.control.daemon.devices)
+            status = "FAULT" if faulted else "SHUTTING_DOWN" if server.shutting_down else "ACTIVE"
+            rows.append((server.name or "-", server.pid, "-" if server.uid is None else server.uid, status))
+        for named in self.control.named.values():  # the -a file's servers that do not run now
+            if not (server.started and server.name == named.name):
+                rows.append((named.name, "-", named.uid, "INACTIVE"))
+        if not rows:
             return ""
-        faulted = any(device.faulted for device in self.control.daemon.devices)
-        status = "FAULT" if faulted else "SHUTTING_DOWN" if server.shutting_down else "ACTIVE"
-        rows = [("NAME", "PID", "UID", "STATUS"), ("-", server.pid, "-" if server.uid is None else server.uid, status)]
+        rows.insert(0, ("NAME", "PID", "UID", "STATUS"))
         return "\n".join(f"{name!s:<15}{pid!s:<10}{user!s:<10}{state}" for name, pid, user, state in rows)
 
     def server_create(self, options: dict[str, str | None], uid: int) -> str:

@@ -100,6 +100,14 @@ class Daemon:
             i: limit for i in range(len(self.devices)) if (limit := config.pinned_mem_limit(i)) is not None
         }, config.client_priority)
         self.control = Control(self)
+        uuids = {device.properties["uuid"] for device in self.devices}
+        for named in config.servers:  # MPS v3's named servers: their devices must be ours
+            missing = [uuid for uuid in named.allowed_devices if uuid not in uuids]
+            if missing:
+                raise DaemonError(f"{config.apply}: servers.{named.name}.allowed_devices names no device of this "
+                                  f"daemon: {', '.join(missing)}")
+            if named.client_priority is not None:  # what its user's clients get, as a per-user setting
+                self.settings.priorities[("uid", named.uid)] = named.client_priority
         self.pending_clients = 0  # clients of another user waiting for the current server to exit
         self.waiting: list[tuple[int, int]] = []  # their (pid, uid), in the order they came (v3's client list)
         self._server_change = trio.Event()
@@ -147,12 +155,15 @@ class Daemon:
         device = self.devices[index]
         if device.compute_mode == "PROHIBITED":
             raise DevicesUnavailableError(f"device {index}'s compute mode is PROHIBITED (nvidia-smi -c)")
+        refused = self.control.refused_by(session.uid, device)
+        if refused is not None:
+            raise DevicesUnavailableError(f"device {index} is not among server {refused}'s allowed devices")
         if device.faulted:
             raise MpsServerNotReadyError(f"the server is handling a fatal GPU error on device {index}; new "
                                          "clients wait until the faulting clients have exited")
         if len(device.contexts) >= self.config.max_clients:
             raise MpsMaxClientsReachedError(f"device {index} already has {self.config.max_clients} clients")
-        percentage = self.control.percentage_for_new_client()
+        percentage = self.control.percentage_for_new_client(session.uid)
         requested = limits.get("active_thread_percentage")
         if requested is not None:
             if type(requested) not in (int, float) or not 0 < requested <= 100:
@@ -168,7 +179,7 @@ class Daemon:
             partition = instance
         if device.instances and partition is None:
             partition = 0  # as the mig policy binds a client that names no instance
-        memory = self.control.memory_limit_for_new_client(index) or device.memory_total(partition)
+        memory = self.control.memory_limit_for_new_client(index, session.uid) or device.memory_total(partition)
         requested = limits.get("pinned_mem_limit")
         if requested is not None:
             if type(requested) is not int or requested < 0:
@@ -434,6 +445,9 @@ class Daemon:
         self.log.control("To connect CUDA applications to this daemon, set env "
                          f"CUDA_MPS_PIPE_DIRECTORY={self.config.pipe_dir}")
         self.log.control(f"CUDA MPS Control binary version: {MPS_VERSION}")
+        if self.config.apply is not None:  # mpsd's line: what MPS v3 logs of its -a file is not documented
+            self.log.control(f"Applied configuration {self.config.apply}: servers "
+                             + (", ".join(named.name for named in self.config.servers) or "none"))
         self.log.server(f"Server {self.log.pid} started on {len(self.devices)} device(s): "
                         + ", ".join(d.name for d in self.devices)
                         + "; policy " + ", ".join(dict.fromkeys(d.backend.policy for d in self.devices))

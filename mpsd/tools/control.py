@@ -119,6 +119,7 @@ V3_HELP = (
     "  -d,--daemon              Setup the daemon in the background\n"
     "  -f,--foreground          Setup the daemon in the foreground\n"
     "  -m,--multiuser           Enable multiuser mode\n"
+    "  -a,--apply <file>        Apply configuration from a TOML file\n"
     "  -p,--protocol <2|3>      Protocol 2 (legacy, default) or 3\n"
     "  -q,--quit                Quit and stop the daemon\n"
     "\n"
@@ -133,6 +134,7 @@ V3_HELP = (
     "  client terminate --pid=PID\n"
     "\n"
 )
+APPLY_ALONE = "-a/--apply applies a configuration as the daemon starts: give it with -d or -f"  # mpsd's guess
 BAD_PROTOCOL = 'Invalid protocol version "{}", expected 2 or 3'  # mpsd's guess: NVIDIA documents none
 MPSD_OPTIONS = """mpsd-control also takes mpsd's daemon options after -d or -f (mpsd --help lists them), and
   --pipe-dir DIR           the daemon's pipe directory (default $CUDA_MPS_PIPE_DIRECTORY, /tmp/nvidia-mps)
@@ -257,8 +259,10 @@ def talk(pipe_dir: Path, stdin: BinaryIO, stdout: BinaryIO, stderr: TextIO) -> i
     return status
 
 
-def _options(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+def _options(argv: Sequence[str], v3: bool = False) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(prog="mpsd-control", add_help=False, allow_abbrev=False)
+    if v3:  # the legacy tool has no -a: there it stays an unrecognised option
+        parser.add_argument("-a", "--apply")
     parser.add_argument("-h", "--help", action="store_true")
     parser.add_argument("-v", "--version", action="store_true")
     mode = parser.add_mutually_exclusive_group()
@@ -287,7 +291,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     help_text = V3_HELP if protocol == 3 else HELP if as_mps else HELP + MPSD_OPTIONS
     if protocol == 3:  # a v3 command is the words from its module on: only those before it are options
         start = next((i for i, word in enumerate(args) if word in V3_MODULES), len(args))
-        options, rest = _options(args[:start])
+        options, rest = _options(args[:start], v3=True)
         words = args[start:]
     if options.help:
         sys.stdout.write(help_text)
@@ -297,6 +301,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     daemon_args = (["--pipe-dir", options.pipe_dir] if options.pipe_dir else [])
     daemon_args += ["--protocol", "3"] if protocol == 3 else []
+    if getattr(options, "apply", None):  # v3's configuration file, for the daemon to apply as it starts
+        if not (options.d or options.f):
+            print(APPLY_ALONE, file=sys.stderr)
+            return 1
+        daemon_args += ["--apply", os.path.abspath(options.apply)]
     daemon_args += ["--multiuser"] if options.multiuser else []
     daemon_args += rest
     if as_mps:  # run as MPS's own command: the daemon shows as MPS's
