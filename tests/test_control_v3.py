@@ -209,11 +209,19 @@ def test_apply_starts_named_servers_from_a_toml_file(daemon_factory, tmp_path):
                 0, header + f"training       {pid:<10}{os.getuid():<10}ACTIVE\nother          -         4242      "
                 "INACTIVE\n", "")
             assert tool(pipe, "server", "get", f"--pid={pid}", "--pinned-memory-limit") == (0, "1=2G\n", "")
+            # The named server's priority is its own: the next server's default stays 0.
+            assert tool(pipe, "server", "get", f"--pid={pid}", "--client-priority") == (0, "1\n", "")
+            assert tool(pipe, "server", "get", "--client-priority") == (0, "0\n", "")
+            assert tool(pipe, "server", "set", f"--pid={pid}", "--client-priority=0") == (0, "", "")
+            with mpsd_client.connect(pipe, device=1) as second:
+                assert second.quotas["priority"] == 0
             with pytest.raises(mpsd_client.CudaError) as refused:
                 mpsd_client.connect(pipe, device=0)
             assert refused.value.code == 46  # cudaErrorDevicesUnavailable: not among training's devices
         log = (pipe / "control.log").read_text()
         assert f"Applied configuration {config}: servers training, other" in log
+        assert "Active Threads Percentage set to 50.0" in (pipe / "server.log").read_text()
+        assert "Server Priority set to 1" in (pipe / "server.log").read_text()
         assert tool(pipe, "-q") == (0, "", "")
     finally:
         shutil.rmtree(pipe.parent, ignore_errors=True)

@@ -404,7 +404,9 @@ class Control:
         log.server(f"Active Threads Percentage set to {server.active_thread_percentage:.1f}")
         for device, limit in sorted(server.pinned_mem_limits.items(), reverse=True):
             log.server(f"Device pinned memory limit for device {device} set to {limit:#x} bytes")
-        log.server(f"Server Priority set to {settings.client_priority}")
+        named = self.named.get(uid) if server.name is not None else None
+        priority = named.client_priority if named is not None and named.client_priority is not None else None
+        log.server(f"Server Priority set to {settings.client_priority if priority is None else priority}")
         log.server("Server has started")
         self._note(f"NEW SERVER {server.pid}: Ready")
 

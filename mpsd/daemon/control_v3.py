@@ -241,8 +241,12 @@ class V3:
                     log.server(f"Device pinned memory limit for device {device} set to {limit:#x} bytes")
         if priority is not None:
             # mpsd gives every incoming client the daemon's client priority, the running server's clients too
-            # (v2's set_default_client_priority does the same): one setting for both.
-            settings.client_priority = priority
+            # (v2's set_default_client_priority does the same): one setting for both; a named server's own
+            # (its user's, from the -a file) is that server's.
+            if server is not None and server.uid is not None and ("uid", server.uid) in settings.priorities:
+                settings.priorities[("uid", server.uid)] = priority
+            else:
+                settings.client_priority = priority
         return ""
 
     def server_get(self, options: dict[str, str | None], uid: int) -> str:
@@ -259,6 +263,8 @@ class V3:
             value = settings.active_thread_percentage if server is None else self.control.percentage_for_new_client()
             return f"{value:.1f}"
         if name == "client-priority":
+            if server is not None and server.uid is not None:
+                return str(settings.priority_for(-1, server.uid))
             return str(settings.client_priority)
         limits = settings.pinned_mem_limits if server is None else server.pinned_mem_limits
         if "device" in options:
