@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from mpsd_protocol import parse_decimal
+from mpsd_protocol._units import MAX_SIZE
 
 SCHEMA_VERSION = "1.0"
 SERVER_KEYS = frozenset({"allowed_devices", "pinned_memory_limit", "active_thread_percentage", "client_priority",
@@ -50,7 +51,10 @@ def parse_limit(text: str) -> int:
     match = _LIMIT.fullmatch(text)
     if not match:
         raise ValueError(f"not a limit: {text[:24]!r} (e.g. 900M or 10G)")
-    return int(match.group(1)) * (GiB if match.group(2) in ("G", "g") else MiB)
+    nbytes = int(match.group(1)) * (GiB if match.group(2) in ("G", "g") else MiB)
+    if nbytes > MAX_SIZE:  # what the wire (msgpack's signed 64 bits) can carry to a client
+        raise ValueError(f"limit too large: {text[:24]!r}")
+    return nbytes
 
 
 def _text(value: Any, where: str) -> str:
