@@ -14,6 +14,7 @@ import psutil
 
 from mpsd.backends.cuda import CudaDevice, cuda_device_count
 from mpsd.backends.engine import DEFAULT_IDLE_GRACE
+from mpsd.daemon.mps_config import NamedServer, load_mps_config
 from mpsd.sim import H200, POLICIES as SIM_POLICIES, DeviceSpec, Simulator
 from mpsd_protocol import log_directory, parse_integer, parse_mem_limits, parse_size, pipe_directory
 
@@ -55,6 +56,11 @@ class Config:
     multiuser: bool = False  # one server for every user, instead of one user's server at a time
     mps_names: bool = False  # the process shows as nvidia-cuda-mps-control
     control_log_stdout: bool = False  # control.log's lines also on stdout, as MPS's -f prints them
+    # MPS's control protocol: 2, the legacy shell (the default), or 3, which adds MPS v3's module-verb
+    # commands (mpsd.daemon.control_v3); CUDA_MPS_PROTOCOL_VERSION wins over --protocol, as NVIDIA documents.
+    protocol: int = 2
+    apply: Path | None = None  # MPS v3's configuration file (-a/--apply), applied once at start
+    servers: tuple[NamedServer, ...] = ()  # its named servers (mpsd.daemon.mps_config)
     max_clients: int = 48  # per device, as Volta+ MPS (CUDA 13.0, measured driver)
     handshake_timeout: float = HANDSHAKE_TIMEOUT  # seconds from connecting to hello, after which it is closed
     shutdown_retry: float = 0.2  # seconds before a refused shutdown is tried again (then doubling), as MPS's
@@ -172,6 +178,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--control-log-stdout", action="store_true", default=None,
                         help="print control.log's lines on stdout too, as nvidia-cuda-mps-control -f does "
                              "(mpsd-control -f sets it), instead of the line that says the daemon is ready")
+    parser.add_argument("--protocol", choices=("2", "3"),
+                        help="MPS control protocol: 2, legacy (default), or 3, MPS v3's module-verb commands; "
+                             "$CUDA_MPS_PROTOCOL_VERSION wins over it")
+    parser.add_argument("--apply", metavar="FILE",
+                        help="MPS v3's TOML configuration of named servers, applied once at start (needs protocol 3)")
     parser.add_argument("--shutdown-retry", type=float, metavar="SECONDS",
                         help="seconds after which a shutdown its clients held up is tried again, doubling each time "
                              "(default 0.2, as MPS)")
@@ -275,7 +286,19 @@ def load_config(argv: Sequence[str] | None = None, environ: dict[str, str] | Non
     priority = int(pick("client_priority", 0))
     if priority not in (0, 1):
         raise ConfigError("client priority must be 0 or 1")
-    return Config(pipe_dir=pipe_dir, log_dir=log_dir, default_log_dir=default_log, devices=devices,
+    protocol = environ.get("CUDA_MPS_PROTOCOL_VERSION") or pick("protocol", "2")
+    if str(protocol) not in ("2", "3"):
+        raise ConfigError(f"the MPS control protocol must be 2 or 3, not {str(protocol)[:24]!r}")
+    apply = Path(pick("apply")) if pick("apply") else None
+    servers: tuple[NamedServer, ...] = ()
+    if apply is not None:
+        if str(protocol) != "3":
+            raise ConfigError("--apply (MPS v3's configuration file) needs protocol 3")
+        try:
+            servers = load_mps_config(apply)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+    return Config(pipe_dir=pipe_dir, protocol=int(protocol), apply=apply, servers=servers, log_dir=log_dir, default_log_dir=default_log, devices=devices,
                   policy=policy, time_scale=time_scale, clock=clock, host_time=host_time, idle_grace=idle_grace,
                   active_thread_percentage=percentage,
                   pinned_mem_limits=limits, client_priority=priority, fault_containment=containment,

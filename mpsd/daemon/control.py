@@ -20,6 +20,9 @@
 # logs, then its answer line by line. The mpsd extensions keep their strict parsing (mpsd_protocol's
 # parse_integer and parse_decimal), so no line any user sends can raise anything but a CommandError there; the
 # server still answers any other exception with an error line, as the last line of defence.
+#
+# A daemon started with protocol 3 (mpsd --protocol 3, nvidia-cuda-mps-control -p 3) also takes MPS v3's
+# module-verb commands (mpsd.daemon.control_v3); protocol 2, the default, is exactly the legacy language.
 from __future__ import annotations
 
 import functools
@@ -83,6 +86,7 @@ class Server:
 
     pid: int
     uid: int | None = None  # the user it serves (None: every user, --multiuser)
+    name: str | None = None  # the named server (MPS v3's -a file) it is, if one is for its user
     active_thread_percentage: float | None = None
     pinned_mem_limits: dict[int, int] = field(default_factory=dict)
     started: bool = False
@@ -229,6 +233,12 @@ class Control:
         self._later: list[Callable[[], None]] = []  # lines to log once the command's connection is done
         self._in_command = False
         self.orphans: set[int] = set()  # contexts of a server shut down with -f: no server's clients any more
+        self.failed = False  # whether the last command failed (MPS v3's commands only: the tool exits 1)
+        from mpsd.daemon.control_v3 import MODULES, V3  # it builds on this module's helpers
+
+        self._v3 = V3(self) if daemon.config.protocol == 3 else None
+        self.named = {named.uid: named for named in daemon.config.servers}  # MPS v3's named servers, by user
+        self._v3_modules = MODULES
 
     @property
     def quitting(self) -> bool:
@@ -242,7 +252,14 @@ class Control:
         words = _WORDS.findall(line)  # C's whitespace only: a Unicode space is part of a word
         name, args = (words[0], words[1:]) if words else ("", [])
         command = self._commands.get(name)
-        if command is None:
+        self.failed = False
+        if self._v3 is not None and name in self._v3_modules:  # MPS v3's module-verb commands
+            self._caller, self._in_command = uid, True
+            try:
+                reply, self.failed = self._v3.run(name, args, uid)
+            finally:
+                self._in_command = False
+        elif command is None:
             reply = f'Unknown command "{name}"'
         elif name not in READ_ONLY and uid not in (0, self.daemon.owner_uid):
             log.control(f"User {uid} is not allowed to run {name}")
@@ -359,6 +376,15 @@ class Control:
         server.uid = None if self.daemon.config.multiuser else uid
         server.active_thread_percentage = settings.active_thread_percentage
         server.pinned_mem_limits = dict(settings.pinned_mem_limits)
+        named = None if server.uid is None else self.named.get(uid)
+        server.name = None if named is None else named.name
+        if named is not None:  # MPS v3's named server for this user: its settings beat the defaults
+            if named.active_thread_percentage is not None:
+                server.active_thread_percentage = named.active_thread_percentage
+            if named.pinned_memory_limit is not None:
+                for device in self.daemon.devices:
+                    if self.refused_by(uid, device) is None:
+                        server.pinned_mem_limits[device.index] = named.pinned_memory_limit
         server.clients_seen, server.ids = 0, {}
         self._retry_at = self._force_at = None
         return lambda: self._log_start(uid)
@@ -375,10 +401,12 @@ class Control:
         log.server(f"Created anonymous shared memory region mps.shm.0.{server.pid}")
         log.server(f"CUDA MPS Server for Linux/Unix. Binary version: {MPS_VERSION}")
         log.server(f"Display Driver version: {DRIVER_VERSION}")
-        log.server(f"Active Threads Percentage set to {settings.active_thread_percentage:.1f}")
+        log.server(f"Active Threads Percentage set to {server.active_thread_percentage:.1f}")
         for device, limit in sorted(server.pinned_mem_limits.items(), reverse=True):
             log.server(f"Device pinned memory limit for device {device} set to {limit:#x} bytes")
-        log.server(f"Server Priority set to {settings.client_priority}")
+        named = self.named.get(uid) if server.name is not None else None
+        priority = named.client_priority if named is not None and named.client_priority is not None else None
+        log.server(f"Server Priority set to {settings.client_priority if priority is None else priority}")
         log.server("Server has started")
         self._note(f"NEW SERVER {server.pid}: Ready")
 
@@ -650,13 +678,35 @@ class Control:
         self.try_shutdown(force=False, backoff=True)
 
     # -- what new clients get --------------------------------------------------------------------------
-    def percentage_for_new_client(self) -> float:
+    def percentage_for_new_client(self, uid: int | None = None) -> float:
+        """The active thread percentage of a client that comes now (of `uid`: where no server runs, the one
+        that will start for it, a named server's if its user has one)."""
+        named = self._named_next(uid)
+        if named is not None and named.active_thread_percentage is not None:
+            return named.active_thread_percentage
         value = self.server.active_thread_percentage if self.server.started else None
         return self.daemon.settings.active_thread_percentage if value is None else value
 
-    def memory_limit_for_new_client(self, device: int) -> int | None:
+    def memory_limit_for_new_client(self, device: int, uid: int | None = None) -> int | None:
+        named = self._named_next(uid)
+        if named is not None and named.pinned_memory_limit is not None:
+            if self.refused_by(named.uid, self.daemon.devices[device]) is None:
+                return named.pinned_memory_limit
         limits = self.server.pinned_mem_limits if self.server.started else self.daemon.settings.pinned_mem_limits
         return limits.get(device) or None
+
+    def _named_next(self, uid: int | None) -> Any:
+        """The named server a client of `uid` starts, where it starts one (none runs for it yet)."""
+        if uid is None or self.daemon.config.multiuser or (self.server.started and self.server.uid == uid):
+            return None
+        return self.named.get(uid)
+
+    def refused_by(self, uid: int, device: Any) -> str | None:
+        """The named server (MPS v3's -a file) of `uid` whose allowed devices leave `device` out, if one does."""
+        named = None if self.daemon.config.multiuser else self.named.get(uid)
+        if named is None or not named.allowed_devices or device.properties["uuid"] in named.allowed_devices:
+            return None
+        return named.name
 
     def admits(self, uid: int) -> bool:
         """Whether a client of `uid` may attach now (else it waits for the current server to exit)."""

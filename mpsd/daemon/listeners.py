@@ -29,6 +29,7 @@ from typing import AsyncIterator, Hashable, Mapping
 import trio
 
 from mpsd.daemon.ownership import UnsafePathError, describe, private_directory
+from mpsd_protocol import PROTOCOL_FILE
 
 SD_LISTEN_FDS_START = 3
 MAX_UNGREETED = 64  # connections of one uid that may be waiting to say hello at once
@@ -129,6 +130,25 @@ def _pid_file(pipe_dir: Path) -> Path:
     try:
         with os.fdopen(fd, "w") as f:
             f.write(f"{os.getpid()}\n")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except OSError as exc:
+        _unlink(Path(tmp))
+        raise ListenError(f"cannot write {path}: {exc.strerror}") from None
+    return path
+
+
+def write_protocol_file(pipe_dir: Path, protocol: int) -> Path | None:
+    """Say the daemon's control protocol in `pipe_dir` where it is not the legacy 2 (a stale file from an
+    earlier daemon goes, so that a v2 daemon leaves the directory as MPS's); returns the file written."""
+    path = pipe_dir / PROTOCOL_FILE
+    if protocol == 2:
+        _unlink(path)
+        return None
+    fd, tmp = tempfile.mkstemp(prefix=f".{PROTOCOL_FILE}.", dir=pipe_dir)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(f"{protocol}\n")
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     except OSError as exc:

@@ -26,7 +26,7 @@ from mpsd.backends.hostmem import HostMemory, default_budget
 from mpsd.backends.sim import SimBackend
 from mpsd.daemon.config import Config
 from mpsd.daemon.control import MPS_VERSION, Control, Settings
-from mpsd.daemon.listeners import Greetings, Listeners, ListenError, open_listeners
+from mpsd.daemon.listeners import Greetings, Listeners, ListenError, open_listeners, write_protocol_file
 from mpsd.daemon.ownership import UnsafePathError
 from mpsd.daemon.servlog import ServerLog
 from mpsd.daemon.session import Session
@@ -100,7 +100,16 @@ class Daemon:
             i: limit for i in range(len(self.devices)) if (limit := config.pinned_mem_limit(i)) is not None
         }, config.client_priority)
         self.control = Control(self)
+        uuids = {device.properties["uuid"] for device in self.devices}
+        for named in config.servers:  # MPS v3's named servers: their devices must be ours
+            missing = [uuid for uuid in named.allowed_devices if uuid not in uuids]
+            if missing:
+                raise DaemonError(f"{config.apply}: servers.{named.name}.allowed_devices names no device of this "
+                                  f"daemon: {', '.join(missing)}")
+            if named.client_priority is not None:  # what its user's clients get, as a per-user setting
+                self.settings.priorities[("uid", named.uid)] = named.client_priority
         self.pending_clients = 0  # clients of another user waiting for the current server to exit
+        self.waiting: list[tuple[int, int]] = []  # their (pid, uid), in the order they came (v3's client list)
         self._server_change = trio.Event()
         self._grace = SHUTDOWN_GRACE
         self.sessions: set[Session] = set()
@@ -146,12 +155,15 @@ class Daemon:
         device = self.devices[index]
         if device.compute_mode == "PROHIBITED":
             raise DevicesUnavailableError(f"device {index}'s compute mode is PROHIBITED (nvidia-smi -c)")
+        refused = self.control.refused_by(session.uid, device)
+        if refused is not None:
+            raise DevicesUnavailableError(f"device {index} is not among server {refused}'s allowed devices")
         if device.faulted:
             raise MpsServerNotReadyError(f"the server is handling a fatal GPU error on device {index}; new "
                                          "clients wait until the faulting clients have exited")
         if len(device.contexts) >= self.config.max_clients:
             raise MpsMaxClientsReachedError(f"device {index} already has {self.config.max_clients} clients")
-        percentage = self.control.percentage_for_new_client()
+        percentage = self.control.percentage_for_new_client(session.uid)
         requested = limits.get("active_thread_percentage")
         if requested is not None:
             if type(requested) not in (int, float) or not 0 < requested <= 100:
@@ -167,7 +179,7 @@ class Daemon:
             partition = instance
         if device.instances and partition is None:
             partition = 0  # as the mig policy binds a client that names no instance
-        memory = self.control.memory_limit_for_new_client(index) or device.memory_total(partition)
+        memory = self.control.memory_limit_for_new_client(index, session.uid) or device.memory_total(partition)
         requested = limits.get("pinned_mem_limit")
         if requested is not None:
             if type(requested) is not int or requested < 0:
@@ -282,11 +294,13 @@ class Daemon:
             return
         self.control.client_waiting(pid, uid)
         self.pending_clients += 1
+        self.waiting.append((pid, uid))
         try:
             while not self.control.admits(uid):
                 await self._server_change.wait()
         finally:
             self.pending_clients -= 1
+            self.waiting.remove((pid, uid))
 
     def server_changed(self) -> None:
         self._server_change.set()
@@ -418,12 +432,22 @@ class Daemon:
             listeners = await open_listeners(self.config.pipe_dir, multiuser=self.config.multiuser)
         except ListenError as exc:
             raise DaemonError(str(exc)) from None
+        try:
+            protocol_file = write_protocol_file(self.config.pipe_dir, self.config.protocol)
+        except ListenError as exc:
+            listeners.close()
+            raise DaemonError(str(exc)) from None
+        if protocol_file is not None:
+            listeners.bound.append(protocol_file)
         control_path = self.config.pipe_dir / "control"
         self.log.control(f"Starting control daemon using socket {control_path}"
                          + (" (sockets from systemd)" if listeners.activated else ""))
         self.log.control("To connect CUDA applications to this daemon, set env "
                          f"CUDA_MPS_PIPE_DIRECTORY={self.config.pipe_dir}")
         self.log.control(f"CUDA MPS Control binary version: {MPS_VERSION}")
+        if self.config.apply is not None:  # mpsd's line: what MPS v3 logs of its -a file is not documented
+            self.log.control(f"Applied configuration {self.config.apply}: servers "
+                             + (", ".join(named.name for named in self.config.servers) or "none"))
         self.log.server(f"Server {self.log.pid} started on {len(self.devices)} device(s): "
                         + ", ".join(d.name for d in self.devices)
                         + "; policy " + ", ".join(dict.fromkeys(d.backend.policy for d in self.devices))
@@ -556,7 +580,7 @@ class Daemon:
                     if self.control.quitting:
                         await self._stop.wait()  # the daemon is on its way out: the tool sees it go
                         return
-                    for part in control_packets(reply):
+                    for part in control_packets(reply, failed=self.control.failed):
                         await sock.send(part)
             except OSError:
                 pass  # the control client went away

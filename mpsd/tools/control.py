@@ -8,6 +8,14 @@
 # daemon's exit. MPS's texts and exit codes: "Cannot find MPS control daemon process" (1) without a daemon,
 # "Cannot send command to MPS control daemon process" (1) where it takes no more commands (quitting), help
 # and version with 0, an unknown option with its help and 0.
+#
+# MPS v3 (NVIDIA's MPS documentation, releases 615 and 620): -p 3 / --protocol 3, or CUDA_MPS_PROTOCOL_VERSION=3
+# (which wins), starts a daemon that also takes v3's module-verb commands; an invocation that finds a daemon
+# running follows that daemon's protocol whatever its own -p says (the daemon says it in its pipe directory's
+# mpsd-protocol file; none is protocol 2). Under v3 the command is the words on the command line
+# (`nvidia-cuda-mps-control server list`), -q quits the daemon, -h prints v3's options, and a failed command's
+# text goes to stderr with exit status 1. mpsd.daemon.control_v3 lists what had to be guessed; so does
+# V3_HELP's text, which is mpsd's own.
 from __future__ import annotations
 
 import argparse
@@ -24,11 +32,13 @@ from typing import BinaryIO, Sequence, TextIO
 
 from mpsd_protocol import (  # type: ignore[attr-defined]
     CONTROL_PACKET,
+    PROTOCOL_FILE,
+    V3_MODULES,
     MpsConnectionError,
     check_server,
     log_directory,
     pipe_directory,
-    read_control_reply,
+    read_control_answer,
 )
 
 READY_TIMEOUT = 30.0
@@ -98,6 +108,34 @@ HELP = (
     "                       Enumerate all usable devices\n"
     "\n"
 )
+# mpsd's guess at v3's help (NVIDIA documents the options, not this text): the options as the v3 documentation
+# lists them, then the module-verb commands mpsd takes.
+V3_HELP = (
+    "CUDA MPS Control for Linux/Unix/QNX (MPS v3).\n"
+    "\n"
+    "nvidia-cuda-mps-control [options] [<module> <verb> [--option=value ...]]\n"
+    "OPTIONS:\n"
+    "  -h,--help                Print this message\n"
+    "  -d,--daemon              Setup the daemon in the background\n"
+    "  -f,--foreground          Setup the daemon in the foreground\n"
+    "  -m,--multiuser           Enable multiuser mode\n"
+    "  -a,--apply <file>        Apply configuration from a TOML file\n"
+    "  -p,--protocol <2|3>      Protocol 2 (legacy, default) or 3\n"
+    "  -q,--quit                Quit and stop the daemon\n"
+    "\n"
+    "COMMANDS:\n"
+    "  server list\n"
+    "  server create --uid=UID\n"
+    "  server delete --pid=PID [--force]\n"
+    "  server set [--pid=PID] [--device=DEV] [--active-thread-percentage=PCT] [--pinned-memory-limit=LIMIT]"
+    " [--client-priority=0|1]\n"
+    "  server get [--pid=PID] [--device=DEV] --active-thread-percentage|--pinned-memory-limit|--client-priority\n"
+    "  client list [--all]\n"
+    "  client terminate --pid=PID\n"
+    "\n"
+)
+APPLY_ALONE = "-a/--apply applies a configuration as the daemon starts: give it with -d or -f"  # mpsd's guess
+BAD_PROTOCOL = 'Invalid protocol version "{}", expected 2 or 3'  # mpsd's guess: NVIDIA documents none
 MPSD_OPTIONS = """mpsd-control also takes mpsd's daemon options after -d or -f (mpsd --help lists them), and
   --pipe-dir DIR           the daemon's pipe directory (default $CUDA_MPS_PIPE_DIRECTORY, /tmp/nvidia-mps)
 """
@@ -162,9 +200,21 @@ def start_background(daemon_args: list[str], pipe_dir: Path | None = None) -> in
             return 1
 
 
+def daemon_protocol(pipe_dir: Path) -> int | None:
+    """The control protocol of the daemon running on `pipe_dir`, None where none runs."""
+    if not _running(pipe_dir):
+        return None
+    try:
+        return 3 if (pipe_dir / PROTOCOL_FILE).read_text().strip() == "3" else 2
+    except OSError:
+        return 2
+
+
 def talk(pipe_dir: Path, stdin: BinaryIO, stdout: BinaryIO, stderr: TextIO) -> int:
     """Send each line of `stdin` to the daemon on `pipe_dir` as it comes and write the answers to `stdout`
-    (flushed after each where it is a terminal); returns the exit status."""
+    (flushed after each where it is a terminal), a failed command's (MPS v3's) to `stderr`; returns the exit
+    status: 1 where a command failed."""
+    status = 0
     path = pipe_dir / "control"
     with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
         try:
@@ -186,41 +236,63 @@ def talk(pipe_dir: Path, stdin: BinaryIO, stdout: BinaryIO, stderr: TextIO) -> i
             command = command.split(b"\0", 1)[0] + b"\0"
             try:
                 sock.send(command)
-                reply = read_control_reply(lambda: sock.recv(CONTROL_PACKET))
+                answer = read_control_answer(lambda: sock.recv(CONTROL_PACKET))
             except (OSError, ValueError):
-                reply = None
-            if reply is None:  # after quit the daemon has gone: that is quit's answer
+                answer = None
+            if answer is None:  # after quit the daemon has gone: that is quit's answer
                 stdout.flush()
                 if command.rstrip(b"\0").split()[:1] == [b"quit"]:
-                    return 0
+                    return status
                 print(NOT_TAKEN, file=stderr)
                 return 1
-            if reply:
+            reply, failed = answer
+            if failed:
+                stdout.flush()
+                stderr.write(reply.decode(errors="replace") + "\n")
+                stderr.flush()
+                status = 1
+            elif reply:
                 stdout.write(reply + b"\n")
                 if interactive:
                     stdout.flush()
     stdout.flush()
-    return 0
+    return status
 
 
-def _options(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+def _options(argv: Sequence[str], v3: bool = False) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(prog="mpsd-control", add_help=False, allow_abbrev=False)
+    if v3:  # the legacy tool has no -a: there it stays an unrecognised option
+        parser.add_argument("-a", "--apply")
     parser.add_argument("-h", "--help", action="store_true")
     parser.add_argument("-v", "--version", action="store_true")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("-d", "--daemon", action="store_true", dest="d")
     mode.add_argument("-f", "--foreground", "--forground", action="store_true", dest="f")
     parser.add_argument("-M", "--multiuser-server", "-multiuser-server", "-m", action="store_true", dest="multiuser")
-    parser.add_argument("-q", "--ready-devices", action="store_true")  # MPS queries devices at start; so do we
+    parser.add_argument("-q", "--ready-devices", "--quit", action="store_true")  # v2: MPS queries devices at
+    # start, and so do we; v3: quit
+    parser.add_argument("-p", "--protocol")
     parser.add_argument("--pipe-dir")
     return parser.parse_known_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    options, rest = _options(args)
+    options, rest = _options(args)  # as the legacy tool reads them: unchanged where the protocol is 2
+    words: list[str] = []
+    requested = os.environ.get("CUDA_MPS_PROTOCOL_VERSION") or options.protocol or "2"
+    if requested not in ("2", "3"):
+        print(BAD_PROTOCOL.format(requested[:24]), file=sys.stderr)
+        return 1
+    pipe_dir = _pipe_dir(options.pipe_dir)
+    running = None if options.d or options.f else daemon_protocol(pipe_dir)
+    protocol = running or int(requested)  # a running daemon's protocol wins, as NVIDIA documents
     as_mps = os.path.basename(sys.argv[0]) == MPS_NAME
-    help_text = HELP if as_mps else HELP + MPSD_OPTIONS
+    help_text = V3_HELP if protocol == 3 else HELP if as_mps else HELP + MPSD_OPTIONS
+    if protocol == 3:  # a v3 command is the words from its module on: only those before it are options
+        start = next((i for i, word in enumerate(args) if word in V3_MODULES), len(args))
+        options, rest = _options(args[:start], v3=True)
+        words = args[start:]
     if options.help:
         sys.stdout.write(help_text)
         return 0
@@ -228,12 +300,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.write(VERSION)
         return 0
     daemon_args = (["--pipe-dir", options.pipe_dir] if options.pipe_dir else [])
+    daemon_args += ["--protocol", "3"] if protocol == 3 else []
+    if getattr(options, "apply", None):  # v3's configuration file, for the daemon to apply as it starts
+        if not (options.d or options.f):
+            print(APPLY_ALONE, file=sys.stderr)
+            return 1
+        daemon_args += ["--apply", os.path.abspath(options.apply)]
     daemon_args += ["--multiuser"] if options.multiuser else []
     daemon_args += rest
     if as_mps:  # run as MPS's own command: the daemon shows as MPS's
         daemon_args.append("--mps-names")
     if options.d:
-        return start_background(daemon_args, _pipe_dir(options.pipe_dir))
+        return start_background(daemon_args, pipe_dir)
     if options.f:  # MPS's -f prints control.log's lines as it goes
         os.execv(sys.executable, [sys.executable, "-m", "mpsd", "--control-log-stdout", *daemon_args])
     if rest:  # MPS prints the NUL where the option's name would go
@@ -243,8 +321,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     # answer at once on a terminal (talk flushes there).
     stdout = sys.stdout.buffer if sys.stdout.isatty() else io.BufferedWriter(io.FileIO(sys.stdout.fileno(), "w",
                                                                                       closefd=False), 4096)
+    commands: BinaryIO = sys.stdin.buffer
+    if protocol == 3 and (words or options.ready_devices):  # v3: the command line's command, or -q's quit
+        commands = io.BytesIO(os.fsencode(" ".join(words) if words else "quit") + b"\n")
     try:
-        return talk(_pipe_dir(options.pipe_dir), sys.stdin.buffer, stdout, sys.stderr)
+        return talk(pipe_dir, commands, stdout, sys.stderr)
     finally:
         stdout.flush()
 

@@ -1,0 +1,308 @@
+# MPS v3's module-verb commands (NVIDIA's MPS documentation, releases 615 and 620, "MPS v3 Interface"), for a
+# daemon started with protocol 3, over the state the legacy (v2) language already keeps: `server list`,
+# `server create --uid=UID`, `server delete`, `server set` / `server get` of the active thread percentage, the
+# pinned memory limit and the client priority (the names the v3 configuration file gives them), `client list
+# [--all]` and `client terminate`. The legacy commands still work on such a daemon, as NVIDIA says they do.
+#
+# The documentation names the modules and a few commands (`server list`, `server create --uid=UID`, `client
+# list --all`, `namespace create|delete|list|set|get`); it gives no output format, no usage or error text and
+# no option names beyond --uid and --all. Everything else here is mpsd's guess, listed so that a recording of
+# the real tool can replace it (README's control-plane section lists the same):
+#   - options are written --name=value or --name value; the server is named by --pid=PID (its pid, as v2);
+#     no --pid in set/get means the defaults the next server starts with (v2's set_default_* and get_default_*)
+#   - option names: --active-thread-percentage, --pinned-memory-limit, --client-priority, --device, --force
+#   - `server set` and `server create` print nothing; `server get` prints the value as v2's get commands do
+#     (50.0, 2G, 0), `--pinned-memory-limit` without --device one DEV=LIMIT line per device that has one
+#   - `server list`'s and `client list`'s columns (NAME PID UID STATUS; PID SERVER UID STATUS DEVICE), their
+#     header only when there is a row (as v2's ps), a server without a name shown as "-", a named server of
+#     the -a file that does not run now as PID "-" and status INACTIVE
+#   - `client list` shows the clients of the running server (another user's only to root or the daemon's
+#     owner, as v2's ps); --all adds the clients waiting for their user's server, as PENDING
+#   - every text of a failure: "Usage: ..." lines, 'Unknown command "server x"', 'Unknown option "--x"',
+#     'Invalid ... "x"', v2's "Server N not found" and "A user id (UID) is required to start a new server",
+#     "Permission denied: ..." and that namespaces and partitions are not supported yet; a failure goes to
+#     stderr and the tool exits 1 (mpsd_protocol's "!" packet carries that)
+#   - values are parsed strictly (mpsd_protocol's parsers), not with v2's C quirks: a v3 command is a
+#     scripting interface, and a typo should fail rather than set 0
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+from mpsd.daemon.control import limit_text
+from mpsd.daemon.mps_config import parse_limit
+from mpsd_protocol import V3_MODULES, parse_decimal, parse_integer
+
+if TYPE_CHECKING:
+    from mpsd.daemon.control import Control
+
+MODULES = V3_MODULES
+NOT_YET = frozenset({"namespace", "partition"})
+READ_ONLY = frozenset({("server", "list"), ("server", "get"), ("client", "list")})
+SETTINGS = ("active-thread-percentage", "pinned-memory-limit", "client-priority")
+USAGE = {
+    ("server", None): "Usage: server <list|create|delete|set|get> [options]",
+    ("server", "list"): "Usage: server list",
+    ("server", "create"): "Usage: server create --uid=UID",
+    ("server", "delete"): "Usage: server delete --pid=PID [--force]",
+    ("server", "set"): "Usage: server set [--pid=PID] [--device=DEV] [--active-thread-percentage=PCT] "
+                       "[--pinned-memory-limit=LIMIT] [--client-priority=0|1]",
+    ("server", "get"): "Usage: server get [--pid=PID] [--device=DEV] "
+                       "--active-thread-percentage|--pinned-memory-limit|--client-priority",
+    ("client", None): "Usage: client <list|terminate> [options]",
+    ("client", "list"): "Usage: client list [--all]",
+    ("client", "terminate"): "Usage: client terminate --pid=PID",
+}
+# The options each command takes, and whether each takes a value.
+OPTIONS: dict[tuple[str, str], dict[str, bool]] = {
+    ("server", "list"): {},
+    ("server", "create"): {"uid": True},
+    ("server", "delete"): {"pid": True, "force": False},
+    ("server", "set"): {"pid": True, "device": True, **{name: True for name in SETTINGS}},
+    ("server", "get"): {"pid": True, "device": True, **{name: False for name in SETTINGS}},
+    ("client", "list"): {"all": False},
+    ("client", "terminate"): {"pid": True},
+}
+
+
+class Failure(Exception):
+    """The command failed: its message is what the tool prints (on stderr), and the tool exits 1."""
+
+
+def _brief(text: str) -> str:
+    return text if len(text) <= 24 else text[:20] + "..."
+
+
+def parse_options(words: list[str], known: dict[str, bool], usage: str) -> dict[str, str | None]:
+    """--name=value, --name value (where the option takes one) and --flag, each at most once."""
+    options: dict[str, str | None] = {}
+    i = 0
+    while i < len(words):
+        word = words[i]
+        i += 1
+        if not word.startswith("--"):
+            raise Failure(f'Unexpected argument "{_brief(word)}"\n{usage}')
+        name, equals, value = word[2:].partition("=")
+        if name not in known:
+            raise Failure(f'Unknown option "--{_brief(name)}"\n{usage}')
+        if name in options:
+            raise Failure(f'Option "--{name}" given twice\n{usage}')
+        if known[name] and not equals:
+            if i == len(words):
+                raise Failure(f'Option "--{name}" needs a value\n{usage}')
+            value, i = words[i], i + 1
+        elif not known[name] and equals:
+            raise Failure(f'Option "--{name}" takes no value\n{usage}')
+        options[name] = value if known[name] else None
+    return options
+
+
+def _number(text: str, what: str) -> int:
+    try:
+        return parse_integer(text)
+    except ValueError:
+        raise Failure(f'Invalid {what} "{_brief(text)}"') from None
+
+
+def _percentage(text: str) -> float:
+    try:
+        value = parse_decimal(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= 100:
+        raise Failure(f'Invalid active thread percentage "{_brief(text)}", expected between (0.0, 100.0]')
+    return value
+
+
+def _limit(text: str) -> int:
+    """A pinned memory limit as v2 writes one, strictly: a number of MiB, or of GiB with G; 0 is none."""
+    try:
+        return parse_limit(text)
+    except ValueError:
+        raise Failure(f'Invalid pinned memory limit "{_brief(text)}", expected e.g. 900M or 10G') from None
+
+
+def _priority(text: str) -> int:
+    if text not in ("0", "1"):
+        raise Failure(f'Invalid client priority "{_brief(text)}", expected 0 or 1')
+    return int(text)
+
+
+class V3:
+    """The module-verb commands of one daemon's control plane (`control`, whose state they share)."""
+
+    def __init__(self, control: Control) -> None:
+        self.control = control
+
+    def run(self, module: str, args: list[str], uid: int) -> tuple[str, bool]:
+        """The answer to `module` with `args` from a user `uid`, and whether the command failed."""
+        try:
+            return self._run(module, args, uid), False
+        except Failure as exc:
+            return str(exc), True
+
+    def _run(self, module: str, args: list[str], uid: int) -> str:
+        if module in NOT_YET:
+            raise Failure(f'"{module}" commands (MPS v3 namespaces and SM partitions) are not supported by mpsd yet')
+        verb = args[0] if args else None
+        key = (module, verb)
+        if verb is None or key not in OPTIONS:
+            lead = f'Unknown command "{module} {_brief(verb)}"\n' if verb is not None else ""
+            raise Failure(lead + USAGE[(module, None)])
+        daemon = self.control.daemon
+        if key not in READ_ONLY and uid not in (0, daemon.owner_uid):
+            daemon.log.control(f"User {uid} is not allowed to run {module} {verb}")
+            raise Failure(f"Permission denied: {module} {verb} needs root or the daemon's owner")
+        command: Callable[[dict[str, str | None], int], str] = getattr(self, f"{module}_{verb}")
+        return command(parse_options(args[1:], OPTIONS[key], USAGE[key]), uid)
+
+    # -- helpers -------------------------------------------------------------------------------------------
+    def _server(self, options: dict[str, str | None]):
+        """The running server --pid names, or None for the defaults where there is no --pid."""
+        text = options.get("pid")
+        if text is None:
+            return None
+        pid = _number(text, "PID")
+        server = self.control.server
+        if pid != server.pid or not server.started:
+            raise Failure(f"Server {pid} not found")
+        return server
+
+    def _devices(self, options: dict[str, str | None]) -> list[int]:
+        text = options.get("device")
+        count = len(self.control.daemon.devices)
+        if text is None:
+            return list(range(count))
+        device = _number(text, "device")
+        if device >= count:
+            raise Failure(f'Invalid device "{_brief(text)}"')
+        return [device]
+
+    # -- server -------------------------------------------------------------------------------------------
+    def server_list(self, options: dict[str, str | None], uid: int) -> str:
+        server = self.control.server
+        rows: list[tuple[object, ...]] = []
+        if server.started:
+            faulted = any(device.faulted for device in self.control.daemon.devices)
+            status = "FAULT" if faulted else "SHUTTING_DOWN" if server.shutting_down else "ACTIVE"
+            rows.append((server.name or "-", server.pid, "-" if server.uid is None else server.uid, status))
+        for named in self.control.named.values():  # the -a file's servers that do not run now
+            if not (server.started and server.name == named.name):
+                rows.append((named.name, "-", named.uid, "INACTIVE"))
+        if not rows:
+            return ""
+        rows.insert(0, ("NAME", "PID", "UID", "STATUS"))
+        return "\n".join(f"{name!s:<15}{pid!s:<10}{user!s:<10}{state}" for name, pid, user, state in rows)
+
+    def server_create(self, options: dict[str, str | None], uid: int) -> str:
+        text = options.get("uid")
+        if text is None:
+            raise Failure("A user id (UID) is required to start a new server\n" + USAGE[("server", "create")])
+        user = _number(text, "user id")
+        if user >= (1 << 32) - 1:  # what setuid refuses
+            raise Failure(f'Invalid user id "{_brief(text)}"')
+        # v2's start_server: where another user's server has clients, this one waits its turn as a client of
+        # that user would (mpsd plays one server at a time).
+        self.control.cmd_start_server(["-uid", str(user)])
+        return ""
+
+    def server_delete(self, options: dict[str, str | None], uid: int) -> str:
+        if options.get("pid") is None:
+            raise Failure(USAGE[("server", "delete")])
+        self._server(options)
+        self.control.try_shutdown(force="force" in options)
+        return ""
+
+    def server_set(self, options: dict[str, str | None], uid: int) -> str:
+        given = [name for name in SETTINGS if name in options]
+        if not given:
+            raise Failure(USAGE[("server", "set")])
+        server = self._server(options)
+        devices = self._devices(options)
+        if "device" in options and "pinned-memory-limit" not in options:
+            raise Failure('Option "--device" goes with --pinned-memory-limit\n' + USAGE[("server", "set")])
+        # Every value is checked before any is set: a command that fails changes nothing.
+        percentage = _percentage(options["active-thread-percentage"] or "") if "active-thread-percentage" in given else None
+        limit = _limit(options["pinned-memory-limit"] or "") if "pinned-memory-limit" in given else None
+        priority = _priority(options["client-priority"] or "") if "client-priority" in given else None
+        settings, log = self.control.daemon.settings, self.control.daemon.log
+        if percentage is not None:
+            if server is None:
+                settings.active_thread_percentage = percentage
+            else:
+                server.active_thread_percentage = percentage
+        if limit is not None:
+            limits = settings.pinned_mem_limits if server is None else server.pinned_mem_limits
+            for device in devices:
+                if limit:
+                    limits[device] = limit
+                else:
+                    limits.pop(device, None)
+                if server is not None:
+                    log.server(f"Device pinned memory limit for device {device} set to {limit:#x} bytes")
+        if priority is not None:
+            # mpsd gives every incoming client the daemon's client priority, the running server's clients too
+            # (v2's set_default_client_priority does the same): one setting for both; a named server's own
+            # (its user's, from the -a file) is that server's.
+            if server is not None and server.uid is not None and ("uid", server.uid) in settings.priorities:
+                settings.priorities[("uid", server.uid)] = priority
+            else:
+                settings.client_priority = priority
+        return ""
+
+    def server_get(self, options: dict[str, str | None], uid: int) -> str:
+        asked = [name for name in SETTINGS if name in options]
+        if len(asked) != 1:
+            raise Failure(USAGE[("server", "get")])
+        server = self._server(options)
+        devices = self._devices(options)
+        (name,) = asked
+        if "device" in options and name != "pinned-memory-limit":
+            raise Failure('Option "--device" goes with --pinned-memory-limit\n' + USAGE[("server", "get")])
+        settings = self.control.daemon.settings
+        if name == "active-thread-percentage":
+            value = settings.active_thread_percentage if server is None else self.control.percentage_for_new_client()
+            return f"{value:.1f}"
+        if name == "client-priority":
+            if server is not None and server.uid is not None:
+                return str(settings.priority_for(-1, server.uid))
+            return str(settings.client_priority)
+        limits = settings.pinned_mem_limits if server is None else server.pinned_mem_limits
+        if "device" in options:
+            limit = limits.get(devices[0])
+            return "" if limit is None else limit_text(limit)
+        return "\n".join(f"{device}={limit_text(limits[device])}" for device in devices if device in limits)
+
+    # -- client -------------------------------------------------------------------------------------------
+    def client_list(self, options: dict[str, str | None], uid: int) -> str:
+        control = self.control
+        everyone = uid in (0, control.daemon.owner_uid)  # others see their own processes only, as v2's ps
+        rows: list[tuple[object, ...]] = []
+        if control.server.started:
+            for pid, mine in control._processes().items():
+                if everyone or mine[0].uid == uid:
+                    uuids = ",".join(dict.fromkeys(ctx.device.properties["uuid"] for ctx in mine))
+                    rows.append((pid, control.server.pid, mine[0].uid, "ACTIVE", uuids))
+        if "all" in options:
+            for pid, user in control.daemon.waiting:
+                if everyone or user == uid:
+                    rows.append((pid, "-", user, "PENDING", "-"))
+        if not rows:
+            return ""
+        rows.insert(0, ("PID", "SERVER", "UID", "STATUS", "DEVICE"))
+        return "\n".join(f"{pid!s:<10}{server!s:<10}{user!s:<10}{state!s:<10}{device}"
+                         for pid, server, user, state, device in rows)
+
+    def client_terminate(self, options: dict[str, str | None], uid: int) -> str:
+        text = options.get("pid")
+        if text is None:
+            raise Failure(USAGE[("client", "terminate")])
+        pid = _number(text, "PID")
+        control = self.control
+        victims = control._processes().get(pid, []) if control.server.started else []
+        if not victims:
+            raise Failure(f"Invalid process {pid}")
+        for n, ctx in enumerate(victims, 1):
+            control.daemon.log.server(f"MPS server requesting client {{PID: {pid}, Context ID: {n}}} to exit")
+            control.daemon.terminate(ctx, "terminate_client")
+            control.daemon.log.server("Client termination succeeded.")
+        return ""
