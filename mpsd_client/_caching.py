@@ -124,7 +124,30 @@ def _config(text: str) -> dict[str, float]:
     return out
 
 
-class CachingAllocator:
+class _Figures:
+    """torch.cuda's views of an allocator's statistics (``_stats`` and ``_oversize``), which every strategy has."""
+
+    _stats: dict[str, dict[str, _Stat]]
+    _oversize: dict[str, _Stat]
+
+    def memory_allocated(self) -> int:
+        return self._stats["allocated_bytes"]["all"].current
+
+    def max_memory_allocated(self) -> int:
+        return self._stats["allocated_bytes"]["all"].peak
+
+    def memory_reserved(self) -> int:
+        return self._stats["reserved_bytes"]["all"].current
+
+    def max_memory_reserved(self) -> int:
+        return self._stats["reserved_bytes"]["all"].peak
+
+    def reset_peak_memory_stats(self) -> None:
+        for stat in [s for pools in self._stats.values() for s in pools.values()] + list(self._oversize.values()):
+            stat.peak = stat.current
+
+
+class CachingAllocator(_Figures):
     """PyTorch's CUDA caching allocator over a context's device memory.
 
     Args:
@@ -315,22 +338,6 @@ class CachingAllocator:
         free = [block.size for pool in self._pools.values() for block in pool.blocks.values()]
         out.update(fragmentation(free, out["requested_bytes.all.current"], out["allocated_bytes.all.current"]))
         return dict(sorted(out.items()))
-
-    def memory_allocated(self) -> int:
-        return self._stats["allocated_bytes"]["all"].current
-
-    def max_memory_allocated(self) -> int:
-        return self._stats["allocated_bytes"]["all"].peak
-
-    def memory_reserved(self) -> int:
-        return self._stats["reserved_bytes"]["all"].current
-
-    def max_memory_reserved(self) -> int:
-        return self._stats["reserved_bytes"]["all"].peak
-
-    def reset_peak_memory_stats(self) -> None:
-        for stat in [s for pools in self._stats.values() for s in pools.values()] + list(self._oversize.values()):
-            stat.peak = stat.current
 
     def memory_snapshot(self) -> list[dict[str, Any]]:
         """The segments and their blocks, in address order, in torch.cuda.memory_snapshot()'s shape."""

@@ -15,7 +15,7 @@ from typing import Any
 
 from mpsd_protocol import OutOfMemoryError  # type: ignore[attr-defined]
 
-from ._caching import (MIN_BLOCK, POOLS, SMALL_BUFFER, SMALL_SIZE, STATS, _oom_message, _power2_division, _Stat,
+from ._caching import (MIN_BLOCK, _Figures, POOLS, SMALL_BUFFER, SMALL_SIZE, STATS, _oom_message, _power2_division, _Stat,
                        _stream, fragmentation)
 from ._caching_report import summary
 
@@ -43,7 +43,7 @@ class _Segment:
         return (len(self.free), sum(self.free.values())) if self.live else (0, 0)
 
 
-class _SegmentAllocator:
+class _SegmentAllocator(_Figures):
     """What both strategies share: segments of device memory, the cache's statistics and its snapshot.
 
     Args:
@@ -161,22 +161,6 @@ class _SegmentAllocator:
         out.update(fragmentation(free, int(out["requested_bytes.all.current"]),
                                  int(out["allocated_bytes.all.current"])))
         return dict(sorted(out.items()))
-
-    def memory_allocated(self) -> int:
-        return self._stats["allocated_bytes"]["all"].current
-
-    def max_memory_allocated(self) -> int:
-        return self._stats["allocated_bytes"]["all"].peak
-
-    def memory_reserved(self) -> int:
-        return self._stats["reserved_bytes"]["all"].current
-
-    def max_memory_reserved(self) -> int:
-        return self._stats["reserved_bytes"]["all"].peak
-
-    def reset_peak_memory_stats(self) -> None:
-        for stat in [s for pools in self._stats.values() for s in pools.values()] + list(self._oversize.values()):
-            stat.peak = stat.current
 
     def memory_summary(self, device: int = 0, abbreviated: bool = False) -> str:
         """torch.cuda.memory_summary()'s table of memory_stats()."""

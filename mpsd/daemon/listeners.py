@@ -125,17 +125,7 @@ async def open_listeners(pipe_dir: Path, environ: Mapping[str, str] = os.environ
 def _pid_file(pipe_dir: Path) -> Path:
     """MPS's pid file, which launch scripts wait for: the daemon's pid, written whole (a temporary file renamed
     into place in our own directory, so that no reader sees half of it and nothing planted is followed)."""
-    path = pipe_dir / PID_FILE
-    fd, tmp = tempfile.mkstemp(prefix=f".{PID_FILE}.", dir=pipe_dir)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(f"{os.getpid()}\n")
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except OSError as exc:
-        _unlink(Path(tmp))
-        raise ListenError(f"cannot write {path}: {exc.strerror}") from None
-    return path
+    return _write_whole(pipe_dir / PID_FILE, f"{os.getpid()}\n")
 
 
 def write_protocol_file(pipe_dir: Path, protocol: int) -> Path | None:
@@ -145,10 +135,15 @@ def write_protocol_file(pipe_dir: Path, protocol: int) -> Path | None:
     if protocol == 2:
         _unlink(path)
         return None
-    fd, tmp = tempfile.mkstemp(prefix=f".{PROTOCOL_FILE}.", dir=pipe_dir)
+    return _write_whole(path, f"{protocol}\n")
+
+
+def _write_whole(path: Path, text: str) -> Path:
+    """`text` in `path`, world-readable, through a temporary file renamed into place in the same directory."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as f:
-            f.write(f"{protocol}\n")
+            f.write(text)
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     except OSError as exc:
