@@ -1,6 +1,8 @@
 """Policies written in Python (mpsd.sim.Policy): the engine calls their dispatch and window, places blocks
 through its own rule, and raises what they raise."""
 
+import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -84,3 +86,20 @@ def test_what_a_policy_raises_comes_out_of_the_call_that_ran_it():
         sim.run()
     with pytest.raises(RuntimeError, match="only during a dispatch"):
         kept[0].place()
+
+
+def test_mpsd_stress_runs_a_policy_written_in_python(tmp_path):
+    """mpsd-stress --policy module:Class plays a workload under it, in virtual time, and names it; a name that
+    is neither a built-in nor module:Class is refused with the known ones."""
+    workload = Path(__file__).parent.parent / "examples" / "workloads" / "inference_training.toml"
+    out = tmp_path / "results.json"
+    run = subprocess.run([sys.executable, "-m", "mpsd.stress.cli", str(workload), "--policy",
+                          "examples.sjf_policy:ShortestJobFirst", "--virtual-time", "--duration", "0.05",
+                          "--json", str(out)], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).parent.parent)
+    assert run.returncode == 0, run.stderr
+    results = json.loads(out.read_text())
+    assert "examples.sjf_policy:ShortestJobFirst" in json.dumps(results)
+    refused = subprocess.run([sys.executable, "-m", "mpsd.stress.cli", str(workload), "--policy", "nope"],
+                             capture_output=True, text=True, timeout=60)
+    assert refused.returncode != 0 and "or module:Class" in refused.stderr

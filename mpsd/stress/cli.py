@@ -31,7 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="mpsd-stress", description="Run a multi-tenant workload on mpsd's GPU under one or more scheduling "
                                         "policies and report latency, throughput, fairness and isolation.")
     parser.add_argument("workload", type=Path, help="a workload TOML file (see examples/workloads/)")
-    parser.add_argument("--policy", choices=list(POLICIES), help="the policy (default: the workload's, or mps)")
+    parser.add_argument("--policy", help=f"the policy: {', '.join(POLICIES)}, or one written in Python as "
+                                         "module:Class (mpsd.sim.Policy) (default: the workload's, or mps)")
     parser.add_argument("--compare-policies", metavar="P1,P2,...",
                         help="run the workload under each policy and compare them side by side")
     parser.add_argument("--virtual-time", action="store_true",
@@ -138,8 +139,8 @@ def _policies(workload: Workload, options: argparse.Namespace) -> dict[str, dict
         raise WorkloadError("a real GPU shares itself as MPS does: --devices goes with the mps policy alone")
     out = {}
     for name in names:
-        if name not in POLICIES:
-            raise WorkloadError(f"unknown policy {name!r} (known: {', '.join(POLICIES)})")
+        if name not in POLICIES and ":" not in name:
+            raise WorkloadError(f"unknown policy {name!r} (known: {', '.join(POLICIES)}, or module:Class)")
         settings = workload.policy_options.get(name, {})
         if not isinstance(settings, dict):
             raise WorkloadError(f"[run.policy_options.{name}] must be a table")
