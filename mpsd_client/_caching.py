@@ -129,6 +129,20 @@ class _Figures:
 
     _stats: dict[str, dict[str, _Stat]]
     _oversize: dict[str, _Stat]
+    _counts: dict[str, int]
+
+    def _torch_figures(self) -> dict[str, float]:
+        """memory_stats()'s keys that every strategy keeps alike: each statistic's four figures, the counts."""
+        out: dict[str, float] = {}
+        for name, pools in self._stats.items():
+            for pool, stat in pools.items():
+                for field_name in ("current", "peak", "allocated", "freed"):
+                    out[f"{name}.{pool}.{field_name}"] = getattr(stat, field_name)
+        for name, stat in self._oversize.items():
+            for field_name in ("current", "peak", "allocated", "freed"):
+                out[f"{name}.{field_name}"] = getattr(stat, field_name)
+        out.update(self._counts)
+        return out
 
     def memory_allocated(self) -> int:
         return self._stats["allocated_bytes"]["all"].current
@@ -325,15 +339,7 @@ class CachingAllocator(_Figures):
     def memory_stats(self) -> dict[str, float]:
         """Every figure torch.cuda.memory_stats() gives, under the same keys, and mpsd's own
         ``fragmentation.*`` figures (see `fragmentation`)."""
-        out: dict[str, int] = {}
-        for name, pools in self._stats.items():
-            for pool, stat in pools.items():
-                for field_name in ("current", "peak", "allocated", "freed"):
-                    out[f"{name}.{pool}.{field_name}"] = getattr(stat, field_name)
-        for name, stat in self._oversize.items():
-            for field_name in ("current", "peak", "allocated", "freed"):
-                out[f"{name}.{field_name}"] = getattr(stat, field_name)
-        out.update(self._counts)
+        out = self._torch_figures()
         out["max_split_size"] = -1 if self.max_split_size == UNLIMITED else self.max_split_size
         free = [block.size for pool in self._pools.values() for block in pool.blocks.values()]
         out.update(fragmentation(free, out["requested_bytes.all.current"], out["allocated_bytes.all.current"]))

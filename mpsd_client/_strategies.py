@@ -147,15 +147,7 @@ class _SegmentAllocator(_Figures):
     def memory_stats(self) -> dict[str, float]:
         """torch.cuda.memory_stats()'s keys (inactive_split: the free blocks of segments in use; no oversize
         blocks, as there is no max_split_size) and mpsd's ``fragmentation.*`` figures."""
-        out: dict[str, float] = {}
-        for name, pools in self._stats.items():
-            for pool, stat in pools.items():
-                for field_name in ("current", "peak", "allocated", "freed"):
-                    out[f"{name}.{pool}.{field_name}"] = getattr(stat, field_name)
-        for name, stat in self._oversize.items():
-            for field_name in ("current", "peak", "allocated", "freed"):
-                out[f"{name}.{field_name}"] = getattr(stat, field_name)
-        out.update(self._counts)
+        out = self._torch_figures()
         out["max_split_size"] = -1
         free = [size for segment in self._segments.values() for size in segment.free.values()]
         out.update(fragmentation(free, int(out["requested_bytes.all.current"]),
