@@ -432,9 +432,9 @@ class Core:
         addr = _address(ptr)
         if addr not in self._opens:
             raise InvalidValueError(f"{addr:#x} is not a pointer opened from an IPC handle in this context")
-        # A request, not a notification: once this returns the pointer is invalid, as cudaIpcCloseMemHandle
-        # promises, even when work queued before it still has to finish with the mapping.
-        yield from self.invoke("ipc_close_mem_handle", addr)
+        # A notification: the daemon serves this client's messages in order, so the pointer is invalid for every
+        # later call, as cudaIpcCloseMemHandle promises, and the daemon keeps the bytes for the work queued before.
+        yield Notification("ipc_close_mem_handle", self._charge(CALLS["ipc_close_mem_handle"].encode((addr,))))
         left = self._opens.pop(addr) - 1
         if left:
             self._opens[int(ptr)] = left

@@ -45,7 +45,8 @@ class Request:
             raise LocalProtocolError(f"request id {brief(self.id)} out of range")
         if not isinstance(self.op, str) or not isinstance(self.args, dict):
             raise LocalProtocolError("a request needs a str op and dict args")
-        _check_fds(self.fds)
+        if self.fds:
+            _check_fds(self.fds)
 
     def to_wire(self) -> list[Any]:
         return [REQUEST, self.id, self.op, self.args]
@@ -65,7 +66,8 @@ class Reply:
             raise LocalProtocolError(f"reply id {brief(self.id)} out of range")
         if self.error is not None and not isinstance(self.error, dict):
             raise LocalProtocolError("a reply's error is None or a dict")
-        _check_fds(self.fds)
+        if self.fds:
+            _check_fds(self.fds)
 
     def to_wire(self) -> list[Any]:
         return [REPLY, self.id, self.error, self.result]
@@ -82,7 +84,8 @@ class Notification:
     def __post_init__(self) -> None:
         if not isinstance(self.op, str) or not isinstance(self.args, dict):
             raise LocalProtocolError("a notification needs a str op and dict args")
-        _check_fds(self.fds)
+        if self.fds:
+            _check_fds(self.fds)
 
     def to_wire(self) -> list[Any]:
         return [NOTIFICATION, self.op, self.args]

@@ -66,11 +66,8 @@ IPC_WORKER = """
 import sys, mpsd_client
 sent = set()
 with mpsd_client.connect() as ctx:
-    request = ctx._core._request
-    def tapped(op, args, fds):
-        sent.add(op)
-        return (yield from request(op, args, fds))
-    ctx._core._request = tapped
+    send = ctx._send  # every message the shell sends, requests and notifications alike
+    ctx._send = lambda message: (sent.add(message.op), send(message))[1]
     ctx.ipc_close_mem_handle(ctx.ipc_open_mem_handle(bytes.fromhex(sys.argv[1])))
 print(" ".join(sorted(sent)))
 """

@@ -96,6 +96,25 @@ def test_opening_twice_gives_the_same_pointer_and_counts(daemon):
     finish(worker)
 
 
+def test_close_needs_no_reply_and_work_queued_before_it_still_lands(daemon):
+    """ipc_close_mem_handle is a notification: the pointer is invalid for the very next call, while a kernel
+    queued before the close, still waiting behind a long one, writes the exporter's bytes when it runs."""
+    worker, (handle,) = export_from_worker(daemon, EXPORTER + """
+    print(float(__import__("numpy").frombuffer(p.host_view(), "float32")[:4].sum()))
+    """)
+    with mpsd_client.connect(daemon.pipe_dir) as ctx:
+        q = ctx.ipc_open_mem_handle(bytes.fromhex(handle))
+        s = ctx.create_stream()
+        ctx.launch("spin", 1, 32, [int(50 * 1.98e9)], stream=s)  # 50 s simulated: 0.5 s at --time-scale 100
+        ctx.launch("fill_f32", 1, 4, [q, 7.0, 4], stream=s)
+        ctx.ipc_close_mem_handle(q)
+        assert not s.query()  # the close did not wait for the work before it
+        with pytest.raises(InvalidValueError):
+            ctx.memset(q, 0, 16)
+        ctx.synchronize()  # raises if the fill found its bytes gone (an illegal address)
+    assert finish(worker).strip() == "28.0"
+
+
 def test_handles_follow_cuda_rules_in_the_exporter(ctx):
     """Handles only for allocation bases; the same handle each time; a new one for a new allocation at a
     reused address; no opening in the exporting process."""
@@ -355,6 +374,7 @@ def test_no_fd_leaks_over_thousands_of_cycles(daemon):
             q = ctx.ipc_open_mem_handle(handle)
             assert q.host_view()[0] == 0
             ctx.ipc_close_mem_handle(q)
+        ctx.synchronize()  # the closes are notifications: this reply comes after the daemon has served them
         assert (_fds(os.getpid()), _fds(daemon.proc.pid)) == (ours, theirs)
     finish(worker)
 

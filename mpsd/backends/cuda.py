@@ -471,6 +471,7 @@ class CudaBackend:
             if work.data is not None:  # staged: from pinned memory of our own, freed when the copy is done
                 staging = _check(cu.cuMemHostAlloc(max(n, 1), PORTABLE))
                 ctypes.memmove(int(staging), work.data, n)
+                work.data = None  # used up: whoever still holds the work holds no bytes
                 pending.cleanup.append(lambda: cu.cuMemFreeHost(staging))
                 source = int(staging)
             else:

@@ -82,13 +82,17 @@ class Engine:
         Raises:
             ValueError: the simulator refused it (a kernel that cannot fit on an SM, say).
         """
-        now = self.sim_now()
-        arrived = now
-        if self.arrival is not None and self._origin is not None:
-            arrived = min(now, (self.arrival - self._origin) * self.time_scale)
+        sim, origin = self.sim, self._origin
+        if origin is None:
+            arrived = now = sim.now
+        else:
+            now = max(sim.now, (trio.current_time() - origin) * self.time_scale)
+            arrived = now if self.arrival is None else min(now, (self.arrival - origin) * self.time_scale)
         self._advance_to(arrived)
-        self.sim.submit(op)
-        self.max_lag = max(self.max_lag, now - self.sim.now)
+        sim.submit(op)
+        lag = now - sim.now
+        if lag > self.max_lag:
+            self.max_lag = lag
         self._wake.set()
 
     def when_done(self, ops: Iterable[Op | None], callback: Callable[[], None]) -> None:

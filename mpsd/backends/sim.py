@@ -23,7 +23,7 @@ from mpsd.backends.hostmem import HostMemory, Reservation, default_budget
 from mpsd.backends.memfd import Segment
 from mpsd.backends.ops import Copy, Extent, Launch, Memset, Record, Work
 from mpsd.backends.recorder import Recorder
-from mpsd.sim import COPY_KINDS, DeviceSpec, Kernel, Marker, Op, Simulator, copy_kernel, kernel_cost, sm_cap
+from mpsd.sim import COPY_KINDS, BlockCost, DeviceSpec, Kernel, Marker, Op, Simulator, copy_kernel, kernel_cost, sm_cap
 from mpsd.sim import Copy as SimCopy
 from mpsd.sim.clock import Host
 from mpsd_protocol import CudaError, IllegalAddressError  # type: ignore[attr-defined]
@@ -32,6 +32,7 @@ __all__ = ["SimBackend", "device_properties"]
 
 log = logging.getLogger("mpsd.backends.sim")
 _CHUNK = 64 << 20  # bulk byte moves go in chunks, so a huge copy never needs a huge temporary
+_MAX_COSTS = 4096  # launch costs kept, by kernel, grid size, block size and arguments
 
 
 def device_properties(spec: DeviceSpec, index: int) -> dict[str, Any]:
@@ -101,6 +102,7 @@ class SimBackend:
         self.instances = tuple(Instance(p.profile, p.sm_count, p.memory)
                                for p in getattr(self.sim.policy, "partitions", ()))
         self._reservations: dict[int, dict[Op, Reservation]] = {}  # client -> host RAM its queued ops may touch
+        self._costs: dict[tuple[str, int, int, tuple[int | float, ...]], BlockCost] = {}
 
     # -- what the device is ----------------------------------------------------------------------------
     def properties(self, index: int) -> dict[str, Any]:
@@ -161,27 +163,35 @@ class SimBackend:
         self.engine.when_done([w.handle for w in work if w is not None], callback)
 
     def _op(self, work: Work) -> Op:
-        after = tuple(w.handle for w in work.after if w.handle is not None)
-        common = dict(client=work.client, stream=work.stream, after=after)
+        after = tuple(w.handle for w in work.after if w.handle is not None) if work.after else ()
+        client, stream = work.client, work.stream
         op: Op
         if isinstance(work, Launch):
             blocks, threads = math.prod(work.grid), math.prod(work.block)
-            cost = kernel_cost(self.spec, work.kernel, blocks, threads, work.args)
-            op = Kernel(**common, blocks=blocks, threads=threads, cost=cost, smem=work.shared_mem,  # type: ignore
-                        priority=work.priority, sm_cap=work.sm_cap)
+            # A loop launches the same kernel with the same arguments again and again: its cost is computed
+            # once (pointer arguments make new keys, so the cache is cleared when it grows large).
+            key = (work.kernel, blocks, threads, work.args)
+            cost = self._costs.get(key)
+            if cost is None:
+                cost = kernel_cost(self.spec, work.kernel, blocks, threads, work.args)
+                if len(self._costs) >= _MAX_COSTS:
+                    self._costs.clear()
+                self._costs[key] = cost
+            op = Kernel(client=client, stream=stream, after=after, blocks=blocks, threads=threads, cost=cost,
+                        smem=work.shared_mem, priority=work.priority, sm_cap=work.sm_cap)
             self._record(op, work.kernel)
         elif isinstance(work, (Copy, Memset)):
             kind = work.kind if isinstance(work, Copy) else "memset"
             nbytes = work.dst.nbytes
             if kind in COPY_KINDS:  # the runtime launches a kernel for these: the client's quotas hold
                 blocks, threads, cost = copy_kernel(self.spec, kind, nbytes, work.sm_cap)
-                op = Kernel(**common, blocks=blocks, threads=threads, cost=cost,  # type: ignore[arg-type]
+                op = Kernel(client=client, stream=stream, after=after, blocks=blocks, threads=threads, cost=cost,
                             priority=work.priority, sm_cap=work.sm_cap)
                 self._record(op, "memcpy_dtod" if kind == "d2d" else kind)
             else:
-                op = SimCopy(**common, engine=kind, nbytes=nbytes)  # type: ignore[arg-type]
+                op = SimCopy(client=client, stream=stream, after=after, engine=kind, nbytes=nbytes)
         elif isinstance(work, Record):
-            op = Marker(**common)  # type: ignore[arg-type]
+            op = Marker(client=client, stream=stream, after=after)
         else:
             raise TypeError(f"no such work: {work!r}")
         # The op holds its work only through its tag, which the engine drops once the op completes or is
@@ -199,6 +209,8 @@ class SimBackend:
         """The device memory `work` will touch: what the host RAM budget must make room for."""
         extents: list[Extent | None]
         if isinstance(work, Launch):
+            if not work.extents:  # spin and work touch no memory
+                return []
             extents = [extent for _, extent in work.extents]
         elif isinstance(work, Copy):
             extents = [work.dst, work.src]
@@ -219,12 +231,15 @@ class SimBackend:
         try:
             self._effect(work)
         finally:
-            touched = self._reservations.get(work.client, {}).pop(op, None)
+            reservations = self._reservations.get(work.client)
+            touched = reservations.pop(op, None) if reservations else None
             if touched is not None:
                 self.host_memory.settle(touched)
 
     def _effect(self, work: Work) -> None:
         if isinstance(work, Launch):
+            if not work.extents:  # a kernel without pointer arguments changes no bytes
+                return
             views = []
             for index, extent in work.extents:
                 view = _view(extent)
@@ -237,6 +252,7 @@ class SimBackend:
         elif isinstance(work, Copy):
             target = _view(work.dst)
             source = work.data if work.data is not None else _view(work.src)
+            work.data = None  # used up: whoever still holds the work (a stream's tail, a queue) holds no bytes
             if target is not None and source is not None:
                 # A device copy within one segment may overlap: then, as memmove, copy from the end.
                 backwards = work.src is not None and work.src.memory is work.dst.memory and \

@@ -73,7 +73,7 @@ class Channel:
             return
         if not self._out:
             try:
-                sent = self.sock.sendmsg([data], pack_fds(fds))
+                sent = self.sock.sendmsg([data], pack_fds(fds)) if fds else self.sock.send(data)
             except BlockingIOError:
                 sent = 0
             except OSError:
@@ -81,7 +81,8 @@ class Channel:
                 close_fds(fds)
                 return
             if sent:
-                close_fds(fds)  # the kernel has passed them on with the first byte
+                if fds:
+                    close_fds(fds)  # the kernel has passed them on with the first byte
                 if sent == len(data):
                     return
                 data, fds = data[sent:], ()

@@ -25,6 +25,7 @@ import logging
 import os
 import select
 import socket
+from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -110,8 +111,13 @@ class Session:
         self._admitting = False
         self.host: Host | None = None  # this client's host clock, under the virtual clock
         self._deferred = 0  # replies waiting for the device
-        self._queued = 0  # launch calls taken whose work has not ended
-        self._staged = 0  # bytes of pageable copies among them, which the daemon holds until they run
+        # The client's launch queue: the work of its launch calls, oldest first, with the staged bytes of each;
+        # it frees in that order, as a ring buffer does (`_full`). And calls taken but not served yet (stamped,
+        # under the virtual clock), which hold their places meanwhile.
+        self._ring: deque[tuple[Work, int]] = deque()
+        self._posted = 0
+        self._staged = 0  # bytes of pageable copies among both, which the daemon holds until they run
+        self._watching = False  # a callback waits for the oldest work in the ring to end
         self._held: Request | Notification | None = None  # a launch call waiting for room in the queue
         self._room = trio.Event()  # set when the held call has gone on
         self._answered = trio.Event()  # set when the last of them has gone
@@ -138,6 +144,7 @@ class Session:
                     while self._deferred:
                         await self._answered.wait()
         finally:
+            self._ring.clear()
             self.conn.close_fds()
             self.channel.close()
             if self.host is not None:  # it holds the clock no longer; its calls still queued come to nothing
@@ -202,14 +209,13 @@ class Session:
         self._send(Reply(request_id, error.to_wire() if error else None, result, fds))
 
     # -- dispatch --------------------------------------------------------------------------------------
-    def _request(self, request: Request, timing: Timing | None = None) -> None:
-        """Serve one request. Under the virtual clock `timing` is the call's on the client's clock, which moves
-        to when the call returns before it is answered."""
+    def _request(self, request: Request, call: Call | None, timing: Timing | None = None) -> None:
+        """Serve one request (`call` its row, if it has one). Under the virtual clock `timing` is the call's on
+        the client's clock, which moves to when the call returns before it is answered."""
         if request.op == HELLO:
             self.daemon.greeted(self)
             self._hello(request)
             return
-        call = CALLS.get(request.op)
         try:
             if call is None:
                 raise InvalidValueError(f"unknown request {brief(request.op, 60)}")
@@ -217,7 +223,8 @@ class Session:
         except CudaError as exc:
             result = exc
         # Whatever a handler needed from the fds it has mapped by now; they go before the reply does.
-        close_fds(request.fds)
+        if request.fds:
+            close_fds(request.fds)
         if isinstance(result, Deferred) and not result.ready():
             if timing is not None:
                 self._virtual.clock.wait(self._host)
@@ -225,7 +232,8 @@ class Session:
             self.daemon.device_of(self._ctx).backend.when_done(
                 result.ops, functools.partial(self._finish, request.id, result, timing))
             return
-        self._returned(timing, waited=False)
+        if timing is not None:
+            self._returned(timing, waited=False)
         if isinstance(result, CudaError):
             self._reply(request.id, result)
         elif isinstance(result, Deferred):
@@ -282,63 +290,89 @@ class Session:
         device on the client's clock, and applied then, in stamp order with every other client's; under the
         wall clock it is served now. A launch call that finds the client's queue full waits (held) until
         work of that client has ended, as a real host's call blocks."""
+        call = CALLS.get(message.op)
         if self.host is not None:
             engine, host = self._virtual, self._host
             charged = self._charged(message.args)
             engine.heard(host)
-            if isinstance(message, Request) and _cost(message)[0] == CLOCK:
+            if call is not None and call.cost[0] == CLOCK and isinstance(message, Request):
                 engine.clock.start(host, charged)  # answered at once: it touches the client's clock alone
-                self._request(message)
+                self._request(message, call)
                 return
         else:
             charged = 0.0
         if not self._full(message):
-            self._go(message, charged)
-        else:
-            if self.host is not None:  # it waits in the driver: it holds no one's clock meanwhile
-                self._virtual.clock.start(self._host, charged)
-                self._virtual.clock.wait(self._host)
-            self._held = message
-            full = (f"{self._queued} launches queued" if self._queued >= LAUNCH_QUEUE
-                    else f"{format_size(self._staged)} of pageable copies held")
-            self.daemon.log.complaint(("uid", self.uid), f"Client {self.pid}: {full}; its next call waits for its "
-                                                         "work to run")
+            self._go(message, call, charged)
+            return
+        if self.host is not None:  # it waits in the driver: it holds no one's clock meanwhile
+            self._virtual.clock.start(self._host, charged)
+            self._virtual.clock.wait(self._host)
+        self._held = message
+        full = (f"{len(self._ring) + self._posted} launches queued" if len(self._ring) + self._posted >= LAUNCH_QUEUE
+                else f"{format_size(self._staged)} of pageable copies held")
+        self.daemon.log.complaint(("uid", self.uid), f"Client {self.pid}: {full}; its next call waits for its "
+                                                     "work to run")
+        self._watch()
 
     def _full(self, message: Request | Notification) -> bool:
-        """Whether `message` is a launch call that must wait for room in its client's queue."""
-        return _launches(message) and (self._queued >= LAUNCH_QUEUE or (
-            self._staged >= MAX_STAGED_BYTES and _staged_bytes(message) > 0))
+        """Whether `message` is a launch call that must wait for room in its client's queue. The queue frees
+        from its oldest end, as the ring buffer a GPU reads its work from does: work that ends before older
+        work does frees its place only once that has ended too (on one stream, the only order there is)."""
+        if message.op not in LAUNCH_CALLS or self.context is None:
+            return False
+        ring = self._ring
+        while ring and ring[0][0].done:
+            self._staged -= ring.popleft()[1]
+        return len(ring) + self._posted >= LAUNCH_QUEUE or (
+            self._staged >= MAX_STAGED_BYTES and _staged_bytes(message) > 0)
 
-    def _go(self, message: Request | Notification, charged: float) -> None:
-        if _launches(message) and self.context is not None:
-            self._queued += 1
+    def _go(self, message: Request | Notification, call: Call | None, charged: float) -> None:
+        counted = message.op in LAUNCH_CALLS and self.context is not None
+        if counted:
+            self._posted += 1
             self._staged += _staged_bytes(message)
         if self.host is None:
             if self.context is not None:  # other sessions may have served calls since this one's were read
                 self.context.device.backend.received(self._read_at)
-            self._serve(message, None)
+            self._serve(message, call, counted, None)
             return
         engine = self._virtual
-        timing = engine.clock.call(self._host, _cost(message), charged)
-        engine.clock.post(self._host, timing.at, functools.partial(self._apply, message, timing))
+        timing = engine.clock.call(self._host, call.cost if call is not None else (CALL, None), charged)
+        engine.clock.post(self._host, timing.at, functools.partial(self._apply, message, call, counted, timing))
 
-    def _serve(self, message: Request | Notification, timing: Timing | None) -> None:
-        """Serve a call now; a launch call's queue entry is freed once the work it queued has run."""
-        before = self.context.last_op if self.context is not None else None
+    def _serve(self, message: Request | Notification, call: Call | None, counted: bool,
+               timing: Timing | None) -> None:
+        """Serve a call now; a counted launch call's place in the queue is its work's from here."""
+        ctx = self.context
+        before = ctx.last_op if ctx is not None else None
         if isinstance(message, Notification):
-            self._notification(message)
+            self._notification(message, call)
         else:
-            self._request(message, timing)
-        if _launches(message) and self.context is not None:
-            queued = self.context.last_op
-            self.daemon.device_of(self.context).backend.when_done(
-                [queued if queued is not before else None],
-                functools.partial(self._dequeued, _staged_bytes(message)))
+            self._request(message, call, timing)
+        if counted:
+            self._posted -= 1
+            queued = ctx.last_op if ctx is not None else None
+            if queued is not before and queued is not None and not queued.done:
+                self._ring.append((queued, _staged_bytes(message)))
+            else:
+                self._staged -= _staged_bytes(message)
+            if self._held is not None:
+                self._recheck()
 
-    def _dequeued(self, staged: int) -> None:
-        """Work of one of the client's launch calls has ended: a held call goes on, if it may now."""
-        self._queued -= 1
-        self._staged -= staged
+    def _watch(self) -> None:
+        """Judge the held call again once the oldest work in the queue has ended (or at once, if none is
+        left: then the queue is full of calls not yet served, and the next one served judges it)."""
+        if self._watching or not self._ring:
+            return
+        self._watching = True
+        self.daemon.device_of(self._ctx).backend.when_done([self._ring[0][0]], self._oldest_ended)
+
+    def _oldest_ended(self) -> None:
+        self._watching = False
+        self._recheck()
+
+    def _recheck(self) -> None:
+        """The queue may have room: a held call goes on, if it may now."""
         message = self._held
         if message is None:
             return
@@ -346,10 +380,11 @@ class Session:
             self._held = None
             close_fds(message.fds)
         elif self._full(message):
+            self._watch()
             return
         else:
             self._held = None
-            self._go(message, 0.0)
+            self._go(message, CALLS.get(message.op), 0.0)
             if self.host is not None:
                 self._virtual.heard(self._host)
         self._room.set()
@@ -364,12 +399,12 @@ class Session:
             return 0.0
         return float(measured) * factor  # type: ignore[operator]
 
-    def _apply(self, message: Request | Notification, timing: Timing) -> None:
+    def _apply(self, message: Request | Notification, call: Call | None, counted: bool, timing: Timing) -> None:
         """The device has reached the call's stamp: serve it (unless the client has gone meanwhile)."""
         if self.channel.closed or self.context is None or self.context.closed:
             close_fds(message.fds)
             return
-        self._serve(message, timing)
+        self._serve(message, call, counted, timing)
 
     def _returned(self, timing: Timing | None, waited: bool) -> None:
         """The call stamped `timing` returns now (after waiting for the device, if `waited`): the client's
@@ -378,11 +413,11 @@ class Session:
             self._virtual.clock.returned(self._host, timing, waited)
             self._virtual.heard(self._host)
 
-    def _notification(self, note: Notification) -> None:
-        close_fds(note.fds)
+    def _notification(self, note: Notification, call: Call | None) -> None:
+        if note.fds:
+            close_fds(note.fds)
         if self.context is None:
             return
-        call = CALLS.get(note.op)
         try:
             if call is None:
                 raise InvalidValueError(f"unknown notification {brief(note.op, 60)}")
@@ -508,11 +543,13 @@ class Session:
         return ({"ptr": mapping.addr, "size": mapping.size, "offset": mapping.segment.offset,
                  "mappable": HOST_VIEW in self._ctx.backend.capabilities}, (os.dup(mapping.segment.fd),))
 
-    def on_ipc_close_mem_handle(self, ptr: int) -> Deferred:
-        if ptr not in self._ctx.imports:
-            raise InvalidValueError(f"{ptr:#x} is not a pointer opened from an IPC handle in this context")
-        # Like cudaFree, the mapping goes only after the work queued before it, which may still use it.
-        return Deferred(self._ctx.tails(), lambda: self.daemon.ipc.close_memory(self._ctx, ptr))
+    def on_ipc_close_mem_handle(self, ptr: int) -> None:
+        ctx = self._ctx
+        segment = self.daemon.ipc.close_memory(ctx, ptr)
+        if segment is not None:
+            # The pointer is gone from the context now, so a later call with it fails, as after
+            # cudaIpcCloseMemHandle; the bytes stay mapped until the work queued before it has run.
+            ctx.backend.when_done(ctx.tails(), segment.release)
 
     # `clock`, `sleep` and `idle` act on the client's clock alone, under the virtual clock: answered at once,
     # never stamped. Under the wall clock the client keeps time itself and asks only for the device's now.
@@ -543,15 +580,8 @@ HANDLERS: dict[str, tuple[Callable[..., Any], bool]] = {
     else (getattr(Context, _CONTEXT_METHODS.get(call.name, call.name)), False) for call in CALLS.values()}
 
 
-def _cost(message: Request | Notification) -> tuple[str, str | None]:
-    """What a call costs the client's host thread (mpsd.sim.clock); a call of no row costs a plain call's."""
-    call = CALLS.get(message.op)
-    return call.cost if call is not None else (CALL, None)
-
-
-def _launches(message: Request | Notification) -> bool:
-    """Whether `message` is a launch call: it queues work on the device and returns (mpsd.sim.clock)."""
-    return _cost(message)[0] == LAUNCH
+# Launch calls: each queues work on the device and returns (mpsd.sim.clock), and takes a place in the queue.
+LAUNCH_CALLS = frozenset(call.name for call in CALLS.values() if call.cost[0] == LAUNCH)
 
 
 def _hung_up(sock: socket.socket) -> bool:

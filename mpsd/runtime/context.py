@@ -420,10 +420,12 @@ class Context:
         if not self.backend.fits(threads, shared_mem):  # type: ignore[arg-type]
             raise LaunchOutOfResourcesError(f"a block of {threads} threads and {shared_mem} bytes of shared "
                                             "memory does not fit on one SM")
+        touched = kernel.extents(checked)
         extents = tuple((index, self.memory.extent(int(checked[index]), nbytes))
-                        for index, nbytes in kernel.extents(checked))
-        work = Launch(**self._on(s), kernel=name, grid=tuple(grid3), block=tuple(block3),  # type: ignore[arg-type]
-                      shared_mem=shared_mem, args=tuple(checked), extents=extents)
+                        for index, nbytes in touched) if touched else ()
+        work = Launch(client=self.id, stream=s.key, priority=s.priority, sm_cap=self.quotas.sm_cap, kernel=name,
+                      grid=grid3, block=block3, shared_mem=shared_mem, args=tuple(checked),  # type: ignore[arg-type]
+                      extents=extents)
         self._enqueue(s, work)
         self.counters.launches += 1
         return work
@@ -447,7 +449,8 @@ class Context:
             deps = [self.streams[0].tail]
         else:
             deps = []
-        work.after = tuple(d for d in deps if d is not None and not d.done) + tuple(work.after)
+        if deps or type(work.after) is not tuple:
+            work.after = tuple(d for d in deps if d is not None and not d.done) + tuple(work.after)
         self.backend.submit(work)
         stream.tail = work
         self.last_op = work

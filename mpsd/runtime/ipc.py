@@ -28,6 +28,7 @@ from mpsd_protocol import (  # type: ignore[attr-defined]
 )
 
 if TYPE_CHECKING:
+    from mpsd.backends.memfd import Segment
     from mpsd.daemon.servlog import ServerLog
     from mpsd.runtime.context import Context, EventCell
 
@@ -109,8 +110,10 @@ class IpcRegistry:
         export.counts[ctx.id] = export.counts.get(ctx.id, 0) + 1
         return mapping
 
-    def close_memory(self, ctx: Context, ptr: int) -> None:
-        """``cudaIpcCloseMemHandle``: one reference less; the mapping goes with the last.
+    def close_memory(self, ctx: Context, ptr: int) -> Segment | None:
+        """``cudaIpcCloseMemHandle``: one reference less. With the last, the pointer leaves `ctx`'s address
+        space now, and the mapping's segment comes back to the caller, to release once the work queued before
+        the close has run (that work may still touch the bytes).
 
         Raises:
             InvalidValueError: `ptr` is not a pointer this context opened.
@@ -119,17 +122,17 @@ class IpcRegistry:
         if export is None:
             raise InvalidValueError(f"{brief(ptr, 20)} is not a pointer opened from an IPC handle in this context")
         export.counts[ctx.id] -= 1
-        if export.counts[ctx.id] == 0:
-            self._unmap(ctx, export)
+        return self._unmap(ctx, export) if export.counts[ctx.id] == 0 else None
 
-    def _unmap(self, ctx: Context, export: Export) -> None:
+    def _unmap(self, ctx: Context, export: Export) -> Segment:
+        """Take `export`'s mapping out of `ctx`; its segment, for the caller to release."""
         del export.counts[ctx.id]
         mapping = export.importers.pop(ctx.id)
         del ctx.imports[mapping.addr]
         ctx.memory.remove(mapping.addr)
-        mapping.segment.release()
         if export.allocation is None and not export.importers:
             del self._exports[export.id]
+        return mapping.segment
 
     def allocation_freed(self, alloc: Allocation) -> None:
         """The exporter freed (or lost) an allocation: no new opens; existing mappings live on."""
@@ -163,7 +166,7 @@ class IpcRegistry:
     def context_closed(self, ctx: Context) -> None:
         """Close everything a departing client imported; its own exports end with its allocations."""
         for export in {id(e): e for e in ctx.imports.values()}.values():
-            self._unmap(ctx, export)
+            self._unmap(ctx, export).release()  # its work was cancelled already: nothing touches the bytes
 
     # -- shared ----------------------------------------------------------------------------------------
     def _new(self, ctx: Context, kind: int, **what: object) -> Export:
