@@ -39,6 +39,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/sim_rate.py
 	$(BIN)/python bench/sim_rate.py --scenario grids
 	$(BIN)/python bench/clock_rate.py
+	$(BIN)/python bench/daemon_instructions.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info simcore/target mpsd/sim/_core*.so
