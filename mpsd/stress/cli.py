@@ -101,7 +101,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("mpsd-stress: interrupted", file=sys.stderr)
         return 130
     if len(runs) > 1:
-        console.print(render_comparison(results["runs"], runs))
+        devices = workload.devices > 1 and len(policies) == 1
+        console.print(render_comparison(results["runs"], runs, "devices compared" if devices else "policies compared"))
     if options.json is not None:
         text = json.dumps(results, indent=1, allow_nan=False)  # summaries hold None, never NaN
         if str(options.json) == "-":
@@ -266,11 +267,13 @@ def render_run(summary: dict[str, Any]) -> Any:
     return table
 
 
-def render_comparison(summaries: dict[str, dict[str, Any]], runs: dict[str, Timeline]) -> Any:
-    """Policies side by side: per tenant group, p99 and throughput; then the device-wide figures."""
+def render_comparison(summaries: dict[str, dict[str, Any]], runs: dict[str, Timeline],
+                      title: str = "policies compared") -> Any:
+    """Policies (or a run's devices) side by side: per tenant group, p99 and throughput; then the device-wide
+    figures."""
     from rich.table import Table
 
-    table = Table(title="policies compared", title_justify="left")
+    table = Table(title=title, title_justify="left")
     table.add_column("", justify="left")
     for policy in summaries:
         table.add_column(policy, justify="right")
