@@ -90,3 +90,15 @@ def test_the_shipped_mps_and_mig_workload_shows_the_seeds_comparison(capsys):
     assert mig["inference@1"]["latency_ms"]["p99"] < mps["inference"]["latency_ms"]["p99"]
     assert mps["training#0"]["throughput_per_s"] > mig["training@1#0"]["throughput_per_s"]
     assert mig["inference@1"]["max_sms"] <= 60 and mps["training#0"]["max_sms"] == 66
+
+
+def test_a_device_table_the_daemon_refuses_is_a_usage_error(tmp_path, capsys):
+    """A [run.device.N] setting the daemon's [mpsd.device.N] does not take: exit 2, one line naming the table
+    and the workload file, before anything runs."""
+    path = tmp_path / "w.toml"
+    path.write_text('[run]\ndevices = 2\n[run.device.1]\npolicy = "mig"\nslices = 3\n'
+                    '[[tenant]]\nname = "a"\n[[tenant.kernel]]\nname = "spin"\nduration_ms = 1\n')
+    assert main([str(path), "--virtual-time", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("mpsd-stress: ") and "[mpsd.device.1]" in err and "slices" in err
+    assert len(err.splitlines()) == 1

@@ -82,16 +82,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             solo = {} if options.no_solo or not workload.solo else _solo_p99(tenants, play)
             played = play(tenants, policy)
             # Several devices: a run per device, each under its own policy, side by side as policies are.
-            timelines = {_label(policy, index, per_device): timeline
-                         for index, timeline in played.items()} if isinstance(played, dict) else {policy: played}
-            for label, timeline in timelines.items():
+            timelines = [(index, _label(policy, index, per_device), timeline) for index, timeline in played.items()] \
+                if isinstance(played, dict) else [(None, policy, played)]
+            for index, label, timeline in timelines:
                 runs[label] = timeline
                 summary = summarize(timeline, solo)
                 summary["solo_p99_ms"] = {name: p99 * 1e3 for name, p99 in solo.items()
                                           if any(t.name == name for t in timeline.tenants)}
-                if isinstance(played, dict):
-                    summary["device"] = int(label.split()[1])
-                    summary["policy"] = label
+                if index is not None:
+                    summary["device"], summary["policy"] = index, label
                 results["runs"][label] = summary
                 console.print(render_run(summary))
     except (RunError, ValueError) as exc:

@@ -159,7 +159,7 @@ def _device_args(workload: Workload, work: Path) -> list[str]:
     if workload.devices == 1 and not workload.device_tables:
         return []
     path = work / "devices.toml"
-    path.write_text("".join(f"[mpsd.device.{index}]\n" + "".join(f"{key} = {_toml(value)}\n"
+    path.write_text("".join(f"[mpsd.device.{index}]\n" + "".join(f"{_toml(key)} = {_toml(value)}\n"
                                                                    for key, value in table.items()) + "\n"
                             for index, table in sorted(workload.device_tables.items())))
     return ["--devices", f"h200:{workload.devices}", "--config", str(path)]
