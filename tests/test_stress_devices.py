@@ -93,12 +93,12 @@ def test_the_shipped_mps_and_mig_workload_shows_the_seeds_comparison(capsys):
 
 
 def test_a_device_table_the_daemon_refuses_is_a_usage_error(tmp_path, capsys):
-    """A [run.device.N] setting the daemon's [mpsd.device.N] does not take: exit 2, one line naming the table
-    and the workload file, before anything runs."""
+    """A [run.device.N] setting the daemon's [mpsd.device.N] does not take: exit 2, one line naming the workload
+    file and its table, before anything runs."""
     path = tmp_path / "w.toml"
     path.write_text('[run]\ndevices = 2\n[run.device.1]\npolicy = "mig"\nslices = 3\n'
                     '[[tenant]]\nname = "a"\n[[tenant.kernel]]\nname = "spin"\nduration_ms = 1\n')
     assert main([str(path), "--virtual-time", "--quiet"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("mpsd-stress: ") and "[mpsd.device.1]" in err and "slices" in err
+    assert err.startswith(f"mpsd-stress: {path}: [run.device.1]") and "slices" in err
     assert len(err.splitlines()) == 1

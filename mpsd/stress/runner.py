@@ -188,7 +188,9 @@ def device_policies(workload: Workload, policy: str, options: dict[str, Any]) ->
         config = load_config(_daemon_args(work, policy, options, work / "trace.json", 48, "virtual", 1.0)
                              + _device_args(workload, work), environ={})
     except ConfigError as exc:
-        raise RunError(str(exc).replace(str(work / "devices.toml"), workload.source)) from None
+        # The daemon names its own tables: say the workload's, which the user wrote.
+        text = str(exc).replace(str(work / "devices.toml"), workload.source).replace("[mpsd.device.", "[run.device.")
+        raise RunError(f"{workload.source}: {text}") from None
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return [config.device_policy(index) for index in range(workload.devices)]
