@@ -208,6 +208,17 @@ class ContextBase:
         """Copy `nbytes` between device addresses; asynchronous with respect to the host, as in CUDA."""
         return self._drive(self._core.invoke("memcpy_dtod", dst, src, nbytes, stream))
 
+    def memcpy_peer(self, dst: DevicePointer | int, src_context: ContextBase, src: DevicePointer | int, nbytes: int,
+                    stream: Stream | None = None) -> Any:
+        """``cudaMemcpyPeerAsync``: copy `nbytes` from `src` of `src_context`, this process's context on another
+        device, to `dst` of this context, on this context's `stream`; asynchronous with respect to the host.
+
+        Over NVLink where the daemon's devices are peers, staged through host memory where they are not; the
+        statistics count which (``peer_copies_nvlink``, ``peer_copies_staged``). A source context of another
+        process, or one that has failed, is cudaErrorInvalidDevice at the next synchronising call.
+        """
+        return self._drive(self._core.invoke("memcpy_peer", dst, src_context.client_id, src, nbytes, stream))
+
     def memset(self, ptr: DevicePointer | int, value: int, nbytes: int, stream: Stream | None = None) -> Any:
         """``cudaMemset``: set `nbytes` bytes at `ptr` to the low byte of `value`, in stream order."""
         return self._drive(self._core.invoke("memset", ptr, value, nbytes, stream))

@@ -173,6 +173,10 @@ ROWS = (
          waits=True, cost=(LAUNCH, "d2h")),  # waits without a stream, or into pageable memory
     Call("memcpy_dtod", (Arg("dst", PTR), Arg("src", PTR), Arg("nbytes", COUNT), *_STREAM), notify=True,
          cost=(LAUNCH, "d2d")),
+    # cudaMemcpyPeerAsync from a context of the same process on another device (`src_client`: its client id)
+    # into this one's, on this one's stream.
+    Call("memcpy_peer", (Arg("dst", PTR), Arg("src_client", INT), Arg("src", PTR), Arg("nbytes", COUNT), *_STREAM),
+         notify=True, cost=(LAUNCH, "d2d")),
     Call("memset", (Arg("ptr", PTR), Arg("value", INT), Arg("nbytes", COUNT), *_STREAM), notify=True,
          cost=(LAUNCH, "memset")),
     Call("create_stream", (Arg("priority", INT, 0), Arg("flags", INT, 0)), reply=PAIR),  # handle, clamped

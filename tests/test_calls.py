@@ -114,6 +114,7 @@ def test_every_row_is_reachable_from_the_client_and_nothing_else_is(daemon, virt
         start.record(stream)
         ctx.memset(p, 1, 4096, stream)
         ctx.memcpy_dtod(q, p, 4096, stream)
+        ctx.memcpy_peer(q, ctx, p, 4096, stream)  # one device: a device copy
         ctx.launch("fill_f32", 1, 256, [p, 2.0, 256], stream=stream)
         ctx.memcpy_htod(p, host, stream)
         ctx.memcpy_dtoh(host, q, stream)

@@ -17,6 +17,7 @@ import pytest
 
 import mpsd_client
 from daemons import spawn_worker, start_daemon
+from mpsd.sim import H200
 from mpsd_client import (
     DeviceUninitializedError,
     InvalidResourceHandleError,
@@ -466,8 +467,16 @@ def test_two_gpu_pipeline_example_runs(peer_access):
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     consumer = next(line for line in proc.stdout.splitlines() if line.startswith("consumer: memory"))
-    if peer_access == "all":
-        assert f"memory_imported_peer={MiB} " in consumer and "mapped GPU 0's feature buffer" in proc.stdout
-    else:
-        assert "memory_imported_peer=0 " in consumer and "cudaErrorPeerAccessUnsupported" in proc.stdout
-        assert int(consumer.split("bytes_copied=")[1].split()[0]) >= 4 * MiB  # four batches of 1 MiB staged in
+    batch = 16 * MiB
+    if peer_access == "all":  # each batch copied over NVLink, in the model's time for it (the virtual clock)
+        assert f"memory_imported_peer={batch} peer_copies_nvlink=4 " in consumer
+        assert "mapped GPU 0's feature buffer" in proc.stdout
+        ms = (H200.peer_copy_latency + batch / H200.nvlink_bandwidth) * 1e3
+        assert proc.stdout.count(f"over NVLink 16 MiB in {ms:.4f} ms") == 4
+    else:  # each batch through pinned host memory, each leg in the PCIe engines' time
+        assert "memory_imported_peer=0 peer_copies_nvlink=0 " in consumer
+        assert "cudaErrorPeerAccessUnsupported" in proc.stdout
+        assert int(consumer.split("bytes_copied=")[1].split()[0]) >= 4 * batch
+        ms = (H200.copy_latency + batch / H200.pcie_bandwidth) * 1e3
+        assert proc.stdout.count(f"GPU 0 to host 16 MiB in {ms:.4f} ms") == 4
+        assert proc.stdout.count(f"host to GPU 1 16 MiB in {ms:.4f} ms") == 4

@@ -22,8 +22,9 @@ def test_the_readme_has_the_snippets_it_should():
 @pytest.mark.parametrize("code", ALONE, ids=[s.splitlines()[0][:40] for s in ALONE])
 @pytest.mark.parametrize("clock", ["wall", "virtual"])
 def test_a_snippet_runs_as_pasted(daemon_factory, code, clock):
-    """Each snippet runs to its end under either daemon clock."""
-    daemon = start_daemon("--clock", clock, *(["--time-scale", "100"] if clock == "wall" else []))
+    """Each snippet runs to its end under either daemon clock (on two devices where it says it needs them)."""
+    devices = ["--devices", "h200:2"] if "--devices h200:2" in code else []
+    daemon = start_daemon("--clock", clock, *(["--time-scale", "100"] if clock == "wall" else []), *devices)
     daemon_factory.append(daemon)
     result = run_worker(code, daemon.pipe_dir)
     assert result.returncode == 0, result.stderr

@@ -82,12 +82,20 @@ class Launch(Work):
 @dataclass(eq=False, slots=True, kw_only=True)
 class Copy(Work):
     """``kind`` is "h2d", "d2h" or "d2d". A staged (pageable) host source is `data`, copied when the call was
-    made; otherwise `src` is a pinned host buffer or device memory, read when the copy runs."""
+    made; otherwise `src` is a pinned host buffer or device memory, read when the copy runs.
+
+    A "d2d" copy between devices, as cudaMemcpyPeer's srcDevice and dstDevice say: `src_device` or `dst_device`
+    is the other device's index where that end lies in another device's memory (None: the queuing client's own
+    device), and `peer_access` whether the two are peers (NVLink; otherwise it is staged through host memory).
+    """
 
     kind: str
     dst: Extent
     src: Extent | None = None
     data: bytes | None = field(default=None, repr=False)
+    src_device: int | None = None
+    dst_device: int | None = None
+    peer_access: bool = True
 
     @property
     def nbytes(self) -> int:

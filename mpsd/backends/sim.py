@@ -183,7 +183,10 @@ class SimBackend:
         elif isinstance(work, (Copy, Memset)):
             kind = work.kind if isinstance(work, Copy) else "memset"
             nbytes = work.dst.nbytes
-            if kind in COPY_KINDS:  # the runtime launches a kernel for these: the client's quotas hold
+            peer = _peer_engine(work) if isinstance(work, Copy) else None
+            if peer is not None:  # between devices: a copy engine over NVLink, or this device's staged leg
+                op = SimCopy(**common, engine=peer, nbytes=nbytes)  # type: ignore[arg-type]
+            elif kind in COPY_KINDS:  # the runtime launches a kernel for these: the client's quotas hold
                 blocks, threads, cost = copy_kernel(self.spec, kind, nbytes, work.sm_cap)
                 op = Kernel(client=client, stream=stream, after=after, blocks=blocks, threads=threads, cost=cost,
                             priority=work.priority, sm_cap=work.sm_cap)
@@ -303,6 +306,16 @@ class SimBackend:
             return None
         self.recorder.write(self, index)
         return self.recorder.path
+
+
+def _peer_engine(copy: Copy) -> str | None:
+    """The simulator's engine for a copy between this device and another (None: within this device): over
+    NVLink between peers, reading the other's memory or writing it; else this device's leg of a copy staged
+    through host memory."""
+    if copy.src_device is None and copy.dst_device is None:
+        return None
+    way = "in" if copy.src_device is not None else "out"
+    return f"peer_{way}" if copy.peer_access else f"staged_{way}"
 
 
 def _view(extent: Extent | None) -> memoryview | None:

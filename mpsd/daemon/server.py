@@ -94,7 +94,7 @@ class Daemon:
         self.host_memory = HostMemory(config.host_memory if config.host_memory is not None else default_budget())
         self.devices = [Device(i, self._backend(i, device), containment=config.fault_containment, log=self.log,
                                shared_process=config.shared_process) for i, device in enumerate(config.devices)]
-        self.ipc = IpcRegistry(config.ipc_access, self.log, self._peers)
+        self.ipc = IpcRegistry(config.ipc_access, self.log, self.peers)
         self.owner_uid = os.geteuid()
         self.settings = Settings(config.active_thread_percentage, {
             i: limit for i in range(len(self.devices)) if (limit := config.pinned_mem_limit(i)) is not None
@@ -135,11 +135,15 @@ class Daemon:
                           time_scale=config.time_scale, idle_grace=config.idle_grace, trace=config.trace_path(index),
                           host_memory=self.host_memory)
 
-    def _peers(self, exporter: int, importer: int) -> bool:
-        """Whether a context on device `importer` may map device `exporter`'s memory: simulated devices (their
-        memory is the host's) unless --peer-access none; a real GPU's peers are not built yet (it takes two)."""
-        return self.config.peer_access == "all" and all(
-            HOST_VIEW in self.devices[index].backend.capabilities for index in (exporter, importer))
+    def peers(self, exporter: int, importer: int) -> bool:
+        """Whether a context on device `importer` may map device `exporter`'s memory, and copies between them go
+        over NVLink: simulated devices (their memory is the host's) unless --peer-access none, or either runs
+        MIG partitions (MIG has no peer-to-peer access over NVLink or PCIe); a real GPU's peers are not built
+        yet (it takes two)."""
+        if self.config.peer_access != "all":
+            return False
+        devices = [self.devices[index] for index in (exporter, importer)]
+        return all(HOST_VIEW in d.backend.capabilities and d.backend.policy != "mig" for d in devices)
 
     # -- clients ---------------------------------------------------------------------------------------
     def attach(self, session: Session, limits: dict[str, Any], hello: dict[str, Any]) -> Context:
@@ -395,11 +399,14 @@ class Daemon:
             "memory_used": context.account.reserved, "memory_peak": context.account.peak,
             "memory_imported": sum(export.importers[context.id].size for export in
                                    {id(e): e for e in context.imports.values()}.values()),
-            # of which another device's, mapped over peer access (a copy between devices goes as bytes_copied)
+            # of which another device's, mapped over peer access
             "memory_imported_peer": sum(export.importers[context.id].size for export in
                                         {id(e): e for e in context.imports.values()}.values()
                                         if export.device != context.device.index),
             "launches": counters.launches, "copies": counters.copies, "bytes_copied": counters.bytes_copied,
+            # of copies, those between this device and another, by route (mpsd.runtime.context.Counters)
+            "peer_copies_nvlink": counters.peer_copies_nvlink, "peer_copies_staged": counters.peer_copies_staged,
+            "bytes_copied_peer": counters.bytes_copied_peer,
             "mallocs": counters.mallocs, "frees": counters.frees,
             "memory_in_use": context.account.in_use,  # of memory_used: live allocations (pools reserve more)
             "memory_pool_reserved": sum(r.size for r in context.reservations.values()),

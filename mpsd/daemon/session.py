@@ -52,6 +52,7 @@ from mpsd_protocol import (  # type: ignore[attr-defined]
     Call,
     Connection,
     CudaError,
+    InvalidDeviceError,
     InvalidValueError,
     MpsConnectionError,
     MpsServerNotReadyError,
@@ -532,6 +533,20 @@ class Session:
         allocation's are `size` bytes from `offset` in it (a small one's memfd is its chunk's)."""
         alloc = self._ctx.segment_of(ptr)
         return {"base": alloc.addr, "size": alloc.size, "offset": alloc.segment.offset}, (os.dup(alloc.segment.fd),)
+
+    def on_memcpy_peer(self, dst: int, src_client: int, src: int, nbytes: int, stream: int | None) -> Work:
+        """A peer copy from another of this process's contexts (its client id; SO_PEERCRED says whose process
+        a context is), over NVLink where the devices are peers, staged through the host where not."""
+        ctx = self._ctx
+        source = next((c for device in self.daemon.devices for c in device.contexts.values() if c.id == src_client),
+                      None)
+        if source is None or (source.pid, source.uid) != (ctx.pid, ctx.uid) or source.sticky is not None:
+            raise InvalidDeviceError(f"client {brief(src_client, 20)} is no usable context of this process")
+        devices = (source.device, ctx.device)
+        if source.device is not ctx.device and not all(HOST_VIEW in d.backend.capabilities for d in devices):
+            raise NotSupportedError("copies between real GPUs are not built yet")
+        peer = self.daemon.peers(source.device.index, ctx.device.index)
+        return ctx.memcpy_peer(dst, source, src, nbytes, stream, peer)
 
     def on_ipc_get_mem_handle(self, ptr: int) -> bytes:
         return self.daemon.ipc.export_memory(self._ctx, ptr)

@@ -106,6 +106,11 @@ class Counters:
     frees: int = 0
     async_mallocs: int = 0  # malloc_async and free_async, as the client reported them
     async_frees: int = 0
+    # Of copies: those between this device and another (memcpy_peer, or memcpy_dtod of memory opened from another
+    # device's IPC handle), by route: over NVLink between peers, staged through host memory between others.
+    peer_copies_nvlink: int = 0
+    peer_copies_staged: int = 0
+    bytes_copied_peer: int = 0
 
 
 class Context:
@@ -384,9 +389,33 @@ class Context:
         return self._copy(s, Copy(**self._on(s), kind="d2h", dst=self._host(host, offset, nbytes), src=source))
 
     def memcpy_dtod(self, dst: int, src: int, nbytes: int, stream: int | None) -> Work:
+        """Copy between device addresses of this context; an end in memory opened from another device's IPC
+        handle (which maps only over peer access) makes it a copy over NVLink."""
         s = self._stream(stream)
         target, source = self._device(dst, nbytes, "destination"), self._device(src, nbytes, "source")
-        return self._copy(s, Copy(**self._on(s), kind="d2d", dst=target, src=source))
+        return self._copy(s, Copy(**self._on(s), kind="d2d", dst=target, src=source, src_device=self._device_of(src),
+                                  dst_device=self._device_of(dst)))
+
+    def memcpy_peer(self, dst: int, source: Context, src: int, nbytes: int, stream: int | None,
+                    peer_access: bool) -> Work:
+        """cudaMemcpyPeerAsync into this context's `dst` from `src` of `source`, a context of the same process
+        on another device, on this context's `stream`: over NVLink where the devices are peers
+        (`peer_access`), else staged through host memory."""
+        s = self._stream(stream)
+        target = self._device(dst, nbytes, "destination")
+        extent = source.memory.extent(src, nbytes)
+        if extent is None:
+            raise InvalidValueError(f"source [{brief(src, 20)}, +{brief(nbytes, 20)}) is not inside one live "
+                                    f"allocation of device {source.device.index}")
+        other = source.device.index
+        return self._copy(s, Copy(**self._on(s), kind="d2d", dst=target, src=extent,
+                                  src_device=None if other == self.device.index else other, peer_access=peer_access))
+
+    def _device_of(self, ptr: int) -> int | None:
+        """The other device whose memory `ptr` lies in (opened from its IPC handle), if it is another's."""
+        alloc = self.memory.find(ptr)
+        export = self.imports.get(alloc.addr) if alloc is not None else None
+        return export.device if export is not None and export.device != self.device.index else None
 
     def memset(self, ptr: int, value: int, nbytes: int, stream: int | None) -> Work:
         s = self._stream(stream)
@@ -397,8 +426,15 @@ class Context:
         return self._copy(s, Memset(**self._on(s), dst=target, value=value & 0xFF))
 
     def _copy(self, stream: Stream, work: Copy | Memset) -> Work:
-        self.counters.copies += 1
-        self.counters.bytes_copied += work.dst.nbytes
+        counters = self.counters
+        counters.copies += 1
+        counters.bytes_copied += work.dst.nbytes
+        if isinstance(work, Copy) and (work.src_device is not None or work.dst_device is not None):
+            if work.peer_access:
+                counters.peer_copies_nvlink += 1
+            else:
+                counters.peer_copies_staged += 1
+            counters.bytes_copied_peer += work.dst.nbytes
         return self._enqueue(stream, work)
 
     def _on(self, stream: Stream) -> dict[str, object]:

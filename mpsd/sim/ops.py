@@ -14,7 +14,10 @@ from .costs import BlockCost
 
 __all__ = ["ENGINES", "BlockGroup", "Copy", "Kernel", "Marker", "Op"]
 
-ENGINES = ("h2d", "d2h")  # device-to-device copies and memsets are kernels: mpsd.sim.costs.copy_kernel
+# Device-to-device copies within a device and memsets are kernels (mpsd.sim.costs.copy_kernel); a copy between
+# devices is "peer_in"/"peer_out" over NVLink (reading or writing the peer's memory) or, between devices that are
+# not peers, "staged_in"/"staged_out": this device's leg of a copy staged through host memory.
+ENGINES = ("h2d", "d2h", "peer_in", "peer_out", "staged_in", "staged_out")
 
 
 @dataclass(eq=False, slots=True, kw_only=True)
@@ -79,8 +82,11 @@ class Copy(Op):
     ``mpsd.sim.copies``).
 
     Attributes:
-        engine: "h2d" or "d2h", at PCIe bandwidth.
-        nbytes: bytes copied; the copy also pays the device's fixed ``copy_latency``.
+        engine: "h2d" or "d2h", at PCIe bandwidth; "peer_in" or "peer_out", to or from a peer device at
+            NVLink bandwidth; "staged_in" or "staged_out", to or from a device that is not a peer, through host
+            memory (``simcore/src/copies.rs``).
+        nbytes: bytes copied; the copy also pays the device's fixed ``copy_latency`` (a peer copy its
+            ``peer_copy_latency``, a staged one both legs' ``copy_latency``).
     """
 
     engine: str

@@ -22,7 +22,8 @@ from .stats import ClientStatistics, SimStatistics
 
 __all__ = ["Simulator"]
 
-_ENGINE_CODES = {"d2h": 0, "h2d": 1}
+# simcore/src/copies.rs's codes: PCIe each way, NVLink each way, and this device's leg of a staged copy.
+_ENGINE_CODES = {"d2h": 0, "h2d": 1, "peer_in": 2, "peer_out": 3, "staged_in": 4, "staged_out": 5}
 
 
 def _spec_numbers(spec: DeviceSpec) -> tuple:
@@ -31,7 +32,8 @@ def _spec_numbers(spec: DeviceSpec) -> tuple:
     return (spec.sm_count, spec.max_threads_per_sm // spec.warp_size, spec.max_blocks_per_sm, spec.regs_per_sm,
             spec.smem_per_sm, spec.min_block_time, spec.kernel_overhead,
             ([(float(t), float(b)) for t, b in spec.dram_curve], spec.dram_knee, float(spec.dram_beyond)),
-            (spec.copy_latency, spec.pcie_bandwidth, spec.copy_timeslice, duplex.get("d2h"), duplex.get("h2d")))
+            (spec.copy_latency, spec.pcie_bandwidth, spec.copy_timeslice, duplex.get("d2h"), duplex.get("h2d"),
+             spec.peer_copy_latency, spec.nvlink_bandwidth))
 
 
 class Simulator:
@@ -90,7 +92,8 @@ class Simulator:
 
         Raises:
             ValueError: the op was already submitted; a kernel with blocks < 1, a block that cannot fit
-                on an SM, or sm_cap < 1; a copy on an unknown engine or with negative nbytes.
+                on an SM, or sm_cap < 1; a copy on an unknown engine or with negative nbytes,
+                or over NVLink on a device without it.
             TypeError: not a Kernel, Copy or Marker.
         """
         if op.seq != -1:
@@ -117,6 +120,8 @@ class Simulator:
                 raise ValueError(f"unknown copy engine {op.engine!r}; known: {ENGINES}")
             if op.nbytes < 0:
                 raise ValueError(f"nbytes must be >= 0, got {op.nbytes}")
+            if op.engine.startswith("peer") and self.spec.nvlink_bandwidth <= 0:
+                raise ValueError(f"{self.spec.name} has no NVLink: a copy between devices is staged")
             self._core.submit_copy(op, op.client, self._stream(op), op.after, _ENGINE_CODES[op.engine], op.nbytes)
         elif isinstance(op, Marker):
             self._core.submit_marker(op, op.client, self._stream(op), op.after)

@@ -86,6 +86,11 @@ class DeviceSpec:
     # A copy call's host time, by kind, as a fraction of a kernel launch call's (``launch_latency`` and its
     # busy figure; ``mpsd.sim.host``); a kind not here costs what a launch does.
     copy_calls: tuple[tuple[str, float], ...] = ()
+    # A copy between this device and a peer over NVLink: its bytes/s each way (0: the device has no NVLink)
+    # and its fixed cost. Between devices that are not peers a copy is staged through host memory at
+    # ``pcie_bandwidth`` (simcore/src/copies.rs says how).
+    nvlink_bandwidth: float = 0.0
+    peer_copy_latency: float = 0.0
 
 
 def dram_threads(spec: DeviceSpec, threads: int) -> float:
@@ -142,6 +147,11 @@ H200 = DeviceSpec(
     copy_duplex=(("d2h", 0.946), ("h2d", 0.715)),
     copy_kernels=(("d2d", 1.1665, 1.364), ("memset", 1.4433, 0.716)),
     copy_calls=(("d2d", 0.892), ("d2h", 0.403), ("h2d", 0.432), ("memset", 0.399)),
+    # NVLink 4 as NVIDIA's H200 datasheet gives it: 900 GB/s a GPU, both directions together (18 links), so
+    # 450 GB/s each way. A nominal figure, not a measurement (no two-GPU H200 has been lent to measure one):
+    # copies a real one makes will reach less. Its latency is taken as the PCIe engines' (copy_latency).
+    nvlink_bandwidth=450e9,
+    peer_copy_latency=2e-6,
     # The device's gap between back-to-back kernels of one stream, from CUDA-event timings on a real H200
     # (bench/fidelity/h200_timing_extra.json and h200_timing_repeat.json, "1 tenant alone", both modes;
     # bench/fidelity/compare.py --calibration derives it): time per kernel less the spin's cycles at the

@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 
 from mpsd.sim import H200, POLICIES, Simulator
 from mpsd.stress.metrics import latency_summary, summarize
-from mpsd.stress.runner import Progress, RunError, run_real, run_virtual
+from mpsd.stress.runner import Progress, RunError, device_policies, run_real, run_virtual
 from mpsd.stress.timeline import Timeline
 from mpsd.stress.workload import TenantSpec, Workload, WorkloadError, load_workload
 from mpsd_protocol import format_size
@@ -76,15 +76,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     runs: dict[str, Timeline] = {}
     try:
         for policy, policy_options in policies.items():
-            tenants = _place_in_partitions(workload.tenants, policy, policy_options)
+            per_device = device_policies(workload, policy, policy_options)
+            tenants = _place_in_partitions(workload.tenants, per_device)
             play = _player(workload, policy, policy_options, options, console)
             solo = {} if options.no_solo or not workload.solo else _solo_p99(tenants, play)
-            timeline = play(tenants, policy)
-            runs[policy] = timeline
-            summary = summarize(timeline, solo)
-            summary["solo_p99_ms"] = {name: p99 * 1e3 for name, p99 in solo.items()}
-            results["runs"][policy] = summary
-            console.print(render_run(summary))
+            played = play(tenants, policy)
+            # Several devices: a run per device, each under its own policy, side by side as policies are.
+            timelines = [(index, _label(policy, index, per_device), timeline) for index, timeline in played.items()] \
+                if isinstance(played, dict) else [(None, policy, played)]
+            for index, label, timeline in timelines:
+                runs[label] = timeline
+                summary = summarize(timeline, solo)
+                summary["solo_p99_ms"] = {name: p99 * 1e3 for name, p99 in solo.items()
+                                          if any(t.name == name for t in timeline.tenants)}
+                if index is not None:
+                    summary["device"], summary["policy"] = index, label
+                results["runs"][label] = summary
+                console.print(render_run(summary))
     except (RunError, ValueError) as exc:
         print(f"mpsd-stress: {exc}", file=sys.stderr)
         return 1
@@ -92,7 +100,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("mpsd-stress: interrupted", file=sys.stderr)
         return 130
     if len(runs) > 1:
-        console.print(render_comparison(results["runs"], runs))
+        devices = workload.devices > 1 and len(policies) == 1
+        console.print(render_comparison(results["runs"], runs, "devices compared" if devices else "policies compared"))
     if options.json is not None:
         text = json.dumps(results, indent=1, allow_nan=False)  # summaries hold None, never NaN
         if str(options.json) == "-":
@@ -119,6 +128,9 @@ def _adjust(workload: Workload, options: argparse.Namespace) -> Workload:
         raise WorkloadError("--time-scale must be in (0, 100]")
     if options.time_scale != 1.0 and (options.clock != "wall" or options.virtual_time):
         raise WorkloadError("--time-scale goes with --clock wall (the virtual clock follows no wall clock)")
+    if options.devices is not None and workload.devices > 1:
+        raise WorkloadError("--devices names one real GPU; this workload's tenants are placed on "
+                            f"{workload.devices} simulated ones (the two-GPU real backend is not built yet)")
     if options.devices is not None:
         if not options.devices.startswith("cuda:") or options.virtual_time or options.time_scale != 1.0:
             raise WorkloadError("--devices names a real GPU (cuda:N), which runs on the wall clock at its own "
@@ -148,36 +160,56 @@ def _policies(workload: Workload, options: argparse.Namespace) -> dict[str, dict
             Simulator(H200, policy=name, policy_options=settings)
         except ValueError as exc:
             raise WorkloadError(f"[run.policy_options.{name}]: {exc}") from None
+        try:
+            device_policies(workload, name, settings)
+        except RunError as exc:
+            raise WorkloadError(str(exc)) from None
         out[name] = settings
     return out
 
 
-def _place_in_partitions(tenants: tuple[TenantSpec, ...], policy: str,
-                         options: dict[str, Any]) -> list[TenantSpec]:
-    """Under mig, tenants without a partition are dealt out over the partitions, one tenant group each in
-    turn, as an administrator would place them; the others run as written. Under any other policy there are
-    no partitions to name, so a tenant's is dropped (a workload written for MIG compares with the others)."""
-    if policy != "mig":
-        return [dataclasses.replace(t, partition=None) for t in tenants]
-    count = len(Simulator(H200, policy="mig", policy_options=options).policy.partitions)
-    return [t if t.partition is not None else dataclasses.replace(t, partition=i % count)
-            for i, t in enumerate(tenants)]
+def _label(policy: str, index: int, per_device: list[tuple[Any, dict[str, Any]]]) -> str:
+    """A device's run as the tables name it: "GPU N (its policy)"."""
+    name = per_device[index][0]
+    return f"GPU {index} ({name if isinstance(name, str) else policy})"
+
+
+def _place_in_partitions(tenants: tuple[TenantSpec, ...],
+                         per_device: list[tuple[Any, dict[str, Any]]]) -> list[TenantSpec]:
+    """On a device under mig, tenants without a partition are dealt out over the partitions, one tenant group
+    each in turn, as an administrator would place them; the others run as written. Under any other policy there
+    are no partitions to name, so a tenant's is dropped (a workload written for MIG compares with the others)."""
+    out, dealt = [], [0] * len(per_device)
+    for t in tenants:
+        policy, options = per_device[t.device]
+        if policy != "mig":
+            out.append(dataclasses.replace(t, partition=None))
+            continue
+        count = len(Simulator(H200, policy="mig", policy_options=options).policy.partitions)
+        out.append(t if t.partition is not None else dataclasses.replace(t, partition=dealt[t.device] % count))
+        dealt[t.device] += 1
+    return out
 
 
 def _player(workload: Workload, policy: str, policy_options: dict[str, Any], options: argparse.Namespace,
-            console: Any) -> Callable[[list[TenantSpec], str], Timeline]:
-    """A function that plays some of the workload's tenants under the policy and returns the timeline."""
-    def play(tenants: list[TenantSpec], label: str) -> Timeline:
+            console: Any) -> Callable[[list[TenantSpec], str], Any]:
+    """A function that plays some of the workload's tenants under the policy and returns the timeline (on
+    several devices, one per device)."""
+    by_device = workload.devices > 1  # then a timeline per device
+
+    def play(tenants: list[TenantSpec], label: str) -> Any:
         with _live(console, options.quiet) as show:
             if options.virtual_time:
-                return run_virtual(workload, policy, policy_options, tenants, on_progress=show, label=label)
+                return run_virtual(workload, policy, policy_options, tenants, on_progress=show, label=label,
+                                   by_device=by_device)
             return run_real(workload, policy, policy_options, tenants, on_progress=show, label=label,
-                            time_scale=options.time_scale, clock=options.clock, devices=options.devices)
+                            time_scale=options.time_scale, clock=options.clock, devices=options.devices,
+                            by_device=by_device)
 
     return play
 
 
-def _solo_p99(tenants: list[TenantSpec], play: Callable[[list[TenantSpec], str], Timeline]) -> dict[str, float]:
+def _solo_p99(tenants: list[TenantSpec], play: Callable[[list[TenantSpec], str], Any]) -> dict[str, float]:
     """Each tenant group alone (one copy, with its IPC producer if it needs one): its p99, in seconds, for every
     copy of the group."""
     out: dict[str, float] = {}
@@ -186,6 +218,8 @@ def _solo_p99(tenants: list[TenantSpec], play: Callable[[list[TenantSpec], str],
         one = dataclasses.replace(t, count=1)
         alone = [by_name[t.ipc_peer], one] if t.ipc == "consumer" and t.ipc_peer in by_name else [one]
         timeline = play(alone, f"{t.name} alone")
+        if isinstance(timeline, dict):  # a timeline per device: the group's own
+            timeline = timeline[t.device]
         latencies = [r.latency for r in timeline.requests if r.tenant == one.instance(0) and r.error is None]
         p99 = latency_summary(latencies)["p99"]
         if p99 is not None:
@@ -200,7 +234,8 @@ def render_run(summary: dict[str, Any]) -> Any:
     from rich.table import Table
 
     mode = "virtual clock" if summary["virtual"] else "wall clock"
-    table = Table(title=f"policy {summary['policy']} ({mode}, {summary['duration_s']:.2f} s)", title_justify="left")
+    what = summary["policy"] if "device" in summary else f"policy {summary['policy']}"  # "GPU N (its policy)"
+    table = Table(title=f"{what} ({mode}, {summary['duration_s']:.2f} s)", title_justify="left")
     for column in ("tenant", "done", "err", "req/s", "p50 ms", "p99 ms", "p99.9 ms", "SLO", "isolation",
                    "SM share", "due", "SMs/cap", "wait ms", "mem high"):
         table.add_column(column, justify="left" if column == "tenant" else "right")
@@ -231,11 +266,13 @@ def render_run(summary: dict[str, Any]) -> Any:
     return table
 
 
-def render_comparison(summaries: dict[str, dict[str, Any]], runs: dict[str, Timeline]) -> Any:
-    """Policies side by side: per tenant group, p99 and throughput; then the device-wide figures."""
+def render_comparison(summaries: dict[str, dict[str, Any]], runs: dict[str, Timeline],
+                      title: str = "policies compared") -> Any:
+    """Policies (or a run's devices) side by side: per tenant group, p99 and throughput; then the device-wide
+    figures."""
     from rich.table import Table
 
-    table = Table(title="policies compared", title_justify="left")
+    table = Table(title=title, title_justify="left")
     table.add_column("", justify="left")
     for policy in summaries:
         table.add_column(policy, justify="right")

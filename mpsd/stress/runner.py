@@ -33,7 +33,7 @@ from mpsd.stress.timeline import KernelRecord, Request, Span, TenantInfo, Timeli
 from mpsd.stress.trace import read_chrome_trace
 from mpsd.stress.workload import TenantSpec, Workload, arrival_times, entitlements
 
-__all__ = ["RunError", "Progress", "run_real", "run_virtual"]
+__all__ = ["RunError", "Progress", "device_policies", "run_real", "run_virtual"]
 
 START_DELAY = 0.3  # wall seconds between GO and the run's start under the wall clock: every tenant has read it
 VIRTUAL_START = 1.0  # the simulated second the run starts at under the virtual clock, after every set-up
@@ -83,14 +83,18 @@ def _plan(workload: Workload, tenants: list[TenantSpec] | None, clock: str) -> _
     instances = [(t, c, t.instance(c)) for t in specs for c in range(t.count)]
     setups = {name: {"spec": asdict(spec), "instance": name, "duration": workload.duration,
                      "arrivals": arrival_times(spec, workload.duration, workload.seed, copy),
-                     "start": VIRTUAL_START if clock == "virtual" else None, "environ": _environ(spec)}
+                     "start": VIRTUAL_START if clock == "virtual" else None,
+                     "environ": _environ(spec, workload.devices)}
               for spec, copy, name in instances}
     return _Plan(specs, instances, setups)
 
 
-def _environ(spec: TenantSpec) -> dict[str, str]:
-    """The MPS environment a tenant's process has: its quotas, as a user would set them."""
+def _environ(spec: TenantSpec, devices: int = 1) -> dict[str, str]:
+    """The MPS environment a tenant's process has: its quotas, and on a daemon of several devices the one it
+    sees (CUDA_VISIBLE_DEVICES), as a user would set them."""
     env = {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": f"{spec.active_thread_percentage:g}"}
+    if devices > 1:
+        env["CUDA_VISIBLE_DEVICES"] = str(spec.device)
     if spec.pinned_mem_limit is not None:
         env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = str(spec.pinned_mem_limit)
     if spec.priority == 1:  # MPS's below-normal; other levels go through the control plane (_levels)
@@ -149,12 +153,59 @@ def _daemon_args(work: Path, policy: str, options: dict[str, Any], trace: Path, 
     return args
 
 
+def _device_args(workload: Workload, work: Path) -> list[str]:
+    """The daemon's options for a workload of several simulated devices: their number, and each [run.device.N]
+    table as the daemon's own [mpsd.device.N] in a configuration file written in `work`."""
+    if workload.devices == 1 and not workload.device_tables:
+        return []
+    path = work / "devices.toml"
+    path.write_text("".join(f"[mpsd.device.{index}]\n" + "".join(f"{_toml(key)} = {_toml(value)}\n"
+                                                                   for key, value in table.items()) + "\n"
+                            for index, table in sorted(workload.device_tables.items())))
+    return ["--devices", f"h200:{workload.devices}", "--config", str(path)]
+
+
+def _toml(value: Any) -> str:
+    """A device table's value written back as TOML (strings, numbers, booleans and lists of them)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
+    return json.dumps(value) if isinstance(value, str) else repr(value)
+
+
+def device_policies(workload: Workload, policy: str, options: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """Each device's policy and options under `policy` (the default for devices without a table of their own),
+    as the daemon will read them.
+
+    Raises:
+        RunError: the daemon would refuse a device table (its message names the table).
+    """
+    from mpsd.daemon.config import ConfigError, load_config
+
+    work = Path(tempfile.mkdtemp(prefix="mpsd-stress-", dir="/tmp"))
+    try:
+        config = load_config(_daemon_args(work, policy, options, work / "trace.json", 48, "virtual", 1.0)
+                             + _device_args(workload, work), environ={})
+    except ConfigError as exc:
+        # The daemon names its own tables: say the workload's, which the user wrote.
+        text = str(exc).replace(str(work / "devices.toml"), workload.source).replace("[mpsd.device.", "[run.device.")
+        raise RunError(f"{workload.source}: {text}") from None
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return [config.device_policy(index) for index in range(workload.devices)]
+
+
 # -- tenant processes against a daemon process ------------------------------------------------------------
 
 def run_real(workload: Workload, policy: str, policy_options: dict[str, Any], tenants: list[TenantSpec] | None = None,
              on_progress: Callable[[Progress], None] = lambda p: None, label: str | None = None,
-             time_scale: float = 1.0, clock: str = "virtual", devices: str | None = None) -> Timeline:
+             time_scale: float = 1.0, clock: str = "virtual", devices: str | None = None,
+             by_device: bool = False) -> Any:
     """Run ``tenants`` (default: all of the workload's) as processes against a fresh daemon under ``policy``.
+
+    Returns the run's Timeline, or with ``by_device`` one per simulated device of the workload (its tenants and
+    what that device did), by index.
 
     With ``devices`` a real GPU (``cuda:0``) the daemon owns it instead of the model: the wall clock, the
     hardware's own sharing, and no device trace, so the timeline holds the tenants' requests alone.
@@ -169,12 +220,13 @@ def run_real(workload: Workload, policy: str, policy_options: dict[str, Any], te
     """
     plan = _plan(workload, tenants, clock)
     progress = Progress(label or policy, workload.duration / (time_scale if clock == "wall" else 1.0),
-                        {t.name: [t.instance(c) for c in range(t.count)] for t in plan.specs})
+                        {t.label: [t.instance(c) for c in range(t.count)] for t in plan.specs})
     work = Path(tempfile.mkdtemp(prefix="mpsd-stress-", dir="/tmp"))  # socket paths are limited to 107 bytes
     try:
         trace_path = work / "trace.json"
         daemon = _start_daemon(_daemon_args(work, policy, policy_options, trace_path,
-                                            max(48, len(plan.instances)), clock, time_scale, devices))
+                                            max(48, len(plan.instances)), clock, time_scale, devices)
+                               + ([] if devices else _device_args(workload, work)))
         procs: dict[str, _TenantProcess] = {}
         try:
             lines: queue.Queue[tuple[str, str | None]] = queue.Queue()
@@ -198,10 +250,10 @@ def run_real(workload: Workload, policy: str, policy_options: dict[str, Any], te
             for proc in procs.values():
                 proc.kill()
             _stop_daemon(daemon)
-        trace = None if devices and devices.startswith("cuda") else _read_trace(trace_path, daemon)
+        traces = None if devices and devices.startswith("cuda") else _read_traces(workload, trace_path, daemon)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return _timeline(workload, policy, plan, ready, done, trace, t0)
+    return _timelines(workload, policy, policy_options, plan, ready, done, traces, t0, by_device)
 
 
 @dataclass
@@ -251,6 +303,14 @@ def _stop_daemon(daemon: _Daemon) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def _read_traces(workload: Workload, path: Path, daemon: _Daemon | None) -> list[dict[str, Any]]:
+    """Every device's trace, by index (device N's beside device 0's, as the daemon names them)."""
+    from mpsd.daemon.config import Config
+
+    config = Config(path.parent, path.parent, trace=path)
+    return [_read_trace(config.trace_path(index), daemon) for index in range(workload.devices)]  # type: ignore
 
 
 def _read_trace(path: Path, daemon: _Daemon | None) -> dict[str, Any]:
@@ -362,9 +422,9 @@ def _count(progress: Progress, name: str, result: dict[str, Any]) -> None:
 
 def run_virtual(workload: Workload, policy: str, policy_options: dict[str, Any],
                 tenants: list[TenantSpec] | None = None, on_progress: Callable[[Progress], None] = lambda p: None,
-                label: str | None = None) -> Timeline:
+                label: str | None = None, by_device: bool = False) -> Any:
     """Run ``tenants`` as tasks of this process against a daemon in this process, on its virtual clock: no
-    processes, the same figures as `run_real` gives, to the bit.
+    processes, the same figures as `run_real` gives, to the bit (and as it returns them).
 
     Raises:
         RunError: the daemon could not start, or a tenant failed in a way that leaves no run to measure.
@@ -374,21 +434,21 @@ def run_virtual(workload: Workload, policy: str, policy_options: dict[str, Any],
 
     plan = _plan(workload, tenants, "virtual")
     progress = Progress(label or policy, workload.duration,
-                        {t.name: [t.instance(c) for c in range(t.count)] for t in plan.specs})
+                        {t.label: [t.instance(c) for c in range(t.count)] for t in plan.specs})
     work = Path(tempfile.mkdtemp(prefix="mpsd-stress-", dir="/tmp"))
     try:
         trace_path = work / "trace.json"
         try:
             config = dataclasses.replace(load_config(_daemon_args(
-                work, policy, policy_options, trace_path, max(48, len(plan.instances)), "virtual", 1.0), environ={}),
-                shared_process=True)
+                work, policy, policy_options, trace_path, max(48, len(plan.instances)), "virtual", 1.0)
+                + _device_args(workload, work), environ={}), shared_process=True)
             ready, done, t0 = trio.run(_in_process, config, plan, work, progress, on_progress)
         except (ConfigError, DaemonError) as exc:
             raise RunError(f"the daemon did not start: {exc}") from None
-        trace = _read_trace(trace_path, None)
+        traces = _read_traces(workload, trace_path, None)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return _timeline(workload, policy, plan, ready, done, trace, t0)
+    return _timelines(workload, policy, policy_options, plan, ready, done, traces, t0, by_device)
 
 
 class _TaskLink:
@@ -463,6 +523,24 @@ async def _in_process(config: Any, plan: _Plan, work: Path, progress: Progress,
 
 
 # -- the timeline -----------------------------------------------------------------------------------------
+
+def _timelines(workload: Workload, policy: str, policy_options: dict[str, Any], plan: _Plan,
+               ready: dict[str, dict[str, Any]], done: dict[str, dict[str, Any]],
+               traces: list[dict[str, Any]] | None, t0: float, by_device: bool) -> Any:
+    """The run's Timeline (device 0's, which is all of it on one device), or one per device: that device's
+    tenants (their entitlements among themselves) and what it did, under its own policy's name."""
+    if not by_device:
+        return _timeline(workload, policy, plan, ready, done, traces[0] if traces else None, t0)
+    policies = device_policies(workload, policy, policy_options)
+    out = {}
+    for index in range(workload.devices):
+        mine = _Plan([t for t in plan.specs if t.device == index],
+                     [i for i in plan.instances if i[0].device == index], plan.setups)
+        name = policies[index][0]
+        out[index] = _timeline(workload, name if isinstance(name, str) else policy, mine, ready, done,
+                               traces[index] if traces else None, t0)
+    return out
+
 
 def _timeline(workload: Workload, policy: str, plan: _Plan, ready: dict[str, dict[str, Any]],
               done: dict[str, dict[str, Any]], trace: dict[str, Any] | None, t0: float) -> Timeline:

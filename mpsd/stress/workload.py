@@ -6,8 +6,13 @@
 # mpsd.tools.scenario by translating them into this one):
 #
 #   [run]        duration (s), seed, policy, solo (bool: also run each group alone, for isolation),
-#                [run.policy_options.<policy>] (that policy's settings, as the daemon takes them)
-#   [[tenant]]   name, count, active_thread_percentage, pinned_mem_limit, priority, weight, partition,
+#                [run.policy_options.<policy>] (that policy's settings, as the daemon takes them),
+#                devices (simulated H200s, default 1), [run.device.N] (device N's own policy and options, as
+#                the daemon's [mpsd.device.N] takes them: policy, timeslice, context-switch, aging,
+#                mig-partitions; a device without one runs the run's policy)
+#   [[tenant]]   name (unique on its device), device (the index its processes see through
+#                CUDA_VISIBLE_DEVICES, default 0; tables name it name@device off device 0), count,
+#                active_thread_percentage, pinned_mem_limit, priority, weight, partition,
 #                deadline_ms, memory, churn (bytes allocated and freed by each request), allocator = "pytorch" |
 #                "buddy" | "slab" (churn through that caching allocator strategy instead: sizes up to churn, the
 #                last few kept live, the allocator's figures in the results), stream_priority, input, output
@@ -25,6 +30,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import tomllib
@@ -87,6 +93,7 @@ class TenantSpec:
     """
 
     name: str
+    device: int = 0
     count: int = 1
     active_thread_percentage: float = 100.0
     pinned_mem_limit: int | None = None
@@ -112,9 +119,15 @@ class TenantSpec:
     requests: int | None = None
     kernels: tuple[KernelSpec, ...] = ()
 
+    @property
+    def label(self) -> str:
+        """The entry as tables and results name it: its name, and on a device other than 0 "@" and the device
+        (one name may stand for the same service on several devices)."""
+        return self.name if self.device == 0 else f"{self.name}@{self.device}"
+
     def instance(self, copy: int) -> str:
-        """The name of copy ``copy`` (0-based): the entry's name alone when there is one copy."""
-        return self.name if self.count == 1 else f"{self.name}#{copy}"
+        """The name of copy ``copy`` (0-based): the entry's label alone when there is one copy."""
+        return self.label if self.count == 1 else f"{self.label}#{copy}"
 
     def sm_cap(self, spec: DeviceSpec = H200) -> int:
         return sm_cap(spec, self.active_thread_percentage)
@@ -131,6 +144,8 @@ class Workload:
     policy_options: dict[str, Any] = field(default_factory=dict)
     solo: bool = True
     source: str = "<workload>"
+    devices: int = 1
+    device_tables: dict[int, dict[str, Any]] = field(default_factory=dict)  # [run.device.N], as written
 
 
 def load_workload(path: Path) -> Workload:
@@ -154,7 +169,11 @@ def parse_workload(data: dict[str, Any], base: Path = Path("."), source: str = "
     """
     run = _table(data, "run", "the file")
     _known(data, {"run", "tenant"}, "the file")
-    _known(run, {"duration", "seed", "policy", "policy_options", "solo"}, "[run]")
+    _known(run, {"duration", "seed", "policy", "policy_options", "solo", "devices", "device"}, "[run]")
+    devices = _integer(run, "devices", "[run]", 1, low=1)
+    tables = _table(run, "device", "[run]")
+    if not all(key.isdecimal() and int(key) < devices and isinstance(v, dict) for key, v in tables.items()):
+        raise WorkloadError(f"[run.device.N] tables must name devices 0 to {devices - 1}: {sorted(tables)}")
     duration = _number(run, "duration", "[run]", 2.0, low=0.0)
     if duration <= 0:
         raise WorkloadError("[run] duration must be positive")
@@ -163,13 +182,17 @@ def parse_workload(data: dict[str, Any], base: Path = Path("."), source: str = "
         raise WorkloadError("the workload has no [[tenant]]")
     tenants = tuple(_tenant(entry, i, base) for i, entry in enumerate(entries))
     names = [t.name for t in tenants]
-    if len(set(names)) != len(names):
-        raise WorkloadError(f"tenant names must be unique: {names}")
+    if len({(t.name, t.device) for t in tenants}) != len(names):
+        raise WorkloadError(f"tenant names must be unique on each device: {names}")
     for t in tenants:
+        if t.device >= devices:
+            raise WorkloadError(f"tenant {t.name}: device {t.device} is not among the run's {devices} devices")
         if t.ipc == "consumer" and (t.ipc_peer not in names or _by_name(tenants, t.ipc_peer).ipc != "producer"):
             raise WorkloadError(f"tenant {t.name}: ipc_peer must name a tenant with ipc = \"producer\"")
         if t.ipc == "producer" and t.count != 1:
             raise WorkloadError(f"tenant {t.name}: an IPC producer must have count = 1")
+        if t.ipc == "producer" and names.count(t.name) > 1:
+            raise WorkloadError(f"tenant {t.name}: an IPC producer's name must be unique (its consumers name it)")
     options = run.get("policy_options", {})
     if not isinstance(options, dict):
         raise WorkloadError("[run.policy_options] must be a table")
@@ -179,7 +202,8 @@ def parse_workload(data: dict[str, Any], base: Path = Path("."), source: str = "
     solo = run.get("solo", True)
     if not isinstance(solo, bool):
         raise WorkloadError("[run] solo must be true or false")
-    return Workload(tenants, duration, seed, str(run.get("policy", "mps")), dict(options), solo, source)
+    return Workload(tenants, duration, seed, str(run.get("policy", "mps")), dict(options), solo, source, devices,
+                    {int(key): dict(table) for key, table in tables.items()})
 
 
 def entitlements(tenants: list[TenantSpec]) -> dict[str, float]:
@@ -195,9 +219,10 @@ def arrival_times(tenant: TenantSpec, duration: float, seed: int, copy: int = 0)
 
     Drawn from a generator of its own, seeded by the workload's seed and the instance's name: the same
     instance gets the same arrivals whoever else runs (alone for its isolation baseline, or under another
-    policy), and on every run.
+    policy), on whichever device, and on every run.
     """
-    rng = random.Random(f"{seed}:{tenant.instance(copy)}")
+    # Seeded by the name without the device, so one service placed on several devices meets the same requests.
+    rng = random.Random(f"{seed}:{dataclasses.replace(tenant, device=0).instance(copy)}")
     if tenant.arrival == "closed":
         return None
     start, limit = tenant.start or 0.0, tenant.requests
@@ -229,7 +254,7 @@ def arrival_times(tenant: TenantSpec, duration: float, seed: int, copy: int = 0)
 
 # -- checking ---------------------------------------------------------------------------------------------
 
-_TENANT_KEYS = {"name", "count", "active_thread_percentage", "pinned_mem_limit", "priority", "weight", "partition",
+_TENANT_KEYS = {"name", "device", "count", "active_thread_percentage", "pinned_mem_limit", "priority", "weight", "partition",
                 "deadline_ms", "memory", "churn", "allocator", "stream_priority", "arrival", "rate", "burst", "trace", "think_ms",
                 "ipc", "ipc_size", "ipc_peer", "input", "output", "start", "requests", "kernel"}
 _KERNEL_KEYS = {"name", "grid", "block", "repeat", "duration_ms", "cycles", "iterations", "elements"}
@@ -275,7 +300,7 @@ def _tenant(entry: Any, index: int, base: Path) -> TenantSpec:
     if allocator is not None and not entry.get("churn"):
         raise WorkloadError(f"{where}: allocator needs churn (the largest size it allocates)")
     return TenantSpec(
-        name=name, count=count, active_thread_percentage=percentage,
+        name=name, device=_integer(entry, "device", where, 0, low=0), count=count, active_thread_percentage=percentage,
         pinned_mem_limit=None if limit is None else _size(entry, "pinned_mem_limit", where),
         priority=_integer(entry, "priority", where, 0), weight=_number(entry, "weight", where, 1.0, low=1e-9),
         partition=partition,

@@ -1,4 +1,4 @@
-//! Copy engines over PCIe: one per direction and lane, a lane being a set of copy engines (the device's one
+//! Copy engines over PCIe and NVLink: one per direction and lane, a lane being a set of copy engines (the device's one
 //! set, or a MIG partition's own). A real H200 time-slices an engine between the streams that have copies for
 //! it, MPS or not: a 64-KiB copy beside another process's stream of 256-MiB copies waited for a grid of about
 //! 1.05-ms slices that starts when the stream got the engine and runs on while it is alone
@@ -9,6 +9,15 @@
 //! host-to-device copies were 18 to 44% slower on the H200 and device-to-host ones about 5%
 //! (h200_copies.json, h200_copies3.json); `CopySpec::duplex` holds the means. Engines are kept in the order
 //! they were first used, since starting them in that order decides the order of their events.
+//!
+//! A copy between this device and another is one of two routes, the op's engine code saying which. Between
+//! peers it runs on an NVLink engine of its own (`PEER_IN` reads the peer's memory, `PEER_OUT` writes it), at
+//! `CopySpec::peer_bandwidth`; NVLink is full duplex, so the two directions do not slow each other. Between
+//! devices that are not peers the driver stages it through host memory: the source's device-to-host engine and
+//! the destination's host-to-device one, chunk by chunk so the two legs overlap. This device's leg
+//! (`STAGED_IN` on its host-to-device engine, `STAGED_OUT` on its device-to-host one) queues and shares the
+//! link with its host copies; it pays both legs' latencies and one leg's bytes. The other device's leg is not
+//! charged to that device: each device is its own engine, on its own clock.
 
 use crate::events::{Events, COPY_END};
 use crate::ops::Ops;
@@ -17,6 +26,19 @@ use std::collections::VecDeque;
 
 pub const D2H: u8 = 0;
 pub const H2D: u8 = 1;
+pub const PEER_IN: u8 = 2;
+pub const PEER_OUT: u8 = 3;
+pub const STAGED_IN: u8 = 4;
+pub const STAGED_OUT: u8 = 5;
+
+/// The engine an op's code runs on: staged copies take this device's PCIe engine of their direction.
+pub fn lane_engine(code: u8) -> u8 {
+    match code {
+        STAGED_IN => H2D,
+        STAGED_OUT => D2H,
+        other => other,
+    }
+}
 
 #[derive(Clone, Debug, Default)]
 pub struct CopySpec {
@@ -25,6 +47,20 @@ pub struct CopySpec {
     pub timeslice: f64,
     /// The share of its bandwidth each direction gets while the other runs (by engine code), if given.
     pub duplex: [Option<f64>; 2],
+    /// A peer copy's fixed cost and bytes/s, each direction (NVLink); 0 bandwidth: no NVLink.
+    pub peer_latency: f64,
+    pub peer_bandwidth: f64,
+}
+
+impl CopySpec {
+    /// The time a copy of `nbytes` on engine code `code` takes alone.
+    pub fn seconds(&self, code: u8, nbytes: u64) -> f64 {
+        match code {
+            PEER_IN | PEER_OUT => self.peer_latency + nbytes as f64 / self.peer_bandwidth,
+            STAGED_IN | STAGED_OUT => 2.0 * self.latency + nbytes as f64 / self.bandwidth,
+            _ => self.latency + nbytes as f64 / self.bandwidth,
+        }
+    }
 }
 
 pub type Lane = (u8, u32);
@@ -163,7 +199,7 @@ impl CopyEngines {
         let o = ops.at_mut(op);
         if o.copy_left.is_none() {
             o.started = now;
-            o.copy_left = Some(self.spec.latency + o.nbytes as f64 / self.spec.bandwidth);
+            o.copy_left = Some(self.spec.seconds(o.engine, o.nbytes));
             ops.touch(op);
         }
         let speed = self.speed(e);
@@ -176,9 +212,15 @@ impl CopyEngines {
         self.pace(p, now, ops, ev);
     }
 
+    /// The other direction's engine on the same PCIe link (NVLink's directions are independent).
     fn partner(&self, e: usize) -> Option<usize> {
         let (dir, lane) = self.engines[e].lane;
-        self.index.get(&(if dir == H2D { D2H } else { H2D }, lane)).copied()
+        let other = match dir {
+            H2D => D2H,
+            D2H => H2D,
+            _ => return None,
+        };
+        self.index.get(&(other, lane)).copied()
     }
 
     fn speed(&self, e: usize) -> f64 {
@@ -219,5 +261,72 @@ impl CopyEngines {
         }
         eng.version += 1;
         ev.push(at, COPY_END, e as u64, eng.version);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::{Core, Spec};
+    use crate::policy::Mps;
+
+    const LATENCY: f64 = 2e-6;
+    const PCIE: f64 = 55e9;
+    const NVLINK: f64 = 450e9;
+
+    fn core() -> Core {
+        let copy = CopySpec { latency: LATENCY, bandwidth: PCIE, timeslice: 0.0, duplex: [Some(0.9), Some(0.7)],
+                              peer_latency: LATENCY, peer_bandwidth: NVLINK };
+        Core::new(Spec { sm_count: 4, warps_per_sm: 64, blocks_per_sm: 32, regs_per_sm: 65536,
+                         smem_per_sm: 233472, min_block_time: 1e-7, kernel_overhead: 2e-6,
+                         copy, ..Spec::default() }, false)
+    }
+
+    /// Each copy's (start, end) after running `copies` ((client, stream, code, bytes)) submitted at time 0.
+    fn run(copies: &[(i64, u64, u8, u64)]) -> Vec<(f64, f64)> {
+        let mut c = core();
+        let mut pol = Mps;
+        let hs: Vec<u64> = copies.iter()
+            .map(|&(client, stream, code, n)| c.submit_copy(&mut pol, None, client, stream, vec![], code, n))
+            .collect();
+        c.run(&mut pol);
+        hs.iter().map(|&h| (c.ops.at(h).started, c.ops.at(h).ended)).collect()
+    }
+
+    fn close(a: f64, b: f64) -> bool {
+        (a - b).abs() <= 1e-12 * b.abs().max(1.0)
+    }
+
+    #[test]
+    fn a_peer_copy_runs_at_nvlink_bandwidth_and_a_staged_one_at_pcie() {
+        let n = 256u64 << 20;
+        let [(_, peer)] = run(&[(1, 1, PEER_IN, n)])[..] else { panic!() };
+        assert!(close(peer, LATENCY + n as f64 / NVLINK));
+        let [(_, staged)] = run(&[(1, 1, STAGED_IN, n)])[..] else { panic!() };
+        assert!(close(staged, 2.0 * LATENCY + n as f64 / PCIE));
+        let [(_, host)] = run(&[(1, 1, H2D, n)])[..] else { panic!() };
+        assert!(close(host, LATENCY + n as f64 / PCIE));
+    }
+
+    #[test]
+    fn nvlink_directions_and_pcie_do_not_slow_each_other() {
+        let n = 64u64 << 20;
+        let ends = run(&[(1, 1, PEER_IN, n), (2, 2, PEER_OUT, n), (3, 3, H2D, n)]);
+        assert!(close(ends[0].1, LATENCY + n as f64 / NVLINK));
+        assert!(close(ends[1].1, LATENCY + n as f64 / NVLINK));
+        assert!(close(ends[2].1, LATENCY + n as f64 / PCIE));
+    }
+
+    #[test]
+    fn a_staged_copy_queues_behind_host_copies_on_its_pcie_engine() {
+        let n = 64u64 << 20;
+        let ends = run(&[(1, 1, H2D, n), (2, 2, STAGED_IN, n)]);
+        let first = LATENCY + n as f64 / PCIE;
+        assert!(close(ends[0].1, first));
+        assert!(close(ends[1].0, first));
+        assert!(close(ends[1].1, first + 2.0 * LATENCY + n as f64 / PCIE));
+        // The outgoing leg shares the link with the other direction, as a device-to-host copy does.
+        let both = run(&[(1, 1, H2D, n), (2, 2, STAGED_OUT, n)]);
+        assert!(both[0].1 > first * 1.3 && both[1].1 > (2.0 * LATENCY + n as f64 / PCIE) * 1.05);
     }
 }

@@ -313,7 +313,7 @@ impl Core {
                 }
                 _ => {
                     let o = self.ops.at(h);
-                    let lane = (o.engine, pol.copy_lane(o.client));
+                    let lane = (crate::copies::lane_engine(o.engine), pol.copy_lane(o.client));
                     self.copies.enqueue(h, lane, now, &mut self.ops, &mut self.ev);
                     if !lanes.contains(&lane) {
                         lanes.push(lane);

@@ -296,12 +296,13 @@ impl Engine {
            block_group: PyObject, record: bool) -> PyResult<Self> {
         let (sm_count, warps_per_sm, blocks_per_sm, regs_per_sm, smem_per_sm, min_block_time, kernel_overhead,
              dram, copy): (usize, i64, i64, i64, i64, f64, f64, (Vec<(f64, f64)>, i64, f64),
-                           (f64, f64, f64, Option<f64>, Option<f64>)) = spec.extract()?;
+                           (f64, f64, f64, Option<f64>, Option<f64>, f64, f64)) = spec.extract()?;
         let spec = crate::engine::Spec {
             sm_count, warps_per_sm, blocks_per_sm, regs_per_sm, smem_per_sm, min_block_time, kernel_overhead,
             dram: crate::dram::DramSpec { curve: dram.0, knee: dram.1, beyond: dram.2 },
             copy: crate::copies::CopySpec { latency: copy.0, bandwidth: copy.1, timeslice: copy.2,
-                                           duplex: [copy.3, copy.4] },
+                                           duplex: [copy.3, copy.4], peer_latency: copy.5,
+                                           peer_bandwidth: copy.6 },
         };
         let objs: Objects = Rc::new(RefCell::new(Vec::new()));
         let raised: Raised = Rc::new(RefCell::new(None));
