@@ -25,6 +25,7 @@
 # module-verb commands (mpsd.daemon.control_v3); protocol 2, the default, is exactly the legacy language.
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -32,10 +33,12 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
+from mpsd.daemon.namespaces import DEFAULT, Namespace, cgroup_of
 from mpsd.runtime.device import COMPUTE_MODES
 from mpsd_protocol import parse_decimal, parse_integer
 
 if TYPE_CHECKING:
+    from mpsd.daemon.routes import Route
     from mpsd.daemon.server import Daemon
 
 # Commands any user may send; the rest change state and need root or the daemon's owner.
@@ -238,14 +241,21 @@ class Control:
 
         self._v3 = V3(self) if daemon.config.protocol == 3 else None
         self.named = {named.uid: named for named in daemon.config.servers}  # MPS v3's named servers, by user
+        # MPS v3's namespaces, by the server they subdivide (its user: server_key), in the order they were made;
+        # copies of the -a file's, which namespace set changes.
+        self.namespaces: dict[int | None, dict[str, Namespace]] = {}
+        for named in daemon.config.servers:
+            self.namespaces[self.server_key(named.uid)] = {ns.name: dataclasses.replace(ns) for ns in named.namespaces}
+        self.route: Route | None = None  # the routed control socket the command being run came by
         self._v3_modules = MODULES
 
     @property
     def quitting(self) -> bool:
         return self._quitting
 
-    def execute(self, line: str, uid: int) -> str:
-        """Run one command line from a client of uid `uid`; returns what the tool prints (maybe nothing)."""
+    def execute(self, line: str, uid: int, route: Route | None = None) -> str:
+        """Run one command line from a client of uid `uid` (by the routed control socket `route`, MPS v3's
+        $PIPE/<server>[/<namespace>]/control, if it came by one); returns what the tool prints (maybe nothing)."""
         log = self.daemon.log
         self.after_command()
         log.control(f"Cmd:{line}")
@@ -254,11 +264,11 @@ class Control:
         command = self._commands.get(name)
         self.failed = False
         if self._v3 is not None and name in self._v3_modules:  # MPS v3's module-verb commands
-            self._caller, self._in_command = uid, True
+            self._caller, self._in_command, self.route = uid, True, route
             try:
                 reply, self.failed = self._v3.run(name, args, uid)
             finally:
-                self._in_command = False
+                self._in_command, self.route = False, None
         elif command is None:
             reply = f'Unknown command "{name}"'
         elif name not in READ_ONLY and uid not in (0, self.daemon.owner_uid):
@@ -676,6 +686,26 @@ class Control:
     def retry_due(self) -> None:
         """The daemon's timer: the scheduled retry of the shutdown in progress."""
         self.try_shutdown(force=False, backoff=True)
+
+    # -- MPS v3's namespaces ----------------------------------------------------------------------------
+    def server_key(self, uid: int | None) -> int | None:
+        """What a server's namespaces are kept by: the user it serves (None for --multiuser's one server)."""
+        return None if self.daemon.config.multiuser else uid
+
+    def namespace_for(self, pid: int, uid: int, route: Route | None) -> Namespace | None:
+        """The namespace a new client `pid` of `uid` goes in (None: its server's default one): the one its
+        routed socket names, else the first whose cgroup holds the client's."""
+        spaces = self.namespaces.get(self.server_key(uid), {})
+        if route is not None:
+            return None if route.namespace == DEFAULT else spaces.get(route.namespace)
+        if not any(ns.cgroup for ns in spaces.values()):
+            return None
+        cgroup = cgroup_of(pid)
+        return next((ns for ns in spaces.values() if ns.holds_cgroup(cgroup)), None)
+
+    def namespace_of(self, ctx: Any) -> Namespace | None:
+        """The namespace a connected client is in (None: the default one)."""
+        return self.namespaces.get(self.server_key(ctx.uid), {}).get(ctx.namespace)
 
     # -- what new clients get --------------------------------------------------------------------------
     def percentage_for_new_client(self, uid: int | None = None) -> float:

@@ -68,6 +68,7 @@ from mpsd_protocol import (  # type: ignore[attr-defined]
 )
 
 if TYPE_CHECKING:
+    from mpsd.daemon.routes import Route
     from mpsd.daemon.server import Daemon
 
 log = logging.getLogger("mpsd.daemon.session")
@@ -98,9 +99,10 @@ class Deferred:
 class Session:
     """Serves one connected client."""
 
-    def __init__(self, daemon: Daemon, sock: socket.socket) -> None:
+    def __init__(self, daemon: Daemon, sock: socket.socket, route: Route | None = None) -> None:
         self.daemon = daemon
         self.pid, self.uid, self.gid = peer_credentials(sock)
+        self.route = route  # the server/namespace socket it came in by (MPS v3), None: the main socket
         self.channel = Channel(sock)
         self.conn = Connection(Role.SERVER)
         self.context: Context | None = None
