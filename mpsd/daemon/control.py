@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 from mpsd.daemon.namespaces import DEFAULT, Namespace, cgroup_of
+from mpsd.daemon.sm_partitions import PartitionError
 from mpsd.runtime.device import COMPUTE_MODES
 from mpsd_protocol import parse_decimal, parse_integer
 
@@ -47,6 +48,7 @@ READ_ONLY = frozenset({
     "get_server_list", "get_server_status", "get_client_list", "get_device_client_list", "ps", "device_query",
     "get_default_active_thread_percentage", "get_active_thread_percentage", "get_default_device_pinned_mem_limit",
     "get_device_pinned_mem_limit", "get_default_client_priority", "get_client_priority", "get_client_weight",
+    "lspart",
 })
 MAX_LEVEL = 1 << 31  # priority levels are plain integers, kept to a sane range
 
@@ -468,6 +470,53 @@ class Control:
                        _namespace(pid), _command(pid))
                 for pid, mine in self._processes().items() if everyone or mine[0].uid == self._caller]
         return "\n".join([PS_HEADER] + rows) if rows else ""
+
+    # -- static SM partitioning (-S; mpsd.daemon.sm_partitions has the texts' sources and guesses) ---------
+    def _partitions(self) -> Any:
+        if self.daemon.sm_partitions is None:
+            raise CommandError("Static SM partitioning is not enabled: start the daemon with -S")
+        return self.daemon.sm_partitions
+
+    def cmd_sm_partition(self, args: list[str]) -> str:
+        usage = "Usage: sm_partition add <device> <chunks> | sm_partition rm <partition id>"
+        partitions = self._partitions()
+        verb = args[0] if args else None
+        if verb == "add" and len(args) >= 3:
+            devices = self.daemon.devices
+            device = next((d.index for d in devices if args[1] in (str(d.index), d.properties["uuid"])), None)
+            if device is None:  # an index or a GPU UUID, of a device the daemon has
+                raise CommandError(f'Invalid device "{_brief(args[1])}"')
+            chunks = _integer(args[2], f'Invalid number of chunks "{_brief(args[2])}"')
+            try:
+                partition = partitions.add(device, chunks)
+            except PartitionError as exc:
+                raise CommandError(str(exc)) from None
+            self._note(f"SM partition {partition.id} added on device {device}: chunks {partition.first_chunk}-"
+                       f"{partition.first_chunk + partition.chunks - 1}, SMs {partition.first_sm}-"
+                       f"{partition.first_sm + partition.sm_count - 1}")
+            return partition.id
+        if verb == "rm" and len(args) >= 2:
+            found = partitions.partitions.get(args[1])
+            users = sum(1 for ctx in self._contexts() if ctx.sm_partition is found) if found is not None else 0
+            if users:
+                raise CommandError(f"Partition {found.id} has {users} client(s)")
+            try:
+                partitions.remove(args[1])
+            except PartitionError as exc:
+                raise CommandError(str(exc)) from None
+            return ""
+        raise CommandError(usage)
+
+    def cmd_lspart(self, args: list[str]) -> str:
+        partitions = self._partitions()
+        rows = [(p.id, self.daemon.devices[p.device].properties["uuid"], p.chunks, p.sm_count, p.first_sm,
+                 sum(1 for ctx in self._contexts() if ctx.sm_partition is p))
+                for p in partitions.partitions.values()]
+        if not rows:
+            return ""
+        rows.insert(0, ("ID", "DEVICE", "CHUNKS", "SMS", "FIRST_SM", "CLIENTS"))
+        return "\n".join(f"{pid!s:<8}{device!s:<44}{chunks!s:<8}{sms!s:<6}{first!s:<10}{users}"
+                         for pid, device, chunks, sms, first, users in rows)
 
     def cmd_device_query(self, args: list[str]) -> str:
         csv = "--csv" in args

@@ -162,7 +162,8 @@ class V3:
 
     def _run(self, module: str, args: list[str], uid: int) -> str:
         if module in NOT_YET:
-            raise Failure(f'"{module}" commands (MPS v3 namespaces and SM partitions) are not supported by mpsd yet')
+            raise Failure(f'"{module}" commands (MPS v3 SM partitions) are not supported by mpsd yet; the legacy '
+                          "sm_partition and lspart are, on a daemon started with -S")
         verb = args[0] if args else None
         key = (module, verb)
         if verb is None or key not in OPTIONS:

@@ -32,6 +32,7 @@ from mpsd.daemon.ownership import UnsafePathError
 from mpsd.daemon.routes import Route, RouteSockets, open_route
 from mpsd.daemon.servlog import ServerLog
 from mpsd.daemon.session import Session
+from mpsd.daemon.sm_partitions import SmPartitions
 from mpsd.runtime.context import Context, Quotas
 from mpsd.runtime.device import COMPUTE_MODES, Device
 from mpsd.runtime.ipc import IpcRegistry
@@ -102,6 +103,14 @@ class Daemon:
         self.settings = Settings(config.active_thread_percentage, {
             i: limit for i in range(len(self.devices)) if (limit := config.pinned_mem_limit(i)) is not None
         }, config.client_priority)
+        self.sm_partitions: SmPartitions | None = None  # MPS's -S
+        if config.static_partitioning:
+            # The simulator's mps policy is what pins a client to its partition's SMs.
+            unpinnable = [d.index for d in self.devices if not isinstance(d.backend, SimBackend) or d.backend.policy != "mps"]
+            if unpinnable:
+                raise DaemonError("--static-partitioning needs simulated devices under the mps policy; not device "
+                                  + ", ".join(map(str, unpinnable)))
+            self.sm_partitions = SmPartitions([d.properties["multiprocessor_count"] for d in self.devices])
         self.control = Control(self)
         uuids = {device.properties["uuid"] for device in self.devices}
         for named in config.servers:  # MPS v3's named servers: their devices must be ours
@@ -194,6 +203,7 @@ class Daemon:
             partition = instance
         if device.instances and partition is None:
             partition = 0  # as the mig policy binds a client that names no instance
+        sm_partition = self._sm_partition(limits.get("sm_partition"), index)
         memory_limit = self.control.memory_limit_for_new_client(index, session.uid)
         if namespace is not None:
             memory_limit = namespace.memory_limit(memory_limit)
@@ -211,6 +221,8 @@ class Daemon:
         priority = _tighter(priority if namespace is None else namespace.priority(priority), requested_priority)
         weight = self.settings.weight_for(session.pid, session.uid)
         cap = min(device.backend.sm_cap(percentage), device.partition_sms(partition))
+        if sm_partition is not None:  # the percentage applies inside the partition's SMs
+            cap = min(cap, sm_partition.sm_count)
         quotas = Quotas(percentage, cap, memory, priority, weight)
         context_memory = device.backend.context_memory
         if device.memory_free(partition) < context_memory:
@@ -219,7 +231,9 @@ class Daemon:
                                    + (f" in MIG instance {partition}" if partition is not None else ""))
         context = Context(device, self._next_client, session.pid, session.uid, session.gid, quotas, self.ipc,
                           partition, requested_priority, "default" if namespace is None else namespace.name)
-        device.backend.attach(context, sm_cap=cap, priority=priority, weight=weight, instance=partition)
+        context.sm_partition = sm_partition
+        device.backend.attach(context, sm_cap=cap, priority=priority, weight=weight, instance=partition,
+                              sms=None if sm_partition is None else sm_partition.sms)
         device.ledger.move(None, context_memory, partition=partition)
         self._next_client += 1
         device.contexts[context.id] = context
@@ -233,8 +247,26 @@ class Daemon:
                         f"pinned memory limit {format_size(memory)}, priority {priority}"
                         + (f", weight {weight:g}" if weight != 1.0 else "")
                         + (f", MIG instance {partition}" if partition is not None else "")
-                        + (f", namespace {namespace.name}" if namespace is not None else ""))
+                        + (f", namespace {namespace.name}" if namespace is not None else "")
+                        + (f", SM partition {sm_partition.id} (SMs {sm_partition.first_sm}-"
+                           f"{sm_partition.first_sm + sm_partition.sm_count - 1})" if sm_partition is not None else ""))
         return context
+
+    def _sm_partition(self, requested: Any, device: int) -> Any:
+        """The static SM partition CUDA_MPS_SM_PARTITION names, if it does.
+
+        Raises:
+            InvalidValueError: static partitioning is off, or no such partition is on the client's device.
+        """
+        if requested is None:
+            return None
+        if self.sm_partitions is None:
+            raise InvalidValueError(f"CUDA_MPS_SM_PARTITION={brief(requested, 40)}, but the daemon was not started "
+                                    "with static partitioning (-S)")
+        found = self.sm_partitions.partitions.get(requested) if isinstance(requested, str) else None
+        if found is None or found.device != device:
+            raise InvalidValueError(f"no SM partition {brief(requested, 40)} on device {device} (lspart lists them)")
+        return found
 
     def reconfigure(self, context: Context) -> None:
         """Give a connected client the priority level and weight the control plane sets for it now; the
@@ -247,7 +279,8 @@ class Daemon:
             return
         context.quotas = dataclasses.replace(context.quotas, priority=priority, weight=weight)
         context.device.backend.attach(context, sm_cap=context.quotas.sm_cap, priority=priority, weight=weight,
-                                      instance=context.partition)
+                                      instance=context.partition,
+                                      sms=None if context.sm_partition is None else context.sm_partition.sms)
         self.log.server(f"Client {context.pid}: priority {priority}, weight {weight:g}")
 
     def _device_index(self, ordinal: Any, visible: Any) -> tuple[int, int | None]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from mpsd_protocol import (  # type: ignore[attr-defined]
     POOL_ALLOC,
@@ -116,6 +116,7 @@ class Context:
                  namespace: str = "default") -> None:
         self.device = device
         self.namespace = namespace  # the MPS v3 namespace of its server it was placed in
+        self.sm_partition: Any = None  # the static SM partition (-S) it is pinned to, if any
         self.partition = partition  # the MIG instance it is bound to (None: no MIG)
         self.requested_priority = requested_priority  # CUDA_MPS_CLIENT_PRIORITY, which daemon levels only tighten
         self.ipc = ipc
