@@ -264,6 +264,8 @@ class Control:
         words = _WORDS.findall(line)  # C's whitespace only: a Unicode space is part of a word
         name, args = (words[0], words[1:]) if words else ("", [])
         command = self._commands.get(name)
+        if name in ("sm_partition", "lspart") and self.daemon.sm_partitions is None:
+            command = None  # as the H200's tool (driver 580, no -S) answered them: unknown commands
         self.failed = False
         if self._v3 is not None and name in self._v3_modules:  # MPS v3's module-verb commands
             self._caller, self._in_command, self.route = uid, True, route
@@ -399,6 +401,7 @@ class Control:
                         server.pinned_mem_limits[device.index] = named.pinned_memory_limit
         server.clients_seen, server.ids = 0, {}
         self._retry_at = self._force_at = None
+        server.pid = self.daemon.start_server_process(server.uid)
         return lambda: self._log_start(uid)
 
     def _log_start(self, uid: int) -> None:
@@ -473,8 +476,7 @@ class Control:
 
     # -- static SM partitioning (-S; mpsd.daemon.sm_partitions has the texts' sources and guesses) ---------
     def _partitions(self) -> Any:
-        if self.daemon.sm_partitions is None:
-            raise CommandError("Static SM partitioning is not enabled: start the daemon with -S")
+        assert self.daemon.sm_partitions is not None  # execute answers these commands only under -S
         return self.daemon.sm_partitions
 
     def cmd_sm_partition(self, args: list[str]) -> str:
@@ -857,13 +859,27 @@ class Control:
             self._note(f"Try shutting down server {self.server.pid}, backoff is disabled")
             self._exit_server()
 
-    def _exit_server(self) -> None:
+    def server_died(self, pid: int, status: int) -> None:
+        """The server's process (--mps-names) ended by itself, killed: the server is gone as MPS's is when its
+        process dies, its clients' calls fail (cudaErrorMpsRpcFailure) and the next client starts a new one."""
         server = self.server
+        if not server.started or server.pid != pid:
+            return
+        self.daemon.log.server(f"Server process {pid} ended with status {status}: its clients are cut off",
+                               pid=self.daemon.log.pid)
+        for ctx in self._contexts():
+            self.daemon.server_gone(ctx)
+            self.orphans.add(ctx.id)
+        self._exit_server(status)
+
+    def _exit_server(self, status: int = 0) -> None:
+        server = self.server
+        self.daemon.end_server_process()
         server.started = server.shutting_down = False
         self._retry_at = None
         self._backoff = self.daemon.config.shutdown_retry
         self.daemon.server_changed()
-        exited = functools.partial(self._note, f"Server {server.pid} exited with status 0")
+        exited = functools.partial(self._note, f"Server {server.pid} exited with status {status}")
         if self._in_command:  # MPS sees its server go after it has answered the command that stopped it
             self._later.append(exited)
         else:

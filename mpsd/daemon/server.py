@@ -31,6 +31,7 @@ from mpsd.daemon.listeners import Greetings, Listeners, ListenError, open_listen
 from mpsd.daemon.ownership import UnsafePathError
 from mpsd.daemon.routes import Route, RouteSockets, open_route
 from mpsd.daemon.servlog import ServerLog
+from mpsd.daemon.server_process import ServerProcess, ServerProcesses, ServerProcessError
 from mpsd.daemon.session import Session
 from mpsd.daemon.sm_partitions import SmPartitions
 from mpsd.runtime.context import Context, Quotas
@@ -103,6 +104,9 @@ class Daemon:
         self.settings = Settings(config.active_thread_percentage, {
             i: limit for i in range(len(self.devices)) if (limit := config.pinned_mem_limit(i)) is not None
         }, config.client_priority)
+        # With --mps-names each server has a process of its own named nvidia-cuda-mps-server (its pid the server's).
+        self.server_processes = ServerProcesses() if config.mps_names else None
+        self._server_process: ServerProcess | None = None
         self.sm_partitions: SmPartitions | None = None  # MPS's -S
         if config.static_partitioning:
             # The simulator's mps policy is what pins a client to its partition's SMs.
@@ -434,7 +438,7 @@ class Daemon:
                     "priority": ctx.quotas.priority, "weight": ctx.quotas.weight, "partition": ctx.partition,
                     "sticky_error": ctx.sticky.name if ctx.sticky else None,
                 })
-        return {"server_pid": self.log.pid, "devices": devices, "processes": processes,
+        return {"server_pid": self.control.server.pid, "devices": devices, "processes": processes,
                 "host_memory": {"resident": self.host_memory.resident, "reserved": self.host_memory.pending,
                                 "budget": self.host_memory.budget}}
 
@@ -542,6 +546,9 @@ class Daemon:
                 signal.signal(signal.SIGINT, signal.SIG_IGN)
             listeners.close()
             self.close_routes()
+            self.end_server_process()
+            if self.server_processes is not None:
+                self.server_processes.close()
             self._write_traces()
             self.log.server("Server exited")
             self.log.control(f"Exit with status {_exit_status(failure)}")
@@ -598,6 +605,36 @@ class Daemon:
                     continue
                 raise
             nursery.start_soon(serve, sock)
+
+    # -- the servers' processes (--mps-names) ---------------------------------------------------------------
+    def start_server_process(self, uid: int | None) -> int:
+        """The pid of the server that starts now: its own process's, or the daemon's where it has none."""
+        self.end_server_process()
+        if self.server_processes is None or self._front is None:
+            return self.log.pid
+        try:
+            process = self.server_processes.start(uid)
+        except ServerProcessError as exc:
+            self.log.server(f"{exc}; the server's pid is the daemon's", pid=self.log.pid)
+            return self.log.pid
+        self._server_process = process
+        self.log.server_pid = process.pid
+        self._front.start_soon(self._watch_server, process)
+        return process.pid
+
+    def end_server_process(self) -> None:
+        """The server ends: so does its process (it is reaped by its watcher)."""
+        process, self._server_process = self._server_process, None
+        self.log.server_pid = self.log.pid
+        if process is not None:
+            process.end()
+
+    async def _watch_server(self, process: ServerProcess) -> None:
+        status = await process.wait()
+        if self._server_process is process:  # it died while its server ran: killed
+            self._server_process = None
+            self.log.server_pid = self.log.pid
+            self.control.server_died(process.pid, status)
 
     # -- MPS v3's routed sockets --------------------------------------------------------------------------
     def add_route(self, route: Route) -> None:

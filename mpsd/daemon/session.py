@@ -439,7 +439,7 @@ class Session:
             "version": PROTOCOL_VERSION,
             "clock": clock,
             "client_id": ctx.id,
-            "server_pid": self.daemon.log.pid,
+            "server_pid": self.daemon.control.server.pid,
             "properties": self.daemon.device_of(ctx).client_properties(ctx),
             "kernels": signatures(),
             "quotas": {"active_thread_percentage": ctx.quotas.active_thread_percentage,
