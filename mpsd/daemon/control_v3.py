@@ -2,7 +2,9 @@
 # daemon started with protocol 3, over the state the legacy (v2) language already keeps: `server list`,
 # `server create --uid=UID`, `server delete`, `server set` / `server get` of the active thread percentage, the
 # pinned memory limit and the client priority (the names the v3 configuration file gives them), `client list
-# [--all]` and `client terminate`. The legacy commands still work on such a daemon, as NVIDIA says they do.
+# [--all]`, `client terminate`, and `namespace list|create|delete|set|get` (mpsd.daemon.namespaces; a command
+# that came by a routed control socket, $PIPE/<server>[/<namespace>]/control, is about that server and
+# namespace unless it names others). The legacy commands still work on such a daemon, as NVIDIA says they do.
 #
 # The documentation names the modules and a few commands (`server list`, `server create --uid=UID`, `client
 # list --all`, `namespace create|delete|list|set|get`); it gives no output format, no usage or error text and
@@ -24,6 +26,16 @@
 #     stderr and the tool exits 1 (mpsd_protocol's "!" packet carries that)
 #   - values are parsed strictly (mpsd_protocol's parsers), not with v2's C quirks: a v3 command is a
 #     scripting interface, and a typo should fail rather than set 0
+#   - namespace commands name their server with --server=NAME (the -a file's), --uid=UID or --pid=PID, else
+#     the routed socket's, else the running server's ("No server given and none is running: ..."), and the
+#     namespace with --name=NAME; `namespace list`'s columns SERVER UID NAMESPACE CLIENTS (CLIENTS: processes),
+#     `default` first; `namespace get` prints what a client that comes now gets there (inside its server's),
+#     a limit as server get's DEV=LIMIT lines, --cgroup the path or nothing; set and create print nothing;
+#     'Namespace "x" already exists', 'Namespace "x" not found', 'Namespace "x" has N client(s)' (delete is
+#     refused while it has clients), 'The "default" namespace is its server: use server set', 'The "default"
+#     namespace goes only with its server', 'Invalid cgroup "x", ...'; a namespace's sockets come with create
+#     (for a named server only) and go with delete; `client list`'s NAMESPACE column (a process's first
+#     context's); control.log's "Namespace X created for server Y" and "... deleted"
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable
