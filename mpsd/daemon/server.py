@@ -489,11 +489,13 @@ class Daemon:
         try:
             listeners = await open_listeners(self.config.pipe_dir, multiuser=self.config.multiuser)
         except ListenError as exc:
+            self.log.close()  # the daemon never served: nothing below will close its logs
             raise DaemonError(str(exc)) from None
         try:
             protocol_file = write_protocol_file(self.config.pipe_dir, self.config.protocol)
         except ListenError as exc:
             listeners.close()
+            self.log.close()
             raise DaemonError(str(exc)) from None
         if protocol_file is not None:
             listeners.bound.append(protocol_file)
@@ -505,6 +507,7 @@ class Daemon:
         except ListenError as exc:
             self.close_routes()
             listeners.close()
+            self.log.close()  # the daemon never served: nothing below will close its logs
             raise DaemonError(str(exc)) from None
         control_path = self.config.pipe_dir / "control"
         self.log.control(f"Starting control daemon using socket {control_path}"
