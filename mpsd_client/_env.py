@@ -3,7 +3,7 @@
 # CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, CUDA_MPS_PINNED_DEVICE_MEM_LIMIT and CUDA_MPS_CLIENT_PRIORITY ask for
 # tighter quotas (the daemon never lets them loosen its own: a smaller share, a smaller limit, a less urgent
 # priority than the daemon's level, whose finer levels only the control plane sets), MPSD_MIG_PARTITION picks
-# a MIG instance, CUDA_MPS_PIPE_DIRECTORY (or MPSD_PIPE_DIRECTORY) says where the daemon is. Only the daemon
+# a MIG instance, CUDA_MPS_SM_PARTITION a static SM partition (-S), CUDA_MPS_PIPE_DIRECTORY (or MPSD_PIPE_DIRECTORY) says where the daemon is. Only the daemon
 # applies the rules; this module only reads and checks the variables.
 from __future__ import annotations
 
@@ -84,6 +84,11 @@ def requested_limits(device: int, environ: Mapping[str, str] = os.environ) -> di
             limits["partition"] = parse_integer(text.strip())
         except ValueError:
             raise InvalidValueError(f"MPSD_MIG_PARTITION={brief(text, 40)} must be a partition index") from None
+    text = environ.get("CUDA_MPS_SM_PARTITION")
+    if text:  # a static SM partition of a daemon started with -S, by the id sm_partition add printed
+        if not text.strip().isascii() or not text.strip().isprintable() or len(text.strip()) > 64:
+            raise InvalidValueError(f"CUDA_MPS_SM_PARTITION={brief(text, 40)} is not a partition id")
+        limits["sm_partition"] = text.strip()
     text = environ.get("CUDA_MPS_CLIENT_PRIORITY")
     if text:
         if text.strip() not in ("0", "1"):

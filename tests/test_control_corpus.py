@@ -4,8 +4,8 @@
 # processes where the recording had them, each record's stdout, stderr, exit status and log lines compared.
 #
 # What differs by nature is normalised on both sides, and only that: times; pids (the control daemon's and
-# every server's become <mps>, as mpsd plays every server in the daemon's own process; each client's its
-# label); GPU UUIDs and PCI ids; the namespace inode and command ps shows; the temporary directories; the
+# every server's become <mps>: each server has its nvidia-cuda-mps-server process, as MPS's, whose pid a
+# record's command is given where the recording gave its server's; each client's its label); GPU UUIDs and PCI ids; the namespace inode and command ps shows; the temporary directories; the
 # junk MPS's server logs as the pid of a client's first request; the delay MPS names when it will try a refused
 # shutdown again (the replay's daemon waits a minute, so that a retry's timing cannot change the state a later
 # record sees; test_quit_* check the retries themselves). A normalised value keeps its column's width, so ps's
@@ -58,6 +58,10 @@ DIFFERENT = {
 PROTOCOL_OPTION = ("-p/--protocol selects MPS v3's protocol in NVIDIA's documentation (releases 615, 620); the "
                    "H200's older tool did not know the option")
 DIFFERENT.update({358: PROTOCOL_OPTION, 359: PROTOCOL_OPTION, 364: PROTOCOL_OPTION})
+# Likewise -S/--static-partitioning, CUDA 13.1's (control 13010) in NVIDIA's documentation, which mpsd follows
+# (issue 16, item 3); the H200's tool took it for an unknown option.
+DIFFERENT[357] = ("-S/--static-partitioning is CUDA 13.1's option in NVIDIA's documentation; the H200's older "
+                  "tool did not know it")
 LAST = 327  # the main daemon died there: what came after it is the recorder's clean-up
 
 
@@ -219,6 +223,7 @@ class Replay:
         self.clients: dict[str, subprocess.Popen[str]] = {}
         self.real_to_ours: dict[str, str] = {}
         self.daemon_pid = ""
+        self.server_pid = ""  # the running server's: each has a process of its own, as MPS's servers do
 
     def log_lines(self) -> dict[str, list[str]]:
         lines = {}
@@ -227,6 +232,11 @@ class Replay:
             data = path.read_bytes()[self.offsets[name]:] if path.exists() else b""
             self.offsets[name] += len(data)
             lines[name] = data.decode("latin-1").splitlines()
+        for line in lines["control"]:  # every server's pid is <mps>, as on the real side
+            match = re.search(r"Starting new server (\d+)", line)
+            if match:
+                self.server_pid = match.group(1)
+                self.names.pids[self.server_pid] = "<mps>"
         return lines
 
     def settle(self, until: str | None = None, quiet: float = 0.1, limit: float = 10.0) -> None:
@@ -249,7 +259,7 @@ class Replay:
                 return
 
     def fill(self, template: str, values: dict[str, str]) -> str:
-        ours = {key: (self.daemon_pid if key == "server" else self.real_to_ours.get(value, BOGUS))
+        ours = {key: ((self.server_pid or self.daemon_pid) if key == "server" else self.real_to_ours.get(value, BOGUS))
                 if value != BOGUS else BOGUS for key, value in values.items()}
         return template.format(**ours)
 
@@ -367,7 +377,7 @@ def replayed() -> dict[int, Replayed]:
         for i, record in _main_records():
             results[i] = replay.control(record) if record["kind"] == "control" else replay.event(record)
             if i == 169:  # MPS's uid-65534 server went at once; ours goes now, so that the states agree again
-                replay.control({"args": [], "template": f"shutdown_server {replay.daemon_pid}\n", "vars": {}})
+                replay.control({"args": [], "template": f"shutdown_server {replay.server_pid}\n", "vars": {}})
     finally:
         replay.close()
     results["names"] = replay.names  # type: ignore[index]

@@ -82,8 +82,10 @@ class Backend(Protocol):
     def sm_cap(self, active_thread_percentage: float) -> int:
         """SMs a client at that active thread percentage may hold at once."""
 
-    def attach(self, client: Client, *, sm_cap: int, priority: int, weight: float, instance: int | None) -> None:
-        """A client arrived, or its scheduling settings changed (from its next placement on)."""
+    def attach(self, client: Client, *, sm_cap: int, priority: int, weight: float, instance: int | None,
+               sms: tuple[int, int] | None = None) -> None:
+        """A client arrived, or its scheduling settings changed (from its next placement on); `sms` is the
+        static SM partition (MPS's -S) it is pinned to, as (first SM, SM count)."""
 
     def release_host(self, buffer: Any) -> None:
         """A client's pinned host buffer is about to be unmapped (a GPU must unregister it first)."""

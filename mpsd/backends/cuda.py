@@ -356,7 +356,8 @@ class CudaBackend:
         return min(sms, max(2, int(sms * active_thread_percentage / 100) // 2 * 2))
 
     # -- clients -----------------------------------------------------------------------------------------
-    def attach(self, client: Client, *, sm_cap: int, priority: int, weight: float, instance: int | None) -> None:
+    def attach(self, client: Client, *, sm_cap: int, priority: int, weight: float, instance: int | None,
+               sms: tuple[int, int] | None = None) -> None:
         """Place a client: in the primary context, or in a green context of its SM cap (its streams are made
         there as its work arrives)."""
         if client.id in self._placed:

@@ -121,9 +121,10 @@ class SimBackend:
         self.on_idle(host.client, host.clock, self.engine.idle_grace)  # type: ignore[attr-defined]
 
     # -- clients -----------------------------------------------------------------------------------------
-    def attach(self, client: Client, *, sm_cap: int, priority: int, weight: float, instance: int | None) -> None:
+    def attach(self, client: Client, *, sm_cap: int, priority: int, weight: float, instance: int | None,
+               sms: tuple[int, int] | None = None) -> None:
         self.engine.catch_up()  # what happened until now happened under the old settings
-        self.sim.configure_client(client.id, priority=priority, weight=weight, partition=instance)
+        self.sim.configure_client(client.id, priority=priority, weight=weight, partition=instance, sms=sms)
         if self.recorder is not None:
             self.recorder.attached(client)
 

@@ -55,6 +55,7 @@ class Config:
     peer_access: str = "all"
     multiuser: bool = False  # one server for every user, instead of one user's server at a time
     mps_names: bool = False  # the process shows as nvidia-cuda-mps-control
+    static_partitioning: bool = False  # MPS's -S: sm_partition add|rm, lspart, CUDA_MPS_SM_PARTITION
     control_log_stdout: bool = False  # control.log's lines also on stdout, as MPS's -f prints them
     # MPS's control protocol: 2, the legacy shell (the default), or 3, which adds MPS v3's module-verb
     # commands (mpsd.daemon.control_v3); CUDA_MPS_PROTOCOL_VERSION wins over --protocol, as NVIDIA documents.
@@ -172,6 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--mps-names", action="store_true", default=None,
                         help="show the process as nvidia-cuda-mps-control, as MPS's does, for scripts that look for it "
                              "by name (pgrep, pidof); the nvidia-cuda-mps-control command sets it")
+    parser.add_argument("-S", "--static-partitioning", action="store_true", default=None,
+                        help="static SM partitioning, as MPS's -S: partitions of 8-SM chunks (sm_partition add, "
+                             "lspart) that clients pick with CUDA_MPS_SM_PARTITION (simulated devices, mps policy)")
     parser.add_argument("--handshake-timeout", type=float, metavar="SECONDS",
                         help=f"wall seconds a connection may take to say hello before it is closed "
                              f"(default {HANDSHAKE_TIMEOUT:g})")
@@ -306,6 +310,7 @@ def load_config(argv: Sequence[str] | None = None, environ: dict[str, str] | Non
                   handshake_timeout=handshake_timeout, shutdown_retry=shutdown_retry, host_memory=host_memory,
                   policy_options=policy_options,
                   multiuser=bool(pick("multiuser", False)), mps_names=bool(pick("mps_names", False)),
+                  static_partitioning=bool(pick("static_partitioning", False)),
                   control_log_stdout=bool(pick("control_log_stdout", False)),
                   device_policies=device_policies,
                   trace=Path(trace) if (trace := pick("trace")) else None)

@@ -25,6 +25,7 @@
 # module-verb commands (mpsd.daemon.control_v3); protocol 2, the default, is exactly the legacy language.
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -32,10 +33,13 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
+from mpsd.daemon.namespaces import DEFAULT, Namespace, cgroup_of
+from mpsd.daemon.sm_partitions import PartitionError
 from mpsd.runtime.device import COMPUTE_MODES
 from mpsd_protocol import parse_decimal, parse_integer
 
 if TYPE_CHECKING:
+    from mpsd.daemon.routes import Route
     from mpsd.daemon.server import Daemon
 
 # Commands any user may send; the rest change state and need root or the daemon's owner.
@@ -44,6 +48,7 @@ READ_ONLY = frozenset({
     "get_server_list", "get_server_status", "get_client_list", "get_device_client_list", "ps", "device_query",
     "get_default_active_thread_percentage", "get_active_thread_percentage", "get_default_device_pinned_mem_limit",
     "get_device_pinned_mem_limit", "get_default_client_priority", "get_client_priority", "get_client_weight",
+    "lspart",
 })
 MAX_LEVEL = 1 << 31  # priority levels are plain integers, kept to a sane range
 
@@ -238,27 +243,36 @@ class Control:
 
         self._v3 = V3(self) if daemon.config.protocol == 3 else None
         self.named = {named.uid: named for named in daemon.config.servers}  # MPS v3's named servers, by user
+        # MPS v3's namespaces, by the server they subdivide (its user: server_key), in the order they were made;
+        # copies of the -a file's, which namespace set changes.
+        self.namespaces: dict[int | None, dict[str, Namespace]] = {}
+        for named in daemon.config.servers:
+            self.namespaces[self.server_key(named.uid)] = {ns.name: dataclasses.replace(ns) for ns in named.namespaces}
+        self.route: Route | None = None  # the routed control socket the command being run came by
         self._v3_modules = MODULES
 
     @property
     def quitting(self) -> bool:
         return self._quitting
 
-    def execute(self, line: str, uid: int) -> str:
-        """Run one command line from a client of uid `uid`; returns what the tool prints (maybe nothing)."""
+    def execute(self, line: str, uid: int, route: Route | None = None) -> str:
+        """Run one command line from a client of uid `uid` (by the routed control socket `route`, MPS v3's
+        $PIPE/<server>[/<namespace>]/control, if it came by one); returns what the tool prints (maybe nothing)."""
         log = self.daemon.log
         self.after_command()
         log.control(f"Cmd:{line}")
         words = _WORDS.findall(line)  # C's whitespace only: a Unicode space is part of a word
         name, args = (words[0], words[1:]) if words else ("", [])
         command = self._commands.get(name)
+        if name in ("sm_partition", "lspart") and self.daemon.sm_partitions is None:
+            command = None  # as the H200's tool (driver 580, no -S) answered them: unknown commands
         self.failed = False
         if self._v3 is not None and name in self._v3_modules:  # MPS v3's module-verb commands
-            self._caller, self._in_command = uid, True
+            self._caller, self._in_command, self.route = uid, True, route
             try:
                 reply, self.failed = self._v3.run(name, args, uid)
             finally:
-                self._in_command = False
+                self._in_command, self.route = False, None
         elif command is None:
             reply = f'Unknown command "{name}"'
         elif name not in READ_ONLY and uid not in (0, self.daemon.owner_uid):
@@ -387,6 +401,7 @@ class Control:
                         server.pinned_mem_limits[device.index] = named.pinned_memory_limit
         server.clients_seen, server.ids = 0, {}
         self._retry_at = self._force_at = None
+        server.pid = self.daemon.start_server_process(server.uid)
         return lambda: self._log_start(uid)
 
     def _log_start(self, uid: int) -> None:
@@ -458,6 +473,52 @@ class Control:
                        _namespace(pid), _command(pid))
                 for pid, mine in self._processes().items() if everyone or mine[0].uid == self._caller]
         return "\n".join([PS_HEADER] + rows) if rows else ""
+
+    # -- static SM partitioning (-S; mpsd.daemon.sm_partitions has the texts' sources and guesses) ---------
+    def _partitions(self) -> Any:
+        assert self.daemon.sm_partitions is not None  # execute answers these commands only under -S
+        return self.daemon.sm_partitions
+
+    def cmd_sm_partition(self, args: list[str]) -> str:
+        usage = "Usage: sm_partition add <device> <chunks> | sm_partition rm <partition id>"
+        partitions = self._partitions()
+        verb = args[0] if args else None
+        if verb == "add" and len(args) >= 3:
+            devices = self.daemon.devices
+            device = next((d.index for d in devices if args[1] in (str(d.index), d.properties["uuid"])), None)
+            if device is None:  # an index or a GPU UUID, of a device the daemon has
+                raise CommandError(f'Invalid device "{_brief(args[1])}"')
+            chunks = _integer(args[2], f'Invalid number of chunks "{_brief(args[2])}"')
+            try:
+                partition = partitions.add(device, chunks)
+            except PartitionError as exc:
+                raise CommandError(str(exc)) from None
+            self._note(f"SM partition {partition.id} added on device {device}: chunks {partition.first_chunk}-"
+                       f"{partition.first_chunk + partition.chunks - 1}, SMs {partition.first_sm}-"
+                       f"{partition.first_sm + partition.sm_count - 1}")
+            return partition.id
+        if verb == "rm" and len(args) >= 2:
+            found = partitions.partitions.get(args[1])
+            users = sum(1 for ctx in self._contexts() if ctx.sm_partition is found) if found is not None else 0
+            if users:
+                raise CommandError(f"Partition {found.id} has {users} client(s)")
+            try:
+                partitions.remove(args[1])
+            except PartitionError as exc:
+                raise CommandError(str(exc)) from None
+            return ""
+        raise CommandError(usage)
+
+    def cmd_lspart(self, args: list[str]) -> str:
+        partitions = self._partitions()
+        rows = [(p.id, self.daemon.devices[p.device].properties["uuid"], p.chunks, p.sm_count, p.first_sm,
+                 sum(1 for ctx in self._contexts() if ctx.sm_partition is p))
+                for p in partitions.partitions.values()]
+        if not rows:
+            return ""
+        rows.insert(0, ("ID", "DEVICE", "CHUNKS", "SMS", "FIRST_SM", "CLIENTS"))
+        return "\n".join(f"{pid!s:<8}{device!s:<44}{chunks!s:<8}{sms!s:<6}{first!s:<10}{users}"
+                         for pid, device, chunks, sms, first, users in rows)
 
     def cmd_device_query(self, args: list[str]) -> str:
         csv = "--csv" in args
@@ -677,6 +738,26 @@ class Control:
         """The daemon's timer: the scheduled retry of the shutdown in progress."""
         self.try_shutdown(force=False, backoff=True)
 
+    # -- MPS v3's namespaces ----------------------------------------------------------------------------
+    def server_key(self, uid: int | None) -> int | None:
+        """What a server's namespaces are kept by: the user it serves (None for --multiuser's one server)."""
+        return None if self.daemon.config.multiuser else uid
+
+    def namespace_for(self, pid: int, uid: int, route: Route | None) -> Namespace | None:
+        """The namespace a new client `pid` of `uid` goes in (None: its server's default one): the one its
+        routed socket names, else the first whose cgroup holds the client's."""
+        spaces = self.namespaces.get(self.server_key(uid), {})
+        if route is not None:
+            return None if route.namespace == DEFAULT else spaces.get(route.namespace)
+        if not any(ns.cgroup for ns in spaces.values()):
+            return None
+        cgroup = cgroup_of(pid)
+        return next((ns for ns in spaces.values() if ns.holds_cgroup(cgroup)), None)
+
+    def namespace_of(self, ctx: Any) -> Namespace | None:
+        """The namespace a connected client is in (None: the default one)."""
+        return self.namespaces.get(self.server_key(ctx.uid), {}).get(ctx.namespace)
+
     # -- what new clients get --------------------------------------------------------------------------
     def percentage_for_new_client(self, uid: int | None = None) -> float:
         """The active thread percentage of a client that comes now (of `uid`: where no server runs, the one
@@ -778,13 +859,27 @@ class Control:
             self._note(f"Try shutting down server {self.server.pid}, backoff is disabled")
             self._exit_server()
 
-    def _exit_server(self) -> None:
+    def server_died(self, pid: int, status: int) -> None:
+        """The server's process (--mps-names) ended by itself, killed: the server is gone as MPS's is when its
+        process dies, its clients' calls fail (cudaErrorMpsRpcFailure) and the next client starts a new one."""
         server = self.server
+        if not server.started or server.pid != pid:
+            return
+        self.daemon.log.server(f"Server process {pid} ended with status {status}: its clients are cut off",
+                               pid=self.daemon.log.pid)
+        for ctx in self._contexts():
+            self.daemon.server_gone(ctx)
+            self.orphans.add(ctx.id)
+        self._exit_server(status)
+
+    def _exit_server(self, status: int = 0) -> None:
+        server = self.server
+        self.daemon.end_server_process()
         server.started = server.shutting_down = False
         self._retry_at = None
         self._backoff = self.daemon.config.shutdown_retry
         self.daemon.server_changed()
-        exited = functools.partial(self._note, f"Server {server.pid} exited with status 0")
+        exited = functools.partial(self._note, f"Server {server.pid} exited with status {status}")
         if self._in_command:  # MPS sees its server go after it has answered the command that stopped it
             self._later.append(exited)
         else:

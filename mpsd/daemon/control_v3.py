@@ -2,7 +2,9 @@
 # daemon started with protocol 3, over the state the legacy (v2) language already keeps: `server list`,
 # `server create --uid=UID`, `server delete`, `server set` / `server get` of the active thread percentage, the
 # pinned memory limit and the client priority (the names the v3 configuration file gives them), `client list
-# [--all]` and `client terminate`. The legacy commands still work on such a daemon, as NVIDIA says they do.
+# [--all]`, `client terminate`, and `namespace list|create|delete|set|get` (mpsd.daemon.namespaces; a command
+# that came by a routed control socket, $PIPE/<server>[/<namespace>]/control, is about that server and
+# namespace unless it names others). The legacy commands still work on such a daemon, as NVIDIA says they do.
 #
 # The documentation names the modules and a few commands (`server list`, `server create --uid=UID`, `client
 # list --all`, `namespace create|delete|list|set|get`); it gives no output format, no usage or error text and
@@ -24,21 +26,37 @@
 #     stderr and the tool exits 1 (mpsd_protocol's "!" packet carries that)
 #   - values are parsed strictly (mpsd_protocol's parsers), not with v2's C quirks: a v3 command is a
 #     scripting interface, and a typo should fail rather than set 0
+#   - namespace commands name their server with --server=NAME (the -a file's), --uid=UID or --pid=PID, else
+#     the routed socket's, else the running server's ("No server given and none is running: ..."), and the
+#     namespace with --name=NAME; `namespace list`'s columns SERVER UID NAMESPACE CLIENTS (CLIENTS: processes),
+#     `default` first; `namespace get` prints what a client that comes now gets there (inside its server's),
+#     a limit as server get's DEV=LIMIT lines, --cgroup the path or nothing; set and create print nothing;
+#     'Namespace "x" already exists', 'Namespace "x" not found', 'Namespace "x" has N client(s)' (delete is
+#     refused while it has clients), 'The "default" namespace is its server: use server set', 'The "default"
+#     namespace goes only with its server', 'Invalid cgroup "x", ...'; a namespace's sockets come with create
+#     (for a named server only) and go with delete; `client list`'s NAMESPACE column (a process's first
+#     context's); control.log's "Namespace X created for server Y" and "... deleted"
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable
 
 from mpsd.daemon.control import limit_text
+from mpsd.daemon.listeners import ListenError
 from mpsd.daemon.mps_config import parse_limit
+from mpsd.daemon.namespaces import DEFAULT, Namespace, check_name
+from mpsd.daemon.routes import Route
 from mpsd_protocol import V3_MODULES, parse_decimal, parse_integer
 
 if TYPE_CHECKING:
     from mpsd.daemon.control import Control
 
 MODULES = V3_MODULES
-NOT_YET = frozenset({"namespace", "partition"})
-READ_ONLY = frozenset({("server", "list"), ("server", "get"), ("client", "list")})
+NOT_YET = frozenset({"partition"})
+READ_ONLY = frozenset({("server", "list"), ("server", "get"), ("client", "list"), ("namespace", "list"),
+                       ("namespace", "get")})
 SETTINGS = ("active-thread-percentage", "pinned-memory-limit", "client-priority")
+_WHICH = "[--server=NAME|--uid=UID|--pid=PID]"
+_SELECT = {"server": True, "uid": True, "pid": True}
 USAGE = {
     ("server", None): "Usage: server <list|create|delete|set|get> [options]",
     ("server", "list"): "Usage: server list",
@@ -51,6 +69,15 @@ USAGE = {
     ("client", None): "Usage: client <list|terminate> [options]",
     ("client", "list"): "Usage: client list [--all]",
     ("client", "terminate"): "Usage: client terminate --pid=PID",
+    ("namespace", None): "Usage: namespace <list|create|delete|set|get> [options]",
+    ("namespace", "list"): f"Usage: namespace list {_WHICH}",
+    ("namespace", "create"): f"Usage: namespace create {_WHICH} --name=NAME [--active-thread-percentage=PCT] "
+                             "[--pinned-memory-limit=LIMIT] [--client-priority=0|1] [--cgroup=PATH]",
+    ("namespace", "delete"): f"Usage: namespace delete {_WHICH} --name=NAME",
+    ("namespace", "set"): f"Usage: namespace set {_WHICH} --name=NAME [--active-thread-percentage=PCT] "
+                          "[--pinned-memory-limit=LIMIT] [--client-priority=0|1] [--cgroup=PATH]",
+    ("namespace", "get"): f"Usage: namespace get {_WHICH} --name=NAME "
+                          "--active-thread-percentage|--pinned-memory-limit|--client-priority|--cgroup",
 }
 # The options each command takes, and whether each takes a value.
 OPTIONS: dict[tuple[str, str], dict[str, bool]] = {
@@ -61,6 +88,11 @@ OPTIONS: dict[tuple[str, str], dict[str, bool]] = {
     ("server", "get"): {"pid": True, "device": True, **{name: False for name in SETTINGS}},
     ("client", "list"): {"all": False},
     ("client", "terminate"): {"pid": True},
+    ("namespace", "list"): _SELECT,
+    ("namespace", "create"): {**_SELECT, "name": True, "cgroup": True, **{name: True for name in SETTINGS}},
+    ("namespace", "delete"): {**_SELECT, "name": True},
+    ("namespace", "set"): {**_SELECT, "name": True, "cgroup": True, **{name: True for name in SETTINGS}},
+    ("namespace", "get"): {**_SELECT, "name": True, "cgroup": False, **{name: False for name in SETTINGS}},
 }
 
 
@@ -142,7 +174,8 @@ class V3:
 
     def _run(self, module: str, args: list[str], uid: int) -> str:
         if module in NOT_YET:
-            raise Failure(f'"{module}" commands (MPS v3 namespaces and SM partitions) are not supported by mpsd yet')
+            raise Failure(f'"{module}" commands (MPS v3 SM partitions) are not supported by mpsd yet; the legacy '
+                          "sm_partition and lspart are, on a daemon started with -S")
         verb = args[0] if args else None
         key = (module, verb)
         if verb is None or key not in OPTIONS:
@@ -281,16 +314,16 @@ class V3:
             for pid, mine in control._processes().items():
                 if everyone or mine[0].uid == uid:
                     uuids = ",".join(dict.fromkeys(ctx.device.properties["uuid"] for ctx in mine))
-                    rows.append((pid, control.server.pid, mine[0].uid, "ACTIVE", uuids))
+                    rows.append((pid, control.server.pid, mine[0].uid, "ACTIVE", mine[0].namespace, uuids))
         if "all" in options:
             for pid, user in control.daemon.waiting:
                 if everyone or user == uid:
-                    rows.append((pid, "-", user, "PENDING", "-"))
+                    rows.append((pid, "-", user, "PENDING", "-", "-"))
         if not rows:
             return ""
-        rows.insert(0, ("PID", "SERVER", "UID", "STATUS", "DEVICE"))
-        return "\n".join(f"{pid!s:<10}{server!s:<10}{user!s:<10}{state!s:<10}{device}"
-                         for pid, server, user, state, device in rows)
+        rows.insert(0, ("PID", "SERVER", "UID", "STATUS", "NAMESPACE", "DEVICE"))
+        return "\n".join(f"{pid!s:<10}{server!s:<10}{user!s:<10}{state!s:<10}{space!s:<15}{device}"
+                         for pid, server, user, state, space, device in rows)
 
     def client_terminate(self, options: dict[str, str | None], uid: int) -> str:
         text = options.get("pid")
@@ -306,3 +339,160 @@ class V3:
             control.daemon.terminate(ctx, "terminate_client")
             control.daemon.log.server("Client termination succeeded.")
         return ""
+
+    # -- namespace ----------------------------------------------------------------------------------------
+    def _which_server(self, options: dict[str, str | None], usage: str) -> tuple[int | None, str | None]:
+        """The server a namespace command is about (its namespaces' key, its name if it is a named one):
+        --server, --uid or --pid, else the one the routed control socket leads to, else the running one."""
+        control = self.control
+        given = [name for name in _SELECT if name in options]
+        if len(given) > 1:
+            raise Failure("Give one of --server, --uid and --pid\n" + usage)
+        if "server" in options:
+            name = options["server"] or ""
+            named = next((n for n in control.named.values() if n.name == name), None)
+            if named is None:
+                raise Failure(f'Server "{_brief(name)}" not found')
+            return control.server_key(named.uid), named.name
+        if "uid" in options:
+            user = _number(options["uid"] or "", "user id")
+            named = control.named.get(user)
+            return control.server_key(user), None if named is None else named.name
+        if "pid" in options:
+            server = self._server(options)
+            return control.server_key(server.uid), server.name
+        if control.route is not None:
+            return control.route.uid, control.route.server
+        if control.server.started:
+            return control.server_key(control.server.uid), control.server.name
+        raise Failure("No server given and none is running: give --server=NAME, --uid=UID or --pid=PID\n" + usage)
+
+    def _namespace(self, options: dict[str, str | None], usage: str, key: int | None) -> Namespace | None:
+        """The namespace --name names (None: the server's default one), or the routed socket's."""
+        name = options.get("name")
+        if name is None:
+            route = self.control.route
+            if route is None or route.namespace == DEFAULT or route.uid != key:
+                raise Failure(usage)
+            name = route.namespace
+        if name == DEFAULT:
+            return None
+        found = self.control.namespaces.get(key, {}).get(name)
+        if found is None:
+            raise Failure(f'Namespace "{_brief(name)}" not found')
+        return found
+
+    def _clients_in(self, key: int | None, name: str) -> int:
+        control = self.control
+        return len({ctx.pid for ctx in control._contexts()
+                    if control.server_key(ctx.uid) == key and ctx.namespace == name})
+
+    @staticmethod
+    def _settings(options: dict[str, str | None]) -> dict[str, object]:
+        """The settings given, checked (a command that fails changes nothing); a limit of 0 is none."""
+        out: dict[str, object] = {}
+        if "active-thread-percentage" in options:
+            out["active_thread_percentage"] = _percentage(options["active-thread-percentage"] or "")
+        if "pinned-memory-limit" in options:
+            out["pinned_memory_limit"] = _limit(options["pinned-memory-limit"] or "") or None
+        if "client-priority" in options:
+            out["client_priority"] = _priority(options["client-priority"] or "")
+        if "cgroup" in options:
+            cgroup = options["cgroup"] or ""
+            if not cgroup.startswith("/"):
+                raise Failure(f'Invalid cgroup "{_brief(cgroup)}", expected a path such as /user.slice/job1')
+            out["cgroup"] = cgroup
+        return out
+
+    def namespace_list(self, options: dict[str, str | None], uid: int) -> str:
+        control = self.control
+        if any(name in options for name in _SELECT) or control.route is not None:
+            servers = [self._which_server(options, USAGE[("namespace", "list")])]
+        else:  # every server that has or can have namespaces: the named ones, the running one, the rest
+            known: dict[int | None, str | None] = {control.server_key(n.uid): n.name for n in control.named.values()}
+            if control.server.started:
+                known.setdefault(control.server_key(control.server.uid), control.server.name)
+            for key in control.namespaces:
+                known.setdefault(key, None)
+            servers = list(known.items())
+        rows = []
+        for key, name in servers:
+            for space in [DEFAULT, *control.namespaces.get(key, {})]:
+                rows.append((name or "-", "-" if key is None else key, space, self._clients_in(key, space)))
+        if not rows:
+            return ""
+        rows.insert(0, ("SERVER", "UID", "NAMESPACE", "CLIENTS"))
+        return "\n".join(f"{server!s:<15}{user!s:<10}{space!s:<15}{count}" for server, user, space, count in rows)
+
+    def namespace_create(self, options: dict[str, str | None], uid: int) -> str:
+        usage = USAGE[("namespace", "create")]
+        key, server = self._which_server(options, usage)
+        if options.get("name") is None:
+            raise Failure(usage)
+        try:
+            name = check_name(options["name"] or "")
+        except ValueError as exc:
+            raise Failure(str(exc)) from None
+        spaces = self.control.namespaces.setdefault(key, {})
+        if name in spaces:
+            raise Failure(f'Namespace "{name}" already exists')
+        namespace = Namespace(name, **self._settings(options))  # type: ignore[arg-type]
+        if server is not None:  # a named server's namespace has its sockets: $PIPE/<server>/<namespace>/
+            try:
+                self.control.daemon.add_route(Route(server, key, name))
+            except ListenError as exc:
+                raise Failure(str(exc)) from None
+        spaces[name] = namespace
+        self.control.daemon.log.control(f"Namespace {name} created for server {server or key}")
+        return ""
+
+    def namespace_delete(self, options: dict[str, str | None], uid: int) -> str:
+        usage = USAGE[("namespace", "delete")]
+        key, server = self._which_server(options, usage)
+        namespace = self._namespace(options, usage, key)
+        if namespace is None:
+            raise Failure(f'The "{DEFAULT}" namespace goes only with its server')
+        count = self._clients_in(key, namespace.name)
+        if count:
+            raise Failure(f'Namespace "{namespace.name}" has {count} client(s)')
+        if server is not None:
+            self.control.daemon.remove_route(Route(server, key, namespace.name))
+        del self.control.namespaces[key][namespace.name]
+        self.control.daemon.log.control(f"Namespace {namespace.name} of server {server or key} deleted")
+        return ""
+
+    def namespace_set(self, options: dict[str, str | None], uid: int) -> str:
+        usage = USAGE[("namespace", "set")]
+        key, _ = self._which_server(options, usage)
+        namespace = self._namespace(options, usage, key)
+        settings = self._settings(options)
+        if not settings:
+            raise Failure(usage)
+        if namespace is None:
+            raise Failure(f'The "{DEFAULT}" namespace is its server: use server set')
+        for field_name, value in settings.items():  # for its clients created afterwards, as v2's settings
+            setattr(namespace, field_name, value)
+        return ""
+
+    def namespace_get(self, options: dict[str, str | None], uid: int) -> str:
+        usage = USAGE[("namespace", "get")]
+        asked = [name for name in (*SETTINGS, "cgroup") if name in options]
+        if len(asked) != 1:
+            raise Failure(usage)
+        key, _ = self._which_server(options, usage)
+        namespace = self._namespace(options, usage, key) or Namespace(DEFAULT)  # the default: the server's
+        control, (name,) = self.control, asked
+        # What a client that comes now gets in it, inside its server's settings.
+        if name == "active-thread-percentage":
+            return f"{namespace.percentage(control.percentage_for_new_client(key)):.1f}"
+        if name == "client-priority":
+            base = control.daemon.settings.client_priority if key is None else control.daemon.settings.priority_for(-1, key)
+            return str(namespace.priority(base))
+        if name == "cgroup":
+            return namespace.cgroup or ""
+        lines = []
+        for device in range(len(control.daemon.devices)):
+            limit = namespace.memory_limit(control.memory_limit_for_new_client(device, key))
+            if limit is not None:
+                lines.append(f"{device}={limit_text(limit)}")
+        return "\n".join(lines)

@@ -52,7 +52,7 @@ class Listeners:
         self.clients.close()
         self.control.close()
         for path in self.bound:
-            _unlink(path)
+            unlink(path)
 
 
 def inherited_sockets(environ: Mapping[str, str] = os.environ) -> dict[str, socket.socket]:
@@ -95,27 +95,27 @@ async def open_listeners(pipe_dir: Path, environ: Mapping[str, str] = os.environ
         bound: list[Path] = []
         if control is None:
             control_path = Path(clients.getsockname()).parent / "control"
-            _check(control_path.parent)
-            control = await _bind(control_path, socket.SOCK_SEQPACKET)
+            check_directory(control_path.parent)
+            control = bind_socket(control_path, socket.SOCK_SEQPACKET)
             bound.append(control_path)
         for unused in inherited.values():
             unused.close()
         return Listeners(trio.socket.from_stdlib_socket(clients), _trio(control), True, bound)
-    _check(pipe_dir, tighten=True, mode=0o755 if multiuser else 0o700)
+    check_directory(pipe_dir, tighten=True, mode=0o755 if multiuser else 0o700)
     clients_path, control_path = pipe_dir / "mpsd.sock", pipe_dir / "control"
-    clients_sock = await _bind(clients_path, socket.SOCK_STREAM)
+    clients_sock = bind_socket(clients_path, socket.SOCK_STREAM)
     control_sock = None
     try:
-        control_sock = await _bind(control_path, socket.SOCK_SEQPACKET)
+        control_sock = bind_socket(control_path, socket.SOCK_SEQPACKET)
         for path in (clients_path, control_path) if multiuser else ():
             os.chmod(path, 0o666)  # in our own directory: no link to follow
         pid_path = _pid_file(pipe_dir)
     except (ListenError, OSError) as exc:
         clients_sock.close()
-        _unlink(clients_path)
+        unlink(clients_path)
         if control_sock is not None:
             control_sock.close()
-            _unlink(control_path)
+            unlink(control_path)
         if isinstance(exc, ListenError):
             raise
         raise ListenError(f"cannot set the mode of the sockets in {pipe_dir}: {exc.strerror}") from None
@@ -133,7 +133,7 @@ def write_protocol_file(pipe_dir: Path, protocol: int) -> Path | None:
     earlier daemon goes, so that a v2 daemon leaves the directory as MPS's); returns the file written."""
     path = pipe_dir / PROTOCOL_FILE
     if protocol == 2:
-        _unlink(path)
+        unlink(path)
         return None
     return _write_whole(path, f"{protocol}\n")
 
@@ -147,7 +147,7 @@ def _write_whole(path: Path, text: str) -> Path:
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     except OSError as exc:
-        _unlink(Path(tmp))
+        unlink(Path(tmp))
         raise ListenError(f"cannot write {path}: {exc.strerror}") from None
     return path
 
@@ -156,7 +156,7 @@ def _trio(sock: socket.socket | trio.socket.SocketType) -> trio.socket.SocketTyp
     return trio.socket.from_stdlib_socket(sock) if isinstance(sock, socket.socket) else sock
 
 
-def _check(directory: Path, *, tighten: bool = False, mode: int = 0o700) -> None:
+def check_directory(directory: Path, *, tighten: bool = False, mode: int = 0o700) -> None:
     """Create the pipe directory, or make sure the one that exists is the daemon's own (and, with `tighten`,
     give it `mode`).
 
@@ -171,7 +171,12 @@ def _check(directory: Path, *, tighten: bool = False, mode: int = 0o700) -> None
         raise ListenError(f"cannot create the pipe directory {directory}: {exc.strerror}") from None
 
 
-async def _bind(path: Path, kind: int) -> trio.socket.SocketType:
+def bind_socket(path: Path, kind: int) -> trio.socket.SocketType:
+    """A listening Unix socket of `kind` at `path` in a directory of ours (a stale socket there is replaced).
+
+    Raises:
+        ListenError: something other than a socket is at `path`, a daemon listens there, or it cannot be bound.
+    """
     try:
         mode: int | None = path.lstat().st_mode
     except FileNotFoundError:
@@ -184,22 +189,24 @@ async def _bind(path: Path, kind: int) -> trio.socket.SocketType:
         try:
             probe.connect(str(path))
         except OSError:
-            _unlink(path)  # a stale socket from a daemon that died
+            unlink(path)  # a stale socket from a daemon that died
         else:
             raise ListenError(f"another mpsd is already listening on {path}")
         finally:
             probe.close()
-    sock = trio.socket.socket(socket.AF_UNIX, kind)
+    # Bound synchronously (a Unix path needs no resolving), so that a namespace made by a control command
+    # gets its sockets before the command is answered.
+    sock = socket.socket(socket.AF_UNIX, kind | socket.SOCK_CLOEXEC)
     try:
-        await sock.bind(str(path))
+        sock.bind(str(path))
         sock.listen(128)
     except OSError as exc:
         sock.close()
         raise ListenError(f"cannot listen on {path}: {exc.strerror}") from None
-    return sock
+    return trio.socket.from_stdlib_socket(sock)
 
 
-def _unlink(path: Path) -> None:
+def unlink(path: Path) -> None:
     try:
         path.unlink()
     except FileNotFoundError:

@@ -3,13 +3,16 @@
 # servers can be them. What the documentation says and mpsd follows: TOML, `schema_version = "1.0"`,
 # `[servers.<name>]` with allowed_devices (GPU UUIDs, comma-separated), pinned_memory_limit ("10G"),
 # active_thread_percentage ("50"), client_priority ("0"), uid and locality_domains (a boolean), and any other
-# key a configuration error. What mpsd cannot do yet is an error too, saying so, rather than a setting
-# silently dropped: [compute_policy], [features.*], a server's namespaces, devices (SM partitions),
-# timeslice_pct and locality_domains = true.
+# key a configuration error; `[servers.<name>.namespaces.<ns>]` with pinned_memory_limit, active_thread_percentage,
+# client_priority and cgroup (mpsd.daemon.namespaces). What mpsd cannot do yet is an error too, saying so,
+# rather than a setting silently dropped: [compute_policy], [features.*], a server's devices (SM partitions),
+# timeslice_pct, locality_domains = true, and a namespace's cgroup_depth and devices.
 #
 # mpsd's guesses (NVIDIA documents none of them): every error text; that a server needs a uid (mpsd's servers
 # serve one user each) and that two servers may not share one; that the values may also be TOML numbers; that
-# a limit is a number of MiB, or of GiB with G, as the legacy language writes it.
+# a limit is a number of MiB, or of GiB with G, as the legacy language writes it; that a server's and a
+# namespace's name must be a plain path component (they name directories of the pipe directory); that a
+# namespace's cgroup is an absolute cgroup v2 path.
 from __future__ import annotations
 
 import re
@@ -18,14 +21,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mpsd.daemon.namespaces import Namespace, check_name
 from mpsd_protocol import parse_decimal
 from mpsd_protocol._units import MAX_SIZE
 
 SCHEMA_VERSION = "1.0"
 SERVER_KEYS = frozenset({"allowed_devices", "pinned_memory_limit", "active_thread_percentage", "client_priority",
-                         "uid", "locality_domains"})
+                         "uid", "locality_domains", "namespaces"})
 NOT_YET = frozenset({"compute_policy", "features"})  # documented top-level tables mpsd does not do yet
-SERVER_NOT_YET = frozenset({"namespaces", "devices", "timeslice_pct"})
+SERVER_NOT_YET = frozenset({"devices", "timeslice_pct"})
+NAMESPACE_KEYS = frozenset({"pinned_memory_limit", "active_thread_percentage", "client_priority", "cgroup"})
+NAMESPACE_NOT_YET = frozenset({"cgroup_depth", "devices"})
 _LIMIT = re.compile(r"([0-9]{1,20})([MmGg]?)", re.ASCII)
 GiB, MiB = 1 << 30, 1 << 20
 
@@ -40,6 +46,7 @@ class NamedServer:
     pinned_memory_limit: int | None = None  # bytes, on each allowed device; None: the defaults'
     active_thread_percentage: float | None = None
     client_priority: int | None = None
+    namespaces: tuple[Namespace, ...] = ()  # [servers.<name>.namespaces.<ns>], in the file's order
 
 
 def parse_limit(text: str) -> int:
@@ -65,6 +72,7 @@ def _text(value: Any, where: str) -> str:
 
 def _server(name: str, table: Any) -> NamedServer:
     where = f"servers.{name}"
+    check_name(name, "server")  # it names a directory in the pipe directory ($PIPE/<server>/control)
     if not isinstance(table, dict):
         raise ValueError(f"{where} must be a table")
     for key in sorted(table):
@@ -89,6 +97,19 @@ def _server(name: str, table: Any) -> NamedServer:
         devices = tuple(part.strip() for part in table["allowed_devices"].split(","))
         if not all(devices):
             raise ValueError(f"{where}.allowed_devices has an empty UUID")
+    limit, percentage, priority = _settings(table, where)
+    namespaces: list[Namespace] = []
+    tables = table.get("namespaces", {})
+    if not isinstance(tables, dict):
+        raise ValueError(f"{where}.namespaces must be a table of namespaces")
+    for ns_name, ns_table in tables.items():
+        namespaces.append(_namespace(ns_name, ns_table, f"{where}.namespaces.{ns_name}"))
+    return NamedServer(name, uid, devices, limit or None, percentage, priority, tuple(namespaces))
+
+
+def _settings(table: dict[str, Any], where: str) -> tuple[int | None, float | None, int | None]:
+    """A server's or a namespace's pinned_memory_limit (bytes; 0 is none), active_thread_percentage and
+    client_priority, None where not given."""
     limit = percentage = priority = None
     if "pinned_memory_limit" in table:
         limit = parse_limit(_text(table["pinned_memory_limit"], f"{where}.pinned_memory_limit"))
@@ -105,7 +126,23 @@ def _server(name: str, table: Any) -> NamedServer:
         if text not in ("0", "1"):
             raise ValueError(f"{where}.client_priority must be 0 or 1, not {text[:24]!r}")
         priority = int(text)
-    return NamedServer(name, uid, devices, limit or None, percentage, priority)
+    return limit or None, percentage, priority
+
+
+def _namespace(name: str, table: Any, where: str) -> Namespace:
+    check_name(name)
+    if not isinstance(table, dict):
+        raise ValueError(f"{where} must be a table")
+    for key in sorted(table):
+        if key in NAMESPACE_NOT_YET:
+            raise ValueError(f"{where}.{key} is not supported by mpsd yet")
+        if key not in NAMESPACE_KEYS:
+            raise ValueError(f"unknown key {where}.{key}")
+    cgroup = table.get("cgroup")
+    if cgroup is not None and not (isinstance(cgroup, str) and cgroup.startswith("/")):
+        raise ValueError(f"{where}.cgroup must be a cgroup path such as /user.slice/job1")
+    limit, percentage, priority = _settings(table, where)
+    return Namespace(name, percentage, limit, priority, cgroup)
 
 
 def load_mps_config(path: Path) -> tuple[NamedServer, ...]:

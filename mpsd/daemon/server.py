@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import functools
 import itertools
 import logging
 import os
@@ -28,8 +29,11 @@ from mpsd.daemon.config import Config
 from mpsd.daemon.control import MPS_VERSION, Control, Settings
 from mpsd.daemon.listeners import Greetings, Listeners, ListenError, open_listeners, write_protocol_file
 from mpsd.daemon.ownership import UnsafePathError
+from mpsd.daemon.routes import Route, RouteSockets, open_route
 from mpsd.daemon.servlog import ServerLog
+from mpsd.daemon.server_process import ServerProcess, ServerProcesses, ServerProcessError
 from mpsd.daemon.session import Session
+from mpsd.daemon.sm_partitions import SmPartitions
 from mpsd.runtime.context import Context, Quotas
 from mpsd.runtime.device import COMPUTE_MODES, Device
 from mpsd.runtime.ipc import IpcRegistry
@@ -41,6 +45,7 @@ from mpsd_protocol import (  # type: ignore[attr-defined]
     InvalidDeviceError,
     InvalidValueError,
     MpsClientTerminatedError,
+    MpsConnectionError,
     MpsMaxClientsReachedError,
     MpsRpcFailureError,
     MpsServerNotReadyError,
@@ -99,6 +104,17 @@ class Daemon:
         self.settings = Settings(config.active_thread_percentage, {
             i: limit for i in range(len(self.devices)) if (limit := config.pinned_mem_limit(i)) is not None
         }, config.client_priority)
+        # With --mps-names each server has a process of its own named nvidia-cuda-mps-server (its pid the server's).
+        self.server_processes = ServerProcesses() if config.mps_names else None
+        self._server_process: ServerProcess | None = None
+        self.sm_partitions: SmPartitions | None = None  # MPS's -S
+        if config.static_partitioning:
+            # The simulator's mps policy is what pins a client to its partition's SMs.
+            unpinnable = [d.index for d in self.devices if not isinstance(d.backend, SimBackend) or d.backend.policy != "mps"]
+            if unpinnable:
+                raise DaemonError("--static-partitioning needs simulated devices under the mps policy; not device "
+                                  + ", ".join(map(str, unpinnable)))
+            self.sm_partitions = SmPartitions([d.properties["multiprocessor_count"] for d in self.devices])
         self.control = Control(self)
         uuids = {device.properties["uuid"] for device in self.devices}
         for named in config.servers:  # MPS v3's named servers: their devices must be ours
@@ -117,6 +133,9 @@ class Daemon:
         self._next_client = 1
         self._stop = trio.Event()
         self._retry_wakeup = trio.Event()
+        self.routes: dict[Route, RouteSockets] = {}  # MPS v3's per-server and per-namespace sockets
+        self._front: trio.Nursery | None = None  # where accept loops run while the daemon takes clients
+        self._sessions: trio.Nursery | None = None
 
     def _backend(self, index: int, device: DeviceSpec | CudaDevice) -> Backend:
         """What runs device `index`: a real GPU, or the simulator.
@@ -167,7 +186,16 @@ class Daemon:
                                          "clients wait until the faulting clients have exited")
         if len(device.contexts) >= self.config.max_clients:
             raise MpsMaxClientsReachedError(f"device {index} already has {self.config.max_clients} clients")
+        route = session.route
+        if route is not None and route.uid is not None and route.uid != session.uid:
+            raise MpsConnectionError(f"server {route.server} (at {route.directory(self.config.pipe_dir)}) serves "
+                                     f"uid {route.uid}, not {session.uid}")
+        namespace = self.control.namespace_for(session.pid, session.uid, route)
+        if route is not None and route.namespace != "default" and namespace is None:
+            raise MpsConnectionError(f"namespace {route.namespace} of server {route.server} is gone")
         percentage = self.control.percentage_for_new_client(session.uid)
+        if namespace is not None:
+            percentage = namespace.percentage(percentage)
         requested = limits.get("active_thread_percentage")
         if requested is not None:
             if type(requested) not in (int, float) or not 0 < requested <= 100:
@@ -183,7 +211,11 @@ class Daemon:
             partition = instance
         if device.instances and partition is None:
             partition = 0  # as the mig policy binds a client that names no instance
-        memory = self.control.memory_limit_for_new_client(index, session.uid) or device.memory_total(partition)
+        sm_partition = self._sm_partition(limits.get("sm_partition"), index)
+        memory_limit = self.control.memory_limit_for_new_client(index, session.uid)
+        if namespace is not None:
+            memory_limit = namespace.memory_limit(memory_limit)
+        memory = memory_limit or device.memory_total(partition)
         requested = limits.get("pinned_mem_limit")
         if requested is not None:
             if type(requested) is not int or requested < 0:
@@ -193,9 +225,12 @@ class Daemon:
         # type(), not ==: True and 1.0 equal 1 but are no priority (they passed here and failed in the scheduler)
         if requested_priority is not None and (type(requested_priority) is not int or requested_priority not in (0, 1)):
             raise InvalidValueError(f"client priority {brief(requested_priority, 20)} must be 0 or 1")
-        priority = _tighter(self.settings.priority_for(session.pid, session.uid), requested_priority)
+        priority = self.settings.priority_for(session.pid, session.uid)
+        priority = _tighter(priority if namespace is None else namespace.priority(priority), requested_priority)
         weight = self.settings.weight_for(session.pid, session.uid)
         cap = min(device.backend.sm_cap(percentage), device.partition_sms(partition))
+        if sm_partition is not None:  # the percentage applies inside the partition's SMs
+            cap = min(cap, sm_partition.sm_count)
         quotas = Quotas(percentage, cap, memory, priority, weight)
         context_memory = device.backend.context_memory
         if device.memory_free(partition) < context_memory:
@@ -203,8 +238,10 @@ class Daemon:
                                    f"({format_size(context_memory)} each)"
                                    + (f" in MIG instance {partition}" if partition is not None else ""))
         context = Context(device, self._next_client, session.pid, session.uid, session.gid, quotas, self.ipc,
-                          partition, requested_priority)
-        device.backend.attach(context, sm_cap=cap, priority=priority, weight=weight, instance=partition)
+                          partition, requested_priority, "default" if namespace is None else namespace.name)
+        context.sm_partition = sm_partition
+        device.backend.attach(context, sm_cap=cap, priority=priority, weight=weight, instance=partition,
+                              sms=None if sm_partition is None else sm_partition.sms)
         device.ledger.move(None, context_memory, partition=partition)
         self._next_client += 1
         device.contexts[context.id] = context
@@ -217,20 +254,41 @@ class Daemon:
         self.log.server(f"Client {session.pid}: active thread percentage {percentage:.1f} ({quotas.sm_cap} SMs), "
                         f"pinned memory limit {format_size(memory)}, priority {priority}"
                         + (f", weight {weight:g}" if weight != 1.0 else "")
-                        + (f", MIG instance {partition}" if partition is not None else ""))
+                        + (f", MIG instance {partition}" if partition is not None else "")
+                        + (f", namespace {namespace.name}" if namespace is not None else "")
+                        + (f", SM partition {sm_partition.id} (SMs {sm_partition.first_sm}-"
+                           f"{sm_partition.first_sm + sm_partition.sm_count - 1})" if sm_partition is not None else ""))
         return context
+
+    def _sm_partition(self, requested: Any, device: int) -> Any:
+        """The static SM partition CUDA_MPS_SM_PARTITION names, if it does.
+
+        Raises:
+            InvalidValueError: static partitioning is off, or no such partition is on the client's device.
+        """
+        if requested is None:
+            return None
+        if self.sm_partitions is None:
+            raise InvalidValueError(f"CUDA_MPS_SM_PARTITION={brief(requested, 40)}, but the daemon was not started "
+                                    "with static partitioning (-S)")
+        found = self.sm_partitions.partitions.get(requested) if isinstance(requested, str) else None
+        if found is None or found.device != device:
+            raise InvalidValueError(f"no SM partition {brief(requested, 40)} on device {device} (lspart lists them)")
+        return found
 
     def reconfigure(self, context: Context) -> None:
         """Give a connected client the priority level and weight the control plane sets for it now; the
         scheduler uses them from its next placement on."""
-        priority = _tighter(self.settings.priority_for(context.pid, context.uid, context.id),
-                            context.requested_priority)
+        priority = self.settings.priority_for(context.pid, context.uid, context.id)
+        namespace = self.control.namespace_of(context)
+        priority = _tighter(priority if namespace is None else namespace.priority(priority), context.requested_priority)
         weight = self.settings.weight_for(context.pid, context.uid, context.id)
         if (priority, weight) == (context.quotas.priority, context.quotas.weight):
             return
         context.quotas = dataclasses.replace(context.quotas, priority=priority, weight=weight)
         context.device.backend.attach(context, sm_cap=context.quotas.sm_cap, priority=priority, weight=weight,
-                                      instance=context.partition)
+                                      instance=context.partition,
+                                      sms=None if context.sm_partition is None else context.sm_partition.sms)
         self.log.server(f"Client {context.pid}: priority {priority}, weight {weight:g}")
 
     def _device_index(self, ordinal: Any, visible: Any) -> tuple[int, int | None]:
@@ -384,7 +442,7 @@ class Daemon:
                     "priority": ctx.quotas.priority, "weight": ctx.quotas.weight, "partition": ctx.partition,
                     "sticky_error": ctx.sticky.name if ctx.sticky else None,
                 })
-        return {"server_pid": self.log.pid, "devices": devices, "processes": processes,
+        return {"server_pid": self.control.server.pid, "devices": devices, "processes": processes,
                 "host_memory": {"resident": self.host_memory.resident, "reserved": self.host_memory.pending,
                                 "budget": self.host_memory.budget}}
 
@@ -438,14 +496,26 @@ class Daemon:
         try:
             listeners = await open_listeners(self.config.pipe_dir, multiuser=self.config.multiuser)
         except ListenError as exc:
+            self.log.close()  # the daemon never served: nothing below will close its logs
             raise DaemonError(str(exc)) from None
         try:
             protocol_file = write_protocol_file(self.config.pipe_dir, self.config.protocol)
         except ListenError as exc:
             listeners.close()
+            self.log.close()
             raise DaemonError(str(exc)) from None
         if protocol_file is not None:
             listeners.bound.append(protocol_file)
+        try:
+            for named in self.config.servers:  # $PIPE/<server>/ and $PIPE/<server>/<namespace>/
+                self.add_route(Route(named.name, self.control.server_key(named.uid)))
+                for namespace in self.control.namespaces.get(self.control.server_key(named.uid), {}).values():
+                    self.add_route(Route(named.name, self.control.server_key(named.uid), namespace.name))
+        except ListenError as exc:
+            self.close_routes()
+            listeners.close()
+            self.log.close()  # the daemon never served: nothing below will close its logs
+            raise DaemonError(str(exc)) from None
         control_path = self.config.pipe_dir / "control"
         self.log.control(f"Starting control daemon using socket {control_path}"
                          + (" (sockets from systemd)" if listeners.activated else ""))
@@ -485,6 +555,10 @@ class Daemon:
                 signal.signal(signal.SIGTERM, signal.SIG_IGN)
                 signal.signal(signal.SIGINT, signal.SIG_IGN)
             listeners.close()
+            self.close_routes()
+            self.end_server_process()
+            if self.server_processes is not None:
+                self.server_processes.close()
             self._write_traces()
             self.log.server("Server exited")
             self.log.control(f"Exit with status {_exit_status(failure)}")
@@ -503,8 +577,11 @@ class Daemon:
                              task_status: trio.TaskStatus[Path]) -> None:
         async with trio.open_nursery() as sessions:
             async with trio.open_nursery() as front:  # the tasks that end when shutdown begins
+                self._front, self._sessions = front, sessions
                 front.start_soon(self._accept, listeners.clients, sessions, self._serve_session)
                 front.start_soon(self._accept, listeners.control, sessions, self._serve_control)
+                for sockets in self.routes.values():
+                    front.start_soon(self._accept_route, sockets)
                 front.start_soon(self._shutdown_retries)
                 if signals is not None:
                     front.start_soon(self._watch_signals, signals)
@@ -515,10 +592,12 @@ class Daemon:
                 task_status.started(self.config.socket_path)
                 await self._stop.wait()
                 front.cancel_scope.cancel()
+            self._front = None
             notify("STOPPING=1")
             self.log.server("Shutting down")
             # No new client may wait in the listen queue for a handshake that never comes: it is refused now.
             listeners.close()
+            self.close_routes()
             for session in list(self.sessions):
                 session.reader_scope.cancel()
             sessions.cancel_scope.deadline = trio.current_time() + self._grace
@@ -527,6 +606,8 @@ class Daemon:
         while True:
             try:
                 sock, _ = await listener.accept()
+            except trio.ClosedResourceError:
+                return  # a namespace's socket, closed by namespace delete
             except OSError as exc:
                 if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
                     log.warning("accept failed (%s); waiting before the next", exc)
@@ -535,11 +616,75 @@ class Daemon:
                 raise
             nursery.start_soon(serve, sock)
 
-    async def _serve_session(self, tsock: trio.socket.SocketType) -> None:
+    # -- the servers' processes (--mps-names) ---------------------------------------------------------------
+    def start_server_process(self, uid: int | None) -> int:
+        """The pid of the server that starts now: its own process's, or the daemon's where it has none."""
+        self.end_server_process()
+        if self.server_processes is None or self._front is None:
+            return self.log.pid
+        try:
+            process = self.server_processes.start(uid)
+        except ServerProcessError as exc:
+            self.log.server(f"{exc}; the server's pid is the daemon's", pid=self.log.pid)
+            return self.log.pid
+        self._server_process = process
+        self.log.server_pid = process.pid
+        self._front.start_soon(self._watch_server, process)
+        return process.pid
+
+    def end_server_process(self) -> None:
+        """The server ends: so does its process (it is reaped by its watcher)."""
+        process, self._server_process = self._server_process, None
+        self.log.server_pid = self.log.pid
+        if process is not None:
+            process.end()
+
+    async def _watch_server(self, process: ServerProcess) -> None:
+        status = await process.wait()
+        if self._server_process is process:  # it died while its server ran: killed
+            self._server_process = None
+            self.log.server_pid = self.log.pid
+            self.control.server_died(process.pid, status)
+
+    # -- MPS v3's routed sockets --------------------------------------------------------------------------
+    def add_route(self, route: Route) -> None:
+        """Listen on `route`'s sockets ($PIPE/<server>[/<namespace>]/), from now on where clients are taken.
+
+        Raises:
+            ListenError: its directory is not safely ours, or a socket cannot be bound.
+        """
+        if route in self.routes:
+            return
+        sockets = open_route(self.config.pipe_dir, route, multiuser=self.config.multiuser)
+        self.routes[route] = sockets
+        if self._front is not None:
+            self._front.start_soon(self._accept_route, sockets)
+
+    def remove_route(self, route: Route) -> None:
+        """Stop listening on `route`'s sockets and remove them (clients that came by them stay)."""
+        sockets = self.routes.pop(route, None)
+        if sockets is not None:
+            sockets.close()
+
+    def close_routes(self) -> None:
+        # Namespaces' directories before their servers', which hold them.
+        for route in sorted(self.routes, key=lambda r: r.namespace == "default"):
+            self.remove_route(route)
+
+    async def _accept_route(self, sockets: RouteSockets) -> None:
+        assert self._sessions is not None
+        with sockets.scope:
+            async with trio.open_nursery() as loops:
+                loops.start_soon(self._accept, sockets.clients, self._sessions,
+                                 functools.partial(self._serve_session, route=sockets.route))
+                loops.start_soon(self._accept, sockets.control, self._sessions,
+                                 functools.partial(self._serve_control, route=sockets.route))
+
+    async def _serve_session(self, tsock: trio.socket.SocketType, route: Route | None = None) -> None:
         # Sessions drive the plain socket themselves (see mpsd.daemon.channel), without trio's wrapper.
         sock = socket.socket(fileno=tsock.detach())
         try:
-            session = Session(self, sock)
+            session = Session(self, sock, route)
         except OSError:
             sock.close()
             return
@@ -570,7 +715,7 @@ class Daemon:
         """`session` has said hello: it no longer counts against its uid's bound, nor has a deadline."""
         self.greetings.greeted(session.uid, session)
 
-    async def _serve_control(self, sock: trio.socket.SocketType) -> None:
+    async def _serve_control(self, sock: trio.socket.SocketType, route: Route | None = None) -> None:
         """One control connection: a command per packet in, its output back (mpsd_protocol.control_packets),
         with control.log's lines for it as MPS writes them. After quit it gets no answer: the connection
         closes when the daemon has gone, which is when the tool that sent quit returns; while quitting, the
@@ -583,7 +728,7 @@ class Daemon:
             try:
                 uid = peer_credentials(sock)[1]
                 while packet := await sock.recv(CONTROL_PACKET):
-                    reply = self._control_reply(packet, uid)
+                    reply = self._control_reply(packet, uid, route)
                     if self.control.quitting:
                         await self._stop.wait()  # the daemon is on its way out: the tool sees it go
                         return
@@ -594,13 +739,13 @@ class Daemon:
             self.log.control("UI closed")
             self.control.after_command()
 
-    def _control_reply(self, packet: bytes, uid: int) -> str:
+    def _control_reply(self, packet: bytes, uid: int, route: Route | None = None) -> str:
         """What one control packet gets back. Any user may send one, so nothing in it may end the daemon: a
         bug met while running the command answers that command with an error and is logged. As MPS reads a
         command as a C string, it ends at a NUL; bytes that are not UTF-8 are kept as they came."""
         line = packet.split(b"\0", 1)[0].decode(errors="surrogateescape")
         try:
-            return self.control.execute(line, uid)
+            return self.control.execute(line, uid, route)
         except Exception as exc:
             log.exception("control command from uid %d failed", uid)
             self.log.control(f"Internal error ({type(exc).__name__}) while running a command from user {uid}")

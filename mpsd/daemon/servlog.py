@@ -52,6 +52,7 @@ class ServerLog:
 
     def __init__(self, directory: Path | None) -> None:
         self.pid = os.getpid()
+        self.server_pid = self.pid  # whose server.log lines are the server's: the server process's, where one runs
         self.echo: TextIO | None = None  # where control.log's lines also go (stdout, for MPS's -f)
         self._files: dict[str, TextIO] = {}
         self._complaints: dict[Hashable, list[float]] = {}  # about whom -> [allowance, last time, left out]
@@ -84,7 +85,7 @@ class ServerLog:
 
     def server(self, text: str, source: str = "Server", pid: int | None = None) -> None:
         """A server.log line; `source` "Other" for what MPS's server writes before it has its context."""
-        self._write("server", source, text, pid)
+        self._write("server", source, text, self.server_pid if pid is None else pid)
 
     def complaint(self, about: Hashable, text: str) -> None:
         """A server.log line about what a client did wrong, unless that client has had its share lately."""

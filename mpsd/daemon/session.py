@@ -70,6 +70,7 @@ from mpsd_protocol import (  # type: ignore[attr-defined]
 )
 
 if TYPE_CHECKING:
+    from mpsd.daemon.routes import Route
     from mpsd.daemon.server import Daemon
 
 log = logging.getLogger("mpsd.daemon.session")
@@ -100,9 +101,10 @@ class Deferred:
 class Session:
     """Serves one connected client."""
 
-    def __init__(self, daemon: Daemon, sock: socket.socket) -> None:
+    def __init__(self, daemon: Daemon, sock: socket.socket, route: Route | None = None) -> None:
         self.daemon = daemon
         self.pid, self.uid, self.gid = peer_credentials(sock)
+        self.route = route  # the server/namespace socket it came in by (MPS v3), None: the main socket
         self.channel = Channel(sock)
         self.conn = Connection(Role.SERVER)
         self.context: Context | None = None
@@ -473,7 +475,7 @@ class Session:
             "version": PROTOCOL_VERSION,
             "clock": clock,
             "client_id": ctx.id,
-            "server_pid": self.daemon.log.pid,
+            "server_pid": self.daemon.control.server.pid,
             "properties": self.daemon.device_of(ctx).client_properties(ctx),
             "kernels": signatures(),
             "quotas": {"active_thread_percentage": ctx.quotas.active_thread_percentage,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from mpsd_protocol import (  # type: ignore[attr-defined]
     POOL_ALLOC,
@@ -117,8 +117,11 @@ class Context:
     """One client's sub-context on one device."""
 
     def __init__(self, device: Device, client_id: int, pid: int, uid: int, gid: int, quotas: Quotas,
-                 ipc: IpcRegistry, partition: int | None = None, requested_priority: int | None = None) -> None:
+                 ipc: IpcRegistry, partition: int | None = None, requested_priority: int | None = None,
+                 namespace: str = "default") -> None:
         self.device = device
+        self.namespace = namespace  # the MPS v3 namespace of its server it was placed in
+        self.sm_partition: Any = None  # the static SM partition (-S) it is pinned to, if any
         self.partition = partition  # the MIG instance it is bound to (None: no MIG)
         self.requested_priority = requested_priority  # CUDA_MPS_CLIENT_PRIORITY, which daemon levels only tighten
         self.ipc = ipc

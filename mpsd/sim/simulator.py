@@ -142,7 +142,7 @@ class Simulator:
         return self._shapes.block_need(threads, regs_per_thread, smem)
 
     def configure_client(self, client: int, *, priority: int = 0, weight: float = 1.0,
-                         partition: str | int | None = None) -> None:
+                         partition: str | int | None = None, sms: tuple[int, int] | None = None) -> None:
         """Set how the policy treats ``client`` (call when it attaches; unconfigured clients get the defaults).
 
         Takes effect for blocks placed from now on; blocks already resident stay where they are.
@@ -154,16 +154,21 @@ class Simulator:
             weight: share of SM-time, > 0 (used by "fair").
             partition: MIG partition: index, its decimal string or a profile name; None for partition 0
                 (used by "mig").
+            sms: a static SM partition (MPS's -S), as (first SM, SM count): the client's blocks go only on
+                those SMs (used by "mps"; copy engines and DRAM stay shared). None: any SM.
 
         Raises:
-            ValueError: a non-integer priority, a weight that is not positive and finite, or a partition
-                the MIG layout does not have.
+            ValueError: a non-integer priority, a weight that is not positive and finite, a partition
+                the MIG layout does not have, or SMs the device does not have or a policy other than "mps".
         """
-        config = ClientConfig(priority, weight, partition)
+        config = ClientConfig(priority, weight, partition, sms)
+        if sms is not None and self._policy.name != "mps":
+            raise ValueError(f"a static SM partition needs the mps policy, not {self._policy.name}")
         self._policy.configure(client, config)  # checks it (a MIG partition must exist)
         self._clients[client] = config
         index = self._policy.resolve(partition) if isinstance(self._policy, MigPolicy) else 0
-        self._core.configure_client(client, priority, float(weight), index)
+        window = None if sms is None else (sms[0], sms[0] + sms[1])
+        self._core.configure_client(client, priority, float(weight), index, window)
         return None
 
     def forget_client(self, client: int) -> None:

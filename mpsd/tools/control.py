@@ -272,6 +272,7 @@ def _options(argv: Sequence[str], v3: bool = False) -> tuple[argparse.Namespace,
     parser.add_argument("-q", "--ready-devices", "--quit", action="store_true")  # v2: MPS queries devices at
     # start, and so do we; v3: quit
     parser.add_argument("-p", "--protocol")
+    parser.add_argument("-S", "--static-partitioning", action="store_true")
     parser.add_argument("--pipe-dir")
     return parser.parse_known_args(argv)
 
@@ -307,6 +308,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 1
         daemon_args += ["--apply", os.path.abspath(options.apply)]
     daemon_args += ["--multiuser"] if options.multiuser else []
+    daemon_args += ["--static-partitioning"] if options.static_partitioning else []
     daemon_args += rest
     if as_mps:  # run as MPS's own command: the daemon shows as MPS's
         daemon_args.append("--mps-names")

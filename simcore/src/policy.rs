@@ -6,17 +6,19 @@
 use crate::engine::Core;
 use crate::ready::Window;
 
-/// How a policy treats one client: priority (lower is more urgent), fair-share weight, MIG partition index.
+/// How a policy treats one client: priority (lower is more urgent), fair-share weight, MIG partition index,
+/// and the static SM partition it is pinned to (MPS's -S: SMs first..end), which `mps` honours.
 #[derive(Clone, Copy, Debug)]
 pub struct ClientConfig {
     pub priority: i64,
     pub weight: f64,
     pub partition: usize,
+    pub window: Window,
 }
 
 impl Default for ClientConfig {
     fn default() -> Self {
-        ClientConfig { priority: 0, weight: 1.0, partition: 0 }
+        ClientConfig { priority: 0, weight: 1.0, partition: 0, window: None }
     }
 }
 
@@ -107,12 +109,30 @@ pub fn place_in_launch_order(core: &mut Core, pol: &mut dyn Policy, ready: &[u64
     core.done_keys(open);
 }
 
-/// `mps`: hardware-faithful MPS (mpsd/sim/policies/mps.py).
-pub struct Mps;
+/// `mps`: hardware-faithful MPS (mpsd/sim/policies/mps.py). A client given a window (a static SM
+/// partition, MPS's -S) places its blocks only there, through the same window the `mig` policy uses; copy
+/// engines and DRAM stay shared, as SM partitioning does not partition them.
+#[derive(Default)]
+pub struct Mps {
+    windows: std::collections::BTreeMap<i64, (usize, usize)>,
+}
 
 impl Policy for Mps {
     fn name(&self) -> &str {
         "mps"
+    }
+    fn configure(&mut self, client: i64, config: ClientConfig) -> Result<(), String> {
+        match config.window {
+            Some(w) => self.windows.insert(client, w),
+            None => self.windows.remove(&client),
+        };
+        Ok(())
+    }
+    fn forget(&mut self, client: i64) {
+        self.windows.remove(&client);
+    }
+    fn window(&self, client: i64) -> Window {
+        self.windows.get(&client).copied()
     }
     fn dispatch(&mut self, core: &mut Core, ready: &[u64]) {
         place_in_launch_order(core, self, ready);

@@ -49,7 +49,7 @@ fn make_policy(name: &str, args: &Bound<'_, PyAny>, objs: &Objects, raised: &Rai
             objs: objs.clone(),
             raised: raised.clone(),
         }),
-        "mps" => Box::new(Mps),
+        "mps" => Box::new(Mps::default()),
         "round-robin" => Box::new(RoundRobin::default()),
         "fair" => Box::new(Fair::default()),
         "exclusive" => Box::new(Exclusive::default()),
@@ -384,9 +384,17 @@ impl Engine {
         self.sync(py)
     }
 
-    fn configure_client(&mut self, client: i64, priority: i64, weight: f64, partition: usize) -> PyResult<()> {
+    #[pyo3(signature = (client, priority, weight, partition, window=None))]
+    fn configure_client(&mut self, client: i64, priority: i64, weight: f64, partition: usize,
+                        window: Option<(usize, usize)>) -> PyResult<()> {
+        if let Some((first, end)) = window {
+            if first >= end || end > self.core.sms.len() {
+                return Err(PyValueError::new_err(format!("SM window {first}..{end} is not within the device's {} SMs",
+                                                         self.core.sms.len())));
+            }
+        }
         self.core
-            .configure_client(&mut *self.policy, client, ClientConfig { priority, weight, partition })
+            .configure_client(&mut *self.policy, client, ClientConfig { priority, weight, partition, window })
             .map_err(PyValueError::new_err)?;
         self.raise()
     }

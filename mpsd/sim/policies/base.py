@@ -27,11 +27,13 @@ class ClientConfig:
         weight: share of SM-time under ``fair`` (> 0).
         partition: MIG partition under ``mig``: an index into the layout, its decimal string, or a profile
             name (the first partition of that profile); None for partition 0.
+        sms: a static SM partition under ``mps`` (MPS's -S): (first SM, SM count); None for any SM.
     """
 
     priority: int = 0
     weight: float = 1.0
     partition: str | int | None = None
+    sms: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.priority, bool) or not isinstance(self.priority, int):
@@ -41,6 +43,9 @@ class ClientConfig:
         if self.partition is not None and (isinstance(self.partition, bool)
                                            or not isinstance(self.partition, (int, str))):
             raise ValueError(f"partition must be an index, a profile name or None, got {self.partition!r}")
+        if self.sms is not None and not (isinstance(self.sms, tuple) and len(self.sms) == 2
+                                         and all(type(n) is int and n >= 0 for n in self.sms) and self.sms[1] > 0):
+            raise ValueError(f"sms must be (first SM, SM count), got {self.sms!r}")
 
 
 DEFAULT_CLIENT = ClientConfig()

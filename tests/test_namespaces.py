@@ -1,0 +1,192 @@
+# MPS v3's namespaces and routing by socket path, in the in-process tier: the -a file's namespaces subdivide
+# their server (each value cut to the server's), `namespace create|delete|list|set|get`, and the routed
+# directories $PIPE/<server>/ and $PIPE/<server>/<namespace>/ whose sockets put a client, or a control
+# command, in that server and namespace. The texts are mpsd's guesses (mpsd/daemon/namespaces.py, routes.py,
+# control_v3.py list them); these tests pin them.
+from __future__ import annotations
+
+import os
+import socket
+import stat
+from pathlib import Path
+
+import pytest
+import trio
+
+import mpsd_client
+from inproc import in_process_daemon
+from mpsd.daemon.mps_config import load_mps_config
+from mpsd_protocol import read_control_answer
+
+UID = os.getuid()
+CONFIG = f"""schema_version = "1.0"
+[servers.train]
+uid = {UID}
+active_thread_percentage = "50"
+pinned_memory_limit = "8G"
+[servers.train.namespaces.small]
+active_thread_percentage = "20"
+pinned_memory_limit = "1G"
+client_priority = "1"
+[servers.train.namespaces.big]
+active_thread_percentage = "80"
+"""
+
+
+def _contexts(d):
+    return [ctx for device in d.daemon.devices for ctx in device.contexts.values()]
+
+
+async def _control(path: Path, line: str) -> tuple[str, bool]:
+    """One command over the SEQPACKET control socket at `path`: its output and whether it failed."""
+    sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    with sock:
+        await sock.connect(str(path))
+        await sock.send(line.encode())
+        packets = []
+        while True:
+            packet = await sock.recv(1 << 16)
+            packets.append(packet)
+            if not packet or packet[:1] != b"+":
+                break
+        answer = read_control_answer(iter(packets).__next__)
+        assert answer is not None
+        return answer[0].decode(), answer[1]
+
+
+@pytest.fixture
+def config(tmp_path):
+    path = tmp_path / "mps.toml"
+    path.write_text(CONFIG)
+    return path
+
+
+async def test_a_files_namespaces_subdivide_their_server_and_have_their_own_sockets(config):
+    """Each namespace of the -a file has its directory with both sockets, private as the pipe directory; a
+    client that comes by one gets the namespace's values inside the server's, and client list shows it."""
+    async with in_process_daemon("--protocol", "3", "--apply", str(config), "--time-scale", "100") as d:
+        for directory in (d.pipe_dir / "train", d.pipe_dir / "train" / "small", d.pipe_dir / "train" / "big"):
+            mode = directory.lstat().st_mode
+            assert stat.S_ISDIR(mode) and stat.S_IMODE(mode) == 0o700
+            assert stat.S_ISSOCK((directory / "control").lstat().st_mode)
+            assert stat.S_ISSOCK((directory / "mpsd.sock").lstat().st_mode)
+        async with mpsd_client.open_context(d.pipe_dir / "train" / "small", environ={}) as small, \
+                mpsd_client.open_context(d.pipe_dir / "train" / "big", environ={}) as big, \
+                mpsd_client.open_context(d.pipe_dir / "train", environ={}) as plain:
+            await small.synchronize()
+            await big.synchronize()
+            await plain.synchronize()
+            by_space = {ctx.namespace: ctx.quotas for ctx in _contexts(d)}
+            assert by_space["small"].active_thread_percentage == 20.0
+            assert by_space["small"].pinned_mem_limit == 1 << 30
+            assert by_space["small"].priority == 1
+            assert by_space["big"].active_thread_percentage == 50.0  # 80 is cut to the server's 50
+            assert by_space["big"].pinned_mem_limit == 8 << 30
+            assert by_space["default"].active_thread_percentage == 50.0
+            listing = d.daemon.control.execute("client list", UID).splitlines()
+            assert listing[0].split() == ["PID", "SERVER", "UID", "STATUS", "NAMESPACE", "DEVICE"]
+            # One row per client process (all three are this one): its first context's namespace.
+            assert [line.split()[4] for line in listing[1:]] == ["small"]
+            spaces = d.daemon.control.execute("namespace list", UID).splitlines()
+            assert spaces[0].split() == ["SERVER", "UID", "NAMESPACE", "CLIENTS"]
+            assert [line.split() for line in spaces[1:]] == [
+                ["train", str(UID), "default", "1"], ["train", str(UID), "small", "1"],
+                ["train", str(UID), "big", "1"]]
+            # A routed control socket is about its server and namespace: no --server or --name needed.
+            assert await _control(d.pipe_dir / "train" / "small" / "control",
+                                  "namespace get --active-thread-percentage") == ("20.0", False)
+            assert await _control(d.pipe_dir / "train" / "control",
+                                  "namespace get --name=big --pinned-memory-limit") == ("0=8G", False)
+            assert await _control(d.pipe_dir / "train" / "small" / "control", "namespace delete") == (
+                'Namespace "small" has 1 client(s)', True)
+
+
+async def test_namespace_commands_make_and_remove_namespaces_and_their_sockets(config):
+    """create makes the namespace and its directory, set changes what new clients get, delete takes both
+    away once it has no clients; failures are on stderr (the "!" packet) and change nothing."""
+    async with in_process_daemon("--protocol", "3", "--apply", str(config), "--time-scale", "100") as d:
+        run = d.daemon.control.execute
+
+        def failed(line: str) -> str:
+            reply = run(line, UID)
+            assert d.daemon.control.failed, line
+            return reply
+
+        assert run("namespace create --server=train --name=eval --active-thread-percentage=10", UID) == ""
+        assert stat.S_ISSOCK((d.pipe_dir / "train" / "eval" / "mpsd.sock").lstat().st_mode)
+        assert failed("namespace create --server=train --name=eval") == 'Namespace "eval" already exists'
+        assert failed("namespace create --server=train --name=../x").startswith('Invalid namespace name "../x"')
+        assert failed("namespace create --server=train --name=default").startswith("Invalid namespace name")
+        assert failed("namespace create --server=nope --name=x") == 'Server "nope" not found'
+        assert failed("namespace create --server=train --name=x --active-thread-percentage=0").startswith(
+            'Invalid active thread percentage "0"')
+        assert "x" not in d.daemon.control.namespaces[UID]
+        assert run("namespace set --server=train --name=eval --client-priority=1 --pinned-memory-limit=2G", UID) == ""
+        assert run("namespace get --server=train --name=eval --client-priority", UID) == "1"
+        assert run("namespace get --uid=" + str(UID) + " --name=eval --active-thread-percentage", UID) == "10.0"
+        assert failed("namespace set --server=train --name=default --client-priority=1") == (
+            'The "default" namespace is its server: use server set')
+        async with mpsd_client.open_context(d.pipe_dir / "train" / "eval", environ={}) as client:
+            await client.synchronize()
+            (quotas,) = [ctx.quotas for ctx in _contexts(d)]
+            assert (quotas.active_thread_percentage, quotas.pinned_mem_limit, quotas.priority) == (10.0, 2 << 30, 1)
+            assert failed("namespace delete --server=train --name=eval") == 'Namespace "eval" has 1 client(s)'
+        await trio.sleep(0.2)  # the client's session ends
+        assert run("namespace delete --server=train --name=eval", UID) == ""
+        assert not (d.pipe_dir / "train" / "eval").exists()
+        assert failed("namespace get --server=train --name=eval --cgroup") == 'Namespace "eval" not found'
+        with pytest.raises(mpsd_client.MpsConnectionError):
+            async with mpsd_client.open_context(d.pipe_dir / "train" / "eval", environ={}):
+                pass
+        # Another user may read namespaces but not change them.
+        assert failed("namespace create --server=train --name=y").startswith("Permission denied") if UID else True
+
+
+async def test_a_namespaces_cgroup_takes_clients_of_the_main_socket(tmp_path):
+    """A namespace whose cgroup holds the client's process takes it when it comes by the main socket."""
+    cgroup = Path("/proc/self/cgroup").read_text().split("0::", 1)[-1].strip()
+    if not cgroup.startswith("/"):
+        pytest.skip("no cgroup v2 hierarchy here")
+    path = tmp_path / "mps.toml"
+    path.write_text(CONFIG + f'[servers.train.namespaces.mine]\ncgroup = "{cgroup}"\nactive_thread_percentage = "30"\n')
+    async with in_process_daemon("--protocol", "3", "--apply", str(path), "--time-scale", "100") as d:
+        async with d.connect() as client:
+            await client.synchronize()
+            ((space, percentage),) = [(c.namespace, c.quotas.active_thread_percentage) for c in _contexts(d)]
+            assert (space, percentage) == ("mine", 30.0)
+
+
+async def test_the_daemon_never_follows_a_planted_link_for_a_server_directory(config):
+    """A symlink where a server's directory goes stops the daemon from starting, naming it; nothing is
+    made at the link's target."""
+    from mpsd.daemon.config import load_config
+    from mpsd.daemon.inprocess import open_daemon
+    from mpsd.daemon.server import DaemonError
+    from daemons import short_tempdir
+
+    base = short_tempdir()
+    pipe, target = base / "pipe", base / "elsewhere"
+    pipe.mkdir(mode=0o700)
+    target.mkdir()
+    (pipe / "train").symlink_to(target)
+    daemon_config = load_config(["--pipe-dir", str(pipe), "--log-dir", str(base / "log"), "--protocol", "3",
+                                 "--apply", str(config)], environ={})
+    with pytest.raises(BaseExceptionGroup) as raised:
+        async with open_daemon(daemon_config):
+            pass
+    assert raised.group_contains(DaemonError, match="pipe/train is a symbolic link")
+    assert list(target.iterdir()) == []
+
+
+@pytest.mark.parametrize("text, error", [
+    ('[servers.train.namespaces.small]\ncgroup_depth = 2\n', "servers.train.namespaces.small.cgroup_depth is not supported"),
+    ('[servers.train.namespaces.small]\ncolour = "red"\n', "unknown key servers.train.namespaces.small.colour"),
+    ('[servers.train.namespaces.default]\n', 'Invalid namespace name "default"'),
+    ('[servers.train.namespaces.small]\ncgroup = "job1"\n', "cgroup must be a cgroup path"),
+])
+def test_the_a_files_namespaces_are_checked(tmp_path, text, error):
+    """A namespace table mpsd cannot apply is a configuration error naming the key."""
+    path = tmp_path / "mps.toml"
+    path.write_text(f'schema_version = "1.0"\n[servers.train]\nuid = {UID}\n' + text)
+    with pytest.raises(ValueError, match=error):
+        load_mps_config(path)
