@@ -13,15 +13,20 @@
 # - Streams: one non-blocking CUDA stream per client stream, with its priority; the legacy default stream's
 #   rules and event waits come from the runtime as `after` work, realised with cuStreamWaitEvent.
 # - SM caps: a client whose active thread percentage gives it fewer SMs than the device has runs its streams in a
-#   green context of that many SMs. MPS's percentage is a limit on how many SMs a client holds at once, where a
-#   green context is a fixed set of them; so that clients of equal caps do not all pile onto the same SMs, the
-#   device's SMs are split into as many disjoint groups of that size as fit, and clients take them in turn.
-# - Completion: every piece of work records an event; one trio task polls the oldest pending event of each
-#   stream (work on a stream completes in order) and tells whoever waits.
+#   green context of at least that many SMs. MPS's percentage is a limit on how many SMs a client holds at once,
+#   where a green context is a fixed set of them; the closest mapping (mpsd.backends.smgroups) gives each capped
+#   client a window of the device's smallest SM groups, overlapping other clients' windows where the caps add
+#   up to more than the device, placed so that the worst-off tenant keeps the most SMs.
+# - Completion: work on a stream completes in order, so one event marks the end of every piece of work queued
+#   on the stream since the last one: it is recorded when the backend's task next runs (after every call that
+#   one read of a socket brought), when an event record asks for its exact place, or when other work must wait
+#   for it. One trio task polls the oldest event of each stream and tells whoever waits. The events are reused.
 #
 # Where it differs from MPS today: a green context's SMs are fixed, where MPS lets a capped client use any SMs
-# up to its cap; weights and MIG instances are not modelled; and a cancelled client's running work is waited
-# for rather than torn down (a real GPU cannot drop work already queued).
+# up to its cap (the windows overlap, but a client never reaches SMs outside its own); weights and MIG
+# instances are not modelled; a kernel or copy is known to have ended when the next event of its stream fires
+# (event records are timed exactly); and a cancelled client's running work is waited for rather than torn down
+# (a real GPU cannot drop work already queued).
 """The real-GPU backend."""
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ import trio
 
 from mpsd.backends.base import Client, when_all
 from mpsd.backends.ops import Copy, Extent, Launch, Memset, Record, Work
+from mpsd.backends.smgroups import choose_window
 from mpsd_protocol import CudaError, IllegalAddressError, OutOfMemoryError  # type: ignore[attr-defined]
 
 __all__ = ["CudaBackend", "CudaDevice", "cuda_device_count"]
@@ -187,15 +193,30 @@ class _Context:
     base: Any
     base_time: float  # seconds since the backend's origin when `base` completed
     sm_count: int
+    spare: list[Any] = field(default_factory=list)  # events of this context that have fired, for reuse
+
+
+@dataclass(eq=False, slots=True)
+class _Kernel:
+    """A built-in kernel and its argument buffer: one ctypes value per parameter and the array of their
+    addresses, filled in place for each launch (cuLaunchKernel copies the arguments when it is called)."""
+
+    function: Any
+    values: tuple[Any, ...]
+    pointers: Any
+    address: int
 
 
 @dataclass(eq=False, slots=True)
 class _Pending:
-    """The backend's record of one piece of work: what `Work.done`, `ended` and `cancelled` read."""
+    """The backend's record of one piece of work: what `Work.done`, `ended` and `cancelled` read. Its event is
+    the first one recorded on its stream after it (None until then); `owner` is the work it was recorded for,
+    which hands it back for reuse."""
 
-    event: Any
     stream: tuple[int, int]
     context: _Context
+    event: Any = None
+    owner: bool = False
     done: bool = False  # completed, or let go with its client (cancelled)
     cancelled: bool = False
     retired: bool = False  # the GPU has finished it (a cancelled piece of work runs out all the same)
@@ -246,15 +267,18 @@ class CudaBackend:
         access.location = prop.location
         access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
         self.access = access
-        self._functions = self._compile()
+        self._kernels = self._compile()
+        self._functions = {name: kernel.function for name, kernel in self._kernels.items()}
         self._origin = time.monotonic()
         self._primary = self._dated(self.context, self._attrs["sm_count"])
         self._current = self.context
-        self._green: dict[int, list[_Context]] = {}  # SM cap -> green contexts of that many SMs, disjoint
-        self._turn: dict[int, int] = {}  # SM cap -> how many clients have taken one of them
+        self._chunks: list[Any] | None = None  # the device's smallest SM groups, in order (smgroups)
+        self._green: dict[tuple[int, ...], _Context] = {}  # window of chunks -> its green context
         self._placed: dict[int, _Context] = {}  # client -> the context its streams run in
+        self._windows: dict[int, tuple[tuple[int, ...], int]] = {}  # capped client -> (its window, its cap)
         self._streams: dict[tuple[int, int], tuple[Any, _Context]] = {}
         self._queues: dict[tuple[int, int], deque[_Pending]] = {}
+        self._open: dict[tuple[int, int], list[_Pending]] = {}  # work queued since its stream's last event
         self._draining: list[deque[_Pending]] = []  # queues of forgotten clients' streams, running out
         # Memory released while work given before may still touch it, and the last work then given to each
         # stream: freed once all of that has retired (streams retire in order).
@@ -280,28 +304,28 @@ class CudaBackend:
             _check(self.cu.cuCtxSetCurrent(context.handle))
             self._current = context.handle
 
-    def _groups(self, cap: int) -> list[_Context]:
-        """Green contexts of `cap` SMs each, as many disjoint ones as the device holds (at least one)."""
-        groups = self._green.get(cap)
-        if groups is None:
+    def _ring(self) -> list[Any]:
+        """The device's SMs cut into the driver's smallest groups (8 SMs on an H200) and what is left over, in
+        order: what every window is made of (one split, so that any of them combine in one green context)."""
+        if self._chunks is None:
             cu = self.cu
             whole = _check(cu.cuDeviceGetDevResource(self.device, cu.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM))
-            wanted = max(1, whole.sm.smCount // cap)
-            parts, count, rest = _check(cu.cuDevSmResourceSplitByCount(wanted, whole, 0, cap))
-            parts = list(parts[:count])
-            # The driver rounds a group up to its granularity (on an H200, 50% is 66 SMs and a group 72), so
-            # fewer groups may fit than the cap allows clients side by side; the SMs left over make one more
-            # group where they fall as far short of the cap as the others go past it.
-            if parts and rest is not None and rest.sm.smCount >= 2 * cap - parts[0].sm.smCount > 0:
-                parts.append(rest)
-            groups = []
-            for part in parts:
-                desc = _check(cu.cuDevResourceGenerateDesc([part], 1))
-                green = _check(cu.cuGreenCtxCreate(desc, self.device,
-                                                   cu.CUgreenCtxCreate_flags.CU_GREEN_CTX_DEFAULT_STREAM))
-                groups.append(self._dated(_check(cu.cuCtxFromGreenCtx(green)), part.sm.smCount))
-            self._green[cap] = groups
-        return groups
+            parts, count, rest = _check(cu.cuDevSmResourceSplitByCount(whole.sm.smCount, whole, 0, 1))
+            self._chunks = list(parts[:count]) + ([rest] if rest is not None and rest.sm.smCount else [])
+        return self._chunks
+
+    def _window(self, window: tuple[int, ...]) -> _Context:
+        """The green context of a window of chunks, made the first time."""
+        found = self._green.get(window)
+        if found is None:
+            cu = self.cu
+            resources = [self._ring()[chunk] for chunk in window]
+            desc = _check(cu.cuDevResourceGenerateDesc(resources, len(resources)))
+            green = _check(cu.cuGreenCtxCreate(desc, self.device,
+                                               cu.CUgreenCtxCreate_flags.CU_GREEN_CTX_DEFAULT_STREAM))
+            sms = sum(r.sm.smCount for r in resources)
+            found = self._green[window] = self._dated(_check(cu.cuCtxFromGreenCtx(green)), sms)
+        return found
 
     def _compile(self) -> dict[str, Any]:
         cu, nvrtc = self.cu, self._nvrtc
@@ -320,7 +344,13 @@ class CudaBackend:
         _check(nvrtc.nvrtcGetCUBIN(program, cubin))
         # A library's kernels are not bound to one context: they launch in whichever a stream belongs to.
         library = _check(cu.cuLibraryLoadData(cubin, [], [], 0, [], [], 0))
-        return {name: _check(cu.cuLibraryGetKernel(library, name.encode())) for name in KERNEL_PARAMS}
+        kernels = {}
+        for name, params in KERNEL_PARAMS.items():
+            values = tuple(_CTYPES[kind]() for kind in params)
+            pointers = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
+            kernels[name] = _Kernel(_check(cu.cuLibraryGetKernel(library, name.encode())), values, pointers,
+                                    ctypes.addressof(pointers))
+        return kernels
 
     # -- what the device is ----------------------------------------------------------------------------
     def properties(self, index: int) -> dict[str, Any]:
@@ -357,21 +387,21 @@ class CudaBackend:
 
     # -- clients -----------------------------------------------------------------------------------------
     def attach(self, client: Client, *, sm_cap: int, priority: int, weight: float, instance: int | None) -> None:
-        """Place a client: in the primary context, or in a green context of its SM cap (its streams are made
-        there as its work arrives)."""
+        """Place a client: in the primary context, or in the green context of a window of at least its SM cap
+        (its streams are made there as its work arrives)."""
         if client.id in self._placed:
             return  # a priority or weight change: nothing of it is modelled here
-        if sm_cap >= self._attrs["sm_count"]:
-            self._placed[client.id] = self._primary
-            return
-        try:
-            groups = self._groups(sm_cap)
-        except CudaFailure:  # no green contexts on this driver or device: the cap goes unenforced
-            groups = [self._primary]
-            self._green[sm_cap] = groups
-        turn = self._turn.get(sm_cap, 0)
-        self._turn[sm_cap] = turn + 1
-        self._placed[client.id] = groups[turn % len(groups)]
+        context = self._primary
+        if sm_cap < self._attrs["sm_count"]:
+            try:
+                sizes = [chunk.sm.smCount for chunk in self._ring()]
+                window = choose_window(sizes, list(self._windows.values()), sm_cap)
+                if sum(sizes[c] for c in window) < self._attrs["sm_count"]:
+                    context = self._window(window)
+                    self._windows[client.id] = (window, sm_cap)
+            except CudaFailure:  # no green contexts on this driver or device: the cap goes unenforced
+                pass
+        self._placed[client.id] = context
 
     def cancel(self, client: int) -> None:
         """A real GPU cannot drop work it was given: the client's work is let go at once (whoever waits on it
@@ -387,6 +417,8 @@ class CudaBackend:
 
     def forget(self, client: int) -> None:
         self.cancel(client)
+        for key in [k for k in self._open if k[0] == client]:
+            self._flush(key)  # its work must still be seen to retire (bury), once its streams are gone
         for key in [k for k in self._streams if k[0] == client]:
             # The driver frees a destroyed stream's resources once its work is done; ours go on being polled.
             self.cu.cuStreamDestroy(self._streams.pop(key)[0])
@@ -394,6 +426,7 @@ class CudaBackend:
             if queue:
                 self._draining.append(queue)
         self._placed.pop(client, None)
+        self._windows.pop(client, None)  # its SMs count for the clients placed after it
 
     def bury(self, memory: CudaMemory) -> None:
         """Free `memory` now if no work the GPU was given may still touch it, else once that work has retired
@@ -431,12 +464,16 @@ class CudaBackend:
 
     def submit(self, work: Work) -> None:
         cu = self.cu
-        stream, context = self._stream(work.stream, work.priority)
-        self._use(context)
+        key = work.stream
+        stream, context = self._stream(key, work.priority)
         for dep in work.after:  # an event may be waited for from another context's stream
-            if dep.handle is not None and not dep.handle.done:
-                _check(cu.cuStreamWaitEvent(stream, dep.handle.event, 0))
-        pending = _Pending(_check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DEFAULT)), work.stream, context)
+            handle = dep.handle
+            if handle is not None and not handle.done:
+                if handle.event is None:
+                    self._flush(handle.stream)
+                _check(cu.cuStreamWaitEvent(stream, handle.event, 0))
+        self._use(context)
+        pending = _Pending(key, context)
         if isinstance(work, Launch):
             self._launch(work, stream, pending)
         elif isinstance(work, Copy):
@@ -445,25 +482,49 @@ class CudaBackend:
             _check(cu.cuMemsetD8Async(self._device_pointer(work.dst), work.value, work.dst.nbytes, stream))
         elif not isinstance(work, Record):
             raise TypeError(f"no such work: {work!r}")
-        _check(cu.cuEventRecord(pending.event, stream))
         work.handle = pending
         work.after = ()
-        self._queues.setdefault(work.stream, deque()).append(pending)
+        queue = self._queues.get(key)
+        if queue is None:
+            queue = self._queues[key] = deque()
+        queue.append(pending)
+        waiting = self._open.get(key)
+        if waiting is None:
+            self._open[key] = [pending]
+        else:
+            waiting.append(pending)
+        if isinstance(work, Record):
+            self._flush(key)  # an event record is timed where it stands
         self._wake.set()
 
+    def _flush(self, key: tuple[int, int]) -> None:
+        """Record one event after the work queued on stream `key` since its last one: it marks all of it."""
+        waiting = self._open.pop(key, None)
+        if not waiting:
+            return
+        cu = self.cu
+        stream, context = self._streams[key]
+        self._use(context)
+        event = context.spare.pop() if context.spare else _check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DEFAULT))
+        _check(cu.cuEventRecord(event, stream))
+        for pending in waiting:
+            pending.event = event
+        waiting[-1].owner = True
+
     def _launch(self, work: Launch, stream: Any, pending: _Pending) -> None:
-        args = list(work.args)
+        kernel = self._kernels[work.kernel]
+        values = kernel.values
+        for value, arg in zip(values, work.args):
+            value.value = arg
         for index, extent in work.extents:
             if extent is None:  # caught before launch: reported when it would have run
                 pending.fault = IllegalAddressError(
-                    f"{work.kernel} argument {index} ({int(args[index]):#x}) points outside live memory")
+                    f"{work.kernel} argument {index} ({int(work.args[index]):#x}) points outside live memory")
                 return
-            args[index] = self._device_pointer(extent)
-        values = [_CTYPES[kind](value) for kind, value in zip(KERNEL_PARAMS[work.kernel], args)]
-        pointers = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
+            values[index].value = extent.memory.dptr + extent.offset
         (gx, gy, gz), (bx, by, bz) = work.grid, work.block
-        _check(self.cu.cuLaunchKernel(self._functions[work.kernel], gx, gy, gz, bx, by, bz, work.shared_mem, stream,
-                                      ctypes.addressof(pointers), 0))
+        _check(self.cu.cuLaunchKernel(kernel.function, gx, gy, gz, bx, by, bz, work.shared_mem, stream,
+                                      kernel.address, 0))
 
     def _copy(self, work: Copy, stream: Any, pending: _Pending) -> None:
         cu, n = self.cu, work.nbytes
@@ -505,16 +566,25 @@ class CudaBackend:
         """Finish the work whose events have fired, and free the memory nothing may touch any more; whether
         any work or memory is still waiting."""
         cu = self.cu
+        for key in list(self._open):
+            self._flush(key)
         busy = False
+        not_ready = cu.CUresult.CUDA_ERROR_NOT_READY
         for queue in (*self._queues.values(), *self._draining):
+            fired, ended = None, math.nan  # work sharing an event ends together: it is asked about once
             while queue:
                 head = queue[0]
-                status = cu.cuEventQuery(head.event)[0]
-                if status == cu.CUresult.CUDA_ERROR_NOT_READY:
-                    busy = True
-                    break
+                event = head.event
+                if event is not fired:
+                    # None: queued by a callback of this very pass; its event is recorded in the next one
+                    if event is None or cu.cuEventQuery(event)[0] == not_ready:
+                        busy = True
+                        break
+                    fired, ended = event, self._ended(head.context, event)
                 queue.popleft()
-                self._finish(head)
+                self._finish(head, ended)
+                if head.owner:  # its event is back for reuse: a callback above may have recorded it again
+                    fired = None
         self._draining = [queue for queue in self._draining if queue]
         if self._graves:
             graves, self._graves = self._graves, []
@@ -523,15 +593,19 @@ class CudaBackend:
                     memory.free()
                 else:
                     self._graves.append((memory, tails))
-        return busy or bool(self._graves)
+        return busy or bool(self._graves) or bool(self._open)
 
-    def _finish(self, pending: _Pending) -> None:
+    def _ended(self, context: _Context, event: Any) -> float:
+        """When a fired event did, in the backend's seconds."""
         cu = self.cu
-        context = pending.context
+        err, ms = cu.cuEventElapsedTime(context.base, event)
+        return context.base_time + ms / 1e3 if err == cu.CUresult.CUDA_SUCCESS else self.now()
+
+    def _finish(self, pending: _Pending, ended: float) -> None:
+        if pending.owner:
+            pending.context.spare.append(pending.event)
         if not pending.cancelled:
-            err, ms = cu.cuEventElapsedTime(context.base, pending.event)
-            pending.ended = context.base_time + ms / 1e3 if err == cu.CUresult.CUDA_SUCCESS else self.now()
-        cu.cuEventDestroy(pending.event)
+            pending.ended = ended
         pending.retired = True
         for cleanup in pending.cleanup:
             cleanup()
