@@ -8,9 +8,13 @@
 # that tenants at 50% get different but overlapping halves spread over the device (a share counts no more than
 # its tenant's cap: MPS lets no client hold more).
 #
-# Measured on the H200 (bench/fidelity/measure_green.py, green_h200.json): two 72-SM windows overlapping on 12
-# SMs ran 20 full waves each in 40.1 and 41.1 ms, where MPS at 50% took 40.6 and disjoint groups (72 and the 60
-# left) took 40.1 and 60.1; three overlapping windows took 63 to 64 ms, MPS 60.
+# Measured on the H200 (bench/fidelity/measure_green.py, green_h200.json): green contexts over overlapping chunks
+# of one split are made and run side by side; two windows of 72 and 76 SMs overlapping on 16 ran 20 full waves
+# each in 40.1 and 41.1 ms, where MPS at 50% took 40.6 and disjoint groups (72 and the 60 left) 40.1 and 60.1.
+# Through the daemon (crosscheck_atp50_h200.txt) two tenants at 50% took 44.4 ms each (51.8 with the disjoint
+# groups). Three at 50% are the limit of placing one tenant at a time in fixed windows: the first two cover the
+# device, the third shares the second's, and they took 61, 75 and 76 ms where MPS took 60 each (three windows
+# spaced evenly from the start: 63 to 64).
 """Overlapping SM windows for capped clients."""
 
 from __future__ import annotations
