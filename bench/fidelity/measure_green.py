@@ -22,7 +22,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-from mpsd.backends.cuda import CudaBackend, _check  # noqa: E402
+from mpsd.backends.cuda import CudaBackend  # noqa: E402
+from mpsd.backends.cuda_driver import _check  # noqa: E402
 from mpsd.sim import H200  # noqa: E402
 
 CYCLES = int(H200.clock_hz * 1e-3)

@@ -18,7 +18,8 @@ from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-from mpsd.backends.cuda import CudaBackend, _check  # noqa: E402
+from mpsd.backends.cuda import CudaBackend  # noqa: E402
+from mpsd.backends.cuda_driver import _check  # noqa: E402
 
 
 def timed(n: int, body: Callable[[], Any], sync: Callable[[], Any]) -> float:

@@ -6,8 +6,8 @@
 # - Memory: cuMemCreate with POSIX file descriptor handles, mapped in the daemon's address space; its exported
 #   fd is what IPC passes over SCM_RIGHTS (the seed's dma-buf path). The runtime keeps its own client address
 #   spaces, so a client's pointer is translated to the device address when its work is queued.
-# - Kernels: the built-ins compiled once with NVRTC for the device's architecture, launched with the client's
-#   grid and block. A pointer argument outside live memory is caught before launch (the runtime resolves
+# - Kernels: the built-ins compiled once with NVRTC for the device's architecture (mpsd.backends.cuda_kernels),
+#   launched with the client's grid and block. A pointer argument outside live memory is caught before launch (the runtime resolves
 #   every extent) and reported as an illegal address when the kernel would have run, contained as the
 #   daemon's fault containment says, without corrupting the primary context that every client shares.
 # - Streams: one non-blocking CUDA stream per client stream, with its priority; the legacy default stream's
@@ -32,7 +32,6 @@
 from __future__ import annotations
 
 import ctypes
-import functools
 import math
 import os
 import time
@@ -43,59 +42,20 @@ from typing import Any, Callable, Iterable
 import trio
 
 from mpsd.backends.base import Client, when_all
+from mpsd.backends.cuda_driver import CudaFailure, _bindings, _check, cuda_device_count
+from mpsd.backends.cuda_kernels import compile_kernels
 from mpsd.backends.ops import Copy, Extent, Launch, Memset, Record, Work
 from mpsd.backends.smgroups import choose_window
 from mpsd_protocol import CudaError, IllegalAddressError, OutOfMemoryError  # type: ignore[attr-defined]
 
-__all__ = ["CudaBackend", "CudaDevice", "cuda_device_count"]
+__all__ = ["CudaBackend", "CudaDevice", "CudaFailure", "cuda_device_count"]
 
 # What MPS holds on an H200 beside the clients' allocations, measured (bench/fidelity/h200_memory.json): the
 # daemon charges them on every backend alike, so quotas mean the same on both.
 SERVER_MEMORY, CONTEXT_MEMORY = 81_172_336, 538_339_472
 POLL = 50e-6  # seconds between looks at pending work while there is some
+_SYNCED = object()  # in place of an event: work the backend waited for when the driver refused it one
 PORTABLE = 0x1  # CU_MEMHOSTALLOC_PORTABLE, CU_MEMHOSTREGISTER_PORTABLE: pinned for every context, green ones too
-
-KERNEL_SOURCE = r"""
-extern "C" __global__ void spin(long long cycles) {
-    long long start = clock64();
-    while (clock64() - start < cycles) { }
-}
-extern "C" __global__ void work(long long iters) {
-    float x = threadIdx.x;
-    for (long long i = 0; i < iters; ++i) x = fmaf(x, 0.9999999f, 1e-7f);
-    if (x == -12345.0f) *(volatile float *)0 = x;  /* never true: keeps the loop */
-}
-extern "C" __global__ void fill_f32(float *p, float value, long long n) {
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
-        p[i] = value;
-}
-extern "C" __global__ void vector_add_f32(const float *a, const float *b, float *c, long long n) {
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
-        c[i] = a[i] + b[i];
-}
-extern "C" __global__ void saxpy_f32(float alpha, const float *x, float *y, long long n) {
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
-        y[i] = alpha * x[i] + y[i];
-}
-extern "C" __global__ void reduce_sum_f32(const float *x, float *out, long long n) {
-    __shared__ float partial[1024];
-    if (blockIdx.x != 0) return;  /* one block sums it all, so the result does not depend on the grid */
-    float sum = 0.0f;
-    for (long long i = threadIdx.x; i < n; i += blockDim.x) sum += x[i];
-    partial[threadIdx.x] = sum;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        float total = 0.0f;
-        for (unsigned t = 0; t < blockDim.x; ++t) total += partial[t];
-        out[0] = total;
-    }
-}
-"""
-KERNEL_PARAMS = {"spin": ("i64",), "work": ("i64",), "fill_f32": ("ptr", "f32", "i64"),
-                 "vector_add_f32": ("ptr", "ptr", "ptr", "i64"), "saxpy_f32": ("f32", "ptr", "ptr", "i64"),
-                 "reduce_sum_f32": ("ptr", "ptr", "i64")}
-_CTYPES = {"ptr": ctypes.c_uint64, "i64": ctypes.c_int64, "f32": ctypes.c_float}
-
 
 @dataclass(frozen=True, slots=True)
 class CudaDevice:
@@ -103,42 +63,6 @@ class CudaDevice:
 
     ordinal: int
     name = "cuda"
-
-
-@functools.cache
-def _bindings() -> tuple[Any, Any]:
-    """cuda-python's driver and NVRTC modules, imported the first time a real GPU is asked for (CI has
-    neither); cached, as every driver call's status goes through here."""
-    from cuda.bindings import driver, nvrtc
-
-    return driver, nvrtc
-
-
-def cuda_device_count() -> int:
-    """GPUs the driver sees; 0 where cuda-python or a driver is missing."""
-    try:
-        cu, _ = _bindings()
-        if cu.cuInit(0)[0] != cu.CUresult.CUDA_SUCCESS:
-            return 0
-        err, count = cu.cuDeviceGetCount()
-        return count if err == cu.CUresult.CUDA_SUCCESS else 0
-    except (ImportError, OSError, RuntimeError):
-        return 0
-
-
-class CudaFailure(RuntimeError):
-    """A driver call failed where the runtime has no CUDA error to give for it."""
-
-
-def _check(result: Any) -> Any:
-    """The values a cuda-python call returns after its status, or CudaFailure."""
-    status, *values = result if isinstance(result, tuple) else (result,)
-    if int(status):  # CUDA_SUCCESS and NVRTC_SUCCESS are both 0
-        cu, _ = _bindings()
-        if status == cu.CUresult.CUDA_ERROR_OUT_OF_MEMORY:
-            raise OutOfMemoryError("the GPU has no room for it")
-        raise CudaFailure(f"{status!r}")
-    return values[0] if len(values) == 1 else tuple(values)
 
 
 class CudaMemory:
@@ -194,17 +118,6 @@ class _Context:
     base_time: float  # seconds since the backend's origin when `base` completed
     sm_count: int
     spare: list[Any] = field(default_factory=list)  # events of this context that have fired, for reuse
-
-
-@dataclass(eq=False, slots=True)
-class _Kernel:
-    """A built-in kernel and its argument buffer: one ctypes value per parameter and the array of their
-    addresses, filled in place for each launch (cuLaunchKernel copies the arguments when it is called)."""
-
-    function: Any
-    values: tuple[Any, ...]
-    pointers: Any
-    address: int
 
 
 @dataclass(eq=False, slots=True)
@@ -267,7 +180,7 @@ class CudaBackend:
         access.location = prop.location
         access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
         self.access = access
-        self._kernels = self._compile()
+        self._kernels = compile_kernels(cu, nvrtc, self._attrs["major"], self._attrs["minor"])
         self._functions = {name: kernel.function for name, kernel in self._kernels.items()}
         self._origin = time.monotonic()
         self._primary = self._dated(self.context, self._attrs["sm_count"])
@@ -326,31 +239,6 @@ class CudaBackend:
             sms = sum(r.sm.smCount for r in resources)
             found = self._green[window] = self._dated(_check(cu.cuCtxFromGreenCtx(green)), sms)
         return found
-
-    def _compile(self) -> dict[str, Any]:
-        cu, nvrtc = self.cu, self._nvrtc
-        major, minor = self._attrs["major"], self._attrs["minor"]
-        program = _check(nvrtc.nvrtcCreateProgram(KERNEL_SOURCE.encode(), b"mpsd_kernels.cu", 0, [], []))
-        options = [f"--gpu-architecture=sm_{major}{minor}".encode(), b"-default-device"]
-        try:
-            _check(nvrtc.nvrtcCompileProgram(program, len(options), options))
-        except CudaFailure:
-            size = _check(nvrtc.nvrtcGetProgramLogSize(program))
-            log = b" " * size
-            nvrtc.nvrtcGetProgramLog(program, log)
-            raise CudaFailure(f"NVRTC could not compile the built-in kernels: {log.decode(errors='replace')}")
-        size = _check(nvrtc.nvrtcGetCUBINSize(program))
-        cubin = b" " * size
-        _check(nvrtc.nvrtcGetCUBIN(program, cubin))
-        # A library's kernels are not bound to one context: they launch in whichever a stream belongs to.
-        library = _check(cu.cuLibraryLoadData(cubin, [], [], 0, [], [], 0))
-        kernels = {}
-        for name, params in KERNEL_PARAMS.items():
-            values = tuple(_CTYPES[kind]() for kind in params)
-            pointers = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
-            kernels[name] = _Kernel(_check(cu.cuLibraryGetKernel(library, name.encode())), values, pointers,
-                                    ctypes.addressof(pointers))
-        return kernels
 
     # -- what the device is ----------------------------------------------------------------------------
     def properties(self, index: int) -> dict[str, Any]:
@@ -471,7 +359,8 @@ class CudaBackend:
             if handle is not None and not handle.done:
                 if handle.event is None:
                     self._flush(handle.stream)
-                _check(cu.cuStreamWaitEvent(stream, handle.event, 0))
+                if handle.event is not _SYNCED:  # else it has run already
+                    _check(cu.cuStreamWaitEvent(stream, handle.event, 0))
         self._use(context)
         pending = _Pending(key, context)
         if isinstance(work, Launch):
@@ -505,11 +394,22 @@ class CudaBackend:
         cu = self.cu
         stream, context = self._streams[key]
         self._use(context)
-        event = context.spare.pop() if context.spare else _check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DEFAULT))
-        _check(cu.cuEventRecord(event, stream))
+        event: Any = _SYNCED
+        try:
+            event = (context.spare.pop() if context.spare
+                     else _check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DEFAULT)))
+            _check(cu.cuEventRecord(event, stream))
+        except (CudaFailure, OutOfMemoryError):
+            # The driver gave no event to mark the work by. This runs in the backend's task too, where a raise
+            # would stop every client's completions: wait for the stream here instead, once, and let the
+            # work end now (a refused record leaves the event as it was: fired, so it can be used again).
+            if event is not _SYNCED:
+                context.spare.append(event)
+            cu.cuStreamSynchronize(stream)
+            event = _SYNCED
         for pending in waiting:
             pending.event = event
-        waiting[-1].owner = True
+        waiting[-1].owner = event is not _SYNCED
 
     def _launch(self, work: Launch, stream: Any, pending: _Pending) -> None:
         kernel = self._kernels[work.kernel]
@@ -577,10 +477,10 @@ class CudaBackend:
                 event = head.event
                 if event is not fired:
                     # None: queued by a callback of this very pass; its event is recorded in the next one
-                    if event is None or cu.cuEventQuery(event)[0] == not_ready:
+                    if event is None or (event is not _SYNCED and cu.cuEventQuery(event)[0] == not_ready):
                         busy = True
                         break
-                    fired, ended = event, self._ended(head.context, event)
+                    fired, ended = event, self.now() if event is _SYNCED else self._ended(head.context, event)
                 queue.popleft()
                 self._finish(head, ended)
                 if head.owner:  # its event is back for reuse: a callback above may have recorded it again
