@@ -17,7 +17,7 @@ import contextlib
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _harness as h  # noqa: E402
@@ -92,7 +92,9 @@ def direct_launches(ordinal: int) -> Callable[[int, int], float]:
     params = (ctypes.c_void_p * 1)(ctypes.addressof(cycles))
     address = ctypes.addressof(params)
 
-    def block(n: int, warmup: int) -> float:
+    def block(n: int, warmup: int, keep: tuple[Any, ...] = (cycles, params)) -> float:
+        # `keep` holds the argument buffer alive: the launches read it through its bare address, and a freed
+        # one hands spin a random cycle count (a block that never ends).
         for _ in range(warmup):
             cu.cuLaunchKernel(spin, 1, 1, 1, 32, 1, 1, 0, 0, address, 0)
         cu.cuCtxSynchronize()

@@ -254,3 +254,21 @@ def test_a_killed_clients_running_kernel_stalls_nobody(backend_daemon):
     finally:
         holder.kill()
         holder.communicate(timeout=30)
+
+
+@pytest.mark.skipif(cuda_device_count() == 0, reason="no GPU here (cuda-python and a driver are needed)")
+def test_capped_clients_get_overlapping_green_contexts_on_a_real_gpu():
+    """Two clients at 50% are placed in different green contexts whose SMs overlap and together cover the
+    device (MPS's percentage is a limit, not a partition); a third at 25% finds room of its own size."""
+    from types import SimpleNamespace
+
+    from mpsd.backends.cuda import CudaBackend
+
+    gpu = CudaBackend(0)
+    for client, percentage in ((1, 50), (2, 50), (3, 25)):
+        gpu.attach(SimpleNamespace(id=client), sm_cap=gpu.sm_cap(percentage), priority=0, weight=1.0, instance=None)
+    (w1, _), (w2, _), (w3, cap3) = (gpu._windows[c] for c in (1, 2, 3))
+    assert w1 != w2 and set(w1) & set(w2) and len(set(w1) | set(w2)) == len(gpu._ring())
+    assert gpu._placed[1] is not gpu._placed[2]
+    assert gpu._placed[3].sm_count >= cap3
+    assert all(gpu._placed[c].sm_count >= gpu.sm_cap(50) for c in (1, 2))

@@ -6,28 +6,32 @@
 # - Memory: cuMemCreate with POSIX file descriptor handles, mapped in the daemon's address space; its exported
 #   fd is what IPC passes over SCM_RIGHTS (the seed's dma-buf path). The runtime keeps its own client address
 #   spaces, so a client's pointer is translated to the device address when its work is queued.
-# - Kernels: the built-ins compiled once with NVRTC for the device's architecture, launched with the client's
-#   grid and block. A pointer argument outside live memory is caught before launch (the runtime resolves
+# - Kernels: the built-ins compiled once with NVRTC for the device's architecture (mpsd.backends.cuda_kernels),
+#   launched with the client's grid and block. A pointer argument outside live memory is caught before launch (the runtime resolves
 #   every extent) and reported as an illegal address when the kernel would have run, contained as the
 #   daemon's fault containment says, without corrupting the primary context that every client shares.
 # - Streams: one non-blocking CUDA stream per client stream, with its priority; the legacy default stream's
 #   rules and event waits come from the runtime as `after` work, realised with cuStreamWaitEvent.
 # - SM caps: a client whose active thread percentage gives it fewer SMs than the device has runs its streams in a
-#   green context of that many SMs. MPS's percentage is a limit on how many SMs a client holds at once, where a
-#   green context is a fixed set of them; so that clients of equal caps do not all pile onto the same SMs, the
-#   device's SMs are split into as many disjoint groups of that size as fit, and clients take them in turn.
-# - Completion: every piece of work records an event; one trio task polls the oldest pending event of each
-#   stream (work on a stream completes in order) and tells whoever waits.
+#   green context of at least that many SMs. MPS's percentage is a limit on how many SMs a client holds at once,
+#   where a green context is a fixed set of them; the closest mapping (mpsd.backends.smgroups) gives each capped
+#   client a window of the device's smallest SM groups, overlapping other clients' windows where the caps add
+#   up to more than the device, placed so that the worst-off tenant keeps the most SMs.
+# - Completion: work on a stream completes in order, so one event marks the end of every piece of work queued
+#   on the stream since the last one: it is recorded when the backend's task next runs (after every call that
+#   one read of a socket brought), when an event record asks for its exact place, or when other work must wait
+#   for it. One trio task polls the oldest event of each stream and tells whoever waits. The events are reused.
 #
 # Where it differs from MPS today: a green context's SMs are fixed, where MPS lets a capped client use any SMs
-# up to its cap; weights and MIG instances are not modelled; and a cancelled client's running work is waited
-# for rather than torn down (a real GPU cannot drop work already queued).
+# up to its cap (the windows overlap, but a client never reaches SMs outside its own); weights and MIG
+# instances are not modelled; a kernel or copy is known to have ended when the next event of its stream fires
+# (event records are timed exactly); and a cancelled client's running work is waited for rather than torn down
+# (a real GPU cannot drop work already queued).
 """The real-GPU backend."""
 
 from __future__ import annotations
 
 import ctypes
-import functools
 import math
 import os
 import time
@@ -38,58 +42,20 @@ from typing import Any, Callable, Iterable
 import trio
 
 from mpsd.backends.base import Client, when_all
+from mpsd.backends.cuda_driver import CudaFailure, _bindings, _check, cuda_device_count
+from mpsd.backends.cuda_kernels import compile_kernels
 from mpsd.backends.ops import Copy, Extent, Launch, Memset, Record, Work
+from mpsd.backends.smgroups import choose_window
 from mpsd_protocol import CudaError, IllegalAddressError, OutOfMemoryError  # type: ignore[attr-defined]
 
-__all__ = ["CudaBackend", "CudaDevice", "cuda_device_count"]
+__all__ = ["CudaBackend", "CudaDevice", "CudaFailure", "cuda_device_count"]
 
 # What MPS holds on an H200 beside the clients' allocations, measured (bench/fidelity/h200_memory.json): the
 # daemon charges them on every backend alike, so quotas mean the same on both.
 SERVER_MEMORY, CONTEXT_MEMORY = 81_172_336, 538_339_472
 POLL = 50e-6  # seconds between looks at pending work while there is some
+_SYNCED = object()  # in place of an event: work the backend waited for when the driver refused it one
 PORTABLE = 0x1  # CU_MEMHOSTALLOC_PORTABLE, CU_MEMHOSTREGISTER_PORTABLE: pinned for every context, green ones too
-
-KERNEL_SOURCE = r"""
-extern "C" __global__ void spin(long long cycles) {
-    long long start = clock64();
-    while (clock64() - start < cycles) { }
-}
-extern "C" __global__ void work(long long iters) {
-    float x = threadIdx.x;
-    for (long long i = 0; i < iters; ++i) x = fmaf(x, 0.9999999f, 1e-7f);
-    if (x == -12345.0f) *(volatile float *)0 = x;  /* never true: keeps the loop */
-}
-extern "C" __global__ void fill_f32(float *p, float value, long long n) {
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
-        p[i] = value;
-}
-extern "C" __global__ void vector_add_f32(const float *a, const float *b, float *c, long long n) {
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
-        c[i] = a[i] + b[i];
-}
-extern "C" __global__ void saxpy_f32(float alpha, const float *x, float *y, long long n) {
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
-        y[i] = alpha * x[i] + y[i];
-}
-extern "C" __global__ void reduce_sum_f32(const float *x, float *out, long long n) {
-    __shared__ float partial[1024];
-    if (blockIdx.x != 0) return;  /* one block sums it all, so the result does not depend on the grid */
-    float sum = 0.0f;
-    for (long long i = threadIdx.x; i < n; i += blockDim.x) sum += x[i];
-    partial[threadIdx.x] = sum;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        float total = 0.0f;
-        for (unsigned t = 0; t < blockDim.x; ++t) total += partial[t];
-        out[0] = total;
-    }
-}
-"""
-KERNEL_PARAMS = {"spin": ("i64",), "work": ("i64",), "fill_f32": ("ptr", "f32", "i64"),
-                 "vector_add_f32": ("ptr", "ptr", "ptr", "i64"), "saxpy_f32": ("f32", "ptr", "ptr", "i64"),
-                 "reduce_sum_f32": ("ptr", "ptr", "i64")}
-_CTYPES = {"ptr": ctypes.c_uint64, "i64": ctypes.c_int64, "f32": ctypes.c_float}
-
 
 @dataclass(frozen=True, slots=True)
 class CudaDevice:
@@ -97,42 +63,6 @@ class CudaDevice:
 
     ordinal: int
     name = "cuda"
-
-
-@functools.cache
-def _bindings() -> tuple[Any, Any]:
-    """cuda-python's driver and NVRTC modules, imported the first time a real GPU is asked for (CI has
-    neither); cached, as every driver call's status goes through here."""
-    from cuda.bindings import driver, nvrtc
-
-    return driver, nvrtc
-
-
-def cuda_device_count() -> int:
-    """GPUs the driver sees; 0 where cuda-python or a driver is missing."""
-    try:
-        cu, _ = _bindings()
-        if cu.cuInit(0)[0] != cu.CUresult.CUDA_SUCCESS:
-            return 0
-        err, count = cu.cuDeviceGetCount()
-        return count if err == cu.CUresult.CUDA_SUCCESS else 0
-    except (ImportError, OSError, RuntimeError):
-        return 0
-
-
-class CudaFailure(RuntimeError):
-    """A driver call failed where the runtime has no CUDA error to give for it."""
-
-
-def _check(result: Any) -> Any:
-    """The values a cuda-python call returns after its status, or CudaFailure."""
-    status, *values = result if isinstance(result, tuple) else (result,)
-    if int(status):  # CUDA_SUCCESS and NVRTC_SUCCESS are both 0
-        cu, _ = _bindings()
-        if status == cu.CUresult.CUDA_ERROR_OUT_OF_MEMORY:
-            raise OutOfMemoryError("the GPU has no room for it")
-        raise CudaFailure(f"{status!r}")
-    return values[0] if len(values) == 1 else tuple(values)
 
 
 class CudaMemory:
@@ -187,15 +117,19 @@ class _Context:
     base: Any
     base_time: float  # seconds since the backend's origin when `base` completed
     sm_count: int
+    spare: list[Any] = field(default_factory=list)  # events of this context that have fired, for reuse
 
 
 @dataclass(eq=False, slots=True)
 class _Pending:
-    """The backend's record of one piece of work: what `Work.done`, `ended` and `cancelled` read."""
+    """The backend's record of one piece of work: what `Work.done`, `ended` and `cancelled` read. Its event is
+    the first one recorded on its stream after it (None until then); `owner` is the work it was recorded for,
+    which hands it back for reuse."""
 
-    event: Any
     stream: tuple[int, int]
     context: _Context
+    event: Any = None
+    owner: bool = False
     done: bool = False  # completed, or let go with its client (cancelled)
     cancelled: bool = False
     retired: bool = False  # the GPU has finished it (a cancelled piece of work runs out all the same)
@@ -246,15 +180,18 @@ class CudaBackend:
         access.location = prop.location
         access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
         self.access = access
-        self._functions = self._compile()
+        self._kernels = compile_kernels(cu, nvrtc, self._attrs["major"], self._attrs["minor"])
+        self._functions = {name: kernel.function for name, kernel in self._kernels.items()}
         self._origin = time.monotonic()
         self._primary = self._dated(self.context, self._attrs["sm_count"])
         self._current = self.context
-        self._green: dict[int, list[_Context]] = {}  # SM cap -> green contexts of that many SMs, disjoint
-        self._turn: dict[int, int] = {}  # SM cap -> how many clients have taken one of them
+        self._chunks: list[Any] | None = None  # the device's smallest SM groups, in order (smgroups)
+        self._green: dict[tuple[int, ...], _Context] = {}  # window of chunks -> its green context
         self._placed: dict[int, _Context] = {}  # client -> the context its streams run in
+        self._windows: dict[int, tuple[tuple[int, ...], int]] = {}  # capped client -> (its window, its cap)
         self._streams: dict[tuple[int, int], tuple[Any, _Context]] = {}
         self._queues: dict[tuple[int, int], deque[_Pending]] = {}
+        self._open: dict[tuple[int, int], list[_Pending]] = {}  # work queued since its stream's last event
         self._draining: list[deque[_Pending]] = []  # queues of forgotten clients' streams, running out
         # Memory released while work given before may still touch it, and the last work then given to each
         # stream: freed once all of that has retired (streams retire in order).
@@ -280,47 +217,28 @@ class CudaBackend:
             _check(self.cu.cuCtxSetCurrent(context.handle))
             self._current = context.handle
 
-    def _groups(self, cap: int) -> list[_Context]:
-        """Green contexts of `cap` SMs each, as many disjoint ones as the device holds (at least one)."""
-        groups = self._green.get(cap)
-        if groups is None:
+    def _ring(self) -> list[Any]:
+        """The device's SMs cut into the driver's smallest groups (8 SMs on an H200) and what is left over, in
+        order: what every window is made of (one split, so that any of them combine in one green context)."""
+        if self._chunks is None:
             cu = self.cu
             whole = _check(cu.cuDeviceGetDevResource(self.device, cu.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM))
-            wanted = max(1, whole.sm.smCount // cap)
-            parts, count, rest = _check(cu.cuDevSmResourceSplitByCount(wanted, whole, 0, cap))
-            parts = list(parts[:count])
-            # The driver rounds a group up to its granularity (on an H200, 50% is 66 SMs and a group 72), so
-            # fewer groups may fit than the cap allows clients side by side; the SMs left over make one more
-            # group where they fall as far short of the cap as the others go past it.
-            if parts and rest is not None and rest.sm.smCount >= 2 * cap - parts[0].sm.smCount > 0:
-                parts.append(rest)
-            groups = []
-            for part in parts:
-                desc = _check(cu.cuDevResourceGenerateDesc([part], 1))
-                green = _check(cu.cuGreenCtxCreate(desc, self.device,
-                                                   cu.CUgreenCtxCreate_flags.CU_GREEN_CTX_DEFAULT_STREAM))
-                groups.append(self._dated(_check(cu.cuCtxFromGreenCtx(green)), part.sm.smCount))
-            self._green[cap] = groups
-        return groups
+            parts, count, rest = _check(cu.cuDevSmResourceSplitByCount(whole.sm.smCount, whole, 0, 1))
+            self._chunks = list(parts[:count]) + ([rest] if rest is not None and rest.sm.smCount else [])
+        return self._chunks
 
-    def _compile(self) -> dict[str, Any]:
-        cu, nvrtc = self.cu, self._nvrtc
-        major, minor = self._attrs["major"], self._attrs["minor"]
-        program = _check(nvrtc.nvrtcCreateProgram(KERNEL_SOURCE.encode(), b"mpsd_kernels.cu", 0, [], []))
-        options = [f"--gpu-architecture=sm_{major}{minor}".encode(), b"-default-device"]
-        try:
-            _check(nvrtc.nvrtcCompileProgram(program, len(options), options))
-        except CudaFailure:
-            size = _check(nvrtc.nvrtcGetProgramLogSize(program))
-            log = b" " * size
-            nvrtc.nvrtcGetProgramLog(program, log)
-            raise CudaFailure(f"NVRTC could not compile the built-in kernels: {log.decode(errors='replace')}")
-        size = _check(nvrtc.nvrtcGetCUBINSize(program))
-        cubin = b" " * size
-        _check(nvrtc.nvrtcGetCUBIN(program, cubin))
-        # A library's kernels are not bound to one context: they launch in whichever a stream belongs to.
-        library = _check(cu.cuLibraryLoadData(cubin, [], [], 0, [], [], 0))
-        return {name: _check(cu.cuLibraryGetKernel(library, name.encode())) for name in KERNEL_PARAMS}
+    def _window(self, window: tuple[int, ...]) -> _Context:
+        """The green context of a window of chunks, made the first time."""
+        found = self._green.get(window)
+        if found is None:
+            cu = self.cu
+            resources = [self._ring()[chunk] for chunk in window]
+            desc = _check(cu.cuDevResourceGenerateDesc(resources, len(resources)))
+            green = _check(cu.cuGreenCtxCreate(desc, self.device,
+                                               cu.CUgreenCtxCreate_flags.CU_GREEN_CTX_DEFAULT_STREAM))
+            sms = sum(r.sm.smCount for r in resources)
+            found = self._green[window] = self._dated(_check(cu.cuCtxFromGreenCtx(green)), sms)
+        return found
 
     # -- what the device is ----------------------------------------------------------------------------
     def properties(self, index: int) -> dict[str, Any]:
@@ -358,21 +276,22 @@ class CudaBackend:
     # -- clients -----------------------------------------------------------------------------------------
     def attach(self, client: Client, *, sm_cap: int, priority: int, weight: float, instance: int | None,
                sms: tuple[int, int] | None = None) -> None:
-        """Place a client: in the primary context, or in a green context of its SM cap (its streams are made
-        there as its work arrives)."""
+        """Place a client: in the primary context, or in the green context of a window of at least its SM cap
+        (its streams are made there as its work arrives). Static SM partitions (`sms`) are the simulator's
+        only: the daemon refuses -S on a real GPU."""
         if client.id in self._placed:
             return  # a priority or weight change: nothing of it is modelled here
-        if sm_cap >= self._attrs["sm_count"]:
-            self._placed[client.id] = self._primary
-            return
-        try:
-            groups = self._groups(sm_cap)
-        except CudaFailure:  # no green contexts on this driver or device: the cap goes unenforced
-            groups = [self._primary]
-            self._green[sm_cap] = groups
-        turn = self._turn.get(sm_cap, 0)
-        self._turn[sm_cap] = turn + 1
-        self._placed[client.id] = groups[turn % len(groups)]
+        context = self._primary
+        if sm_cap < self._attrs["sm_count"]:
+            try:
+                sizes = [chunk.sm.smCount for chunk in self._ring()]
+                window = choose_window(sizes, list(self._windows.values()), sm_cap)
+                if sum(sizes[c] for c in window) < self._attrs["sm_count"]:
+                    context = self._window(window)
+                    self._windows[client.id] = (window, sm_cap)
+            except CudaFailure:  # no green contexts on this driver or device: the cap goes unenforced
+                pass
+        self._placed[client.id] = context
 
     def cancel(self, client: int) -> None:
         """A real GPU cannot drop work it was given: the client's work is let go at once (whoever waits on it
@@ -388,6 +307,8 @@ class CudaBackend:
 
     def forget(self, client: int) -> None:
         self.cancel(client)
+        for key in [k for k in self._open if k[0] == client]:
+            self._flush(key)  # its work must still be seen to retire (bury), once its streams are gone
         for key in [k for k in self._streams if k[0] == client]:
             # The driver frees a destroyed stream's resources once its work is done; ours go on being polled.
             self.cu.cuStreamDestroy(self._streams.pop(key)[0])
@@ -395,6 +316,7 @@ class CudaBackend:
             if queue:
                 self._draining.append(queue)
         self._placed.pop(client, None)
+        self._windows.pop(client, None)  # its SMs count for the clients placed after it
 
     def bury(self, memory: CudaMemory) -> None:
         """Free `memory` now if no work the GPU was given may still touch it, else once that work has retired
@@ -432,12 +354,17 @@ class CudaBackend:
 
     def submit(self, work: Work) -> None:
         cu = self.cu
-        stream, context = self._stream(work.stream, work.priority)
-        self._use(context)
+        key = work.stream
+        stream, context = self._stream(key, work.priority)
         for dep in work.after:  # an event may be waited for from another context's stream
-            if dep.handle is not None and not dep.handle.done:
-                _check(cu.cuStreamWaitEvent(stream, dep.handle.event, 0))
-        pending = _Pending(_check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DEFAULT)), work.stream, context)
+            handle = dep.handle
+            if handle is not None and not handle.done:
+                if handle.event is None:
+                    self._flush(handle.stream)
+                if handle.event is not _SYNCED:  # else it has run already
+                    _check(cu.cuStreamWaitEvent(stream, handle.event, 0))
+        self._use(context)
+        pending = _Pending(key, context)
         if isinstance(work, Launch):
             self._launch(work, stream, pending)
         elif isinstance(work, Copy):
@@ -446,25 +373,60 @@ class CudaBackend:
             _check(cu.cuMemsetD8Async(self._device_pointer(work.dst), work.value, work.dst.nbytes, stream))
         elif not isinstance(work, Record):
             raise TypeError(f"no such work: {work!r}")
-        _check(cu.cuEventRecord(pending.event, stream))
         work.handle = pending
         work.after = ()
-        self._queues.setdefault(work.stream, deque()).append(pending)
+        queue = self._queues.get(key)
+        if queue is None:
+            queue = self._queues[key] = deque()
+        queue.append(pending)
+        waiting = self._open.get(key)
+        if waiting is None:
+            self._open[key] = [pending]
+        else:
+            waiting.append(pending)
+        if isinstance(work, Record):
+            self._flush(key)  # an event record is timed where it stands
         self._wake.set()
 
+    def _flush(self, key: tuple[int, int]) -> None:
+        """Record one event after the work queued on stream `key` since its last one: it marks all of it."""
+        waiting = self._open.pop(key, None)
+        if not waiting:
+            return
+        cu = self.cu
+        stream, context = self._streams[key]
+        self._use(context)
+        event: Any = _SYNCED
+        try:
+            event = (context.spare.pop() if context.spare
+                     else _check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DEFAULT)))
+            _check(cu.cuEventRecord(event, stream))
+        except (CudaFailure, OutOfMemoryError):
+            # The driver gave no event to mark the work by. This runs in the backend's task too, where a raise
+            # would stop every client's completions: wait for the stream here instead, once, and let the
+            # work end now (a refused record leaves the event as it was: fired, so it can be used again).
+            if event is not _SYNCED:
+                context.spare.append(event)
+            cu.cuStreamSynchronize(stream)
+            event = _SYNCED
+        for pending in waiting:
+            pending.event = event
+        waiting[-1].owner = event is not _SYNCED
+
     def _launch(self, work: Launch, stream: Any, pending: _Pending) -> None:
-        args = list(work.args)
+        kernel = self._kernels[work.kernel]
+        values = kernel.values
+        for value, arg in zip(values, work.args):
+            value.value = arg
         for index, extent in work.extents:
             if extent is None:  # caught before launch: reported when it would have run
                 pending.fault = IllegalAddressError(
-                    f"{work.kernel} argument {index} ({int(args[index]):#x}) points outside live memory")
+                    f"{work.kernel} argument {index} ({int(work.args[index]):#x}) points outside live memory")
                 return
-            args[index] = self._device_pointer(extent)
-        values = [_CTYPES[kind](value) for kind, value in zip(KERNEL_PARAMS[work.kernel], args)]
-        pointers = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
+            values[index].value = extent.memory.dptr + extent.offset
         (gx, gy, gz), (bx, by, bz) = work.grid, work.block
-        _check(self.cu.cuLaunchKernel(self._functions[work.kernel], gx, gy, gz, bx, by, bz, work.shared_mem, stream,
-                                      ctypes.addressof(pointers), 0))
+        _check(self.cu.cuLaunchKernel(kernel.function, gx, gy, gz, bx, by, bz, work.shared_mem, stream,
+                                      kernel.address, 0))
 
     def _copy(self, work: Copy, stream: Any, pending: _Pending) -> None:
         cu, n = self.cu, work.nbytes
@@ -507,16 +469,25 @@ class CudaBackend:
         """Finish the work whose events have fired, and free the memory nothing may touch any more; whether
         any work or memory is still waiting."""
         cu = self.cu
+        for key in list(self._open):
+            self._flush(key)
         busy = False
+        not_ready = cu.CUresult.CUDA_ERROR_NOT_READY
         for queue in (*self._queues.values(), *self._draining):
+            fired, ended = None, math.nan  # work sharing an event ends together: it is asked about once
             while queue:
                 head = queue[0]
-                status = cu.cuEventQuery(head.event)[0]
-                if status == cu.CUresult.CUDA_ERROR_NOT_READY:
-                    busy = True
-                    break
+                event = head.event
+                if event is not fired:
+                    # None: queued by a callback of this very pass; its event is recorded in the next one
+                    if event is None or (event is not _SYNCED and cu.cuEventQuery(event)[0] == not_ready):
+                        busy = True
+                        break
+                    fired, ended = event, self.now() if event is _SYNCED else self._ended(head.context, event)
                 queue.popleft()
-                self._finish(head)
+                self._finish(head, ended)
+                if head.owner:  # its event is back for reuse: a callback above may have recorded it again
+                    fired = None
         self._draining = [queue for queue in self._draining if queue]
         if self._graves:
             graves, self._graves = self._graves, []
@@ -525,15 +496,19 @@ class CudaBackend:
                     memory.free()
                 else:
                     self._graves.append((memory, tails))
-        return busy or bool(self._graves)
+        return busy or bool(self._graves) or bool(self._open)
 
-    def _finish(self, pending: _Pending) -> None:
+    def _ended(self, context: _Context, event: Any) -> float:
+        """When a fired event did, in the backend's seconds."""
         cu = self.cu
-        context = pending.context
+        err, ms = cu.cuEventElapsedTime(context.base, event)
+        return context.base_time + ms / 1e3 if err == cu.CUresult.CUDA_SUCCESS else self.now()
+
+    def _finish(self, pending: _Pending, ended: float) -> None:
+        if pending.owner:
+            pending.context.spare.append(pending.event)
         if not pending.cancelled:
-            err, ms = cu.cuEventElapsedTime(context.base, pending.event)
-            pending.ended = context.base_time + ms / 1e3 if err == cu.CUresult.CUDA_SUCCESS else self.now()
-        cu.cuEventDestroy(pending.event)
+            pending.ended = ended
         pending.retired = True
         for cleanup in pending.cleanup:
             cleanup()

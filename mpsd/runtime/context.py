@@ -7,6 +7,11 @@
 # those dependencies to the backend (mpsd.backends.base), which keeps each stream in order. Every byte range a
 # call names is resolved against the client's address space here, before the work is queued; the backend applies
 # the effects when the work completes, so they land in stream order.
+#
+# An argument's kind (an int, a byte count, a string, a stream handle or None) is checked once, by its row in
+# mpsd_protocol's table of calls, before a method here is called; what is checked here is what only the context
+# can judge: values (ranges, live pointers, handles of this context) and what arrives inside a list the table
+# passes whole (mem_pool_ops' operations).
 from __future__ import annotations
 
 import functools
@@ -180,8 +185,6 @@ class Context:
         return max(0, min(own_free, device_free)), self.device.memory_total(self.partition)
 
     def malloc(self, nbytes: int) -> int:
-        if not isinstance(nbytes, int) or nbytes < 0:
-            raise InvalidValueError(f"malloc size {brief(nbytes, 40)} is not a byte count")
         if nbytes == 0:
             return 0  # cudaMalloc(0) succeeds with a null pointer
         addr = self._map_new(nbytes, pool=False)
@@ -250,8 +253,8 @@ class Context:
         alloc.segment.release()
 
     def host_register(self, fd: int, nbytes: int) -> int:
-        if not isinstance(nbytes, int) or nbytes <= 0:
-            raise InvalidValueError(f"host buffer size {brief(nbytes, 40)} is not a positive byte count")
+        if nbytes == 0:
+            raise InvalidValueError("a host buffer of 0 bytes cannot be registered")
         buffer_id = self._handle()
         try:
             self.host[buffer_id] = HostBuffer(buffer_id, fd, nbytes)
@@ -276,9 +279,8 @@ class Context:
         return extent
 
     def _host(self, buffer_id: int, offset: int, nbytes: int) -> Extent:
-        buffer = self.host.get(buffer_id) if isinstance(buffer_id, int) else None
-        if (buffer is None or not isinstance(offset, int) or not isinstance(nbytes, int) or offset < 0
-                or nbytes < 0 or offset + nbytes > buffer.size):
+        buffer = self.host.get(buffer_id)
+        if buffer is None or offset + nbytes > buffer.size:
             raise InvalidValueError(f"host range [{brief(offset, 20)}, +{brief(nbytes, 20)}) of buffer "
                                     f"{brief(buffer_id, 20)} is invalid")
         return Extent(buffer, offset, nbytes)
@@ -291,8 +293,8 @@ class Context:
     # allocation's: pool memory stays mapped, as on a GPU.
     def mem_pool_reserve(self, nbytes: int) -> int:
         """Reserve `nbytes` (a multiple of 2 MiB) for a pool: charged to this client, none of it in use."""
-        if not isinstance(nbytes, int) or nbytes <= 0 or nbytes % CHUNK:
-            raise InvalidValueError(f"a pool reserves whole 2 MiB pages, not {brief(nbytes, 40)} bytes")
+        if nbytes == 0 or nbytes % CHUNK:
+            raise InvalidValueError(f"a pool reserves whole 2 MiB pages, not {nbytes} bytes")
         addr = self._map_new(nbytes, pool=True)
         self.reservations[addr] = Reservation(addr, nbytes)
         return addr
@@ -336,10 +338,10 @@ class Context:
     def _pool_alloc(self, ptr: int, nbytes: int, stream: int | None, after: object) -> int:
         """The pool handed out [ptr, +nbytes) on `stream`, after the work queued so far on the streams in `after`
         (memory freed there, reused without an event between); the bytes now in use."""
-        s = self._stream(stream)
+        s = self._pool_stream(stream)
         if not isinstance(after, list):
             raise InvalidValueError(f"malloc_async waits for a list of streams, not {brief(after, 20)}")
-        waits = [self._stream(a).tail for a in after]  # type: ignore[arg-type]
+        waits = [self._pool_stream(a).tail for a in after]
         reservation = self._reservation(ptr, nbytes)
         if ptr in reservation.live:
             raise InvalidValueError(f"{ptr:#x} was handed out twice by its pool")
@@ -358,8 +360,14 @@ class Context:
             raise InvalidValueError(f"{ptr:#x} is no live allocation of a memory pool")
         reservation.in_use -= nbytes
         self.counters.async_frees += 1
-        self._stream(stream)  # after the bookkeeping: the pool that sent it counts the bytes free either way
+        self._pool_stream(stream)  # after the bookkeeping: the pool that sent it counts the bytes free either way
         return nbytes
+
+    def _pool_stream(self, stream: object) -> Stream:
+        """A stream named inside a pool operation: no row of the table has checked its kind."""
+        if stream is not None and type(stream) is not int:
+            raise InvalidResourceHandleError(f"no stream {brief(stream, 20)} in this context")
+        return self._stream(stream)
 
     def _pool_release(self, ptr: object) -> None:
         """The pool gives a reservation back. Its address range goes now; its memory once the work queued so far,
@@ -377,7 +385,7 @@ class Context:
         """Copy host buffer bytes to the device. A staged (pageable) source is read now; a pinned one when
         the copy runs, as DMA from pinned memory does."""
         s = self._stream(stream)
-        if staged and isinstance(nbytes, int) and nbytes > MAX_STAGED_COPY:
+        if staged and nbytes > MAX_STAGED_COPY:
             # A staged source is copied into the daemon's memory: bounded, so no client can exhaust it.
             raise InvalidValueError(f"a staged copy moves at most {format_size(MAX_STAGED_COPY)}; "
                                     "larger ones go in pieces")
@@ -422,8 +430,6 @@ class Context:
 
     def memset(self, ptr: int, value: int, nbytes: int, stream: int | None) -> Work:
         s = self._stream(stream)
-        if not isinstance(value, int):
-            raise InvalidValueError(f"memset value {brief(value, 20)} is not an int")
         target = self._device(ptr, nbytes, "memset range")
         # cudaMemset uses the low byte, as memset does
         return self._copy(s, Memset(**self._on(s), dst=target, value=value & 0xFF))
@@ -449,7 +455,7 @@ class Context:
                stream: int | None) -> Work:
         """Queue a kernel. A pointer argument outside live memory is found now, and is an illegal address
         when the kernel runs: sticky, contained as the device's fault-containment setting says."""
-        kernel = KERNELS.get(name) if isinstance(name, str) else None
+        kernel = KERNELS.get(name)
         if kernel is None:
             raise InvalidDeviceFunctionError(f"no kernel named {brief(name, 60)}")
         grid3, block3 = check_shape(name, grid, block, shared_mem, self.device.properties)
@@ -471,7 +477,7 @@ class Context:
 
     # -- streams and events ----------------------------------------------------------------------------
     def _stream(self, stream: int | None) -> Stream:
-        s = self.streams.get(0 if stream is None else stream) if stream is None or isinstance(stream, int) else None
+        s = self.streams.get(0 if stream is None else stream)
         if s is None:
             raise InvalidResourceHandleError(f"no stream {brief(stream, 20)} in this context")
         return s
@@ -496,8 +502,8 @@ class Context:
         return work
 
     def create_stream(self, priority: int, flags: int) -> tuple[int, int]:
-        if not isinstance(priority, int) or not isinstance(flags, int) or flags & ~NON_BLOCKING:
-            raise InvalidValueError(f"bad stream priority {brief(priority, 20)} or flags {brief(flags, 20)}")
+        if flags & ~NON_BLOCKING:
+            raise InvalidValueError(f"bad stream flags {flags:#x}")
         # Priorities outside the range are clamped, as the runtime does.
         priority = min(max(priority, STREAM_PRIORITY_GREATEST), STREAM_PRIORITY_LEAST)
         stream_id = self._handle()
@@ -506,7 +512,7 @@ class Context:
 
     def destroy_stream(self, stream: int) -> None:
         # Work already queued still runs, as with cudaStreamDestroy; the handle is gone at once.
-        gone = self.streams.pop(stream, None) if stream != 0 and isinstance(stream, int) else None
+        gone = self.streams.pop(stream, None) if stream else None  # None and 0: the default stream
         if gone is None:
             raise InvalidResourceHandleError(f"no stream {brief(stream, 20)} to destroy")
         self._orphans = [op for op in self._orphans if not op.done]
@@ -533,7 +539,7 @@ class Context:
         return event_id
 
     def _event(self, event: int) -> Event:
-        e = self.events.get(event) if isinstance(event, int) else None
+        e = self.events.get(event)
         if e is None:
             raise InvalidResourceHandleError(f"no event {brief(event, 20)} in this context")
         return e
@@ -569,9 +575,9 @@ class Context:
             InvalidValueError: `ptr` is in no live allocation of this context.
             NotSupportedError: the device's memory is not host memory (a real GPU's).
         """
-        alloc = self.memory.find(ptr) if isinstance(ptr, int) else None
+        alloc = self.memory.find(ptr)
         if alloc is None:
-            raise InvalidValueError(f"{brief(ptr, 20)} is not inside a live allocation of this context")
+            raise InvalidValueError(f"{ptr:#x} is not inside a live allocation of this context")
         if HOST_VIEW not in self.backend.capabilities:
             raise NotSupportedError(f"host_view needs the {HOST_VIEW} capability: {self.device.name}'s memory is "
                                     "device memory, which the host cannot map (pinned host buffers it can)")

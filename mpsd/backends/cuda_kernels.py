@@ -1,0 +1,91 @@
+# The CUDA backend's built-in kernels: their CUDA C source, the parameter kinds the runtime's signatures give
+# them (mpsd.runtime.kernels), and their compilation, once per daemon, with NVRTC for the device's architecture.
+"""The built-in kernels on a real GPU."""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import Any
+
+from mpsd.backends.cuda_driver import CudaFailure, _check
+
+__all__ = ["KERNEL_PARAMS", "Kernel", "compile_kernels"]
+
+KERNEL_SOURCE = r"""
+extern "C" __global__ void spin(long long cycles) {
+    long long start = clock64();
+    while (clock64() - start < cycles) { }
+}
+extern "C" __global__ void work(long long iters) {
+    float x = threadIdx.x;
+    for (long long i = 0; i < iters; ++i) x = fmaf(x, 0.9999999f, 1e-7f);
+    if (x == -12345.0f) *(volatile float *)0 = x;  /* never true: keeps the loop */
+}
+extern "C" __global__ void fill_f32(float *p, float value, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        p[i] = value;
+}
+extern "C" __global__ void vector_add_f32(const float *a, const float *b, float *c, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        c[i] = a[i] + b[i];
+}
+extern "C" __global__ void saxpy_f32(float alpha, const float *x, float *y, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        y[i] = alpha * x[i] + y[i];
+}
+extern "C" __global__ void reduce_sum_f32(const float *x, float *out, long long n) {
+    __shared__ float partial[1024];
+    if (blockIdx.x != 0) return;  /* one block sums it all, so the result does not depend on the grid */
+    float sum = 0.0f;
+    for (long long i = threadIdx.x; i < n; i += blockDim.x) sum += x[i];
+    partial[threadIdx.x] = sum;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float total = 0.0f;
+        for (unsigned t = 0; t < blockDim.x; ++t) total += partial[t];
+        out[0] = total;
+    }
+}
+"""
+KERNEL_PARAMS = {"spin": ("i64",), "work": ("i64",), "fill_f32": ("ptr", "f32", "i64"),
+                 "vector_add_f32": ("ptr", "ptr", "ptr", "i64"), "saxpy_f32": ("f32", "ptr", "ptr", "i64"),
+                 "reduce_sum_f32": ("ptr", "ptr", "i64")}
+_CTYPES = {"ptr": ctypes.c_uint64, "i64": ctypes.c_int64, "f32": ctypes.c_float}
+
+
+@dataclass(eq=False, slots=True)
+class Kernel:
+    """A built-in kernel and its argument buffer: one ctypes value per parameter and the array of their
+    addresses, filled in place for each launch (cuLaunchKernel copies the arguments when it is called)."""
+
+    function: Any
+    values: tuple[Any, ...]
+    pointers: Any
+    address: int
+
+
+def compile_kernels(cu: Any, nvrtc: Any, major: int, minor: int) -> dict[str, Kernel]:
+    """The built-in kernels compiled with NVRTC for compute capability major.minor, each with its argument
+    buffer."""
+    program = _check(nvrtc.nvrtcCreateProgram(KERNEL_SOURCE.encode(), b"mpsd_kernels.cu", 0, [], []))
+    options = [f"--gpu-architecture=sm_{major}{minor}".encode(), b"-default-device"]
+    try:
+        _check(nvrtc.nvrtcCompileProgram(program, len(options), options))
+    except CudaFailure:
+        size = _check(nvrtc.nvrtcGetProgramLogSize(program))
+        log = b" " * size
+        nvrtc.nvrtcGetProgramLog(program, log)
+        raise CudaFailure(f"NVRTC could not compile the built-in kernels: {log.decode(errors='replace')}")
+    size = _check(nvrtc.nvrtcGetCUBINSize(program))
+    cubin = b" " * size
+    _check(nvrtc.nvrtcGetCUBIN(program, cubin))
+    # A library's kernels are not bound to one context: they launch in whichever a stream belongs to.
+    library = _check(cu.cuLibraryLoadData(cubin, [], [], 0, [], [], 0))
+    kernels: dict[str, Kernel] = {}
+    for name, params in KERNEL_PARAMS.items():
+        values = tuple(_CTYPES[kind]() for kind in params)
+        pointers = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
+        kernels[name] = Kernel(_check(cu.cuLibraryGetKernel(library, name.encode())), values, pointers,
+                               ctypes.addressof(pointers))
+    return kernels
