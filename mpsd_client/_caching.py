@@ -19,7 +19,6 @@ import os
 import pickle
 import sys
 import weakref
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +26,7 @@ from mpsd_protocol import OutOfMemoryError  # type: ignore[attr-defined]
 
 from ._caching_report import History, summary
 from ._expandable import ExpandableRules, ExpandableSegment, Unmapped, expandable_size
+from ._stream_uses import PendingFrees
 
 __all__ = ["CachingAllocator", "caching_allocator"]
 
@@ -226,10 +226,7 @@ class CachingAllocator(ExpandableRules, _Figures):
         self._oversize = {"oversize_allocations": _Stat(), "oversize_segments": _Stat()}
         self._counts = {"num_alloc_retries": 0, "num_ooms": 0, "num_sync_all_streams": 0, "num_device_alloc": 0,
                         "num_device_free": 0}
-        # Blocks freed while streams of record_stream still used them wait for an event on each such stream;
-        # the events of a stream complete in order (PyTorch's cuda_events). Spent events are kept for reuse.
-        self._events: dict[int, deque[tuple[Any, _Block]]] = {}
-        self._spare_events: list[Any] = []
+        self._pending = PendingFrees(ctx)  # blocks freed while streams of record_stream may still use them
         self._history: History | None = None
         self._segment_frames: dict[int, list[dict[str, Any]]] = {}  # each segment's allocation stack
 
@@ -293,11 +290,7 @@ class CachingAllocator(ExpandableRules, _Figures):
         if self._history is not None:
             self._history.add("free_requested", block.ptr, block.requested, block.stream)
         if block.stream_uses:
-            for key, stream in block.stream_uses.items():
-                event = self._spare_events.pop() if self._spare_events else self.ctx.create_event(disable_timing=True)
-                event.record(stream)
-                self._events.setdefault(key, deque()).append((event, block))
-                block.event_count += 1
+            self._pending.hold(block, block.stream_uses)
             block.stream_uses = {}
         else:
             self._return_block(block)
@@ -332,27 +325,8 @@ class CachingAllocator(ExpandableRules, _Figures):
         self.allowed = int(fraction * self.ctx.mem_get_info()[1])
 
     def _process_events(self) -> None:
-        """Blocks whose streams' events have all completed go back to their pools (at each malloc, as PyTorch
-        looks): each stream's events in the order they were recorded, up to the first still pending."""
-        for key in list(self._events):
-            waiting = self._events[key]
-            while waiting and waiting[0][0].query():
-                self._event_done(*waiting.popleft())
-            if not waiting:
-                del self._events[key]
-
-    def _event_done(self, event: Any, block: _Block) -> None:
-        self._spare_events.append(event)
-        block.event_count -= 1
-        if block.event_count == 0:
-            self._return_block(block)
-
-    def _synchronize_and_free_events(self) -> None:
-        for waiting in self._events.values():
-            for event, block in waiting:
-                event.synchronize()
-                self._event_done(event, block)
-        self._events.clear()
+        """Blocks whose streams' events have all completed go back to their pools (at each malloc)."""
+        self._pending.process(self._return_block)
 
     def empty_cache(self) -> None:
         """Give every whole, free segment back to the device (after waiting for the device's work, as PyTorch
@@ -623,7 +597,7 @@ class CachingAllocator(ExpandableRules, _Figures):
                     self._release(block)
 
     def _release_cached(self) -> None:
-        self._synchronize_and_free_events()
+        self._pending.synchronize(self._return_block)
         self.ctx.synchronize()
         self._counts["num_sync_all_streams"] += 1
         for small in (False, True):

@@ -350,3 +350,88 @@ def test_expandable_segments_map_exactly_what_their_blocks_hold(steps):
         allocator.free(ptr)
     allocator.empty_cache()
     assert allocator.memory_reserved() == 0 and not device.mapped and not device.handles and not device.reserved
+
+
+class EventDevice(VirtualDevice):
+    """A device whose events complete only when the test says the side stream's work is done (a "sync")."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.clock = self.done = 0
+
+    def create_event(self, disable_timing: bool = False) -> "_Event":
+        return _Event(self)
+
+    def synchronize(self) -> None:
+        self.done = self.clock
+
+
+class _Event:
+    def __init__(self, device: EventDevice) -> None:
+        self.device, self.at = device, 0
+
+    def record(self, stream: object) -> None:
+        self.device.clock += 1
+        self.at = self.device.clock
+
+    def query(self) -> bool:
+        return self.device.done >= self.at
+
+    def synchronize(self) -> None:
+        self.device.done = max(self.device.done, self.at)
+
+
+SIDE = 7  # the stream record_stream names: no allocation is made on it
+STREAM_STEPS = st.lists(st.one_of(
+    st.tuples(st.just("malloc"), SIZES, st.sampled_from((None, 1))),
+    st.tuples(st.just("free"), st.integers(0, 1 << 16)),
+    st.tuples(st.just("record"), st.integers(0, 1 << 16)),
+    st.tuples(st.just("sync")),
+    st.tuples(st.just("empty_cache"))), min_size=5, max_size=60)
+
+
+@settings(max_examples=40, deadline=None)
+@given(STREAM_STEPS, st.sampled_from([("pytorch", ""), ("pytorch", "expandable_segments:True"), ("buddy", None),
+                                      ("slab", None)]))
+def test_no_strategy_hands_out_a_block_before_its_streams_are_done(steps, strategy):
+    """Under every strategy, a block freed after record_stream is never handed out again while the side stream's
+    event is pending; it is active_pending_free, counted active but not allocated; the figures stay the sums of
+    the snapshot's blocks; empty_cache waits for the events, and at the end everything goes back."""
+    device = EventDevice()
+    name, config = strategy
+    allocator = CachingAllocator(device, strategy=name, **({"config": config} if config is not None else {}))
+    live: list[int] = []
+    recorded: set[int] = set()
+    waiting: set[int] = set()  # freed addresses whose side-stream event has not completed
+    for step in steps:
+        if step[0] == "malloc":
+            ptr = allocator.malloc(step[1], step[2])
+            assert ptr not in waiting, "a block was reused before its stream's event completed"
+            live.append(ptr)
+        elif step[0] == "free" and live:
+            ptr = live.pop(step[1] % len(live))
+            allocator.free(ptr)
+            if ptr in recorded:
+                recorded.discard(ptr)
+                waiting.add(ptr)
+        elif step[0] == "record" and live:
+            ptr = live[step[1] % len(live)]
+            allocator.record_stream(ptr, SIDE)
+            recorded.add(ptr)
+        elif step[0] == "sync":
+            device.synchronize()
+            waiting.clear()
+        elif step[0] == "empty_cache":
+            allocator.empty_cache()
+            waiting.clear()
+        blocks = [b for s in allocator.memory_snapshot() for b in s["blocks"]]
+        states = {b["address"]: b["state"] for b in blocks}
+        assert all(states[ptr] == "active_pending_free" for ptr in waiting)
+        stats = allocator.memory_stats()
+        assert stats["allocated_bytes.all.current"] == sum(b["size"] for b in blocks if b["state"] == "active_allocated")
+        assert stats["active_bytes.all.current"] == sum(b["size"] for b in blocks if b["state"] != "inactive")
+        assert stats["active.all.current"] == sum(1 for b in blocks if b["state"] != "inactive")
+    for ptr in live:
+        allocator.free(ptr)
+    allocator.empty_cache()
+    assert allocator.memory_reserved() == 0 and allocator.memory_stats()["active.all.current"] == 0

@@ -189,6 +189,52 @@ def test_a_block_used_on_another_stream_waits_for_that_stream_before_reuse(ctx):
         allocator.record_stream(b + 512, side)
 
 
+@pytest.mark.parametrize("strategy, config", [("pytorch", ""), ("pytorch", "expandable_segments:True"),
+                                              ("buddy", None), ("slab", None)])
+def test_a_busy_stream_holds_a_freed_block_past_mallocs_until_its_event_completes(ctx, strategy, config):
+    """record_stream under every strategy (and with expandable segments): while the other stream still runs
+    long work queued before the free, the block is active_pending_free and mallocs of its size get other
+    memory, however many; once that stream's event has completed, the next malloc gets the block back."""
+    allocator = CachingAllocator(ctx, strategy=strategy, **({"config": config} if config is not None else {}))
+    side = ctx.create_stream()
+    held = allocator.malloc(1 << 20)
+    ctx.launch("spin", 8, 32, [int(20 * 1.98e9)], stream=side)  # 20 simulated seconds: 0.2 s of wall time here
+    allocator.record_stream(held, side)
+    allocator.free(held)
+    stats = allocator.memory_stats()
+    assert (stats["allocated_bytes.all.current"], stats["active.all.current"]) == (0, 1)
+    assert stats["active_bytes.all.current"] >= 1 << 20
+    states = {b["address"]: b["state"] for s in allocator.memory_snapshot() for b in s["blocks"]}
+    assert states[held] == "active_pending_free"
+    others = [allocator.malloc(1 << 20) for _ in range(3)]
+    assert held not in others and not side.query()  # the spin is still running: the event has not completed
+    side.synchronize()
+    again = allocator.malloc(1 << 20)
+    assert again == held
+    for ptr in others + [again]:
+        allocator.free(ptr)
+    allocator.empty_cache()
+    assert allocator.memory_reserved() == 0
+
+
+@pytest.mark.parametrize("strategy", ["buddy", "slab"])
+def test_empty_cache_waits_for_a_strategys_pending_blocks(ctx, strategy):
+    """Buddy and slab: empty_cache synchronises the events of blocks freed under record_stream, so their
+    segments go back too, and record_stream on no live allocation is a ValueError."""
+    allocator = CachingAllocator(ctx, strategy=strategy)
+    side = ctx.create_stream()
+    free_before = ctx.mem_get_info()[0]
+    p = allocator.malloc(3 << 20)
+    ctx.launch("spin", 8, 32, [int(5 * 1.98e9)], stream=side)
+    allocator.record_stream(p, side)
+    allocator.free(p)
+    with pytest.raises(ValueError):
+        allocator.record_stream(p, side)
+    allocator.empty_cache()
+    assert allocator.memory_reserved() == 0 and allocator.memory_stats()["active_bytes.all.current"] == 0
+    assert ctx.mem_get_info()[0] == free_before
+
+
 def test_empty_cache_waits_for_pending_blocks_and_gives_everything_back(ctx):
     """empty_cache synchronises the events of blocks freed under record_stream, so their segments go too."""
     allocator = CachingAllocator(ctx, config="")
