@@ -21,6 +21,8 @@ from typing import Any
 
 from mpsd_protocol import OutOfMemoryError  # type: ignore[attr-defined]
 
+from ._figures import LARGE_BUFFER, SMALL_BUFFER  # the pools' buffers are its segments' page sizes
+
 __all__ = ["ExpandableSegment", "ExpandableRules"]
 
 
@@ -147,7 +149,6 @@ class ExpandableRules:
                 walk = walk.next
             if room >= size:
                 return block
-        from ._caching import LARGE_BUFFER, SMALL_BUFFER  # the pools' buffers are its page sizes
         try:
             segment = ExpandableSegment(self.ctx, stream, SMALL_BUFFER if small else LARGE_BUFFER,
                                         self.ctx.mem_get_info()[1])

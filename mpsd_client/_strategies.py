@@ -15,8 +15,8 @@ from typing import Any
 
 from mpsd_protocol import OutOfMemoryError  # type: ignore[attr-defined]
 
-from ._caching import (MIN_BLOCK, _Figures, POOLS, SMALL_BUFFER, SMALL_SIZE, STATS, _oom_message, _power2_division, _Stat,
-                       _stream, fragmentation)
+from ._figures import (MIN_BLOCK, POOLS, SMALL_BUFFER, SMALL_SIZE, STATS, _Figures, _oom_message, _power2_division,
+                       _Stat, _stream, fragmentation)
 from ._caching_report import summary
 from ._stream_uses import PendingFrees
 
