@@ -35,6 +35,9 @@ async def test_pieces_mapped_side_by_side_are_one_range_for_kernels_copies_and_h
     head = await actx.host_view(va + PAGE)
     assert len(tail) == 4 and np.frombuffer(bytes(tail), np.float32)[0] == 7.0
     assert np.frombuffer(bytes(head[:4]), np.float32)[0] == 8.0
+    await actx.mem_unmap(va + PAGE, PAGE)
+    with pytest.raises(InvalidValueError):  # nothing is mapped there any more: no view, and no stale one
+        await actx.host_view(va + PAGE)
 
 
 async def test_physical_memory_keeps_its_bytes_and_can_be_mapped_twice(actx):
@@ -135,16 +138,20 @@ async def test_a_kernel_on_an_unmapped_page_is_an_illegal_address(served):
             await ctx.synchronize()
 
 
-async def test_work_queued_before_an_unmapping_faults_when_it_runs(served):
-    """mem_unmap does not wait for queued work (PyTorch synchronises its stream before it unmaps): a kernel
-    queued behind a long one on the unmapped page faults instead of touching freed memory."""
+@pytest.mark.parametrize("work", ["kernel", "memset"])
+async def test_work_queued_before_an_unmapping_faults_when_it_runs(served, work):
+    """mem_unmap does not wait for queued work (PyTorch synchronises its stream before it unmaps): a kernel or
+    a memset queued behind a long kernel on the unmapped page faults instead of touching freed memory."""
     async with served.connect() as ctx:
         va = await ctx.mem_address_reserve(2 * PAGE)
         handle = await ctx.mem_create(PAGE)
         await ctx.mem_map(va, PAGE, 0, handle)
         stream = await ctx.create_stream()
         await ctx.launch("spin", 8, 32, [int(1e9)], stream=stream)
-        await ctx.launch("fill_f32", 64, 256, [va, 1.0, 1024], stream=stream)
+        if work == "kernel":
+            await ctx.launch("fill_f32", 64, 256, [va, 1.0, 1024], stream=stream)
+        else:
+            await ctx.memset(va, 7, 4096, stream)
         await ctx.mem_unmap(va, PAGE)
         with pytest.raises(IllegalAddressError):
             await ctx.synchronize()
