@@ -215,8 +215,13 @@ class SimBackend:
             extents = [work.dst]
         else:
             extents = []
-        return [(e.memory, e.offset, e.nbytes) for e in extents
-                if e is not None and isinstance(e.memory, Segment)]
+        out: list[tuple[Segment, int, int]] = []
+        for e in extents:
+            if e is not None and isinstance(e.memory, Segment):
+                out.append((e.memory, e.offset, e.nbytes))
+            elif e is not None and isinstance(e.memory, VirtualRange):  # the memfds mapped behind a range
+                out += e.memory.pieces(e.offset, e.nbytes)
+        return out
 
     def _complete(self, work: Work, op: Op) -> None:
         """The op completed in the simulator: its effect lands on the bytes, then its host RAM is measured."""
@@ -252,6 +257,10 @@ class SimBackend:
             dst = work.dst
             if work.value == 0 and isinstance(dst.memory, Segment):
                 self.host_memory.zero(dst.memory, dst.offset, dst.nbytes)
+                return
+            if work.value == 0 and isinstance(dst.memory, VirtualRange) and _view(dst) is not None:
+                for segment, offset, nbytes in dst.memory.pieces(dst.offset, dst.nbytes):
+                    self.host_memory.zero(segment, offset, nbytes)
                 return
             target = _view(dst)
             if target is None and self._unmapped(work, [dst]):

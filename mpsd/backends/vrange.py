@@ -42,19 +42,21 @@ class VirtualRange:
     def __init__(self, size: int) -> None:
         self.size = size
         self.base = _mmap(None, size, _NONE[0], _NONE[1], -1, 0)
-        self.mapped: set[int] = set()  # indices of the pages that show memory
+        self.mapped: dict[int, tuple[Any, int]] = {}  # index of each page that shows memory -> (memory, offset)
         self.closed = False
 
     def map(self, offset: int, memory: Any, memory_offset: int, nbytes: int) -> None:
         """Show `nbytes` of `memory` (a memfd segment) from `memory_offset` at `offset`."""
         _mmap(self.base + offset, nbytes, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | _MAP_FIXED,
               memory.fd, memory.offset + memory_offset)
-        self.mapped.update(range(offset // PAGE, (offset + nbytes) // PAGE))
+        for page in range(offset // PAGE, (offset + nbytes) // PAGE):
+            self.mapped[page] = (memory, memory_offset + page * PAGE - offset)
 
     def unmap(self, offset: int, nbytes: int) -> None:
         """Make [offset, offset + nbytes) inaccessible again (the memfds keep their bytes)."""
         _mmap(self.base + offset, nbytes, _NONE[0], _NONE[1] | _MAP_FIXED, -1, 0)
-        self.mapped.difference_update(range(offset // PAGE, (offset + nbytes) // PAGE))
+        for page in range(offset // PAGE, (offset + nbytes) // PAGE):
+            self.mapped.pop(page, None)
 
     def view(self, offset: int, nbytes: int) -> memoryview | None:
         """The bytes [offset, offset + nbytes), or None if a page of them is not mapped (or the range is gone)."""
@@ -65,6 +67,25 @@ class VirtualRange:
         if not nbytes:
             return memoryview(b"")
         return memoryview((ctypes.c_char * nbytes).from_address(self.base + offset)).cast("B")
+
+    def pieces(self, offset: int, nbytes: int) -> list[tuple[Any, int, int]]:
+        """The memory behind [offset, offset + nbytes), as (memory, its offset, bytes) runs: what the host RAM
+        budget counts (mpsd.backends.hostmem). Unmapped pages are left out."""
+        out: list[tuple[Any, int, int]] = []
+        end = offset + nbytes
+        pos = offset
+        while pos < end:
+            page = pos // PAGE
+            stop = min(end, (page + 1) * PAGE)
+            found = self.mapped.get(page)
+            if found is not None:
+                memory, start = found[0], found[1] + pos - page * PAGE
+                if out and out[-1][0] is memory and out[-1][1] + out[-1][2] == start:
+                    out[-1] = (memory, out[-1][1], out[-1][2] + stop - pos)
+                else:
+                    out.append((memory, start, stop - pos))
+            pos = stop
+        return out
 
     def close(self) -> None:
         if not self.closed:
