@@ -171,3 +171,16 @@ async def test_a_client_that_goes_gives_back_its_physical_memory(served):
         with trio.fail_after(10):  # the daemon reclaims once it has read the client's EOF
             while (await watcher.mem_get_info())[0] != free0:
                 await trio.sleep(0.01)
+
+
+async def test_a_client_may_reserve_eight_device_memories_of_address_space(actx):
+    """Reservations are host address space in the daemon, which all clients share: one client may hold eight
+    times the device's memory reserved (PyTorch's expandable segments need 1 1/8 per stream and pool), and past
+    that mem_address_reserve fails as the driver does when the address space is exhausted."""
+    _, total = await actx.mem_get_info()
+    share = total // PAGE * PAGE
+    held = [await actx.mem_address_reserve(share) for _ in range(7)]
+    with pytest.raises(OutOfMemoryError, match="address space"):
+        await actx.mem_address_reserve(2 * share)
+    await actx.mem_address_free(held[0], share)
+    await actx.mem_address_reserve(2 * share)

@@ -28,6 +28,10 @@ if TYPE_CHECKING:
 
 GRANULARITY = CHUNK  # cuMemGetAllocationGranularity's answer on the H200, minimum and recommended alike: 2 MiB
 VMM_BASE, VMM_LIMIT = 0x8000_0000_0000, 0x10_0000_0000_0000  # above cudaMalloc's range: room for many 159 GiB
+# The address space one client may hold reserved, in device memories: a reservation is host address space in the
+# daemon too (mpsd.backends.vrange), which all clients share (128 TiB on x86-64), so no client may take it all.
+# PyTorch's expandable segments take 1 1/8 of the device per stream and pool: eight is room for three streams.
+RESERVE_SHARE = 8
 
 
 @dataclass(eq=False, slots=True)
@@ -92,6 +96,7 @@ class VirtualMemory:
     def __init__(self) -> None:
         self.arena = _Arena(VMM_BASE, VMM_LIMIT, GRANULARITY)
         self.physical: dict[int, Physical] = {}
+        self.reserved_bytes = 0  # address space held in reservations
         self._next_handle = 1
 
     def reserved(self, ptr: int) -> Reserved | None:
@@ -136,6 +141,10 @@ class VirtualMemoryCalls:
         if alignment and (alignment & (alignment - 1) or alignment > GRANULARITY):
             raise InvalidValueError(f"mem_address_reserve: alignment {alignment} is not a power of two up to "
                                     f"{GRANULARITY} (larger alignments are not emulated)")
+        allowed = RESERVE_SHARE * self.device.memory_total(self.partition)
+        if vmm.reserved_bytes + size > allowed:
+            raise OutOfMemoryError(f"mem_address_reserve: {format_size(size)} more would pass the "
+                                   f"{format_size(allowed)} of address space a client may reserve")
         try:
             addr = vmm.arena.place(size)
         except MemoryError:
@@ -145,6 +154,7 @@ class VirtualMemoryCalls:
         except OSError as exc:
             raise OutOfMemoryError(f"the daemon could not reserve {format_size(size)}: {exc.strerror}") from None
         vmm.arena.insert(Reserved(addr, size, view))  # type: ignore[arg-type]
+        vmm.reserved_bytes += size
         return addr
 
     def mem_address_free(self: Context, ptr: int, size: int) -> None:  # type: ignore[misc]
@@ -160,6 +170,7 @@ class VirtualMemoryCalls:
         if found.pages:
             raise InvalidValueError(f"mem_address_free: {len(found.pages)} pages of {ptr:#x} are still mapped")
         vmm.arena.remove(ptr)
+        vmm.reserved_bytes -= size
         found.view.close()
 
     def mem_create(self: Context, size: int) -> int:  # type: ignore[misc]
@@ -271,6 +282,7 @@ class VirtualMemoryCalls:
                     self._free_physical(physical)
             found.pages.clear()  # type: ignore[attr-defined]
             vmm.arena.remove(found.addr)
+            vmm.reserved_bytes -= found.size
             found.view.close()  # type: ignore[attr-defined]
         for physical in vmm.physical.values():
             physical.released = True
