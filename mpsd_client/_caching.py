@@ -269,7 +269,8 @@ class CachingAllocator(ExpandableRules, _Figures):
 
     def empty_cache(self) -> None:
         """Give every whole, free segment back to the device (after waiting for the device's work, as PyTorch
-        synchronises before it frees)."""
+        synchronises before it frees); with expandable segments, unmap every whole free page, and give back each
+        segment's range once nothing of it is mapped."""
         self._release_cached()
 
     # -- statistics, as torch.cuda has them ------------------------------------------------------------------

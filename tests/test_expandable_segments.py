@@ -8,7 +8,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import mpsd_client
+from daemons import start_daemon
 from mpsd_client import CachingAllocator
+from mpsd_protocol import OutOfMemoryError
 
 MiB = 1 << 20
 CONFIG = "expandable_segments:True"
@@ -106,19 +109,23 @@ def test_large_blocks_split_to_512_bytes_and_best_fit_prefers_what_cannot_grow(c
     assert c == a + 2 * MiB + int(1.5 * MiB)
 
 
-def test_a_request_past_the_device_empties_the_cache_retries_and_raises_pytorchs_error(ctx):
+def test_a_request_past_the_device_empties_the_cache_retries_and_raises_pytorchs_error(daemon_factory):
     """When the device has no room for the pages, cached free pages are unmapped and the map retried
-    (num_alloc_retries), then OutOfMemoryError with PyTorch's message; nothing is left half-mapped."""
-    from mpsd_protocol import OutOfMemoryError
-    allocator = CachingAllocator(ctx, config=CONFIG)
-    cached = allocator.malloc(400 * MiB)
-    allocator.free(cached)
-    free = ctx.mem_get_info()[0]
-    with pytest.raises(OutOfMemoryError, match="CUDA out of memory. Tried to allocate"):
-        allocator.malloc(free + 1000 * MiB)
-    stats = allocator.memory_stats()
-    assert (stats["num_alloc_retries"], stats["num_ooms"], allocator.memory_reserved()) == (1, 1, 0)
-    assert ctx.mem_get_info()[0] >= free + 400 * MiB
+    (num_alloc_retries), then OutOfMemoryError with PyTorch's message; nothing is left half-mapped. (Under a
+    pinned limit of 1 GiB, so that finding the device full takes tens of mem_create calls, not thousands.)"""
+    daemon = start_daemon("--time-scale", "100", "--pinned-mem-limit", "1G")
+    daemon_factory.append(daemon)
+    with mpsd_client.connect(daemon.pipe_dir) as ctx:
+        allocator = CachingAllocator(ctx, config=CONFIG)
+        cached = allocator.malloc(200 * MiB)
+        allocator.free(cached)
+        free = ctx.mem_get_info()[0]
+        with pytest.raises(OutOfMemoryError, match="CUDA out of memory. Tried to allocate"):
+            allocator.malloc(free + 300 * MiB)
+        stats = allocator.memory_stats()
+        assert (stats["num_alloc_retries"], stats["num_ooms"], allocator.memory_reserved()) == (1, 1, 0)
+        assert ctx.mem_get_info()[0] == free + 200 * MiB
+        assert allocator.malloc(free) == cached  # the segment's range is given back, and taken again
 
 
 def test_the_option_takes_only_true_or_false():
