@@ -184,3 +184,14 @@ async def test_a_client_may_reserve_eight_device_memories_of_address_space(actx)
         await actx.mem_address_reserve(2 * share)
     await actx.mem_address_free(held[0], share)
     await actx.mem_address_reserve(2 * share)
+
+
+async def test_mapped_memory_is_no_cudamalloc_allocation(actx):
+    """cudaFree and cudaIpcGetMemHandle take cudaMalloc's allocations only: on a mapped address they are
+    invalid values (exporting VMM memory is cuMemExportToShareableHandle's, which mpsd does not have)."""
+    va = await actx.mem_address_reserve(2 * PAGE)
+    await actx.mem_map(va, PAGE, 0, await actx.mem_create(PAGE))
+    with pytest.raises(InvalidValueError):
+        await actx.free(va)
+    with pytest.raises(InvalidValueError):
+        await actx.ipc_get_mem_handle(va)
