@@ -318,7 +318,8 @@ class CachingAllocator(ExpandableRules, _Figures):
     def _record_memory_history(self, enabled: str | None = "all", context: str | None = "all",
                                stacks: str = "python", max_entries: int = sys.maxsize) -> None:
         """torch.cuda.memory._record_memory_history: keep the allocator's events (alloc, free_requested,
-        free_completed, segment_alloc, segment_free, oom), with the Python stack of each where `context` says
+        free_completed, segment_alloc, segment_free, oom; segment_map and segment_unmap with expandable
+        segments), with the Python stack of each where `context` says
         ("all", "alloc", or None for none); `enabled=None` stops and forgets them. Stacks are Python's only.
 
         Raises:

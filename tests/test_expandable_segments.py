@@ -134,3 +134,24 @@ def test_the_option_takes_only_true_or_false():
         CachingAllocator(None, config="expandable_segments:yes")
     with pytest.raises(TypeError):
         CachingAllocator(None, strategy="buddy", expandable_segments=True)
+
+
+def test_history_records_each_map_and_unmap(ctx, tmp_path):
+    """With history on, each map and unmap is a segment_map or segment_unmap event (what memory_viz draws for
+    expandable segments), with its address and bytes; the dumped snapshot carries them."""
+    import pickle
+    allocator = CachingAllocator(ctx, config=CONFIG)
+    allocator._record_memory_history()
+    a = allocator.malloc(10 * MiB)
+    b = allocator.malloc(50 * MiB)
+    allocator.free(b)
+    allocator.empty_cache()
+    events = [(e["action"], e["addr"] - a, e["size"] >> 20) for e in allocator._snapshot()["device_traces"][0]
+              if e["action"].startswith("segment")]
+    assert events == [("segment_map", 0, 20), ("segment_map", 20 * MiB, 40), ("segment_unmap", 20 * MiB, 40)]
+    assert allocator.memory_snapshot()[0]["frames"]  # the segment's first map's stack
+    allocator._dump_snapshot(str(tmp_path / "snapshot.pickle"))
+    dumped = pickle.loads((tmp_path / "snapshot.pickle").read_bytes())
+    assert dumped["segments"][0]["is_expandable"]
+    assert [e["action"] for e in dumped["device_traces"][0]] == [
+        "segment_map", "alloc", "segment_map", "alloc", "free_requested", "free_completed", "segment_unmap"]
