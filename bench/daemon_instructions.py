@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import glob
-import os
 import shutil
 import signal
 import socket

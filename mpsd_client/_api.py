@@ -70,6 +70,41 @@ class ContextBase:
         """
         return self._drive(self._core.free(ptr))
 
+    # -- the driver's virtual memory (cuMem*: mpsd.runtime.vmm) -------------------------------------------
+    # Sizes, addresses and offsets are whole pages of the granularity (CUDA_ERROR_INVALID_VALUE otherwise, as
+    # InvalidValueError); a backend without the calls (a real GPU, in mpsd) raises NotSupportedError.
+    def mem_get_allocation_granularity(self) -> Any:
+        """``cuMemGetAllocationGranularity``: the bytes every size and mapping is a multiple of (2 MiB)."""
+        return self._drive(self._core.invoke("mem_get_allocation_granularity"))
+
+    def mem_address_reserve(self, size: int, alignment: int = 0) -> Any:
+        """``cuMemAddressReserve``: `size` bytes of device address space with no memory behind them; the
+        address. Raises OutOfMemoryError when the address space is exhausted."""
+        return self._drive(self._core.invoke("mem_address_reserve", size, alignment))
+
+    def mem_address_free(self, ptr: int, size: int) -> Any:
+        """``cuMemAddressFree``: the whole reservation at `ptr`, once nothing is mapped in it."""
+        return self._drive(self._core.invoke("mem_address_free", ptr, size))
+
+    def mem_create(self, size: int) -> Any:
+        """``cuMemCreate``: `size` bytes of device memory, charged as cudaMalloc's are; its handle (an int).
+        Raises OutOfMemoryError past the device's memory or the pinned limit."""
+        return self._drive(self._core.invoke("mem_create", size))
+
+    def mem_release(self, handle: int) -> Any:
+        """``cuMemRelease``: the handle goes; its memory when its last mapping does."""
+        return self._drive(self._core.invoke("mem_release", handle))
+
+    def mem_map(self, ptr: int, size: int, offset: int, handle: int) -> Any:
+        """``cuMemMap`` (and ``cuMemSetAccess`` read-write for this device): [ptr, ptr + size) of a reservation
+        shows [offset, offset + size) of the handle's memory, to kernels, copies and host_view."""
+        return self._drive(self._core.invoke("mem_map", ptr, size, offset, handle))
+
+    def mem_unmap(self, ptr: int, size: int) -> Any:
+        """``cuMemUnmap``: whole mappings only; it does not wait for queued work, which faults with an illegal
+        address if it touches the range when it runs."""
+        return self._drive(self._core.mem_unmap(ptr, size))
+
     # -- stream-ordered allocation (mpsd_client._pools) ---------------------------------------------------
     def malloc_async(self, nbytes: int, stream: Stream | None = None) -> Any:
         """``cudaMallocAsync``: `nbytes` from the device's current pool, for work on `stream` from here on (in

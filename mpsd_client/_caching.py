@@ -9,7 +9,9 @@
 # stream's, and split when what is left is worth keeping (512 bytes in the small pool; more than 1 MiB in the
 # large, for requests under max_split_size); freed blocks merge with free neighbours of their segment. A segment
 # goes back to the device (cudaFree, here ctx.free) only when it is whole and free: on empty_cache(), or when a
-# device allocation fails, before a retry.
+# device allocation fails, before a retry. With expandable_segments, new memory comes instead from one segment per
+# stream and pool that grows in place (mpsd_client._expandable); sizes and figures every strategy shares are in
+# mpsd_client._figures, record_stream's waiting blocks in mpsd_client._stream_uses.
 """PyTorch's caching allocator, on mpsd."""
 
 from __future__ import annotations
@@ -19,45 +21,20 @@ import os
 import pickle
 import sys
 import weakref
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 from mpsd_protocol import OutOfMemoryError  # type: ignore[attr-defined]
 
 from ._caching_report import History, summary
+from ._figures import (LARGE_BUFFER, MIN_BLOCK, POOLS, SMALL_BUFFER, SMALL_SIZE, STATS, UNLIMITED, _allocation_size,
+                       _Figures, _oom_message, _power2_division, _Stat, _stream, fragmentation)
+from ._expandable import ExpandableRules, ExpandableSegment, Unmapped, expandable_size
+from ._stream_uses import PendingFrees
 
 __all__ = ["CachingAllocator", "caching_allocator"]
 
-MIN_BLOCK = 512  # every size is rounded to at least this
-SMALL_SIZE = 1 << 20  # the largest small allocation
-SMALL_BUFFER = 2 << 20  # small allocations are packed in segments of this size
-LARGE_BUFFER = 20 << 20  # allocations between 1 and 10 MiB are packed in segments of this size
-MIN_LARGE_ALLOC = 10 << 20
-ROUND_LARGE = 2 << 20  # larger allocations round up to this
-UNLIMITED = (1 << 64) - 1  # max_split_size when none is set (PyTorch reports it as -1)
-STATS = ("allocation", "segment", "active", "inactive_split", "allocated_bytes", "reserved_bytes", "active_bytes",
-         "inactive_split_bytes", "requested_bytes")
-POOLS = ("all", "small_pool", "large_pool")
-OPTIONS = ("max_split_size_mb", "roundup_power2_divisions", "garbage_collection_threshold")
-
-
-@dataclass(slots=True)
-class _Stat:
-    current: int = 0
-    peak: int = 0
-    allocated: int = 0
-    freed: int = 0
-
-    def up(self, amount: int) -> None:
-        self.current += amount
-        if self.current > self.peak:
-            self.peak = self.current
-        self.allocated += amount
-
-    def down(self, amount: int) -> None:
-        self.current -= amount
-        self.freed += amount
+OPTIONS = ("max_split_size_mb", "roundup_power2_divisions", "garbage_collection_threshold", "expandable_segments")
 
 
 @dataclass(eq=False)
@@ -74,6 +51,8 @@ class _Block:
     stream_uses: dict[int, Any] = field(default_factory=dict)  # record_stream's streams, by key: their objects
     event_count: int = 0  # events recorded on those streams at its free that have not completed
     frames: list[dict[str, Any]] = field(default_factory=list)  # its allocation's stack, when history is on
+    mapped: bool = True  # False: a range of an expandable segment with no memory behind it yet
+    segment: ExpandableSegment | None = None  # the expandable segment it is part of, if any
 
     @property
     def key(self) -> tuple[int, int, int]:
@@ -90,6 +69,7 @@ class _Pool:
         self.small = small
         self.keys: list[tuple[int, int, int]] = []
         self.blocks: dict[tuple[int, int, int], _Block] = {}
+        self.unmapped = Unmapped()  # expandable segments' ranges not mapped yet
 
     def insert(self, block: _Block, now: int = 0) -> None:
         bisect.insort(self.keys, block.key)
@@ -109,10 +89,12 @@ class _Pool:
 
 def _config(text: str) -> dict[str, float]:
     """PYTORCH_CUDA_ALLOC_CONF's options this allocator honours: ``max_split_size_mb:N``,
-    ``roundup_power2_divisions:N`` and ``garbage_collection_threshold:F``.
+    ``roundup_power2_divisions:N``, ``garbage_collection_threshold:F`` and ``expandable_segments:True|False``
+    (1.0 or 0.0 here).
 
     Raises:
-        ValueError: an option it does not know, or a value that is not a number.
+        ValueError: an option it does not know, or a value that is not a number (for expandable_segments, not
+            True or False, the only spellings PyTorch takes).
     """
     out: dict[str, float] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
@@ -120,58 +102,32 @@ def _config(text: str) -> dict[str, float]:
         if name not in OPTIONS:
             raise ValueError(f"PYTORCH_CUDA_ALLOC_CONF: {name!r} is not an option this allocator knows "
                              f"({', '.join(OPTIONS)})")
-        out[name] = float(value)
+        if name == "expandable_segments":
+            if value not in ("True", "False"):
+                raise ValueError(f"PYTORCH_CUDA_ALLOC_CONF: expandable_segments takes True or False, not {value!r}")
+            out[name] = float(value == "True")
+        else:
+            out[name] = float(value)
     return out
 
 
-class _Figures:
-    """torch.cuda's views of an allocator's statistics (``_stats`` and ``_oversize``), which every strategy has."""
-
-    _stats: dict[str, dict[str, _Stat]]
-    _oversize: dict[str, _Stat]
-    _counts: dict[str, int]
-
-    def _torch_figures(self) -> dict[str, float]:
-        """memory_stats()'s keys that every strategy keeps alike: each statistic's four figures, the counts."""
-        out: dict[str, float] = {}
-        for name, pools in self._stats.items():
-            for pool, stat in pools.items():
-                for field_name in ("current", "peak", "allocated", "freed"):
-                    out[f"{name}.{pool}.{field_name}"] = getattr(stat, field_name)
-        for name, stat in self._oversize.items():
-            for field_name in ("current", "peak", "allocated", "freed"):
-                out[f"{name}.{field_name}"] = getattr(stat, field_name)
-        out.update(self._counts)
-        return out
-
-    def memory_allocated(self) -> int:
-        return self._stats["allocated_bytes"]["all"].current
-
-    def max_memory_allocated(self) -> int:
-        return self._stats["allocated_bytes"]["all"].peak
-
-    def memory_reserved(self) -> int:
-        return self._stats["reserved_bytes"]["all"].current
-
-    def max_memory_reserved(self) -> int:
-        return self._stats["reserved_bytes"]["all"].peak
-
-    def reset_peak_memory_stats(self) -> None:
-        for stat in [s for pools in self._stats.values() for s in pools.values()] + list(self._oversize.values()):
-            stat.peak = stat.current
-
-
-class CachingAllocator(_Figures):
+class CachingAllocator(ExpandableRules, _Figures):
     """PyTorch's CUDA caching allocator over a context's device memory.
 
     Args:
-        ctx: a blocking `Context` (its malloc, free and synchronize are the device's).
+        ctx: a blocking `Context` (its malloc, free and synchronize are the device's; with expandable segments
+            its mem_address_reserve, mem_create, mem_map and the rest).
         config: PYTORCH_CUDA_ALLOC_CONF's syntax (default: that variable); ``max_split_size_mb``,
-            ``roundup_power2_divisions`` (one number, for every size) and ``garbage_collection_threshold`` (which,
-            as in PyTorch, acts only under ``set_per_process_memory_fraction``) are honoured.
+            ``roundup_power2_divisions`` (one number, for every size), ``garbage_collection_threshold`` (which,
+            as in PyTorch, acts only under ``set_per_process_memory_fraction``) and ``expandable_segments`` are
+            honoured.
+        expandable_segments: overrides the option of that name in `config` (mpsd_client._expandable).
     """
 
-    def __new__(cls, ctx: Any, config: str | None = None, strategy: str = "pytorch", **options: Any) -> Any:
+    _block = _Block
+
+    def __new__(cls, ctx: Any, config: str | None = None, strategy: str = "pytorch",
+                expandable_segments: bool | None = None, **options: Any) -> Any:
         # strategy="buddy" | "slab" gives one of mpsd_client._strategies' allocators instead: the same calls
         # over other rules, for comparing how each fragments (imported here, as that module builds on this one).
         if strategy == "pytorch":
@@ -181,11 +137,17 @@ class CachingAllocator(_Figures):
         from ._strategies import STRATEGIES
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy {strategy!r}: one of pytorch, {', '.join(STRATEGIES)}")
+        if expandable_segments:
+            raise TypeError(f"expandable segments are PyTorch's strategy's, not {strategy}'s")
         return STRATEGIES[strategy](ctx, **options)
 
-    def __init__(self, ctx: Any, config: str | None = None, strategy: str = "pytorch") -> None:
+    def __init__(self, ctx: Any, config: str | None = None, strategy: str = "pytorch",
+                 expandable_segments: bool | None = None) -> None:
         self.ctx = ctx
         options = _config(os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") if config is None else config)
+        self.expandable = bool(options.get("expandable_segments", 0.0)) if expandable_segments is None \
+            else expandable_segments
+        self._expandables: list[ExpandableSegment] = []
         self.max_split_size = int(options["max_split_size_mb"] * (1 << 20)) if "max_split_size_mb" in options \
             else UNLIMITED
         self.divisions = int(options.get("roundup_power2_divisions", 0))
@@ -203,10 +165,7 @@ class CachingAllocator(_Figures):
         self._oversize = {"oversize_allocations": _Stat(), "oversize_segments": _Stat()}
         self._counts = {"num_alloc_retries": 0, "num_ooms": 0, "num_sync_all_streams": 0, "num_device_alloc": 0,
                         "num_device_free": 0}
-        # Blocks freed while streams of record_stream still used them wait for an event on each such stream;
-        # the events of a stream complete in order (PyTorch's cuda_events). Spent events are kept for reuse.
-        self._events: dict[int, deque[tuple[Any, _Block]]] = {}
-        self._spare_events: list[Any] = []
+        self._pending = PendingFrees(ctx)  # blocks freed while streams of record_stream may still use them
         self._history: History | None = None
         self._segment_frames: dict[int, list[dict[str, Any]]] = {}  # each segment's allocation stack
 
@@ -225,12 +184,12 @@ class CachingAllocator(_Figures):
         if block is None:
             if self.allowed is not None and self.gc_threshold > 0:
                 self._collect_garbage()
-            block = self._new_segment(small, stream_key, size, retry=False)
+            block = self._alloc_block(small, stream_key, stream, size, retry=False)
             if block is None and self._release_available(small, stream_key, size):
-                block = self._new_segment(small, stream_key, size, retry=False)
+                block = self._alloc_block(small, stream_key, stream, size, retry=False)
             if block is None:
                 self._release_cached()
-                block = self._new_segment(small, stream_key, size, retry=True)
+                block = self._alloc_block(small, stream_key, stream, size, retry=True)
             if block is None:
                 self._counts["num_ooms"] += 1
                 if self._history is not None:
@@ -270,11 +229,7 @@ class CachingAllocator(_Figures):
         if self._history is not None:
             self._history.add("free_requested", block.ptr, block.requested, block.stream)
         if block.stream_uses:
-            for key, stream in block.stream_uses.items():
-                event = self._spare_events.pop() if self._spare_events else self.ctx.create_event(disable_timing=True)
-                event.record(stream)
-                self._events.setdefault(key, deque()).append((event, block))
-                block.event_count += 1
+            self._pending.hold(block, block.stream_uses)
             block.stream_uses = {}
         else:
             self._return_block(block)
@@ -295,8 +250,9 @@ class CachingAllocator(_Figures):
         if block.is_split():
             blocks_change += 1
             bytes_change += block.size
-        self._change("inactive_split", block.small, blocks_change)
-        self._change("inactive_split_bytes", block.small, bytes_change)
+        if block.segment is None:  # PyTorch leaves expandable segments out of inactive_split: their free
+            self._change("inactive_split", block.small, blocks_change)  # pages can always be unmapped
+            self._change("inactive_split_bytes", block.small, bytes_change)
         for name, amount in (("active", 1), ("active_bytes", size), ("requested_bytes", requested)):
             for stat in self._pairs[name, block.small]:
                 stat.down(amount)
@@ -308,31 +264,13 @@ class CachingAllocator(_Figures):
         self.allowed = int(fraction * self.ctx.mem_get_info()[1])
 
     def _process_events(self) -> None:
-        """Blocks whose streams' events have all completed go back to their pools (at each malloc, as PyTorch
-        looks): each stream's events in the order they were recorded, up to the first still pending."""
-        for key in list(self._events):
-            waiting = self._events[key]
-            while waiting and waiting[0][0].query():
-                self._event_done(*waiting.popleft())
-            if not waiting:
-                del self._events[key]
-
-    def _event_done(self, event: Any, block: _Block) -> None:
-        self._spare_events.append(event)
-        block.event_count -= 1
-        if block.event_count == 0:
-            self._return_block(block)
-
-    def _synchronize_and_free_events(self) -> None:
-        for waiting in self._events.values():
-            for event, block in waiting:
-                event.synchronize()
-                self._event_done(event, block)
-        self._events.clear()
+        """Blocks whose streams' events have all completed go back to their pools (at each malloc)."""
+        self._pending.process(self._return_block)
 
     def empty_cache(self) -> None:
         """Give every whole, free segment back to the device (after waiting for the device's work, as PyTorch
-        synchronises before it frees)."""
+        synchronises before it frees); with expandable segments, unmap every whole free page, and give back each
+        segment's range once nothing of it is mapped."""
         self._release_cached()
 
     # -- statistics, as torch.cuda has them ------------------------------------------------------------------
@@ -346,13 +284,16 @@ class CachingAllocator(_Figures):
         return dict(sorted(out.items()))
 
     def memory_snapshot(self) -> list[dict[str, Any]]:
-        """The segments and their blocks, in address order, in torch.cuda.memory_snapshot()'s shape."""
+        """The segments and their blocks, in address order, in torch.cuda.memory_snapshot()'s shape; an
+        expandable segment shows as one segment for each run of mapped memory, ``is_expandable`` True."""
         out = []
-        for base in sorted(self._segments):
-            block: _Block | None = self._segments[base]
+        heads: list[tuple[int, _Block, bool]] = [(base, block, False) for base, block in self._segments.items()]
+        heads += [(run[0].ptr, run[0], True) for run in self._expandable_runs()]
+        for base, head, expandable in sorted(heads, key=lambda h: h[0]):
+            block: _Block | None = head
             first = block
             blocks = []
-            while block is not None:
+            while block is not None and block.mapped:
                 state = ("active_allocated" if block.allocated else "active_pending_free" if block.event_count
                          else "inactive")
                 blocks.append({"address": block.ptr, "size": block.size,
@@ -366,7 +307,7 @@ class CachingAllocator(_Figures):
                         "active_size": active, "requested_size": sum(b["requested_size"] for b in blocks),
                         "stream": first.stream if first is not None else 0,
                         "segment_type": "small" if first is not None and first.small else "large",
-                        "segment_pool_id": (0, 0), "is_expandable": False,
+                        "segment_pool_id": (0, 0), "is_expandable": expandable,
                         "frames": self._segment_frames.get(base, []), "blocks": blocks})
         return out
 
@@ -377,7 +318,8 @@ class CachingAllocator(_Figures):
     def _record_memory_history(self, enabled: str | None = "all", context: str | None = "all",
                                stacks: str = "python", max_entries: int = sys.maxsize) -> None:
         """torch.cuda.memory._record_memory_history: keep the allocator's events (alloc, free_requested,
-        free_completed, segment_alloc, segment_free, oom), with the Python stack of each where `context` says
+        free_completed, segment_alloc, segment_free, oom; segment_map and segment_unmap with expandable
+        segments), with the Python stack of each where `context` says
         ("all", "alloc", or None for none); `enabled=None` stops and forgets them. Stacks are Python's only.
 
         Raises:
@@ -415,12 +357,42 @@ class CachingAllocator(_Figures):
         block = pool.best_fit(stream, size)
         if block is None:
             return None
+        if block.segment is not None:
+            # A block that can grow counts as large as it could grow: best fit looks on, among the stream's
+            # larger blocks, for one that holds less that way (PyTorch's expandable_size).
+            index = bisect.bisect_left(pool.keys, block.key) + 1
+            while (block.segment is not None and index < len(pool.keys) and pool.keys[index][0] == stream
+                   and expandable_size(pool.blocks[pool.keys[index]]) < expandable_size(block)):
+                block = pool.blocks[pool.keys[index]]
+                index += 1
         if size < self.max_split_size and block.size >= self.max_split_size:
             return None  # an oversize block is not cut up for a request below the limit
         if size >= self.max_split_size and block.size >= size + LARGE_BUFFER:
             return None  # nor given whole to a large request it exceeds by 20 MiB or more
         pool.remove(block)
         return block
+
+    def _alloc_block(self, small: bool, stream: int, stream_object: Any, size: int, retry: bool) -> _Block | None:
+        """A new free block for `size`: a new segment, or with expandable segments the stream's segment grown
+        (what PyTorch's alloc_block does; the fraction is checked against the segment a cudaMalloc would make)."""
+        if not self.expandable:
+            return self._new_segment(small, stream, size, retry)
+        if retry:
+            self._counts["num_alloc_retries"] += 1
+        nbytes = SMALL_BUFFER if small else _allocation_size(size)
+        if self.allowed is not None and self._reserved_total + nbytes > self.allowed:
+            return None
+        return self._grow(small, stream, stream_object, size)
+
+    def _mapped(self, small: bool, stream: int, ptr: int, nbytes: int, up: bool) -> None:
+        """An expandable segment mapped (or unmapped) `nbytes` at `ptr`: reserved bytes, device calls, history."""
+        self._reserved_total += nbytes if up else -nbytes
+        self._change("reserved_bytes", small, nbytes if up else -nbytes)
+        self._counts["num_device_alloc" if up else "num_device_free"] += 1
+        if self._history is not None:
+            frames = self._history.add("segment_map" if up else "segment_unmap", ptr, nbytes, stream)
+            if up and ptr not in self._segment_frames:
+                self._segment_frames[ptr] = frames
 
     def _new_segment(self, small: bool, stream: int, size: int, retry: bool) -> _Block | None:
         nbytes = SMALL_BUFFER if small else _allocation_size(size)
@@ -449,28 +421,32 @@ class CachingAllocator(_Figures):
         """Take `size` bytes from the front of the free `block` (splitting off the rest where worth it)."""
         was_split = block.is_split()
         remaining = block.size - size
-        if block.small:
+        if block.small or self.expandable:  # with expandable segments, large blocks split as small ones
             split = remaining >= MIN_BLOCK
         else:
             split = size < self.max_split_size and remaining > SMALL_SIZE
         if split:
-            rest = _Block(block.stream, remaining, block.ptr + size, block.small, prev=None, next=block.next)
-            front = _Block(block.stream, size, block.ptr, block.small, prev=block.prev, next=rest)
+            rest = _Block(block.stream, remaining, block.ptr + size, block.small, prev=None, next=block.next,
+                          segment=block.segment)
+            front = _Block(block.stream, size, block.ptr, block.small, prev=block.prev, next=rest,
+                           segment=block.segment)
             rest.prev = front
             if front.prev is not None:
                 front.prev.next = front
             else:
-                self._segments[front.ptr] = front
+                self._set_head(front)
             if rest.next is not None:
                 rest.next.prev = rest
             self._pools[block.small].insert(rest, self._gc_calls[block.small])
-            if was_split:
+            if block.segment is not None:
+                pass  # expandable segments are left out of inactive_split, as in PyTorch
+            elif was_split:
                 self._change("inactive_split_bytes", block.small, -size)
             else:
                 self._change("inactive_split_bytes", block.small, remaining)
                 self._change("inactive_split", block.small, 1)
             block = front
-        elif was_split:
+        elif was_split and block.segment is None:
             self._change("inactive_split_bytes", block.small, -block.size)
             self._change("inactive_split", block.small, -1)
         block.allocated = True
@@ -486,22 +462,32 @@ class CachingAllocator(_Figures):
 
     def _merge(self, block: _Block, other: _Block | None) -> int:
         """Absorb the free neighbour `other` into `block`; the bytes absorbed (0 if it is not free)."""
-        if other is None or other.allocated or other.event_count:  # in use, or waiting for a stream's event
-            return 0
-        self._pools[block.small].remove(other)
+        if other is None or other.allocated or other.event_count or other.mapped != block.mapped:
+            return 0  # in use, waiting for a stream's event, or mapped where the block is not (or not where it is)
+        if other.mapped:
+            self._pools[block.small].remove(other)
+        else:
+            self._pools[block.small].unmapped.remove(other)
         if block.prev is other:
             block.ptr = other.ptr
             block.prev = other.prev
             if block.prev is not None:
                 block.prev.next = block
             else:
-                self._segments[block.ptr] = block
+                self._set_head(block)
         else:
             block.next = other.next
             if block.next is not None:
                 block.next.prev = block
         block.size += other.size
         return other.size
+
+    def _set_head(self, block: _Block) -> None:
+        """`block` is now the first of its segment."""
+        if block.segment is not None:
+            block.segment.head = block
+        else:
+            self._segments[block.ptr] = block
 
     def _release_available(self, small: bool, stream: int, size: int) -> bool:
         """With a max_split_size, free oversize cached blocks, enough for `size`; whether any was."""
@@ -510,17 +496,18 @@ class CachingAllocator(_Figures):
         pool = self._pools[small]
         target = max(size, self.max_split_size)
         index = bisect.bisect_left(pool.keys, (stream, target, 0))
-        if index < len(pool.keys) and pool.keys[index][0] == stream:
+        if index < len(pool.keys) and pool.keys[index][0] == stream and pool.blocks[pool.keys[index]].segment is None:
             self._release(pool.blocks[pool.keys[index]])
             return True
         released = 0
-        index -= 1  # the largest of this stream's, going down
+        index -= 1  # the largest of this stream's, going down (an expandable segment's are passed over)
         while released < target and index >= 0:
             block = pool.blocks[pool.keys[index]]
             if block.size < self.max_split_size or block.stream != stream:
                 break
-            released += block.size
-            self._release(block)
+            if block.segment is None:
+                released += block.size
+                self._release(block)
             index -= 1
         return released >= target
 
@@ -533,7 +520,7 @@ class CachingAllocator(_Figures):
             return
         target = self._reserved_total - threshold
         pool, now = self._pools[False], self._gc_calls[False]
-        whole = [pool.blocks[k] for k in pool.keys if not pool.blocks[k].is_split()]
+        whole = [pool.blocks[k] for k in pool.keys if not pool.blocks[k].is_split() and pool.blocks[k].segment is None]
         if not whole:
             return
         total_age, count, reclaimed, freed = sum(now - b.gc_base for b in whole), len(whole), 0, True
@@ -542,7 +529,8 @@ class CachingAllocator(_Figures):
             freed = False
             for key in list(pool.keys):
                 block = pool.blocks.get(key)
-                if block is not None and not block.is_split() and now - block.gc_base >= average:
+                if block is not None and not block.is_split() and block.segment is None \
+                        and now - block.gc_base >= average:
                     freed = True
                     reclaimed += block.size
                     total_age -= now - block.gc_base
@@ -550,15 +538,20 @@ class CachingAllocator(_Figures):
                     self._release(block)
 
     def _release_cached(self) -> None:
-        self._synchronize_and_free_events()
+        self._pending.synchronize(self._return_block)
         self.ctx.synchronize()
         self._counts["num_sync_all_streams"] += 1
         for small in (False, True):
             pool = self._pools[small]
+            growing = []  # an expandable segment's free blocks: their whole pages are unmapped after the rest
             for key in list(pool.keys):
                 block = pool.blocks[key]
-                if not block.is_split():
+                if block.segment is not None:
+                    growing.append(block)
+                elif not block.is_split():
                     self._release(block)
+            for block in growing:
+                self._unmap_block(block)
 
     def _release(self, block: _Block) -> None:
         """Give a whole free segment back to the device."""
@@ -586,71 +579,6 @@ class CachingAllocator(_Figures):
 
     def _oom_message(self, nbytes: int) -> str:
         return _oom_message(self.ctx, nbytes, self.memory_allocated(), self.memory_reserved(), self.allowed)
-
-
-def _oom_message(ctx: Any, nbytes: int, allocated: int, reserved: int, allowed_bytes: int | None) -> str:
-    """PyTorch's OutOfMemoryError text (every strategy raises it, so that scripts matching it still do)."""
-    free, total = ctx.mem_get_info()
-    allowed = f"{_torch_size(allowed_bytes)} allowed; " if allowed_bytes is not None else ""
-    return (f"CUDA out of memory. Tried to allocate {_torch_size(nbytes)}. GPU 0 has a total capacity of "
-            f"{_torch_size(total)} of which {_torch_size(free)} is free. {allowed}Of the allocated memory "
-            f"{_torch_size(allocated)} is allocated by PyTorch, and {_torch_size(reserved - allocated)} is "
-            "reserved by PyTorch but unallocated. If reserved but unallocated memory is large try setting "
-            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.")
-
-
-def fragmentation(free_blocks: list[int], requested: int, allocated: int) -> dict[str, float]:
-    """mpsd's fragmentation figures, which PyTorch has no keys for, over the memory an allocator has reserved:
-
-    - ``fragmentation.free_bytes``: the cached blocks no allocation holds (reserved less active, pending
-      frees aside);
-    - ``fragmentation.largest_free_block``: the largest of them, the most one allocation could get without
-      reserving more;
-    - ``fragmentation.external``: 1 - largest_free_block / free_bytes (0 with nothing free): how much of the
-      free memory is in pieces too small for a request as large as it all;
-    - ``fragmentation.internal``: 1 - requested / allocated bytes (0 with nothing allocated): the share of what
-      is handed out that rounding gave beyond what was asked.
-    """
-    free = sum(free_blocks)
-    largest = max(free_blocks, default=0)
-    return {"fragmentation.free_bytes": free, "fragmentation.largest_free_block": largest,
-            "fragmentation.external": 1 - largest / free if free else 0.0,
-            "fragmentation.internal": 1 - requested / allocated if allocated else 0.0}
-
-
-def _allocation_size(size: int) -> int:
-    if size <= SMALL_SIZE:
-        return SMALL_BUFFER
-    if size < MIN_LARGE_ALLOC:
-        return LARGE_BUFFER
-    return -(-size // ROUND_LARGE) * ROUND_LARGE
-
-
-def _power2_division(size: int, divisions: int) -> int:
-    """`size` rounded up to the next of `divisions` equal steps between the powers of two around it."""
-    if size & (size - 1) == 0:
-        return size
-    floor = 1 << (size.bit_length() - 1)
-    step = floor >> (divisions.bit_length() - 1)
-    if step == 0:
-        return floor << 1
-    low = size & ~(step - 1)
-    return size if low == size else low + step
-
-
-def _stream(stream: Any) -> int:
-    """A stream's place in PyTorch's order of free blocks: the default stream first, then by handle."""
-    return 0 if stream is None else int(getattr(stream, "handle", stream))
-
-
-def _torch_size(nbytes: int) -> str:
-    """PyTorch's format_size: bytes, KiB, MiB or GiB with two decimals."""
-    if nbytes <= 1024:
-        return f"{nbytes} bytes"
-    for unit, scale in (("KiB", 1 << 10), ("MiB", 1 << 20)):
-        if nbytes <= scale * 1024:
-            return f"{nbytes / scale:.2f} {unit}"
-    return f"{nbytes / (1 << 30):.2f} GiB"
 
 
 _DEFAULTS: weakref.WeakKeyDictionary[Any, CachingAllocator] = weakref.WeakKeyDictionary()

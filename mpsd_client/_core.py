@@ -268,6 +268,14 @@ class Core:
         self._unmap(int(ptr))
         self._handles.pop(int(ptr), None)
 
+    # -- the driver's virtual memory (mpsd.runtime.vmm) -----------------------------------------------------
+    def mem_unmap(self, ptr: int, size: int) -> Op:
+        """cuMemUnmap; host views of the mappings it removes are let go (the same addresses may show other
+        memory next)."""
+        yield from self.invoke("mem_unmap", ptr, size)
+        for base in [b for b in self._maps if ptr <= b < ptr + size]:
+            self._unmap(base)
+
     # -- stream-ordered allocation (mpsd_client._pools) ---------------------------------------------------
     def default_pool(self, ctx: Any) -> MemPool:
         if not self.pools:

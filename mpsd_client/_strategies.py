@@ -4,8 +4,8 @@
 # device, shared by both: segments from ctx.malloc, the empty-the-cache-then-retry on a failed device
 # allocation, PyTorch's OutOfMemoryError, the statistics and the snapshot. A strategy decides only how a segment
 # is cut: its `_round`, `_segment_size`, `_take` and `_give`. Each segment serves one stream, as PyTorch's do, so
-# no block is reused by another stream's work while the first may still use it (record_stream is PyTorch's
-# only; these allocators do not take it).
+# no block is reused by another stream's work while the first may still use it; record_stream's rule is
+# PyTorch's (mpsd_client._stream_uses): a block freed while other streams may use it waits for their events.
 """Buddy and slab allocators, with the caching allocator's calls."""
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ from typing import Any
 
 from mpsd_protocol import OutOfMemoryError  # type: ignore[attr-defined]
 
-from ._caching import (MIN_BLOCK, _Figures, POOLS, SMALL_BUFFER, SMALL_SIZE, STATS, _oom_message, _power2_division, _Stat,
-                       _stream, fragmentation)
+from ._figures import (MIN_BLOCK, POOLS, SMALL_BUFFER, SMALL_SIZE, STATS, _Figures, _oom_message, _power2_division,
+                       _Stat, _stream, fragmentation)
 from ._caching_report import summary
+from ._stream_uses import PendingFrees
 
 __all__ = ["BuddyAllocator", "SlabAllocator", "STRATEGIES"]
 
@@ -37,10 +38,23 @@ class _Segment:
     free: dict[int, int] = field(default_factory=dict)  # offset -> size of each free block
     live: dict[int, int] = field(default_factory=dict)  # offset -> requested bytes of each allocated block
     sizes: dict[int, int] = field(default_factory=dict)  # offset -> size of each allocated block
+    uses: dict[int, dict[int, Any]] = field(default_factory=dict)  # offset -> record_stream's streams, by key
+    pending: dict[int, _Held] = field(default_factory=dict)  # offset -> a freed block waiting for streams
 
     def split_free(self) -> tuple[int, int]:
         """Its free blocks as PyTorch counts "inactive_split": those of a segment that is not wholly free."""
-        return (len(self.free), sum(self.free.values())) if self.live else (0, 0)
+        return (len(self.free), sum(self.free.values())) if self.live or self.pending else (0, 0)
+
+
+@dataclass(eq=False)
+class _Held:
+    """A block freed under record_stream: neither allocated nor free until its streams' events complete."""
+
+    segment: _Segment
+    offset: int
+    size: int
+    requested: int
+    event_count: int = 0
 
 
 class _SegmentAllocator(_Figures):
@@ -61,6 +75,7 @@ class _SegmentAllocator(_Figures):
         self._oversize = {"oversize_allocations": _Stat(), "oversize_segments": _Stat()}  # none: no max_split
         self._counts = {"num_alloc_retries": 0, "num_ooms": 0, "num_sync_all_streams": 0, "num_device_alloc": 0,
                         "num_device_free": 0}
+        self._pending = PendingFrees(ctx)
 
     # -- what a strategy decides ---------------------------------------------------------------------------
     def _round(self, nbytes: int) -> int:
@@ -88,6 +103,7 @@ class _SegmentAllocator(_Figures):
         Raises:
             OutOfMemoryError: the device has no room even after the cache was emptied, with PyTorch's message.
         """
+        self._pending.process(self._returned)
         size = self._round(nbytes)
         key = _stream(stream)
         segment = self._cached(key, size)
@@ -121,12 +137,39 @@ class _SegmentAllocator(_Figures):
         if owner is None:
             raise ValueError(f"{int(ptr):#x} was not allocated by this allocator, or was freed already")
         segment, offset = owner
-        before = segment.split_free()
         nbytes, size = segment.live.pop(offset), segment.sizes.pop(offset)
-        self._give(segment, offset, size)
+        for name, amount in (("allocation", 1), ("allocated_bytes", size)):
+            self._down(name, segment.small, amount)
+        held = segment.pending[offset] = _Held(segment, offset, size, nbytes)  # active, no longer allocated
+        streams = segment.uses.pop(offset, None)
+        if streams:
+            self._pending.hold(held, streams)
+        else:
+            self._returned(held)
+
+    def record_stream(self, ptr: int, stream: Any) -> None:
+        """Mark the allocation at `ptr` as used by work on `stream` too (torch.Tensor.record_stream): when it is
+        freed, its block is not reused before the work queued on `stream` until then has completed.
+
+        Raises:
+            ValueError: `ptr` is not a live allocation of this allocator.
+        """
+        owner = self._owner.get(int(ptr))
+        if owner is None:
+            raise ValueError(f"{int(ptr):#x} is not a live allocation of this allocator")
+        segment, offset = owner
+        key = _stream(stream)
+        if key != segment.stream:  # its own stream orders its reuse already
+            segment.uses.setdefault(offset, {})[key] = stream
+
+    def _returned(self, held: _Held) -> None:
+        """A freed block no stream uses any more goes back to its segment's free blocks."""
+        segment = held.segment
+        before = segment.split_free()
+        del segment.pending[held.offset]
+        self._give(segment, held.offset, held.size)
         self._moved(segment, before)
-        for name, amount in (("allocation", 1), ("allocated_bytes", size), ("active", 1), ("active_bytes", size),
-                             ("requested_bytes", nbytes)):
+        for name, amount in (("active", 1), ("active_bytes", held.size), ("requested_bytes", held.requested)):
             self._down(name, segment.small, amount)
 
     def empty_cache(self) -> None:
@@ -165,12 +208,17 @@ class _SegmentAllocator(_Figures):
             segment = self._segments[base]
             blocks = sorted([{"address": base + offset, "size": segment.sizes[offset], "requested_size": asked,
                               "state": "active_allocated", "frames": []} for offset, asked in segment.live.items()]
+                            + [{"address": base + offset, "size": held.size, "requested_size": held.requested,
+                                "state": "active_pending_free", "frames": []}
+                               for offset, held in segment.pending.items()]
                             + [{"address": base + offset, "size": size, "requested_size": 0, "state": "inactive",
                                 "frames": []} for offset, size in segment.free.items()],
                             key=lambda b: b["address"])
             allocated = sum(segment.sizes.values())
+            waiting = sum(held.size for held in segment.pending.values())
             out.append({"device": 0, "address": base, "total_size": segment.size, "allocated_size": allocated,
-                        "active_size": allocated, "requested_size": sum(segment.live.values()),
+                        "active_size": allocated + waiting,
+                        "requested_size": sum(segment.live.values()) + sum(h.requested for h in segment.pending.values()),
                         "stream": segment.stream, "segment_type": "small" if segment.small else "large",
                         "segment_pool_id": (0, 0), "is_expandable": False, "frames": [], "blocks": blocks})
         return out
@@ -207,6 +255,7 @@ class _SegmentAllocator(_Figures):
         return segment
 
     def _release_cached(self) -> None:
+        self._pending.synchronize(self._returned)
         self.ctx.synchronize()
         self._counts["num_sync_all_streams"] += 1
         for base, segment in list(self._segments.items()):

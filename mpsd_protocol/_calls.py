@@ -165,6 +165,17 @@ ROWS = (
     # of its own for these yet).
     Call("mem_pool_reserve", (Arg("nbytes", COUNT),), reply=PTR, cost=(CALL, "alloc")),
     Call("mem_pool_ops", (Arg("ops", LIST),), notify=True, cost=(LAUNCH, None)),
+    # The driver's virtual memory (cuMemGetAllocationGranularity, cuMemAddressReserve/Free, cuMemCreate/Release,
+    # cuMemMap/Unmap): address space reserved apart from memory, and physical memory mapped into it page by page,
+    # so that an allocation grows in place (PyTorch's expandable_segments). Sizes, addresses and offsets are
+    # whole pages of the granularity; mem_map grants the device read-write access too (cuMemSetAccess's part).
+    Call("mem_get_allocation_granularity", reply=INT),
+    Call("mem_address_reserve", (Arg("size", COUNT), Arg("alignment", COUNT, 0)), reply=PTR),
+    Call("mem_address_free", (Arg("ptr", PTR), Arg("size", COUNT))),
+    Call("mem_create", (Arg("size", COUNT),), reply=INT, cost=(CALL, "alloc")),
+    Call("mem_release", (Arg("handle", INT),)),
+    Call("mem_map", (Arg("ptr", PTR), Arg("size", COUNT), Arg("offset", COUNT), Arg("handle", INT))),
+    Call("mem_unmap", (Arg("ptr", PTR), Arg("size", COUNT))),
     Call("host_register", (Arg("nbytes", COUNT),), reply=INT, fds=1),  # a sealed memfd
     Call("host_unregister", (Arg("id", INT),)),
     Call("memcpy_htod", (Arg("dst", PTR), Arg("host", INT), Arg("offset", COUNT), *_COPY), notify=True,

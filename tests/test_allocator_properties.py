@@ -258,3 +258,180 @@ def test_every_strategys_blocks_tile_its_segments_and_its_figures_add_up(steps, 
     allocator.empty_cache()
     assert allocator.memory_reserved() == 0 and not device.live
     assert allocator.memory_stats()["fragmentation.free_bytes"] == 0
+
+
+class VirtualDevice(Device):
+    """Device with the driver's virtual memory calls, which checks CUDA's rules as the daemon does: whole pages,
+    no page mapped twice, nothing unmapped that is not mapped, no range freed while mapped."""
+
+    PAGE = 2 << 20
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reserved: dict[int, int] = {}  # base -> size
+        self.mapped: dict[int, int] = {}  # address of each mapped page -> its handle
+        self.handles: dict[int, int] = {}  # live handle -> size
+        self.maps: dict[int, int] = {}  # address of each mapping -> its size (a segment's page: 2 or 20 MiB)
+        self.next_va, self.next_handle = 1 << 47, 1
+
+    def mem_address_reserve(self, size: int, alignment: int = 0) -> int:
+        assert size % self.PAGE == 0
+        base, self.next_va = self.next_va, self.next_va + size + self.PAGE
+        self.reserved[base] = size
+        return base
+
+    def mem_address_free(self, ptr: int, size: int) -> None:
+        assert self.reserved.pop(ptr) == size and not any(ptr <= p < ptr + size for p in self.mapped)
+
+    def mem_create(self, size: int) -> int:
+        assert size % self.PAGE == 0
+        handle, self.next_handle = self.next_handle, self.next_handle + 1
+        self.handles[handle] = size
+        return handle
+
+    def mem_release(self, handle: int) -> None:
+        del self.handles[handle]
+
+    def mem_map(self, ptr: int, size: int, offset: int, handle: int) -> None:
+        assert offset == 0 and size == self.handles[handle] and ptr % self.PAGE == 0
+        assert any(base <= ptr and ptr + size <= base + n for base, n in self.reserved.items())
+        for page in range(ptr, ptr + size, self.PAGE):
+            assert page not in self.mapped
+            self.mapped[page] = handle
+        self.maps[ptr] = size
+
+    def mem_unmap(self, ptr: int, size: int) -> None:
+        assert self.maps.pop(ptr) == size  # whole mappings only
+        for page in range(ptr, ptr + size, self.PAGE):
+            del self.mapped[page]
+
+
+@settings(max_examples=60, deadline=None)
+@given(CACHE_STEPS)
+def test_expandable_segments_map_exactly_what_their_blocks_hold(steps):
+    """With expandable_segments: blocks never overlap and tile each mapped run, which the snapshot shows as one
+    expandable segment; reserved_bytes is what the device has mapped, and every mapped page lies in a shown
+    segment; one reservation per stream and pool; "segment" counts none of them; after empty_cache no mapped
+    page lies wholly in free blocks; at the end everything is unmapped, released and the ranges freed."""
+    device = VirtualDevice()
+    allocator = CachingAllocator(device, config="expandable_segments:True")
+    live: list[int] = []
+    for step in steps:
+        if step[0] == "malloc":
+            live.append(allocator.malloc(step[1], step[2]))
+        elif step[0] == "free" and live:
+            allocator.free(live.pop(step[1] % len(live)))
+        elif step[0] == "empty_cache":
+            allocator.empty_cache()
+            for page, size in device.maps.items():
+                assert any(b["state"] != "inactive" and b["address"] < page + size
+                           and page < b["address"] + b["size"]
+                           for s in allocator.memory_snapshot() for b in s["blocks"]), "a free page stayed mapped"
+        segments = allocator.memory_snapshot()
+        stats = allocator.memory_stats()
+        assert all(s["is_expandable"] for s in segments)
+        shown = sorted((s["address"], s["address"] + s["total_size"]) for s in segments)
+        assert all(end <= start for (_, end), (start, _) in zip(shown, shown[1:]))  # no two overlap
+        for s in segments:
+            ends = [b["address"] + b["size"] for b in s["blocks"]]
+            assert [b["address"] for b in s["blocks"]] == [s["address"]] + ends[:-1]
+            assert ends[-1] == s["address"] + s["total_size"]
+        assert {p for start, end in shown for p in range(start, end, device.PAGE)} == set(device.mapped)
+        allocated = [b for s in segments for b in s["blocks"] if b["state"] == "active_allocated"]
+        assert sorted(b["address"] for b in allocated) == sorted(live)
+        assert stats["allocated_bytes.all.current"] == sum(b["size"] for b in allocated)
+        assert stats["requested_bytes.all.current"] == sum(b["requested_size"] for b in allocated)
+        assert stats["reserved_bytes.all.current"] == len(device.mapped) * device.PAGE \
+            == sum(s["total_size"] for s in segments)
+        assert stats["segment.all.current"] == 0 and stats["inactive_split.all.current"] == 0
+        assert len(device.reserved) <= len({(s["stream"], s["segment_type"]) for s in segments}) + 2
+        _check_fragmentation(stats, segments)
+    for ptr in live:
+        allocator.free(ptr)
+    allocator.empty_cache()
+    assert allocator.memory_reserved() == 0 and not device.mapped and not device.handles and not device.reserved
+
+
+class EventDevice(VirtualDevice):
+    """A device whose events complete only when the test says the side stream's work is done (a "sync")."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.clock = self.done = 0
+
+    def create_event(self, disable_timing: bool = False) -> "_Event":
+        return _Event(self)
+
+    def synchronize(self) -> None:
+        self.done = self.clock
+
+
+class _Event:
+    def __init__(self, device: EventDevice) -> None:
+        self.device, self.at = device, 0
+
+    def record(self, stream: object) -> None:
+        self.device.clock += 1
+        self.at = self.device.clock
+
+    def query(self) -> bool:
+        return self.device.done >= self.at
+
+    def synchronize(self) -> None:
+        self.device.done = max(self.device.done, self.at)
+
+
+SIDE = 7  # the stream record_stream names: no allocation is made on it
+STREAM_STEPS = st.lists(st.one_of(
+    st.tuples(st.just("malloc"), SIZES, st.sampled_from((None, 1))),
+    st.tuples(st.just("free"), st.integers(0, 1 << 16)),
+    st.tuples(st.just("record"), st.integers(0, 1 << 16)),
+    st.tuples(st.just("sync")),
+    st.tuples(st.just("empty_cache"))), min_size=5, max_size=60)
+
+
+@settings(max_examples=40, deadline=None)
+@given(STREAM_STEPS, st.sampled_from([("pytorch", ""), ("pytorch", "expandable_segments:True"), ("buddy", None),
+                                      ("slab", None)]))
+def test_no_strategy_hands_out_a_block_before_its_streams_are_done(steps, strategy):
+    """Under every strategy, a block freed after record_stream is never handed out again while the side stream's
+    event is pending; it is active_pending_free, counted active but not allocated; the figures stay the sums of
+    the snapshot's blocks; empty_cache waits for the events, and at the end everything goes back."""
+    device = EventDevice()
+    name, config = strategy
+    allocator = CachingAllocator(device, strategy=name, **({"config": config} if config is not None else {}))
+    live: list[int] = []
+    recorded: set[int] = set()
+    waiting: set[int] = set()  # freed addresses whose side-stream event has not completed
+    for step in steps:
+        if step[0] == "malloc":
+            ptr = allocator.malloc(step[1], step[2])
+            assert ptr not in waiting, "a block was reused before its stream's event completed"
+            live.append(ptr)
+        elif step[0] == "free" and live:
+            ptr = live.pop(step[1] % len(live))
+            allocator.free(ptr)
+            if ptr in recorded:
+                recorded.discard(ptr)
+                waiting.add(ptr)
+        elif step[0] == "record" and live:
+            ptr = live[step[1] % len(live)]
+            allocator.record_stream(ptr, SIDE)
+            recorded.add(ptr)
+        elif step[0] == "sync":
+            device.synchronize()
+            waiting.clear()
+        elif step[0] == "empty_cache":
+            allocator.empty_cache()
+            waiting.clear()
+        blocks = [b for s in allocator.memory_snapshot() for b in s["blocks"]]
+        states = {b["address"]: b["state"] for b in blocks}
+        assert all(states[ptr] == "active_pending_free" for ptr in waiting)
+        stats = allocator.memory_stats()
+        assert stats["allocated_bytes.all.current"] == sum(b["size"] for b in blocks if b["state"] == "active_allocated")
+        assert stats["active_bytes.all.current"] == sum(b["size"] for b in blocks if b["state"] != "inactive")
+        assert stats["active.all.current"] == sum(1 for b in blocks if b["state"] != "inactive")
+    for ptr in live:
+        allocator.free(ptr)
+    allocator.empty_cache()
+    assert allocator.memory_reserved() == 0 and allocator.memory_stats()["active.all.current"] == 0

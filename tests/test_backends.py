@@ -176,6 +176,20 @@ def test_host_view_is_the_simulators_alone(backend_daemon):
             assert bytes(ctx.host_view(p)[:4]) == b"\3\3\3\3"
 
 
+def test_the_drivers_virtual_memory_calls_are_the_simulators_alone(backend_daemon):
+    """mem_address_reserve and the rest map growing memory on the simulated device; the CUDA backend does not
+    have them yet and says so, naming the capability (so expandable segments need a simulated device)."""
+    with mpsd_client.connect(backend_daemon.pipe_dir) as ctx:
+        if backend_daemon.real:
+            with pytest.raises(NotSupportedError, match="virtual_memory"):
+                ctx.mem_address_reserve(4 * MiB)
+            return
+        va, handle = ctx.mem_address_reserve(4 * MiB), ctx.mem_create(2 * MiB)
+        ctx.mem_map(va, 2 * MiB, 0, handle)
+        ctx.launch("fill_f32", 64, 256, [va, 4.0, 1024])
+        assert _floats(ctx, va, 1024).tolist() == [4.0] * 1024
+
+
 EXPORTER = """
 import sys, numpy as np, mpsd_client
 ctx = mpsd_client.connect()

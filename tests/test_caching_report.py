@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from mpsd_client import CachingAllocator
-from mpsd_client._caching import POOLS, STATS
+from mpsd_client._figures import POOLS, STATS
 from mpsd_client._caching_report import summary
 
 RECORDED = Path(__file__).parent.parent / "bench" / "fidelity" / "torch_allocator_h200.json.gz"

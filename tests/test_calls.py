@@ -126,6 +126,12 @@ def test_every_row_is_reachable_from_the_client_and_nothing_else_is(daemon, virt
         end.synchronize()
         end.query()
         start.elapsed_ms(end)
+        page = ctx.mem_get_allocation_granularity()
+        va, handle = ctx.mem_address_reserve(2 * page), ctx.mem_create(page)
+        ctx.mem_map(va, page, 0, handle)
+        ctx.mem_unmap(va, page)
+        ctx.mem_release(handle)
+        ctx.mem_address_free(va, 2 * page)
         assert len(ctx.host_view(p)) == 1 << 20
         shared = ctx.create_event(disable_timing=True, interprocess=True)
         ctx.ipc_open_event_handle(ctx.ipc_get_event_handle(shared))

@@ -87,3 +87,26 @@ def test_pages_are_counted_as_the_kernel_touches_them():
     finally:
         segment.release()
     assert host.resident == 0
+
+
+def test_memory_mapped_into_a_reservation_counts_against_the_budget(daemon_factory):
+    """The driver's virtual memory is the same memfds behind a reserved range: touching it through the range
+    is counted against --host-memory as a cudaMalloc's is, across the pieces, and zeros still cost nothing."""
+    daemon = start_daemon("--time-scale", "100", "--host-memory", "64M")
+    daemon_factory.append(daemon)
+    with mpsd_client.connect(daemon.pipe_dir) as ctx:
+        page = ctx.mem_get_allocation_granularity()
+        va = ctx.mem_address_reserve(256 * MiB)
+        for offset in range(0, 128 * MiB, 32 * MiB):  # four pieces side by side
+            ctx.mem_map(va + offset, 32 * MiB, 0, ctx.mem_create(32 * MiB))
+        ctx.memset(va, 0, 128 * MiB)
+        ctx.synchronize()
+        assert _host(daemon)["resident"] < MiB
+        ctx.memset(va + 16 * MiB, 7, 40 * MiB)  # across the first piece into the second
+        ctx.synchronize()
+        assert 40 * MiB <= _host(daemon)["resident"] < 42 * MiB
+        with pytest.raises(OutOfMemoryError, match="budget of 64"):
+            ctx.memset(va + 64 * MiB, 7, 32 * MiB)
+        ctx.memset(va, 0, 128 * MiB)  # the pages go back, piece by piece
+        ctx.synchronize()
+        assert _host(daemon)["resident"] < MiB and page == 2 * MiB

@@ -1,6 +1,6 @@
-# mpsd-stress tenants that churn through the caching allocator (allocator = "pytorch" | "buddy" | "slab"), on
-# the virtual-time runner: their segments are charged by mpsd, and each tenant's allocator figures are in the
-# results.
+# mpsd-stress tenants that churn through the caching allocator (allocator = "pytorch" | "pytorch-expandable" |
+# "buddy" | "slab"), on the virtual-time runner: their segments are charged by mpsd, and each tenant's allocator
+# figures are in the results.
 from __future__ import annotations
 
 import pytest
@@ -49,7 +49,7 @@ def test_a_tenant_whose_allocator_runs_out_fails_those_requests_only():
 
 
 @pytest.mark.parametrize("entry,message", [
-    ({"allocator": "first-fit", "churn": "1M"}, "allocator must be one of pytorch, buddy, slab"),
+    ({"allocator": "first-fit", "churn": "1M"}, "allocator must be one of pytorch, pytorch-expandable, buddy, slab"),
     ({"allocator": "buddy"}, "allocator needs churn"),
 ])
 def test_a_bad_allocator_setting_says_what_is_wrong(entry, message):
@@ -76,3 +76,18 @@ def test_the_report_draws_each_allocators_segments_over_time(tmp_path):
         assert [s[0] for s in series] == sorted(s[0] for s in series)
         assert all(reserved >= allocated > 0 and segments > 0 for _, reserved, allocated, segments in series)
         assert max(s[1] for s in series) == run.allocators[tenant]["reserved_bytes.all.peak"]
+
+
+def test_a_tenant_churns_through_expandable_segments_on_the_daemons_virtual_memory():
+    """allocator = "pytorch-expandable": PyTorch's rules with expandable_segments, its pages made and mapped on
+    mpsd (the tenant's memory high water is what was mapped at most); the same sizes as a plain PyTorch tenant's, one
+    growing segment where that one makes several, and no "segment" counted, as PyTorch counts none for them."""
+    w = parse_workload({"run": {"duration": 0.05, "solo": False},
+                        "tenant": [churner(s, s) for s in ("pytorch", "pytorch-expandable")]})
+    rows = {r["tenant"]: r for r in summarize(run_virtual(w, "mps", {}))["tenants"]}
+    plain, grown = rows["pytorch"]["allocator"], rows["pytorch-expandable"]["allocator"]
+    assert grown["strategy"] == "pytorch-expandable"
+    assert rows["pytorch-expandable"]["errors"] == 0 and rows["pytorch-expandable"]["completed"] > 0
+    assert rows["pytorch-expandable"]["memory_high_water"] == grown["reserved_bytes.all.peak"] > 0  # as mapped
+    assert grown["segment.all.peak"] == 0 < plain["segment.all.peak"]
+    assert grown["num_ooms"] == 0 and grown["num_device_alloc"] > 0

@@ -15,10 +15,11 @@ import trio
 from mpsd.backends.ops import Work
 from mpsd_protocol import CudaError
 
-__all__ = ["Backend", "Client", "DeviceMemory", "Instance", "HOST_VIEW", "when_all"]
+__all__ = ["Backend", "Client", "DeviceMemory", "Instance", "HOST_VIEW", "VIRTUAL_MEMORY", "when_all"]
 
 # Capabilities a backend may have.
 HOST_VIEW = "host_view"  # device memory is host memory the daemon can hand a client to map (a memfd)
+VIRTUAL_MEMORY = "virtual_memory"  # address ranges reserved apart from memory, mapped piece by piece (`reserve`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +75,15 @@ class Backend(Protocol):
 
         Raises:
             OSError: the host cannot back it.
+        """
+
+    def reserve(self, nbytes: int) -> Any:
+        """With VIRTUAL_MEMORY: the device side of a reserved address range of `nbytes`, into which memory
+        from `allocate` is mapped: ``map(offset, memory, memory_offset, nbytes)``, ``unmap(offset, nbytes)``,
+        ``close()``; work on it is given extents whose memory is this object.
+
+        Raises:
+            OSError: the host cannot reserve it.
         """
 
     def fits(self, threads: int, shared_mem: int) -> bool:

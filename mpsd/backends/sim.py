@@ -17,12 +17,13 @@ from typing import Any, Callable, Iterable
 import trio
 
 from mpsd.backends import reference
-from mpsd.backends.base import HOST_VIEW, Client, Instance
+from mpsd.backends.base import HOST_VIEW, VIRTUAL_MEMORY, Client, Instance
 from mpsd.backends.engine import DEFAULT_IDLE_GRACE, Engine, VirtualEngine
 from mpsd.backends.hostmem import HostMemory, Reservation, default_budget
 from mpsd.backends.memfd import Segment
 from mpsd.backends.ops import Copy, Extent, Launch, Memset, Record, Work
 from mpsd.backends.recorder import Recorder
+from mpsd.backends.vrange import VirtualRange
 from mpsd.sim import COPY_KINDS, BlockCost, DeviceSpec, Kernel, Marker, Op, Simulator, copy_kernel, kernel_cost, sm_cap
 from mpsd.sim import Copy as SimCopy
 from mpsd.sim.clock import Host
@@ -80,7 +81,7 @@ class SimBackend:
             simulated clock, the grace).
     """
 
-    capabilities = frozenset({HOST_VIEW})
+    capabilities = frozenset({HOST_VIEW, VIRTUAL_MEMORY})
 
     def __init__(self, spec: DeviceSpec, *, policy: str = "mps", policy_options: dict[str, Any] | None = None,
                  clock: str = "wall", time_scale: float = 1.0, idle_grace: float = DEFAULT_IDLE_GRACE,
@@ -110,6 +111,9 @@ class SimBackend:
 
     def allocate(self, nbytes: int) -> Segment:
         return Segment(nbytes)
+
+    def reserve(self, nbytes: int) -> VirtualRange:
+        return VirtualRange(nbytes)
 
     def fits(self, threads: int, shared_mem: int) -> bool:
         return self.sim.block_need(threads, 32, shared_mem) is not None
@@ -186,7 +190,7 @@ class SimBackend:
             nbytes = work.dst.nbytes
             peer = _peer_engine(work) if isinstance(work, Copy) else None
             if peer is not None:  # between devices: a copy engine over NVLink, or this device's staged leg
-                op = SimCopy(**common, engine=peer, nbytes=nbytes)  # type: ignore[arg-type]
+                op = SimCopy(client=client, stream=stream, after=after, engine=peer, nbytes=nbytes)
             elif kind in COPY_KINDS:  # the runtime launches a kernel for these: the client's quotas hold
                 blocks, threads, cost = copy_kernel(self.spec, kind, nbytes, work.sm_cap)
                 op = Kernel(client=client, stream=stream, after=after, blocks=blocks, threads=threads, cost=cost,
@@ -227,8 +231,13 @@ class SimBackend:
             extents = [work.dst]
         else:
             extents = []
-        return [(e.memory, e.offset, e.nbytes) for e in extents
-                if e is not None and isinstance(e.memory, Segment)]
+        out: list[tuple[Segment, int, int]] = []
+        for e in extents:
+            if e is not None and isinstance(e.memory, Segment):
+                out.append((e.memory, e.offset, e.nbytes))
+            elif e is not None and isinstance(e.memory, VirtualRange):  # the memfds mapped behind a range
+                out += e.memory.pieces(e.offset, e.nbytes)
+        return out
 
     def _complete(self, work: Work, op: Op) -> None:
         """The op completed in the simulator: its effect lands on the bytes, then its host RAM is measured."""
@@ -257,6 +266,8 @@ class SimBackend:
             target = _view(work.dst)
             source = work.data if work.data is not None else _view(work.src)
             work.data = None  # used up: whoever still holds the work (a stream's tail, a queue) holds no bytes
+            if (target is None or source is None) and self._unmapped(work, [work.dst, work.src]):
+                return
             if target is not None and source is not None:
                 # A device copy within one segment may overlap: then, as memmove, copy from the end.
                 backwards = work.src is not None and work.src.memory is work.dst.memory and \
@@ -267,12 +278,28 @@ class SimBackend:
             if work.value == 0 and isinstance(dst.memory, Segment):
                 self.host_memory.zero(dst.memory, dst.offset, dst.nbytes)
                 return
+            if work.value == 0 and isinstance(dst.memory, VirtualRange) and _view(dst) is not None:
+                for segment, offset, nbytes in dst.memory.pieces(dst.offset, dst.nbytes):
+                    self.host_memory.zero(segment, offset, nbytes)
+                return
             target = _view(dst)
+            if target is None and self._unmapped(work, [dst]):
+                return
             if target is not None:
                 pattern = bytes([work.value]) * min(dst.nbytes, _CHUNK)
                 for start in range(0, dst.nbytes, _CHUNK):
                     end = min(start + _CHUNK, dst.nbytes)
                     target[start:end] = pattern[:end - start]
+
+    def _unmapped(self, work: Work, extents: list[Extent | None]) -> bool:
+        """Whether `work` touches a page of a reserved range that was unmapped after it was queued: then it
+        faults with an illegal address, as on a GPU (a host buffer that went is skipped, as before)."""
+        for extent in extents:
+            if extent is not None and isinstance(extent.memory, VirtualRange) and _view(extent) is None:
+                self.on_fault(work.client, IllegalAddressError(
+                    f"a {type(work).__name__.lower()} touches an unmapped page of a reserved address range"))
+                return True
+        return False
 
     # -- time and what happened ----------------------------------------------------------------------
     def now(self) -> float:
@@ -322,7 +349,11 @@ def _peer_engine(copy: Copy) -> str | None:
 def _view(extent: Extent | None) -> memoryview | None:
     """The bytes of `extent` in the daemon's mapping of its memory, or None if that mapping is gone (a host
     buffer the client unregistered while a copy into it was queued)."""
-    if extent is None or extent.memory.map.closed:
+    if extent is None:
+        return None
+    if isinstance(extent.memory, VirtualRange):
+        return extent.memory.view(extent.offset, extent.nbytes)
+    if extent.memory.map.closed:
         return None
     return memoryview(extent.memory.map)[extent.offset:extent.offset + extent.nbytes]
 

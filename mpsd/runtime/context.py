@@ -39,6 +39,7 @@ from mpsd.backends.base import HOST_VIEW
 from mpsd.backends.ops import Copy, Extent, Launch, Memset, Record, Work
 from mpsd.runtime.kernels import KERNELS
 from mpsd.runtime.memory import CHUNK, AddressSpace, Allocation, HostBuffer
+from mpsd.runtime.vmm import VMM_BASE, MappedPiece, VirtualMemory, VirtualMemoryCalls
 
 if TYPE_CHECKING:
     from mpsd.runtime.device import Device
@@ -118,7 +119,7 @@ class Counters:
     bytes_copied_peer: int = 0
 
 
-class Context:
+class Context(VirtualMemoryCalls):
     """One client's sub-context on one device."""
 
     def __init__(self, device: Device, client_id: int, pid: int, uid: int, gid: int, quotas: Quotas,
@@ -138,7 +139,8 @@ class Context:
         self.process = -client_id if device.shared_process else pid
         self.quotas = quotas
         self.backend = device.backend
-        self.memory = AddressSpace(self.backend.allocate)
+        self.vmm = VirtualMemory()  # reserved ranges and physical memory (the driver's VMM calls: mpsd.runtime.vmm)
+        self.memory = AddressSpace(self.backend.allocate, self.vmm)
         self.account = device.ledger.open(quotas.pinned_mem_limit, partition)  # what its memory is charged
         self.host: dict[int, HostBuffer] = {}
         self.streams: dict[int, Stream] = {0: Stream(0, 0, True, (client_id, 0))}
@@ -568,14 +570,16 @@ class Context:
         self.events[event_id] = Event(event_id, False, True, cell)
         return event_id
 
-    def segment_of(self, ptr: int) -> Allocation:
-        """The allocation (own or imported) containing `ptr`, whose memfd the client may map.
+    def segment_of(self, ptr: int) -> Allocation | MappedPiece:
+        """The allocation (own or imported) containing `ptr`, whose memfd the client may map; in a reserved
+        range, the mapping that holds it.
 
         Raises:
-            InvalidValueError: `ptr` is in no live allocation of this context.
+            InvalidValueError: `ptr` is in no live allocation or mapping of this context.
             NotSupportedError: the device's memory is not host memory (a real GPU's).
         """
-        alloc = self.memory.find(ptr)
+        alloc: Allocation | MappedPiece | None = (self.mapped_piece(ptr) if ptr >= VMM_BASE
+                                                  else self.memory.find(ptr))
         if alloc is None:
             raise InvalidValueError(f"{ptr:#x} is not inside a live allocation of this context")
         if HOST_VIEW not in self.backend.capabilities:
@@ -618,6 +622,7 @@ class Context:
             _, released = self.memory.remove(alloc.addr)
             self._drop(alloc, released)
             reclaimed_bytes += released
+        reclaimed_bytes += self.close_virtual_memory()
         self.device.ledger.move(None, -self.backend.context_memory, partition=self.partition)
         for event in self.events.values():
             self.ipc.event_destroyed(event.cell)

@@ -13,7 +13,7 @@ import fcntl
 import mmap
 import os
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 from mpsd.backends.base import DeviceMemory
 from mpsd.backends.memfd import close_map
@@ -227,8 +227,9 @@ class AddressSpace:
     rounded up to 2 MiB. Freed memory is charged no more.
     """
 
-    def __init__(self, allocate: Callable[[int], DeviceMemory]) -> None:
+    def __init__(self, allocate: Callable[[int], DeviceMemory], reserved: Any = None) -> None:
         self._allocate = allocate  # the backend's: device memory of a given size
+        self._reserved = reserved  # the context's reserved ranges (mpsd.runtime.vmm), above LARGE_LIMIT
         self._small = _Arena(SMALL_BASE, SMALL_LIMIT, SMALL_ALIGN, within=CHUNK)
         self._large = _Arena(LARGE_BASE, LARGE_LIMIT, CHUNK)
         self._chunks: dict[int, _Chunk] = {}  # chunk index -> its segment and how many live in it
@@ -344,7 +345,11 @@ class AddressSpace:
     def extent(self, ptr: int, nbytes: int) -> Extent | None:
         """Where the bytes [ptr, ptr + nbytes) are, if they lie inside one allocation: the device memory that
         holds them (a small allocation's chunk) and their offset in it. None otherwise."""
-        alloc = self.find(ptr) if isinstance(ptr, int) and isinstance(nbytes, int) else None
+        if not (isinstance(ptr, int) and isinstance(nbytes, int)):
+            return None
+        if ptr >= LARGE_LIMIT:
+            return self._reserved.extent(ptr, nbytes) if self._reserved is not None else None
+        alloc = self.find(ptr)
         if alloc is None or nbytes < 0 or ptr + nbytes > alloc.end:
             return None
         segment = alloc.segment

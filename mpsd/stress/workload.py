@@ -14,7 +14,8 @@
 #                CUDA_VISIBLE_DEVICES, default 0; tables name it name@device off device 0), count,
 #                active_thread_percentage, pinned_mem_limit, priority, weight, partition,
 #                deadline_ms, memory, churn (bytes allocated and freed by each request), allocator = "pytorch" |
-#                "buddy" | "slab" (churn through that caching allocator strategy instead: sizes up to churn, the
+#                "pytorch-expandable" | "buddy" | "slab" (churn through that caching allocator strategy, the
+#                second PyTorch's with expandable_segments, instead: sizes up to churn, the
 #                last few kept live, the allocator's figures in the results), stream_priority, input, output
 #                (bytes copied host to device before each request's kernels and device to host after them, from
 #                and to pinned memory),
@@ -46,7 +47,7 @@ __all__ = ["ARRIVALS", "COPIES", "KernelSpec", "TenantSpec", "Workload", "Worklo
 
 ARRIVALS = ("closed", "uniform", "poisson", "bursty", "trace")
 POINTER_KERNELS = {"fill_f32": 1, "vector_add_f32": 3, "saxpy_f32": 2, "reduce_sum_f32": 2}  # buffers each needs
-ALLOCATORS = ("pytorch", "buddy", "slab")  # CachingAllocator's strategies, for a tenant's churn
+ALLOCATORS = ("pytorch", "pytorch-expandable", "buddy", "slab")  # CachingAllocator's strategies, for a churn
 COPIES = {"memcpy_htod": "h2d", "memcpy_dtoh": "d2h", "memcpy_dtod": "d2d", "memset": "memset"}  # -> the model's kind
 
 
