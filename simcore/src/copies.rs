@@ -285,7 +285,7 @@ mod tests {
     /// Each copy's (start, end) after running `copies` ((client, stream, code, bytes)) submitted at time 0.
     fn run(copies: &[(i64, u64, u8, u64)]) -> Vec<(f64, f64)> {
         let mut c = core();
-        let mut pol = Mps;
+        let mut pol = Mps::default();
         let hs: Vec<u64> = copies.iter()
             .map(|&(client, stream, code, n)| c.submit_copy(&mut pol, None, client, stream, vec![], code, n))
             .collect();
