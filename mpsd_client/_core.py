@@ -440,9 +440,16 @@ class Core:
         addr = _address(ptr)
         if addr not in self._opens:
             raise InvalidValueError(f"{addr:#x} is not a pointer opened from an IPC handle in this context")
-        # A notification: the daemon serves this client's messages in order, so the pointer is invalid for every
-        # later call, as cudaIpcCloseMemHandle promises, and the daemon keeps the bytes for the work queued before.
-        yield Notification("ipc_close_mem_handle", self._charge(CALLS["ipc_close_mem_handle"].encode((addr,))))
+        # The daemon serves this client's messages in order, so the pointer is invalid for every later call either
+        # way, as cudaIpcCloseMemHandle promises, and the bytes stay for the work queued before the close. A close
+        # that leaves references is this context's business alone: a notification. The last one may free memory
+        # that other processes see (the exporter's charge, its range): a request, so that it has happened when
+        # the call returns, whatever this process tells others next.
+        args = self._charge(CALLS["ipc_close_mem_handle"].encode((addr,)))
+        if self._opens[addr] > 1:
+            yield Notification("ipc_close_mem_handle", args)
+        else:
+            yield from self._request("ipc_close_mem_handle", args, ())
         left = self._opens.pop(addr) - 1
         if left:
             self._opens[int(ptr)] = left
