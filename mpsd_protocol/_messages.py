@@ -1,6 +1,8 @@
 # Message shapes, after msgpack-rpc: request [0, id, op, args], reply [1, id, error, result],
-# notification [2, op, args]. Messages are frozen dataclasses checked when they are built, so a message that
-# exists is a message that can be sent; `from_wire` is the one place that judges what a peer sent.
+# notification [2, op, args]. Messages are dataclasses checked when they are built, so a message that exists is a
+# message that can be sent; `from_wire` is the one place that judges what a peer sent. They are values, never
+# changed once built, but not frozen: a frozen dataclass costs twice the instructions to build, and every call
+# builds two or three (bench/daemon_instructions.py).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -31,7 +33,7 @@ def _check_fds(fds: tuple[int, ...]) -> None:
         raise LocalProtocolError(f"bad file descriptors {brief(fds)}")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Request:
     """A call that expects exactly one `Reply` with the same id."""
 
@@ -52,7 +54,7 @@ class Request:
         return [REQUEST, self.id, self.op, self.args]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Reply:
     """The answer to one `Request`: `error` is None or ``{code, name, message}``."""
 
@@ -73,7 +75,7 @@ class Reply:
         return [REPLY, self.id, self.error, self.result]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Notification:
     """A one-way message: fire-and-forget work, whose errors surface at the next synchronising call."""
 

@@ -165,6 +165,7 @@ class Session:
                 if event is NEED_DATA:
                     self.conn.receive_data(*await self.channel.receive())
                     self._read_at = trio.current_time()
+                    self._arrival()
                     continue
             except ProtocolError as exc:
                 self._protocol_error(str(exc))
@@ -181,6 +182,7 @@ class Session:
                     return  # the client hung up while its call was held
                 elif (served := served + 1) % FAIR_MESSAGES == 0:
                     await trio.lowlevel.checkpoint()  # one read holds many messages: let other clients in
+                    self._arrival()
             else:
                 close_fds(event.fds)  # type: ignore[union-attr]
                 self._protocol_error("a client does not send replies")
@@ -317,6 +319,12 @@ class Session:
                                                      "work to run")
         self._watch()
 
+    def _arrival(self) -> None:
+        """Under the wall clock: the calls served from here on arrived at the last read. Said after every wait,
+        since other sessions may have served calls of their own meanwhile."""
+        if self.host is None and self.context is not None:
+            self.context.device.backend.received(self._read_at)
+
     def _full(self, message: Request | Notification) -> bool:
         """Whether `message` is a launch call that must wait for room in its client's queue. The queue frees
         from its oldest end, as the ring buffer a GPU reads its work from does: work that ends before older
@@ -335,8 +343,6 @@ class Session:
             self._posted += 1
             self._staged += _staged_bytes(message)
         if self.host is None:
-            if self.context is not None:  # other sessions may have served calls since this one's were read
-                self.context.device.backend.received(self._read_at)
             self._serve(message, call, counted, None)
             return
         engine = self._virtual
@@ -387,6 +393,7 @@ class Session:
             return
         else:
             self._held = None
+            self._arrival()
             self._go(message, CALLS.get(message.op), 0.0)
             if self.host is not None:
                 self._virtual.heard(self._host)
@@ -471,6 +478,7 @@ class Session:
             self.host = engine.clock.join(ctx.id)
             engine.heard(self.host)
             clock["host_time"] = self.daemon.config.host_time
+        self._arrival()  # calls read with the hello (or while it waited for its server) arrived with it
         self._reply(request.id, None, {
             "version": PROTOCOL_VERSION,
             "clock": clock,
