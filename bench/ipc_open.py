@@ -15,7 +15,7 @@ the exporter until the buffer is gone again here:
 
 (ipc_open_mem_handle maps the daemon's memfd, which comes with its reply, and closes the fd; host_view then
 hands out a view of that mapping without another request, and the last close unmaps it.) The two sides
-alternate, block by block, as in rpc_latency. Target: our p50 at most 2x the raw p50.
+alternate, block by block, as in rpc_latency. Target (issue 14): our p50 at most 3x the raw p50.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _harness as h  # noqa: E402
 
-TARGET = 2.0           # our p50 / raw p50, at most
+TARGET = 3.0           # our p50 / raw p50, at most
 SIZE = 1 << 20         # the buffer: 1 MiB
 HANDLE_SIZE = 64       # a cudaIpcMemHandle_t; the raw side sends as many bytes with its fd
 FILL = 1.5             # float32 0x3fc00000: little-endian bytes 00 00 c0 3f

@@ -45,6 +45,16 @@ def check_shape(name: str, grid: Any, block: Any, shared_mem: Any,
         InvalidConfigurationError: bad grid or block shape.
         InvalidValueError: too much shared memory.
     """
+    if type(grid) is list and type(block) is list and len(grid) == 3 and len(block) == 3 and type(shared_mem) is int:
+        # The shape every launch from our client arrives in, checked in one go (most of a launch's checking
+        # was calls); anything else, and any launch that breaks a rule, takes the path below, which names it.
+        (gx, gy, gz), (bx, by, bz) = grid, block
+        mg, mb = limits["max_grid_dims"], limits["max_block_dims"]
+        if (type(gx) is int and type(gy) is int and type(gz) is int and type(bx) is int and type(by) is int
+                and type(bz) is int and 0 < gx <= mg[0] and 0 < gy <= mg[1] and 0 < gz <= mg[2] and 0 < bx <= mb[0]
+                and 0 < by <= mb[1] and 0 < bz <= mb[2] and bx * by * bz <= limits["max_threads_per_block"]
+                and 0 <= shared_mem <= limits["shared_memory_per_block_optin"]):
+            return (gx, gy, gz), (bx, by, bz)
     grid3 = dims(grid, limits["max_grid_dims"], "grid")
     block3 = dims(block, limits["max_block_dims"], "block")
     if block3[0] * block3[1] * block3[2] > limits["max_threads_per_block"]:
@@ -66,6 +76,19 @@ def check_args(name: str, params: Sequence[str], args: Any) -> list[int | float]
     Raises:
         InvalidValueError: wrong argument count or kind.
     """
+    if type(args) is list and len(args) == len(params):
+        # Ints and floats as our client sends them, checked in one pass; anything else takes the path below.
+        fast: list[int | float] = []
+        for kind, arg in zip(params, args):
+            if type(arg) is int and (0 <= arg <= _U64_MAX if kind == "ptr" else _I64[0] <= arg <= _I64[1]
+                                     if kind == "i64" else True):
+                fast.append(float(arg) if kind == "f32" else arg)
+            elif type(arg) is float and kind == "f32":
+                fast.append(arg)
+            else:
+                break
+        else:
+            return fast
     if not isinstance(args, (list, tuple)) or len(args) != len(params):
         count = len(args) if isinstance(args, (list, tuple)) else "no list of"
         raise InvalidValueError(f"{name} takes {len(params)} arguments ({', '.join(params)}), got {count}")

@@ -69,11 +69,14 @@ class Engine:
         self._advance_to(self.sim_now() if due is None else max(due, self.sim_now()))
 
     def _advance_to(self, target: float) -> None:
-        for op in self.sim.advance(max(target, self.sim.now), MAX_INSTANTS_PER_STEP):
+        sim = self.sim
+        now = sim.now
+        for op in sim.advance(target if target > now else now, MAX_INSTANTS_PER_STEP):
             self._finish(op)
-        if self.sim.now < target:
+        now = sim.now
+        if now < target:
             self._wake.set()  # behind: the run loop comes back after letting other tasks in
-            self.max_lag = max(self.max_lag, target - self.sim.now)
+            self.max_lag = max(self.max_lag, target - now)
 
     def submit(self, op: Op) -> None:
         """Hand `op` to the simulator at the time its call arrived (or later, where the simulator is past it:

@@ -204,8 +204,10 @@ class SimBackend:
             raise TypeError(f"no such work: {work!r}")
         # The op holds its work only through its tag, which the engine drops once the op completes or is
         # cancelled, so a staged copy's bytes go with it; and the work forgets what it waited for, so that no
-        # chain of finished work stays reachable from a stream's tail.
-        op.tag = functools.partial(self._complete, work)
+        # chain of finished work stays reachable from a stream's tail. A kernel that touches no memory has
+        # no effect to apply and no host RAM to settle: no tag.
+        if not isinstance(work, Launch) or work.extents:
+            op.tag = functools.partial(self._complete, work)
         work.after = ()
         return op
 
