@@ -231,7 +231,11 @@ def test_apply_starts_named_servers_from_a_toml_file(daemon_factory, tmp_path):
     ('schema_version = "1.0"\nserver = 1\n', "unknown key server"),
     ('schema_version = "2.0"\n', "schema_version must be \"1.0\", not '2.0'"),
     ('schema_version = "1.0"\n[servers.a]\nuid = 1\n[servers.a.namespaces.b]\ncgroup_depth = 1\n',
-     "servers.a.namespaces.b.cgroup_depth is not supported by mpsd yet"),
+     "servers.a.namespaces.b.cgroup_depth is not supported by mpsd: NVIDIA's documentation shows the key but does "
+     "not say what it does"),
+    ('schema_version = "1.0"\n[servers.a]\nuid = 1\n[[servers.a.devices]]\nuuid = "GPU-x"\n'
+     '[[servers.a.devices.sm_partitions]]\nname = "big"\nchunks = 4\nmax_chunks = 6\n',
+     "servers.a.devices[0].sm_partitions[0].max_chunks is not supported by mpsd yet"),
     ('schema_version = "1.0"\n[compute_policy]\ntimeslice = "long"\n', "[compute_policy] is not supported by mpsd yet"),
     ('schema_version = "1.0"\n[servers.a]\nactive_thread_percentage = "50"\n',
      "servers.a needs a uid (each of mpsd's servers serves one user)"),
