@@ -108,6 +108,36 @@ class Daemon:
         self.server_processes = ServerProcesses() if config.mps_names else None
         self._server_process: ServerProcess | None = None
         self.sm_partitions: SmPartitions | None = None  # MPS's -S, or the -a file's SM partitions
+        try:
+            self._set_up_partitions_and_named_servers()
+        except DaemonError:
+            self.log.close()  # the daemon never served: nothing will close its logs
+            raise
+        for named in config.servers:
+            if named.client_priority is not None:  # what its user's clients get, as a per-user setting
+                self.settings.priorities[("uid", named.uid)] = named.client_priority
+        self.pending_clients = 0  # clients of another user waiting for the current server to exit
+        self.waiting: list[tuple[int, int]] = []  # their (pid, uid), in the order they came (v3's client list)
+        self._server_change = trio.Event()
+        self._grace = SHUTDOWN_GRACE
+        self.sessions: set[Session] = set()
+        self.greetings = Greetings(config.handshake_timeout)
+        self._next_client = 1
+        self._stop = trio.Event()
+        self._retry_wakeup = trio.Event()
+        self.routes: dict[Route, RouteSockets] = {}  # MPS v3's per-server and per-namespace sockets
+        self._front: trio.Nursery | None = None  # where accept loops run while the daemon takes clients
+        self._sessions: trio.Nursery | None = None
+
+    def _set_up_partitions_and_named_servers(self) -> None:
+        """Static SM partitioning (-S, or the -a file's partitions), the control plane, and the -a file's
+        devices checked against ours and its partitions made.
+
+        Raises:
+            DaemonError: the devices cannot be pinned, or the file names a device we lack or a partition that
+                does not fit.
+        """
+        config = self.config
         if config.static_partitioning or any(named.sm_partitions for named in config.servers):
             # The simulator's mps policy is what pins a client to its partition's SMs.
             unpinnable = [d.index for d in self.devices if not isinstance(d.backend, SimBackend) or d.backend.policy != "mps"]
@@ -134,20 +164,6 @@ class Daemon:
                                            include_remainder=spec.include_remainder, server=named.name)
                 except PartitionError as exc:
                     raise DaemonError(f"{config.apply}: servers.{named.name}'s SM partition {spec.name}: {exc}") from None
-            if named.client_priority is not None:  # what its user's clients get, as a per-user setting
-                self.settings.priorities[("uid", named.uid)] = named.client_priority
-        self.pending_clients = 0  # clients of another user waiting for the current server to exit
-        self.waiting: list[tuple[int, int]] = []  # their (pid, uid), in the order they came (v3's client list)
-        self._server_change = trio.Event()
-        self._grace = SHUTDOWN_GRACE
-        self.sessions: set[Session] = set()
-        self.greetings = Greetings(config.handshake_timeout)
-        self._next_client = 1
-        self._stop = trio.Event()
-        self._retry_wakeup = trio.Event()
-        self.routes: dict[Route, RouteSockets] = {}  # MPS v3's per-server and per-namespace sockets
-        self._front: trio.Nursery | None = None  # where accept loops run while the daemon takes clients
-        self._sessions: trio.Nursery | None = None
 
     def _backend(self, index: int, device: DeviceSpec | CudaDevice) -> Backend:
         """What runs device `index`: a real GPU, or the simulator.
