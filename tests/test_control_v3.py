@@ -71,6 +71,24 @@ def test_selecting_v3_and_following_the_running_daemon(daemon_factory):
         shutil.rmtree(pipe.parent, ignore_errors=True)
 
 
+def test_partition_commands_through_the_tool(daemon_factory):
+    """The partition module through nvidia-cuda-mps-control (mpsd-control) on a v3 -S daemon: the id on
+    stdout and 0, a failure on stderr and 1, and the legacy lspart sees what it made."""
+    d = start_daemon("--protocol", "3", "-S", "--time-scale", "100")
+    daemon_factory.append(d)
+    pipe = d.pipe_dir
+    assert tool(pipe, "partition", "create", "--device=0", "--chunks", "3", "--name=big") == (0, "p0\n", "")
+    assert tool(pipe, "partition", "create", "--device=0", "--chunks=3", "--name=big") == (
+        1, "", 'Partition "big" already exists\n')
+    assert tool(pipe, "partition", "remove") == (
+        1, "", 'Unknown command "partition remove"\nUsage: partition <list|create|delete> [options]\n')
+    rc, out, err = tool(pipe, "partition", "list")
+    assert (rc, err, out.splitlines()[1].split()[:6]) == (0, "", ["p0", "big", device_properties(H200, 0)["uuid"], "3", "24", "0"])
+    assert tool(pipe, stdin="lspart\n")[1].splitlines()[1].split()[0] == "p0"
+    assert tool(pipe, "partition", "delete", "--partition=big") == (0, "", "")
+    assert tool(pipe, "partition", "list") == (0, "", "")
+
+
 def test_server_commands(v3):
     """server create/list/get/set/delete over the legacy state: exact outputs, failures on stderr with 1."""
     pipe, pid, uid = v3.pipe_dir, v3.proc.pid, os.getuid()
