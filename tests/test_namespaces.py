@@ -289,6 +289,7 @@ uuid = "{uuids[0]}"
         async with mpsd_client.open_context(d.pipe_dir / "train", device=1,
                                             environ={"CUDA_MPS_SM_PARTITION": "tail"}) as ctx:
             assert ctx.quotas["sm_cap"] == 20
+        assert d.daemon.control.execute("partition delete --partition=large", UID) == "Partition p1 is namespace pinned's"
         with pytest.raises(mpsd_client.InvalidValueError, match="is server other's"):
             async with mpsd_client.open_context(d.pipe_dir / "train", device=0,
                                                 environ={"CUDA_MPS_SM_PARTITION": "theirs"}):

@@ -523,6 +523,12 @@ class Control:
         users = self.sm_partition_clients(found) if found is not None else 0
         if users:
             raise PartitionError(f"Partition {found.id} has {users} client(s)")
+        # mpsd's guess: a namespace's devices table that puts its clients in it keeps it.
+        holders = [space.name for spaces in self.namespaces.values() for space in spaces.values()
+                   if found is not None and found.name is not None
+                   and any(device.sm_partition == found.name for device in space.devices)]
+        if holders:
+            raise PartitionError(f"Partition {found.id} is namespace {holders[0]}'s")
         return self._partitions().remove(key)
 
     def sm_partition_clients(self, partition: Any) -> int:

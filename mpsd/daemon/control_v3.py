@@ -42,7 +42,8 @@
 #   - the partition module's verbs, `partition create|delete|list` (NVIDIA's pages name the module and the
 #     -a file's partitions, no verb or option): `partition create --device=DEV --chunks=N [--name=NAME]
 #     [--include-remainder]` prints the new partition's id as sm_partition add does; `partition delete
-#     --partition=ID|NAME` (refused while clients run in it, as sm_partition rm); `partition list
+#     --partition=ID|NAME` (refused while clients run in it, as sm_partition rm, or while a namespace's
+#     devices table names it); `partition list
 #     [--device=DEV]`'s columns ID NAME DEVICE CHUNKS SMS FIRST_SM SERVER CLIENTS (NAME and SERVER "-" where
 #     none), nothing where there is no partition; on a daemon without static partitioning (-S, or the -a
 #     file's partitions) each says so and fails; the same partitions as the legacy sm_partition and lspart
