@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 
 import pytest
+import trio
+import trio.testing
 
 import mpsd_client
 from inproc import in_process_daemon
@@ -114,3 +116,58 @@ def test_mpsd_control_dash_S_starts_a_partitioning_daemon():
     finally:
         subprocess.run(tool, input=b"quit\n", env=env, timeout=60)
         shutil.rmtree(pipe.parent, ignore_errors=True)
+
+
+async def test_v3_partition_module_keeps_the_legacy_commands_partitions(tmp_path):
+    """MPS v3's `partition create|delete|list` on a -S daemon works on the same partitions as sm_partition and
+    lspart: each sees, and may remove, what the other made; a partition may have a name, which
+    CUDA_MPS_SM_PARTITION takes as well as the id; include_remainder's partition lies at the device's end and
+    holds its last 4 SMs too; failures set the "!" flag and change nothing; only root or the owner may change."""
+    async with in_process_daemon("-S", "--protocol", "3", "--time-scale", "100", "--trace", str(tmp_path / "t.json")) as d:
+        control = d.daemon.control
+
+        def run(line: str, uid: int = UID) -> tuple[str, bool]:
+            return control.execute(line, uid), control.failed
+
+        uuid = d.daemon.devices[0].properties["uuid"]
+        assert run("partition list") == ("", False)
+        assert run("partition create --device=0 --chunks=2 --name=big") == ("p0", False)
+        assert run("sm_partition add 0 1") == ("p1", False)
+        assert run(f"partition create --device={uuid} --chunks=2 --include-remainder") == ("p2", False)
+        assert run("partition create --device=0 --chunks=1 --include-remainder") == (
+            "The SMs past device 0's last chunk are already a partition's", True)
+        assert run("partition create --device=0 --chunks=1 --name=big") == ('Partition "big" already exists', True)
+        assert run("partition create --device=0 --chunks=1 --name=p7")[0].startswith('Invalid partition name "p7"')
+        assert run("partition create --device=4 --chunks=1") == ('Invalid device "4"', True)
+        assert run("partition create --device=0") == (
+            "Usage: partition create --device=DEV --chunks=N [--name=NAME] [--include-remainder]", True)
+        assert run("partition create --device=0 --chunks=1", uid=UID + 1)[0].startswith("Permission denied")
+        listing = run("partition list")[0].splitlines()
+        assert listing[0].split() == ["ID", "NAME", "DEVICE", "CHUNKS", "SMS", "FIRST_SM", "SERVER", "CLIENTS"]
+        assert [line.split() for line in listing[1:]] == [
+            ["p0", "big", uuid, "2", "16", "0", "-", "0"],
+            ["p1", "-", uuid, "1", "8", "16", "-", "0"],
+            ["p2", "-", uuid, "2", "20", "112", "-", "0"],  # chunks 14-15 and the 4 SMs past them
+        ]
+        assert [line.split()[0] for line in run("lspart")[0].splitlines()[1:]] == ["p0", "p1", "p2"]
+        async with d.connect(CUDA_MPS_SM_PARTITION="big") as a, d.connect(CUDA_MPS_SM_PARTITION="p2") as b:
+            assert (a.quotas["sm_cap"], b.quotas["sm_cap"]) == (16, 20)
+            for ctx in (a, b):
+                await ctx.launch("spin", 264, 1024, [int(SPIN)])
+            await a.synchronize()
+            await b.synchronize()
+            trace = d.daemon.devices[0].backend.sim.trace
+            ids = {ctx.sm_partition.id: ctx.id for ctx in d.daemon.devices[0].contexts.values()}
+            assert _sms_of(trace, ids["p0"]) == set(range(16))
+            assert _sms_of(trace, ids["p2"]) == set(range(112, 132))
+            assert run("partition delete --partition=big") == ("Partition p0 has 1 client(s)", True)
+            assert run("partition list --device=0")[0].splitlines()[1].split()[-1] == "1"
+        await trio.testing.wait_all_tasks_blocked()  # the daemon has seen both clients go
+        assert run("partition delete --partition=big") == ("", False)
+        assert run("sm_partition rm p2") == ("", False)  # the legacy command removes a v3 partition
+        assert run("partition delete --partition=p1") == ("", False)
+        assert run("partition delete --partition=p1") == ("Partition p1 not found", True)
+        assert run("partition list") == ("", False)
+    async with in_process_daemon("--protocol", "3", "--time-scale", "100") as d:  # no static partitioning
+        assert d.daemon.control.execute("partition list", UID).startswith("Static SM partitioning is off")
+        assert d.daemon.control.failed

@@ -481,7 +481,6 @@ class Control:
 
     def cmd_sm_partition(self, args: list[str]) -> str:
         usage = "Usage: sm_partition add <device> <chunks> | sm_partition rm <partition id>"
-        partitions = self._partitions()
         verb = args[0] if args else None
         if verb == "add" and len(args) >= 3:
             devices = self.daemon.devices
@@ -490,29 +489,55 @@ class Control:
                 raise CommandError(f'Invalid device "{_brief(args[1])}"')
             chunks = _integer(args[2], f'Invalid number of chunks "{_brief(args[2])}"')
             try:
-                partition = partitions.add(device, chunks)
+                return self.add_sm_partition(device, chunks).id
             except PartitionError as exc:
                 raise CommandError(str(exc)) from None
-            self._note(f"SM partition {partition.id} added on device {device}: chunks {partition.first_chunk}-"
-                       f"{partition.first_chunk + partition.chunks - 1}, SMs {partition.first_sm}-"
-                       f"{partition.first_sm + partition.sm_count - 1}")
-            return partition.id
         if verb == "rm" and len(args) >= 2:
-            found = partitions.partitions.get(args[1])
-            users = sum(1 for ctx in self._contexts() if ctx.sm_partition is found) if found is not None else 0
-            if users:
-                raise CommandError(f"Partition {found.id} has {users} client(s)")
             try:
-                partitions.remove(args[1])
+                self.remove_sm_partition(args[1])
             except PartitionError as exc:
                 raise CommandError(str(exc)) from None
             return ""
         raise CommandError(usage)
 
+    # The legacy commands and v3's `partition` module share these: one set of partitions, one set of rules.
+    def add_sm_partition(self, device: int, chunks: int, **options: Any) -> Any:
+        """Make a partition (SmPartitions.add's `options`) and say so in control.log.
+
+        Raises:
+            PartitionError: it cannot be made.
+        """
+        partition = self._partitions().add(device, chunks, **options)
+        self._note(f"SM partition {partition.id} added on device {device}: chunks {partition.first_chunk}-"
+                   f"{partition.first_chunk + partition.chunks - 1}, SMs {partition.first_sm}-"
+                   f"{partition.first_sm + partition.sm_count - 1}")
+        return partition
+
+    def remove_sm_partition(self, key: str) -> Any:
+        """Remove the partition whose id or name is `key`, unless clients run in it.
+
+        Raises:
+            PartitionError: no such partition, or it has clients.
+        """
+        found = self._partitions().find(key)
+        users = self.sm_partition_clients(found) if found is not None else 0
+        if users:
+            raise PartitionError(f"Partition {found.id} has {users} client(s)")
+        # mpsd's guess: a namespace's devices table that puts its clients in it keeps it.
+        holders = [space.name for spaces in self.namespaces.values() for space in spaces.values()
+                   if found is not None and found.name is not None
+                   and any(device.sm_partition == found.name for device in space.devices)]
+        if holders:
+            raise PartitionError(f"Partition {found.id} is namespace {holders[0]}'s")
+        return self._partitions().remove(key)
+
+    def sm_partition_clients(self, partition: Any) -> int:
+        return sum(1 for ctx in self._contexts() if ctx.sm_partition is partition)
+
     def cmd_lspart(self, args: list[str]) -> str:
         partitions = self._partitions()
         rows = [(p.id, self.daemon.devices[p.device].properties["uuid"], p.chunks, p.sm_count, p.first_sm,
-                 sum(1 for ctx in self._contexts() if ctx.sm_partition is p))
+                 self.sm_partition_clients(p))
                 for p in partitions.partitions.values()]
         if not rows:
             return ""

@@ -22,8 +22,8 @@
 #     owner, as v2's ps); --all adds the clients waiting for their user's server, as PENDING
 #   - every text of a failure: "Usage: ..." lines, 'Unknown command "server x"', 'Unknown option "--x"',
 #     'Invalid ... "x"', v2's "Server N not found" and "A user id (UID) is required to start a new server",
-#     "Permission denied: ..." and that namespaces and partitions are not supported yet; a failure goes to
-#     stderr and the tool exits 1 (mpsd_protocol's "!" packet carries that)
+#     "Permission denied: ..."; a failure goes to stderr and the tool exits 1 (mpsd_protocol's "!" packet
+#     carries that)
 #   - values are parsed strictly (mpsd_protocol's parsers), not with v2's C quirks: a v3 command is a
 #     scripting interface, and a typo should fail rather than set 0
 #   - namespace commands name their server with --server=NAME (the -a file's), --uid=UID or --pid=PID, else
@@ -36,6 +36,18 @@
 #     namespace goes only with its server', 'Invalid cgroup "x", ...'; a namespace's sockets come with create
 #     (for a named server only) and go with delete; `client list`'s NAMESPACE column (a process's first
 #     context's); control.log's "Namespace X created for server Y" and "... deleted"
+#   - `client list` asked on a routed control socket lists the clients of that server's namespace only (by
+#     the contexts in it; a process with contexts in several shows there with that namespace), and with --all
+#     the clients of that server's user waiting for it
+#   - the partition module's verbs, `partition create|delete|list` (NVIDIA's pages name the module and the
+#     -a file's partitions, no verb or option): `partition create --device=DEV --chunks=N [--name=NAME]
+#     [--include-remainder]` prints the new partition's id as sm_partition add does; `partition delete
+#     --partition=ID|NAME` (refused while clients run in it, as sm_partition rm, or while a namespace's
+#     devices table names it); `partition list
+#     [--device=DEV]`'s columns ID NAME DEVICE CHUNKS SMS FIRST_SM SERVER CLIENTS (NAME and SERVER "-" where
+#     none), nothing where there is no partition; on a daemon without static partitioning (-S, or the -a
+#     file's partitions) each says so and fails; the same partitions as the legacy sm_partition and lspart
+#     (mpsd.daemon.sm_partitions), so a partition made by one is seen, used and removed by the other
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable
@@ -43,17 +55,17 @@ from typing import TYPE_CHECKING, Callable
 from mpsd.daemon.control import limit_text
 from mpsd.daemon.listeners import ListenError
 from mpsd.daemon.mps_config import parse_limit
-from mpsd.daemon.namespaces import DEFAULT, Namespace, check_name
+from mpsd.daemon.namespaces import DEFAULT, Namespace, cgroup_path, check_name
 from mpsd.daemon.routes import Route
+from mpsd.daemon.sm_partitions import PartitionError, check_partition_name
 from mpsd_protocol import V3_MODULES, parse_decimal, parse_integer
 
 if TYPE_CHECKING:
     from mpsd.daemon.control import Control
 
 MODULES = V3_MODULES
-NOT_YET = frozenset({"partition"})
 READ_ONLY = frozenset({("server", "list"), ("server", "get"), ("client", "list"), ("namespace", "list"),
-                       ("namespace", "get")})
+                       ("namespace", "get"), ("partition", "list")})
 SETTINGS = ("active-thread-percentage", "pinned-memory-limit", "client-priority")
 _WHICH = "[--server=NAME|--uid=UID|--pid=PID]"
 _SELECT = {"server": True, "uid": True, "pid": True}
@@ -78,6 +90,10 @@ USAGE = {
                           "[--pinned-memory-limit=LIMIT] [--client-priority=0|1] [--cgroup=PATH]",
     ("namespace", "get"): f"Usage: namespace get {_WHICH} --name=NAME "
                           "--active-thread-percentage|--pinned-memory-limit|--client-priority|--cgroup",
+    ("partition", None): "Usage: partition <list|create|delete> [options]",
+    ("partition", "list"): "Usage: partition list [--device=DEV]",
+    ("partition", "create"): "Usage: partition create --device=DEV --chunks=N [--name=NAME] [--include-remainder]",
+    ("partition", "delete"): "Usage: partition delete --partition=ID|NAME",
 }
 # The options each command takes, and whether each takes a value.
 OPTIONS: dict[tuple[str, str], dict[str, bool]] = {
@@ -93,6 +109,9 @@ OPTIONS: dict[tuple[str, str], dict[str, bool]] = {
     ("namespace", "delete"): {**_SELECT, "name": True},
     ("namespace", "set"): {**_SELECT, "name": True, "cgroup": True, **{name: True for name in SETTINGS}},
     ("namespace", "get"): {**_SELECT, "name": True, "cgroup": False, **{name: False for name in SETTINGS}},
+    ("partition", "list"): {"device": True},
+    ("partition", "create"): {"device": True, "chunks": True, "name": True, "include-remainder": False},
+    ("partition", "delete"): {"partition": True},
 }
 
 
@@ -173,9 +192,6 @@ class V3:
             return str(exc), True
 
     def _run(self, module: str, args: list[str], uid: int) -> str:
-        if module in NOT_YET:
-            raise Failure(f'"{module}" commands (MPS v3 SM partitions) are not supported by mpsd yet; the legacy '
-                          "sm_partition and lspart are, on a daemon started with -S")
         verb = args[0] if args else None
         key = (module, verb)
         if verb is None or key not in OPTIONS:
@@ -185,6 +201,9 @@ class V3:
         if key not in READ_ONLY and uid not in (0, daemon.owner_uid):
             daemon.log.control(f"User {uid} is not allowed to run {module} {verb}")
             raise Failure(f"Permission denied: {module} {verb} needs root or the daemon's owner")
+        if module == "partition" and daemon.sm_partitions is None:
+            raise Failure("Static SM partitioning is off: start the daemon with -S, or give SM partitions in the "
+                          "-a file")
         command: Callable[[dict[str, str | None], int], str] = getattr(self, f"{module}_{verb}")
         return command(parse_options(args[1:], OPTIONS[key], USAGE[key]), uid)
 
@@ -309,15 +328,23 @@ class V3:
     def client_list(self, options: dict[str, str | None], uid: int) -> str:
         control = self.control
         everyone = uid in (0, control.daemon.owner_uid)  # others see their own processes only, as v2's ps
+        route = control.route  # asked by a routed socket: that server's namespace's clients only
         rows: list[tuple[object, ...]] = []
         if control.server.started:
-            for pid, mine in control._processes().items():
+            processes: dict[int, list] = {}
+            for pid, contexts in control._processes().items():
+                if route is not None:
+                    contexts = [ctx for ctx in contexts if control.server_key(ctx.uid) == route.uid
+                                and ctx.namespace == route.namespace]
+                if contexts:
+                    processes[pid] = contexts
+            for pid, mine in processes.items():
                 if everyone or mine[0].uid == uid:
                     uuids = ",".join(dict.fromkeys(ctx.device.properties["uuid"] for ctx in mine))
                     rows.append((pid, control.server.pid, mine[0].uid, "ACTIVE", mine[0].namespace, uuids))
         if "all" in options:
             for pid, user in control.daemon.waiting:
-                if everyone or user == uid:
+                if (everyone or user == uid) and (route is None or route.uid in (None, control.server_key(user))):
                     rows.append((pid, "-", user, "PENDING", "-", "-"))
         if not rows:
             return ""
@@ -398,10 +425,10 @@ class V3:
         if "client-priority" in options:
             out["client_priority"] = _priority(options["client-priority"] or "")
         if "cgroup" in options:
-            cgroup = options["cgroup"] or ""
-            if not cgroup.startswith("/"):
-                raise Failure(f'Invalid cgroup "{_brief(cgroup)}", expected a path such as /user.slice/job1')
-            out["cgroup"] = cgroup
+            try:
+                out["cgroup"] = cgroup_path(options["cgroup"] or "")
+            except ValueError as exc:
+                raise Failure(str(exc)) from None
         return out
 
     def namespace_list(self, options: dict[str, str | None], uid: int) -> str:
@@ -496,3 +523,50 @@ class V3:
             if limit is not None:
                 lines.append(f"{device}={limit_text(limit)}")
         return "\n".join(lines)
+
+    # -- partition (the static SM partitions the legacy sm_partition and lspart keep) -----------------------
+    def _device(self, text: str) -> int:
+        """A device by index or GPU UUID, of the daemon's."""
+        found = next((d.index for d in self.control.daemon.devices if text in (str(d.index), d.properties["uuid"])),
+                     None)
+        if found is None:
+            raise Failure(f'Invalid device "{_brief(text)}"')
+        return found
+
+    def partition_list(self, options: dict[str, str | None], uid: int) -> str:
+        control = self.control
+        device = None if options.get("device") is None else self._device(options["device"] or "")
+        rows: list[tuple[object, ...]] = [
+            (p.id, p.name or "-", control.daemon.devices[p.device].properties["uuid"], p.chunks, p.sm_count,
+             p.first_sm, p.server or "-", control.sm_partition_clients(p))
+            for p in control.daemon.sm_partitions.partitions.values() if device in (None, p.device)]
+        if not rows:
+            return ""
+        rows.insert(0, ("ID", "NAME", "DEVICE", "CHUNKS", "SMS", "FIRST_SM", "SERVER", "CLIENTS"))
+        return "\n".join(f"{pid!s:<8}{name!s:<15}{uuid!s:<44}{chunks!s:<8}{sms!s:<6}{first!s:<10}{server!s:<15}"
+                         f"{users}" for pid, name, uuid, chunks, sms, first, server, users in rows)
+
+    def partition_create(self, options: dict[str, str | None], uid: int) -> str:
+        usage = USAGE[("partition", "create")]
+        if options.get("device") is None or options.get("chunks") is None:
+            raise Failure(usage)
+        device = self._device(options["device"] or "")
+        chunks = _number(options["chunks"] or "", "number of chunks")
+        name = options.get("name")
+        try:
+            if name is not None:
+                check_partition_name(name)
+            partition = self.control.add_sm_partition(device, chunks, name=name,
+                                                      include_remainder="include-remainder" in options)
+        except (ValueError, PartitionError) as exc:
+            raise Failure(str(exc)) from None
+        return partition.id
+
+    def partition_delete(self, options: dict[str, str | None], uid: int) -> str:
+        if options.get("partition") is None:
+            raise Failure(USAGE[("partition", "delete")])
+        try:
+            self.control.remove_sm_partition(options["partition"] or "")
+        except PartitionError as exc:
+            raise Failure(str(exc)) from None
+        return ""

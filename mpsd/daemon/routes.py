@@ -9,8 +9,12 @@
 # through a symlink, with the pipe directory's mode; only stale sockets are replaced. A namespace's directory
 # comes with `namespace create` and goes with `namespace delete`; all go when the daemon stops.
 #
-# mpsd's guesses: that the server's directory holds the default namespace's sockets directly (NVIDIA names
-# $PIPE/<server>/control for it); that a routed directory has the same two sockets as the main one (MPS's
+# Release 620's pages show the default namespace's sockets twice: $PIPE/<server>/control (the server's listener,
+# which routes to its default namespace) and $PIPE/<server>/default/control; mpsd makes both. Only named
+# servers (the -a file's) have directories: NVIDIA names them by the server's name and says nothing of a
+# server without one (one started for a user's first client, or by server create), so those have none.
+#
+# mpsd's guesses: that a routed directory has the same two sockets as the main one (MPS's
 # client library finds its server over `control`; mpsd's clients use `mpsd.sock`); that a client of another
 # user than the server's is refused there (cudaErrorMpsConnectionFailed) rather than queued.
 from __future__ import annotations
@@ -32,10 +36,17 @@ class Route:
     server: str
     uid: int | None  # None: a --multiuser daemon's, which serves every user
     namespace: str = DEFAULT
+    # The default namespace's own directory, $PIPE/<server>/default/, rather than the server's.
+    named_default: bool = False
 
     def directory(self, pipe_dir: Path) -> Path:
         base = pipe_dir / self.server
-        return base if self.namespace == DEFAULT else base / self.namespace
+        return base if self.namespace == DEFAULT and not self.named_default else base / self.namespace
+
+    @property
+    def is_server(self) -> bool:
+        """Whether its directory is the server's own, which holds its namespaces' (they go first)."""
+        return self.namespace == DEFAULT and not self.named_default
 
 
 @dataclass

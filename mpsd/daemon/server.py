@@ -33,7 +33,7 @@ from mpsd.daemon.routes import Route, RouteSockets, open_route
 from mpsd.daemon.servlog import ServerLog
 from mpsd.daemon.server_process import ServerProcess, ServerProcesses, ServerProcessError
 from mpsd.daemon.session import Session
-from mpsd.daemon.sm_partitions import SmPartitions
+from mpsd.daemon.sm_partitions import PartitionError, SmPartitions
 from mpsd.runtime.context import Context, Quotas
 from mpsd.runtime.device import COMPUTE_MODES, Device
 from mpsd.runtime.ipc import IpcRegistry
@@ -107,21 +107,13 @@ class Daemon:
         # With --mps-names each server has a process of its own named nvidia-cuda-mps-server (its pid the server's).
         self.server_processes = ServerProcesses() if config.mps_names else None
         self._server_process: ServerProcess | None = None
-        self.sm_partitions: SmPartitions | None = None  # MPS's -S
-        if config.static_partitioning:
-            # The simulator's mps policy is what pins a client to its partition's SMs.
-            unpinnable = [d.index for d in self.devices if not isinstance(d.backend, SimBackend) or d.backend.policy != "mps"]
-            if unpinnable:
-                raise DaemonError("--static-partitioning needs simulated devices under the mps policy; not device "
-                                  + ", ".join(map(str, unpinnable)))
-            self.sm_partitions = SmPartitions([d.properties["multiprocessor_count"] for d in self.devices])
-        self.control = Control(self)
-        uuids = {device.properties["uuid"] for device in self.devices}
-        for named in config.servers:  # MPS v3's named servers: their devices must be ours
-            missing = [uuid for uuid in named.allowed_devices if uuid not in uuids]
-            if missing:
-                raise DaemonError(f"{config.apply}: servers.{named.name}.allowed_devices names no device of this "
-                                  f"daemon: {', '.join(missing)}")
+        self.sm_partitions: SmPartitions | None = None  # MPS's -S, or the -a file's SM partitions
+        try:
+            self._set_up_partitions_and_named_servers()
+        except DaemonError:
+            self.log.close()  # the daemon never served: nothing will close its logs
+            raise
+        for named in config.servers:
             if named.client_priority is not None:  # what its user's clients get, as a per-user setting
                 self.settings.priorities[("uid", named.uid)] = named.client_priority
         self.pending_clients = 0  # clients of another user waiting for the current server to exit
@@ -136,6 +128,42 @@ class Daemon:
         self.routes: dict[Route, RouteSockets] = {}  # MPS v3's per-server and per-namespace sockets
         self._front: trio.Nursery | None = None  # where accept loops run while the daemon takes clients
         self._sessions: trio.Nursery | None = None
+
+    def _set_up_partitions_and_named_servers(self) -> None:
+        """Static SM partitioning (-S, or the -a file's partitions), the control plane, and the -a file's
+        devices checked against ours and its partitions made.
+
+        Raises:
+            DaemonError: the devices cannot be pinned, or the file names a device we lack or a partition that
+                does not fit.
+        """
+        config = self.config
+        if config.static_partitioning or any(named.sm_partitions for named in config.servers):
+            # The simulator's mps policy is what pins a client to its partition's SMs.
+            unpinnable = [d.index for d in self.devices if not isinstance(d.backend, SimBackend) or d.backend.policy != "mps"]
+            if unpinnable:
+                raise DaemonError("static SM partitioning (-S, or the -a file's sm_partitions) needs simulated "
+                                  "devices under the mps policy; not device " + ", ".join(map(str, unpinnable)))
+            self.sm_partitions = SmPartitions([d.properties["multiprocessor_count"] for d in self.devices])
+        self.control = Control(self)
+        by_uuid = {device.properties["uuid"]: device.index for device in self.devices}
+        for named in config.servers:  # MPS v3's named servers: their devices must be ours
+            tables = [(f"servers.{named.name}.allowed_devices", named.allowed_devices),
+                      (f"servers.{named.name}.devices", tuple(device.uuid for device in named.devices))]
+            tables += [(f"servers.{named.name}.namespaces.{ns.name}.devices", tuple(d.uuid for d in ns.devices))
+                       for ns in named.namespaces]
+            for where, uuids in tables:
+                missing = [uuid for uuid in uuids if uuid not in by_uuid]
+                if missing:
+                    raise DaemonError(f"{config.apply}: {where} names no device of this daemon: {', '.join(missing)}")
+            # Those that take the SMs past the last chunk first: they must lie at their device's end.
+            for uuid, spec in sorted(named.sm_partitions, key=lambda entry: not entry[1].include_remainder):
+                assert self.sm_partitions is not None
+                try:
+                    self.sm_partitions.add(by_uuid[uuid], spec.chunks, name=spec.name,
+                                           include_remainder=spec.include_remainder, server=named.name)
+                except PartitionError as exc:
+                    raise DaemonError(f"{config.apply}: servers.{named.name}'s SM partition {spec.name}: {exc}") from None
 
     def _backend(self, index: int, device: DeviceSpec | CudaDevice) -> Backend:
         """What runs device `index`: a real GPU, or the simulator.
@@ -174,7 +202,17 @@ class Daemon:
         """
         if self.control.quitting:  # a server being shut down still takes clients, as MPS's does; quit not
             raise MpsServerNotReadyError("the MPS control daemon is quitting")
-        index, instance = self._device_index(hello.get("device", 0), hello.get("visible"))
+        route = session.route
+        if route is not None and route.uid is not None and route.uid != session.uid:
+            raise MpsConnectionError(f"server {route.server} (at {route.directory(self.config.pipe_dir)}) serves "
+                                     f"uid {route.uid}, not {session.uid}")
+        namespace = self.control.namespace_for(session.pid, session.uid, route)
+        if route is not None and route.namespace != "default" and namespace is None:
+            raise MpsConnectionError(f"namespace {route.namespace} of server {route.server} is gone")
+        # A namespace with devices shows its clients those only, in its order (mpsd.daemon.namespaces).
+        seen = None if namespace is None or not namespace.devices else [
+            next(d.index for d in self.devices if d.properties["uuid"] == spec.uuid) for spec in namespace.devices]
+        index, instance = self._device_index(hello.get("device", 0), hello.get("visible"), seen)
         device = self.devices[index]
         if device.compute_mode == "PROHIBITED":
             raise DevicesUnavailableError(f"device {index}'s compute mode is PROHIBITED (nvidia-smi -c)")
@@ -186,13 +224,6 @@ class Daemon:
                                          "clients wait until the faulting clients have exited")
         if len(device.contexts) >= self.config.max_clients:
             raise MpsMaxClientsReachedError(f"device {index} already has {self.config.max_clients} clients")
-        route = session.route
-        if route is not None and route.uid is not None and route.uid != session.uid:
-            raise MpsConnectionError(f"server {route.server} (at {route.directory(self.config.pipe_dir)}) serves "
-                                     f"uid {route.uid}, not {session.uid}")
-        namespace = self.control.namespace_for(session.pid, session.uid, route)
-        if route is not None and route.namespace != "default" and namespace is None:
-            raise MpsConnectionError(f"namespace {route.namespace} of server {route.server} is gone")
         percentage = self.control.percentage_for_new_client(session.uid)
         if namespace is not None:
             percentage = namespace.percentage(percentage)
@@ -211,7 +242,7 @@ class Daemon:
             partition = instance
         if device.instances and partition is None:
             partition = 0  # as the mig policy binds a client that names no instance
-        sm_partition = self._sm_partition(limits.get("sm_partition"), index)
+        sm_partition = self._sm_partition(limits.get("sm_partition"), index, session.uid, namespace)
         memory_limit = self.control.memory_limit_for_new_client(index, session.uid)
         if namespace is not None:
             memory_limit = namespace.memory_limit(memory_limit)
@@ -260,20 +291,36 @@ class Daemon:
                            f"{sm_partition.first_sm + sm_partition.sm_count - 1})" if sm_partition is not None else ""))
         return context
 
-    def _sm_partition(self, requested: Any, device: int) -> Any:
-        """The static SM partition CUDA_MPS_SM_PARTITION names, if it does.
+    def _sm_partition(self, requested: Any, device: int, uid: int, namespace: Any) -> Any:
+        """The static SM partition a new client runs in: the one its namespace has on `device`, else the one
+        CUDA_MPS_SM_PARTITION names (by id or name), if either does.
 
         Raises:
-            InvalidValueError: static partitioning is off, or no such partition is on the client's device.
+            InvalidValueError: static partitioning is off, no such partition is on the client's device, it is
+                another named server's, or it is not the client's namespace's.
         """
-        if requested is None:
+        spec = None if namespace is None else next(
+            (d for d in namespace.devices if d.uuid == self.devices[device].properties["uuid"]), None)
+        assigned = None if spec is None else spec.sm_partition
+        if requested is None and assigned is None:
             return None
         if self.sm_partitions is None:
             raise InvalidValueError(f"CUDA_MPS_SM_PARTITION={brief(requested, 40)}, but the daemon was not started "
                                     "with static partitioning (-S)")
-        found = self.sm_partitions.partitions.get(requested) if isinstance(requested, str) else None
+        if assigned is not None:
+            found = self.sm_partitions.find(assigned)
+            if found is None:  # partition delete took it
+                raise InvalidValueError(f"namespace {namespace.name}'s SM partition {assigned} is gone")
+            if requested is not None and requested not in (found.id, found.name):
+                raise InvalidValueError(f"CUDA_MPS_SM_PARTITION={brief(requested, 40)}, but namespace "
+                                        f"{namespace.name} runs its clients in SM partition {assigned} there")
+            return found
+        found = self.sm_partitions.find(requested) if isinstance(requested, str) else None
         if found is None or found.device != device:
             raise InvalidValueError(f"no SM partition {brief(requested, 40)} on device {device} (lspart lists them)")
+        named = None if self.config.multiuser else self.control.named.get(uid)
+        if found.server is not None and (named is None or named.name != found.server):
+            raise InvalidValueError(f"SM partition {brief(requested, 40)} is server {found.server}'s")
         return found
 
     def reconfigure(self, context: Context) -> None:
@@ -291,49 +338,54 @@ class Daemon:
                                       sms=None if context.sm_partition is None else context.sm_partition.sms)
         self.log.server(f"Client {context.pid}: priority {priority}, weight {weight:g}")
 
-    def _device_index(self, ordinal: Any, visible: Any) -> tuple[int, int | None]:
+    def _device_index(self, ordinal: Any, visible: Any, seen: list[int] | None = None) -> tuple[int, int | None]:
         """Our index of the client's device `ordinal`, through its CUDA_VISIBLE_DEVICES list (None: unset),
-        and the MIG instance it names where the entry is a MIG device's (else None).
+        and the MIG instance it names where the entry is a MIG device's (else None). `seen`: the only devices
+        the client sees (its namespace's), in order, as if they were all there is; its list picks among them.
 
         Raises:
             NoDeviceError: the list names none of our devices.
             InvalidDeviceError: the ordinal is not one of the visible devices.
         """
-        count = len(self.devices)
+        base = list(range(len(self.devices))) if seen is None else seen
+        count = len(base)
         if visible is None:
-            indices: list[tuple[int, int | None]] = [(i, None) for i in range(count)]
+            indices: list[tuple[int, int | None]] = [(i, None) for i in base]
         elif isinstance(visible, list) and all(type(v) is int or (type(v) is str and len(v) <= 64) for v in visible):
             # As in CUDA, an entry that names no device (an index we do not have, a UUID prefix that matches
             # none or several) ends the list.
-            found = (self._visible_index(v) for v in visible)
+            found = (self._visible_index(v, base) for v in visible)
             indices = list(itertools.takewhile(lambda i: i is not None, found))  # type: ignore[arg-type]
             if not indices:
-                raise NoDeviceError(f"CUDA_VISIBLE_DEVICES names none of the daemon's {count} device(s)")
+                raise NoDeviceError(f"CUDA_VISIBLE_DEVICES names none of the {count} device(s) "
+                                    + ("the daemon has" if seen is None else "the client's namespace sees"))
         else:
             raise InvalidValueError("hello: visible must be a list of device indices and UUIDs")
         if type(ordinal) is not int or not 0 <= ordinal < len(indices):
             raise InvalidDeviceError(f"device {brief(ordinal, 20)} does not exist ({len(indices)} visible)")
         return indices[ordinal]
 
-    def _visible_index(self, entry: int | str) -> tuple[int, int | None] | None:
-        """Our (device index, MIG instance or None) for one CUDA_VISIBLE_DEVICES entry: an index, a UUID or a
-        prefix of one device's UUID, or a MIG device as ``MIG-<uuid>`` or ``MIG-GPU-<uuid>/<gi>/<ci>`` (the
-        older form; the compute instance must be 0, the only one a partition has here)."""
+    def _visible_index(self, entry: int | str, base: list[int]) -> tuple[int, int | None] | None:
+        """Our (device index, MIG instance or None) for one CUDA_VISIBLE_DEVICES entry among the devices
+        `base` (by our index, in the client's order): an index into it, a UUID or a prefix of one device's UUID,
+        or a MIG device as ``MIG-<uuid>`` or ``MIG-GPU-<uuid>/<gi>/<ci>`` (the older form; the compute instance
+        must be 0, the only one a partition has here)."""
         if type(entry) is int:
-            return (entry, None) if 0 <= entry < len(self.devices) else None
+            return (base[entry], None) if 0 <= entry < len(base) else None
         assert isinstance(entry, str)
+        devices = [self.devices[i] for i in base]
         if entry.startswith("MIG-GPU-"):
             gpu, _, rest = entry.removeprefix("MIG-").partition("/")
-            found = [d for d in self.devices if d.properties["uuid"] == gpu]
+            found = [d for d in devices if d.properties["uuid"] == gpu]
             gi, _, ci = rest.partition("/")
             if (len(found) == 1 and gi.isdecimal() and ci == "0"
                     and int(gi) < len(found[0].instances)):
                 return found[0].index, int(gi)
             return None
         if entry.startswith("MIG-"):
-            migs = [(d.index, n) for d in self.devices for n, u in enumerate(d.mig_uuids) if u.startswith(entry)]
+            migs = [(d.index, n) for d in devices for n, u in enumerate(d.mig_uuids) if u.startswith(entry)]
             return migs[0] if len(migs) == 1 else None
-        matches = [d.index for d in self.devices if d.properties["uuid"].startswith(entry)]
+        matches = [d.index for d in devices if d.properties["uuid"].startswith(entry)]
         return (matches[0], None) if len(matches) == 1 else None
 
     def detach(self, context: Context) -> None:
@@ -509,6 +561,7 @@ class Daemon:
         try:
             for named in self.config.servers:  # $PIPE/<server>/ and $PIPE/<server>/<namespace>/
                 self.add_route(Route(named.name, self.control.server_key(named.uid)))
+                self.add_route(Route(named.name, self.control.server_key(named.uid), named_default=True))
                 for namespace in self.control.namespaces.get(self.control.server_key(named.uid), {}).values():
                     self.add_route(Route(named.name, self.control.server_key(named.uid), namespace.name))
         except ListenError as exc:
@@ -668,7 +721,7 @@ class Daemon:
 
     def close_routes(self) -> None:
         # Namespaces' directories before their servers', which hold them.
-        for route in sorted(self.routes, key=lambda r: r.namespace == "default"):
+        for route in sorted(self.routes, key=lambda r: r.is_server):
             self.remove_route(route)
 
     async def _accept_route(self, sockets: RouteSockets) -> None:

@@ -132,6 +132,10 @@ V3_HELP = (
     "  server get [--pid=PID] [--device=DEV] --active-thread-percentage|--pinned-memory-limit|--client-priority\n"
     "  client list [--all]\n"
     "  client terminate --pid=PID\n"
+    "  namespace list|create|delete|set|get [--server=NAME|--uid=UID|--pid=PID] [--name=NAME] [options]\n"
+    "  partition list [--device=DEV]\n"
+    "  partition create --device=DEV --chunks=N [--name=NAME] [--include-remainder]\n"
+    "  partition delete --partition=ID|NAME\n"
     "\n"
 )
 APPLY_ALONE = "-a/--apply applies a configuration as the daemon starts: give it with -d or -f"  # mpsd's guess
