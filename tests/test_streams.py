@@ -169,6 +169,19 @@ async def test_stream_destroy_lets_queued_work_finish(actx, autojump_clock):
     assert bytes(out) == b"\x00\x00\x20\x40" * 1024
 
 
+async def test_a_kernel_that_never_ends_holds_no_other_streams_launches(actx, autojump_clock):
+    """The launch queue counts work that has not ended: 1,500 short launches on one stream go through while a
+    kernel that outlasts the test holds another stream (a queue freed only from its oldest entry, across
+    streams, would hold the 1,024th for ever)."""
+    a, b = await actx.create_stream(), await actx.create_stream()
+    await actx.launch("spin", 1, 32, [10**15], stream=a)  # days of simulated time
+    with trio.fail_after(60):
+        for _ in range(1500):
+            await actx.launch("spin", 1, 32, [1000], stream=b)
+        await b.synchronize()
+    assert not await a.query()
+
+
 async def test_async_context_runs_calls_from_concurrent_tasks(served, autojump_clock):
     """AsyncContext: the same calls, awaited; one task synchronising does not hold up another."""
     import numpy as np

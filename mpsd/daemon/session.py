@@ -114,13 +114,14 @@ class Session:
         self._admitting = False
         self.host: Host | None = None  # this client's host clock, under the virtual clock
         self._deferred = 0  # replies waiting for the device
-        # The client's launch queue: the work of its launch calls, oldest first, with the staged bytes of each;
-        # it frees in that order, as a ring buffer does (`_full`). And calls taken but not served yet (stamped,
-        # under the virtual clock), which hold their places meanwhile.
-        self._ring: deque[tuple[Work, int]] = deque()
+        # The client's launch queue (`_full`): per stream, the work of its launch calls, oldest first, with the
+        # staged bytes of each, and how many entries there are (work that has ended since stays counted until
+        # the queue is next pruned); and calls taken but not served yet (stamped, under the virtual clock).
+        self._queues: dict[tuple[int, int], deque[tuple[Work, int]]] = {}
+        self._queued = 0
         self._posted = 0
         self._staged = 0  # bytes of pageable copies among both, which the daemon holds until they run
-        self._watching = False  # a callback waits for the oldest work in the ring to end
+        self._watched: set[Work] = set()  # heads of queues a held call waits on
         self._held: Request | Notification | None = None  # a launch call waiting for room in the queue
         self._room = trio.Event()  # set when the held call has gone on
         self._answered = trio.Event()  # set when the last of them has gone
@@ -147,7 +148,7 @@ class Session:
                     while self._deferred:
                         await self._answered.wait()
         finally:
-            self._ring.clear()
+            self._queues.clear()
             self.conn.close_fds()
             self.channel.close()
             if self.host is not None:  # it holds the clock no longer; its calls still queued come to nothing
@@ -313,7 +314,8 @@ class Session:
             self._virtual.clock.start(self._host, charged)
             self._virtual.clock.wait(self._host)
         self._held = message
-        full = (f"{len(self._ring) + self._posted} launches queued" if len(self._ring) + self._posted >= LAUNCH_QUEUE
+        queued = self._queued + self._posted
+        full = (f"{queued} launches queued" if queued >= LAUNCH_QUEUE
                 else f"{format_size(self._staged)} of pageable copies held")
         self.daemon.log.complaint(("uid", self.uid), f"Client {self.pid}: {full}; its next call waits for its "
                                                      "work to run")
@@ -326,16 +328,21 @@ class Session:
             self.context.device.backend.received(self._read_at)
 
     def _full(self, message: Request | Notification) -> bool:
-        """Whether `message` is a launch call that must wait for room in its client's queue. The queue frees
-        from its oldest end, as the ring buffer a GPU reads its work from does: work that ends before older
-        work does frees its place only once that has ended too (on one stream, the only order there is)."""
+        """Whether `message` is a launch call that must wait for room in its client's queue. The counts are
+        exact once pruned, and pruning is cheap: work on a stream ends in the order it was queued, so the
+        ended entries of each stream's queue are at its head. Below the limits, not even that is needed."""
         if message.op not in LAUNCH_CALLS or self.context is None:
             return False
-        ring = self._ring
-        while ring and ring[0][0].done:
-            self._staged -= ring.popleft()[1]
-        return len(ring) + self._posted >= LAUNCH_QUEUE or (
-            self._staged >= MAX_STAGED_BYTES and _staged_bytes(message) > 0)
+        staged = _staged_bytes(message)
+        if self._queued + self._posted < LAUNCH_QUEUE and not (staged and self._staged >= MAX_STAGED_BYTES):
+            return False
+        for key, queue in list(self._queues.items()):
+            while queue and queue[0][0].done:
+                self._queued -= 1
+                self._staged -= queue.popleft()[1]
+            if not queue:
+                del self._queues[key]
+        return self._queued + self._posted >= LAUNCH_QUEUE or bool(staged and self._staged >= MAX_STAGED_BYTES)
 
     def _go(self, message: Request | Notification, call: Call | None, charged: float) -> None:
         counted = message.op in LAUNCH_CALLS and self.context is not None
@@ -362,22 +369,25 @@ class Session:
             self._posted -= 1
             queued = ctx.last_op if ctx is not None else None
             if queued is not before and queued is not None and not queued.done:
-                self._ring.append((queued, _staged_bytes(message)))
+                self._queues.setdefault(queued.stream, deque()).append((queued, _staged_bytes(message)))
+                self._queued += 1
             else:
                 self._staged -= _staged_bytes(message)
             if self._held is not None:
                 self._recheck()
 
     def _watch(self) -> None:
-        """Judge the held call again once the oldest work in the queue has ended (or at once, if none is
-        left: then the queue is full of calls not yet served, and the next one served judges it)."""
-        if self._watching or not self._ring:
-            return
-        self._watching = True
-        self.daemon.device_of(self._ctx).backend.when_done([self._ring[0][0]], self._oldest_ended)
+        """Judge the held call again once the oldest work of any stream's queue has ended (or, if the queues
+        are empty, once the next call taken is served: the queue is full of calls not yet served)."""
+        backend = self.daemon.device_of(self._ctx).backend
+        for queue in self._queues.values():
+            head = queue[0][0]
+            if head not in self._watched:
+                self._watched.add(head)
+                backend.when_done([head], functools.partial(self._head_ended, head))
 
-    def _oldest_ended(self) -> None:
-        self._watching = False
+    def _head_ended(self, head: Work) -> None:
+        self._watched.discard(head)
         self._recheck()
 
     def _recheck(self) -> None:
