@@ -218,6 +218,36 @@ def test_the_drivers_virtual_memory_calls_map_memory_that_kernels_and_copies_use
             ctx.synchronize()
 
 
+def test_work_queued_before_an_unmapping(backend_daemon):
+    """mem_unmap does not wait for queued work. On the simulated device a fill queued behind a long kernel on
+    the unmapped page faults when it runs; on cuda:0 the backend puts the driver's unmapping off until that work
+    has run, so the fill lands in the memory mapped when it was queued (a real fault would poison the primary
+    context every client shares), mapping the pages again waits for it, and an unmapping, release and free of
+    the range with work still queued give everything back once it has run."""
+    with mpsd_client.connect(backend_daemon.pipe_dir) as ctx:
+        free = ctx.mem_get_info()[0]
+        page = ctx.mem_get_allocation_granularity()
+        va, handle = ctx.mem_address_reserve(2 * page), ctx.mem_create(page)
+        ctx.mem_map(va, page, 0, handle)
+        stream = ctx.create_stream()
+        ctx.launch("spin", 8, 32, [int(0.2 * 1.98e9)], stream=stream)  # 0.2 s on an H200
+        ctx.launch("fill_f32", 64, 256, [va, 5.0, page // 4], stream=stream)
+        ctx.mem_unmap(va, page)
+        if not backend_daemon.real:
+            with pytest.raises(IllegalAddressError):
+                ctx.synchronize()
+            return
+        ctx.mem_map(va, page, 0, handle)
+        assert (_floats(ctx, va, page // 4) == 5.0).all()
+        ctx.launch("spin", 8, 32, [int(0.2 * 1.98e9)], stream=stream)
+        ctx.launch("fill_f32", 64, 256, [va, 6.0, page // 4], stream=stream)
+        ctx.mem_unmap(va, page)
+        ctx.mem_release(handle)
+        ctx.mem_address_free(va, 2 * page)
+        assert ctx.mem_get_info()[0] == free  # the charge goes at once, the driver's memory once the fill ran
+        ctx.synchronize()
+
+
 def test_the_caching_allocator_grows_expandable_segments(backend_daemon):
     """expandable_segments:True: a second 12 MiB block grows the stream's one segment by a 20 MiB page at its end,
     so the two blocks are contiguous across the pages, and a kernel writes across them; empty_cache unmaps the
