@@ -12,7 +12,7 @@ import pytest
 import mpsd_client
 from daemons import run_worker, spawn_worker, start_daemon
 from mpsd.backends.cuda import cuda_device_count
-from mpsd_protocol import IllegalAddressError, NotSupportedError
+from mpsd_protocol import IllegalAddressError, InvalidValueError, NotSupportedError
 
 MiB = 1 << 20
 N = 1 << 20  # floats in the test vectors
@@ -176,18 +176,100 @@ def test_host_view_is_the_simulators_alone(backend_daemon):
             assert bytes(ctx.host_view(p)[:4]) == b"\3\3\3\3"
 
 
-def test_the_drivers_virtual_memory_calls_are_the_simulators_alone(backend_daemon):
-    """mem_address_reserve and the rest map growing memory on the simulated device; the CUDA backend does not
-    have them yet and says so, naming the capability (so expandable segments need a simulated device)."""
+def test_the_drivers_virtual_memory_calls_map_memory_that_kernels_and_copies_use(backend_daemon):
+    """mem_address_reserve, mem_create, mem_map, mem_unmap, mem_release and mem_address_free (on cuda:0 the
+    driver's cuMemAddressReserve and the rest): two pieces mapped side by side are one buffer to a kernel and a
+    copy, one piece mapped twice shows the same bytes, memory is charged when made and goes when released and
+    unmapped, and work on a page nothing is mapped at is refused: a copy at once, a launch as an illegal address."""
     with mpsd_client.connect(backend_daemon.pipe_dir) as ctx:
-        if backend_daemon.real:
-            with pytest.raises(NotSupportedError, match="virtual_memory"):
-                ctx.mem_address_reserve(4 * MiB)
+        free = ctx.mem_get_info()[0]
+        page = ctx.mem_get_allocation_granularity()
+        assert page == 2 * MiB
+        va = ctx.mem_address_reserve(3 * page)
+        first, second = ctx.mem_create(page), ctx.mem_create(page)
+        assert free - ctx.mem_get_info()[0] == 2 * page
+        ctx.mem_map(va, page, 0, first)
+        ctx.mem_map(va + page, page, 0, second)
+        floats = 2 * page // 4
+        ctx.launch("fill_f32", 64, 256, [va, 4.0, floats])  # across both pieces
+        assert (_floats(ctx, va, floats) == 4.0).all()
+        x = np.arange(32, dtype=np.float32)
+        ctx.memcpy_htod(va + page - 64, x)  # straddles the pieces
+        ctx.memcpy_dtod(va, va + page - 64, 128)
+        assert np.array_equal(_floats(ctx, va + page - 64, 32), x) and np.array_equal(_floats(ctx, va, 32), x)
+        ctx.mem_map(va + 2 * page, page, 0, first)  # the first piece again, at the third page
+        assert np.array_equal(_floats(ctx, va + 2 * page, 32), x)
+        ctx.mem_unmap(va + 2 * page, page)
+        ctx.mem_release(second)  # still mapped: still there, still charged
+        ctx.launch("saxpy_f32", 64, 256, [1.0, va + page, va + page, page // 4])  # doubles the second piece
+        assert (_floats(ctx, va + page, page // 4)[16:] == 8.0).all()
+        assert free - ctx.mem_get_info()[0] == 2 * page
+        ctx.mem_unmap(va + page, page)
+        assert free - ctx.mem_get_info()[0] == page
+        with pytest.raises(InvalidValueError):
+            ctx.memcpy_htod(va + page, x)  # unmapped: refused before it is queued
+        ctx.mem_unmap(va, page)
+        ctx.mem_release(first)
+        ctx.mem_address_free(va, 3 * page)
+        assert ctx.mem_get_info()[0] == free
+        bare = ctx.mem_address_reserve(page)
+        ctx.launch("fill_f32", 1, 32, [bare, 1.0, 32])  # caught before launch, reported when it would have run
+        with pytest.raises(IllegalAddressError):
+            ctx.synchronize()
+
+
+def test_work_queued_before_an_unmapping(backend_daemon):
+    """mem_unmap does not wait for queued work. On the simulated device a fill queued behind a long kernel on
+    the unmapped page faults when it runs; on cuda:0 the backend puts the driver's unmapping off until that work
+    has run, so the fill lands in the memory mapped when it was queued (a real fault would poison the primary
+    context every client shares), mapping the pages again waits for it, and an unmapping, release and free of
+    the range with work still queued give everything back once it has run."""
+    with mpsd_client.connect(backend_daemon.pipe_dir) as ctx:
+        free = ctx.mem_get_info()[0]
+        page = ctx.mem_get_allocation_granularity()
+        va, handle = ctx.mem_address_reserve(2 * page), ctx.mem_create(page)
+        ctx.mem_map(va, page, 0, handle)
+        stream = ctx.create_stream()
+        ctx.launch("spin", 8, 32, [int(0.2 * 1.98e9)], stream=stream)  # 0.2 s on an H200
+        ctx.launch("fill_f32", 64, 256, [va, 5.0, page // 4], stream=stream)
+        ctx.mem_unmap(va, page)
+        if not backend_daemon.real:
+            with pytest.raises(IllegalAddressError):
+                ctx.synchronize()
             return
-        va, handle = ctx.mem_address_reserve(4 * MiB), ctx.mem_create(2 * MiB)
-        ctx.mem_map(va, 2 * MiB, 0, handle)
-        ctx.launch("fill_f32", 64, 256, [va, 4.0, 1024])
-        assert _floats(ctx, va, 1024).tolist() == [4.0] * 1024
+        ctx.mem_map(va, page, 0, handle)
+        assert (_floats(ctx, va, page // 4) == 5.0).all()
+        ctx.launch("spin", 8, 32, [int(0.2 * 1.98e9)], stream=stream)
+        ctx.launch("fill_f32", 64, 256, [va, 6.0, page // 4], stream=stream)
+        ctx.mem_unmap(va, page)
+        ctx.mem_release(handle)
+        ctx.mem_address_free(va, 2 * page)
+        assert ctx.mem_get_info()[0] == free  # the charge goes at once, the driver's memory once the fill ran
+        ctx.synchronize()
+
+
+def test_the_caching_allocator_grows_expandable_segments(backend_daemon):
+    """expandable_segments:True: a second 12 MiB block grows the stream's one segment by a 20 MiB page at its end,
+    so the two blocks are contiguous across the pages, and a kernel writes across them; empty_cache unmaps the
+    pages and gives back the range and the memory."""
+    with mpsd_client.connect(backend_daemon.pipe_dir) as ctx:
+        free = ctx.mem_get_info()[0]
+        allocator = mpsd_client.CachingAllocator(ctx, config="expandable_segments:True")
+        a = allocator.malloc(12 * MiB)
+        b = allocator.malloc(12 * MiB)
+        assert b == a + 12 * MiB and allocator.memory_reserved() == 40 * MiB
+        assert free - ctx.mem_get_info()[0] == 40 * MiB
+        (segment,) = allocator.memory_snapshot()
+        assert (segment["address"], segment["total_size"], segment["is_expandable"]) == (a, 40 * MiB, True)
+        ctx.launch("fill_f32", 128, 256, [a, 3.0, 24 * MiB // 4])  # both blocks, over the page boundary
+        assert (_floats(ctx, a + 20 * MiB - 4 * N, 2 * N) == 3.0).all()
+        stats = allocator.memory_stats()
+        assert (stats["num_device_alloc"], stats["allocated_bytes.all.current"]) == (2, 24 * MiB)
+        allocator.free(a)
+        allocator.free(b)
+        allocator.empty_cache()
+        assert allocator.memory_reserved() == 0 and allocator.memory_snapshot() == []
+        assert ctx.mem_get_info()[0] == free
 
 
 EXPORTER = """

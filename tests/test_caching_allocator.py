@@ -23,10 +23,13 @@ from mpsd_protocol import OutOfMemoryError
 
 RECORDED = Path(__file__).parent.parent / "bench" / "fidelity" / "torch_allocator_h200.json.gz"
 TRACES = json.loads(gzip.open(RECORDED, "rt").read())
-# Traces with expandable segments and with record_stream on busy streams (record_torch_expandable.py): replayed
-# once recorded on the H200; until then the test of them is skipped, saying so.
+# Traces with expandable segments and with record_stream on busy streams, recorded on the H200 by
+# record_torch_expandable.py (PyTorch 2.11): seeds 1 to 3 with expandable segments, seeds 4 and 5 busy, under the
+# defaults and with expandable segments.
 RECORDED_EXPANDABLE = RECORDED.with_name("torch_allocator_expandable_h200.json.gz")
-EXPANDABLE_TRACES = json.loads(gzip.open(RECORDED_EXPANDABLE, "rt").read()) if RECORDED_EXPANDABLE.exists() else []
+EXPANDABLE_TRACES = json.loads(gzip.open(RECORDED_EXPANDABLE, "rt").read())
+EXPANDABLE_IDS = [f"{t['config'] or 'defaults'}{'-busy' if t['busy'] else ''}-seed{t['seed']}"
+                  for t in EXPANDABLE_TRACES]
 IDS = [f"{t['config'] or 'defaults'}{'-fraction' if t['fraction'] else ''}"
        f"{'-record_stream' if t.get('record_streams') else ''}-seed{t['seed']}" for t in TRACES]
 
@@ -166,13 +169,10 @@ def test_a_recorded_pytorch_trace_replays_step_for_step(trace):
     _replay_step_for_step(trace, RecordedDevice(trace))
 
 
-@pytest.mark.skipif(not EXPANDABLE_TRACES, reason="no PyTorch trace with expandable segments or busy streams has "
-                    f"been recorded yet ({RECORDED_EXPANDABLE.name}: bench/fidelity/record_torch_expandable.py)")
-@pytest.mark.parametrize("index", range(max(1, len(EXPANDABLE_TRACES))))
-def test_a_recorded_expandable_or_busy_trace_replays_step_for_step(index):
+@pytest.mark.parametrize("trace", EXPANDABLE_TRACES, ids=EXPANDABLE_IDS)
+def test_a_recorded_expandable_or_busy_trace_replays_step_for_step(trace):
     """Expandable segments and record_stream on busy streams, as PyTorch did them on the H200 (only traces whose
     streams stayed busy as meant: `held`)."""
-    trace = EXPANDABLE_TRACES[index]
     assert trace["held"], "a stream's sleep ended before the next empty_cache: record it again"
     _replay_step_for_step(trace, RecordedVirtualDevice(trace))
 

@@ -1,8 +1,8 @@
-# PyTorch's expandable_segments, through the daemon's virtual memory calls. No PyTorch trace recorded with the
-# option was available to check against (the traces in bench/fidelity were recorded without it), so these are
-# hand-built traces with the outcomes PyTorch's source gives (c10/cuda/CUDACachingAllocator.cpp): one segment
+# PyTorch's expandable_segments, through the daemon's virtual memory calls: hand-built traces with the outcomes
+# PyTorch's source gives (c10/cuda/CUDACachingAllocator.cpp): one segment
 # per stream and pool that grows at its end in 20 MiB pages (2 MiB in the small pool), at the same addresses;
 # free whole pages unmapped by empty_cache wherever they lie; one snapshot segment per run of mapped memory.
+# PyTorch's own traces with the option, recorded on the H200, are replayed in tests/test_caching_allocator.py.
 from __future__ import annotations
 
 import numpy as np

@@ -10,6 +10,13 @@
 #   launched with the client's grid and block. A pointer argument outside live memory is caught before launch (the runtime resolves
 #   every extent) and reported as an illegal address when the kernel would have run, contained as the
 #   daemon's fault containment says, without corrupting the primary context that every client shares.
+# - Virtual memory (the driver's VMM calls, mpsd.runtime.vmm): a reservation is a cuMemAddressReserve'd range
+#   (CudaRange), the physical memory mapped into it is ordinary CudaMemory (cuMemCreate'd, so its handle maps at a
+#   second address too) mapped with cuMemMap and made readable and writable by cuMemSetAccess. Work on it is given
+#   extents in the range, resolved to its device address as any memory's are; the runtime refuses, before launch,
+#   work on a page it has not mapped. An unmapping is put off until the work given before it has run, as memory
+#   is freed (bury): on the driver cuMemUnmap does not wait for work, and a kernel that touched the page would
+#   fault the primary context every client shares.
 # - Streams: one non-blocking CUDA stream per client stream, with its priority; the legacy default stream's
 #   rules and event waits come from the runtime as `after` work, realised with cuStreamWaitEvent.
 # - SM caps: a client whose active thread percentage gives it fewer SMs than the device has runs its streams in a
@@ -41,7 +48,7 @@ from typing import Any, Callable, Iterable
 
 import trio
 
-from mpsd.backends.base import Client, when_all
+from mpsd.backends.base import VIRTUAL_MEMORY, Client, when_all
 from mpsd.backends.cuda_driver import CudaFailure, _bindings, _check, cuda_device_count
 from mpsd.backends.cuda_kernels import compile_kernels
 from mpsd.backends.ops import Copy, Extent, Launch, Memset, Record, Work
@@ -56,6 +63,7 @@ SERVER_MEMORY, CONTEXT_MEMORY = 81_172_336, 538_339_472
 POLL = 50e-6  # seconds between looks at pending work while there is some
 _SYNCED = object()  # in place of an event: work the backend waited for when the driver refused it one
 PORTABLE = 0x1  # CU_MEMHOSTALLOC_PORTABLE, CU_MEMHOSTREGISTER_PORTABLE: pinned for every context, green ones too
+VMM_PAGE = 2 << 20  # the page the runtime reserves, makes and maps memory in (mpsd.runtime.vmm.GRANULARITY)
 
 @dataclass(frozen=True, slots=True)
 class CudaDevice:
@@ -108,6 +116,54 @@ class CudaMemory:
         cu.cuMemRelease(self._handle)
 
 
+class CudaRange:
+    """A reserved device address range (cuMemAddressReserve) that CudaMemory is mapped into, page run by page
+    run: the device side of a reservation of the driver's VMM calls (Backend.reserve)."""
+
+    offset = 0
+
+    def __init__(self, backend: CudaBackend, size: int) -> None:
+        self._backend = backend
+        self.size = size
+        self.dptr = int(_check(backend.cu.cuMemAddressReserve(size, 0, 0, 0)))
+        self.mapped: dict[int, int] = {}  # offset of each live cuMemMap in the range -> its bytes
+        self.closed = False
+
+    def map(self, offset: int, memory: CudaMemory, memory_offset: int, nbytes: int) -> None:
+        """Map `nbytes` of `memory` from `memory_offset` at `offset`, readable and writable by the device."""
+        backend, cu = self._backend, self._backend.cu
+        backend.settle(self, offset, nbytes)  # an unmapping of these pages that is still put off happens first
+        address = self.dptr + offset
+        _check(cu.cuMemMap(address, nbytes, memory_offset, memory._handle, 0))
+        try:
+            _check(cu.cuMemSetAccess(address, nbytes, [backend.access], 1))
+        except BaseException:
+            cu.cuMemUnmap(address, nbytes)
+            raise
+        self.mapped[offset] = nbytes
+
+    def unmap(self, offset: int, nbytes: int) -> None:
+        """Unmap the whole mappings in [offset, offset + nbytes) once the work given so far has run (the
+        runtime has stopped resolving addresses there already)."""
+        for start in [start for start in self.mapped if offset <= start < offset + nbytes]:
+            size = self.mapped.pop(start)
+            self._backend.defer(self._unmapper(start, size), (self, start, start + size))
+
+    def _unmapper(self, start: int, nbytes: int) -> Callable[[], None]:
+        cu, address = self._backend.cu, self.dptr + start
+        return lambda: cu.cuMemUnmap(address, nbytes)
+
+    def close(self) -> None:
+        """Unmap what is still mapped (a client that went) and give the address range back, once the work given
+        so far has run."""
+        if self.closed:
+            return
+        self.closed = True
+        self.unmap(0, self.size)
+        cu, dptr, size = self._backend.cu, self.dptr, self.size
+        self._backend.defer(lambda: cu.cuMemAddressFree(dptr, size), None)
+
+
 @dataclass(eq=False, slots=True)
 class _Context:
     """A CUDA context work runs in (the primary one, or a green one of some SMs), and the event that dates it:
@@ -146,7 +202,8 @@ class CudaBackend:
         ordinal: the driver's device ordinal.
     """
 
-    capabilities: frozenset[str] = frozenset()  # device memory is not host memory: no host_view
+    capabilities: frozenset[str]  # VIRTUAL_MEMORY where the driver's granularity fits the runtime's pages; no
+    # HOST_VIEW: device memory is not host memory
     instances = ()
     policy = "mps"
     virtual = None
@@ -176,6 +233,8 @@ class CudaBackend:
         self.alloc_prop = prop
         self.granularity = int(_check(cu.cuMemGetAllocationGranularity(
             prop, cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM)))
+        # The runtime's virtual memory calls work in 2 MiB pages, which the driver's mapping granularity must divide.
+        self.capabilities = frozenset({VIRTUAL_MEMORY}) if VMM_PAGE % self.granularity == 0 else frozenset()
         access = cu.CUmemAccessDesc()
         access.location = prop.location
         access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
@@ -193,9 +252,10 @@ class CudaBackend:
         self._queues: dict[tuple[int, int], deque[_Pending]] = {}
         self._open: dict[tuple[int, int], list[_Pending]] = {}  # work queued since its stream's last event
         self._draining: list[deque[_Pending]] = []  # queues of forgotten clients' streams, running out
-        # Memory released while work given before may still touch it, and the last work then given to each
-        # stream: freed once all of that has retired (streams retire in order).
-        self._graves: list[tuple[CudaMemory, list[_Pending]]] = []
+        # What must wait until no work given before may touch the memory (a free, an unmapping), the last work
+        # then given to each stream, and the pages of a range it unmaps: done once all of that work has retired
+        # (streams retire in order), in the order it was put off.
+        self._graves: list[tuple[Callable[[], None], list[_Pending], tuple[CudaRange, int, int] | None]] = []
         self._host: dict[int, tuple[Any, int]] = {}  # id(HostBuffer) -> (the buffer, its registered address)
         self._wake = trio.Event()
         self._nvml = _nvml_handle(self.properties(ordinal)["uuid"])
@@ -264,6 +324,17 @@ class CudaBackend:
     def allocate(self, nbytes: int) -> CudaMemory:
         return CudaMemory(self, nbytes)
 
+    def reserve(self, nbytes: int) -> CudaRange:
+        """A reservation of the driver's VMM calls: `nbytes` of device address space, nothing mapped.
+
+        Raises:
+            OSError: the driver has no such range to give.
+        """
+        try:
+            return CudaRange(self, nbytes)
+        except (CudaFailure, OutOfMemoryError) as exc:
+            raise OSError(12, f"cuMemAddressReserve refused {nbytes} bytes ({exc})") from None
+
     def fits(self, threads: int, shared_mem: int) -> bool:
         return threads <= self._attrs["threads_per_block"] and shared_mem <= self._attrs["smem_optin"]
 
@@ -321,12 +392,37 @@ class CudaBackend:
     def bury(self, memory: CudaMemory) -> None:
         """Free `memory` now if no work the GPU was given may still touch it, else once that work has retired
         (a killed client's kernels run out before its memory goes, as on a real GPU under MPS)."""
+        self.defer(memory.free, None)
+
+    def defer(self, action: Callable[[], None], pages: tuple[CudaRange, int, int] | None) -> None:
+        """Do `action` now if no work the GPU was given may still touch what it frees or unmaps (`pages`: the
+        range and offsets it unmaps), else once that work has retired."""
         tails = [queue[-1] for queue in (*self._queues.values(), *self._draining) if queue]
         if tails:
-            self._graves.append((memory, tails))
+            self._graves.append((action, tails, pages))
             self._wake.set()
         else:
-            memory.free()
+            action()
+
+    def settle(self, where: CudaRange, offset: int, nbytes: int) -> None:
+        """Carry out now the put-off unmappings of pages of `where` in [offset, offset + nbytes), waiting for the
+        work they wait on: the runtime maps the pages again (a client that mapped, unmapped and maps again
+        without waiting for its work, which PyTorch does not do: it synchronises its stream before unmapping)."""
+        cu = self.cu
+        keep = []
+        for action, tails, pages in self._graves:
+            if pages is not None and pages[0] is where and pages[1] < offset + nbytes and offset < pages[2]:
+                for pending in tails:
+                    if pending.retired:
+                        continue
+                    if pending.event is None:
+                        self._flush(pending.stream)
+                    if pending.event is not _SYNCED and pending.event is not None:
+                        cu.cuEventSynchronize(pending.event)
+                action()
+            else:
+                keep.append((action, tails, pages))
+        self._graves = keep
 
     def release_host(self, buffer: Any) -> None:
         """A pinned host buffer is about to be unmapped: the driver must let go of it first."""
@@ -491,11 +587,11 @@ class CudaBackend:
         self._draining = [queue for queue in self._draining if queue]
         if self._graves:
             graves, self._graves = self._graves, []
-            for memory, tails in graves:
+            for action, tails, pages in graves:
                 if all(pending.retired for pending in tails):
-                    memory.free()
+                    action()
                 else:
-                    self._graves.append((memory, tails))
+                    self._graves.append((action, tails, pages))
         return busy or bool(self._graves) or bool(self._open)
 
     def _ended(self, context: _Context, event: Any) -> float:

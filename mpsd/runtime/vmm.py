@@ -8,8 +8,9 @@
 # Reservations live in an address range of their own above cudaMalloc's (mpsd.runtime.memory), so the two never
 # interleave. Kernels and copies on an address in a reservation are checked page by page: every 2 MiB page they
 # touch must be mapped, or the launch is an illegal address when it runs, as an unmapped page faults on a GPU.
-# The backend holds the host side (mpsd.backends.vrange on the simulated one: each physical allocation is a
-# memfd mapped at its place in one host mapping of the whole range, so the bytes are contiguous for kernels).
+# The backend holds the device side (mpsd.backends.vrange on the simulated one: each physical allocation is a
+# memfd mapped at its place in one host mapping of the whole range, so the bytes are contiguous for kernels; on a
+# real GPU the driver's own reservation and mappings, mpsd.backends.cuda.CudaRange).
 """Reserved address ranges, physical memory and their mappings (the driver's VMM calls)."""
 
 from __future__ import annotations
@@ -234,8 +235,9 @@ class VirtualMemoryCalls:
         physical.mappings += 1
 
     def mem_unmap(self: Context, ptr: int, size: int) -> None:  # type: ignore[misc]
-        """cuMemUnmap: [ptr, ptr + size) must be whole mappings. It does not wait for queued work: work that
-        touches the range when it runs is an illegal address (PyTorch synchronises its stream first).
+        """cuMemUnmap: [ptr, ptr + size) must be whole mappings. It does not wait for queued work: on the
+        simulated device work that touches the range when it runs is an illegal address (PyTorch synchronises
+        its stream first); the CUDA backend puts the driver's unmapping off until that work has run instead.
 
         Raises:
             InvalidValueError: the range is not made of whole mappings of one reservation.
