@@ -139,9 +139,10 @@ async def test_a_kernel_on_an_unmapped_page_is_an_illegal_address(served):
 
 
 @pytest.mark.parametrize("work", ["kernel", "memset"])
-async def test_work_queued_before_an_unmapping_faults_when_it_runs(served, work):
+async def test_work_queued_before_an_unmapping_faults_when_it_runs(served, work, autojump_clock):
     """mem_unmap does not wait for queued work (PyTorch synchronises its stream before it unmaps): a kernel or
-    a memset queued behind a long kernel on the unmapped page faults instead of touching freed memory."""
+    a memset queued behind a long kernel on the unmapped page faults instead of touching freed memory. (On
+    trio's mock clock, so that the long kernel is still running however slowly the calls after it arrive.)"""
     async with served.connect() as ctx:
         va = await ctx.mem_address_reserve(2 * PAGE)
         handle = await ctx.mem_create(PAGE)
