@@ -24,6 +24,16 @@ def _sms_of(trace, client: int) -> set[int]:
     return {group.sm for group in trace if group.op.client == client}
 
 
+async def _sms_by_partition(d, *clients) -> dict[str, set[int]]:
+    """Each client runs a full-device grid at once; the SMs each one's blocks ran on, by its partition's id."""
+    for ctx in clients:
+        await ctx.launch("spin", 264, 1024, [int(SPIN)])
+    for ctx in clients:
+        await ctx.synchronize()
+    trace = d.daemon.devices[0].backend.sim.trace
+    return {ctx.sm_partition.id: _sms_of(trace, ctx.id) for ctx in d.daemon.devices[0].contexts.values()}
+
+
 def test_the_engine_keeps_a_pinned_client_on_its_window():
     """Under mps, a client given SMs 0-15 and one given 16-47 each fill their window and nothing else, while
     an unpinned client may use any SM."""
@@ -81,14 +91,8 @@ async def test_clients_of_disjoint_partitions_never_share_an_sm(tmp_path):
         assert (run("sm_partition add 0 3", UID), run("sm_partition add 0 5", UID)) == ("p0", "p1")
         async with d.connect(CUDA_MPS_SM_PARTITION="p0") as a, d.connect(CUDA_MPS_SM_PARTITION="p1") as b:
             assert a.quotas["sm_cap"] == 24 and b.quotas["sm_cap"] == 40
-            for ctx in (a, b):
-                await ctx.launch("spin", 264, 1024, [int(SPIN)])
-            await a.synchronize()
-            await b.synchronize()
-            trace = d.daemon.devices[0].backend.sim.trace
-            ids = {ctx.sm_partition.id: ctx.id for ctx in d.daemon.devices[0].contexts.values()}
-            assert _sms_of(trace, ids["p0"]) == set(range(24))
-            assert _sms_of(trace, ids["p1"]) == set(range(24, 64))
+            used = await _sms_by_partition(d, a, b)
+            assert used["p0"] == set(range(24)) and used["p1"] == set(range(24, 64))
             assert run("sm_partition rm p1", UID) == "Partition p1 has 1 client(s)"
             assert run("lspart", UID).splitlines()[1].split()[-1] == "1"
         with pytest.raises(mpsd_client.InvalidValueError, match="no SM partition 'p9'"):
@@ -152,14 +156,8 @@ async def test_v3_partition_module_keeps_the_legacy_commands_partitions(tmp_path
         assert [line.split()[0] for line in run("lspart")[0].splitlines()[1:]] == ["p0", "p1", "p2"]
         async with d.connect(CUDA_MPS_SM_PARTITION="big") as a, d.connect(CUDA_MPS_SM_PARTITION="p2") as b:
             assert (a.quotas["sm_cap"], b.quotas["sm_cap"]) == (16, 20)
-            for ctx in (a, b):
-                await ctx.launch("spin", 264, 1024, [int(SPIN)])
-            await a.synchronize()
-            await b.synchronize()
-            trace = d.daemon.devices[0].backend.sim.trace
-            ids = {ctx.sm_partition.id: ctx.id for ctx in d.daemon.devices[0].contexts.values()}
-            assert _sms_of(trace, ids["p0"]) == set(range(16))
-            assert _sms_of(trace, ids["p2"]) == set(range(112, 132))
+            used = await _sms_by_partition(d, a, b)
+            assert used["p0"] == set(range(16)) and used["p2"] == set(range(112, 132))
             assert run("partition delete --partition=big") == ("Partition p0 has 1 client(s)", True)
             assert run("partition list --device=0")[0].splitlines()[1].split()[-1] == "1"
         await trio.testing.wait_all_tasks_blocked()  # the daemon has seen both clients go
