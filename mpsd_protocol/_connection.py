@@ -37,6 +37,7 @@ from ._messages import (
 )
 
 HEADER = struct.Struct("<II")
+_HEADER_SIZE = HEADER.size
 DEFAULT_MAX_FRAME = 1 << 20  # bulk data travels through shared memory, never in frames
 HELLO = "hello"
 PROTOCOL_ERROR = "protocol_error"  # the notice a server sends before closing a connection that broke the rules
@@ -132,43 +133,44 @@ class Connection:
             raise
 
     def _next_event(self) -> Message | _Sentinel:
-        available = len(self._buffer) - self._start
-        if available < HEADER.size:
+        buffer, start = self._buffer, self._start  # (locals: this runs for every message either end receives)
+        available = len(buffer) - start
+        if available < _HEADER_SIZE:
             if self._eof:
                 if available:
                     raise RemoteProtocolError("connection closed in the middle of a frame header")
                 return CLOSED
             return NEED_DATA
-        length, nfds = HEADER.unpack_from(self._buffer, self._start)
+        length, nfds = HEADER.unpack_from(buffer, start)
         if length > self.max_frame_size:
             raise RemoteProtocolError(f"frame of {length} bytes exceeds the limit of {self.max_frame_size}")
         if nfds > MAX_FDS_PER_FRAME:
             raise RemoteProtocolError(f"frame claims {nfds} file descriptors; the limit is {MAX_FDS_PER_FRAME}")
-        if available < HEADER.size + length:
+        body_start = start + _HEADER_SIZE
+        end = body_start + length
+        if len(buffer) < end:
             if self._eof:
                 raise RemoteProtocolError("connection closed in the middle of a frame")
             return NEED_DATA
-        first = self._offset + self._start
-        fds = self._claim(first, first + HEADER.size + length, nfds) if self._batches or nfds else ()
-        body_start = self._start + HEADER.size
-        end = body_start + length
-        body = self._buffer[body_start:end]
-        if end == len(self._buffer):
+        fds = self._claim(self._offset + start, self._offset + end, nfds) if self._batches or nfds else ()
+        body = buffer[body_start:end]
+        if end == len(buffer):
             self._offset += end
-            self._buffer.clear()  # the common case: everything read has been used
+            buffer.clear()  # the common case: everything read has been used
             self._start = 0
         else:
             self._start = end
-            if end > 65536 and end * 2 > len(self._buffer):
+            if end > 65536 and end * 2 > len(buffer):
                 self._offset += end
-                del self._buffer[:end]
+                del buffer[:end]
                 self._start = 0
         try:
             message = from_wire(_decode(body, self.max_frame_size), fds)
         except RemoteProtocolError:
             _close_all(fds)
             raise
-        self._check_incoming(message)
+        if not self._received_first:
+            self._check_incoming(message)
         return message
 
     def _claim(self, first: int, end: int, nfds: int) -> tuple[int, ...]:
@@ -197,8 +199,7 @@ class Connection:
         return fds
 
     def _check_incoming(self, message: Message) -> None:
-        if self._received_first:
-            return
+        """The first message in: the handshake's rules."""
         self._received_first = True
         if self.role is Role.SERVER and not (isinstance(message, Request) and message.op == HELLO):
             _close_all(message.fds)
