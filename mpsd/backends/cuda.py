@@ -651,7 +651,7 @@ class CudaBackend:
     def write_trace(self, index: int) -> None:
         return None
 
-    def timeline(self, index: int) -> None:
+    def trace(self, index: int) -> None:
         return None
 
 

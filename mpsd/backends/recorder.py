@@ -96,13 +96,8 @@ class Recorder:
     def trace(self, backend: SimBackend, index: int) -> dict[str, Any]:
         """The trace `write` writes: the timeline as Chrome trace data, and what maps it onto the clients'."""
         data = chrome_trace(self.timeline(backend))
-        data["otherData"]["mpsd"] = self.meta(backend, index)
-        return data
-
-    def meta(self, backend: SimBackend, index: int) -> dict[str, Any]:
-        """What maps the timeline onto the clients' clock and names: a trace's otherData["mpsd"]."""
         engine = backend.engine
-        return {
+        data["otherData"]["mpsd"] = {
             "device": index,
             # time.monotonic() at simulated time 0, and simulated seconds per second: maps the trace onto the
             # clock the clients stamp their requests with
@@ -114,3 +109,4 @@ class Recorder:
                         for c in self.contexts.values()},
             "kernels_not_recorded": self.dropped,
         }
+        return data
