@@ -57,7 +57,7 @@ from ._messages import (
     Request,
 )
 from ._peer import check_server, peer_credentials
-from ._units import format_size, parse_decimal, parse_integer, parse_mem_limits, parse_size
+from ._units import format_size, parse_decimal, parse_integer, parse_mem_limits, parse_percentage, parse_size
 
 # One exception class per error code, built from the table: InvalidValueError, IllegalAddressError, ...
 globals().update({cls.__name__: cls for cls in ERROR_CLASSES.values()})
@@ -77,5 +77,5 @@ __all__ = [
     "MAX_FDS_PER_FRAME", "PROTOCOL_VERSION", "LocalProtocolError", "Message", "Notification", "ProtocolError",
     "RemoteProtocolError", "Reply", "Request",
     "check_server", "peer_credentials",
-    "format_size", "parse_decimal", "parse_integer", "parse_mem_limits", "parse_size",
+    "format_size", "parse_decimal", "parse_integer", "parse_percentage", "parse_mem_limits", "parse_size",
 ] + [cls.__name__ for cls in ERROR_CLASSES.values()]

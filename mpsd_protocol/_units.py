@@ -28,6 +28,16 @@ def parse_integer(text: str, *, signed: bool = False, max_digits: int = MAX_DIGI
     return int(text)
 
 
+def parse_percentage(text: str) -> float | None:
+    """An active thread percentage as MPS v3 and its configuration file take one: a decimal in (0, 100]; None if
+    `text` is not one."""
+    try:
+        value = parse_decimal(text)
+    except ValueError:
+        return None
+    return value if 0 < value <= 100 else None
+
+
 def parse_decimal(text: str, *, max_digits: int = MAX_DIGITS) -> float:
     """A non-negative decimal number in ASCII (``50``, ``2.5``, ``1e-05``), with at most `max_digits` digits
     before and after the point. The caller checks its range (it may be ``inf`` from a large exponent).

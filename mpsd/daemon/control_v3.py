@@ -58,7 +58,7 @@ from mpsd.daemon.mps_config import parse_limit
 from mpsd.daemon.namespaces import DEFAULT, Namespace, cgroup_path, check_name
 from mpsd.daemon.routes import Route
 from mpsd.daemon.sm_partitions import PartitionError, check_partition_name
-from mpsd_protocol import V3_MODULES, parse_decimal, parse_integer
+from mpsd_protocol import V3_MODULES, parse_integer, parse_percentage
 
 if TYPE_CHECKING:
     from mpsd.daemon.control import Control
@@ -155,11 +155,8 @@ def _number(text: str, what: str) -> int:
 
 
 def _percentage(text: str) -> float:
-    try:
-        value = parse_decimal(text)
-    except ValueError:
-        value = -1.0
-    if not 0 < value <= 100:
+    value = parse_percentage(text)
+    if value is None:
         raise Failure(f'Invalid active thread percentage "{_brief(text)}", expected between (0.0, 100.0]')
     return value
 

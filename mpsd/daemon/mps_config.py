@@ -30,7 +30,7 @@ from typing import Any
 
 from mpsd.daemon.namespaces import Namespace, NamespaceDevice, cgroup_path, check_name
 from mpsd.daemon.sm_partitions import check_partition_name
-from mpsd_protocol import parse_decimal
+from mpsd_protocol import parse_percentage
 from mpsd_protocol._units import MAX_SIZE
 
 SCHEMA_VERSION = "1.0"
@@ -220,11 +220,8 @@ def _settings(table: dict[str, Any], where: str) -> tuple[int | None, float | No
         limit = parse_limit(_text(table["pinned_memory_limit"], f"{where}.pinned_memory_limit"))
     if "active_thread_percentage" in table:
         text = _text(table["active_thread_percentage"], f"{where}.active_thread_percentage")
-        try:
-            percentage = parse_decimal(text)
-        except ValueError:
-            percentage = -1.0
-        if not 0 < percentage <= 100:
+        percentage = parse_percentage(text)
+        if percentage is None:
             raise ValueError(f"{where}.active_thread_percentage must be in (0, 100], not {text[:24]!r}")
     if "client_priority" in table:
         text = _text(table["client_priority"], f"{where}.client_priority")

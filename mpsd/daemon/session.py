@@ -149,6 +149,7 @@ class Session:
                         await self._answered.wait()
         finally:
             self._queues.clear()
+            self._watched.clear()
             self.conn.close_fds()
             self.channel.close()
             if self.host is not None:  # it holds the clock no longer; its calls still queued come to nothing
