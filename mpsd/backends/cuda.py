@@ -529,7 +529,8 @@ class CudaBackend:
         if work.kind == "h2d":
             if work.data is not None:  # staged: from pinned memory of our own, freed when the copy is done
                 staging = _check(cu.cuMemHostAlloc(max(n, 1), PORTABLE))
-                ctypes.memmove(int(staging), work.data, n)
+                # (a buffer copy: the staged bytes are an anonymous mapping, which ctypes.memmove does not take)
+                memoryview((ctypes.c_ubyte * n).from_address(int(staging))).cast("B")[:] = work.data
                 work.data = None  # used up: whoever still holds the work holds no bytes
                 pending.cleanup.append(lambda: cu.cuMemFreeHost(staging))
                 source = int(staging)

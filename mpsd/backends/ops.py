@@ -12,10 +12,11 @@
 from __future__ import annotations
 
 import math
+import mmap
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Copy", "Extent", "Launch", "Memset", "Record", "Work"]
+__all__ = ["Copy", "Extent", "Launch", "Memset", "Record", "Work", "stage"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,7 +93,7 @@ class Copy(Work):
     kind: str
     dst: Extent
     src: Extent | None = None
-    data: bytes | None = field(default=None, repr=False)
+    data: mmap.mmap | bytes | None = field(default=None, repr=False)  # made by `stage`
     src_device: int | None = None
     dst_device: int | None = None
     peer_access: bool = True
@@ -114,3 +115,16 @@ class Memset(Work):
 class Record(Work):
     """Completes when it reaches its stream's head and its `after` work is done: an event record, or a
     stream's wait on another stream's event."""
+
+
+def stage(source: memoryview) -> mmap.mmap | bytes:
+    """The daemon's own copy of a pageable source, held until its copy runs: in an anonymous mapping, so that
+    its pages go back to the system the moment the copy lets go of it. As heap memory (bytes) they may not:
+    once glibc's malloc has freed a mapping larger than a piece (8 MiB), it puts pieces that size on its heap
+    and keeps what is freed there, and a daemon whose clients left 768 MiB of staged copies behind kept it all
+    (tests/test_reclaim.py forces that heap to show it)."""
+    if not len(source):
+        return b""
+    buffer = mmap.mmap(-1, len(source))
+    buffer[:] = source
+    return buffer

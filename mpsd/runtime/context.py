@@ -36,7 +36,7 @@ from mpsd_protocol import (  # type: ignore[attr-defined]
     format_size,
 )
 from mpsd.backends.base import HOST_VIEW
-from mpsd.backends.ops import Copy, Extent, Launch, Memset, Record, Work
+from mpsd.backends.ops import Copy, Extent, Launch, Memset, Record, Work, stage
 from mpsd.runtime.kernels import KERNELS
 from mpsd.runtime.memory import CHUNK, AddressSpace, Allocation, HostBuffer
 from mpsd.runtime.vmm import VMM_BASE, MappedPiece, VirtualMemory, VirtualMemoryCalls
@@ -393,7 +393,7 @@ class Context(VirtualMemoryCalls):
                                     "larger ones go in pieces")
         target = self._device(dst, nbytes, "destination")
         source = self._host(host, offset, nbytes)
-        data = bytes(source.memory.view(source.offset, nbytes)) if staged else None
+        data = stage(source.memory.view(source.offset, nbytes)) if staged else None
         return self._copy(s, Copy(**self._on(s), kind="h2d", dst=target, src=None if staged else source, data=data))
 
     def memcpy_dtoh(self, host: int, offset: int, src: int, nbytes: int, stream: int | None) -> Work:
