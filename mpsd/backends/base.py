@@ -147,6 +147,10 @@ class Backend(Protocol):
             OSError: it cannot be written.
         """
 
+    def trace(self, index: int) -> dict[str, Any] | None:
+        """The trace `write_trace` writes, as data (for a caller in the daemon's own process, which then needs
+        no file); None where the device keeps none."""
+
 
 def when_all(pending: list[Any], wait: Callable[[Any, Callable[[], None]], None], callback: Callable[[], None]) -> None:
     """Call `callback` once every one of `pending` has called back through `wait(item, told)` (now, if none is

@@ -652,6 +652,9 @@ class CudaBackend:
     def write_trace(self, index: int) -> None:
         return None
 
+    def trace(self, index: int) -> None:
+        return None
+
 
 def _nvml_handle(uuid: str) -> Any:
     """NVML's handle of the GPU with `uuid` (nvidia-ml-py), or None where NVML is missing."""

@@ -13,7 +13,7 @@ import math
 import os
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from mpsd.sim import Kernel
 from mpsd.stress.timeline import KernelRecord, TenantInfo, Timeline, partitions_of, spans_of
@@ -79,6 +79,22 @@ class Recorder:
         Raises:
             OSError: the file cannot be written.
         """
+        data = self.trace(backend, index)
+        # The temporary file gets a fresh name, created exclusively (mkstemp: O_EXCL, mode 0600), so nothing
+        # planted beside the trace, such as a symlink under a name we might pick, is ever written through; the
+        # rename then replaces whatever is at the trace's own path, a symlink included, without following it.
+        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", dir=self.path.parent)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(data, separators=(",", ":")))
+            os.replace(tmp, self.path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+
+    def trace(self, backend: SimBackend, index: int) -> dict[str, Any]:
+        """The trace `write` writes: the timeline as Chrome trace data, and what maps it onto the clients'."""
         data = chrome_trace(self.timeline(backend))
         engine = backend.engine
         data["otherData"]["mpsd"] = {
@@ -93,15 +109,4 @@ class Recorder:
                         for c in self.contexts.values()},
             "kernels_not_recorded": self.dropped,
         }
-        # The temporary file gets a fresh name, created exclusively (mkstemp: O_EXCL, mode 0600), so nothing
-        # planted beside the trace, such as a symlink under a name we might pick, is ever written through; the
-        # rename then replaces whatever is at the trace's own path, a symlink included, without following it.
-        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", dir=self.path.parent)
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(json.dumps(data, separators=(",", ":")))
-            os.replace(tmp, self.path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        return data

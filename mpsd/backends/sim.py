@@ -337,6 +337,9 @@ class SimBackend:
         self.recorder.write(self, index)
         return self.recorder.path
 
+    def trace(self, index: int) -> dict[str, Any] | None:
+        return None if self.recorder is None else self.recorder.trace(self, index)
+
 
 def _peer_engine(copy: Copy) -> str | None:
     """The simulator's engine for a copy between this device and another (None: within this device): over

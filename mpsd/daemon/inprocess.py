@@ -19,16 +19,19 @@ __all__ = ["open_daemon"]
 
 
 @asynccontextmanager
-async def open_daemon(config: Config, *, grace: float | None = None) -> AsyncIterator[Daemon]:
+async def open_daemon(config: Config, *, grace: float | None = None, keep_traces: bool = False) -> AsyncIterator[Daemon]:
     """``async with open_daemon(config) as daemon:`` serves `config` in this trio loop for the block.
 
     The daemon is listening on ``config.socket_path`` when the block begins; when it ends, the daemon shuts
     down as on SIGTERM (in-flight replies get `grace` seconds, default 5), and the block's exit waits for that.
+    With `keep_traces`, the traces it would write at exit (``--trace``) are left in ``daemon.traces`` instead,
+    by device: what a caller in this process reads without a file's JSON both ways.
 
     Raises:
         DaemonError: the logs, the pipe directory or the socket cannot be set up.
     """
     daemon = Daemon(config)
+    daemon.keep_traces = keep_traces
     async with trio.open_nursery() as nursery:
         await nursery.start(functools.partial(daemon.serve, handle_signals=False))
         try:

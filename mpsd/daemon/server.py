@@ -117,6 +117,9 @@ class Daemon:
             if named.client_priority is not None:  # what its user's clients get, as a per-user setting
                 self.settings.priorities[("uid", named.uid)] = named.client_priority
         self.pending_clients = 0  # clients of another user waiting for the current server to exit
+        # A caller in this process may take each device's trace as data at exit instead of a file (open_daemon).
+        self.keep_traces = False
+        self.traces: list[dict[str, Any] | None] = []
         self.waiting: list[tuple[int, int]] = []  # their (pid, uid), in the order they came (v3's client list)
         self._server_change = trio.Event()
         self._grace = SHUTDOWN_GRACE
@@ -618,6 +621,9 @@ class Daemon:
             self.log.close()
 
     def _write_traces(self) -> None:
+        if self.keep_traces:
+            self.traces = [device.backend.trace(device.index) for device in self.devices]
+            return
         for device in self.devices:
             try:
                 path = device.backend.write_trace(device.index)

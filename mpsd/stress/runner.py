@@ -437,15 +437,14 @@ def run_virtual(workload: Workload, policy: str, policy_options: dict[str, Any],
                         {t.label: [t.instance(c) for c in range(t.count)] for t in plan.specs})
     work = Path(tempfile.mkdtemp(prefix="mpsd-stress-", dir="/tmp"))
     try:
-        trace_path = work / "trace.json"
+        trace_path = work / "trace.json"  # so that it records: the trace comes back as data (keep_traces), no file
         try:
             config = dataclasses.replace(load_config(_daemon_args(
                 work, policy, policy_options, trace_path, max(48, len(plan.instances)), "virtual", 1.0)
                 + _device_args(workload, work), environ={}), shared_process=True)
-            ready, done, t0 = trio.run(_in_process, config, plan, work, progress, on_progress)
+            ready, done, t0, traces = trio.run(_in_process, config, plan, work, progress, on_progress)
         except (ConfigError, DaemonError) as exc:
             raise RunError(f"the daemon did not start: {exc}") from None
-        traces = _read_traces(workload, trace_path, None)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return _timelines(workload, policy, policy_options, plan, ready, done, traces, t0, by_device)
@@ -482,12 +481,12 @@ class _TaskLink:
 
 
 async def _in_process(config: Any, plan: _Plan, work: Path, progress: Progress,
-                      on_progress: Callable[[Progress], None]) -> tuple[dict, dict, float]:
+                      on_progress: Callable[[Progress], None]) -> tuple[dict, dict, float, list[dict[str, Any]]]:
     from mpsd.daemon.inprocess import open_daemon
     from mpsd.stress.tenant import play
 
     links = {name: _TaskLink(progress, name) for _, _, name in plan.instances}
-    async with open_daemon(config) as daemon:
+    async with open_daemon(config, keep_traces=True) as daemon:
         async with trio.open_nursery() as tenants:
             for _, _, name in plan.order:
                 tenants.start_soon(play, plan.setups[name], links[name], str(work))
@@ -519,7 +518,10 @@ async def _in_process(config: Any, plan: _Plan, work: Path, progress: Progress,
         _count(progress, name, link.result)
     progress.phase = "finished"
     on_progress(progress)
-    return ready, done, t0
+    traces = [trace for trace in daemon.traces if trace is not None]
+    if len(traces) != len(daemon.devices):
+        raise RunError("the daemon kept no trace of its devices")
+    return ready, done, t0, traces
 
 
 # -- the timeline -----------------------------------------------------------------------------------------
