@@ -147,9 +147,10 @@ class Backend(Protocol):
             OSError: it cannot be written.
         """
 
-    def trace(self, index: int) -> dict[str, Any] | None:
-        """The trace `write_trace` writes, as data (for a caller in the daemon's own process, which then needs
-        no file); None where the device keeps none."""
+    def timeline(self, index: int) -> tuple[Any, dict[str, Any]] | None:
+        """What `write_trace` writes, as data, for a caller in the daemon's own process, which then needs no
+        file: the device's timeline (mpsd.stress.timeline.Timeline) and what maps it onto the clients (a
+        trace's otherData["mpsd"]); None where the device keeps none."""
 
 
 def when_all(pending: list[Any], wait: Callable[[Any, Callable[[], None]], None], callback: Callable[[], None]) -> None:

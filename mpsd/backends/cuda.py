@@ -652,7 +652,7 @@ class CudaBackend:
     def write_trace(self, index: int) -> None:
         return None
 
-    def trace(self, index: int) -> None:
+    def timeline(self, index: int) -> None:
         return None
 
 

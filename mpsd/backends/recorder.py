@@ -96,8 +96,13 @@ class Recorder:
     def trace(self, backend: SimBackend, index: int) -> dict[str, Any]:
         """The trace `write` writes: the timeline as Chrome trace data, and what maps it onto the clients'."""
         data = chrome_trace(self.timeline(backend))
+        data["otherData"]["mpsd"] = self.meta(backend, index)
+        return data
+
+    def meta(self, backend: SimBackend, index: int) -> dict[str, Any]:
+        """What maps the timeline onto the clients' clock and names: a trace's otherData["mpsd"]."""
         engine = backend.engine
-        data["otherData"]["mpsd"] = {
+        return {
             "device": index,
             # time.monotonic() at simulated time 0, and simulated seconds per second: maps the trace onto the
             # clock the clients stamp their requests with
@@ -109,4 +114,3 @@ class Recorder:
                         for c in self.contexts.values()},
             "kernels_not_recorded": self.dropped,
         }
-        return data

@@ -12,7 +12,7 @@ import functools
 import logging
 import math
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import trio
 
@@ -28,6 +28,9 @@ from mpsd.sim import COPY_KINDS, BlockCost, DeviceSpec, Kernel, Marker, Op, Simu
 from mpsd.sim import Copy as SimCopy
 from mpsd.sim.clock import Host
 from mpsd_protocol import CudaError, IllegalAddressError  # type: ignore[attr-defined]
+
+if TYPE_CHECKING:
+    from mpsd.stress.timeline import Timeline
 
 __all__ = ["SimBackend", "device_properties"]
 
@@ -337,8 +340,10 @@ class SimBackend:
         self.recorder.write(self, index)
         return self.recorder.path
 
-    def trace(self, index: int) -> dict[str, Any] | None:
-        return None if self.recorder is None else self.recorder.trace(self, index)
+    def timeline(self, index: int) -> tuple[Timeline, dict[str, Any]] | None:
+        if self.recorder is None:
+            return None
+        return self.recorder.timeline(self), self.recorder.meta(self, index)
 
 
 def _peer_engine(copy: Copy) -> str | None:

@@ -24,8 +24,8 @@ async def open_daemon(config: Config, *, grace: float | None = None, keep_traces
 
     The daemon is listening on ``config.socket_path`` when the block begins; when it ends, the daemon shuts
     down as on SIGTERM (in-flight replies get `grace` seconds, default 5), and the block's exit waits for that.
-    With `keep_traces`, the traces it would write at exit (``--trace``) are left in ``daemon.traces`` instead,
-    by device: what a caller in this process reads without a file's JSON both ways.
+    With `keep_traces`, what it would write at exit (``--trace``) is left in ``daemon.traces`` instead, by
+    device: each device's timeline and what maps it onto the clients (``Backend.timeline``), with no file.
 
     Raises:
         DaemonError: the logs, the pipe directory or the socket cannot be set up.

@@ -119,7 +119,7 @@ class Daemon:
         self.pending_clients = 0  # clients of another user waiting for the current server to exit
         # A caller in this process may take each device's trace as data at exit instead of a file (open_daemon).
         self.keep_traces = False
-        self.traces: list[dict[str, Any] | None] = []
+        self.traces: list[tuple[Any, dict[str, Any]] | None] = []
         self.waiting: list[tuple[int, int]] = []  # their (pid, uid), in the order they came (v3's client list)
         self._server_change = trio.Event()
         self._grace = SHUTDOWN_GRACE
@@ -622,7 +622,7 @@ class Daemon:
 
     def _write_traces(self) -> None:
         if self.keep_traces:
-            self.traces = [device.backend.trace(device.index) for device in self.devices]
+            self.traces = [device.backend.timeline(device.index) for device in self.devices]
             return
         for device in self.devices:
             try:

@@ -30,7 +30,7 @@ import trio
 
 from mpsd.sim import H200
 from mpsd.stress.timeline import KernelRecord, Request, Span, TenantInfo, Timeline
-from mpsd.stress.trace import read_chrome_trace
+from mpsd.stress.trace import as_drawn, read_chrome_trace
 from mpsd.stress.workload import TenantSpec, Workload, arrival_times, entitlements
 
 __all__ = ["RunError", "Progress", "device_policies", "run_real", "run_virtual"]
@@ -305,12 +305,14 @@ def _stop_daemon(daemon: _Daemon) -> None:
             proc.wait()
 
 
-def _read_traces(workload: Workload, path: Path, daemon: _Daemon | None) -> list[dict[str, Any]]:
-    """Every device's trace, by index (device N's beside device 0's, as the daemon names them)."""
+def _read_traces(workload: Workload, path: Path, daemon: _Daemon | None) -> list[tuple[Timeline, dict[str, Any]]]:
+    """Every device's timeline and the trace's mapping of it onto the clients (its otherData's "mpsd"), by
+    index (device N's file beside device 0's, as the daemon names them)."""
     from mpsd.daemon.config import Config
 
     config = Config(path.parent, path.parent, trace=path)
-    return [_read_trace(config.trace_path(index), daemon) for index in range(workload.devices)]  # type: ignore
+    traces = [_read_trace(config.trace_path(index), daemon) for index in range(workload.devices)]  # type: ignore
+    return [(read_chrome_trace(trace), trace["otherData"]["mpsd"]) for trace in traces]
 
 
 def _read_trace(path: Path, daemon: _Daemon | None) -> dict[str, Any]:
@@ -437,7 +439,7 @@ def run_virtual(workload: Workload, policy: str, policy_options: dict[str, Any],
                         {t.label: [t.instance(c) for c in range(t.count)] for t in plan.specs})
     work = Path(tempfile.mkdtemp(prefix="mpsd-stress-", dir="/tmp"))
     try:
-        trace_path = work / "trace.json"  # so that it records: the trace comes back as data (keep_traces), no file
+        trace_path = work / "trace.json"  # so that it records: its timeline comes back as data (keep_traces), no file
         try:
             config = dataclasses.replace(load_config(_daemon_args(
                 work, policy, policy_options, trace_path, max(48, len(plan.instances)), "virtual", 1.0)
@@ -481,7 +483,8 @@ class _TaskLink:
 
 
 async def _in_process(config: Any, plan: _Plan, work: Path, progress: Progress,
-                      on_progress: Callable[[Progress], None]) -> tuple[dict, dict, float, list[dict[str, Any]]]:
+                      on_progress: Callable[[Progress], None]
+                      ) -> tuple[dict, dict, float, list[tuple[Timeline, dict[str, Any]]]]:
     from mpsd.daemon.inprocess import open_daemon
     from mpsd.stress.tenant import play
 
@@ -518,17 +521,17 @@ async def _in_process(config: Any, plan: _Plan, work: Path, progress: Progress,
         _count(progress, name, link.result)
     progress.phase = "finished"
     on_progress(progress)
-    traces = [trace for trace in daemon.traces if trace is not None]
-    if len(traces) != len(daemon.devices):
+    if not daemon.traces or any(trace is None for trace in daemon.traces):
         raise RunError("the daemon kept no trace of its devices")
-    return ready, done, t0, traces
+    # As drawn in a trace file and read back: the figures a run of real processes gets, to the bit.
+    return ready, done, t0, [(as_drawn(timeline), meta) for timeline, meta in daemon.traces]
 
 
 # -- the timeline -----------------------------------------------------------------------------------------
 
 def _timelines(workload: Workload, policy: str, policy_options: dict[str, Any], plan: _Plan,
                ready: dict[str, dict[str, Any]], done: dict[str, dict[str, Any]],
-               traces: list[dict[str, Any]] | None, t0: float, by_device: bool) -> Any:
+               traces: list[tuple[Timeline, dict[str, Any]]] | None, t0: float, by_device: bool) -> Any:
     """The run's Timeline (device 0's, which is all of it on one device), or one per device: that device's
     tenants (their entitlements among themselves) and what it did, under its own policy's name."""
     if not by_device:
@@ -545,12 +548,13 @@ def _timelines(workload: Workload, policy: str, policy_options: dict[str, Any], 
 
 
 def _timeline(workload: Workload, policy: str, plan: _Plan, ready: dict[str, dict[str, Any]],
-              done: dict[str, dict[str, Any]], trace: dict[str, Any] | None, t0: float) -> Timeline:
+              done: dict[str, dict[str, Any]], trace: tuple[Timeline, dict[str, Any]] | None,
+              t0: float) -> Timeline:
     """Tenants' requests and the daemon's device, on one clock: simulated seconds from t0. Without a trace (a
     real GPU), the tenants' requests alone, on an H200's SMs."""
-    device = read_chrome_trace(trace) if trace is not None else Timeline(
-        policy=policy, sm_count=H200.sm_count, duration=0.0, launch_overhead=H200.kernel_overhead)
-    meta = trace["otherData"]["mpsd"] if trace is not None else {"clients": {}, "clock": "wall"}
+    device, meta = trace if trace is not None else (Timeline(
+        policy=policy, sm_count=H200.sm_count, duration=0.0, launch_overhead=H200.kernel_overhead),
+        {"clients": {}, "clock": "wall"})
     by_client = {info["client"]: name for name, info in ready.items() if info.get("client") is not None}
     rename = {client: by_client.get(info["client"]) for client, info in meta["clients"].items()}
     seen_as = {name: t for t in device.tenants if (name := rename.get(t.name))}  # instance -> daemon's view

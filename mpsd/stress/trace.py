@@ -20,7 +20,7 @@ from typing import Any
 
 from mpsd.stress.timeline import KernelRecord, Request, Span, TenantInfo, Timeline
 
-__all__ = ["chrome_trace", "load_trace", "read_chrome_trace", "write_trace"]
+__all__ = ["as_drawn", "chrome_trace", "load_trace", "read_chrome_trace", "write_trace"]
 
 FORMAT = "mpsd-timeline/1"
 # Column order of a kernel record in otherData["kernels"]: lists are a third the size of dicts.
@@ -85,6 +85,39 @@ def read_chrome_trace(data: dict[str, Any]) -> Timeline:
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"malformed mpsd timeline trace: {exc!r}") from None
     return timeline
+
+
+def as_drawn(timeline: Timeline) -> Timeline:
+    """``read_chrome_trace(chrome_trace(timeline))``, to the bit, without drawing a trace: spans in the order
+    the trace's rows give them, their times through its nanoseconds, times that never happened as NaN. A run in
+    the daemon's own process (mpsd-stress --virtual-time) reads its device so, and gets the very figures that a
+    run of real processes reads from the daemon's trace file."""
+    processes = _device_processes(timeline)
+    pids = {sm: pid for pid, (_, first, end) in enumerate(processes, start=1) for sm in range(first, end)}
+    outside = len(processes) + 1  # the whole-device process that SMs outside every partition are drawn on
+    rows: dict[tuple[int, int], list[Span]] = {}
+    for span in timeline.spans:
+        rows.setdefault((pids.get(span.sm, outside), span.sm), []).append(span)
+    spans = []
+    for _, row in sorted(rows.items()):
+        for span in row:
+            start_ns = _ns(span.start)
+            ts, dur = start_ns / 1e3, (_ns(span.end) - start_ns) / 1e3  # the event's microseconds, as drawn
+            spans.append(Span(span.tenant, span.kernel, span.sm, span.blocks, span.sm_fraction, ts / 1e6,
+                              (ts + dur) / 1e6))
+    by_tenant: dict[str, list[Request]] = {t.name: [] for t in timeline.tenants}
+    for r in timeline.requests:
+        by_tenant.setdefault(r.tenant, []).append(Request(r.tenant, r.submitted, _finite(r.completed), r.error))
+    return Timeline(
+        policy=timeline.policy, sm_count=timeline.sm_count, duration=timeline.duration,
+        launch_overhead=timeline.launch_overhead, virtual=timeline.virtual, lag=timeline.lag,
+        tenants=[TenantInfo(t.name, t.group, t.sm_cap, t.mem_limit, t.entitlement, t.deadline, t.priority)
+                 for t in timeline.tenants],
+        kernels=[KernelRecord(k.tenant, k.kernel, k.name, k.blocks, _finite(k.submitted), _finite(k.started),
+                              _finite(k.ended), _finite(k.eligible)) for k in timeline.kernels],
+        memory_high_water=dict(timeline.memory_high_water),
+        partitions=[(name, first, end) for name, first, end in timeline.partitions],
+        spans=spans, requests=[r for requests in by_tenant.values() for r in requests])
 
 
 def write_trace(path: str | PathLike[str], timeline: Timeline) -> None:
@@ -224,3 +257,8 @@ def _json_float(x: float) -> float | None:
 
 def _float_or_nan(x: Any) -> Any:
     return math.nan if x is None else x
+
+
+def _finite(x: float) -> float:
+    """What a time comes back as from a trace: itself if it happened (is finite), else NaN."""
+    return x if math.isfinite(x) else math.nan
