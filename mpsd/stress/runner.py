@@ -571,8 +571,8 @@ def _timeline(workload: Workload, policy: str, plan: _Plan, ready: dict[str, dic
             requests.append(Request(name, 0.0, math.nan, error))
     kernels = [KernelRecord(rename[k.tenant], k.kernel, k.name, k.blocks, k.submitted - t0, k.started - t0,
                             k.ended - t0, k.eligible - t0) for k in device.kernels if rename.get(k.tenant)]
-    spans = [Span(rename[s.tenant], s.kernel, s.sm, s.blocks, s.sm_fraction, s.start - t0, s.end - t0)
-             for s in device.spans if rename.get(s.tenant)]
+    spans = [Span(rename[tenant], kernel, sm, blocks, fraction, start - t0, end - t0)
+             for tenant, kernel, sm, blocks, fraction, start, end in device.spans if rename.get(tenant)]
     ends = [r.completed for r in requests if r.completed == r.completed]
     return Timeline(policy=policy, sm_count=device.sm_count, duration=max([workload.duration, *ends]),
                     launch_overhead=device.launch_overhead, tenants=tenants, requests=requests, kernels=kernels,

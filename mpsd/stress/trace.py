@@ -15,6 +15,7 @@ from __future__ import annotations
 import heapq
 import json
 import math
+from collections import defaultdict
 from os import PathLike
 from typing import Any
 
@@ -95,16 +96,16 @@ def as_drawn(timeline: Timeline) -> Timeline:
     processes = _device_processes(timeline)
     pids = {sm: pid for pid, (_, first, end) in enumerate(processes, start=1) for sm in range(first, end)}
     outside = len(processes) + 1  # the whole-device process that SMs outside every partition are drawn on
-    rows: dict[tuple[int, int], list[Span]] = {}
+    rows: defaultdict[int, list[Span]] = defaultdict(list)  # an SM's row, in the order its spans came
     for span in timeline.spans:
-        rows.setdefault((pids.get(span.sm, outside), span.sm), []).append(span)
-    spans = []
-    for _, row in sorted(rows.items()):
-        for span in row:
-            start_ns = _ns(span.start)
-            ts, dur = start_ns / 1e3, (_ns(span.end) - start_ns) / 1e3  # the event's microseconds, as drawn
-            spans.append(Span(span.tenant, span.kernel, span.sm, span.blocks, span.sm_fraction, ts / 1e6,
-                              (ts + dur) / 1e6))
+        rows[span.sm].append(span)
+    spans: list[Span] = []
+    add = spans.append
+    for sm in sorted(rows, key=lambda sm: (pids.get(sm, outside), sm)):  # rows in the trace's order
+        for tenant, kernel, sm, blocks, fraction, start, end in rows[sm]:
+            start_ns = round(start * 1e9)  # _ns, inline: this runs for every span of a run
+            ts, dur = start_ns / 1e3, (round(end * 1e9) - start_ns) / 1e3  # the event's microseconds, as drawn
+            add(Span(tenant, kernel, sm, blocks, fraction, ts / 1e6, (ts + dur) / 1e6))
     by_tenant: dict[str, list[Request]] = {t.name: [] for t in timeline.tenants}
     for r in timeline.requests:
         by_tenant.setdefault(r.tenant, []).append(Request(r.tenant, r.submitted, _finite(r.completed), r.error))
