@@ -15,13 +15,21 @@
 # groups). Three at 50% are the limit of placing one tenant at a time in fixed windows: the first two cover the
 # device, the third shares the second's, and they took 61, 75 and 76 ms where MPS took 60 each (three windows
 # spaced evenly from the start: 63 to 64).
-"""Overlapping SM windows for capped clients."""
+"""Overlapping SM windows for capped clients, placed all together."""
 
 from __future__ import annotations
 
+import itertools
+import math
+from collections import Counter
 from collections.abc import Sequence
 
-__all__ = ["choose_window", "shares", "windows"]
+import numpy as np
+
+__all__ = ["choose_window", "place", "shares", "windows"]
+
+EXACT_LIMIT = 10_000  # placements weighed at once in the exact search; past it, coordinate descent
+ROUNDS = 8  # passes of coordinate descent at most (each pass moves every tenant at most once)
 
 
 def windows(sizes: Sequence[int], cap: int) -> list[tuple[int, ...]]:
@@ -60,3 +68,105 @@ def choose_window(sizes: Sequence[int], placed: Sequence[tuple[tuple[int, ...], 
             best = (score, window)
     assert best is not None
     return best[1]
+
+
+def place(sizes: Sequence[int], tenants: Sequence[tuple[tuple[int, ...] | None, int]]) -> list[tuple[int, ...]]:
+    """Windows for all capped tenants together, each given as (its current window, None for one that has none
+    yet, and its cap), in the same order: the placement whose shares, worst first, are the greatest (the
+    worst-off tenant keeps the most, then the next, ...), then the one that moves the fewest tenants from their
+    current windows, then the one with the fewest SMs under more than one window, then the fewest SMs past the
+    caps. Exact where the placements to weigh are few (tenants of one cap are interchangeable, so a cap's
+    windows are weighed as a multiset), else coordinate descent from the current windows, each newcomer first
+    given its window one at a time (choose_window): neither is ever worse than that start."""
+    if not tenants:
+        return []
+    caps = sorted({cap for _, cap in tenants})
+    count = math.prod(math.comb(len(windows(sizes, cap)) + k - 1, k)
+                      for cap, k in Counter(cap for _, cap in tenants).items())
+    if count <= EXACT_LIMIT:
+        return _exact(sizes, tenants, caps)
+    return _descend(sizes, tenants)
+
+
+def _leximin(sizes: Sequence[int], placed: Sequence[tuple[tuple[int, ...], int]]) -> tuple[float, ...]:
+    return tuple(sorted(round(share, 6) for share in shares(sizes, placed)))
+
+
+def _overlap(sizes: Sequence[int], chosen: Sequence[tuple[int, ...]]) -> int:
+    """SMs under more than one window, each counted once for every window past the first."""
+    load = Counter(c for window in chosen for c in window)
+    return sum(sizes[c] * (k - 1) for c, k in load.items())
+
+
+def _descend(sizes: Sequence[int], tenants: Sequence[tuple[tuple[int, ...] | None, int]]) -> list[tuple[int, ...]]:
+    """Coordinate descent: each tenant in turn takes the window that makes the shares, worst first, greater given
+    the others' (the fewest shared SMs, then the fewest past its cap, among several), until none moves."""
+    caps = [cap for _, cap in tenants]
+    chosen: list[tuple[int, ...]] = []
+    for window, cap in tenants:
+        chosen.append(window if window is not None else choose_window(sizes, list(zip(chosen, caps)), cap))
+    for _ in range(ROUNDS):
+        moved = False
+        for i, cap in enumerate(caps):
+            best = _leximin(sizes, list(zip(chosen, caps)))
+            pick: tuple[tuple[int, int], tuple[int, ...]] | None = None
+            for window in windows(sizes, cap):
+                trial = [*chosen[:i], window, *chosen[i + 1:]]
+                score = _leximin(sizes, list(zip(trial, caps)))
+                tie = (_overlap(sizes, trial), sum(sizes[c] for c in window))
+                if score > best or (pick is not None and score == best and tie < pick[0]):
+                    best, pick = score, (tie, window)
+            if pick is not None:
+                chosen[i], moved = pick[1], True
+        if not moved:
+            break
+    return chosen
+
+
+def _exact(sizes: Sequence[int], tenants: Sequence[tuple[tuple[int, ...] | None, int]],
+           caps: Sequence[int]) -> list[tuple[int, ...]]:
+    """Every placement weighed at once (numpy), a multiset of windows for each cap."""
+    size = np.asarray(sizes, dtype=float)
+    cells, columns, kept, extra = [], [], [], []  # per cap: its windows' chunks, the tenants, and per multiset
+    for cap in caps:
+        members = [i for i, (_, c) in enumerate(tenants) if c == cap]
+        found = windows(sizes, cap)
+        incidence = np.zeros((len(found), len(sizes)))
+        for row, window in enumerate(found):
+            incidence[row, list(window)] = 1
+        combos = np.array(list(itertools.combinations_with_replacement(range(len(found)), len(members))))
+        held = Counter(found.index(tenants[i][0]) for i in members if tenants[i][0] in found)
+        counts = np.stack([(combos == row).sum(1) for row in range(len(found))], axis=1)
+        stays = sum(np.minimum(counts[:, row], k) for row, k in held.items()) if held else np.zeros(len(combos))
+        past = (incidence @ size - cap)[combos].sum(1)
+        cells.append((found, incidence, combos))
+        columns.extend(members)
+        kept.append(stays)
+        extra.append(past)
+    pick = np.stack([grid.ravel() for grid in np.meshgrid(*[np.arange(len(c[2])) for c in cells], indexing="ij")],
+                    axis=1)  # one row a placement: which multiset of each cap
+    chunks = np.concatenate([cells[g][1][cells[g][2][pick[:, g]]] for g in range(len(cells))], axis=1)
+    load = chunks.sum(1)  # (placements, chunks): windows over each chunk
+    per_sm = np.divide(size, load, out=np.zeros_like(load), where=load > 0)
+    cap_of = np.array([tenants[i][1] for i in columns], dtype=float)
+    share = np.minimum((chunks * per_sm[:, None, :]).sum(2), cap_of).round(6)
+    worst_first = np.sort(share, axis=1)
+    stays = sum(kept[g][pick[:, g]] for g in range(len(cells)))
+    past = sum(extra[g][pick[:, g]] for g in range(len(cells)))
+    shared = (np.maximum(load - 1, 0) * size).sum(1)
+    order = np.lexsort((np.arange(len(pick)), past, shared, -stays,
+                        *(-worst_first[:, j] for j in reversed(range(worst_first.shape[1])))))
+    best = pick[order[0]]
+    chosen: list[tuple[int, ...] | None] = [None] * len(tenants)
+    for g, (found, _, combos) in enumerate(cells):
+        left = Counter(found[row] for row in combos[best[g]])
+        members = [i for i, (_, c) in enumerate(tenants) if c == caps[g]]
+        for i in members:  # whoever holds a window of the multiset keeps it
+            if tenants[i][0] is not None and left[tenants[i][0]]:
+                chosen[i] = tenants[i][0]
+                left[tenants[i][0]] -= 1
+        rest = sorted(left.elements())
+        for i in members:
+            if chosen[i] is None:
+                chosen[i] = rest.pop(0)
+    return chosen  # type: ignore[return-value]
