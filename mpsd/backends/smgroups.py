@@ -3,18 +3,32 @@
 # took 1.5 times its alone time on the H200). A green context is a fixed set of SMs instead. The closest mapping
 # built here: the device's SMs are cut once into the driver's smallest groups ("chunks", 8 SMs on an H200, the
 # remainder one more), laid out as a ring, and each capped client gets a window of consecutive chunks holding at
-# least its cap. Windows may overlap, as the SMs of MPS clients do, and each new one is placed where it leaves
-# the worst-off tenant (its own window too) the most SMs, counting an SM shared by k windows as 1/k of one, so
-# that tenants at 50% get different but overlapping halves spread over the device (a share counts no more than
-# its tenant's cap: MPS lets no client hold more).
+# least its cap. Windows may overlap, as the SMs of MPS clients do. What a tenant may count on when all are busy
+# is its share: an SM under k windows counts as 1/k of one, and no share counts past its tenant's cap (MPS lets
+# no client hold more).
+#
+# Whenever a capped tenant comes or goes, the windows of all of them are chosen again (place): the best
+# placement is the one whose shares, worst first, are the greatest, so the worst-off tenant keeps the most, then
+# the next. Moving a client costs something (new streams, work queued on the old SMs runs out there), so among
+# placements as good as each other the one that moves the fewest wins; then the one with the fewest SMs under
+# two windows (caps that fit side by side stay disjoint), then the fewest SMs past the caps. Where the
+# placements are few it is exact: every multiset of windows for each cap is weighed at once with numpy (tenants
+# of one cap are interchangeable, so three at 50% on an H200 are 816 placements, not 4096), at most
+# EXACT_LIMIT of them (25 ms or less on a 2-core build machine). Past that (on an H200: five tenants of one
+# cap, or four of more than one cap), coordinate descent from the current windows, a newcomer first given the
+# window a lone arrival gets (choose_window): each tenant in turn takes the window that makes the shares
+# greater, until none moves. Neither is ever worse than placing tenants one at a time, which is what this
+# module did before: windows placed on arrival and never moved left the third tenant at 50% on SMs the first
+# two held.
 #
 # Measured on the H200 (bench/fidelity/measure_green.py, green_h200.json): green contexts over overlapping chunks
 # of one split are made and run side by side; two windows of 72 and 76 SMs overlapping on 16 ran 20 full waves
 # each in 40.1 and 41.1 ms, where MPS at 50% took 40.6 and disjoint groups (72 and the 60 left) 40.1 and 60.1.
 # Through the daemon (crosscheck_atp50_h200.txt) two tenants at 50% took 44.4 ms each (51.8 with the disjoint
-# groups). Three at 50% are the limit of placing one tenant at a time in fixed windows: the first two cover the
-# device, the third shares the second's, and they took 61, 75 and 76 ms where MPS took 60 each (three windows
-# spaced evenly from the start: 63 to 64).
+# groups). Three at 50%, placed one at a time, took 61, 75 and 76 ms where MPS took 60 each; three windows
+# spaced evenly from the start (shares 40, 44 and 48 SMs) took 63 to 64. Placed together, three at 50% get
+# shares of 44 SMs each (windows of 68, 72 and 72 SMs, every chunk under one or two of them); that has not been
+# run on the H200 yet, through the daemon or otherwise.
 """Overlapping SM windows for capped clients, placed all together."""
 
 from __future__ import annotations
