@@ -353,18 +353,73 @@ def test_a_killed_clients_running_kernel_stalls_nobody(backend_daemon):
 
 
 @pytest.mark.skipif(cuda_device_count() == 0, reason="no GPU here (cuda-python and a driver are needed)")
-def test_capped_clients_get_overlapping_green_contexts_on_a_real_gpu():
-    """Two clients at 50% are placed in different green contexts whose SMs overlap and together cover the
-    device (MPS's percentage is a limit, not a partition); a third at 25% finds room of its own size."""
+def test_capped_clients_get_the_green_contexts_of_windows_placed_all_together_on_a_real_gpu():
+    """Two clients at 50% and one at 25%, arriving one by one, end in green contexts of windows that are as good
+    for the worst-off (then the next) as placing all three at once can be; each context has its window's SMs."""
     from types import SimpleNamespace
 
     from mpsd.backends.cuda import CudaBackend
+    from mpsd.backends.smgroups import place, shares
 
     gpu = CudaBackend(0)
-    for client, percentage in ((1, 50), (2, 50), (3, 25)):
-        gpu.attach(SimpleNamespace(id=client), sm_cap=gpu.sm_cap(percentage), priority=0, weight=1.0, instance=None)
-    (w1, _), (w2, _), (w3, cap3) = (gpu._windows[c] for c in (1, 2, 3))
-    assert w1 != w2 and set(w1) & set(w2) and len(set(w1) | set(w2)) == len(gpu._ring())
+    caps = {1: gpu.sm_cap(50), 2: gpu.sm_cap(50), 3: gpu.sm_cap(25)}
+    for client, cap in caps.items():
+        gpu.attach(SimpleNamespace(id=client), sm_cap=cap, priority=0, weight=1.0, instance=None)
+    sizes = [chunk.sm.smCount for chunk in gpu._ring()]
+    got = [gpu._windows[c] for c in caps]
+    best = list(zip(place(sizes, [(None, cap) for cap in caps.values()]), caps.values()))
+    assert sorted(shares(sizes, got)) == pytest.approx(sorted(shares(sizes, best)))
     assert gpu._placed[1] is not gpu._placed[2]
-    assert gpu._placed[3].sm_count >= cap3
-    assert all(gpu._placed[c].sm_count >= gpu.sm_cap(50) for c in (1, 2))
+    for client, (window, cap) in zip(caps, got):
+        assert gpu._placed[client].sm_count == sum(sizes[c] for c in window) >= cap
+
+
+@pytest.mark.skipif(cuda_device_count() == 0, reason="no GPU here (cuda-python and a driver are needed)")
+def test_a_client_whose_window_changes_moves_and_its_queued_work_keeps_its_order():
+    """Three clients at 50%; two queue a long kernel and a fill, then the third leaves and the two spread over
+    its SMs: a moved stream's next work (doubling what the fill wrote) waits for what the old stream held, the
+    work completes in the order it was given, and the moved streams run in their new green contexts."""
+    from types import SimpleNamespace
+
+    from mpsd.backends.cuda import CudaBackend
+    from mpsd.backends.ops import Extent, Launch, Record
+
+    gpu = CudaBackend(0)
+    half = gpu.sm_cap(50)
+    for client in (1, 2, 3):
+        gpu.attach(SimpleNamespace(id=client), sm_cap=half, priority=0, weight=1.0, instance=None)
+    memory = {c: gpu.allocate(4 * N) for c in (1, 2)}
+    extents = {c: Extent(memory[c], 0, 4 * N) for c in (1, 2)}
+    given: dict[int, list] = {1: [], 2: []}
+    for c in (1, 2):  # 264 blocks of 10 ms (2e7 cycles) on about half the SMs: two waves
+        given[c].append(Launch(client=c, stream=(c, 0), kernel="spin", grid=(264, 1, 1), block=(1024, 1, 1),
+                               shared_mem=0, args=(20_000_000,)))
+        given[c].append(Launch(client=c, stream=(c, 0), kernel="fill_f32", grid=(256, 1, 1), block=(256, 1, 1),
+                               shared_mem=0, args=(0, 7.0, N), extents=((0, extents[c]),)))
+        for work in given[c]:
+            gpu.submit(work)
+    before = {key: context for key, (_, context) in gpu._streams.items()}
+    gpu.forget(3)
+    moved = [key for key, (_, context) in gpu._streams.items() if context is not before[key]]
+    assert moved, "the two left should spread over the third's SMs"
+    for key in moved:
+        assert gpu._streams[key][1] is gpu._placed[key[0]] is not gpu._primary
+    order: list = []
+    for c in (1, 2):
+        given[c].append(Launch(client=c, stream=(c, 0), kernel="saxpy_f32", grid=(256, 1, 1), block=(256, 1, 1),
+                               shared_mem=0, args=(1.0, 0, 0, N), extents=((1, extents[c]), (2, extents[c]))))
+        given[c].append(Record(client=c, stream=(c, 0)))
+        for work in given[c][2:]:
+            gpu.submit(work)
+        for work in given[c]:
+            gpu.when_done([work], lambda work=work: order.append(work))
+    deadline = time.monotonic() + 30
+    while not all(w.done for ws in given.values() for w in ws) and time.monotonic() < deadline:
+        gpu._poll()
+        time.sleep(0.001)
+    for c in (1, 2):
+        assert all(w.done and not w.cancelled for w in given[c])
+        assert [w for w in order if w.client == c] == given[c]
+        out = np.empty(N, np.float32)
+        gpu.cu.cuMemcpyDtoH(out.ctypes.data, memory[c].dptr, 4 * N)
+        assert (out == 14.0).all()  # the doubling ran after the fill, on the other stream

@@ -23,7 +23,11 @@
 #   green context of at least that many SMs. MPS's percentage is a limit on how many SMs a client holds at once,
 #   where a green context is a fixed set of them; the closest mapping (mpsd.backends.smgroups) gives each capped
 #   client a window of the device's smallest SM groups, overlapping other clients' windows where the caps add
-#   up to more than the device, placed so that the worst-off tenant keeps the most SMs.
+#   up to more than the device, all placed again whenever a capped client comes or goes so that the worst-off
+#   tenant keeps the most SMs. A client whose window changes moves: each of its streams becomes a new CUDA
+#   stream of the new green context that waits for the last event of the old one, so its work keeps its order
+#   (work already queued runs out on the old SMs), and the old stream is destroyed at once (the driver lets its
+#   queued work finish first).
 # - Completion: work on a stream completes in order, so one event marks the end of every piece of work queued
 #   on the stream since the last one: it is recorded when the backend's task next runs (after every call that
 #   one read of a socket brought), when an event record asks for its exact place, or when other work must wait
@@ -52,7 +56,7 @@ from mpsd.backends.base import VIRTUAL_MEMORY, Client, when_all
 from mpsd.backends.cuda_driver import CudaFailure, _bindings, _check, cuda_device_count
 from mpsd.backends.cuda_kernels import compile_kernels
 from mpsd.backends.ops import Copy, Extent, Launch, Memset, Record, Work
-from mpsd.backends.smgroups import choose_window
+from mpsd.backends.smgroups import place
 from mpsd_protocol import CudaError, IllegalAddressError, OutOfMemoryError  # type: ignore[attr-defined]
 
 __all__ = ["CudaBackend", "CudaDevice", "CudaFailure", "cuda_device_count"]
@@ -247,6 +251,7 @@ class CudaBackend:
         self._chunks: list[Any] | None = None  # the device's smallest SM groups, in order (smgroups)
         self._green: dict[tuple[int, ...], _Context] = {}  # window of chunks -> its green context
         self._placed: dict[int, _Context] = {}  # client -> the context its streams run in
+        self._caps: dict[int, int] = {}  # capped client -> its SM cap, in the order they came
         self._windows: dict[int, tuple[tuple[int, ...], int]] = {}  # capped client -> (its window, its cap)
         self._streams: dict[tuple[int, int], tuple[Any, _Context]] = {}
         self._queues: dict[tuple[int, int], deque[_Pending]] = {}
@@ -348,21 +353,58 @@ class CudaBackend:
     def attach(self, client: Client, *, sm_cap: int, priority: int, weight: float, instance: int | None,
                sms: tuple[int, int] | None = None) -> None:
         """Place a client: in the primary context, or in the green context of a window of at least its SM cap
-        (its streams are made there as its work arrives). Static SM partitions (`sms`) are the simulator's
-        only: the daemon refuses -S on a real GPU."""
+        (its streams are made there as its work arrives), the capped clients' windows all chosen again (which
+        may move some of them). Static SM partitions (`sms`) are the simulator's only: the daemon refuses -S
+        on a real GPU."""
         if client.id in self._placed:
             return  # a priority or weight change: nothing of it is modelled here
-        context = self._primary
+        self._placed[client.id] = self._primary
         if sm_cap < self._attrs["sm_count"]:
-            try:
-                sizes = [chunk.sm.smCount for chunk in self._ring()]
-                window = choose_window(sizes, list(self._windows.values()), sm_cap)
-                if sum(sizes[c] for c in window) < self._attrs["sm_count"]:
-                    context = self._window(window)
-                    self._windows[client.id] = (window, sm_cap)
-            except CudaFailure:  # no green contexts on this driver or device: the cap goes unenforced
-                pass
-        self._placed[client.id] = context
+            self._caps[client.id] = sm_cap
+            self._arrange()
+
+    def _arrange(self) -> None:
+        """Choose every capped client's window again (smgroups.place: a newcomer, or one that left, changes
+        what is best for all) and move the clients whose window changed."""
+        try:
+            sizes = [chunk.sm.smCount for chunk in self._ring()]
+        except CudaFailure:  # no green contexts on this driver or device: the caps go unenforced
+            return
+        clients = list(self._caps)
+        current = [self._windows[c][0] if c in self._windows else None for c in clients]
+        chosen = place(sizes, [(window, self._caps[c]) for c, window in zip(clients, current)])
+        for client, old, window in zip(clients, current, chosen):
+            if window == old:
+                continue
+            try:  # a window of the whole device is the primary context (it still counts in the others' shares)
+                context = (self._window(window) if sum(sizes[c] for c in window) < self._attrs["sm_count"]
+                           else self._primary)
+            except CudaFailure:  # the driver made no green context of it: the client stays where it is
+                continue
+            self._windows[client] = (window, self._caps[client])
+            self._move(client, context)
+
+    def _move(self, client: int, context: _Context) -> None:
+        """Run `client`'s work in `context` from now on: each of its streams made elsewhere is replaced by a
+        stream of `context` that first waits for everything queued on the old one."""
+        cu = self.cu
+        self._placed[client] = context
+        for key in [k for k, (_, there) in self._streams.items() if k[0] == client and there is not context]:
+            self._flush(key)  # the work queued since the stream's last event gets one, to wait on
+            old = self._streams[key][0]
+            priority = _check(cu.cuStreamGetPriority(old))
+            self._use(context)
+            stream = _check(cu.cuStreamCreateWithPriority(cu.CUstream_flags.CU_STREAM_NON_BLOCKING, priority))
+            queue = self._queues.get(key)
+            tail = queue[-1] if queue else None
+            if tail is not None and not tail.retired and tail.event is not None and tail.event is not _SYNCED:
+                # Across contexts, as event waits between clients are; the tail's event is not reused before
+                # the tail retires, and the wait takes its record as it stands now.
+                _check(cu.cuStreamWaitEvent(stream, tail.event, 0))
+            self._streams[key] = (stream, context)
+            # The driver frees a destroyed stream once its queued work (and the events recorded after it) is
+            # done; the queue's events go on being polled, each timed against its own context's base.
+            cu.cuStreamDestroy(old)
 
     def cancel(self, client: int) -> None:
         """A real GPU cannot drop work it was given: the client's work is let go at once (whoever waits on it
@@ -387,7 +429,9 @@ class CudaBackend:
             if queue:
                 self._draining.append(queue)
         self._placed.pop(client, None)
-        self._windows.pop(client, None)  # its SMs count for the clients placed after it
+        self._windows.pop(client, None)
+        if self._caps.pop(client, None) is not None:
+            self._arrange()  # its SMs go to the capped clients that stay
 
     def bury(self, memory: CudaMemory) -> None:
         """Free `memory` now if no work the GPU was given may still touch it, else once that work has retired
