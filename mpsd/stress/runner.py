@@ -444,7 +444,12 @@ def run_virtual(workload: Workload, policy: str, policy_options: dict[str, Any],
             config = dataclasses.replace(load_config(_daemon_args(
                 work, policy, policy_options, trace_path, max(48, len(plan.instances)), "virtual", 1.0)
                 + _device_args(workload, work), environ={}), shared_process=True)
-            ready, done, t0, traces = trio.run(_in_process, config, plan, work, progress, on_progress)
+            # What the run gives back comes in `out`, not as trio.run's result, which trio's runner keeps: the
+            # runner lingers in reference cycles, and the timelines would stay with it until the collector
+            # found them (millions of spans, scanned and freed at the end of the run instead of as they go).
+            out: list[Any] = []
+            trio.run(_in_process, config, plan, work, progress, on_progress, out)
+            ready, done, t0, traces = out.pop()
         except (ConfigError, DaemonError) as exc:
             raise RunError(f"the daemon did not start: {exc}") from None
     finally:
@@ -483,8 +488,8 @@ class _TaskLink:
 
 
 async def _in_process(config: Any, plan: _Plan, work: Path, progress: Progress,
-                      on_progress: Callable[[Progress], None]
-                      ) -> tuple[dict, dict, float, list[tuple[Timeline, dict[str, Any]]]]:
+                      on_progress: Callable[[Progress], None],
+                      out: list[tuple[dict, dict, float, list[tuple[Timeline, dict[str, Any]]]]]) -> None:
     from mpsd.daemon.inprocess import open_daemon
     from mpsd.stress.tenant import play
 
@@ -521,10 +526,17 @@ async def _in_process(config: Any, plan: _Plan, work: Path, progress: Progress,
         _count(progress, name, link.result)
     progress.phase = "finished"
     on_progress(progress)
-    if not daemon.traces or any(trace is None for trace in daemon.traces):
+    # Taken from the daemon, which lingers in reference cycles until the collector finds it: each device's
+    # timeline goes as soon as it is redrawn, not with the daemon.
+    traces, daemon.traces = daemon.traces, []
+    if not traces or any(trace is None for trace in traces):
         raise RunError("the daemon kept no trace of its devices")
     # As drawn in a trace file and read back: the figures a run of real processes gets, to the bit.
-    return ready, done, t0, [(as_drawn(timeline), meta) for timeline, meta in daemon.traces]
+    drawn = []
+    while traces:
+        timeline, meta = traces.pop(0)
+        drawn.append((as_drawn(timeline), meta))
+    out.append((ready, done, t0, drawn))
 
 
 # -- the timeline -----------------------------------------------------------------------------------------
