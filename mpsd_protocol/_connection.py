@@ -1,7 +1,11 @@
 # The sans-IO connection, in the manner of h11: bytes and file descriptors in, messages out; messages in,
 # bytes and file descriptors out. The daemon, the blocking client and the trio client are thin loops around it.
 #
-# Frames: an 8-byte header (body length, number of fds, both u32 little-endian) then a msgpack body.
+# Frames: an 8-byte header (body length, number of fds, both u32 little-endian) then a msgpack body. The body
+# codec is compiled (mpsd._core.Codec, simcore/src/wire.rs): it decodes a body straight into the message it
+# holds and encodes a message into its whole frame, with msgpack's rules as mpsd held msgpack-python to them
+# (str or bytes map keys, no extension types, nothing after the body, lengths within the frame limit) and
+# nesting bounded at mpsd._core.MAX_DEPTH containers.
 # File descriptors arrive from SCM_RIGHTS attached to byte ranges, and reads coalesce frames, so received fds
 # go into a FIFO and each frame takes as many from its head as its header says. A sender attaches a frame's fds
 # to the frame's first byte, and the kernel hands them over with the read that holds that byte (a read ends
@@ -19,9 +23,9 @@ from __future__ import annotations
 import struct
 from collections import deque
 from enum import Enum
-from typing import Any, Iterable
+from typing import Iterable
 
-import msgpack
+from mpsd._core import Codec
 
 from ._fds import close_fds as _close_all
 
@@ -44,6 +48,9 @@ PROTOCOL_ERROR = "protocol_error"  # the notice a server sends before closing a 
 # Fds that may wait for their frames: one frame's, still arriving, and the next one's, which came with the
 # read that completes it (a read never brings the fds of two writes).
 MAX_QUEUED_FDS = 2 * MAX_FDS_PER_FRAME
+# Wrong shapes go to from_wire whole, so that every malformed message is worded where it is today.
+_CODEC = Codec(Request, Reply, Notification, from_wire, RemoteProtocolError, LocalProtocolError, MAX_FDS_PER_FRAME)
+_decode, _encode = _CODEC.decode, _CODEC.encode
 
 
 class Role(Enum):
@@ -86,7 +93,6 @@ class Connection:
         self._error: RemoteProtocolError | None = None
         self._sent_first = False
         self._received_first = False
-        self._packer = msgpack.Packer(use_bin_type=True)
 
     # -- incoming ---------------------------------------------------------------------------------------
     def receive_data(self, data: bytes, fds: Iterable[int] = ()) -> None:
@@ -153,7 +159,11 @@ class Connection:
                 raise RemoteProtocolError("connection closed in the middle of a frame")
             return NEED_DATA
         fds = self._claim(self._offset + start, self._offset + end, nfds) if self._batches or nfds else ()
-        body = buffer[body_start:end]
+        try:
+            message = _decode(buffer, body_start, end, fds, self.max_frame_size)
+        except RemoteProtocolError:
+            _close_all(fds)
+            raise
         if end == len(buffer):
             self._offset += end
             buffer.clear()  # the common case: everything read has been used
@@ -164,11 +174,6 @@ class Connection:
                 self._offset += end
                 del buffer[:end]
                 self._start = 0
-        try:
-            message = from_wire(_decode(body, self.max_frame_size), fds)
-        except RemoteProtocolError:
-            _close_all(fds)
-            raise
         if not self._received_first:
             self._check_incoming(message)
         return message
@@ -235,23 +240,4 @@ class Connection:
             if self.role is Role.SERVER and not isinstance(message, Reply):
                 raise LocalProtocolError("a server must answer hello before anything else")
             self._sent_first = True
-        try:
-            body = self._packer.pack(message.to_wire())
-        except (TypeError, ValueError, OverflowError) as exc:
-            self._packer.reset()
-            raise LocalProtocolError(f"cannot encode {type(message).__name__}: {exc}") from None
-        if len(body) > self.max_frame_size:
-            raise LocalProtocolError(f"frame of {len(body)} bytes exceeds the limit of {self.max_frame_size}")
-        return HEADER.pack(len(body), len(message.fds)) + body
-
-
-def _decode(body: bytes, limit: int) -> Any:
-    try:
-        return msgpack.unpackb(
-            body, raw=False, strict_map_key=True, use_list=True,
-            max_bin_len=limit, max_str_len=limit, max_array_len=limit, max_map_len=limit, max_ext_len=0,
-        )
-    except Exception as exc:  # msgpack raises ValueError, ExtraData, StackError, FormatError, TypeError...
-        raise RemoteProtocolError(f"undecodable frame body: {type(exc).__name__}: {exc}"[:200]) from None
-
-
+        return _encode(message, self.max_frame_size)
