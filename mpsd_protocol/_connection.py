@@ -1,11 +1,13 @@
 # The sans-IO connection, in the manner of h11: bytes and file descriptors in, messages out; messages in,
 # bytes and file descriptors out. The daemon, the blocking client and the trio client are thin loops around it.
 #
-# Frames: an 8-byte header (body length, number of fds, both u32 little-endian) then a msgpack body. The body
-# codec is compiled (mpsd._core.Codec, simcore/src/wire.rs): it decodes a body straight into the message it
-# holds and encodes a message into its whole frame, with msgpack's rules as mpsd held msgpack-python to them
-# (str or bytes map keys, no extension types, nothing after the body, lengths within the frame limit) and
-# nesting bounded at mpsd._core.MAX_DEPTH containers.
+# Frames: an 8-byte header (body length, number of fds, both u32 little-endian) then a msgpack body. The
+# bytes and the codec are compiled (simcore/src/wire.rs, bound in python_wire.rs): mpsd._core.Frames holds what
+# was received, splits it into frames and decodes each body where it lies straight into the message it holds;
+# mpsd._core.Codec encodes a message into its whole frame. Both keep msgpack's rules as mpsd held
+# msgpack-python to them (str or bytes map keys, no extension types, nothing after the body, lengths within the
+# frame limit, nesting within mpsd._core.MAX_DEPTH containers, as msgpack-python's stack allowed); the fd
+# FIFO, the handshake and every error a message's shape earns stay here and in _messages.py.
 # File descriptors arrive from SCM_RIGHTS attached to byte ranges, and reads coalesce frames, so received fds
 # go into a FIFO and each frame takes as many from its head as its header says. A sender attaches a frame's fds
 # to the frame's first byte, and the kernel hands them over with the read that holds that byte (a read ends
@@ -25,7 +27,7 @@ from collections import deque
 from enum import Enum
 from typing import Iterable
 
-from mpsd._core import Codec
+from mpsd._core import Codec, Frames
 
 from ._fds import close_fds as _close_all
 
@@ -50,7 +52,7 @@ PROTOCOL_ERROR = "protocol_error"  # the notice a server sends before closing a 
 MAX_QUEUED_FDS = 2 * MAX_FDS_PER_FRAME
 # Wrong shapes go to from_wire whole, so that every malformed message is worded where it is today.
 _CODEC = Codec(Request, Reply, Notification, from_wire, RemoteProtocolError, LocalProtocolError, MAX_FDS_PER_FRAME)
-_decode, _encode = _CODEC.decode, _CODEC.encode
+_encode = _CODEC.encode
 
 
 class Role(Enum):
@@ -83,9 +85,7 @@ class Connection:
     def __init__(self, role: Role, max_frame_size: int = DEFAULT_MAX_FRAME) -> None:
         self.role = role
         self.max_frame_size = max_frame_size
-        self._buffer = bytearray()
-        self._start = 0  # consumed prefix of _buffer, compacted lazily
-        self._offset = 0  # stream offset of _buffer[0]
+        self._frames = Frames(_CODEC)  # bytes received, split into frames and decoded where they lie
         self._fds: deque[int] = deque()
         # Per read that brought fds: [stream offset of its first byte, of its end, its fds not yet claimed].
         self._batches: deque[list[int]] = deque()
@@ -112,7 +112,7 @@ class Connection:
                 raise RemoteProtocolError("data after end of file or a protocol error")
             return
         if fds:
-            start = self._offset + len(self._buffer)
+            start = self._frames.end
             self._batches.append([start, start + len(data), len(fds)])
             if not data or len(self._fds) > MAX_QUEUED_FDS:
                 self._fail(RemoteProtocolError(
@@ -120,7 +120,7 @@ class Connection:
                     f"at most {MAX_QUEUED_FDS} may wait for their frames"))
                 return
         if data:
-            self._buffer += data
+            self._frames.feed(data)
         else:
             self._eof = True
 
@@ -139,41 +139,25 @@ class Connection:
             raise
 
     def _next_event(self) -> Message | _Sentinel:
-        buffer, start = self._buffer, self._start  # (locals: this runs for every message either end receives)
-        available = len(buffer) - start
-        if available < _HEADER_SIZE:
+        frames = self._frames  # (a local: this runs for every message either end receives)
+        message = frames.next(self.max_frame_size, bool(self._batches))
+        if message is None:
             if self._eof:
+                available = frames.pending
+                if available >= _HEADER_SIZE:
+                    raise RemoteProtocolError("connection closed in the middle of a frame")
                 if available:
                     raise RemoteProtocolError("connection closed in the middle of a frame header")
                 return CLOSED
             return NEED_DATA
-        length, nfds = HEADER.unpack_from(buffer, start)
-        if length > self.max_frame_size:
-            raise RemoteProtocolError(f"frame of {length} bytes exceeds the limit of {self.max_frame_size}")
-        if nfds > MAX_FDS_PER_FRAME:
-            raise RemoteProtocolError(f"frame claims {nfds} file descriptors; the limit is {MAX_FDS_PER_FRAME}")
-        body_start = start + _HEADER_SIZE
-        end = body_start + length
-        if len(buffer) < end:
-            if self._eof:
-                raise RemoteProtocolError("connection closed in the middle of a frame")
-            return NEED_DATA
-        fds = self._claim(self._offset + start, self._offset + end, nfds) if self._batches or nfds else ()
-        try:
-            message = _decode(buffer, body_start, end, fds, self.max_frame_size)
-        except RemoteProtocolError:
-            _close_all(fds)
-            raise
-        if end == len(buffer):
-            self._offset += end
-            buffer.clear()  # the common case: everything read has been used
-            self._start = 0
-        else:
-            self._start = end
-            if end > 65536 and end * 2 > len(buffer):
-                self._offset += end
-                del buffer[:end]
-                self._start = 0
+        if type(message) is tuple:  # a frame with fds, or fds waiting: they are claimed here, in order
+            first, end, nfds = message
+            fds = self._claim(first, end, nfds)
+            try:
+                message = frames.take(fds, self.max_frame_size)
+            except RemoteProtocolError:
+                _close_all(fds)
+                raise
         if not self._received_first:
             self._check_incoming(message)
         return message
@@ -216,8 +200,7 @@ class Connection:
 
     def _fail(self, exc: RemoteProtocolError) -> None:
         self._error = exc
-        self._buffer.clear()
-        self._start = 0
+        self._frames.clear()
         self.close_fds()
         self._batches.clear()
 

@@ -311,6 +311,22 @@ impl Codec {
         }
     }
 
+    /// The message `body` holds, with the frame's fds.
+    fn decode_body<'py>(&self, py: Python<'py>, body: &[u8], fds: &Bound<'py, PyAny>, limit: usize)
+                        -> PyResult<Bound<'py, PyAny>> {
+        let mut strs = try_take(&STRS);
+        let mut b = Objects { py, strs: strs.as_deref_mut() };
+        let mut r = Reader::new(body, limit);
+        match self.common(&mut b, &mut r, fds) {
+            Ok(Some(message)) => return Ok(message),
+            Ok(None) => {}
+            Err(why) => return Err(self.remote(py, why)),
+        }
+        let obj = wire::decode(body, limit, &mut b).map_err(|why| self.remote(py, why))?;
+        drop(strs);
+        self.from_wire.call1(py, (obj, fds)).map(|m| m.into_bound(py))
+    }
+
     /// `fds` as the dataclasses accept them: a tuple of at most max_fds non-negative ints.
     fn fds_ok(&self, fds: &Bound<'_, PyAny>) -> bool {
         unsafe {
@@ -596,18 +612,7 @@ impl Codec {
         let Some(body) = view.bytes().get(start..end) else {
             return Err(PyValueError::new_err("the body's range lies outside the buffer"));
         };
-        let mut strs = try_take(&STRS);
-        let mut b = Objects { py, strs: strs.as_deref_mut() };
-        let mut r = Reader::new(body, limit);
-        match self.common(&mut b, &mut r, fds) {
-            Ok(Some(message)) => return Ok(message),
-            Ok(None) => {}
-            Err(why) => return Err(self.remote(py, why)),
-        }
-        let obj = wire::decode(body, limit, &mut b).map_err(|why| self.remote(py, why))?;
-        drop(strs);
-        drop(view);
-        self.from_wire.call1(py, (obj, fds)).map(|m| m.into_bound(py))
+        self.decode_body(py, body, fds, limit)
     }
 
     /// The whole frame for `message`: header (body length, fd count) and body.
@@ -687,8 +692,134 @@ impl Codec {
     }
 }
 
+// -- frames -------------------------------------------------------------------------------------------------
+
+/// The 8-byte frame header: body length, number of fds, both u32 little-endian.
+const HEADER: usize = 8;
+
+/// The bytes a connection received and has not yet taken as frames, and where they lie in the stream (the
+/// fds that came with them are claimed by stream offset, in Python: `Connection._claim`).
+#[pyclass(module = "mpsd._core")]
+pub struct Frames {
+    codec: Py<Codec>,
+    max_fds: u32,
+    buf: Vec<u8>,
+    /// Bytes of `buf` already taken.
+    start: usize,
+    /// Stream offset of `buf[0]`.
+    offset: u64,
+}
+
+impl Frames {
+    /// The header at `start`: (body length, fds), checked against the limits; None while incomplete.
+    fn header(&self, py: Python<'_>, limit: usize) -> PyResult<Option<(usize, u32)>> {
+        let Some(h) = self.buf.get(self.start..self.start + HEADER) else { return Ok(None) };
+        let length = u32::from_le_bytes(h[..4].try_into().expect("4 bytes")) as usize;
+        let nfds = u32::from_le_bytes(h[4..].try_into().expect("4 bytes"));
+        let codec = self.codec.get();
+        if length > limit {
+            return Err(codec.error(py, &codec.remote_error,
+                                   format!("frame of {length} bytes exceeds the limit of {limit}")));
+        }
+        if nfds > self.max_fds {
+            return Err(codec.error(py, &codec.remote_error,
+                                   format!("frame claims {nfds} file descriptors; the limit is {}", self.max_fds)));
+        }
+        Ok(Some((length, nfds)))
+    }
+
+    /// Decode the frame of `length` at `start` with `fds`, and take it.
+    fn take_frame<'py>(&mut self, py: Python<'py>, length: usize, fds: &Bound<'py, PyAny>, limit: usize)
+                       -> PyResult<Bound<'py, PyAny>> {
+        let body = self.start + HEADER;
+        let end = body + length;
+        let message = self.codec.get().decode_body(py, &self.buf[body..end], fds, limit);
+        if end == self.buf.len() {
+            // The common case: everything received has been taken.
+            self.offset += end as u64;
+            self.buf.clear();
+            self.start = 0;
+            if self.buf.capacity() > 1 << 20 {
+                self.buf.shrink_to(1 << 16);
+            }
+        } else {
+            self.start = end;
+            if end > 1 << 16 && end * 2 > self.buf.len() {
+                self.offset += end as u64;
+                self.buf.drain(..end);
+                self.start = 0;
+            }
+        }
+        message
+    }
+}
+
+#[pymethods]
+impl Frames {
+    #[new]
+    fn new(codec: Py<Codec>) -> Self {
+        let max_fds = codec.get().max_fds as u32;
+        Frames { codec, max_fds, buf: Vec::new(), start: 0, offset: 0 }
+    }
+
+    /// Append bytes received (any bytes-like object).
+    fn feed(&mut self, data: &Bound<'_, PyAny>) -> PyResult<()> {
+        let view = View::of(data)?;
+        self.buf.extend_from_slice(view.bytes());
+        Ok(())
+    }
+
+    /// Forget every byte received and not taken.
+    fn clear(&mut self) {
+        self.offset += self.buf.len() as u64;
+        self.buf = Vec::new();
+        self.start = 0;
+    }
+
+    /// The stream offset just past the bytes received.
+    #[getter]
+    fn end(&self) -> u64 {
+        self.offset + self.buf.len() as u64
+    }
+
+    /// Bytes received and not yet taken.
+    #[getter]
+    fn pending(&self) -> usize {
+        self.buf.len() - self.start
+    }
+
+    /// The next frame's message; None while the frame is incomplete. A frame with fds, or any frame when
+    /// `claim` (fds wait for the frames that will claim them), is not taken: its (stream offset of its first
+    /// byte, of its end, fds it declares) come back, for its fds to be claimed and `take` to finish it.
+    ///
+    /// Raises:
+    ///     RemoteProtocolError: the header breaks a limit, or the body is not a message.
+    fn next<'py>(&mut self, py: Python<'py>, limit: usize, claim: bool) -> PyResult<Option<Bound<'py, PyAny>>> {
+        let Some((length, nfds)) = self.header(py, limit)? else { return Ok(None) };
+        if self.buf.len() - self.start - HEADER < length {
+            return Ok(None);
+        }
+        if nfds > 0 || claim {
+            let first = self.offset + self.start as u64;
+            let end = first + (HEADER + length) as u64;
+            return Ok(Some((first, end, nfds).into_pyobject(py)?.into_any()));
+        }
+        let none = pyo3::types::PyTuple::empty(py);
+        self.take_frame(py, length, none.as_any(), limit).map(Some)
+    }
+
+    /// The message of the frame `next` left for its fds to be claimed, with them.
+    fn take<'py>(&mut self, py: Python<'py>, fds: &Bound<'py, PyAny>, limit: usize) -> PyResult<Bound<'py, PyAny>> {
+        match self.header(py, limit)? {
+            Some((length, _)) if self.buf.len() - self.start - HEADER >= length => self.take_frame(py, length, fds, limit),
+            _ => Err(PyValueError::new_err("no complete frame to take")),
+        }
+    }
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Codec>()?;
+    m.add_class::<Frames>()?;
     m.add("MAX_DEPTH", MAX_DEPTH)?;
     Ok(())
 }
