@@ -104,8 +104,9 @@ class Connection:
         Raises:
             RemoteProtocolError: data after end of file or after a protocol error.
         """
-        fds = list(fds)
-        self._fds.extend(fds)
+        if fds:  # (most reads bring none)
+            fds = list(fds)
+            self._fds.extend(fds)
         if self._error is not None or self._eof:
             self.close_fds()
             if data:
@@ -132,35 +133,43 @@ class Connection:
         """
         if self._error is not None:
             raise self._error
-        try:
-            return self._next_event()
+        try:  # (one Python frame, not two: this runs for every message either end receives)
+            message = self._frames.next(self.max_frame_size, self._batches)
+            if message is None:
+                return self._no_frame()
+            if type(message) is tuple:
+                message = self._take(*message)
+            if not self._received_first:
+                self._check_incoming(message)
+            return message
         except RemoteProtocolError as exc:
             self._fail(exc)
             raise
 
-    def _next_event(self) -> Message | _Sentinel:
-        frames = self._frames  # (a local: this runs for every message either end receives)
-        message = frames.next(self.max_frame_size, bool(self._batches))
-        if message is None:
-            if self._eof:
-                available = frames.pending
-                if available >= _HEADER_SIZE:
-                    raise RemoteProtocolError("connection closed in the middle of a frame")
-                if available:
-                    raise RemoteProtocolError("connection closed in the middle of a frame header")
-                return CLOSED
-            return NEED_DATA
-        if type(message) is tuple:  # a frame with fds, or fds waiting: they are claimed here, in order
-            first, end, nfds = message
-            fds = self._claim(first, end, nfds)
-            try:
-                message = frames.take(fds, self.max_frame_size)
-            except RemoteProtocolError:
-                _close_all(fds)
-                raise
-        if not self._received_first:
-            self._check_incoming(message)
-        return message
+    def _no_frame(self) -> _Sentinel:
+        """NEED_DATA or CLOSED, where no complete frame is buffered.
+
+        Raises:
+            RemoteProtocolError: the peer closed its end inside a frame.
+        """
+        if self._eof:
+            available = self._frames.pending
+            if available >= _HEADER_SIZE:
+                raise RemoteProtocolError("connection closed in the middle of a frame")
+            if available:
+                raise RemoteProtocolError("connection closed in the middle of a frame header")
+            return CLOSED
+        return NEED_DATA
+
+    def _take(self, first: int, end: int, nfds: int) -> Message:
+        """The message of the frame at stream offsets [first, end), which declares `nfds` fds or came while
+        fds wait: its fds are claimed here, in order, before its body is decoded."""
+        fds = self._claim(first, end, nfds)
+        try:
+            return self._frames.take(fds, self.max_frame_size)
+        except RemoteProtocolError:
+            _close_all(fds)
+            raise
 
     def _claim(self, first: int, end: int, nfds: int) -> tuple[int, ...]:
         """The fds of the frame whose bytes are [first, end): they came with the read that brought its first

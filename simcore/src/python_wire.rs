@@ -117,21 +117,26 @@ impl Strs {
 
 // -- decoding -------------------------------------------------------------------------------------------------
 
-/// Why a body could not be decoded: the wire's rules, or Python's (a str's UTF-8, memory).
-enum Fail {
+/// Why a body could not be decoded: the wire's rules, or Python's (a str's UTF-8, memory). Boxed, so that
+/// every builder call returns its result in registers: failure is the rare path.
+struct Fail(Box<Why>);
+
+enum Why {
     Wire(Error),
     Py(PyErr),
 }
 
 impl From<Error> for Fail {
+    #[cold]
     fn from(e: Error) -> Self {
-        Fail::Wire(e)
+        Fail(Box::new(Why::Wire(e)))
     }
 }
 
 impl From<PyErr> for Fail {
+    #[cold]
     fn from(e: PyErr) -> Self {
-        Fail::Py(e)
+        Fail(Box::new(Why::Py(e)))
     }
 }
 
@@ -292,9 +297,9 @@ pub struct Codec {
 
 impl Codec {
     fn remote(&self, py: Python<'_>, why: Fail) -> PyErr {
-        let detail = match why {
-            Fail::Wire(e) => e.to_string(),
-            Fail::Py(e) => {
+        let detail = match *why.0 {
+            Why::Wire(e) => e.to_string(),
+            Why::Py(e) => {
                 let name = e.get_type(py).name().map(|n| n.to_string()).unwrap_or_default();
                 format!("{name}: {}", e.value(py))
             }
@@ -494,6 +499,7 @@ unsafe fn put(py: Python<'_>, out: &mut Vec<u8>, o: *mut ffi::PyObject, depth: u
     Err(Refusal::Type(format!("can not serialize '{name}' object")))
 }
 
+#[inline]
 unsafe fn put_str(py: Python<'_>, out: &mut Vec<u8>, o: *mut ffi::PyObject) -> Result<(), Refusal> {
     let mut n: ffi::Py_ssize_t = 0;
     let p = ffi::PyUnicode_AsUTF8AndSize(o, &mut n);
@@ -513,6 +519,7 @@ unsafe fn put_bytes(py: Python<'_>, out: &mut Vec<u8>, o: *mut ffi::PyObject) ->
     Ok(wire::put_bin(out, s)?)
 }
 
+#[inline]
 unsafe fn put_long(py: Python<'_>, out: &mut Vec<u8>, o: *mut ffi::PyObject) -> Result<(), Refusal> {
     let mut overflow = 0;
     let v = ffi::PyLong_AsLongLongAndOverflow(o, &mut overflow);
@@ -788,18 +795,19 @@ impl Frames {
         self.buf.len() - self.start
     }
 
-    /// The next frame's message; None while the frame is incomplete. A frame with fds, or any frame when
-    /// `claim` (fds wait for the frames that will claim them), is not taken: its (stream offset of its first
+    /// The next frame's message; None while the frame is incomplete. A frame with fds, or any frame while
+    /// `claim` is true (the connection's batches: fds wait for the frames that will claim them), is not taken: its (stream offset of its first
     /// byte, of its end, fds it declares) come back, for its fds to be claimed and `take` to finish it.
     ///
     /// Raises:
     ///     RemoteProtocolError: the header breaks a limit, or the body is not a message.
-    fn next<'py>(&mut self, py: Python<'py>, limit: usize, claim: bool) -> PyResult<Option<Bound<'py, PyAny>>> {
+    fn next<'py>(&mut self, py: Python<'py>, limit: usize, claim: &Bound<'py, PyAny>)
+                 -> PyResult<Option<Bound<'py, PyAny>>> {
         let Some((length, nfds)) = self.header(py, limit)? else { return Ok(None) };
         if self.buf.len() - self.start - HEADER < length {
             return Ok(None);
         }
-        if nfds > 0 || claim {
+        if nfds > 0 || claim.is_truthy()? {
             let first = self.offset + self.start as u64;
             let end = first + (HEADER + length) as u64;
             return Ok(Some((first, end, nfds).into_pyobject(py)?.into_any()));

@@ -147,6 +147,7 @@ impl<'a> Reader<'a> {
     }
 
     /// The next token.
+    #[inline(always)]
     pub fn next(&mut self) -> Result<Token<'a>, Error> {
         let b = self.take(1)?[0];
         Ok(match b {
@@ -200,6 +201,7 @@ pub trait Builder {
 }
 
 /// The next value, inside `depth` containers.
+#[inline]
 pub fn value<B: Builder>(r: &mut Reader<'_>, b: &mut B, depth: usize) -> Result<B::Value, B::Error> {
     let token = r.next()?;
     value_from(token, r, b, depth)
@@ -309,7 +311,7 @@ pub fn put_float(out: &mut Vec<u8>, v: f64) {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TooLarge(pub &'static str);
 
-#[inline]
+#[inline(always)]
 fn put_len(out: &mut Vec<u8>, len: usize, small: Option<(u8, usize)>, codes: [u8; 3], what: &'static str)
            -> Result<(), TooLarge> {
     match small {
