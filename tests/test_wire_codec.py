@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import enum
 import math
+import os
 import subprocess
 import sys
 import threading
@@ -292,3 +293,39 @@ def test_the_protocol_package_loads_neither_the_simulator_nor_msgpack():
     code = "import sys, mpsd_protocol; print(sorted(m for m in sys.modules if m.startswith(('mpsd.', 'msgpack'))))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert eval(out) == ["mpsd._core"]
+
+
+def test_large_frames_with_fds_keep_their_stream_offsets_across_compaction():
+    """Frames larger than the buffer's compaction threshold, each read ending inside the next frame (which
+    carries that frame's fds, as the kernel hands them over): every frame gets its own fds, in order."""
+    client, server = Connection(Role.CLIENT), Connection(Role.SERVER)
+    server.receive_data(client.send(Request(0, "hello", {"version": p.PROTOCOL_VERSION})))
+    server.next_event()
+    fds = [os.memfd_create("t") for _ in range(6)]
+    for i, fd in enumerate(fds):
+        os.write(fd, bytes([i]))
+    frames = [client.send(Request(i + 1, "host_register", {"pad": b"x" * (70_000 + 1000 * i)}, (fd,)))
+              for i, fd in enumerate(fds)]
+    received = []
+    server.receive_data(frames[0][:100], [os.dup(fds[0])])
+    for i in range(1, len(frames)):
+        server.receive_data(frames[i - 1][100:] + frames[i][:100], [os.dup(fds[i])])
+        received += [m for m in iter(server.next_event, p.NEED_DATA)]
+    server.receive_data(frames[-1][100:])
+    received.append(server.next_event())
+    assert [m.id for m in received] == list(range(1, 7))
+    assert [os.pread(m.fds[0], 1, 0) for m in received] == [bytes([i]) for i in range(6)]
+    assert all(len(m.args["pad"]) == 70_000 + 1000 * i for i, m in enumerate(received))
+    for m in received:
+        p.close_fds(m.fds)
+    p.close_fds(fds)
+
+
+@pytest.mark.parametrize("kind", [bytes, bytearray, memoryview])
+def test_any_bytes_like_read_is_taken(kind):
+    """What a socket read gives (bytes, or a bytearray or memoryview from recv_into) is copied in, not kept."""
+    client, server = Connection(Role.CLIENT), Connection(Role.SERVER)
+    data = bytearray(client.send(Request(0, "hello", {"version": p.PROTOCOL_VERSION})))
+    server.receive_data(kind(data))
+    data[:] = b"\x00" * len(data)  # the reader's buffer, reused for the next read
+    assert server.next_event() == Request(0, "hello", {"version": p.PROTOCOL_VERSION})
