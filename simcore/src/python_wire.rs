@@ -345,7 +345,10 @@ impl Codec {
             }
             (0..n).all(|i| {
                 let fd = ffi::PyTuple_GetItem(p, i);
-                ffi::Py_TYPE(fd) == addr_of_mut!(ffi::PyLong_Type) && ffi::PyLong_AsLongLong(fd) >= 0
+                // (An int past i64 leaves no error set this way: from_wire judges it.)
+                let mut overflow = 0;
+                ffi::Py_TYPE(fd) == addr_of_mut!(ffi::PyLong_Type)
+                    && ffi::PyLong_AsLongLongAndOverflow(fd, &mut overflow) >= 0 && overflow == 0
             })
         }
     }
