@@ -289,6 +289,16 @@ def test_fds_that_the_dataclass_refuses_are_refused_as_from_wire_words_it():
     assert decode(body, (2**70,)).fds == (2**70,)  # what the dataclass accepts, though no fd is that large
 
 
+def test_the_codec_knows_every_field_of_the_messages():
+    """The codec fills these slots by name, in this order, and checks what __post_init__ checks: a field added
+    to a message class must be added to simcore/src/python_wire.rs too."""
+    import dataclasses
+
+    assert [f.name for f in dataclasses.fields(Request)] == ["id", "op", "args", "fds"]
+    assert [f.name for f in dataclasses.fields(Reply)] == ["id", "error", "result", "fds"]
+    assert [f.name for f in dataclasses.fields(Notification)] == ["op", "args", "fds"]
+
+
 def test_the_protocol_package_loads_neither_the_simulator_nor_msgpack():
     """The client imports mpsd_protocol: the compiled module comes without mpsd.sim and without msgpack."""
     code = "import sys, mpsd_protocol; print(sorted(m for m in sys.modules if m.startswith(('mpsd.', 'msgpack'))))"
