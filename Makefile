@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test bench clean
 
-# The crate in simcore/ is built by maturin, the package's build backend, into mpsd/sim/ (an editable install
+# The crate in simcore/ is built by maturin, the package's build backend, into mpsd/ (an editable install
 # does not rebuild it by itself, so a change to the crate reinstalls).
 CORE := simcore/Cargo.toml simcore/Cargo.lock $(wildcard simcore/src/*.rs simcore/src/*/*.rs)
 
@@ -42,4 +42,4 @@ bench: $(STAMP)
 	$(BIN)/python bench/daemon_instructions.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info simcore/target mpsd/sim/_core*.so
+	rm -rf $(VENV) build *.egg-info simcore/target mpsd/_core*.so

@@ -1,7 +1,13 @@
 # The sans-IO connection, in the manner of h11: bytes and file descriptors in, messages out; messages in,
 # bytes and file descriptors out. The daemon, the blocking client and the trio client are thin loops around it.
 #
-# Frames: an 8-byte header (body length, number of fds, both u32 little-endian) then a msgpack body.
+# Frames: an 8-byte header (body length, number of fds, both u32 little-endian) then a msgpack body. The
+# bytes and the codec are compiled (simcore/src/wire.rs, bound in python_wire.rs): mpsd._core.Frames holds what
+# was received, splits it into frames and decodes each body where it lies straight into the message it holds;
+# mpsd._core.Codec encodes a message into its whole frame. Both keep msgpack's rules as mpsd held
+# msgpack-python to them (str or bytes map keys, no extension types, nothing after the body, lengths within the
+# frame limit, nesting within mpsd._core.MAX_DEPTH containers, as msgpack-python's stack allowed); the fd
+# FIFO, the handshake and every error a message's shape earns stay here and in _messages.py.
 # File descriptors arrive from SCM_RIGHTS attached to byte ranges, and reads coalesce frames, so received fds
 # go into a FIFO and each frame takes as many from its head as its header says. A sender attaches a frame's fds
 # to the frame's first byte, and the kernel hands them over with the read that holds that byte (a read ends
@@ -19,9 +25,9 @@ from __future__ import annotations
 import struct
 from collections import deque
 from enum import Enum
-from typing import Any, Iterable
+from typing import Iterable
 
-import msgpack
+from mpsd._core import Codec, Frames
 
 from ._fds import close_fds as _close_all
 
@@ -44,6 +50,9 @@ PROTOCOL_ERROR = "protocol_error"  # the notice a server sends before closing a 
 # Fds that may wait for their frames: one frame's, still arriving, and the next one's, which came with the
 # read that completes it (a read never brings the fds of two writes).
 MAX_QUEUED_FDS = 2 * MAX_FDS_PER_FRAME
+# Wrong shapes go to from_wire whole, so that every malformed message is worded where it is today.
+_CODEC = Codec(Request, Reply, Notification, from_wire, RemoteProtocolError, LocalProtocolError, MAX_FDS_PER_FRAME)
+_encode = _CODEC.encode
 
 
 class Role(Enum):
@@ -76,9 +85,7 @@ class Connection:
     def __init__(self, role: Role, max_frame_size: int = DEFAULT_MAX_FRAME) -> None:
         self.role = role
         self.max_frame_size = max_frame_size
-        self._buffer = bytearray()
-        self._start = 0  # consumed prefix of _buffer, compacted lazily
-        self._offset = 0  # stream offset of _buffer[0]
+        self._frames = Frames(_CODEC)  # bytes received, split into frames and decoded where they lie
         self._fds: deque[int] = deque()
         # Per read that brought fds: [stream offset of its first byte, of its end, its fds not yet claimed].
         self._batches: deque[list[int]] = deque()
@@ -86,7 +93,6 @@ class Connection:
         self._error: RemoteProtocolError | None = None
         self._sent_first = False
         self._received_first = False
-        self._packer = msgpack.Packer(use_bin_type=True)
 
     # -- incoming ---------------------------------------------------------------------------------------
     def receive_data(self, data: bytes, fds: Iterable[int] = ()) -> None:
@@ -98,15 +104,16 @@ class Connection:
         Raises:
             RemoteProtocolError: data after end of file or after a protocol error.
         """
-        fds = list(fds)
-        self._fds.extend(fds)
+        if fds:  # (most reads bring none)
+            fds = list(fds)
+            self._fds.extend(fds)
         if self._error is not None or self._eof:
             self.close_fds()
             if data:
                 raise RemoteProtocolError("data after end of file or a protocol error")
             return
         if fds:
-            start = self._offset + len(self._buffer)
+            start = self._frames.end
             self._batches.append([start, start + len(data), len(fds)])
             if not data or len(self._fds) > MAX_QUEUED_FDS:
                 self._fail(RemoteProtocolError(
@@ -114,7 +121,7 @@ class Connection:
                     f"at most {MAX_QUEUED_FDS} may wait for their frames"))
                 return
         if data:
-            self._buffer += data
+            self._frames.feed(data)
         else:
             self._eof = True
 
@@ -126,52 +133,43 @@ class Connection:
         """
         if self._error is not None:
             raise self._error
-        try:
-            return self._next_event()
+        try:  # (one Python frame, not two: this runs for every message either end receives)
+            message = self._frames.next(self.max_frame_size, self._batches)
+            if message is None:
+                return self._no_frame()
+            if type(message) is tuple:
+                message = self._take(*message)
+            if not self._received_first:
+                self._check_incoming(message)
+            return message
         except RemoteProtocolError as exc:
             self._fail(exc)
             raise
 
-    def _next_event(self) -> Message | _Sentinel:
-        buffer, start = self._buffer, self._start  # (locals: this runs for every message either end receives)
-        available = len(buffer) - start
-        if available < _HEADER_SIZE:
-            if self._eof:
-                if available:
-                    raise RemoteProtocolError("connection closed in the middle of a frame header")
-                return CLOSED
-            return NEED_DATA
-        length, nfds = HEADER.unpack_from(buffer, start)
-        if length > self.max_frame_size:
-            raise RemoteProtocolError(f"frame of {length} bytes exceeds the limit of {self.max_frame_size}")
-        if nfds > MAX_FDS_PER_FRAME:
-            raise RemoteProtocolError(f"frame claims {nfds} file descriptors; the limit is {MAX_FDS_PER_FRAME}")
-        body_start = start + _HEADER_SIZE
-        end = body_start + length
-        if len(buffer) < end:
-            if self._eof:
+    def _no_frame(self) -> _Sentinel:
+        """NEED_DATA or CLOSED, where no complete frame is buffered.
+
+        Raises:
+            RemoteProtocolError: the peer closed its end inside a frame.
+        """
+        if self._eof:
+            available = self._frames.pending
+            if available >= _HEADER_SIZE:
                 raise RemoteProtocolError("connection closed in the middle of a frame")
-            return NEED_DATA
-        fds = self._claim(self._offset + start, self._offset + end, nfds) if self._batches or nfds else ()
-        body = buffer[body_start:end]
-        if end == len(buffer):
-            self._offset += end
-            buffer.clear()  # the common case: everything read has been used
-            self._start = 0
-        else:
-            self._start = end
-            if end > 65536 and end * 2 > len(buffer):
-                self._offset += end
-                del buffer[:end]
-                self._start = 0
+            if available:
+                raise RemoteProtocolError("connection closed in the middle of a frame header")
+            return CLOSED
+        return NEED_DATA
+
+    def _take(self, first: int, end: int, nfds: int) -> Message:
+        """The message of the frame at stream offsets [first, end), which declares `nfds` fds or came while
+        fds wait: its fds are claimed here, in order, before its body is decoded."""
+        fds = self._claim(first, end, nfds)
         try:
-            message = from_wire(_decode(body, self.max_frame_size), fds)
+            return self._frames.take(fds, self.max_frame_size)
         except RemoteProtocolError:
             _close_all(fds)
             raise
-        if not self._received_first:
-            self._check_incoming(message)
-        return message
 
     def _claim(self, first: int, end: int, nfds: int) -> tuple[int, ...]:
         """The fds of the frame whose bytes are [first, end): they came with the read that brought its first
@@ -211,8 +209,7 @@ class Connection:
 
     def _fail(self, exc: RemoteProtocolError) -> None:
         self._error = exc
-        self._buffer.clear()
-        self._start = 0
+        self._frames.clear()
         self.close_fds()
         self._batches.clear()
 
@@ -235,23 +232,4 @@ class Connection:
             if self.role is Role.SERVER and not isinstance(message, Reply):
                 raise LocalProtocolError("a server must answer hello before anything else")
             self._sent_first = True
-        try:
-            body = self._packer.pack(message.to_wire())
-        except (TypeError, ValueError, OverflowError) as exc:
-            self._packer.reset()
-            raise LocalProtocolError(f"cannot encode {type(message).__name__}: {exc}") from None
-        if len(body) > self.max_frame_size:
-            raise LocalProtocolError(f"frame of {len(body)} bytes exceeds the limit of {self.max_frame_size}")
-        return HEADER.pack(len(body), len(message.fds)) + body
-
-
-def _decode(body: bytes, limit: int) -> Any:
-    try:
-        return msgpack.unpackb(
-            body, raw=False, strict_map_key=True, use_list=True,
-            max_bin_len=limit, max_str_len=limit, max_array_len=limit, max_map_len=limit, max_ext_len=0,
-        )
-    except Exception as exc:  # msgpack raises ValueError, ExtraData, StackError, FormatError, TypeError...
-        raise RemoteProtocolError(f"undecodable frame body: {type(exc).__name__}: {exc}"[:200]) from None
-
-
+        return _encode(message, self.max_frame_size)

@@ -1,11 +1,11 @@
 """The placement rule's shortcuts (one SM with room, closed form when the SM cap cannot bind) choose exactly
 what placing one block at a time on the SM with the most room chooses (the engine's rule, compiled:
-mpsd.sim._core.spread)."""
+mpsd._core.spread)."""
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mpsd.sim import _core
+from mpsd import _core
 
 
 def spread(fits, left, budget, occupied, lo, hi, room):

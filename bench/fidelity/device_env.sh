@@ -1,6 +1,6 @@
 # Source on the H200 machine (the device tool), from the repo root: installs the packages its image lacks from
 # the wheels carried in .whl/ (trio, outcome, sniffio, pytest-trio, rich, setproctitle), puts the checkout on the path (the
-# compiled core, mpsd/sim/_core.abi3.so, must be carried: the machine has no Rust), and keeps NVLink multicast off
+# compiled core, mpsd/_core.abi3.so, must be carried: the machine has no Rust), and keeps NVLink multicast off
 # as the machine asks.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || return 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1

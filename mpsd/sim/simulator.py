@@ -1,4 +1,4 @@
-# The simulator's public class. Its engine is compiled (the crate in simcore/, imported as mpsd.sim._core):
+# The simulator's public class. Its engine is compiled (the crate in simcore/, imported as mpsd._core):
 # this class checks what comes in, turns the spec and each launch's shape into the numbers the engine needs
 # (once per device, once per launch shape), and hands the engine the caller's own op objects, which come
 # back from advance/run/cancel with their times written on them. There is one engine: the Python one it
@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from . import _core
+from .. import _core
 from .ops import ENGINES, BlockGroup, Copy, Kernel, Marker, Op
 from .policies import DEFAULT_CLIENT, BuiltinPolicy, ClientConfig, make_policy
 from .policies.custom import Policy, load_policy

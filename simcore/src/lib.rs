@@ -1,5 +1,5 @@
 //! mpsd's GPU model, compiled: the pure engine is Rust without Python; `python.rs` binds it as
-//! `mpsd.sim._core` when the `python` feature is on (maturin builds it so).
+//! `mpsd._core` when the `python` feature is on (maturin builds it so).
 
 pub mod blocks;
 pub mod copies;
@@ -17,6 +17,9 @@ pub mod sms;
 pub mod spread;
 pub mod streams;
 pub mod tenancy;
+pub mod wire;
 
 #[cfg(feature = "python")]
 mod python;
+#[cfg(feature = "python")]
+mod python_wire;

@@ -1,4 +1,4 @@
-//! The Python face of the crate, `mpsd.sim._core`: thin conversions around the pure engine. The engine keeps
+//! The Python face of the crate, `mpsd._core`: thin conversions around the pure engine. The engine keeps
 //! ops by handle; this keeps the Python op objects beside them (by slot, and by address for the `after`
 //! lookups of later submits) and writes the engine's times onto them at the end of every call, so that the
 //! objects the caller holds read as the Python engine left them.
@@ -430,5 +430,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(spread, m)?)?;
     m.add_function(wrap_pyfunction!(compiled_policies, m)?)?;
     m.add_class::<Engine>()?;
+    crate::python_wire::register(m)?;
     Ok(())
 }
