@@ -136,7 +136,7 @@ impl Policy for PyPolicy {
 }
 
 /// What a Python policy's dispatch places blocks through (mpsd.sim.ReadyKernel.place calls it).
-#[pyclass(module = "mpsd.sim._core")]
+#[pyclass(module = "mpsd._core")]
 struct Placer {
     core: *mut Core,
     policy: *mut PyPolicy,
@@ -172,7 +172,7 @@ impl Placer {
 }
 
 /// The compiled engine (mpsd.sim.Simulator wraps it; it is not an API of its own).
-#[pyclass(module = "mpsd.sim._core")]
+#[pyclass(module = "mpsd._core")]
 struct Engine {
     core: Core,
     policy: Box<dyn Policy>,
