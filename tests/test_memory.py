@@ -172,6 +172,21 @@ async def test_dtod_and_memset(actx, autojump_clock):
     assert out_a == expected
 
 
+async def test_overlapping_dtod_copies_move_as_memmove_either_way(actx, autojump_clock):
+    """A copy within one allocation reads every byte before it is overwritten, whichever way the two overlap."""
+    a = await actx.malloc(4096)
+    data = bytes(range(256)) * 16
+    expected = bytearray(data)
+    await actx.memcpy_htod(a, data)
+    await actx.memcpy_dtod(a + 7, a, 3000)  # the destination above the source
+    expected[7:3007] = expected[0:3000]
+    await actx.memcpy_dtod(a, a + 1000, 3000)  # and below it
+    expected[0:3000] = expected[1000:4000]
+    out = bytearray(4096)
+    await actx.memcpy_dtoh(out, a)
+    assert out == expected
+
+
 async def test_copies_outside_live_memory_are_invalid_value(actx, autojump_clock):
     """Copies that run past an allocation, touch freed memory or use a bad pointer are cudaErrorInvalidValue."""
     p = await actx.malloc(4096)

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 __all__ = ["SimBackend", "device_properties"]
 
 log = logging.getLogger("mpsd.backends.sim")
-_CHUNK = 64 << 20  # bulk byte moves go in chunks, so a huge copy never needs a huge temporary
+_CHUNK = 64 << 20  # a memset writes its pattern in pieces this size, so a huge one needs no huge temporary
 _MAX_COSTS = 4096  # launch costs kept, by kernel, grid size, block size and arguments
 
 
@@ -274,10 +274,7 @@ class SimBackend:
             if (target is None or source is None) and self._unmapped(work, [work.dst, work.src]):
                 return
             if target is not None and source is not None:
-                # A device copy within one segment may overlap: then, as memmove, copy from the end.
-                backwards = work.src is not None and work.src.memory is work.dst.memory and \
-                    work.dst.offset > work.src.offset
-                _move(target, source, backwards)
+                target[:] = memoryview(source)  # a memmove: right where a copy within one segment overlaps
         elif isinstance(work, Memset):
             dst = work.dst
             if work.value == 0 and isinstance(dst.memory, Segment):
@@ -366,14 +363,3 @@ def _view(extent: Extent | None) -> memoryview | None:
     if extent.memory.map.closed:
         return None
     return memoryview(extent.memory.map)[extent.offset:extent.offset + extent.nbytes]
-
-
-def _move(target: memoryview, source: memoryview | bytes, backwards: bool = False) -> None:
-    """Copy `source` into `target` (same length) in chunks, so a huge copy never needs a huge temporary;
-    `backwards` when the two overlap with the target above the source, so bytes are read before they are
-    overwritten."""
-    n = len(source)
-    chunks = range(0, n, _CHUNK)
-    for start in reversed(chunks) if backwards else chunks:
-        end = min(start + _CHUNK, n)
-        target[start:end] = bytes(source[start:end])
