@@ -10,13 +10,11 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
-import gc
 import json
 import sys
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 from mpsd.sim import H200, POLICIES, Simulator
 from mpsd.stress.metrics import latency_summary, summarize
@@ -200,7 +198,7 @@ def _player(workload: Workload, policy: str, policy_options: dict[str, Any], opt
     by_device = workload.devices > 1  # then a timeline per device
 
     def play(tenants: list[TenantSpec], label: str) -> Any:
-        with _live(console, options.quiet) as show, _whole_heap_collections_after():
+        with _live(console, options.quiet) as show:
             if options.virtual_time:
                 return run_virtual(workload, policy, policy_options, tenants, on_progress=show, label=label,
                                    by_device=by_device)
@@ -209,21 +207,6 @@ def _player(workload: Workload, policy: str, policy_options: dict[str, Any], opt
                             by_device=by_device)
 
     return play
-
-
-@contextlib.contextmanager
-def _whole_heap_collections_after() -> Iterator[None]:
-    """Python's collector scans the whole heap each time it has grown by a quarter; a run builds millions of
-    objects that live until it ends (the daemon's, in process, and the spans of its timeline), so those scans
-    found nothing and took 17 of the 46 seconds of DISB-C at --scale 10. They wait for the end of the run here,
-    one then; the young generations are collected as ever, so what dies young goes at once."""
-    thresholds = gc.get_threshold()
-    gc.set_threshold(thresholds[0], thresholds[1], 1 << 30)  # whole-heap collections: after 2**30 young ones
-    try:
-        yield
-    finally:
-        gc.set_threshold(*thresholds)
-        gc.collect()
 
 
 def _solo_p99(tenants: list[TenantSpec], play: Callable[[list[TenantSpec], str], Any]) -> dict[str, float]:
