@@ -237,3 +237,15 @@ def test_memory_is_charged_as_the_daemon_charges_it():
     assert small["memory_high_water"] == 2 << 20
     assert large["memory_high_water"] == (4 << 20) + (2 << 20)  # 3M in two pages, 1M of churn in a chunk
     assert large["completed"] > 1 and large["errors"] == 0
+
+
+def test_a_run_without_its_device_trace_has_the_same_requests_and_no_spans():
+    """An isolation baseline reads only its requests: without the device's trace the run is the same run (the
+    daemon's recorder only watches), and its timeline holds no spans or kernels."""
+    w = workload({"name": "infer", "arrival": "poisson", "rate": 400, "kernel": [spin(0.2, grid=66)]},
+                 {"name": "train", "kernel": [spin(1.0)]})
+    traced = run_virtual(w, "mps", {})
+    bare = run_virtual(w, "mps", {}, device_trace=False)
+    assert traced.spans and traced.kernels and not bare.spans and not bare.kernels
+    assert bare.virtual and len(bare.requests) > 10
+    assert bare.requests == traced.requests

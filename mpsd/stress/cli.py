@@ -192,32 +192,32 @@ def _place_in_partitions(tenants: tuple[TenantSpec, ...],
 
 
 def _player(workload: Workload, policy: str, policy_options: dict[str, Any], options: argparse.Namespace,
-            console: Any) -> Callable[[list[TenantSpec], str], Any]:
+            console: Any) -> Callable[..., Any]:
     """A function that plays some of the workload's tenants under the policy and returns the timeline (on
     several devices, one per device)."""
     by_device = workload.devices > 1  # then a timeline per device
 
-    def play(tenants: list[TenantSpec], label: str) -> Any:
+    def play(tenants: list[TenantSpec], label: str, device_trace: bool = True) -> Any:
         with _live(console, options.quiet) as show:
             if options.virtual_time:
                 return run_virtual(workload, policy, policy_options, tenants, on_progress=show, label=label,
-                                   by_device=by_device)
+                                   by_device=by_device, device_trace=device_trace)
             return run_real(workload, policy, policy_options, tenants, on_progress=show, label=label,
                             time_scale=options.time_scale, clock=options.clock, devices=options.devices,
-                            by_device=by_device)
+                            by_device=by_device, device_trace=device_trace)
 
     return play
 
 
-def _solo_p99(tenants: list[TenantSpec], play: Callable[[list[TenantSpec], str], Any]) -> dict[str, float]:
+def _solo_p99(tenants: list[TenantSpec], play: Callable[..., Any]) -> dict[str, float]:
     """Each tenant group alone (one copy, with its IPC producer if it needs one): its p99, in seconds, for every
-    copy of the group."""
+    copy of the group. Its requests are all that is read of such a run, so the daemon records no device trace."""
     out: dict[str, float] = {}
     by_name = {t.name: t for t in tenants}
     for t in tenants:
         one = dataclasses.replace(t, count=1)
         alone = [by_name[t.ipc_peer], one] if t.ipc == "consumer" and t.ipc_peer in by_name else [one]
-        timeline = play(alone, f"{t.name} alone")
+        timeline = play(alone, f"{t.name} alone", device_trace=False)
         if isinstance(timeline, dict):  # a timeline per device: the group's own
             timeline = timeline[t.device]
         latencies = [r.latency for r in timeline.requests if r.tenant == one.instance(0) and r.error is None]

@@ -137,13 +137,13 @@ def _levels(tenants: list[tuple[TenantSpec, dict[str, Any]]]) -> list[tuple[str,
     return out
 
 
-def _daemon_args(work: Path, policy: str, options: dict[str, Any], trace: Path, max_clients: int, clock: str,
-                 time_scale: float, devices: str | None = None) -> list[str]:
+def _daemon_args(work: Path, policy: str, options: dict[str, Any], trace: Path | None, max_clients: int,
+                 clock: str, time_scale: float, devices: str | None = None) -> list[str]:
     if devices is not None and devices.startswith("cuda"):
         # A real GPU shares itself as its hardware does, on the wall clock, and keeps no trace.
         return ["--pipe-dir", str(work), "--devices", devices, "--max-clients", str(max_clients)]
-    args = ["--pipe-dir", str(work), "--policy", policy, "--trace", str(trace), "--max-clients", str(max_clients),
-            "--clock", clock] + (["--devices", devices] if devices else [])
+    args = ["--pipe-dir", str(work), "--policy", policy, "--max-clients", str(max_clients), "--clock", clock]
+    args += (["--trace", str(trace)] if trace is not None else []) + (["--devices", devices] if devices else [])
     args += ["--idle-grace", repr(IDLE_GRACE)] if clock == "virtual" else ["--time-scale", repr(time_scale)]
     for key, value in options.items():
         if key == "partitions":
@@ -219,7 +219,7 @@ def _whole_heap_collections_after() -> Iterator[None]:
 def run_real(workload: Workload, policy: str, policy_options: dict[str, Any], tenants: list[TenantSpec] | None = None,
              on_progress: Callable[[Progress], None] = lambda p: None, label: str | None = None,
              time_scale: float = 1.0, clock: str = "virtual", devices: str | None = None,
-             by_device: bool = False) -> Any:
+             by_device: bool = False, device_trace: bool = True) -> Any:
     """Run ``tenants`` (default: all of the workload's) as processes against a fresh daemon under ``policy``.
 
     Returns the run's Timeline, or with ``by_device`` one per simulated device of the workload (its tenants and
@@ -233,6 +233,10 @@ def run_real(workload: Workload, policy: str, policy_options: dict[str, Any], te
     ``--time-scale``), and the tenants' own Python weighs that much less against it. Every time in the
     timeline is in simulated seconds from the start either way.
 
+    Without ``device_trace`` the daemon records nothing of its device, and the timeline holds the tenants'
+    requests alone: all that an isolation baseline needs, where recording and redrawing what the device did
+    took most of the run.
+
     Raises:
         RunError: the daemon or a tenant failed in a way that leaves no run to measure.
     """
@@ -241,7 +245,7 @@ def run_real(workload: Workload, policy: str, policy_options: dict[str, Any], te
                         {t.label: [t.instance(c) for c in range(t.count)] for t in plan.specs})
     work = Path(tempfile.mkdtemp(prefix="mpsd-stress-", dir="/tmp"))  # socket paths are limited to 107 bytes
     try:
-        trace_path = work / "trace.json"
+        trace_path = work / "trace.json" if device_trace else None
         daemon = _start_daemon(_daemon_args(work, policy, policy_options, trace_path,
                                             max(48, len(plan.instances)), clock, time_scale, devices)
                                + ([] if devices else _device_args(workload, work)))
@@ -268,10 +272,13 @@ def run_real(workload: Workload, policy: str, policy_options: dict[str, Any], te
             for proc in procs.values():
                 proc.kill()
             _stop_daemon(daemon)
-        traces = None if devices and devices.startswith("cuda") else _read_traces(workload, trace_path, daemon)
+        on_gpu = bool(devices and devices.startswith("cuda"))
+        traces = None if trace_path is None or on_gpu else _read_traces(workload, trace_path, daemon)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return _timelines(workload, policy, policy_options, plan, ready, done, traces, t0, by_device)
+    # A real GPU runs on the wall clock, whatever was asked.
+    return _timelines(workload, policy, policy_options, plan, ready, done, traces, t0, by_device,
+                      "wall" if on_gpu else clock)
 
 
 @dataclass
@@ -443,9 +450,10 @@ def _count(progress: Progress, name: str, result: dict[str, Any]) -> None:
 @_whole_heap_collections_after()
 def run_virtual(workload: Workload, policy: str, policy_options: dict[str, Any],
                 tenants: list[TenantSpec] | None = None, on_progress: Callable[[Progress], None] = lambda p: None,
-                label: str | None = None, by_device: bool = False) -> Any:
+                label: str | None = None, by_device: bool = False, device_trace: bool = True) -> Any:
     """Run ``tenants`` as tasks of this process against a daemon in this process, on its virtual clock: no
-    processes, the same figures as `run_real` gives, to the bit (and as it returns them).
+    processes, the same figures as `run_real` gives, to the bit (and as it returns them; ``device_trace`` as
+    there).
 
     Raises:
         RunError: the daemon could not start, or a tenant failed in a way that leaves no run to measure.
@@ -458,7 +466,8 @@ def run_virtual(workload: Workload, policy: str, policy_options: dict[str, Any],
                         {t.label: [t.instance(c) for c in range(t.count)] for t in plan.specs})
     work = Path(tempfile.mkdtemp(prefix="mpsd-stress-", dir="/tmp"))
     try:
-        trace_path = work / "trace.json"  # so that it records: its timeline comes back as data (keep_traces), no file
+        # So that it records: its timeline comes back as data (keep_traces), no file.
+        trace_path = work / "trace.json" if device_trace else None
         try:
             config = dataclasses.replace(load_config(_daemon_args(
                 work, policy, policy_options, trace_path, max(48, len(plan.instances)), "virtual", 1.0)
@@ -467,13 +476,13 @@ def run_virtual(workload: Workload, policy: str, policy_options: dict[str, Any],
             # runner lingers in reference cycles, and the timelines would stay with it until the collector
             # found them (millions of spans, scanned and freed at the end of the run instead of as they go).
             out: list[Any] = []
-            trio.run(_in_process, config, plan, work, progress, on_progress, out)
+            trio.run(_in_process, config, plan, work, progress, on_progress, out, device_trace)
             ready, done, t0, traces = out.pop()
         except (ConfigError, DaemonError) as exc:
             raise RunError(f"the daemon did not start: {exc}") from None
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return _timelines(workload, policy, policy_options, plan, ready, done, traces, t0, by_device)
+    return _timelines(workload, policy, policy_options, plan, ready, done, traces, t0, by_device, "virtual")
 
 
 class _TaskLink:
@@ -508,12 +517,13 @@ class _TaskLink:
 
 async def _in_process(config: Any, plan: _Plan, work: Path, progress: Progress,
                       on_progress: Callable[[Progress], None],
-                      out: list[tuple[dict, dict, float, list[tuple[Timeline, dict[str, Any]]]]]) -> None:
+                      out: list[tuple[dict, dict, float, list[tuple[Timeline, dict[str, Any]]] | None]],
+                      device_trace: bool) -> None:
     from mpsd.daemon.inprocess import open_daemon
     from mpsd.stress.tenant import play
 
     links = {name: _TaskLink(progress, name) for _, _, name in plan.instances}
-    async with open_daemon(config, keep_traces=True) as daemon:
+    async with open_daemon(config, keep_traces=device_trace) as daemon:
         async with trio.open_nursery() as tenants:
             for _, _, name in plan.order:
                 tenants.start_soon(play, plan.setups[name], links[name], str(work))
@@ -548,6 +558,9 @@ async def _in_process(config: Any, plan: _Plan, work: Path, progress: Progress,
     # Taken from the daemon, which lingers in reference cycles until the collector finds it: each device's
     # timeline goes as soon as it is redrawn, not with the daemon.
     traces, daemon.traces = daemon.traces, []
+    if not device_trace:
+        out.append((ready, done, t0, None))
+        return
     if not traces or any(trace is None for trace in traces):
         raise RunError("the daemon kept no trace of its devices")
     # As drawn in a trace file and read back: the figures a run of real processes gets, to the bit.
@@ -562,11 +575,11 @@ async def _in_process(config: Any, plan: _Plan, work: Path, progress: Progress,
 
 def _timelines(workload: Workload, policy: str, policy_options: dict[str, Any], plan: _Plan,
                ready: dict[str, dict[str, Any]], done: dict[str, dict[str, Any]],
-               traces: list[tuple[Timeline, dict[str, Any]]] | None, t0: float, by_device: bool) -> Any:
+               traces: list[tuple[Timeline, dict[str, Any]]] | None, t0: float, by_device: bool, clock: str) -> Any:
     """The run's Timeline (device 0's, which is all of it on one device), or one per device: that device's
     tenants (their entitlements among themselves) and what it did, under its own policy's name."""
     if not by_device:
-        return _timeline(workload, policy, plan, ready, done, traces[0] if traces else None, t0)
+        return _timeline(workload, policy, plan, ready, done, traces[0] if traces else None, t0, clock)
     policies = device_policies(workload, policy, policy_options)
     out = {}
     for index in range(workload.devices):
@@ -574,18 +587,18 @@ def _timelines(workload: Workload, policy: str, policy_options: dict[str, Any], 
                      [i for i in plan.instances if i[0].device == index], plan.setups)
         name = policies[index][0]
         out[index] = _timeline(workload, name if isinstance(name, str) else policy, mine, ready, done,
-                               traces[index] if traces else None, t0)
+                               traces[index] if traces else None, t0, clock)
     return out
 
 
 def _timeline(workload: Workload, policy: str, plan: _Plan, ready: dict[str, dict[str, Any]],
               done: dict[str, dict[str, Any]], trace: tuple[Timeline, dict[str, Any]] | None,
-              t0: float) -> Timeline:
+              t0: float, clock: str) -> Timeline:
     """Tenants' requests and the daemon's device, on one clock: simulated seconds from t0. Without a trace (a
-    real GPU), the tenants' requests alone, on an H200's SMs."""
+    real GPU, or none asked for), the tenants' requests alone, on an H200's SMs."""
     device, meta = trace if trace is not None else (Timeline(
         policy=policy, sm_count=H200.sm_count, duration=0.0, launch_overhead=H200.kernel_overhead),
-        {"clients": {}, "clock": "wall"})
+        {"clients": {}, "clock": clock})
     by_client = {info["client"]: name for name, info in ready.items() if info.get("client") is not None}
     rename = {client: by_client.get(info["client"]) for client, info in meta["clients"].items()}
     seen_as = {name: t for t in device.tenants if (name := rename.get(t.name))}  # instance -> daemon's view
