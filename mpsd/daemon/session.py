@@ -126,6 +126,7 @@ class Session:
         self._room = trio.Event()  # set when the held call has gone on
         self._answered = trio.Event()  # set when the last of them has gone
         self._read_at = 0.0  # trio time of the last read from the socket: when the calls it held arrived
+        self._received: Callable[[float], None] | None = None  # its backend's `received`, under the wall clock
 
     @property
     def _ctx(self) -> Context:
@@ -161,13 +162,15 @@ class Session:
 
     async def _read_loop(self) -> None:
         served = 0
+        clock = trio.lowlevel.current_clock()  # trio.current_time() is this, less two calls
         while True:
             try:
                 event = self.conn.next_event()
                 if event is NEED_DATA:
                     self.conn.receive_data(*await self.channel.receive())
-                    self._read_at = trio.current_time()
-                    self._arrival()
+                    self._read_at = clock.current_time()
+                    if self._received is not None:  # _arrival, inlined
+                        self._received(self._read_at)
                     continue
             except ProtocolError as exc:
                 self._protocol_error(str(exc))
@@ -248,12 +251,16 @@ class Session:
         elif call.reply_fds:  # type: ignore[union-attr]
             self._reply(request.id, None, *result)
         else:  # a row that answers nothing answers None, whatever its context method gave (an op it queued)
-            self._reply(request.id, None, None if call.reply is NOTHING else result)  # type: ignore[union-attr]
+            # (_reply and _send, inlined: most replies are these)
+            reply = Reply(request.id, None, None if call.reply is NOTHING else result)  # type: ignore[union-attr]
+            self.channel.send_nowait(self.conn.send(reply), (), self._nursery)  # type: ignore[arg-type]
 
     def _dispatch(self, call: Call, args: dict[str, Any], fds: tuple[int, ...]) -> Any:
         """Check a call's arguments against its row and run its handler: ``on_<name>`` here, else the context
         method of its name (what `_call` does, inlined: every call comes this way)."""
-        ctx = self._ctx
+        ctx = self.context
+        if ctx is None:
+            ctx = self._ctx  # raises
         if not call.sticky_ok and ctx.sticky is not None:
             raise ctx.sticky  # check_usable's rule
         values = call.check(args, fds)
@@ -310,8 +317,11 @@ class Session:
         staged = _staged_bytes(message) if op == "memcpy_htod" else 0
         if self.host is None:
             charged = 0.0
-            if not counted:
-                self._serve(message, call, False, 0, None)
+            if not counted:  # _serve's share for it, inlined
+                if isinstance(message, Notification):
+                    self._notification(message, call)
+                else:
+                    self._request(message, call)
                 return
             if not self._full(staged):  # under the wall clock a call with room goes straight on (_go's share)
                 self._posted += 1
@@ -343,8 +353,8 @@ class Session:
     def _arrival(self) -> None:
         """Under the wall clock: the calls served from here on arrived at the last read. Said after every wait,
         since other sessions may have served calls of their own meanwhile."""
-        if self.host is None and self.context is not None:
-            self.context.device.backend.received(self._read_at)
+        if self._received is not None:
+            self._received(self._read_at)
 
     def _full(self, staged: int) -> bool:
         """Whether a launch call (holding `staged` bytes) must wait for room in its client's queue. The counts
@@ -516,6 +526,8 @@ class Session:
             self.host = engine.clock.join(ctx.id)
             engine.heard(self.host)
             clock["host_time"] = self.daemon.config.host_time
+        else:
+            self._received = backend.received
         self._arrival()  # calls read with the hello (or while it waited for its server) arrived with it
         self._reply(request.id, None, {
             "version": PROTOCOL_VERSION,

@@ -184,9 +184,9 @@ class Context(VirtualMemoryCalls):
         """(free, total) as this client sees them. As measured under MPS on an H200, a pinned limit caps
         free (less the context's own charge) while total stays the device's; a MIG instance's client sees
         the instance's memory as the total, shared with the instance's other clients."""
-        device_free = self.device.memory_free(self.partition)
+        device_free, total = self.device.ledger.room(self.partition)
         own_free = self.quotas.pinned_mem_limit - self.backend.context_memory - self.account.reserved
-        return max(0, min(own_free, device_free)), self.device.memory_total(self.partition)
+        return max(0, min(own_free, device_free)), total
 
     def malloc(self, nbytes: int) -> int:
         if nbytes == 0:
