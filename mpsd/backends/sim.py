@@ -182,8 +182,7 @@ class SimBackend:
                 if len(self._costs) >= _MAX_COSTS:
                     self._costs.clear()
                 self._costs[key] = cost
-            op = Kernel(client=client, stream=stream, after=after, blocks=blocks, threads=threads, cost=cost,
-                        smem=work.shared_mem, priority=work.priority, sm_cap=work.sm_cap)
+            op = Kernel.of(client, stream, after, blocks, threads, cost, work.shared_mem, work.priority, work.sm_cap)
             if self.recorder is not None:
                 self.recorder.launched(op, work.kernel)
             if work.extents:  # one that touches no memory has no effect to apply and no host RAM to settle

@@ -485,9 +485,8 @@ class Context(VirtualMemoryCalls):
         s = self._stream(stream)
         extents = tuple((index, self.memory.extent(int(values[index]), nbytes))
                         for index, nbytes in touched) if touched else ()
-        work = Launch(client=self.id, stream=s.key, priority=s.priority, sm_cap=self.quotas.sm_cap, kernel=name,
-                      grid=grid3, block=block3, shared_mem=shared_mem, args=values,  # type: ignore[arg-type]
-                      extents=extents)
+        work = Launch.of(self.id, s.key, s.priority, self.quotas.sm_cap, name, grid3, block3,
+                         shared_mem, values, extents)  # type: ignore[arg-type]
         self._enqueue(s, work)
         self.counters.launches += 1
         return work
