@@ -196,7 +196,8 @@ class VirtualEngine(Engine):
 
     def heard(self, host: Host) -> None:
         """`host` called (or was answered) just now: its idle grace starts again, and the clock may move."""
-        host.since = trio.current_time()
+        clock = self._clock  # trio.current_time(), less two calls, once run has started
+        host.since = clock.current_time() if clock is not None else trio.current_time()
         self._wake.set()
 
     def _finish_all(self, ops: list[Op]) -> None:
@@ -205,6 +206,7 @@ class VirtualEngine(Engine):
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Apply the clients' calls and the device's events in simulated-time order until cancelled."""
+        self._clock = trio.lowlevel.current_clock()
         task_status.started()
         clock = self.clock
         while True:

@@ -113,6 +113,7 @@ class Session:
         self._closing = False
         self._admitting = False
         self.host: Host | None = None  # this client's host clock, under the virtual clock
+        self._engine: VirtualEngine | None = None  # and its device's engine (set with `host`)
         self._deferred = 0  # replies waiting for the device
         # The client's launch queue (`_full`): per stream, the work of its launch calls, oldest first, with the
         # staged bytes of each, and how many entries there are (work that has ended since stays counted until
@@ -296,9 +297,8 @@ class Session:
     # -- the virtual clock ------------------------------------------------------------------------------
     @property
     def _virtual(self) -> VirtualEngine:
-        engine = self.daemon.device_of(self._ctx).backend.virtual
-        assert isinstance(engine, VirtualEngine)
-        return engine
+        assert self._engine is not None
+        return self._engine
 
     @property
     def _host(self) -> Host:
@@ -329,7 +329,7 @@ class Session:
                 self._serve(message, call, True, staged, None)
                 return
         else:
-            engine, host = self._virtual, self._host
+            engine, host = self._engine, self.host  # (set together, by _attach)
             charged = self._charged(message.args)
             engine.heard(host)
             if call is not None and call.cost[0] == CLOCK and isinstance(message, Request):
@@ -380,9 +380,9 @@ class Session:
         if self.host is None:
             self._serve(message, call, counted, staged, None)
             return
-        engine = self._virtual
-        timing = engine.clock.call(self._host, call.cost if call is not None else (CALL, None), charged)
-        engine.clock.post(self._host, timing.at,
+        engine, host = self._engine, self.host
+        timing = engine.clock.call(host, call.cost if call is not None else (CALL, None), charged)  # type: ignore
+        engine.clock.post(host, timing.at,  # type: ignore[union-attr]
                           functools.partial(self._apply, message, call, counted, staged, timing))
 
     def _serve(self, message: Request | Notification, call: Call | None, counted: bool, staged: int,
@@ -468,8 +468,9 @@ class Session:
         """The call stamped `timing` returns now (after waiting for the device, if `waited`): the client's
         clock moves to when a real host's call would return, and it holds the clock from there."""
         if timing is not None:
-            self._virtual.clock.returned(self._host, timing, waited)
-            self._virtual.heard(self._host)
+            engine, host = self._engine, self.host
+            engine.clock.returned(host, timing, waited)  # type: ignore[union-attr,arg-type]
+            engine.heard(host)  # type: ignore[union-attr,arg-type]
 
     def _notification(self, note: Notification, call: Call | None) -> None:
         if note.fds:
@@ -523,6 +524,7 @@ class Session:
         clock = backend.clock_info()
         engine = backend.virtual
         if isinstance(engine, VirtualEngine):
+            self._engine = engine
             self.host = engine.clock.join(ctx.id)
             engine.heard(self.host)
             clock["host_time"] = self.daemon.config.host_time
