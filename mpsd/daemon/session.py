@@ -271,7 +271,7 @@ class Session:
         except CudaError:
             raise
         except Exception as exc:
-            raise _unexpected(exc)  # noqa: B904 (_unexpected sets the cause as _call does)
+            raise _unexpected(exc)  # which sets the cause as _call does
 
     def _finish(self, request_id: int, deferred: Deferred, timing: Timing | None) -> None:
         self._deferred -= 1
@@ -684,7 +684,7 @@ def _call(handler: Callable[..., Any], *args: Any) -> Any:
     except CudaError:
         raise
     except Exception as exc:
-        raise _unexpected(exc)  # noqa: B904 (_unexpected sets the cause)
+        raise _unexpected(exc)  # which sets the cause
 
 
 def _unexpected(exc: Exception) -> CudaError:
