@@ -260,14 +260,16 @@ class Session:
         """Check a call's arguments against its row and run its handler: ``on_<name>`` here, else the context
         method of its name (what `_call` does, inlined: every call comes this way)."""
         ctx = self.context
-        if ctx is None:
-            ctx = self._ctx  # raises
-        if not call.sticky_ok and ctx.sticky is not None:
-            raise ctx.sticky  # check_usable's rule
+        if not call.sticky_ok:
+            if ctx is None:
+                ctx = self._ctx  # raises
+            if ctx.sticky is not None:
+                raise ctx.sticky  # check_usable's rule
         values = call.check(args, fds)
         handler, on_session = HANDLERS[call.name]
+        target = self if on_session else ctx if ctx is not None else self._ctx  # (the last raises)
         try:
-            return handler(self if on_session else ctx, *values, *((fds,) if call.fds else ()))
+            return handler(target, *values, *((fds,) if call.fds else ()))
         except CudaError:
             raise
         except Exception as exc:
