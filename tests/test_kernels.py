@@ -171,3 +171,32 @@ async def test_shape_checks_are_not_fooled_by_equal_values(actx, autojump_clock)
         with pytest.raises(InvalidConfigurationError):
             await actx.launch("spin", grid, 32, [0])
     await actx.synchronize()
+
+
+@pytest.mark.parametrize("grid,block,args,error", [
+    ([True, 1, 1], [32, 1, 1], [0], InvalidConfigurationError),   # equal to [1, 1, 1] as a key, but a bool
+    ([1.0, 1, 1], [32, 1, 1], [0], InvalidConfigurationError),
+    ([1, 1, 1], [32, 1, 1], [False], InvalidValueError),          # an i64 argument that is a bool
+    ([1, 1, 1], [32, 1, 1], [0.0], InvalidValueError),
+    ([1, 1, 1, 32], [1, 1], [0], InvalidConfigurationError),      # the same values, split otherwise
+])
+async def test_the_daemon_refuses_a_launch_equal_to_one_it_took(actx, grid, block, args, error, autojump_clock):
+    """The daemon keeps what checking a launch gave, by kernel, shape and arguments: a launch whose values equal
+    a valid one's but are of other kinds, or in other lists, is still refused, as the first time."""
+    for _ in range(2):
+        await _raw_launch(actx, name="spin", grid=[1, 1, 1], block=[32, 1, 1], args=[0], shared_mem=0, stream=None)
+        await _raw_launch(actx, name="spin", grid=grid, block=block, args=args, shared_mem=0, stream=None)
+        with pytest.raises(error):
+            await actx.synchronize()
+    assert (await actx.statistics())["kernels_completed"] == 2
+
+
+async def test_a_fill_with_minus_zero_after_one_with_zero_writes_its_sign(actx, autojump_clock):
+    """-0.0 and 0.0 are equal, yet they are different bits: the second fill is not taken for the first."""
+    p = await actx.malloc(16)
+    for value, bits in ((0.0, 0), (-0.0, 0x80000000), (0.0, 0)):
+        await _raw_launch(actx, name="fill_f32", grid=[1, 1, 1], block=[32, 1, 1], args=[p, value, 4],
+                          shared_mem=0, stream=None)
+        out = np.empty(4, np.float32)
+        await actx.memcpy_dtoh(out, p)
+        assert (out.view(np.uint32) == bits).all()

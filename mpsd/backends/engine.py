@@ -40,6 +40,7 @@ class Engine:
         self.sim = sim
         self.time_scale = time_scale
         self._origin: float | None = None
+        self._clock: trio.abc.Clock | None = None  # set with _origin, by run
         self._wake = trio.Event()
         self._waiters: dict[Op, list[Callable[[], None]]] = {}
         # The furthest simulated time has fallen behind the clock (seconds of simulated time): the model
@@ -86,14 +87,21 @@ class Engine:
             ValueError: the simulator refused it (a kernel that cannot fit on an SM, say).
         """
         sim, origin = self.sim, self._origin
+        before = sim.now
         if origin is None:
-            arrived = now = sim.now
+            arrived = now = before
         else:
-            now = max(sim.now, (trio.current_time() - origin) * self.time_scale)
+            # trio.current_time(), less two calls
+            wall = (self._clock.current_time() - origin) * self.time_scale  # type: ignore[union-attr]
+            now = wall if wall > before else before
             arrived = now if self.arrival is None else min(now, (self.arrival - origin) * self.time_scale)
-        self._advance_to(arrived)
+        # Calls read together arrive together: after the first, the simulator is already there, and advancing
+        # to where it is does nothing unless something is due at this very instant (an op completed at submit).
+        if arrived > before or ((due := sim.next_time()) is not None and due <= before):
+            self._advance_to(arrived)
+            before = sim.now
         sim.submit(op)
-        lag = now - sim.now
+        lag = now - before
         if lag > self.max_lag:
             self.max_lag = lag
         self._wake.set()
@@ -131,7 +139,8 @@ class Engine:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Drive the simulator until cancelled."""
-        self._origin = trio.current_time() - self.sim.now / self.time_scale
+        self._clock = trio.lowlevel.current_clock()  # trio's clock for this run (a test's MockClock, say)
+        self._origin = self._clock.current_time() - self.sim.now / self.time_scale
         task_status.started()
         while True:
             next_time = self.sim.next_time()
@@ -187,7 +196,8 @@ class VirtualEngine(Engine):
 
     def heard(self, host: Host) -> None:
         """`host` called (or was answered) just now: its idle grace starts again, and the clock may move."""
-        host.since = trio.current_time()
+        clock = self._clock  # trio.current_time(), less two calls, once run has started
+        host.since = clock.current_time() if clock is not None else trio.current_time()
         self._wake.set()
 
     def _finish_all(self, ops: list[Op]) -> None:
@@ -196,6 +206,7 @@ class VirtualEngine(Engine):
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Apply the clients' calls and the device's events in simulated-time order until cancelled."""
+        self._clock = trio.lowlevel.current_clock()
         task_status.started()
         clock = self.clock
         while True:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
@@ -154,7 +153,7 @@ class SimBackend:
 
     def submit(self, work: Work) -> None:
         # Most launches touch no memory (spin, work): they skip the host RAM budget altogether.
-        touches = self._touches(work)
+        touches = self._touches(work) if type(work) is not Launch or work.extents else None
         touched = self.host_memory.reserve(touches) if touches else None
         op = self._op(work)
         try:
@@ -175,7 +174,8 @@ class SimBackend:
         client, stream = work.client, work.stream
         op: Op
         if isinstance(work, Launch):
-            blocks, threads = math.prod(work.grid), math.prod(work.block)
+            (gx, gy, gz), (bx, by, bz) = work.grid, work.block
+            blocks, threads = gx * gy * gz, bx * by * bz
             # A loop launches the same kernel with the same arguments again and again: its cost is computed
             # once (pointer arguments make new keys, so the cache is cleared when it grows large).
             key = (work.kernel, blocks, threads, work.args)
@@ -185,9 +185,13 @@ class SimBackend:
                 if len(self._costs) >= _MAX_COSTS:
                     self._costs.clear()
                 self._costs[key] = cost
-            op = Kernel(client=client, stream=stream, after=after, blocks=blocks, threads=threads, cost=cost,
-                        smem=work.shared_mem, priority=work.priority, sm_cap=work.sm_cap)
-            self._record(op, work.kernel)
+            op = Kernel.of(client, stream, after, blocks, threads, cost, work.shared_mem, work.priority, work.sm_cap)
+            if self.recorder is not None:
+                self.recorder.launched(op, work.kernel)
+            if work.extents:  # one that touches no memory has no effect to apply and no host RAM to settle
+                op.tag = functools.partial(self._complete, work)
+            work.after = ()
+            return op
         elif isinstance(work, (Copy, Memset)):
             kind = work.kind if isinstance(work, Copy) else "memset"
             nbytes = work.dst.nbytes
@@ -207,10 +211,8 @@ class SimBackend:
             raise TypeError(f"no such work: {work!r}")
         # The op holds its work only through its tag, which the engine drops once the op completes or is
         # cancelled, so a staged copy's bytes go with it; and the work forgets what it waited for, so that no
-        # chain of finished work stays reachable from a stream's tail. A kernel that touches no memory has
-        # no effect to apply and no host RAM to settle: no tag.
-        if not isinstance(work, Launch) or work.extents:
-            op.tag = functools.partial(self._complete, work)
+        # chain of finished work stays reachable from a stream's tail (a launch's, above, the same way).
+        op.tag = functools.partial(self._complete, work)
         work.after = ()
         return op
 

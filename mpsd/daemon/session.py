@@ -113,6 +113,7 @@ class Session:
         self._closing = False
         self._admitting = False
         self.host: Host | None = None  # this client's host clock, under the virtual clock
+        self._engine: VirtualEngine | None = None  # and its device's engine (set with `host`)
         self._deferred = 0  # replies waiting for the device
         # The client's launch queue (`_full`): per stream, the work of its launch calls, oldest first, with the
         # staged bytes of each, and how many entries there are (work that has ended since stays counted until
@@ -126,6 +127,7 @@ class Session:
         self._room = trio.Event()  # set when the held call has gone on
         self._answered = trio.Event()  # set when the last of them has gone
         self._read_at = 0.0  # trio time of the last read from the socket: when the calls it held arrived
+        self._received: Callable[[float], None] | None = None  # its backend's `received`, under the wall clock
 
     @property
     def _ctx(self) -> Context:
@@ -161,13 +163,15 @@ class Session:
 
     async def _read_loop(self) -> None:
         served = 0
+        clock = trio.lowlevel.current_clock()  # trio.current_time() is this, less two calls
         while True:
             try:
                 event = self.conn.next_event()
                 if event is NEED_DATA:
                     self.conn.receive_data(*await self.channel.receive())
-                    self._read_at = trio.current_time()
-                    self._arrival()
+                    self._read_at = clock.current_time()
+                    if self._received is not None:  # _arrival, inlined
+                        self._received(self._read_at)
                     continue
             except ProtocolError as exc:
                 self._protocol_error(str(exc))
@@ -248,16 +252,28 @@ class Session:
         elif call.reply_fds:  # type: ignore[union-attr]
             self._reply(request.id, None, *result)
         else:  # a row that answers nothing answers None, whatever its context method gave (an op it queued)
-            self._reply(request.id, None, None if call.reply is NOTHING else result)  # type: ignore[union-attr]
+            # (_reply and _send, inlined: most replies are these)
+            reply = Reply(request.id, None, None if call.reply is NOTHING else result)  # type: ignore[union-attr]
+            self.channel.send_nowait(self.conn.send(reply), (), self._nursery)  # type: ignore[arg-type]
 
     def _dispatch(self, call: Call, args: dict[str, Any], fds: tuple[int, ...]) -> Any:
         """Check a call's arguments against its row and run its handler: ``on_<name>`` here, else the context
-        method of its name."""
+        method of its name (what `_call` does, inlined: every call comes this way)."""
+        ctx = self.context
         if not call.sticky_ok:
-            self._ctx.check_usable()
+            if ctx is None:
+                ctx = self._ctx  # raises
+            if ctx.sticky is not None:
+                raise ctx.sticky  # check_usable's rule
         values = call.check(args, fds)
         handler, on_session = HANDLERS[call.name]
-        return _call(handler, self if on_session else self._ctx, *values, *((fds,) if call.fds else ()))
+        target = self if on_session else ctx if ctx is not None else self._ctx  # (the last raises)
+        try:
+            return handler(target, *values, *((fds,) if call.fds else ()))
+        except CudaError:
+            raise
+        except Exception as exc:
+            raise _unexpected(exc)  # which sets the cause as _call does
 
     def _finish(self, request_id: int, deferred: Deferred, timing: Timing | None) -> None:
         self._deferred -= 1
@@ -283,9 +299,8 @@ class Session:
     # -- the virtual clock ------------------------------------------------------------------------------
     @property
     def _virtual(self) -> VirtualEngine:
-        engine = self.daemon.device_of(self._ctx).backend.virtual
-        assert isinstance(engine, VirtualEngine)
-        return engine
+        assert self._engine is not None
+        return self._engine
 
     @property
     def _host(self) -> Host:
@@ -297,20 +312,35 @@ class Session:
         device on the client's clock, and applied then, in stamp order with every other client's; under the
         wall clock it is served now. A launch call that finds the client's queue full waits (held) until
         work of that client has ended, as a real host's call blocks."""
-        call = CALLS.get(message.op)
-        if self.host is not None:
-            engine, host = self._virtual, self._host
+        op = message.op
+        call = CALLS.get(op)
+        # Whether it takes a place in the launch queue, and the bytes it holds there: worked out once.
+        counted = op in LAUNCH_CALLS and self.context is not None
+        staged = _staged_bytes(message) if op == "memcpy_htod" else 0
+        if self.host is None:
+            charged = 0.0
+            if not counted:  # _serve's share for it, inlined
+                if isinstance(message, Notification):
+                    self._notification(message, call)
+                else:
+                    self._request(message, call)
+                return
+            if not self._full(staged):  # under the wall clock a call with room goes straight on (_go's share)
+                self._posted += 1
+                self._staged += staged
+                self._serve(message, call, True, staged, None)
+                return
+        else:
+            engine, host = self._engine, self.host  # (set together, by _attach)
             charged = self._charged(message.args)
             engine.heard(host)
             if call is not None and call.cost[0] == CLOCK and isinstance(message, Request):
                 engine.clock.start(host, charged)  # answered at once: it touches the client's clock alone
                 self._request(message, call)
                 return
-        else:
-            charged = 0.0
-        if not self._full(message):
-            self._go(message, call, charged)
-            return
+            if not counted or not self._full(staged):
+                self._go(message, call, counted, staged, charged)
+                return
         if self.host is not None:  # it waits in the driver: it holds no one's clock meanwhile
             self._virtual.clock.start(self._host, charged)
             self._virtual.clock.wait(self._host)
@@ -325,16 +355,13 @@ class Session:
     def _arrival(self) -> None:
         """Under the wall clock: the calls served from here on arrived at the last read. Said after every wait,
         since other sessions may have served calls of their own meanwhile."""
-        if self.host is None and self.context is not None:
-            self.context.device.backend.received(self._read_at)
+        if self._received is not None:
+            self._received(self._read_at)
 
-    def _full(self, message: Request | Notification) -> bool:
-        """Whether `message` is a launch call that must wait for room in its client's queue. The counts are
-        exact once pruned, and pruning is cheap: work on a stream ends in the order it was queued, so the
+    def _full(self, staged: int) -> bool:
+        """Whether a launch call (holding `staged` bytes) must wait for room in its client's queue. The counts
+        are exact once pruned, and pruning is cheap: work on a stream ends in the order it was queued, so the
         ended entries of each stream's queue are at its head. Below the limits, not even that is needed."""
-        if message.op not in LAUNCH_CALLS or self.context is None:
-            return False
-        staged = _staged_bytes(message)
         if self._queued + self._posted < LAUNCH_QUEUE and not (staged and self._staged >= MAX_STAGED_BYTES):
             return False
         for key, queue in list(self._queues.items()):
@@ -345,37 +372,48 @@ class Session:
                 del self._queues[key]
         return self._queued + self._posted >= LAUNCH_QUEUE or bool(staged and self._staged >= MAX_STAGED_BYTES)
 
-    def _go(self, message: Request | Notification, call: Call | None, charged: float) -> None:
-        counted = message.op in LAUNCH_CALLS and self.context is not None
+    def _go(self, message: Request | Notification, call: Call | None, counted: bool, staged: int,
+            charged: float) -> None:
+        """A call goes on: served now under the wall clock, stamped and posted under the virtual one (a counted
+        launch call, holding `staged` bytes, is among those taken but not served yet until it is served)."""
         if counted:
             self._posted += 1
-            self._staged += _staged_bytes(message)
+            self._staged += staged
         if self.host is None:
-            self._serve(message, call, counted, None)
+            self._serve(message, call, counted, staged, None)
             return
-        engine = self._virtual
-        timing = engine.clock.call(self._host, call.cost if call is not None else (CALL, None), charged)
-        engine.clock.post(self._host, timing.at, functools.partial(self._apply, message, call, counted, timing))
+        engine, host = self._engine, self.host
+        timing = engine.clock.call(host, call.cost if call is not None else (CALL, None), charged)  # type: ignore
+        engine.clock.post(host, timing.at,  # type: ignore[union-attr]
+                          functools.partial(self._apply, message, call, counted, staged, timing))
 
-    def _serve(self, message: Request | Notification, call: Call | None, counted: bool,
+    def _serve(self, message: Request | Notification, call: Call | None, counted: bool, staged: int,
                timing: Timing | None) -> None:
         """Serve a call now; a counted launch call's place in the queue is its work's from here."""
+        if not counted:
+            if isinstance(message, Notification):
+                self._notification(message, call)
+            else:
+                self._request(message, call, timing)
+            return
         ctx = self.context
         before = ctx.last_op if ctx is not None else None
         if isinstance(message, Notification):
             self._notification(message, call)
         else:
             self._request(message, call, timing)
-        if counted:
-            self._posted -= 1
-            queued = ctx.last_op if ctx is not None else None
-            if queued is not before and queued is not None and not queued.done:
-                self._queues.setdefault(queued.stream, deque()).append((queued, _staged_bytes(message)))
-                self._queued += 1
-            else:
-                self._staged -= _staged_bytes(message)
-            if self._held is not None:
-                self._recheck()
+        self._posted -= 1
+        queued = ctx.last_op if ctx is not None else None
+        if queued is not before and queued is not None and not queued.done:
+            queue = self._queues.get(queued.stream)
+            if queue is None:
+                queue = self._queues[queued.stream] = deque()
+            queue.append((queued, staged))
+            self._queued += 1
+        else:
+            self._staged -= staged
+        if self._held is not None:
+            self._recheck()
 
     def _watch(self) -> None:
         """Judge the held call again once the oldest work of any stream's queue has ended (or, if the queues
@@ -399,13 +437,13 @@ class Session:
         if self.channel.closed:  # nobody to answer: the reader goes on, to find the connection ended
             self._held = None
             close_fds(message.fds)
-        elif self._full(message):
+        elif self._full(staged := _staged_bytes(message)):
             self._watch()
             return
         else:
             self._held = None
             self._arrival()
-            self._go(message, CALLS.get(message.op), 0.0)
+            self._go(message, CALLS.get(message.op), True, staged, 0.0)
             if self.host is not None:
                 self._virtual.heard(self._host)
         self._room.set()
@@ -420,19 +458,21 @@ class Session:
             return 0.0
         return float(measured) * factor  # type: ignore[operator]
 
-    def _apply(self, message: Request | Notification, call: Call | None, counted: bool, timing: Timing) -> None:
+    def _apply(self, message: Request | Notification, call: Call | None, counted: bool, staged: int,
+               timing: Timing) -> None:
         """The device has reached the call's stamp: serve it (unless the client has gone meanwhile)."""
         if self.channel.closed or self.context is None or self.context.closed:
             close_fds(message.fds)
             return
-        self._serve(message, call, counted, timing)
+        self._serve(message, call, counted, staged, timing)
 
     def _returned(self, timing: Timing | None, waited: bool) -> None:
         """The call stamped `timing` returns now (after waiting for the device, if `waited`): the client's
         clock moves to when a real host's call would return, and it holds the clock from there."""
         if timing is not None:
-            self._virtual.clock.returned(self._host, timing, waited)
-            self._virtual.heard(self._host)
+            engine, host = self._engine, self.host
+            engine.clock.returned(host, timing, waited)  # type: ignore[union-attr,arg-type]
+            engine.heard(host)  # type: ignore[union-attr,arg-type]
 
     def _notification(self, note: Notification, call: Call | None) -> None:
         if note.fds:
@@ -486,9 +526,12 @@ class Session:
         clock = backend.clock_info()
         engine = backend.virtual
         if isinstance(engine, VirtualEngine):
+            self._engine = engine
             self.host = engine.clock.join(ctx.id)
             engine.heard(self.host)
             clock["host_time"] = self.daemon.config.host_time
+        else:
+            self._received = backend.received
         self._arrival()  # calls read with the hello (or while it waited for its server) arrived with it
         self._reply(request.id, None, {
             "version": PROTOCOL_VERSION,
@@ -642,8 +685,18 @@ def _call(handler: Callable[..., Any], *args: Any) -> Any:
         return handler(*args)
     except CudaError:
         raise
-    except (KeyError, TypeError, ValueError, OverflowError) as exc:
-        raise InvalidValueError(f"malformed arguments: {type(exc).__name__}: {exc}"[:200]) from None
     except Exception as exc:
-        log.exception("handler failed")
-        raise make_error(999, f"internal error: {type(exc).__name__}") from exc
+        raise _unexpected(exc)  # which sets the cause
+
+
+def _unexpected(exc: Exception) -> CudaError:
+    """The CUDA error for what a handler raised that is no CUDA error (called while handling `exc`): what
+    malformed arguments cause is an invalid value; anything else is a bug of ours, logged, and unknown."""
+    if isinstance(exc, (KeyError, TypeError, ValueError, OverflowError)):
+        error = InvalidValueError(f"malformed arguments: {type(exc).__name__}: {exc}"[:200])
+        error.__cause__, error.__suppress_context__ = None, True  # as `raise ... from None`
+        return error
+    log.exception("handler failed")
+    error = make_error(999, f"internal error: {type(exc).__name__}")
+    error.__cause__ = exc  # as `raise ... from exc`
+    return error

@@ -48,6 +48,7 @@ if TYPE_CHECKING:
 STREAM_PRIORITY_GREATEST, STREAM_PRIORITY_LEAST = -5, 0  # cudaDeviceGetStreamPriorityRange on Hopper
 NON_BLOCKING = 0x1  # cudaStreamNonBlocking
 MAX_STAGED_COPY = 64 << 20  # the client stages pageable copies in pieces of 8 MiB
+_MAX_CHECKED = 1024  # launches whose checks are kept, by kernel, shape and arguments
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +150,7 @@ class Context(VirtualMemoryCalls):
         self._last_reservation: Reservation | None = None
         self._orphans: list[Work] = []  # last work of destroyed streams: it still counts
         self.last_op: Work | None = None  # the work the latest call queued
+        self._checked: dict[tuple[Any, ...], Any] = {}  # launches checked before (launch)
         self.sticky: CudaError | None = None
         self.last_error: CudaError | None = None  # from fire-and-forget calls, for get_last_error
         self.counters = Counters()
@@ -182,9 +184,9 @@ class Context(VirtualMemoryCalls):
         """(free, total) as this client sees them. As measured under MPS on an H200, a pinned limit caps
         free (less the context's own charge) while total stays the device's; a MIG instance's client sees
         the instance's memory as the total, shared with the instance's other clients."""
-        device_free = self.device.memory_free(self.partition)
+        device_free, total = self.device.ledger.room(self.partition)
         own_free = self.quotas.pinned_mem_limit - self.backend.context_memory - self.account.reserved
-        return max(0, min(own_free, device_free)), self.device.memory_total(self.partition)
+        return max(0, min(own_free, device_free)), total
 
     def malloc(self, nbytes: int) -> int:
         if nbytes == 0:
@@ -457,25 +459,54 @@ class Context(VirtualMemoryCalls):
                stream: int | None) -> Work:
         """Queue a kernel. A pointer argument outside live memory is found now, and is an illegal address
         when the kernel runs: sticky, contained as the device's fault-containment setting says."""
+        # A loop launches the same kernel with the same shape and arguments again and again: what checking
+        # them gives depends on nothing else (the kernel table, the device's limits and the backend's fit are
+        # fixed), so it is worked out once. The key holds each value's type beside it, as 1, 1.0 and True are
+        # equal keys but not equally valid, and None between the lists, which no valid value is, so that
+        # different lists never flatten to one key. Anything but the lists our client sends, and any launch
+        # that fails, is checked afresh, so a bad launch gets the error it always got.
+        checked = key = None
+        if type(grid) is list and type(block) is list and type(args) is list:
+            key = (name, shared_mem, *grid, None, *block, None, *args)
+            key = (*key, *map(type, key))
+            try:
+                checked = self._checked.get(key)
+            except TypeError:  # an unhashable value among them: the checks say what is wrong with it
+                key = None
+        if checked is None:
+            checked = self._check_launch(name, grid, block, args, shared_mem, stream)
+            # Not one with a float among its values, though: -0.0 and 0.0 are equal keys, yet a fill with
+            # one writes other bits than with the other.
+            if key is not None and float not in key:
+                if len(self._checked) >= _MAX_CHECKED:  # pointer arguments make new keys
+                    self._checked.clear()
+                self._checked[key] = checked
+        grid3, block3, values, touched = checked
+        s = self._stream(stream)
+        extents = tuple((index, self.memory.extent(int(values[index]), nbytes))
+                        for index, nbytes in touched) if touched else ()
+        work = Launch.of(self.id, s.key, s.priority, self.quotas.sm_cap, name, grid3, block3,
+                         shared_mem, values, extents)  # type: ignore[arg-type]
+        self._enqueue(s, work)
+        self.counters.launches += 1
+        return work
+
+    def _check_launch(self, name: str, grid: object, block: object, args: object, shared_mem: object,
+                      stream: int | None) -> tuple[tuple[int, int, int], tuple[int, int, int], tuple[int | float, ...],
+                                                   list[tuple[int, int]]]:
+        """A launch's checks, in CUDA's order (the stream's among them, though only the rest is kept): its grid,
+        block and arguments as the backend takes them, and what its pointer arguments touch (kernels.Kernel)."""
         kernel = KERNELS.get(name)
         if kernel is None:
             raise InvalidDeviceFunctionError(f"no kernel named {brief(name, 60)}")
         grid3, block3 = check_shape(name, grid, block, shared_mem, self.device.properties)
         checked = check_args(name, kernel.params, args)
-        s = self._stream(stream)
+        self._stream(stream)
         threads = block3[0] * block3[1] * block3[2]
         if not self.backend.fits(threads, shared_mem):  # type: ignore[arg-type]
             raise LaunchOutOfResourcesError(f"a block of {threads} threads and {shared_mem} bytes of shared "
                                             "memory does not fit on one SM")
-        touched = kernel.extents(checked)
-        extents = tuple((index, self.memory.extent(int(checked[index]), nbytes))
-                        for index, nbytes in touched) if touched else ()
-        work = Launch(client=self.id, stream=s.key, priority=s.priority, sm_cap=self.quotas.sm_cap, kernel=name,
-                      grid=grid3, block=block3, shared_mem=shared_mem, args=tuple(checked),  # type: ignore[arg-type]
-                      extents=extents)
-        self._enqueue(s, work)
-        self.counters.launches += 1
-        return work
+        return grid3, block3, tuple(checked), kernel.extents(checked)
 
     # -- streams and events ----------------------------------------------------------------------------
     def _stream(self, stream: int | None) -> Stream:
@@ -491,7 +522,9 @@ class Context(VirtualMemoryCalls):
             OutOfMemoryError: the backend cannot hold what it would touch (nothing is queued).
         """
         if stream.id == 0:
-            deps = [s.tail for s in self.streams.values() if s.blocking and s.id != 0] + self._orphans
+            # (A context with the default stream alone, most of them, has nothing for it to wait for.)
+            deps = ([s.tail for s in self.streams.values() if s.blocking and s.id != 0] + self._orphans
+                    if len(self.streams) > 1 or self._orphans else [])
         elif stream.blocking:
             deps = [self.streams[0].tail]
         else:

@@ -84,6 +84,15 @@ class Ledger:
         instance = self.instance(partition)
         return self.device.total if instance is None else self.instances[instance].total
 
+    def room(self, partition: int | None) -> tuple[int, int]:
+        """`free` and `total` for `partition` at once (cudaMemGetInfo asks for both)."""
+        instance = self.instance(partition)
+        device = self.device
+        if instance is None:
+            return device.free, device.total
+        own = self.instances[instance]
+        return min(device.free, own.free), own.total
+
     def free(self, partition: int | None) -> int:
         """Bytes still free where a client bound to `partition` allocates: in its instance and the device."""
         instance = self.instance(partition)

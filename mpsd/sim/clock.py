@@ -17,7 +17,8 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from dataclasses import dataclass, field
+import operator
+from dataclasses import dataclass
 from typing import Callable
 
 from .simulator import Simulator
@@ -66,12 +67,11 @@ class Timing:
     at: float
 
 
-@dataclass(order=True)
-class _Call:
-    at: float
-    client: int
-    seq: int
-    action: Callable[[], None] = field(compare=False)
+# A posted call: (at, order, seq, action), a plain tuple so that the heap compares stamps in C (seq is unique:
+# an action is never compared).
+_Call = tuple[float, int, int, Callable[[], None]]
+# A host's place among those holding the clock: its clock, then its client id (C code, not a lambda per host).
+_HOLD_ORDER = operator.attrgetter("clock", "client")
 
 
 class VirtualClock:
@@ -151,13 +151,14 @@ class VirtualClock:
     def post(self, host: Host, at: float, action: Callable[[], None], order: int | None = None) -> None:
         """Apply ``action`` at simulated time ``at`` (no earlier than the device's now), in stamp order; calls
         stamped alike go by ``order`` (default: the host's client id), then as they were posted."""
-        heapq.heappush(self._calls, _Call(max(at, self.sim.now), host.client if order is None else order,
-                                          next(self._seq), action))
+        now = self.sim.now
+        heapq.heappush(self._calls, (now if now > at else at, host.client if order is None else order,
+                                     next(self._seq), action))
 
     def blocker(self) -> Host | None:
         """The holding host with the earliest clock: the one the device waits for when nothing else can go."""
         holding = [h for h in self.hosts.values() if h.state == HOLDING]
-        return min(holding, key=lambda h: (h.clock, h.client)) if holding else None
+        return min(holding, key=_HOLD_ORDER) if holding else None
 
     def pending(self) -> int:
         return len(self._calls)
@@ -177,12 +178,12 @@ class VirtualClock:
             horizon = (math.inf, 0) if blocker is None else (blocker.clock, blocker.client)
             head = calls[0] if calls else None
             instant = sim.next_time()
-            if instant is not None and instant <= horizon[0] and (head is None or instant <= head.at):
+            if instant is not None and instant <= horizon[0] and (head is None or instant <= head[0]):
                 self._done(sim.advance(instant, 1))
-            elif head is not None and (head.at, head.client) <= horizon:
+            elif head is not None and (head[0], head[1]) <= horizon:
                 heapq.heappop(calls)
-                self._done(sim.advance(max(head.at, sim.now)))
-                head.action()
+                self._done(sim.advance(max(head[0], sim.now)))
+                head[3]()
                 self._done(sim.advance(sim.now))  # what the call completed at once (a marker on idle streams)
             else:
                 return False

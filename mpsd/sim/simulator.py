@@ -112,7 +112,11 @@ class Simulator:
                 raise ValueError(f"sm_cap must be >= 1, got {op.sm_cap}")
             cost = op.cost
             seconds = cost.seconds
-            self._core.submit_kernel(op, op.client, self._stream(op), op.after, op.blocks, op.threads, op.priority,
+            client = op.client
+            stream = self._streams.get((client, op.stream))  # _stream, inlined: every launch comes here
+            if stream is None:
+                stream = self._stream(op)
+            self._core.submit_kernel(op, client, stream, op.after, op.blocks, op.threads, op.priority,
                                      op.sm_cap, (seconds, cost.shared, cost.clocked, cost.dram, cost.weight),
                                      numbers, self._min_block if self._min_block > seconds else seconds)
         elif isinstance(op, Copy):
