@@ -316,9 +316,96 @@ impl Codec {
         }
     }
 
+    /// `f`, with a panic in it (a bug of ours, whatever the peer sent) turned into `class`'s error: PyO3 turns
+    /// a panic into its PanicException, a BaseException, which no handler of a message's errors expects, so a
+    /// bug met by one peer's bytes would end the whole daemon rather than that peer's connection.
+    fn guarded<T>(&self, py: Python<'_>, class: &PyObject, what: &str, f: impl FnOnce() -> PyResult<T>) -> PyResult<T> {
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|_| {
+            Err(self.error(py, class, format!("{what}: the codec failed (a fault of mpsd's, not of the message)")))
+        })
+    }
+
+    /// `encode`'s work, unguarded.
+    fn encode_frame<'py>(&self, py: Python<'py>, message: &Bound<'py, PyAny>, limit: usize) -> PyResult<Bound<'py, PyBytes>> {
+        let mut kept = try_take(&OUT);
+        let mut own = Vec::new();
+        let out: &mut Vec<u8> = match kept.as_deref_mut() {
+            Some(v) => v,
+            None => &mut own,
+        };
+        out.clear();
+        out.extend_from_slice(&[0; 8]);
+        let ty = message.get_type();
+        let fields = |class: &Class, n: usize| -> PyResult<Vec<Bound<'py, PyAny>>> {
+            (0..n).map(|i| class.get(message, i)).collect()
+        };
+        let (done, fds) = unsafe {
+            if ty.is(&self.request.ty) {
+                let f = fields(&self.request, 4)?;
+                out.extend_from_slice(&[0x94, REQUEST as u8]);
+                let done = put(py, out, f[0].as_ptr(), 1)
+                    .and_then(|_| put(py, out, f[1].as_ptr(), 1))
+                    .and_then(|_| put(py, out, f[2].as_ptr(), 1));
+                (done, f[3].clone())
+            } else if ty.is(&self.reply.ty) {
+                let f = fields(&self.reply, 4)?;
+                out.extend_from_slice(&[0x94, REPLY as u8]);
+                let done = put(py, out, f[0].as_ptr(), 1)
+                    .and_then(|_| put(py, out, f[1].as_ptr(), 1))
+                    .and_then(|_| put(py, out, f[2].as_ptr(), 1));
+                (done, f[3].clone())
+            } else if ty.is(&self.notification.ty) {
+                let f = fields(&self.notification, 3)?;
+                out.extend_from_slice(&[0x93, NOTIFICATION as u8]);
+                let done = put(py, out, f[0].as_ptr(), 1).and_then(|_| put(py, out, f[1].as_ptr(), 1));
+                (done, f[2].clone())
+            } else {
+                // A subclass, or anything else with the message interface.
+                let wire = message.call_method0(intern!(py, "to_wire"))?;
+                let done = put(py, out, wire.as_ptr(), 0);
+                (done, message.getattr(intern!(py, "fds"))?)
+            }
+        };
+        if let Err(why) = done {
+            let exc = match why {
+                Refusal::Type(s) | Refusal::Value(s) => s,
+                Refusal::Overflow => "Integer value out of range".to_owned(),
+                Refusal::Py(e) => {
+                    let refused = e.is_instance_of::<PyTypeError>(py) || e.is_instance_of::<PyValueError>(py)
+                        || e.is_instance_of::<PyOverflowError>(py);
+                    if !refused {
+                        return Err(e);
+                    }
+                    e.value(py).to_string()
+                }
+            };
+            let text = format!("cannot encode {}: {exc}", ty.name()?);
+            return Err(self.error(py, &self.local_error, text));
+        }
+        let body = out.len() - 8;
+        if body > limit || body > u32::MAX as usize {
+            return Err(self.error(py, &self.local_error, format!("frame of {body} bytes exceeds the limit of {limit}")));
+        }
+        let nfds = fds.len()?;
+        out[..4].copy_from_slice(&(body as u32).to_le_bytes());
+        out[4..8].copy_from_slice(&(nfds as u32).to_le_bytes());
+        let frame = PyBytes::new(py, out);
+        if out.capacity() > 1 << 20 {
+            // A large frame now and then should not keep its buffer.
+            out.clear();
+            out.shrink_to(1 << 16);
+        }
+        Ok(frame)
+    }
+
     /// The message `body` holds, with the frame's fds.
     fn decode_body<'py>(&self, py: Python<'py>, body: &[u8], fds: &Bound<'py, PyAny>, limit: usize)
                         -> PyResult<Bound<'py, PyAny>> {
+        self.guarded(py, &self.remote_error, "undecodable frame body", || self.decode_unguarded(py, body, fds, limit))
+    }
+
+    fn decode_unguarded<'py>(&self, py: Python<'py>, body: &[u8], fds: &Bound<'py, PyAny>, limit: usize)
+                             -> PyResult<Bound<'py, PyAny>> {
         let mut strs = try_take(&STRS);
         let mut b = Objects { py, strs: strs.as_deref_mut() };
         let mut r = Reader::new(body, limit);
@@ -630,75 +717,7 @@ impl Codec {
     /// Raises:
     ///     LocalProtocolError: the message cannot be encoded, or its body exceeds `limit` bytes.
     fn encode<'py>(&self, py: Python<'py>, message: &Bound<'py, PyAny>, limit: usize) -> PyResult<Bound<'py, PyBytes>> {
-        let mut kept = try_take(&OUT);
-        let mut own = Vec::new();
-        let out: &mut Vec<u8> = match kept.as_deref_mut() {
-            Some(v) => v,
-            None => &mut own,
-        };
-        out.clear();
-        out.extend_from_slice(&[0; 8]);
-        let ty = message.get_type();
-        let fields = |class: &Class, n: usize| -> PyResult<Vec<Bound<'py, PyAny>>> {
-            (0..n).map(|i| class.get(message, i)).collect()
-        };
-        let (done, fds) = unsafe {
-            if ty.is(&self.request.ty) {
-                let f = fields(&self.request, 4)?;
-                out.extend_from_slice(&[0x94, REQUEST as u8]);
-                let done = put(py, out, f[0].as_ptr(), 1)
-                    .and_then(|_| put(py, out, f[1].as_ptr(), 1))
-                    .and_then(|_| put(py, out, f[2].as_ptr(), 1));
-                (done, f[3].clone())
-            } else if ty.is(&self.reply.ty) {
-                let f = fields(&self.reply, 4)?;
-                out.extend_from_slice(&[0x94, REPLY as u8]);
-                let done = put(py, out, f[0].as_ptr(), 1)
-                    .and_then(|_| put(py, out, f[1].as_ptr(), 1))
-                    .and_then(|_| put(py, out, f[2].as_ptr(), 1));
-                (done, f[3].clone())
-            } else if ty.is(&self.notification.ty) {
-                let f = fields(&self.notification, 3)?;
-                out.extend_from_slice(&[0x93, NOTIFICATION as u8]);
-                let done = put(py, out, f[0].as_ptr(), 1).and_then(|_| put(py, out, f[1].as_ptr(), 1));
-                (done, f[2].clone())
-            } else {
-                // A subclass, or anything else with the message interface.
-                let wire = message.call_method0(intern!(py, "to_wire"))?;
-                let done = put(py, out, wire.as_ptr(), 0);
-                (done, message.getattr(intern!(py, "fds"))?)
-            }
-        };
-        if let Err(why) = done {
-            let exc = match why {
-                Refusal::Type(s) | Refusal::Value(s) => s,
-                Refusal::Overflow => "Integer value out of range".to_owned(),
-                Refusal::Py(e) => {
-                    let refused = e.is_instance_of::<PyTypeError>(py) || e.is_instance_of::<PyValueError>(py)
-                        || e.is_instance_of::<PyOverflowError>(py);
-                    if !refused {
-                        return Err(e);
-                    }
-                    e.value(py).to_string()
-                }
-            };
-            let text = format!("cannot encode {}: {exc}", ty.name()?);
-            return Err(self.error(py, &self.local_error, text));
-        }
-        let body = out.len() - 8;
-        if body > limit || body > u32::MAX as usize {
-            return Err(self.error(py, &self.local_error, format!("frame of {body} bytes exceeds the limit of {limit}")));
-        }
-        let nfds = fds.len()?;
-        out[..4].copy_from_slice(&(body as u32).to_le_bytes());
-        out[4..8].copy_from_slice(&(nfds as u32).to_le_bytes());
-        let frame = PyBytes::new(py, out);
-        if out.capacity() > 1 << 20 {
-            // A large frame now and then should not keep its buffer.
-            out.clear();
-            out.shrink_to(1 << 16);
-        }
-        Ok(frame)
+        self.guarded(py, &self.local_error, "cannot encode", || self.encode_frame(py, message, limit))
     }
 }
 
