@@ -340,16 +340,17 @@ impl Codec {
             (0..n).map(|i| class.get(message, i)).collect()
         };
         let (done, fds) = unsafe {
-            if ty.is(&self.request.ty) {
-                let f = fields(&self.request, 4)?;
-                out.extend_from_slice(&[0x94, REQUEST as u8]);
-                let done = put(py, out, f[0].as_ptr(), 1)
-                    .and_then(|_| put(py, out, f[1].as_ptr(), 1))
-                    .and_then(|_| put(py, out, f[2].as_ptr(), 1));
-                (done, f[3].clone())
+            // A request and a reply are both [kind, three fields]; a notification is [kind, two fields].
+            let four = if ty.is(&self.request.ty) {
+                Some((&self.request, REQUEST))
             } else if ty.is(&self.reply.ty) {
-                let f = fields(&self.reply, 4)?;
-                out.extend_from_slice(&[0x94, REPLY as u8]);
+                Some((&self.reply, REPLY))
+            } else {
+                None
+            };
+            if let Some((class, kind)) = four {
+                let f = fields(class, 4)?;
+                out.extend_from_slice(&[0x94, kind as u8]);
                 let done = put(py, out, f[0].as_ptr(), 1)
                     .and_then(|_| put(py, out, f[1].as_ptr(), 1))
                     .and_then(|_| put(py, out, f[2].as_ptr(), 1));
