@@ -136,8 +136,8 @@ def stage(source: memoryview) -> mmap.mmap | bytes:
     """The daemon's own copy of a pageable source, held until its copy runs: in an anonymous mapping, so that
     its pages go back to the system the moment the copy lets go of it. As heap memory (bytes) they may not:
     once glibc's malloc has freed a mapping larger than a piece (8 MiB), it puts pieces that size on its heap
-    and keeps what is freed there, and a daemon whose clients left 768 MiB of staged copies behind kept it all
-    (tests/test_reclaim.py forces that heap to show it)."""
+    and keeps what is freed there: a daemon whose three clients each left 256 MiB of staged copies behind kept
+    269 MiB of it (tests/test_reclaim.py forces that heap to show it)."""
     if not len(source):
         return b""
     buffer = mmap.mmap(-1, len(source))
