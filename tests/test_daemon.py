@@ -268,7 +268,7 @@ def test_many_clients_come_and_go(daemon):
             assert w.returncode == 0 and out.strip() == "True", err
         wait_for_log(daemon, "disconnected", timeout=20)
         deadline = time.monotonic() + 20
-        while daemon.server_log().count("disconnected") < 16 and time.monotonic() < deadline:
+        while daemon.server_log().count("disconnected; reclaimed") < 16 and time.monotonic() < deadline:
             time.sleep(0.02)
         assert ctx.mem_get_info()[0] == free
         assert len(os.listdir(fd_dir)) == fds_before

@@ -155,7 +155,7 @@ async def test_fault_containment(containment, autojump_clock):
                 async with d.connect():
                     pass  # pragma: no cover
         with trio.fail_after(20):
-            while d.server_log().count("disconnected") < 2:
+            while d.server_log().count("disconnected; reclaimed") < 2:
                 await trio.sleep(0.02)  # the two clients' exits reach the daemon's sessions as tasks of their own
         async with d.connect() as newcomer:  # the faulted clients are gone: it starts clean
             await newcomer.synchronize()
