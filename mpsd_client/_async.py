@@ -1,5 +1,10 @@
 # The trio shell: a reader task routes replies to the tasks waiting for them, so several tasks can have calls
 # in flight on one context (a task synchronising one stream does not hold up another launching on the next).
+#
+# The socket is driven as the daemon's channel drives its own: a send or a read that the socket can take now is
+# made at once, and only one that it cannot waits (trio's socket methods yield to the scheduler on every call,
+# which cost an in-process stress run about a fifth of its time); one task in a long run of such calls lets the
+# others in every FAIR_CALLS of them, as a checkpoint would.
 from __future__ import annotations
 
 import os
@@ -34,30 +39,49 @@ from ._core import Core
 from ._env import check_ordinal, requested_limits, visible_devices
 
 READ_SIZE = 1 << 16
+FAIR_CALLS = 16  # sends or reads made at once before the task lets the others run
+
+
+class _Answer:
+    """Where the reader leaves a request's reply (or the error that ended the connection) for its caller."""
+
+    __slots__ = ("arrived", "value")
+
+    def __init__(self) -> None:
+        self.arrived = trio.Event()
+        self.value: Reply | CudaError | None = None
+
+    def give(self, value: Reply | CudaError) -> None:
+        """The first answer stands: a reply that came before the connection ended is the caller's."""
+        if not self.arrived.is_set():
+            self.value = value
+            self.arrived.set()
 
 
 class AsyncContext(ContextBase):
     """A connection to the daemon for trio programs; every call is awaited. Use `open_context()`."""
 
-    def __init__(self, sock: trio.socket.SocketType, core: Core) -> None:
-        self._sock = sock
+    def __init__(self, sock: trio.socket.SocketType, raw: socket.socket, core: Core) -> None:
+        self._sock = sock  # for what has to wait
+        self._raw = raw  # the same socket, non-blocking, for what need not
         self._core = core
         self._conn = Connection(Role.CLIENT)
-        self._send_lock = trio.StrictFIFOLock()
-        self._waiting: dict[int, trio.MemorySendChannel[Reply | CudaError]] = {}
+        self._send_lock = trio.StrictFIFOLock()  # held by a send that has to wait: later ones queue behind it
+        self._waiting: dict[int, _Answer] = {}
+        self._eager = 0  # sends and reads made at once since the task last let the others run
 
     async def _drive(self, op: Any) -> Any:
         try:
             item = next(op)
             while True:
                 if isinstance(item, Request):
-                    send, receive = trio.open_memory_channel[Reply | CudaError](1)
-                    self._waiting[item.id] = send
+                    waiter = self._waiting[item.id] = _Answer()
                     try:
                         await self._send(item)
-                        answer = await receive.receive()
+                        await waiter.arrived.wait()
                     finally:
                         self._waiting.pop(item.id, None)
+                    answer = waiter.value
                     if isinstance(answer, CudaError):
                         raise answer
                     item = op.send(answer)
@@ -85,16 +109,40 @@ class AsyncContext(ContextBase):
         ahead = b"".join([self._conn.send(note) for note in notes]) if notes else b""
         if ahead and not message.fds:  # else the fds go with the message's own first byte, after these
             data, ahead = ahead + data, b""
+        fds = message.fds
         try:
+            if not self._send_lock.locked():  # nobody's bytes wait before ours: send what the socket takes now
+                if ahead:
+                    ahead = ahead[self._send_now(ahead, ()):]
+                if not ahead:
+                    sent = self._send_now(data, fds)
+                    if sent == len(data):
+                        await self._fairly()
+                        return
+                    data, fds = data[sent:], (fds if not sent else ())
             async with self._send_lock:
                 while ahead:
                     ahead = ahead[await self._sock.send(ahead):]
-                sent = await self._sock.sendmsg([data], pack_fds(message.fds))
+                sent = await self._sock.sendmsg([data], pack_fds(fds)) if fds else 0
                 while sent < len(data):
                     data = data[sent:]
                     sent = await self._sock.send(data)
         except OSError as exc:
             raise self._core.connection_lost(f"lost the daemon: {exc.strerror or exc}") from None
+
+    def _send_now(self, data: bytes, fds: tuple[int, ...]) -> int:
+        """The bytes of `data` (with `fds` on its first) that the socket takes without waiting."""
+        try:
+            return self._raw.sendmsg([data], pack_fds(fds)) if fds else self._raw.send(data)
+        except BlockingIOError:
+            return 0
+
+    async def _fairly(self) -> None:
+        """After a send or read made at once: every FAIR_CALLS of them, let the other tasks run."""
+        self._eager += 1
+        if self._eager >= FAIR_CALLS:
+            self._eager = 0
+            await trio.lowlevel.checkpoint()
 
     async def _sleep(self, op: Any) -> None:
         wall = await self._drive(op)
@@ -114,16 +162,21 @@ class AsyncContext(ContextBase):
             while True:
                 event = self._conn.next_event()
                 if event is NEED_DATA:
-                    data, ancdata, flags, _ = await self._sock.recvmsg(READ_SIZE, ANCILLARY_SIZE, RECV_FLAGS)
+                    try:
+                        data, ancdata, flags, _ = self._raw.recvmsg(READ_SIZE, ANCILLARY_SIZE, RECV_FLAGS)
+                    except BlockingIOError:
+                        await trio.lowlevel.wait_readable(self._raw)
+                        continue
                     self._conn.receive_data(data, unpack_fds(ancdata, flags))
+                    await self._fairly()
                 elif event is CLOSED:
                     break
                 elif isinstance(event, Reply):
-                    channel = self._waiting.get(event.id)
-                    if channel is None:
+                    waiter = self._waiting.get(event.id)
+                    if waiter is None:
                         close_fds(event.fds)
                     else:
-                        channel.send_nowait(event)
+                        waiter.give(event)
                 elif isinstance(event, Notification):
                     close_fds(event.fds)
                     try:
@@ -136,8 +189,8 @@ class AsyncContext(ContextBase):
         except OSError as exc:
             why = f"lost the daemon: {exc.strerror or exc}"
         error = self._core.connection_lost(why)
-        for channel in list(self._waiting.values()):
-            channel.send_nowait(error)
+        for waiter in list(self._waiting.values()):
+            waiter.give(error)
 
 
 @asynccontextmanager
@@ -156,7 +209,9 @@ async def open_context(pipe_dir: str | os.PathLike[str] | None = None, device: i
     environ = os.environ if environ is None else environ
     core = Core(check_ordinal(device), visible_devices(environ), requested_limits(device, environ))
     path = pipe_directory(pipe_dir, environ) / "mpsd.sock"
-    sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    raw.setblocking(False)
+    sock = trio.socket.from_stdlib_socket(raw)
     try:
         with trio.fail_after(timeout):
             await sock.connect(str(path))
@@ -168,7 +223,7 @@ async def open_context(pipe_dir: str | os.PathLike[str] | None = None, device: i
     except MpsConnectionError:
         sock.close()
         raise
-    actx = AsyncContext(sock, core)
+    actx = AsyncContext(sock, raw, core)
     refused: CudaError | None = None
     try:
         async with trio.open_nursery() as nursery:
