@@ -11,6 +11,8 @@ the calls in it. Only user-space instructions count; the kernel's share of a sys
 
     launch   N x ctx.launch('spin', 1, 32, [0]) and one synchronize(), less one synchronize() alone
     request  N x ctx.mem_get_info()
+    client   the same calls counted in the blocking client that makes them (a process of its own, under
+             callgrind too, told what to run over a pipe; the telling is an empty window's cost, taken off)
     raw      the peer of launch_rate and rpc_latency (blocking socket, one recv for many frames, msgpack),
              fed the same frames: our launch notification N times and one request; N requests one by one
     trio     the same peer waiting with trio's wait_readable between reads, as the daemon does: what a trio
@@ -112,6 +114,50 @@ def counted_peer(out_dir: Path, kind: str) -> Iterator[tuple[Counted, socket.soc
         proc.wait(timeout=120)
 
 
+@contextlib.contextmanager
+def counted_client(out_dir: Path, pipe_dir: Path) -> Iterator[Callable[[str, int], Callable[[], None]]]:
+    """A blocking client under callgrind: `run(what, count)` is a window's work, `count` launches (and the
+    synchronize after them) or requests made in that process."""
+    proc = subprocess.Popen([*_valgrind(out_dir), sys.executable, str(Path(__file__).resolve()), "--client",
+                             str(pipe_dir)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            stderr=subprocess.DEVNULL)
+    assert proc.stdin is not None and proc.stdout is not None
+    counted = Counted(proc, out_dir)
+
+    def run(what: str, count: int) -> Callable[[], None]:
+        def work() -> None:
+            proc.stdin.write(f"{what} {count}\n")  # type: ignore[union-attr]
+            proc.stdin.flush()  # type: ignore[union-attr]
+            if proc.stdout.readline().strip() != "done":  # type: ignore[union-attr]
+                raise RuntimeError("the counted client failed")
+        return lambda: counted.window(work)  # type: ignore[return-value]
+
+    try:
+        run("request", 0)()  # answered once it has connected, under valgrind
+        yield run
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=120)
+
+
+def _client(pipe_dir: str) -> None:
+    """The counted client's loop: run what each line says, then say done."""
+    import mpsd_client
+
+    name, grid, block, kargs = KERNEL
+    with mpsd_client.connect(pipe_dir, timeout=300) as ctx:
+        for line in sys.stdin:
+            what, count = line.split()
+            if what == "launch":
+                for _ in range(int(count)):
+                    ctx.launch(name, grid, block, kargs)
+                ctx.synchronize()
+            else:
+                for _ in range(int(count)):
+                    ctx.mem_get_info()
+            print("done", flush=True)
+
+
 def _trio_peer(fd: int) -> None:
     """The raw peer's loop (bench/_harness.py), waiting for data with trio as the daemon's channel does."""
     import msgpack
@@ -149,6 +195,9 @@ def main() -> int:
     if len(sys.argv) == 3 and sys.argv[1] in ("--raw-peer", "--trio-peer"):
         (h._peer if sys.argv[1] == "--raw-peer" else _trio_peer)(int(sys.argv[2]))
         return 0
+    if len(sys.argv) == 3 and sys.argv[1] == "--client":
+        _client(sys.argv[2])
+        return 0
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--n", type=int, default=2000, help="calls per window (default 2000)")
     args = p.parse_args()
@@ -179,6 +228,12 @@ def main() -> int:
             empty = daemon.window(launches(0))
             ours_launch = (daemon.window(launches(n)) - empty) / n
             ours_request = daemon.window(requests) / n
+            with counted_client(out_dir, pipe_dir) as client:
+                client("launch", n // 4)()  # warm, as above
+                client("request", n)()
+                empty_launch, empty_request = client("launch", 0)(), client("request", 0)()
+                client_launch = (client("launch", n)() - empty_launch) / n
+                client_request = (client("request", n)() - empty_request) / n
         raw: dict[str, tuple[float, float]] = {}
         for kind in ("raw", "trio"):
             with counted_peer(out_dir, kind) as (peer, sock, reader):
@@ -212,6 +267,8 @@ def main() -> int:
             ("request", f"{ours_request:,.0f} per request;  raw peer {round_trip:,.0f} per round trip "
                         f"({request_ratio:.1f}x), trio peer {trio_round_trip:,.0f} "
                         f"({ours_request / trio_round_trip:.1f}x)"),
+            ("client", f"{client_launch:,.0f} per launch, {client_request:,.0f} per request (the blocking client's "
+                       "own process)"),
             ("target", f"launch <= {LAUNCH_TARGET} raw frames, request <= {REQUEST_TARGET} raw round trips"),
             ("wall time", f"{time.monotonic() - started:.0f} s (everything under valgrind)")]
     h.report("daemon_instructions", rows, verdict, None)
