@@ -24,11 +24,11 @@
 # Measured on the H200 (bench/fidelity/measure_green.py, green_h200.json): green contexts over overlapping chunks
 # of one split are made and run side by side; two windows of 72 and 76 SMs overlapping on 16 ran 20 full waves
 # each in 40.1 and 41.1 ms, where MPS at 50% took 40.6 and disjoint groups (72 and the 60 left) 40.1 and 60.1.
-# Through the daemon (crosscheck_atp50_h200.txt) two tenants at 50% took 44.4 ms each (51.8 with the disjoint
-# groups). Three at 50%, placed one at a time, took 61, 75 and 76 ms where MPS took 60 each; three windows
-# spaced evenly from the start (shares 40, 44 and 48 SMs) took 63 to 64. Placed together, three at 50% get
-# shares of 44 SMs each (windows of 68, 72 and 72 SMs, every chunk under one or two of them); that has not been
-# run on the H200 yet, through the daemon or otherwise.
+# Through the daemon (crosscheck_atp50_h200.txt) two tenants at 50% took 45.9 ms each (51.8 with the disjoint
+# groups). Three at 50%, placed one at a time, took 61, 75 and 76 ms where MPS took 60 each; placed together they
+# get shares of 44 SMs each (windows of 68, 72 and 72 SMs, every chunk under one or two of them) and took 62.6 to
+# 63.7. Four at 25% (crosscheck_atp25_h200.txt) take disjoint windows, one of them 36 SMs (the 12-SM remainder
+# among three chunks of 8), whose tenant ran in 81 ms where MPS holds it to its 32 and 100 ms.
 """Overlapping SM windows for capped clients, placed all together."""
 
 from __future__ import annotations
