@@ -29,9 +29,11 @@
 #   (work already queued runs out on the old SMs), and the old stream is destroyed at once (the driver lets its
 #   queued work finish first).
 # - Completion: work on a stream completes in order, so one event marks the end of every piece of work queued
-#   on the stream since the last one: it is recorded when the backend's task next runs (after every call that
-#   one read of a socket brought), when an event record asks for its exact place, or when other work must wait
-#   for it. One trio task polls the oldest event of each stream and tells whoever waits. The events are reused.
+#   on the stream since the last one: it is recorded when the backend's task next runs, when an event record
+#   asks for its exact place, or when other work must wait for it. One trio task polls the oldest event of each
+#   stream and tells whoever waits; it runs after the calls one read of a socket brought where the GPU had
+#   nothing pending, then every POLL while someone waits for work and every IDLE_POLL while nobody does (a
+#   stream or event query may then learn of work's end up to IDLE_POLL late). The events are reused.
 #
 # Where it differs from MPS today: a green context's SMs are fixed, where MPS lets a capped client use any SMs
 # up to its cap (the windows overlap, but a client never reaches SMs outside its own); weights and MIG
@@ -64,7 +66,10 @@ __all__ = ["CudaBackend", "CudaDevice", "CudaFailure", "cuda_device_count"]
 # What MPS holds on an H200 beside the clients' allocations, measured (bench/fidelity/h200_memory.json): the
 # daemon charges them on every backend alike, so quotas mean the same on both.
 SERVER_MEMORY, CONTEXT_MEMORY = 81_172_336, 538_339_472
-POLL = 50e-6  # seconds between looks at pending work while there is some
+# Seconds between looks at pending work: while someone waits for some of it (a synchronize, a full launch queue,
+# memory to free), and while nobody does. A look costs the daemon an event record and query per stream and a
+# wake of its task; a client streaming launches with nobody waiting needs its work retired only now and then.
+POLL, IDLE_POLL = 50e-6, 500e-6
 _SYNCED = object()  # in place of an event: work the backend waited for when the driver refused it one
 PORTABLE = 0x1  # CU_MEMHOSTALLOC_PORTABLE, CU_MEMHOSTREGISTER_PORTABLE: pinned for every context, green ones too
 VMM_PAGE = 2 << 20  # the page the runtime reserves, makes and maps memory in (mpsd.runtime.vmm.GRANULARITY)
@@ -263,6 +268,8 @@ class CudaBackend:
         self._graves: list[tuple[Callable[[], None], list[_Pending], tuple[CudaRange, int, int] | None]] = []
         self._host: dict[int, tuple[Any, int]] = {}  # id(HostBuffer) -> (the buffer, its registered address)
         self._wake = trio.Event()
+        self._watchers = 0  # when_done callbacks not yet called: while there are any, work is looked at often
+        self._hurry = trio.Event()  # someone began to wait
         self._nvml = _nvml_handle(self.properties(ordinal)["uuid"])
         self.on_fault: Callable[[int, CudaError], None] = lambda client, error: None
         self.on_idle: Callable[[int, float, float], None] = lambda client, clock, grace: None
@@ -603,8 +610,18 @@ class CudaBackend:
         return registered[1] + extent.offset
 
     def when_done(self, work: Iterable[Work | None], callback: Callable[[], None]) -> None:
-        when_all([w.handle for w in work if w is not None and w.handle is not None and not w.handle.done],
-                 lambda pending, told: pending.waiters.append(told), callback)
+        pending = [w.handle for w in work if w is not None and w.handle is not None and not w.handle.done]
+        if not pending:
+            callback()
+            return
+        self._watchers += 1
+
+        def done() -> None:
+            self._watchers -= 1
+            callback()
+
+        when_all(pending, lambda pending, told: pending.waiters.append(told), done)
+        self._hurry.set()
 
     def _poll(self) -> bool:
         """Finish the work whose events have fired, and free the memory nothing may touch any more; whether
@@ -687,11 +704,15 @@ class CudaBackend:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
         while True:
-            if self._poll():
-                await trio.sleep(POLL)
-            else:
+            if not self._poll():
                 await self._wake.wait()
                 self._wake = trio.Event()
+            elif self._watchers or self._graves:
+                await trio.sleep(POLL)
+            else:
+                self._hurry = trio.Event()
+                with trio.move_on_after(IDLE_POLL):
+                    await self._hurry.wait()
 
     def write_trace(self, index: int) -> None:
         return None
