@@ -162,6 +162,28 @@ def test_records_of_unlisted_tenants_count_only_in_the_totals():
     assert s["tenants"][0]["sm_share"] == pytest.approx(1.5 / 8)
 
 
+def test_an_untraced_run_renders_its_unknown_device_figures_as_dashes():
+    """On a real GPU the daemon keeps no trace: the table shows '-' where a traced run has SM figures, and its
+    caption says why, where a traced run's gives the fairness and SM time."""
+    from rich.console import Console
+
+    from mpsd.stress.cli import render_comparison, render_run
+
+    untraced = replace(hand_timeline(), kernels=[], spans=[], traced=False)
+    s = summarize(untraced)
+    assert s["tenants"][0]["memory_high_water"] == 80 and s["tenants"][1]["memory_violations"] == 1
+    console = Console(width=200, record=True)
+    console.print(render_run(s))
+    console.print(render_comparison({"mps": s}, {"mps": untraced}))
+    text = console.export_text()
+    row = next(line for line in text.splitlines() if line.startswith("│ A "))
+    assert "-/1" in row and "80 B" in row and "0.0%" not in row
+    assert "The device was not traced" in text and "Jain's fairness 0" not in text
+    traced = Console(width=200, record=True)
+    traced.print(render_run(summarize(hand_timeline())))
+    assert "Jain's fairness 0.925" in traced.export_text()
+
+
 def test_empty_run():
     s = summarize(Timeline("mps", sm_count=132, duration=0.0))
     assert (s["requests"], s["throughput_per_s"], s["jain_index"], s["idle_sm_seconds_while_queued"]) == (0, 0, 1, 0)

@@ -188,6 +188,24 @@ def test_memory_past_the_limit_fails_each_request_and_nobody_else():
     assert hog["memory_violations"] == calm["memory_violations"] == 0
 
 
+def test_without_a_device_trace_memory_is_each_contexts_own_and_the_device_figures_are_unknown():
+    """A run that records nothing of the device (as on a real GPU, which keeps no trace) reports each tenant's
+    memory high water as its context's own peak, the same as the trace gives, and no SM figure at all: None,
+    not the zeros an empty trace would sum to."""
+    w = workload({"name": "a", "pinned_mem_limit": "2G", "memory": "1G", "churn": "64M", "kernel": [spin(0.1, grid=8)]},
+                 {"name": "b", "memory": "256M", "kernel": [spin(0.1, grid=8)]})
+    traced, untraced = summarize(run_virtual(w, "mps", {})), summarize(run_virtual(w, "mps", {}, device_trace=False))
+    assert [t["memory_high_water"] for t in untraced["tenants"]] == \
+        [t["memory_high_water"] for t in traced["tenants"]] == [(1 << 30) + (64 << 20), 256 << 20]
+    assert [t["completed"] for t in untraced["tenants"]] == [t["completed"] for t in traced["tenants"]]
+    assert traced["sm_seconds"] > 0 and traced["tenants"][0]["max_sms"] > 0
+    for key in ("jain_index", "sm_seconds", "idle_sm_seconds_while_queued", "quota_violations"):
+        assert untraced[key] is None, key
+    for key in ("sm_seconds", "sm_share", "normalised_share", "max_sms", "sm_cap_violations", "longest_wait_ms",
+                "kernels", "blocks"):
+        assert {t[key] for t in untraced["tenants"]} == {None}, key
+
+
 def test_timeslicing_hurts_the_latency_tenant_more_than_mps():
     """The seed's point, in numbers: beside training, inference's p99 under time-slicing is more than twice its
     p99 under MPS (it waits for other contexts' whole slices, not for one block to end)."""

@@ -244,14 +244,16 @@ def render_run(summary: dict[str, Any]) -> Any:
         table.add_row(t["tenant"], str(t["completed"]), str(t["errors"]), f"{t['throughput_per_s']:.1f}",
                       _ms(lat["p50"]), _ms(lat["p99"]), _ms(lat["p99.9"]), _pct(t["slo_attainment"]),
                       "-" if t["isolation"] is None else f"{t['isolation']:.2f}x", _pct(t["sm_share"]),
-                      _pct(t["entitlement"]), f"{t['max_sms']}/{t['sm_cap'] if t['sm_cap'] is not None else '-'}",
-                      f"{t['longest_wait_ms']:.2f}", format_size(t["memory_high_water"]))
+                      _pct(t["entitlement"]), f"{_n(t['max_sms'])}/{_n(t['sm_cap'])}", _n(t["longest_wait_ms"], ".2f"),
+                      format_size(t["memory_high_water"]))
     lat = summary["latency_ms"]
     table.add_row("all", str(summary["completed"]), str(summary["errors"]), f"{summary['throughput_per_s']:.1f}",
                   _ms(lat["p50"]), _ms(lat["p99"]), _ms(lat["p99.9"]), "", "", "", "", "", "", "", style="bold")
     table.caption = (f"Jain's fairness {summary['jain_index']:.3f} · SM-time used {summary['sm_seconds']:.2f} s · "
                      f"idle SM-time while work was queued {summary['idle_sm_seconds_while_queued']:.3f} s · "
-                     f"quota violations {summary['quota_violations']}")
+                     f"quota violations {summary['quota_violations']}" if summary["sm_seconds"] is not None else
+                     "The device was not traced (a real GPU keeps no trace): its figures (SM share, SMs held, "
+                     "waits, fairness, quota violations) are unknown; memory is each context's own peak.")
     if summary["lag_ms"] > 1.0:
         table.caption += (f"\nThe daemon's model fell up to {summary['lag_ms']:.1f} ms behind the wall clock: too many "
                           "blocks a second to simulate in real time, so device times stretched. Run with --clock "
@@ -294,10 +296,10 @@ def render_comparison(summaries: dict[str, dict[str, Any]], runs: dict[str, Time
         table.add_row(f"{group} req/s", *rate)
         if any(s != "-" for s in slo):
             table.add_row(f"{group} SLO", *slo)
-    table.add_row("Jain's fairness", *(f"{s['jain_index']:.3f}" for s in summaries.values()))
-    table.add_row("SM-time used s", *(f"{s['sm_seconds']:.2f}" for s in summaries.values()))
-    table.add_row("idle SM-s, work queued", *(f"{s['idle_sm_seconds_while_queued']:.3f}" for s in summaries.values()))
-    table.add_row("quota violations", *(str(s["quota_violations"]) for s in summaries.values()))
+    table.add_row("Jain's fairness", *(_n(s["jain_index"], ".3f") for s in summaries.values()))
+    table.add_row("SM-time used s", *(_n(s["sm_seconds"], ".2f") for s in summaries.values()))
+    table.add_row("idle SM-s, work queued", *(_n(s["idle_sm_seconds_while_queued"], ".3f") for s in summaries.values()))
+    table.add_row("quota violations", *(_n(s["quota_violations"]) for s in summaries.values()))
     return table
 
 
@@ -307,6 +309,10 @@ def _ms(value: float | None) -> str:
 
 def _pct(value: float | None) -> str:
     return "-" if value is None else f"{value:.1%}"
+
+
+def _n(value: float | None, spec: str = "") -> str:
+    return "-" if value is None else format(value, spec)
 
 
 def _console(options: argparse.Namespace) -> Any:

@@ -90,7 +90,10 @@ def summarize(timeline: Timeline, solo_p99: dict[str, float] | None = None) -> d
         one dict per tenant in timeline order (its own counts, throughput and latency_ms, slo_attainment,
         isolation, sm_seconds, sm_share, entitlement, normalised_share, max_sms, sm_cap, sm_cap_violations,
         memory_high_water, mem_limit, memory_violations, longest_wait_ms, kernels, blocks). Times in the
-        names' units; a kernel that never started counts as waiting until the end of the run.
+        names' units; a kernel that never started counts as waiting until the end of the run. Of a run whose
+        device was not traced (Timeline.traced), the figures drawn from the device's side are None: jain_index,
+        sm_seconds, idle_sm_seconds_while_queued, quota_violations, and each tenant's sm_seconds, sm_share,
+        normalised_share, max_sms, sm_cap_violations, longest_wait_ms, kernels and blocks.
     """
     solo_p99 = solo_p99 or {}
     names = [t.name for t in timeline.tenants]
@@ -163,6 +166,10 @@ def summarize(timeline: Timeline, solo_p99: dict[str, float] | None = None) -> d
             "allocator": timeline.allocators.get(t.name),
         })
 
+    if not timeline.traced:  # nothing was seen of the device: its figures are unknown, not zero
+        for row in rows:
+            row.update(dict.fromkeys(("sm_seconds", "sm_share", "normalised_share", "max_sms", "sm_cap_violations",
+                                      "longest_wait_ms", "kernels", "blocks")))
     completed_all = [x for per_tenant in latencies for x in per_tenant]
     # Under the wall clock, time a tenant took to issue its requests is this host's, not an H200 host's.
     slow = sorted(r["tenant"] for r in rows if not timeline.virtual and (r["host_share"] or 0.0) > HOST_SHARE_WARNING)
@@ -171,10 +178,12 @@ def summarize(timeline: Timeline, solo_p99: dict[str, float] | None = None) -> d
         "requests": sum(requests), "completed": len(completed_all), "errors": sum(errors),
         "throughput_per_s": len(completed_all) / duration if duration > 0 else 0.0,
         "latency_ms": latency_summary(completed_all),
-        "jain_index": jain_index([r["normalised_share"] for r in rows if r["normalised_share"] is not None]),
-        "sm_seconds": total_sm_seconds,
-        "idle_sm_seconds_while_queued": _idle_sm_seconds_while_queued(timeline, spans),
-        "quota_violations": sum(r["sm_cap_violations"] + r["memory_violations"] for r in rows),
+        **({"jain_index": jain_index([r["normalised_share"] for r in rows if r["normalised_share"] is not None]),
+            "sm_seconds": total_sm_seconds,
+            "idle_sm_seconds_while_queued": _idle_sm_seconds_while_queued(timeline, spans),
+            "quota_violations": sum(r["sm_cap_violations"] + r["memory_violations"] for r in rows)}
+           if timeline.traced else
+           dict.fromkeys(("jain_index", "sm_seconds", "idle_sm_seconds_while_queued", "quota_violations"))),
         "tenants": rows,
         "host_time_warning": (f"host time is more than {HOST_SHARE_WARNING:.0%} of the median latency of "
                               f"{', '.join(slow)}: those figures are this host's speed, not the GPU's; run with "

@@ -618,11 +618,16 @@ def _timeline(workload: Workload, policy: str, plan: _Plan, ready: dict[str, dic
     spans = [Span(rename[tenant], kernel, sm, blocks, fraction, start - t0, end - t0)
              for tenant, kernel, sm, blocks, fraction, start, end in device.spans if rename.get(tenant)]
     ends = [r.completed for r in requests if r.completed == r.completed]
+    if trace is not None:
+        high_water = {rename[c]: v for c, v in device.memory_high_water.items() if rename.get(c)}
+    else:  # what each tenant's context said of itself at the end (the daemon's ledger, on any device)
+        high_water = {name: done[name]["statistics"]["memory_peak"] for _spec, _copy, name in plan.instances
+                      if "memory_peak" in done[name].get("statistics", {})}
     return Timeline(policy=policy, sm_count=device.sm_count, duration=max([workload.duration, *ends]),
                     launch_overhead=device.launch_overhead, tenants=tenants, requests=requests, kernels=kernels,
                     spans=spans, partitions=device.partitions, lag=meta.get("max_lag", 0.0),
-                    virtual=meta.get("clock") == "virtual",
-                    memory_high_water={rename[c]: v for c, v in device.memory_high_water.items() if rename.get(c)},
+                    virtual=meta.get("clock") == "virtual", traced=trace is not None,
+                    memory_high_water=high_water,
                     allocators={name: result["allocator"] for name, result in done.items() if result.get("allocator")},
                     allocator_series={name: [(row[0], *sample) for row, sample in zip(result["requests"],
                                                                                      result["allocator_series"])]

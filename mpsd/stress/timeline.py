@@ -137,6 +137,9 @@ class Timeline:
         virtual: True if the run was on the virtual clock (every time is the model's, not the host's).
         lag: the furthest the daemon's model fell behind the wall clock, seconds (0 on the virtual clock): when
             the model cannot keep up with the work in real time, completions come late and device times stretch.
+        traced: the device's side was recorded (the simulator's trace: kernels, spans, memory). Without it (a
+            real GPU, or a run that asked for no trace) kernels and spans are empty, and the figures drawn from
+            them are unknown, not zero; memory_high_water is then what each tenant's context reported.
     """
 
     policy: str
@@ -153,6 +156,7 @@ class Timeline:
     partitions: list[tuple[str, int, int]] = field(default_factory=list)
     virtual: bool = False
     lag: float = 0.0
+    traced: bool = True
 
 
 def spans_of(sim: Simulator, tenant_of: dict[int, str], ids: dict[Kernel, int]) -> list[Span]:
