@@ -6,16 +6,23 @@ raw msgpack ping-pong between two processes over a Unix socketpair, measured in 
 The two sides alternate, block by block (`--repeat` blocks of `--n` samples each, after `--warmup`
 unmeasured calls per block), so that load from other processes on a small machine falls on both alike.
 Percentiles are over all samples of a side. Target (issue 14, 2-core machines): our p50 at most 1.5x the raw p50.
+Beside the latencies it prints the server side's CPU per request (the daemon's, the raw peer's: user and
+system time, read with psutil over every call of every block): what the latency is made of beyond the
+kernel's wake-ups.
 """
 from __future__ import annotations
 
 import contextlib
+import socket
+import struct
 import sys
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _harness as h  # noqa: E402
+import psutil  # noqa: E402
 
 TARGET = 1.5  # our p50 / raw p50, at most
 
@@ -47,6 +54,25 @@ def block_raw(sock, reader: h.FrameReader, n: int, warmup: int) -> list[float]:
     return samples
 
 
+def server_cpu_counted(block: Callable[[], Any], pid: int, totals: list[float]) -> Callable[[], Any]:
+    """`block`, adding the user and system CPU seconds process `pid` spent meanwhile to `totals`."""
+    server = psutil.Process(pid)
+
+    def counted() -> Any:
+        before = server.cpu_times()
+        out = block()
+        after = server.cpu_times()
+        totals[0] += after.user - before.user
+        totals[1] += after.system - before.system
+        return out
+    return counted
+
+
+def peer_pid(sock: socket.socket) -> int:
+    pid, _uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    return pid
+
+
 def main() -> int:
     args = h.parser(__doc__.splitlines()[0], n=2000, repeat=5, warmup=300).parse_args()
     h.prepare_dirs(args)
@@ -58,15 +84,22 @@ def main() -> int:
         peer = None if args.skip_baseline else stack.enter_context(h.raw_peer(server_cpu))
         if args.pin:
             h.pin(0, h.CLIENT_CPU)
-        ours, raw = h.alternate(args, "rpc_client", lambda: block_ours(ctx, args.n, args.warmup),
-                                None if peer is None else lambda: block_raw(*peer, args.n, args.warmup))
+        our_cpu, raw_cpu = [0.0, 0.0], [0.0, 0.0]
+        ours, raw = h.alternate(
+            args, "rpc_client", server_cpu_counted(lambda: block_ours(ctx, args.n, args.warmup), d.proc.pid, our_cpu),
+            None if peer is None else server_cpu_counted(lambda: block_raw(*peer, args.n, args.warmup),
+                                                         peer_pid(peer[0]), raw_cpu))
+    calls = args.repeat * (args.n + args.warmup)
 
     o50, o99 = h.percentiles(ours)
     rows = [("request", "ctx.mem_get_info() through a private daemon (blocking client, its own process)"),
             ("samples", f"{args.repeat} x {args.n} per side, alternating blocks, {args.warmup} warm-up per block"),
-            ("mpsd p50 / p99", f"{o50:.1f} us / {o99:.1f} us")]
+            ("mpsd p50 / p99", f"{o50:.1f} us / {o99:.1f} us"),
+            ("daemon CPU", f"{our_cpu[0] / calls * 1e6:.1f} us user + {our_cpu[1] / calls * 1e6:.1f} us system per "
+                           "request (psutil)")]
     line = {"bench": "rpc_latency", "n": args.n, "repeat": args.repeat, "p50_us": round(o50, 2),
-            "p99_us": round(o99, 2), "target_ratio": TARGET}
+            "p99_us": round(o99, 2), "target_ratio": TARGET,
+            "daemon_cpu_us": [round(v / calls * 1e6, 2) for v in our_cpu]}
     verdict = None
     if raw:
         r50, r99 = h.percentiles(raw)
@@ -75,12 +108,14 @@ def main() -> int:
         verdict = ratio50 <= TARGET
         rows += [("raw p50 / p99", f"{r50:.1f} us / {r99:.1f} us   (msgpack ping-pong over a socketpair, "
                                    "2 processes, blocking)"),
+                 ("raw peer CPU", f"{raw_cpu[0] / calls * 1e6:.1f} us user + {raw_cpu[1] / calls * 1e6:.1f} us "
+                                  "system per round trip"),
                  ("ratio p50 (p99)", f"{ratio50:.2f}x ({ratio99:.2f}x);  p50 ratio per block "
                                      + " ".join(f"{v:.2f}" for v in per_block)),
                  ("target", f"p50 ratio <= {TARGET:.1f}x")]
         line.update({"raw_p50_us": round(r50, 2), "raw_p99_us": round(r99, 2), "ratio_p50": round(ratio50, 3),
                      "ratio_p99": round(ratio99, 3), "ratio_p50_blocks": [round(v, 3) for v in per_block],
-                     "pass": verdict})
+                     "raw_peer_cpu_us": [round(v / calls * 1e6, 2) for v in raw_cpu], "pass": verdict})
     rows.append(("wall time", f"{time.monotonic() - started:.1f} s"))
     h.report("rpc_latency", rows, verdict, line if args.json else None)
     return 0
