@@ -236,17 +236,17 @@ def occupancy(timeline: Timeline, bins: int) -> tuple[np.ndarray, dict[str, np.n
 
 def _span_arrays(timeline: Timeline, index: dict[str, int]) -> dict[str, np.ndarray]:
     """The spans of positive length as columns; tenant is the index in ``index``, len(index) if not in it."""
-    kept = [s for s in timeline.spans if s.end > s.start]
-    missing = len(index)
+    spans = timeline.spans
+    kept = spans.end > spans.start
     return {
-        "tenant": np.array([index.get(s.tenant, missing) for s in kept], dtype=np.int64),
-        "sm": np.array([s.sm for s in kept], dtype=np.int64),
-        "kernel": np.array([s.kernel for s in kept], dtype=np.int64),
+        "tenant": spans.codes(index, len(index))[kept],
+        "sm": spans.sm[kept],
+        "kernel": spans.kernel[kept],
         # To the nanosecond (the trace's resolution): a group ending as the next starts must meet it exactly,
         # and times that went through the trace's microseconds or a clock shift can be an ulp apart.
-        "start": np.round(np.array([s.start for s in kept], dtype=float) * 1e9) / 1e9,
-        "end": np.round(np.array([s.end for s in kept], dtype=float) * 1e9) / 1e9,
-        "fraction": np.array([s.sm_fraction for s in kept], dtype=float),
+        "start": np.round(spans.start[kept] * 1e9) / 1e9,
+        "end": np.round(spans.end[kept] * 1e9) / 1e9,
+        "fraction": spans.sm_fraction[kept],
     }
 
 
@@ -291,10 +291,10 @@ def _idle_sm_seconds_while_queued(timeline: Timeline, spans: dict[str, np.ndarra
 
     A kernel is queued from its stream's turn (KernelRecord.ready) + launch_overhead until its last span starts.
     """
-    last_start: dict[int, float] = {}
-    for kernel, start in zip(spans["kernel"].tolist(), spans["start"].tolist()):
-        if start > last_start.get(kernel, -math.inf):
-            last_start[kernel] = start
+    kernel_ids, of_kernel = np.unique(spans["kernel"], return_inverse=True)
+    latest = np.full(len(kernel_ids), -np.inf)
+    np.maximum.at(latest, of_kernel, spans["start"])
+    last_start = dict(zip(kernel_ids.tolist(), latest.tolist()))
     ready = [(k.ready + timeline.launch_overhead, last_start[k.kernel])
              for k in timeline.kernels if k.kernel in last_start]
     queued = np.array([q for q in ready if q[1] > q[0]], dtype=float).reshape(-1, 2)
