@@ -13,7 +13,6 @@ import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
-from operator import attrgetter
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
@@ -267,10 +266,9 @@ def spans_of(sim: Simulator, tenant_of: dict[int, str], ids: dict[Kernel, int]) 
     code = {name: i for i, name in enumerate(names)}
     kernels = list(ids)
     position = {op: i for i, op in enumerate(kernels)}
-    # Per block group only what the trace holds, read at C speed; what depends on the kernel is looked up per
-    # kernel and spread over its groups by numpy.
-    groups = list(map(attrgetter("op", "sm", "count", "start", "end"), sim.trace))
-    ops, sm, count, start, end = zip(*groups) if groups else ((),) * 5
+    # Per block group only what the trace holds (named tuples: unzipped at C speed); what depends on the kernel
+    # is looked up per kernel and spread over its groups by numpy.
+    ops, sm, count, start, end = zip(*sim.trace) if sim.trace else ((),) * 5
     of_kernel = np.fromiter(map(position.get, ops, repeat(-1)), dtype=np.int64, count=len(ops))
     kept = of_kernel >= 0
     of_kernel = of_kernel[kept]
