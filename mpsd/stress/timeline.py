@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from itertools import repeat
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
@@ -264,22 +263,17 @@ def spans_of(sim: Simulator, tenant_of: dict[int, str], ids: dict[Kernel, int]) 
     by ``tenant_of`` (client -> tenant name). The daemon's recorder and the virtual-time runner share it."""
     names = list(dict.fromkeys(tenant_of.values()))
     code = {name: i for i, name in enumerate(names)}
-    kernels = list(ids)
-    position = {op: i for i, op in enumerate(kernels)}
-    # Per block group only what the trace holds (named tuples: unzipped at C speed); what depends on the kernel
-    # is looked up per kernel and spread over its groups by numpy.
-    ops, sm, count, start, end = zip(*sim.trace) if sim.trace else ((),) * 5
-    of_kernel = np.fromiter(map(position.get, ops, repeat(-1)), dtype=np.int64, count=len(ops))
-    kept = of_kernel >= 0
-    of_kernel = of_kernel[kept]
-    tenant = np.array([code[tenant_of[op.client]] for op in kernels], dtype=np.int64)
-    kernel = np.array([ids[op] for op in kernels], dtype=np.int64)
+    # The engine's columns, and what depends on the kernel looked up once per kernel (id -1: not asked about)
+    # and spread over its groups by numpy.
+    kernels, of_kernel, sm, count, start, end = sim.trace_columns()
+    kernel_id = np.array([ids.get(op, -1) for op in kernels], dtype=np.int64)
+    tenant = np.array([code[tenant_of[op.client]] if op in ids else 0 for op in kernels], dtype=np.int64)
     threads = np.array([op.threads for op in kernels], dtype=np.int64)
-    blocks = np.array(count, dtype=np.int64)[kept]
+    kept = kernel_id[of_kernel] >= 0
+    of_kernel, blocks = of_kernel[kept], count[kept]
     # int * int exactly, then one correctly rounded division, as Python's count * threads / per_sm
     fraction = np.minimum(1.0, blocks * threads[of_kernel] / sim.spec.max_threads_per_sm)
-    return Spans(names, tenant[of_kernel], kernel[of_kernel], np.array(sm, dtype=np.int64)[kept], blocks, fraction,
-                 np.array(start, dtype=np.float64)[kept], np.array(end, dtype=np.float64)[kept])
+    return Spans(names, tenant[of_kernel], kernel_id[of_kernel], sm[kept], blocks, fraction, start[kept], end[kept])
 
 
 def partitions_of(sim: Simulator) -> list[tuple[str, int, int]]:
