@@ -568,6 +568,7 @@ async def _in_process(config: Any, plan: _Plan, work: Path, progress: Progress,
     while traces:
         timeline, meta = traces.pop(0)
         drawn.append((as_drawn(timeline), meta))
+        del timeline  # its spans, a copy of the drawn ones' size, go now rather than with this frame
     out.append((ready, done, t0, drawn))
 
 

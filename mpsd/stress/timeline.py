@@ -209,6 +209,8 @@ class Spans:
         new = [names.setdefault(to, len(names)) if (to := rename.get(name)) else -1 for name in self.names]
         code = np.array(new, dtype=np.int64)[self.tenant] if new else np.zeros(0, dtype=np.int64)
         kept = code >= 0
+        if kept.all():  # the usual case: every span kept, its columns shared rather than copied
+            return self.replace(names=list(names), tenant=code)
         return self.take(kept).replace(names=list(names), tenant=code[kept])
 
     def shifted(self, by: float) -> Spans:
