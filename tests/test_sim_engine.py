@@ -302,3 +302,23 @@ def test_launch_shape_validation():
         sim.submit(Kernel(client=1, stream=0, blocks=1, threads=32, cost=SPIN, smem=300_000))
     with pytest.raises(ValueError):
         Simulator(policy="nope")
+
+
+def test_the_trace_read_part_way_grows_with_the_run_and_matches_its_columns():
+    """Simulator.trace builds its groups from the engine's columns when read: read before, during and after a
+    run it holds every group recorded so far, and trace_columns gives the same groups from any position."""
+    sim = Simulator(record=True)
+    assert sim.trace == [] and len(sim.trace_columns()[1]) == 0
+    first = launch(sim, 1, 2)
+    sim.advance(OVERHEAD + 1.5 * MS)
+    so_far = list(sim.trace)
+    assert so_far and all(g.op is first[0] for g in so_far)
+    second = launch(sim, 2, 1, blocks=QUARTER)
+    sim.run()
+    assert sim.trace[:len(so_far)] == so_far and len(sim.trace) > len(so_far)
+    assert {g.op for g in sim.trace} == {*first, *second}
+    kernels, kernel, sm, count, start, end = sim.trace_columns(len(so_far))
+    assert [(kernels[k], s, c, a, b) for k, s, c, a, b in zip(kernel.tolist(), sm.tolist(), count.tolist(),
+                                                             start.tolist(), end.tolist())] \
+        == [tuple(g) for g in sim.trace[len(so_far):]]
+    assert sum(g.count for g in sim.trace) == 2 * FULL + QUARTER

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mpsd.stress.metrics import jain_index, latency_summary, occupancy, percentile, summarize
-from mpsd.stress.timeline import KernelRecord, Request, Span, TenantInfo, Timeline
+from mpsd.stress.timeline import KernelRecord, Request, Span, Spans, TenantInfo, Timeline
 
 
 def hand_timeline() -> Timeline:
@@ -46,7 +46,7 @@ def hand_timeline() -> Timeline:
         Span("B", 2, sm=3, blocks=2, sm_fraction=0.25, start=3.0, end=4.0),
     ]
     return Timeline("mps", sm_count=4, duration=10.0, launch_overhead=0.1, tenants=tenants, requests=requests,
-                    kernels=kernels, spans=spans, memory_high_water={"A": 80, "B": 60})
+                    kernels=kernels, spans=Spans.of_rows(spans), memory_high_water={"A": 80, "B": 60})
 
 
 def test_percentile_is_nearest_rank():
@@ -105,7 +105,7 @@ def test_a_kernel_waits_from_its_streams_turn_not_from_its_submission():
                  tenants=[TenantInfo("a", "a")],
                  kernels=[KernelRecord("a", 0, "spin", 1, submitted=0.0, started=1.0, ended=5.0, eligible=0.0),
                           KernelRecord("a", 1, "spin", 1, submitted=0.0, started=7.0, ended=9.0, eligible=5.0)],
-                 spans=[Span("a", 0, 0, 1, 1.0, 1.0, 5.0), Span("a", 1, 0, 1, 1.0, 7.0, 9.0)])
+                 spans=Spans.of_rows([Span("a", 0, 0, 1, 1.0, 1.0, 5.0), Span("a", 1, 0, 1, 1.0, 7.0, 9.0)]))
     s = summarize(t)
     assert s["tenants"][0]["longest_wait_ms"] == pytest.approx(1000.0)  # kernel 1: 7 - (5 + 1)
     # Queued: kernel 1 over [6, 7) with both SMs idle; kernel 0 over [1, 1): nothing.
@@ -154,7 +154,8 @@ def test_summary_is_plain_json_with_the_documented_keys():
 def test_records_of_unlisted_tenants_count_only_in_the_totals():
     timeline = hand_timeline()
     timeline.requests.append(Request("ghost", 0.0, 1.0))
-    timeline.spans.append(Span("ghost", 9, sm=3, blocks=1, sm_fraction=1.0, start=0.0, end=4.0))
+    timeline.spans = Spans.of_rows([*timeline.spans, Span("ghost", 9, sm=3, blocks=1, sm_fraction=1.0, start=0.0,
+                                                         end=4.0)])
     s = summarize(timeline)
     assert (s["requests"], s["completed"]) == (5, 4)
     assert s["sm_seconds"] == pytest.approx(4.0 + 4.0)
@@ -169,7 +170,7 @@ def test_an_untraced_run_renders_its_unknown_device_figures_as_dashes():
 
     from mpsd.stress.cli import render_comparison, render_run
 
-    untraced = replace(hand_timeline(), kernels=[], spans=[], traced=False)
+    untraced = replace(hand_timeline(), kernels=[], spans=Spans(), traced=False)
     s = summarize(untraced)
     assert s["tenants"][0]["memory_high_water"] == 80 and s["tenants"][1]["memory_violations"] == 1
     console = Console(width=200, record=True)
@@ -220,21 +221,22 @@ def random_timelines(draw) -> Timeline:
                               start, start + length))
         kernels.append(KernelRecord(tenant, k, "k", 1, submitted, min(starts, default=math.nan)))
     return Timeline("mps", sm_count=3, duration=6.0, launch_overhead=0.25, tenants=tenants, kernels=kernels,
-                    spans=spans)
+                    spans=Spans.of_rows(spans))
 
 
 def brute_force(timeline: Timeline) -> tuple[float, dict[str, int]]:
     """Idle SM-seconds while queued and each tenant's most SMs, read off at the middle of every elementary step."""
-    points = sorted({0.0, timeline.duration} | {t for s in timeline.spans for t in (s.start, s.end)}
+    spans = list(timeline.spans)
+    points = sorted({0.0, timeline.duration} | {t for s in spans for t in (s.start, s.end)}
                     | {k.submitted + timeline.launch_overhead for k in timeline.kernels})
     last_start = {}
-    for s in timeline.spans:
+    for s in spans:
         if s.end > s.start:
             last_start[s.kernel] = max(last_start.get(s.kernel, -math.inf), s.start)
     idle, most = 0.0, {t.name: 0 for t in timeline.tenants}
     for lo, hi in itertools.pairwise(points):
         mid = (lo + hi) / 2
-        resident = [s for s in timeline.spans if s.start <= mid < s.end]
+        resident = [s for s in spans if s.start <= mid < s.end]
         for name, held in most.items():
             most[name] = max(held, len({s.sm for s in resident if s.tenant == name}))
         queued = any(k.submitted + timeline.launch_overhead <= mid < last_start.get(k.kernel, -math.inf)

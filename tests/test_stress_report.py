@@ -7,7 +7,7 @@ import pytest
 
 from mpsd.stress.metrics import summarize
 from mpsd.stress.report import write_report
-from mpsd.stress.timeline import KernelRecord, Request, Span, TenantInfo, Timeline
+from mpsd.stress.timeline import KernelRecord, Request, Span, Spans, TenantInfo, Timeline
 from mpsd.stress.trace import load_trace
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -19,6 +19,7 @@ def small_run(policy: str, seed: int, tenants: int = 3) -> Timeline:
     infos = [TenantInfo("infer#0", "infer", sm_cap=32, entitlement=0.5, deadline=0.005)]
     infos += [TenantInfo(f"train#{i}", "train", entitlement=0.5 / (tenants - 1)) for i in range(tenants - 1)]
     timeline = Timeline(policy, sm_count=132, duration=0.0, launch_overhead=1e-5, tenants=infos, virtual=True)
+    spans = []
     for tenant in infos:
         clock = 0.0
         for _ in range(20):
@@ -26,10 +27,11 @@ def small_run(policy: str, seed: int, tenants: int = 3) -> Timeline:
             kernel = len(timeline.kernels)
             timeline.requests.append(Request(tenant.name, clock, clock + latency))
             timeline.kernels.append(KernelRecord(tenant.name, kernel, "spin", 8, clock, clock + 1e-5, clock + latency))
-            timeline.spans += [Span(tenant.name, kernel, rng.randrange(132), 2, 0.5, clock + 1e-5, clock + latency)
-                               for _ in range(4)]
+            spans += [Span(tenant.name, kernel, rng.randrange(132), 2, 0.5, clock + 1e-5, clock + latency)
+                      for _ in range(4)]
             clock += latency
         timeline.duration = max(timeline.duration, clock)
+    timeline.spans = Spans.of_rows(spans)
     timeline.requests.append(Request("infer#0", 0.0, error="cudaErrorMemoryAllocation"))
     return timeline
 

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mpsd.stress.timeline import KernelRecord, Request, Span, TenantInfo, Timeline
+from mpsd.stress.timeline import KernelRecord, Request, Span, Spans, TenantInfo, Timeline
 from mpsd.stress.trace import as_drawn, chrome_trace, load_trace, read_chrome_trace, write_trace
 
 
@@ -41,7 +41,7 @@ def rich_timeline() -> Timeline:
         Span("train#0", 2, 20, 4, 1.0, 0.00011, 0.1 + 1 / 3),
     ]
     return Timeline("mig", sm_count=132, duration=0.1 + 1 / 3, launch_overhead=1e-5, tenants=tenants,
-                    requests=requests, kernels=kernels, spans=spans,
+                    requests=requests, kernels=kernels, spans=Spans.of_rows(spans),
                     memory_high_water={"infer#0": 123456789, "train#0": 70 << 30},
                     partitions=[("0: 3g.71gb", 0, 16), ("1: 3g.71gb", 16, 32)], virtual=True)
 
@@ -156,7 +156,7 @@ def timelines(draw) -> Timeline:
                                     st.floats(0.01, 1), floats, floats), max_size=8))
     partitions = draw(st.sampled_from([[], [("a", 0, 4), ("b", 4, 6)]]))
     return Timeline(draw(st.sampled_from(["mps", "mig"])), 8, draw(floats), draw(floats), tenants, requests,
-                    kernels, spans, {n: draw(st.integers(0, 1 << 40)) for n in names[:1]}, partitions,
+                    kernels, Spans.of_rows(spans), {n: draw(st.integers(0, 1 << 40)) for n in names[:1]}, partitions,
                     draw(st.booleans()))
 
 

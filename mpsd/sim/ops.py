@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Hashable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from .costs import BlockCost
 
@@ -114,9 +115,10 @@ class Marker(Op):
     """Zero-duration op: completes when it reaches its stream's head and its ``after`` ops are done."""
 
 
-@dataclass(frozen=True, slots=True)
-class BlockGroup:
-    """Blocks of one kernel placed together on one SM at one instant (recorded when they end).
+class BlockGroup(NamedTuple):
+    """Blocks of one kernel placed together on one SM at one instant (recorded when they end). (A named tuple:
+    ``Simulator.trace`` builds one per group from the engine's columns, at 0.26 us where a frozen dataclass
+    took 0.64.)
 
     Attributes:
         op: the kernel.

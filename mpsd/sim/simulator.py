@@ -11,6 +11,8 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
+import numpy as np
+
 from .. import _core
 from .ops import ENGINES, BlockGroup, Copy, Kernel, Marker, Op
 from .policies import DEFAULT_CLIENT, BuiltinPolicy, ClientConfig, make_policy
@@ -45,8 +47,8 @@ class Simulator:
             "exclusive", "mig" or "timeslice"; or a policy written in Python (``mpsd.sim.Policy``): an
             instance, or its class named as "module:Class" (built with ``policy_options`` as keyword
             arguments).
-        record: keep a trace of every block group in ``trace`` (a block preempted and resumed appears once
-            per stretch it ran).
+        record: keep a trace of every block group (``trace``, ``trace_columns``; a block preempted and resumed
+            appears once per stretch it ran).
         policy_options: the policy's settings, e.g. ``{"aging": 0.005}`` for "priority",
             ``{"partitions": ["3g.71gb", "3g.71gb"]}`` for "mig", ``{"timeslice": 1e-3, "switch": 25e-6}``
             for "timeslice".
@@ -58,7 +60,7 @@ class Simulator:
     def __init__(self, spec: DeviceSpec = H200, policy: str | Policy = "mps", record: bool = False,
                  policy_options: dict[str, Any] | None = None) -> None:
         self.spec = spec
-        self.trace: list[BlockGroup] = []
+        self._trace: list[BlockGroup] = []  # the groups ``trace`` has built so far
         self._clients: dict[int, ClientConfig] = {}
         self._shapes = Shapes(spec)
         self._launch: dict[tuple[int, int, int], tuple] = {}  # (threads, regs, smem) -> the engine's numbers
@@ -72,17 +74,41 @@ class Simulator:
         self._policy: BuiltinPolicy | Policy
         if isinstance(policy, Policy):  # written in Python: the engine calls it at each dispatch
             self._policy = policy
-            self._core = _core.Engine(_spec_numbers(spec), "python", policy, self.trace, BlockGroup, record)
+            self._core = _core.Engine(_spec_numbers(spec), "python", policy, record)
             return
         # A built-in's Python object checks the options and is what ``policy`` shows; the engine runs its own.
         self._policy = make_policy(policy, self, policy_options)
-        self._core = _core.Engine(_spec_numbers(spec), policy, self._policy.engine_args(), self.trace,
-                                  BlockGroup, record)
+        self._core = _core.Engine(_spec_numbers(spec), policy, self._policy.engine_args(), record)
 
     @property
     def now(self) -> float:
         """Simulated seconds."""
         return self._core.now
+
+    @property
+    def trace(self) -> list[BlockGroup]:
+        """Every block group recorded so far, in the order they ended (empty without ``record``). The engine
+        keeps them as columns (``trace_columns``); this builds the groups not built yet, so it is for tests and
+        small runs: a long run's millions are read as columns."""
+        if len(self._trace) < self._core.trace_len():
+            kernels, kernel, sm, count, start, end = self.trace_columns(len(self._trace))
+            self._trace += map(BlockGroup, [kernels[k] for k in kernel.tolist()], sm.tolist(), count.tolist(),
+                               start.tolist(), end.tolist())
+        return self._trace
+
+    def trace_columns(self, first: int = 0) -> tuple[list[Kernel], np.ndarray, np.ndarray, np.ndarray,
+                                                     np.ndarray, np.ndarray]:
+        """The recorded block groups from the ``first``-th on, as columns: group i ran ``count[i]`` blocks of
+        ``kernels[kernel[i]]`` on SM ``sm[i]`` from ``start[i]`` to ``end[i]``, as ``trace[first + i]`` has them.
+
+        Returns:
+            (kernels, kernel, sm, count, start, end): every kernel recorded so far, and read-only arrays of
+            int64 (kernel, sm, count) and float64 (start, end).
+        """
+        kernels, *columns = self._core.trace_columns(first)
+        kernel, sm, count, start, end = (np.frombuffer(b, dtype=t) for b, t in
+                                         zip(columns, (np.uint32, np.uint32, np.int64, np.float64, np.float64)))
+        return kernels, kernel.astype(np.int64), sm.astype(np.int64), count, start, end
 
     def submit(self, op: Op) -> None:
         """Submit an op at the current time (sets ``op.submitted`` and ``op.seq``).

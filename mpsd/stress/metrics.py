@@ -236,17 +236,17 @@ def occupancy(timeline: Timeline, bins: int) -> tuple[np.ndarray, dict[str, np.n
 
 def _span_arrays(timeline: Timeline, index: dict[str, int]) -> dict[str, np.ndarray]:
     """The spans of positive length as columns; tenant is the index in ``index``, len(index) if not in it."""
-    kept = [s for s in timeline.spans if s.end > s.start]
-    missing = len(index)
+    spans = timeline.spans
+    kept = spans.end > spans.start
     return {
-        "tenant": np.array([index.get(s.tenant, missing) for s in kept], dtype=np.int64),
-        "sm": np.array([s.sm for s in kept], dtype=np.int64),
-        "kernel": np.array([s.kernel for s in kept], dtype=np.int64),
+        "tenant": spans.codes(index, len(index))[kept],
+        "sm": spans.sm[kept],
+        "kernel": spans.kernel[kept],
         # To the nanosecond (the trace's resolution): a group ending as the next starts must meet it exactly,
         # and times that went through the trace's microseconds or a clock shift can be an ulp apart.
-        "start": np.round(np.array([s.start for s in kept], dtype=float) * 1e9) / 1e9,
-        "end": np.round(np.array([s.end for s in kept], dtype=float) * 1e9) / 1e9,
-        "fraction": np.array([s.sm_fraction for s in kept], dtype=float),
+        "start": np.round(spans.start[kept] * 1e9) / 1e9,
+        "end": np.round(spans.end[kept] * 1e9) / 1e9,
+        "fraction": spans.sm_fraction[kept],
     }
 
 
@@ -261,13 +261,19 @@ def _occupied_changes(key: np.ndarray, start: np.ndarray, end: np.ndarray):
 
     Overlapping intervals of one key (block groups sharing an SM) make one occupied stretch.
     """
-    times, keys, delta = _events(key, start, end)
+    # A run has millions of spans: the events' arrays are the largest a run makes, so the steps are small
+    # integers (counts are exact in any type) and each array is reordered on its own, its unsorted copy freed.
+    times, keys = np.concatenate([start, end]), np.concatenate([key, key])
+    delta = np.concatenate([np.ones(len(start), dtype=np.int8), np.full(len(end), -1, dtype=np.int8)])
     order = np.lexsort((delta, times, keys))  # by key, then time, ends before starts at the same time
-    times, keys, delta = times[order], keys[order], delta[order]
+    times = times[order]
+    keys = keys[order]
+    delta = delta[order]
+    del order
     # Each key's events sum to zero, so one running count over all keys restarts at 0 for every key.
-    count = np.cumsum(delta)
-    before = count - delta
-    step = (count > 0).astype(np.int64) - (before > 0).astype(np.int64)
+    count = np.cumsum(delta, dtype=np.int64)
+    step = (count > 0).astype(np.int64) - (count - delta > 0)
+    del count
     changed = step != 0
     return times[changed], keys[changed], step[changed]
 
@@ -291,22 +297,27 @@ def _idle_sm_seconds_while_queued(timeline: Timeline, spans: dict[str, np.ndarra
 
     A kernel is queued from its stream's turn (KernelRecord.ready) + launch_overhead until its last span starts.
     """
-    last_start: dict[int, float] = {}
-    for kernel, start in zip(spans["kernel"].tolist(), spans["start"].tolist()):
-        if start > last_start.get(kernel, -math.inf):
-            last_start[kernel] = start
+    kernel_ids, of_kernel = np.unique(spans["kernel"], return_inverse=True)
+    latest = np.full(len(kernel_ids), -np.inf)
+    np.maximum.at(latest, of_kernel, spans["start"])
+    last_start = dict(zip(kernel_ids.tolist(), latest.tolist()))
     ready = [(k.ready + timeline.launch_overhead, last_start[k.kernel])
              for k in timeline.kernels if k.kernel in last_start]
     queued = np.array([q for q in ready if q[1] > q[0]], dtype=float).reshape(-1, 2)
     if len(queued) == 0:
         return 0.0
     busy_t, _, busy_step = _occupied_changes(spans["sm"], spans["start"], spans["end"])
+    # As in _occupied_changes, each array of the events goes as soon as what is made from it is there.
     times = np.concatenate([busy_t, queued[:, 0], queued[:, 1]])
     busy = np.concatenate([busy_step, np.zeros(2 * len(queued), dtype=np.int64)])
     waiting = np.concatenate([np.zeros(len(busy_t), dtype=np.int64),
                               np.ones(len(queued), dtype=np.int64), -np.ones(len(queued), dtype=np.int64)])
+    del busy_t, _, busy_step
     order = np.argsort(times, kind="stable")
-    times, busy, waiting = times[order], np.cumsum(busy[order]), np.cumsum(waiting[order])
+    times = times[order]
+    busy = np.cumsum(busy[order])
+    waiting = np.cumsum(waiting[order])
+    del order
     # After the i-th event the state holds until the next event; events at the same instant bound
     # zero-length stretches, so their order does not matter.
     idle = (timeline.sm_count - busy[:-1]) * (waiting[:-1] > 0) * np.diff(times)

@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterator
 import trio
 
 from mpsd.sim import H200
-from mpsd.stress.timeline import KernelRecord, Request, Span, TenantInfo, Timeline
+from mpsd.stress.timeline import KernelRecord, Request, TenantInfo, Timeline
 from mpsd.stress.trace import as_drawn, read_chrome_trace
 from mpsd.stress.workload import TenantSpec, Workload, arrival_times, entitlements
 
@@ -568,6 +568,7 @@ async def _in_process(config: Any, plan: _Plan, work: Path, progress: Progress,
     while traces:
         timeline, meta = traces.pop(0)
         drawn.append((as_drawn(timeline), meta))
+        del timeline  # its spans, a copy of the drawn ones' size, go now rather than with this frame
     out.append((ready, done, t0, drawn))
 
 
@@ -615,8 +616,7 @@ def _timeline(workload: Workload, policy: str, plan: _Plan, ready: dict[str, dic
             requests.append(Request(name, 0.0, math.nan, error))
     kernels = [KernelRecord(rename[k.tenant], k.kernel, k.name, k.blocks, k.submitted - t0, k.started - t0,
                             k.ended - t0, k.eligible - t0) for k in device.kernels if rename.get(k.tenant)]
-    spans = [Span(rename[tenant], kernel, sm, blocks, fraction, start - t0, end - t0)
-             for tenant, kernel, sm, blocks, fraction, start, end in device.spans if rename.get(tenant)]
+    spans = device.spans.renamed(rename).shifted(t0)
     ends = [r.completed for r in requests if r.completed == r.completed]
     if trace is not None:
         high_water = {rename[c]: v for c, v in device.memory_high_water.items() if rename.get(c)}

@@ -1,6 +1,6 @@
 # A Timeline as Chrome trace JSON, the format ui.perfetto.dev and chrome://tracing open, and back again. The
 # daemon writes its timeline with it when asked to record one, and mpsd-stress writes one per run, so this
-# module stays light: standard library only (no numpy, matplotlib or trio).
+# module stays light: the standard library and numpy (which the daemon has loaded already), no matplotlib or trio.
 #
 # Layout: one process per device (or per MIG partition), one thread row per SM; each span is a complete ("X")
 # event named after its tenant, because Perfetto colours slices by name. A "tenants" process has a row per
@@ -8,6 +8,9 @@
 # of an open-loop tenant overlap without nesting (Perfetto drops such slices), so a row that needs it is
 # split into lanes: "SM 3", "SM 3 (2)", ... Everything that is not an event (tenants, kernels, settings)
 # travels in otherData, so read_chrome_trace rebuilds the Timeline from the file alone.
+# Spans stay columns (numpy) on the way in and out; only the JSON events themselves are made one by one. Times
+# go through the nanosecond as Python's round(seconds * 1e9) would take them: np.rint is the same rounding
+# (half to even) and the same value, and int-to-float, -, / are the same IEEE operations in float64.
 """Chrome/Perfetto trace JSON for a Timeline."""
 
 from __future__ import annotations
@@ -15,11 +18,12 @@ from __future__ import annotations
 import heapq
 import json
 import math
-from collections import defaultdict
 from os import PathLike
 from typing import Any
 
-from mpsd.stress.timeline import KernelRecord, Request, Span, TenantInfo, Timeline
+import numpy as np
+
+from mpsd.stress.timeline import KernelRecord, Request, Spans, TenantInfo, Timeline
 
 __all__ = ["as_drawn", "chrome_trace", "load_trace", "read_chrome_trace", "write_trace"]
 
@@ -72,17 +76,25 @@ def read_chrome_trace(data: dict[str, Any]) -> Timeline:
             memory_high_water=dict(other["memory_high_water"]),
             partitions=[(name, first, end) for name, first, end in other["partitions"]],
         )
+        names: dict[str, int] = {}
+        tenant, kernel, sm, blocks, fraction, ts, dur = [], [], [], [], [], [], []
         for e in data["traceEvents"]:
             if e.get("ph") != "X":
                 continue
             args = e["args"]
             if e.get("cat") == "kernel":
-                start = e["ts"] / 1e6
-                timeline.spans.append(Span(args["tenant"], args["kernel"], args["sm"], args["blocks"],
-                                           args["sm_fraction"], start, (e["ts"] + e["dur"]) / 1e6))
+                tenant.append(names.setdefault(args["tenant"], len(names)))
+                kernel.append(args["kernel"])
+                sm.append(args["sm"])
+                blocks.append(args["blocks"])
+                fraction.append(args["sm_fraction"])
+                ts.append(e["ts"])
+                dur.append(e["dur"])
             elif e.get("cat") == "request":
                 timeline.requests.append(Request(e["name"], args["submitted"], _float_or_nan(args["completed"]),
                                                  args["error"]))
+        ts_, dur_ = np.array(ts, dtype=np.float64), np.array(dur, dtype=np.float64)
+        timeline.spans = Spans(list(names), tenant, kernel, sm, blocks, fraction, ts_ / 1e6, (ts_ + dur_) / 1e6)
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"malformed mpsd timeline trace: {exc!r}") from None
     return timeline
@@ -93,19 +105,10 @@ def as_drawn(timeline: Timeline) -> Timeline:
     the trace's rows give them, their times through its nanoseconds, times that never happened as NaN. A run in
     the daemon's own process (mpsd-stress --virtual-time) reads its device so, and gets the very figures that a
     run of real processes reads from the daemon's trace file."""
-    processes = _device_processes(timeline)
-    pids = {sm: pid for pid, (_, first, end) in enumerate(processes, start=1) for sm in range(first, end)}
-    outside = len(processes) + 1  # the whole-device process that SMs outside every partition are drawn on
-    rows: defaultdict[int, list[Span]] = defaultdict(list)  # an SM's row, in the order its spans came
-    for span in timeline.spans:
-        rows[span.sm].append(span)
-    spans: list[Span] = []
-    add = spans.append
-    for sm in sorted(rows, key=lambda sm: (pids.get(sm, outside), sm)):  # rows in the trace's order
-        for tenant, kernel, sm, blocks, fraction, start, end in rows[sm]:
-            start_ns = round(start * 1e9)  # _ns, inline: this runs for every span of a run
-            ts, dur = start_ns / 1e3, (round(end * 1e9) - start_ns) / 1e3  # the event's microseconds, as drawn
-            add(Span(tenant, kernel, sm, blocks, fraction, ts / 1e6, (ts + dur) / 1e6))
+    spans, _, _ = _in_rows(timeline)
+    start_ns = _ns_array(spans.start)
+    ts, dur = start_ns / 1e3, (_ns_array(spans.end) - start_ns) / 1e3  # the events' microseconds, as drawn
+    spans = spans.replace(start=ts / 1e6, end=(ts + dur) / 1e6)
     by_tenant: dict[str, list[Request]] = {t.name: [] for t in timeline.tenants}
     for r in timeline.requests:
         by_tenant.setdefault(r.tenant, []).append(Request(r.tenant, r.submitted, _finite(r.completed), r.error))
@@ -145,36 +148,60 @@ def load_trace(path: str | PathLike[str]) -> Timeline:
 def _device_events(timeline: Timeline) -> tuple[list[dict[str, Any]], list[tuple[str, int, int]]]:
     """The spans on SM rows of the device (or partition) processes, pids from 1; and those processes."""
     names = {k.kernel: k.name for k in timeline.kernels}
-    processes = _device_processes(timeline)
-    pids = {sm: pid for pid, (_, first, end) in enumerate(processes, start=1) for sm in range(first, end)}
-    rows: dict[tuple[int, int], list[tuple[int, int, Span]]] = {}  # (pid, sm) -> its spans
-    outside: list[int] = []  # the pid of the whole-device process, once one is needed
-    for span in timeline.spans:
-        pid = pids.get(span.sm)
-        if pid is None:  # an SM outside every MIG partition: all such go on one whole-device process
-            if not outside:
-                processes.append((_device_name(timeline), 0, timeline.sm_count))
-                outside.append(len(processes))
-            pid = pids[span.sm] = outside[0]
-        rows.setdefault((pid, span.sm), []).append((_ns(span.start), _ns(span.end), span))
+    spans, pid, processes = _in_rows(timeline)
+    start, end = _ns_array(spans.start), _ns_array(spans.end)
+    # Rows are runs of equal (pid, sm) in the sorted table: [bounds[i], bounds[i + 1]).
+    cuts = np.flatnonzero((pid[1:] != pid[:-1]) | (spans.sm[1:] != spans.sm[:-1])) + 1
+    bounds = [0, *cuts.tolist(), len(spans)] if len(spans) else [0]
+    starts, ends = start.tolist(), end.tolist()
+    lanes: list[int] = []
+    for a, b in zip(bounds, bounds[1:]):
+        lanes += _lanes(starts[a:b], ends[a:b])
+    width = max(lanes, default=0) + 1  # tids keep rows in SM order
     events: list[dict[str, Any]] = []
-    for pid, (name, _, _) in enumerate(processes, start=1):
-        events += _metadata(pid, 0, "process_name", name) + _metadata(pid, 0, "process_sort_index", pid)
-    lanes = {row: _lanes(spans) for row, spans in rows.items()}
-    width = max((max(row_lanes) + 1 for row_lanes in lanes.values()), default=1)  # tids keep rows in SM order
-    for (pid, sm), spans in sorted(rows.items()):
-        for lane in range(max(lanes[pid, sm]) + 1):
-            tid = sm * width + lane + 1
+    for p, (name, _, _) in enumerate(processes, start=1):
+        events += _metadata(p, 0, "process_name", name) + _metadata(p, 0, "process_sort_index", p)
+    tenant = spans.tenants().tolist()
+    tid = (spans.sm * width + np.array(lanes, dtype=np.int64) + 1).tolist()
+    columns = list(zip(tenant, (start / 1e3).tolist(), ((end - start) / 1e3).tolist(), pid.tolist(), tid,
+                       spans.kernel.tolist(), spans.sm.tolist(), spans.blocks.tolist(), spans.sm_fraction.tolist()))
+    for a, b in zip(bounds, bounds[1:]):
+        row_pid, sm = columns[a][3], columns[a][6]
+        for lane in range(max(lanes[a:b]) + 1):
+            row_tid = sm * width + lane + 1
             label = f"SM {sm}" if lane == 0 else f"SM {sm} ({lane + 1})"
-            events += _metadata(pid, tid, "thread_name", label) + _metadata(pid, tid, "thread_sort_index", tid)
-        for (start, end, span), lane in zip(spans, lanes[pid, sm]):
-            events.append({
-                "name": span.tenant, "cat": "kernel", "ph": "X", "ts": start / 1e3, "dur": (end - start) / 1e3,
-                "pid": pid, "tid": sm * width + lane + 1,
-                "args": {"tenant": span.tenant, "kernel": span.kernel, "kernel_name": names.get(span.kernel),
-                         "sm": span.sm, "blocks": span.blocks, "sm_fraction": span.sm_fraction},
-            })
+            events += (_metadata(row_pid, row_tid, "thread_name", label)
+                       + _metadata(row_pid, row_tid, "thread_sort_index", row_tid))
+        events += [{"name": t, "cat": "kernel", "ph": "X", "ts": ts, "dur": dur, "pid": p, "tid": i,
+                    "args": {"tenant": t, "kernel": k, "kernel_name": names.get(k), "sm": sm, "blocks": n,
+                             "sm_fraction": f}}
+                   for t, ts, dur, p, i, k, sm, n, f in columns[a:b]]
     return events, processes
+
+
+def _in_rows(timeline: Timeline) -> tuple[Spans, np.ndarray, list[tuple[str, int, int]]]:
+    """The spans in the order the trace's rows give them (by device process, then SM; each row's spans in the
+    order they came), each one's pid, and the device processes: the MIG partitions, else the whole device, and
+    after them a whole-device process for SMs outside every partition if a span is on one."""
+    spans = timeline.spans
+    processes = _device_processes(timeline)
+    if not len(spans):
+        return spans, np.zeros(0, dtype=np.int64), processes
+    pid = _pids(timeline, processes)[spans.sm]
+    if (pid > len(processes)).any():
+        processes.append((_device_name(timeline), 0, timeline.sm_count))
+    order = np.argsort(pid * (int(spans.sm.max()) + 1) + spans.sm, kind="stable")
+    return spans.take(order), pid[order], processes
+
+
+def _pids(timeline: Timeline, processes: list[tuple[str, int, int]]) -> np.ndarray:
+    """SM -> the pid of its device process (from 1), for every SM a span is on; len(processes) + 1 for SMs
+    outside them all (the whole-device process _in_rows adds then)."""
+    width = max([timeline.sm_count, int(timeline.spans.sm.max(initial=-1)) + 1, *(end for _, _, end in processes)])
+    pid = np.full(width, len(processes) + 1, dtype=np.int64)
+    for p, (_, first, end) in enumerate(processes, start=1):  # a later process wins an SM, as in a dict
+        pid[first:end] = p
+    return pid
 
 
 def _tenant_events(timeline: Timeline, pid: int) -> list[dict[str, Any]]:
@@ -186,7 +213,7 @@ def _tenant_events(timeline: Timeline, pid: int) -> list[dict[str, Any]]:
         by_tenant.setdefault(r.tenant, []).append((_ns(r.submitted), _ns(end), r))
     tid = 1
     for tenant, requests in by_tenant.items():
-        lanes = _lanes(requests)
+        lanes = _lanes([start for start, _, _ in requests], [end for _, end, _ in requests])
         for lane in range(max(lanes, default=0) + 1):
             label = tenant if lane == 0 else f"{tenant} ({lane + 1})"
             events += (_metadata(pid, tid + lane, "thread_name", label)
@@ -212,19 +239,19 @@ def _device_name(timeline: Timeline) -> str:
     return f"GPU ({timeline.policy}, {timeline.sm_count} SMs)"
 
 
-def _lanes(intervals: list[tuple[int, int, Any]]) -> list[int]:
-    """A lane for each (start, end, _) so that no two overlapping intervals share one: as few as overlap."""
-    order = sorted(range(len(intervals)), key=lambda i: intervals[i][:2])
-    lanes = [0] * len(intervals)
-    free: list[tuple[int, int]] = []  # (end of its last interval, lane)
+def _lanes(starts: list[Any], ends: list[Any]) -> list[int]:
+    """A lane for each interval (starts[i], ends[i]) so that no two overlapping ones share one: as few as
+    overlap."""
+    order = sorted(range(len(starts)), key=lambda i: (starts[i], ends[i]))
+    lanes = [0] * len(starts)
+    free: list[tuple[Any, int]] = []  # (end of its last interval, lane)
     used = 0
     for i in order:
-        start, end, _ = intervals[i]
-        if free and free[0][0] <= start:
+        if free and free[0][0] <= starts[i]:
             _, lanes[i] = heapq.heappop(free)
         else:
             lanes[i], used = used, used + 1
-        heapq.heappush(free, (end, lanes[i]))
+        heapq.heappush(free, (ends[i], lanes[i]))
     return lanes
 
 
@@ -250,6 +277,12 @@ def _other_data(timeline: Timeline) -> dict[str, Any]:
 
 def _ns(seconds: float) -> int:
     return round(seconds * 1e9)
+
+
+def _ns_array(seconds: np.ndarray) -> np.ndarray:
+    """_ns of each, as float64 (the same integers: below 2**53 exactly, past it the float round already was);
+    + 0.0 makes the -0.0 that rint gives tiny negative times the 0 that round gives."""
+    return np.rint(seconds * 1e9) + 0.0
 
 
 def _json_float(x: float) -> float | None:

@@ -11,7 +11,7 @@ use crate::tenancy::{Exclusive, Mig, Timeslice};
 use pyo3::exceptions::PyValueError;
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyList, PyTuple};
+use pyo3::types::{PyBytes, PyList, PyTuple};
 use std::cell::RefCell;
 use std::collections::{HashMap, HashSet};
 use std::rc::Rc;
@@ -179,8 +179,32 @@ struct Engine {
     objs: Objects,
     raised: Raised,
     by_addr: HashMap<usize, u64>,
-    trace: Py<PyList>,
-    block_group: PyObject,
+    trace: Trace,
+}
+
+/// The recorded block groups as columns (a run has millions; an object each cost a third of a stress run's
+/// time and most of its memory): group i ran `count[i]` blocks of `kernels[kernel[i]]` on SM `sm[i]` over
+/// [start[i], end[i]). `kernels` holds each kernel once (while it is live; `index` finds it by handle).
+#[derive(Default)]
+struct Trace {
+    kernels: Vec<PyObject>,
+    index: HashMap<u64, u32>,
+    kernel: Vec<u32>,
+    sm: Vec<u32>,
+    count: Vec<i64>,
+    start: Vec<f64>,
+    end: Vec<f64>,
+}
+
+/// A column from `from` on as the bytes of its native-endian values (numpy.frombuffer reads them).
+fn column_bytes<'py, T: Copy, const N: usize>(py: Python<'py>, column: &[T], from: usize,
+                                              bytes: fn(T) -> [u8; N]) -> Bound<'py, PyBytes> {
+    let tail = &column[from.min(column.len())..];
+    let mut out = Vec::with_capacity(tail.len() * N);
+    for &x in tail {
+        out.extend_from_slice(&bytes(x));
+    }
+    PyBytes::new(py, &out)
 }
 
 #[pyfunction]
@@ -263,14 +287,21 @@ impl Engine {
                 obj.setattr(intern!(py, "cancelled"), true)?;
             }
         }
-        if !self.core.trace.is_empty() {
-            let trace = self.trace.bind(py);
-            let bg = self.block_group.bind(py);
-            for (h, sm, count, start, end) in std::mem::take(&mut self.core.trace) {
-                trace.append(bg.call1((self.obj(py, h), sm, count, start, end))?)?;
+        for (h, sm, count, start, end) in std::mem::take(&mut self.core.trace) {
+            let next = self.trace.kernels.len() as u32;
+            let k = *self.trace.index.entry(h).or_insert(next);
+            if k == next {
+                let obj = self.obj(py, h).unbind();
+                self.trace.kernels.push(obj);
             }
+            self.trace.kernel.push(k);
+            self.trace.sm.push(sm);
+            self.trace.count.push(count);
+            self.trace.start.push(start);
+            self.trace.end.push(end);
         }
         for &h in &self.core.ops.released {
+            self.trace.index.remove(&h); // its handle may come back for another op
             let i = slot(h);
             if self.core.ops.get(h).is_some() {
                 let taken = self.objs.borrow_mut()[i].take();
@@ -292,8 +323,8 @@ impl Engine {
 impl Engine {
     #[new]
     #[allow(clippy::too_many_arguments)]
-    fn new(spec: &Bound<'_, PyTuple>, policy: &str, policy_args: &Bound<'_, PyAny>, trace: Py<PyList>,
-           block_group: PyObject, record: bool) -> PyResult<Self> {
+    fn new(spec: &Bound<'_, PyTuple>, policy: &str, policy_args: &Bound<'_, PyAny>, record: bool)
+           -> PyResult<Self> {
         let (sm_count, warps_per_sm, blocks_per_sm, regs_per_sm, smem_per_sm, min_block_time, kernel_overhead,
              dram, copy): (usize, i64, i64, i64, i64, f64, f64, (Vec<(f64, f64)>, i64, f64),
                            (f64, f64, f64, Option<f64>, Option<f64>, f64, f64)) = spec.extract()?;
@@ -307,7 +338,8 @@ impl Engine {
         let objs: Objects = Rc::new(RefCell::new(Vec::new()));
         let raised: Raised = Rc::new(RefCell::new(None));
         let policy = make_policy(policy, policy_args, &objs, &raised)?;
-        Ok(Engine { core: Core::new(spec, record), policy, objs, raised, by_addr: HashMap::new(), trace, block_group })
+        Ok(Engine { core: Core::new(spec, record), policy, objs, raised, by_addr: HashMap::new(),
+                    trace: Trace::default() })
     }
 
     #[getter]
@@ -366,6 +398,24 @@ impl Engine {
         let out = self.objects(py, &done)?;
         self.sync(py)?;
         Ok(out)
+    }
+
+    /// The recorded block groups from the `from`-th on, as columns: (kernels, kernel, sm, count, start, end),
+    /// `kernels` a list of every kernel recorded so far and the rest bytes of uint32, uint32, int64, float64
+    /// and float64 values, `kernel` indexing `kernels`.
+    #[allow(clippy::type_complexity)]
+    fn trace_columns<'py>(&self, py: Python<'py>, from: usize)
+                          -> PyResult<(Bound<'py, PyList>, Bound<'py, PyBytes>, Bound<'py, PyBytes>,
+                                       Bound<'py, PyBytes>, Bound<'py, PyBytes>, Bound<'py, PyBytes>)> {
+        let t = &self.trace;
+        Ok((PyList::new(py, t.kernels.iter().map(|k| k.bind(py)))?, column_bytes(py, &t.kernel, from, u32::to_ne_bytes),
+            column_bytes(py, &t.sm, from, u32::to_ne_bytes), column_bytes(py, &t.count, from, i64::to_ne_bytes),
+            column_bytes(py, &t.start, from, f64::to_ne_bytes), column_bytes(py, &t.end, from, f64::to_ne_bytes)))
+    }
+
+    /// How many block groups are recorded.
+    fn trace_len(&self) -> usize {
+        self.trace.kernel.len()
     }
 
     fn next_time(&mut self) -> Option<f64> {
