@@ -1,0 +1,64 @@
+//! `mpsd._core.Handle`: the record of a kernel submitted by plain values (`Simulator.launch`), made and kept
+//! by the compiled engine in the op's slot instead of a Python `mpsd.sim.Kernel`. The engine writes its times
+//! and flags as Rust fields, where a Kernel costs a Python attribute store apiece; Python reads them as
+//! read-only attributes. It is hashed and compared by identity, as the Kernel it stands for is (a daemon keys
+//! its waiters by it), and carries `tag`, the one thing its holder writes.
+
+use pyo3::prelude::*;
+
+#[pyclass(module = "mpsd._core")]
+pub struct Handle {
+    /// Tenant id.
+    #[pyo3(get)]
+    pub client: i64,
+    /// Submission sequence number.
+    #[pyo3(get)]
+    pub seq: u64,
+    /// Simulated times, NaN until they happen (as on an `mpsd.sim.Op`).
+    #[pyo3(get)]
+    pub submitted: f64,
+    #[pyo3(get)]
+    pub eligible: f64,
+    #[pyo3(get)]
+    pub started: f64,
+    #[pyo3(get)]
+    pub ended: f64,
+    /// Reported complete.
+    #[pyo3(get)]
+    pub done: bool,
+    /// Its client's work was torn down: it never completes.
+    #[pyo3(get)]
+    pub cancelled: bool,
+    /// Opaque to the simulator: its holder's (the daemon's completion callback, or None).
+    #[pyo3(get, set)]
+    pub tag: PyObject,
+}
+
+impl Handle {
+    pub fn new(py: Python<'_>, client: i64, seq: u64, submitted: f64) -> Self {
+        Handle {
+            client, seq, submitted,
+            eligible: f64::NAN, started: f64::NAN, ended: f64::NAN,
+            done: false, cancelled: false,
+            tag: py.None(),
+        }
+    }
+
+    /// The engine's changes, written where a Kernel would have them set as attributes. `done` and `cancelled`
+    /// only ever become true, as on a Kernel.
+    pub fn update(&mut self, eligible: f64, started: f64, ended: f64, done: bool, cancelled: bool) {
+        self.eligible = eligible;
+        self.started = started;
+        self.ended = ended;
+        self.done |= done;
+        self.cancelled |= cancelled;
+    }
+}
+
+#[pymethods]
+impl Handle {
+    fn __repr__(&self) -> String {
+        let state = if self.cancelled { "cancelled" } else if self.done { "done" } else { "pending" };
+        format!("<Handle client={} seq={} {state}>", self.client, self.seq)
+    }
+}
