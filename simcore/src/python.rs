@@ -252,9 +252,9 @@ impl Engine {
         Ok(())
     }
 
-    /// Write the engine's changes onto the Python objects, extend the trace, and let go of finished ops.
-    fn sync(&mut self, py: Python<'_>) -> PyResult<()> {
-        for h in std::mem::take(&mut self.core.ops.dirty) {
+    /// Write the engine's times and flags onto the objects of the ops `dirty` names.
+    fn write_ops(&mut self, py: Python<'_>, dirty: &[u64]) -> PyResult<()> {
+        for &h in dirty {
             let o = self.core.ops.at_mut(h);
             o.dirty = false;
             let (e, s, t, d, c) = (o.eligible, o.started, o.ended, o.done, o.cancelled);
@@ -273,6 +273,18 @@ impl Engine {
                 obj.setattr(intern!(py, "cancelled"), true)?;
             }
         }
+        Ok(())
+    }
+
+    /// Write the engine's changes onto the Python objects, extend the trace, and let go of finished ops.
+    fn sync(&mut self, py: Python<'_>) -> PyResult<()> {
+        // The list goes back emptied, not dropped: nearly every call dirties an op or two, and one grown
+        // afresh would be an allocation per call.
+        let mut dirty = std::mem::take(&mut self.core.ops.dirty);
+        let written = self.write_ops(py, &dirty);
+        dirty.clear();
+        self.core.ops.dirty = dirty;
+        written?;
         if !self.core.trace.is_empty() {
             let trace = self.trace.bind(py);
             let bg = self.block_group.bind(py);
