@@ -2,15 +2,16 @@
 # this class checks what comes in, turns the spec and each launch's shape into the numbers the engine needs
 # (once per device, once per launch shape), and hands the engine the caller's own op objects, which come
 # back from advance/run/cancel with their times written on them; or, for a kernel given by plain values
-# (`launch`), a record the engine makes and writes natively (mpsd._core.Handle). There is one engine: the Python one it
-# replaced was deleted once this one matched it to the bit (tests/test_sim_differential.py holds it to the
-# Python engine's recorded behaviour).
+# (`launch`), a record the engine makes and writes natively (mpsd._core.Handle). There is one engine: the
+# Python one it replaced was deleted once this one matched it to the bit (tests/test_sim_differential.py holds
+# it to the Python engine's recorded behaviour).
 """The simulated GPU: ``Simulator``."""
 
 from __future__ import annotations
 
 import itertools
-from typing import Any, Hashable
+from collections.abc import Hashable
+from typing import Any
 
 from .. import _core
 from .costs import BlockCost
