@@ -4,7 +4,9 @@ touch no memory, and Kernel objects where a trace or a policy written in Python 
 
 from __future__ import annotations
 
+import gc
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
@@ -75,6 +77,23 @@ def test_a_handle_is_its_kernels_record_and_its_holder_writes_only_the_tag():
     assert first.ended == pytest.approx(H200.kernel_overhead + 1e-3) and twin.eligible == first.ended
     assert twin.started == pytest.approx(first.ended + H200.kernel_overhead)
     assert "done" in repr(first)
+
+
+def test_a_tag_that_refers_back_to_its_handle_is_collected():
+    """The collector sees a handle's tag, as a Kernel's: a completion callback that holds its handle leaks
+    nothing once both are dropped."""
+    sim = Simulator(H200)
+
+    class Callback:
+        pass
+
+    handle, callback = sim.launch(1, 0, (), 1, 32, SPIN), Callback()
+    callback.handle, handle.tag = handle, callback
+    gone = weakref.ref(callback)
+    sim.run()  # the engine lets go of it
+    del handle, callback
+    gc.collect()
+    assert gone() is None
 
 
 def test_a_cancelled_launch_is_marked_so_and_releases_what_waits_on_it():

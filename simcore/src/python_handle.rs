@@ -4,7 +4,9 @@
 //! read-only attributes. It is hashed and compared by identity, as the Kernel it stands for is (a daemon keys
 //! its waiters by it), and carries `tag`, the one thing its holder writes.
 
+use pyo3::gc::PyVisit;
 use pyo3::prelude::*;
+use pyo3::PyTraverseError;
 
 #[pyclass(module = "mpsd._core")]
 pub struct Handle {
@@ -29,18 +31,18 @@ pub struct Handle {
     /// Its client's work was torn down: it never completes.
     #[pyo3(get)]
     pub cancelled: bool,
-    /// Opaque to the simulator: its holder's (the daemon's completion callback, or None).
-    #[pyo3(get, set)]
-    pub tag: PyObject,
+    /// Opaque to the simulator: its holder's (None: Python's None). The collector sees it, so a tag that
+    /// refers back to its handle makes no cycle that outlives them.
+    tag: Option<PyObject>,
 }
 
 impl Handle {
-    pub fn new(py: Python<'_>, client: i64, seq: u64, submitted: f64) -> Self {
+    pub fn new(client: i64, seq: u64, submitted: f64) -> Self {
         Handle {
             client, seq, submitted,
             eligible: f64::NAN, started: f64::NAN, ended: f64::NAN,
             done: false, cancelled: false,
-            tag: py.None(),
+            tag: None,
         }
     }
 
@@ -57,6 +59,27 @@ impl Handle {
 
 #[pymethods]
 impl Handle {
+    #[getter]
+    fn tag(&self, py: Python<'_>) -> PyObject {
+        self.tag.as_ref().map_or_else(|| py.None(), |t| t.clone_ref(py))
+    }
+
+    #[setter]
+    fn set_tag(&mut self, py: Python<'_>, tag: PyObject) {
+        self.tag = if tag.is_none(py) { None } else { Some(tag) };
+    }
+
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        if let Some(tag) = &self.tag {
+            visit.call(tag)?;
+        }
+        Ok(())
+    }
+
+    fn __clear__(&mut self) {
+        self.tag = None;
+    }
+
     fn __repr__(&self) -> String {
         let state = if self.cancelled { "cancelled" } else if self.done { "done" } else { "pending" };
         format!("<Handle client={} seq={} {state}>", self.client, self.seq)
