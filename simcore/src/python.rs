@@ -371,7 +371,7 @@ impl Engine {
             }
             None => {
                 let o = self.core.ops.at(h);
-                let handle = Bound::new(py, Handle::new(client, o.seq, o.submitted))?.into_any();
+                let handle = Handle::create(py, client, o.seq, o.submitted)?.into_any();
                 self.keep(h, &handle);
                 handle.unbind()
             }

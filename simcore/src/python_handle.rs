@@ -4,6 +4,7 @@
 //! read-only attributes. It is hashed and compared by identity, as the Kernel it stands for is (a daemon keys
 //! its waiters by it), and carries `tag`, the one thing its holder writes.
 
+use pyo3::ffi;
 use pyo3::gc::PyVisit;
 use pyo3::prelude::*;
 use pyo3::PyTraverseError;
@@ -32,18 +33,23 @@ pub struct Handle {
     #[pyo3(get)]
     pub cancelled: bool,
     /// Opaque to the simulator: its holder's (None: Python's None). The collector sees it, so a tag that
-    /// refers back to its handle makes no cycle that outlives them.
+    /// refers back to its handle makes no cycle that outlives them; a handle without one, as nearly all are,
+    /// is left out of the collector's lists, as CPython leaves out a tuple of numbers.
     tag: Option<PyObject>,
 }
 
 impl Handle {
-    pub fn new(client: i64, seq: u64, submitted: f64) -> Self {
-        Handle {
+    /// A new handle, untracked by the collector until it is given a tag.
+    pub fn create(py: Python<'_>, client: i64, seq: u64, submitted: f64) -> PyResult<Bound<'_, Handle>> {
+        let handle = Bound::new(py, Handle {
             client, seq, submitted,
             eligible: f64::NAN, started: f64::NAN, ended: f64::NAN,
             done: false, cancelled: false,
             tag: None,
-        }
+        })?;
+        // SAFETY: a live object of a collected type (it has __traverse__), with the GIL held.
+        unsafe { ffi::PyObject_GC_UnTrack(handle.as_ptr().cast()) };
+        Ok(handle)
     }
 
     /// The engine's changes, written where a Kernel would have them set as attributes. `done` and `cancelled`
@@ -65,8 +71,19 @@ impl Handle {
     }
 
     #[setter]
-    fn set_tag(&mut self, py: Python<'_>, tag: PyObject) {
-        self.tag = if tag.is_none(py) { None } else { Some(tag) };
+    fn set_tag(mut slf: PyRefMut<'_, Self>, tag: PyObject) {
+        if tag.is_none(slf.py()) {
+            slf.tag = None;  // tracked or not, it refers to nothing now
+            return;
+        }
+        slf.tag = Some(tag);
+        let ptr = slf.as_ptr();
+        // SAFETY: as in `create`; an object may be tracked only once.
+        unsafe {
+            if ffi::PyObject_GC_IsTracked(ptr) == 0 {
+                ffi::PyObject_GC_Track(ptr.cast());
+            }
+        }
     }
 
     fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
