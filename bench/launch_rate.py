@@ -65,15 +65,16 @@ def block_raw(sock, reader: h.FrameReader, n: int, warmup: int) -> float:
 
 
 def simulator_share(n: int) -> float:
-    """Seconds of this process's CPU per launch for what the daemon asks the simulator for each one: a Kernel
-    record, submit, and the advance that completes it (the calls mpsd.backends.engine makes, nothing else)."""
-    from mpsd.sim import Kernel, Simulator, kernel_cost
+    """Seconds of this process's CPU per launch for what the daemon asks the simulator for each one: launch (a
+    kernel by its values: the simulator makes its record), and the advance that completes it (the calls
+    mpsd.backends.engine makes, nothing else)."""
+    from mpsd.sim import Simulator, kernel_cost
 
     sim = Simulator(H200)
     cost = kernel_cost(H200, *KERNEL[:3], KERNEL[3])
     now, t0 = 0.0, time.process_time()
     for _ in range(n):
-        sim.submit(Kernel(client=1, stream=(1, 0), blocks=1, threads=32, cost=cost))
+        sim.launch(1, (1, 0), (), 1, 32, cost)
         now += 5e-6
         sim.advance(now, 16)
     return (time.process_time() - t0) / n
@@ -151,7 +152,7 @@ def main() -> int:
             ("daemon CPU", f"{cpu_per_launch * 1e6:.1f} us per launch (user + system, read with psutil)")]
     if not real:
         share = simulator_share(args.n)
-        rows.append(("simulator", f"{share * 1e6:.2f} us of it per launch: Kernel, submit and the advance that "
+        rows.append(("simulator", f"{share * 1e6:.2f} us of it per launch: launch and the advance that "
                                   f"completes it, timed here on the same simulator (target: under 5 us)"))
     target = REAL_TARGET if real else TARGET
     line = {"bench": "launch_rate", "n": args.n, "repeat": args.repeat, "time_scale": args.time_scale,

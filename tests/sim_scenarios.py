@@ -136,8 +136,15 @@ def build(seed: int) -> tuple[str, list]:
     return spec_name, steps
 
 
-def play(make, seed: int, policy: str) -> list:
-    """Run scenario ``seed`` on ``make(spec, policy, record=True, policy_options=...)``; everything it showed."""
+def _submit(sim, op):
+    sim.submit(op)
+    return op
+
+
+def play(make, seed: int, policy: str, submit=_submit) -> list:
+    """Run scenario ``seed`` on ``make(spec, policy, record=True, policy_options=...)``; everything it showed.
+    ``submit(sim, op)`` submits each op and gives what stands for it in what the simulator returns (the op
+    itself, or a record made for it, such as ``Simulator.launch``'s handle)."""
     spec_name, steps = build(seed)
     spec = SPECS[spec_name]
     sim = make(spec, policy, True, options(random.Random(seed + 1 << 20), policy, spec_name))
@@ -151,10 +158,9 @@ def play(make, seed: int, policy: str) -> list:
     for step in steps:
         kind = step[0]
         if kind == "submit":
-            op = step[1]
+            op = submit(sim, step[1])
             index[id(op)] = len(ops)
             ops.append(op)
-            sim.submit(op)
             got = None
         elif kind == "at":
             got = sim.advance(step[1])

@@ -14,7 +14,7 @@ from typing import Callable, Iterable
 import trio
 
 from mpsd.backends.base import when_all
-from mpsd.sim import Op, Simulator
+from mpsd.sim import BlockCost, Op, Simulator
 from mpsd.sim.clock import HOLDING, Host, VirtualClock
 
 log = logging.getLogger("mpsd.backends.engine")
@@ -86,6 +86,18 @@ class Engine:
         Raises:
             ValueError: the simulator refused it (a kernel that cannot fit on an SM, say).
         """
+        self._arrive()
+        self.sim.submit(op)
+
+    def launch(self, client: int, stream: tuple[int, int], after: tuple, blocks: int, threads: int,
+               cost: BlockCost, smem: int, priority: int, sm_cap: int | None) -> object:
+        """`submit` for a kernel given by plain values (`Simulator.launch`): its handle."""
+        self._arrive()
+        return self.sim.launch(client, stream, after, blocks, threads, cost, smem, priority, sm_cap)
+
+    def _arrive(self) -> None:
+        """Bring the simulator to the time the call being served arrived, count how late it is served as lag,
+        and wake the run loop for the work about to be submitted."""
         sim, origin = self.sim, self._origin
         before = sim.now
         if origin is None:
@@ -100,11 +112,10 @@ class Engine:
         if arrived > before or ((due := sim.next_time()) is not None and due <= before):
             self._advance_to(arrived)
             before = sim.now
-        sim.submit(op)
         lag = now - before
         if lag > self.max_lag:
             self.max_lag = lag
-        self._wake.set()
+        self._wake.set()  # the run loop runs only once this task yields: after the submit
 
     def when_done(self, ops: Iterable[Op | None], callback: Callable[[], None]) -> None:
         """Call `callback` (now, if they are) once every op of `ops` has completed or was cancelled."""
@@ -127,8 +138,8 @@ class Engine:
 
     def _finish(self, op: Op) -> None:
         callback: Callable[[Op], None] | None = op.tag  # type: ignore[assignment]
-        op.tag = None  # an effect applies once; what it holds (a staged copy's bytes) goes now
         if callback is not None:
+            op.tag = None  # an effect applies once; what it holds (a staged copy's bytes) goes now
             try:
                 callback(op)
             except Exception:  # an effect must never take the engine down with it
@@ -189,6 +200,10 @@ class VirtualEngine(Engine):
             ValueError: the simulator refused it.
         """
         self.sim.submit(op)
+
+    def launch(self, client: int, stream: tuple[int, int], after: tuple, blocks: int, threads: int,
+               cost: BlockCost, smem: int, priority: int, sm_cap: int | None) -> object:
+        return self.sim.launch(client, stream, after, blocks, threads, cost, smem, priority, sm_cap)
 
     def cancel(self, client: int) -> None:
         super().cancel(client)

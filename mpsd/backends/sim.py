@@ -35,7 +35,7 @@ __all__ = ["SimBackend", "device_properties"]
 
 log = logging.getLogger("mpsd.backends.sim")
 _CHUNK = 64 << 20  # a memset writes its pattern in pieces this size, so a huge one needs no huge temporary
-_MAX_COSTS = 4096  # launch costs kept, by kernel, grid size, block size and arguments
+_MAX_COSTS = 4096  # launch costs kept, by kernel, grid, block and arguments
 
 
 def device_properties(spec: DeviceSpec, index: int) -> dict[str, Any]:
@@ -105,7 +105,13 @@ class SimBackend:
         self.instances = tuple(Instance(p.profile, p.sm_count, p.memory)
                                for p in getattr(self.sim.policy, "partitions", ()))
         self._reservations: dict[int, dict[Op, Reservation]] = {}  # client -> host RAM its queued ops may touch
-        self._costs: dict[tuple[str, int, int, tuple[int | float, ...]], BlockCost] = {}
+        # launch costs by kernel, grid, block and arguments: (blocks, threads per block, cost per block)
+        self._costs: dict[tuple[str, tuple[int, int, int], tuple[int, int, int], tuple[int | float, ...]],
+                          tuple[int, int, BlockCost]] = {}
+        # A launch that touches no memory has no effect to apply and no host RAM to settle: all the daemon reads
+        # of its op is when it ended, so the simulator makes its record natively (Simulator.launch) rather than
+        # be handed a Kernel, except where the Kernel objects are needed (a trace; a policy written in Python).
+        self._plain = self.recorder is None and self.sim.handles
 
     # -- what the device is ----------------------------------------------------------------------------
     def properties(self, index: int) -> dict[str, Any]:
@@ -152,6 +158,12 @@ class SimBackend:
         self.engine.arrival = at
 
     def submit(self, work: Work) -> None:
+        if type(work) is Launch and not work.extents and self._plain:
+            blocks, threads, cost = self._costs.get((work.kernel, work.grid, work.block, work.args)) or self._cost(work)
+            work.handle = self.engine.launch(work.client, work.stream, _handles(work.after) if work.after else (),
+                                             blocks, threads, cost, work.shared_mem, work.priority, work.sm_cap)
+            work.after = ()  # as _op does: no chain of finished work stays reachable from a stream's tail
+            return
         # Most launches touch no memory (spin, work): they skip the host RAM budget altogether.
         touches = self._touches(work) if type(work) is not Launch or work.extents else None
         touched = self.host_memory.reserve(touches) if touches else None
@@ -169,22 +181,24 @@ class SimBackend:
     def when_done(self, work: Iterable[Work | None], callback: Callable[[], None]) -> None:
         self.engine.when_done([w.handle for w in work if w is not None], callback)
 
+    def _cost(self, work: Launch) -> tuple[int, int, BlockCost]:
+        """A launch's blocks, threads per block and cost per block, which `_costs` keeps: a loop launches the
+        same kernel with the same arguments again and again, so each launch looks there first and its cost is
+        computed once (pointer arguments make new keys, so the cache is cleared when it grows large)."""
+        (gx, gy, gz), (bx, by, bz) = work.grid, work.block
+        blocks, threads = gx * gy * gz, bx * by * bz
+        cost = kernel_cost(self.spec, work.kernel, blocks, threads, work.args)
+        if len(self._costs) >= _MAX_COSTS:
+            self._costs.clear()
+        entry = self._costs[(work.kernel, work.grid, work.block, work.args)] = (blocks, threads, cost)
+        return entry
+
     def _op(self, work: Work) -> Op:
-        after = tuple(w.handle for w in work.after if w.handle is not None) if work.after else ()
+        after = _handles(work.after) if work.after else ()
         client, stream = work.client, work.stream
         op: Op
         if isinstance(work, Launch):
-            (gx, gy, gz), (bx, by, bz) = work.grid, work.block
-            blocks, threads = gx * gy * gz, bx * by * bz
-            # A loop launches the same kernel with the same arguments again and again: its cost is computed
-            # once (pointer arguments make new keys, so the cache is cleared when it grows large).
-            key = (work.kernel, blocks, threads, work.args)
-            cost = self._costs.get(key)
-            if cost is None:
-                cost = kernel_cost(self.spec, work.kernel, blocks, threads, work.args)
-                if len(self._costs) >= _MAX_COSTS:
-                    self._costs.clear()
-                self._costs[key] = cost
+            blocks, threads, cost = self._costs.get((work.kernel, work.grid, work.block, work.args)) or self._cost(work)
             op = Kernel.of(client, stream, after, blocks, threads, cost, work.shared_mem, work.priority, work.sm_cap)
             if self.recorder is not None:
                 self.recorder.launched(op, work.kernel)
@@ -343,6 +357,11 @@ class SimBackend:
         if self.recorder is None:
             return None
         return self.recorder.timeline(self), self.recorder.meta(self, index)
+
+
+def _handles(after: tuple[Work, ...]) -> tuple[Any, ...]:
+    """The simulator's records of the work `after` names, of those that have one."""
+    return tuple(w.handle for w in after if w.handle is not None)
 
 
 def _peer_engine(copy: Copy) -> str | None:

@@ -1,19 +1,22 @@
 # The simulator's public class. Its engine is compiled (the crate in simcore/, imported as mpsd._core):
 # this class checks what comes in, turns the spec and each launch's shape into the numbers the engine needs
 # (once per device, once per launch shape), and hands the engine the caller's own op objects, which come
-# back from advance/run/cancel with their times written on them. There is one engine: the Python one it
-# replaced was deleted once this one matched it to the bit (tests/test_sim_differential.py holds it to the
-# Python engine's recorded behaviour).
+# back from advance/run/cancel with their times written on them; or, for a kernel given by plain values
+# (`launch`), a record the engine makes and writes natively (mpsd._core.Handle). There is one engine: the
+# Python one it replaced was deleted once this one matched it to the bit (tests/test_sim_differential.py holds
+# it to the Python engine's recorded behaviour).
 """The simulated GPU: ``Simulator``."""
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Hashable
 from typing import Any
 
 import numpy as np
 
 from .. import _core
+from .costs import BlockCost
 from .ops import ENGINES, BlockGroup, Copy, Kernel, Marker, Op
 from .policies import DEFAULT_CLIENT, BuiltinPolicy, ClientConfig, make_policy
 from .policies.custom import Policy, load_policy
@@ -125,26 +128,8 @@ class Simulator:
         if op.seq != -1:
             raise ValueError("op already submitted")
         if isinstance(op, Kernel):
-            if op.blocks < 1:
-                raise ValueError(f"kernel needs at least one block, got {op.blocks}")
-            shape = (op.threads, op.regs_per_thread, op.smem)
-            numbers = self._launch.get(shape)
-            if numbers is None:
-                launch = self._shapes.launch(*shape)
-                need = launch.need
-                numbers = self._launch[shape] = (launch.shape, need.warps, need.regs, need.smem, launch.demand,
-                                                 launch.sm_share)
-            if op.sm_cap is not None and op.sm_cap < 1:
-                raise ValueError(f"sm_cap must be >= 1, got {op.sm_cap}")
-            cost = op.cost
-            seconds = cost.seconds
-            client = op.client
-            stream = self._streams.get((client, op.stream))  # _stream, inlined: every launch comes here
-            if stream is None:
-                stream = self._stream(op)
-            self._core.submit_kernel(op, client, stream, op.after, op.blocks, op.threads, op.priority,
-                                     op.sm_cap, (seconds, cost.shared, cost.clocked, cost.dram, cost.weight),
-                                     numbers, self._min_block if self._min_block > seconds else seconds)
+            self.launch(op.client, op.stream, op.after, op.blocks, op.threads, op.cost, op.smem, op.priority,
+                        op.sm_cap, op.regs_per_thread, op)
         elif isinstance(op, Copy):
             if op.engine not in ENGINES:
                 raise ValueError(f"unknown copy engine {op.engine!r}; known: {ENGINES}")
@@ -152,15 +137,58 @@ class Simulator:
                 raise ValueError(f"nbytes must be >= 0, got {op.nbytes}")
             if op.engine.startswith("peer") and self.spec.nvlink_bandwidth <= 0:
                 raise ValueError(f"{self.spec.name} has no NVLink: a copy between devices is staged")
-            self._core.submit_copy(op, op.client, self._stream(op), op.after, _ENGINE_CODES[op.engine], op.nbytes)
+            self._core.submit_copy(op, op.client, self._stream(op.client, op.stream), op.after,
+                                   _ENGINE_CODES[op.engine], op.nbytes)
         elif isinstance(op, Marker):
-            self._core.submit_marker(op, op.client, self._stream(op), op.after)
+            self._core.submit_marker(op, op.client, self._stream(op.client, op.stream), op.after)
         else:
             raise TypeError(f"cannot submit {type(op).__name__}")
         return None
 
-    def _stream(self, op: Op) -> int:
-        key = (op.client, op.stream)
+    @property
+    def handles(self) -> bool:
+        """Whether ``launch`` may be used: not in a recorded run (its trace names the Kernel objects) nor under
+        a policy written in Python (its dispatch is handed them)."""
+        return self._core.handles
+
+    def launch(self, client: int, stream: Hashable, after: tuple, blocks: int, threads: int, cost: BlockCost,
+               smem: int = 0, priority: int = 0, sm_cap: int | None = None, regs_per_thread: int = 32,
+               _kernel: Kernel | None = None) -> Any:
+        """Submit, at the current time, the kernel ``Kernel(client=client, stream=stream, ...)`` would be, with
+        no Kernel made: what a daemon does for a launch whose only outcome it reads is when it ended. (``submit``
+        hands a Kernel's own fields here with the Kernel as ``_kernel``: the checks and numbers are in one place,
+        and a launch pays for no call more.)
+
+        Returns:
+            Its record: ``client``, ``seq``, ``submitted``, ``eligible``, ``started``, ``ended``, ``done`` and
+            ``cancelled`` read as a Kernel's would, and ``tag`` is the caller's. It compares and hashes by
+            identity, is named in later ops' ``after`` as a Kernel is, and is what ``advance``, ``run`` and
+            ``cancel`` return for it.
+
+        Raises:
+            ValueError: as ``submit`` for such a Kernel; or ``handles`` is false.
+        """
+        if blocks < 1:
+            raise ValueError(f"kernel needs at least one block, got {blocks}")
+        shape = (threads, regs_per_thread, smem)
+        numbers = self._launch.get(shape)
+        if numbers is None:
+            launch = self._shapes.launch(*shape)
+            need = launch.need
+            numbers = self._launch[shape] = (launch.shape, need.warps, need.regs, need.smem, launch.demand,
+                                             launch.sm_share)
+        if sm_cap is not None and sm_cap < 1:
+            raise ValueError(f"sm_cap must be >= 1, got {sm_cap}")
+        seconds = cost.seconds
+        number = self._streams.get((client, stream))  # _stream, inlined: every launch comes here
+        if number is None:
+            number = self._stream(client, stream)
+        return self._core.submit_kernel(_kernel, client, number, after, blocks, threads, priority, sm_cap,
+                                        (seconds, cost.shared, cost.clocked, cost.dram, cost.weight), numbers,
+                                        self._min_block if self._min_block > seconds else seconds)
+
+    def _stream(self, client: int, stream: Hashable) -> int:
+        key = (client, stream)
         n = self._streams.get(key)
         if n is None:
             n = self._streams[key] = next(self._stream_numbers)

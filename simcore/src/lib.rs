@@ -22,4 +22,6 @@ pub mod wire;
 #[cfg(feature = "python")]
 mod python;
 #[cfg(feature = "python")]
+mod python_handle;
+#[cfg(feature = "python")]
 mod python_wire;

@@ -1,11 +1,13 @@
 //! The Python face of the crate, `mpsd._core`: thin conversions around the pure engine. The engine keeps
 //! ops by handle; this keeps the Python op objects beside them (by slot, and by address for the `after`
 //! lookups of later submits) and writes the engine's times onto them at the end of every call, so that the
-//! objects the caller holds read as the Python engine left them.
+//! objects the caller holds read as the Python engine left them. A kernel submitted by plain values has no
+//! Python op: its object is a `Handle` (python_handle.rs) made here, whose fields are written natively.
 
 use crate::engine::{Core, KernelArgs};
 use crate::ops::{slot, Cost, Need};
 use crate::policy::{ClientConfig, Mps, Policy};
+use crate::python_handle::Handle;
 use crate::shares::{Fair, Priority, RoundRobin};
 use crate::tenancy::{Exclusive, Mig, Timeslice};
 use pyo3::exceptions::PyValueError;
@@ -180,6 +182,10 @@ struct Engine {
     raised: Raised,
     by_addr: HashMap<usize, u64>,
     trace: Trace,
+    /// Whether a kernel may be submitted without a Python op (a `Handle` made for it): not while a trace is
+    /// recorded (its block groups name the Kernel objects) nor under a policy written in Python (its dispatch
+    /// is handed them).
+    handles: bool,
 }
 
 /// The recorded block groups as columns (a run has millions; an object each cost a third of a stress run's
@@ -270,13 +276,17 @@ impl Engine {
         Ok(())
     }
 
-    /// Write the engine's changes onto the Python objects, extend the trace, and let go of finished ops.
-    fn sync(&mut self, py: Python<'_>) -> PyResult<()> {
-        for h in std::mem::take(&mut self.core.ops.dirty) {
+    /// Write the engine's times and flags onto the objects of the ops `dirty` names.
+    fn write_ops(&mut self, py: Python<'_>, dirty: &[u64]) -> PyResult<()> {
+        for &h in dirty {
             let o = self.core.ops.at_mut(h);
             o.dirty = false;
             let (e, s, t, d, c) = (o.eligible, o.started, o.ended, o.done, o.cancelled);
             let obj = self.obj(py, h);
+            if let Ok(handle) = obj.downcast::<Handle>() {
+                handle.borrow_mut().update(e, s, t, d, c);
+                continue;
+            }
             obj.setattr(intern!(py, "eligible"), e)?;
             obj.setattr(intern!(py, "started"), s)?;
             obj.setattr(intern!(py, "ended"), t)?;
@@ -287,6 +297,18 @@ impl Engine {
                 obj.setattr(intern!(py, "cancelled"), true)?;
             }
         }
+        Ok(())
+    }
+
+    /// Write the engine's changes onto the Python objects, extend the trace, and let go of finished ops.
+    fn sync(&mut self, py: Python<'_>) -> PyResult<()> {
+        // The list goes back emptied, not dropped: nearly every call dirties an op or two, and one grown
+        // afresh would be an allocation per call.
+        let mut dirty = std::mem::take(&mut self.core.ops.dirty);
+        let written = self.write_ops(py, &dirty);
+        dirty.clear();
+        self.core.ops.dirty = dirty;
+        written?;
         for (h, sm, count, start, end) in std::mem::take(&mut self.core.trace) {
             let next = self.trace.kernels.len() as u32;
             let k = *self.trace.index.entry(h).or_insert(next);
@@ -337,9 +359,10 @@ impl Engine {
         };
         let objs: Objects = Rc::new(RefCell::new(Vec::new()));
         let raised: Raised = Rc::new(RefCell::new(None));
+        let handles = !record && policy != "python";
         let policy = make_policy(policy, policy_args, &objs, &raised)?;
         Ok(Engine { core: Core::new(spec, record), policy, objs, raised, by_addr: HashMap::new(),
-                    trace: Trace::default() })
+                    trace: Trace::default(), handles })
     }
 
     #[getter]
@@ -347,13 +370,24 @@ impl Engine {
         self.core.now
     }
 
+    #[getter]
+    fn handles(&self) -> bool {
+        self.handles
+    }
+
+    /// Submit a kernel: `op`, the caller's Kernel, which gets the engine's times written on it; or, with `op`
+    /// None, a kernel of these values alone, whose `Handle` this returns (None otherwise).
     #[allow(clippy::too_many_arguments)]
-    fn submit_kernel(&mut self, py: Python<'_>, op: &Bound<'_, PyAny>, client: i64, stream: u64,
+    fn submit_kernel(&mut self, py: Python<'_>, op: Option<&Bound<'_, PyAny>>, client: i64, stream: u64,
                      after: &Bound<'_, PyAny>, blocks: i64, threads: u32, priority: i64, sm_cap: Option<i64>,
                      cost: (f64, bool, bool, bool, f64), shape: (u32, i64, i64, i64, f64, f64), seconds: f64)
-                     -> PyResult<()> {
+                     -> PyResult<PyObject> {
+        if op.is_none() && !self.handles {
+            return Err(PyValueError::new_err(
+                "a recorded run and a policy written in Python need Kernel objects: submit a Kernel"));
+        }
         let after = self.deps(after)?;
-        let into = self.slot_for(op);
+        let into = op.and_then(|op| self.slot_for(op));
         let args = KernelArgs {
             client, stream, after, threads, priority, sm_cap,
             cost: Cost { seconds: cost.0, shared: cost.1, clocked: cost.2, dram: cost.3, weight: cost.4 },
@@ -361,8 +395,20 @@ impl Engine {
             shape: shape.0, seconds, demand: shape.4, sm_share: shape.5, blocks,
         };
         let h = self.core.submit_kernel(&mut *self.policy, into, args);
-        self.entered(h, op)?;
-        self.sync(py)
+        let out = match op {
+            Some(op) => {
+                self.entered(h, op)?;
+                py.None()
+            }
+            None => {
+                let o = self.core.ops.at(h);
+                let handle = Handle::create(py, client, o.seq, o.submitted)?.into_any();
+                self.keep(h, &handle);
+                handle.unbind()
+            }
+        };
+        self.sync(py)?;
+        Ok(out)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -480,6 +526,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(spread, m)?)?;
     m.add_function(wrap_pyfunction!(compiled_policies, m)?)?;
     m.add_class::<Engine>()?;
+    m.add_class::<Handle>()?;
     crate::python_wire::register(m)?;
     Ok(())
 }
