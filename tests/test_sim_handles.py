@@ -1,6 +1,6 @@
 """A kernel submitted by plain values (Simulator.launch) runs as the Kernel of those values would, to the bit, and
-its record (mpsd._core.Handle) reads as that Kernel would; the daemon's backend uses it for the launches that
-touch no memory, and Kernel objects where a trace or a policy written in Python needs them."""
+its record (mpsd._core.Handle) reads as that Kernel would; the daemon's backend uses it for its launches, and
+Kernel objects where a trace or a policy written in Python needs them."""
 
 from __future__ import annotations
 
@@ -158,7 +158,7 @@ async def _settled(backend: SimBackend, works: list, autojump_clock) -> list[str
     return told
 
 
-async def test_the_backend_gives_a_launch_that_touches_no_memory_a_handle(autojump_clock):
+async def test_the_backend_gives_a_launch_a_handle_and_one_that_touches_memory_its_effect(autojump_clock):
     backend = SimBackend(H200)
     segment = backend.allocate(4096)
     plain, after = _spin_launch(), _spin_launch(2)
@@ -167,12 +167,14 @@ async def test_the_backend_gives_a_launch_that_touches_no_memory_a_handle(autoju
                          ((0, Extent(segment, 0, 128)),))
     for work in (plain, after, touching):
         backend.submit(work)
-    assert type(plain.handle) is _core.Handle and type(after.handle) is _core.Handle
-    assert type(touching.handle) is Kernel  # its effect on the bytes is applied when its Kernel completes
+    assert {type(w.handle) for w in (plain, after, touching)} == {_core.Handle}
+    assert plain.handle.tag is None and touching.handle.tag is not None  # the effect on the bytes, at completion
+    assert backend.host_memory.pending > 0  # the bytes it touches are counted against host RAM until then
     assert await _settled(backend, [plain, after, touching], autojump_clock) == ["2", "0", "1"]
     assert plain.done and after.done and touching.done and not plain.cancelled
     assert after.handle.started >= plain.ended  # it waited for the one it named
     assert bytes(segment.map[:8]) == b"\x00\x00\x00@" * 2  # 2.0f, written by the reference kernel
+    assert touching.handle.tag is None and backend.host_memory.pending == 0 and backend._reservations[1] == {}
 
 
 async def test_a_cancelled_clients_launches_tell_their_waiters(autojump_clock):

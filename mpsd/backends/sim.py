@@ -108,9 +108,9 @@ class SimBackend:
         # launch costs by kernel, grid, block and arguments: (blocks, threads per block, cost per block)
         self._costs: dict[tuple[str, tuple[int, int, int], tuple[int, int, int], tuple[int | float, ...]],
                           tuple[int, int, BlockCost]] = {}
-        # A launch that touches no memory has no effect to apply and no host RAM to settle: all the daemon reads
-        # of its op is when it ended, so the simulator makes its record natively (Simulator.launch) rather than
-        # be handed a Kernel, except where the Kernel objects are needed (a trace; a policy written in Python).
+        # All the daemon reads of a launch's op is when it ended (and calls its tag, the effect on the bytes of one
+        # that touches memory), so the simulator makes its record natively (Simulator.launch) rather than be
+        # handed a Kernel, except where the Kernel objects are needed (a trace; a policy written in Python).
         self._plain = self.recorder is None and self.sim.handles
 
     # -- what the device is ----------------------------------------------------------------------------
@@ -158,10 +158,22 @@ class SimBackend:
         self.engine.arrival = at
 
     def submit(self, work: Work) -> None:
-        if type(work) is Launch and not work.extents and self._plain:
+        if type(work) is Launch and self._plain:
+            # Most launches touch no memory (spin, work): they skip the host RAM budget altogether.
+            touched = self.host_memory.reserve(touches) if work.extents and (touches := self._touches(work)) else None
             blocks, threads, cost = self._costs.get((work.kernel, work.grid, work.block, work.args)) or self._cost(work)
-            work.handle = self.engine.launch(work.client, work.stream, _handles(work.after) if work.after else (),
-                                             blocks, threads, cost, work.shared_mem, work.priority, work.sm_cap)
+            try:
+                handle = self.engine.launch(work.client, work.stream, _handles(work.after) if work.after else (),
+                                            blocks, threads, cost, work.shared_mem, work.priority, work.sm_cap)
+            except BaseException:
+                if touched is not None:
+                    self.host_memory.settle(touched)
+                raise
+            if work.extents:  # its effect on the bytes, applied when it completes (what _op gives a Kernel)
+                handle.tag = functools.partial(self._complete, work)
+                if touched is not None:
+                    self._reservations.setdefault(work.client, {})[handle] = touched
+            work.handle = handle
             work.after = ()  # as _op does: no chain of finished work stays reachable from a stream's tail
             return
         # Most launches touch no memory (spin, work): they skip the host RAM budget altogether.
