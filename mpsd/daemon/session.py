@@ -180,19 +180,24 @@ class Session:
                 return  # the peer reset the connection: it is gone
             if event is CLOSED or self._closing:
                 return
-            if isinstance(event, (Request, Notification)):
+            if (type(event) is Notification and event.op == "launch" and not event.fds and self.host is None
+                    and self._queued + self._posted < LAUNCH_QUEUE):
+                self._launch(event)  # a launch under the wall clock with room in the queue: most messages
+            elif isinstance(event, (Request, Notification)):
                 self._receive(event)
                 if self._closing:
                     return
-                if self._held is not None and not await self._wait_for_room():
-                    return  # the client hung up while its call was held
-                elif (served := served + 1) % FAIR_MESSAGES == 0:
-                    await trio.lowlevel.checkpoint()  # one read holds many messages: let other clients in
-                    self._arrival()
+                if self._held is not None:
+                    if not await self._wait_for_room():
+                        return  # the client hung up while its call was held
+                    continue
             else:
                 close_fds(event.fds)  # type: ignore[union-attr]
                 self._protocol_error("a client does not send replies")
                 return
+            if (served := served + 1) % FAIR_MESSAGES == 0:
+                await trio.lowlevel.checkpoint()  # one read holds many messages: let other clients in
+                self._arrival()
 
     async def _wait_for_room(self) -> bool:
         """Wait until the held call goes on (the client's call blocks: nothing more is read meanwhile). False
@@ -351,6 +356,30 @@ class Session:
         self.daemon.log.complaint(("uid", self.uid), f"Client {self.pid}: {full}; its next call waits for its "
                                                      "work to run")
         self._watch()
+
+    def _launch(self, note: Notification) -> None:
+        """A launch notification that `_receive` would serve at once (the wall clock, room in the queue, no fds):
+        what it, `_serve`, `_notification` and `_dispatch` do for the call, in one frame where the context has
+        its checks cached (Context.launch_cached) and no sticky error; anything else goes their way."""
+        ctx = self.context
+        if ctx is None or ctx.sticky is not None:
+            self._receive(note)
+            return
+        try:
+            work = ctx.launch_cached(note.args)
+        except Exception as exc:  # what _dispatch and _notification make of it
+            error = exc if isinstance(exc, CudaError) else _unexpected(exc)
+            if ctx.sticky is None:
+                ctx.last_error = error
+            return
+        if work is None:
+            self._receive(note)
+        elif not work.done:  # its place in the queue is its work's from here (what _serve does)
+            queue = self._queues.get(work.stream)
+            if queue is None:
+                queue = self._queues[work.stream] = deque()
+            queue.append((work, 0))
+            self._queued += 1
 
     def _arrival(self) -> None:
         """Under the wall clock: the calls served from here on arrived at the last read. Said after every wait,

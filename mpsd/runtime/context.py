@@ -491,6 +491,44 @@ class Context(VirtualMemoryCalls):
         self.counters.launches += 1
         return work
 
+    def launch_cached(self, args: dict[str, Any]) -> Launch | None:
+        """`launch` of a launch call's argument map as it arrived, in one frame, where its checks are cached and
+        its stream is one of this context's: the loop's common case. None, having done nothing, for any other;
+        the caller then serves the call by its row and `launch`, whose full checks, in CUDA's order, give the
+        error it always got.
+
+        The row's own checks need not be made again here: only a launch that passed them (and `launch`'s) is
+        ever cached, under a key holding each value's type, so a hit is a launch of exactly those kinds and
+        values. The stream is the one value outside the key, so its kind is checked as the row would: an int
+        or None, not a bool or a float that a dict would take for an int."""
+        grid, block, kargs = args.get("grid"), args.get("block"), args.get("args")
+        if type(grid) is not list or type(block) is not list or type(kargs) is not list:
+            return None
+        stream = args.get("stream")
+        s = self.streams.get(0 if stream is None else stream) if stream is None or type(stream) is int else None
+        if s is None:
+            return None
+        name, shared_mem = args.get("name"), args.get("shared_mem", 0)
+        key = (name, shared_mem, *grid, None, *block, None, *kargs)  # as `launch` makes it
+        try:
+            checked = self._checked.get((*key, *map(type, key)))
+        except TypeError:
+            return None
+        if checked is None:
+            return None
+        grid3, block3, values, touched = checked
+        extents = tuple((index, self.memory.extent(int(values[index]), nbytes))
+                        for index, nbytes in touched) if touched else ()
+        work = Launch.of(self.id, s.key, s.priority, self.quotas.sm_cap, name, grid3, block3,  # type: ignore[arg-type]
+                         shared_mem, values, extents)
+        if len(self.streams) == 1 and not self._orphans:  # _enqueue's share where there is nothing to wait for
+            self.backend.submit(work)
+            s.tail = self.last_op = work
+        else:
+            self._enqueue(s, work)
+        self.counters.launches += 1
+        return work
+
     def _check_launch(self, name: str, grid: object, block: object, args: object, shared_mem: object,
                       stream: int | None) -> tuple[tuple[int, int, int], tuple[int, int, int], tuple[int | float, ...],
                                                    list[tuple[int, int]]]:
