@@ -61,7 +61,7 @@ def _fields(work: Launch) -> dict:
 
 async def test_the_shortcut_queues_what_the_general_path_queues(served, actx, autojump_clock):
     """Once a launch's checks are cached, the shortcut gives the Launch that `launch` gives, on the default
-    stream and on a blocking stream that waits for it."""
+    stream and on another, and makes it its stream's last work."""
     ctx = _only_context(served)
     await actx.create_stream()
     stream = max(ctx.streams)
@@ -76,6 +76,24 @@ async def test_the_shortcut_queues_what_the_general_path_queues(served, actx, au
     assert ctx.counters.launches == 4
     await actx.synchronize()
     assert (await actx.statistics())["kernels_completed"] == 4
+
+
+async def test_a_cached_launch_keeps_the_legacy_default_streams_order(served, actx, autojump_clock):
+    """A launch the short way on a blocking stream waits for the default stream's work, and one on the default
+    stream for the blocking stream's, as `launch` queues them (a kernel of 1 ms of one block, which would
+    otherwise run beside the other)."""
+    ctx = _only_context(served)
+    await actx.create_stream()
+    stream = max(ctx.streams)
+    ms = {**GOOD, "args": [int(1.98e6)]}
+    works = []
+    for args in (ms, {**ms, "stream": stream}, ms):
+        await _error_of(actx, args)
+        works.append(ctx.last_op)
+    assert ctx.launch_cached(ms) is not None  # the second and third went the short way too
+    await actx.synchronize()
+    first, second, third = (work.ended for work in works)
+    assert second - first == pytest.approx(1e-3, rel=0.01) and third - second == pytest.approx(1e-3, rel=0.01)
 
 
 async def test_the_shortcut_takes_no_launch_the_general_path_refuses(served, actx, autojump_clock):
