@@ -146,6 +146,24 @@ class Connection:
             self._fail(exc)
             raise
 
+    def remember(self, token: object) -> bool:
+        """Remember the frame of the message `next_event` returned last as `token`: frames that repeat it byte
+        for byte (the same message) come back from `repeats` undecoded. False, remembering nothing, where that
+        frame had fds or a large body; a connection remembers a few dozen frames at most."""
+        return self._frames.remember(token)
+
+    def forget(self) -> None:
+        """Forget every frame remembered."""
+        self._frames.forget()
+
+    def repeats(self, most: int) -> tuple[object, int] | None:
+        """The complete frames next in line that repeat one remembered frame, up to `most` of them, taken
+        undecoded: (its token, how many). None, taking nothing, where the next message must come from
+        `next_event` (not a repeat, incomplete, or fds waiting for their frames)."""
+        if self._batches or self._error is not None:
+            return None
+        return self._frames.repeats(self.max_frame_size, most)
+
     def _no_frame(self) -> _Sentinel:
         """NEED_DATA or CLOSED, where no complete frame is buffered.
 

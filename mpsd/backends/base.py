@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterable, Protocol
 
 import trio
 
-from mpsd.backends.ops import Work
+from mpsd.backends.ops import Launch, Work
 from mpsd_protocol import CudaError
 
 __all__ = ["Backend", "Client", "DeviceMemory", "Instance", "HOST_VIEW", "VIRTUAL_MEMORY", "when_all"]
@@ -110,6 +110,13 @@ class Backend(Protocol):
         Raises:
             OutOfMemoryError: the backend cannot hold what the work would touch (the call fails; nothing is
                 queued).
+        """
+
+    def submit_run(self, launch: Launch, count: int) -> None:
+        """`submit` of `count` launches of `launch`'s kernel, shape and arguments one after another on its
+        stream, the first after what `launch` names in `after` (a client's loop launching one kernel again and
+        again): `launch` stands for the last of them, and its record says when all have ended. Only a launch
+        that touches no memory (no `extents`) comes in a run.
         """
 
     def when_done(self, work: Iterable[Work | None], callback: Callable[[], None]) -> None:

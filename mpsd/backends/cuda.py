@@ -500,6 +500,14 @@ class CudaBackend:
         """A real GPU runs work when it is given, not when its call arrived."""
 
     def submit(self, work: Work) -> None:
+        self._submit(work, 1)
+
+    def submit_run(self, launch: Launch, count: int) -> None:
+        self._submit(launch, count)
+
+    def _submit(self, work: Work, count: int) -> None:
+        """`submit`, of `count` launches where `work` is a Launch: one record marks them all, as it marks all
+        the work of a stream until its next event (_flush)."""
         cu = self.cu
         key = work.stream
         stream, context = self._stream(key, work.priority)
@@ -513,7 +521,7 @@ class CudaBackend:
         self._use(context)
         pending = _Pending(key, context)
         if isinstance(work, Launch):
-            self._launch(work, stream, pending)
+            self._launch(work, stream, pending, count)
         elif isinstance(work, Copy):
             self._copy(work, stream, pending)
         elif isinstance(work, Memset):
@@ -560,7 +568,7 @@ class CudaBackend:
             pending.event = event
         waiting[-1].owner = event is not _SYNCED
 
-    def _launch(self, work: Launch, stream: Any, pending: _Pending) -> None:
+    def _launch(self, work: Launch, stream: Any, pending: _Pending, count: int) -> None:
         kernel = self._kernels[work.kernel]
         values = kernel.values
         for value, arg in zip(values, work.args):
@@ -572,8 +580,9 @@ class CudaBackend:
                 return
             values[index].value = extent.memory.dptr + extent.offset
         (gx, gy, gz), (bx, by, bz) = work.grid, work.block
-        _check(self.cu.cuLaunchKernel(kernel.function, gx, gy, gz, bx, by, bz, work.shared_mem, stream,
-                                      kernel.address, 0))
+        launch, function, smem, address = self.cu.cuLaunchKernel, kernel.function, work.shared_mem, kernel.address
+        for _ in range(count):
+            _check(launch(function, gx, gy, gz, bx, by, bz, smem, stream, address, 0))
 
     def _copy(self, work: Copy, stream: Any, pending: _Pending) -> None:
         cu, n = self.cu, work.nbytes

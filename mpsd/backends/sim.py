@@ -190,6 +190,18 @@ class SimBackend:
         if touched is not None:
             self._reservations.setdefault(work.client, {})[op] = touched
 
+    def submit_run(self, launch: Launch, count: int) -> None:
+        if not self._plain:  # each kernel needs its own Kernel object: the same launch, submitted again and again
+            for _ in range(count):
+                self.submit(launch)
+            return
+        blocks, threads, cost = (self._costs.get((launch.kernel, launch.grid, launch.block, launch.args))
+                                 or self._cost(launch))
+        launch.handle = self.engine.launch(launch.client, launch.stream,
+                                           _handles(launch.after) if launch.after else (), blocks, threads, cost,
+                                           launch.shared_mem, launch.priority, launch.sm_cap, count)
+        launch.after = ()
+
     def when_done(self, work: Iterable[Work | None], callback: Callable[[], None]) -> None:
         self.engine.when_done([w.handle for w in work if w is not None], callback)
 

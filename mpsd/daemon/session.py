@@ -116,9 +116,10 @@ class Session:
         self._engine: VirtualEngine | None = None  # and its device's engine (set with `host`)
         self._deferred = 0  # replies waiting for the device
         # The client's launch queue (`_full`): per stream, the work of its launch calls, oldest first, with the
-        # staged bytes of each, and how many entries there are (work that has ended since stays counted until
-        # the queue is next pruned); and calls taken but not served yet (stamped, under the virtual clock).
-        self._queues: dict[tuple[int, int], deque[tuple[Work, int]]] = {}
+        # staged bytes of each and the calls it stands for (a run of repeated launches is one work), and how
+        # many calls there are (work that has ended since stays counted until the queue is next pruned); and
+        # calls taken but not served yet (stamped, under the virtual clock).
+        self._queues: dict[tuple[int, int], deque[tuple[Work, int, int]]] = {}
         self._queued = 0
         self._posted = 0
         self._staged = 0  # bytes of pageable copies among both, which the daemon holds until they run
@@ -128,6 +129,10 @@ class Session:
         self._answered = trio.Event()  # set when the last of them has gone
         self._read_at = 0.0  # trio time of the last read from the socket: when the calls it held arrived
         self._received: Callable[[float], None] | None = None  # its backend's `received`, under the wall clock
+        # Launch notifications the connection remembers (`_launch`), each with its context's run (run_of), as
+        # they were when its streams had last changed this often: the read loop serves their repeats as runs.
+        self._repeating = False
+        self._remembered_at = 0
 
     @property
     def _ctx(self) -> Context:
@@ -165,6 +170,11 @@ class Session:
         served = 0
         clock = trio.lowlevel.current_clock()  # trio.current_time() is this, less two calls
         while True:
+            if self._repeating and (taken := self._repeat(FAIR_MESSAGES - served % FAIR_MESSAGES)):
+                if (served := served + taken) % FAIR_MESSAGES == 0:
+                    await trio.lowlevel.checkpoint()
+                    self._arrival()
+                continue
             try:
                 event = self.conn.next_event()
                 if event is NEED_DATA:
@@ -374,12 +384,47 @@ class Session:
             return
         if work is None:
             self._receive(note)
-        elif not work.done:  # its place in the queue is its work's from here (what _serve does)
+            return
+        if not work.done:  # its place in the queue is its work's from here (what _serve does)
             queue = self._queues.get(work.stream)
             if queue is None:
                 queue = self._queues[work.stream] = deque()
-            queue.append((work, 0))
+            queue.append((work, 0, 1))
             self._queued += 1
+        if (run := ctx.run_of(work)) is not None:  # the same bytes again will be the same launch again
+            if ctx.streams_changed != self._remembered_at:
+                self.conn.forget()
+                self._remembered_at = ctx.streams_changed
+            self._repeating = self.conn.remember(run) or self._repeating
+
+    def _repeat(self, most: int) -> int:
+        """Serve the launch notifications next in line that repeat one `_launch` remembered, up to `most` of
+        them, as one run (Context.launch_run): what `_launch` would do for each, where the context is as it
+        was then (no sticky error, its streams as they were) and the queue has room; how many, 0 for none."""
+        ctx = self.context
+        assert ctx is not None  # (only a launch served by a context is remembered)
+        if ctx.streams_changed != self._remembered_at:  # the runs may not hold any more: learn them again
+            self.conn.forget()
+            self._repeating = False
+            return 0
+        room = LAUNCH_QUEUE - self._queued - self._posted
+        if ctx.sticky is not None or room <= 0 or (taken := self.conn.repeats(min(most, room))) is None:
+            return 0
+        run, count = taken
+        try:
+            work = ctx.launch_run(run, count)  # type: ignore[arg-type]
+        except Exception as exc:  # what _launch makes of it, for each of them
+            error = exc if isinstance(exc, CudaError) else _unexpected(exc)
+            if ctx.sticky is None:
+                ctx.last_error = error
+            return count
+        if not work.done:
+            queue = self._queues.get(work.stream)
+            if queue is None:
+                queue = self._queues[work.stream] = deque()
+            queue.append((work, 0, count))
+            self._queued += count
+        return count
 
     def _arrival(self) -> None:
         """Under the wall clock: the calls served from here on arrived at the last read. Said after every wait,
@@ -395,8 +440,9 @@ class Session:
             return False
         for key, queue in list(self._queues.items()):
             while queue and queue[0][0].done:
-                self._queued -= 1
-                self._staged -= queue.popleft()[1]
+                _, staged_there, calls = queue.popleft()
+                self._queued -= calls
+                self._staged -= staged_there
             if not queue:
                 del self._queues[key]
         return self._queued + self._posted >= LAUNCH_QUEUE or bool(staged and self._staged >= MAX_STAGED_BYTES)
@@ -437,7 +483,7 @@ class Session:
             queue = self._queues.get(queued.stream)
             if queue is None:
                 queue = self._queues[queued.stream] = deque()
-            queue.append((queued, staged))
+            queue.append((queued, staged, 1))
             self._queued += 1
         else:
             self._staged -= staged

@@ -149,6 +149,7 @@ class Context(VirtualMemoryCalls):
         self.reservations: dict[int, Reservation] = {}  # stream-ordered pools' memory, by base address
         self._last_reservation: Reservation | None = None
         self._orphans: list[Work] = []  # last work of destroyed streams: it still counts
+        self.streams_changed = 0  # how often a stream was created or destroyed: runs (run_of) last until then
         self.last_op: Work | None = None  # the work the latest call queued
         self._checked: dict[tuple[Any, ...], Any] = {}  # launches checked before (launch)
         self.sticky: CudaError | None = None
@@ -529,6 +530,31 @@ class Context(VirtualMemoryCalls):
         self.counters.launches += 1
         return work
 
+    def run_of(self, work: Launch) -> tuple[Stream, Launch] | None:
+        """What `launch_run` needs to launch `work` (made by `launch` or `launch_cached`, the checks passed)
+        again and again with nothing checked again: where it touches no memory and the legacy default stream's
+        rules make it wait for nothing (the default stream of a context with no other, or a non-blocking
+        stream), which stays so until a stream is created or destroyed (`streams_changed`). None for another."""
+        s = self.streams.get(work.stream[1])
+        if work.extents or s is None or (s.blocking if s.id else len(self.streams) > 1 or self._orphans):
+            return None
+        return s, work
+
+    def launch_run(self, run: tuple[Stream, Launch], count: int) -> Launch:
+        """`count` launches of `run` (run_of's) on its stream, while `streams_changed` is what it was then and
+        the context has no sticky error: one `Launch` stands for them all, the last.
+
+        Raises:
+            CudaError: the backend refused them (the ones before may have been queued).
+        """
+        s, like = run
+        work = Launch.of(self.id, s.key, s.priority, self.quotas.sm_cap, like.kernel, like.grid, like.block,  # type: ignore[arg-type]
+                         like.shared_mem, like.args, ())
+        self.backend.submit_run(work, count)
+        s.tail = self.last_op = work
+        self.counters.launches += count
+        return work
+
     def _check_launch(self, name: str, grid: object, block: object, args: object, shared_mem: object,
                       stream: int | None) -> tuple[tuple[int, int, int], tuple[int, int, int], tuple[int | float, ...],
                                                    list[tuple[int, int]]]:
@@ -581,6 +607,7 @@ class Context(VirtualMemoryCalls):
         priority = min(max(priority, STREAM_PRIORITY_GREATEST), STREAM_PRIORITY_LEAST)
         stream_id = self._handle()
         self.streams[stream_id] = Stream(stream_id, priority, not flags & NON_BLOCKING, (self.id, stream_id))
+        self.streams_changed += 1
         return stream_id, priority
 
     def destroy_stream(self, stream: int) -> None:
@@ -588,6 +615,7 @@ class Context(VirtualMemoryCalls):
         gone = self.streams.pop(stream, None) if stream else None  # None and 0: the default stream
         if gone is None:
             raise InvalidResourceHandleError(f"no stream {brief(stream, 20)} to destroy")
+        self.streams_changed += 1
         self._orphans = [op for op in self._orphans if not op.done]
         if gone.tail is not None and not gone.tail.done:
             self._orphans.append(gone.tail)
@@ -704,6 +732,7 @@ class Context(VirtualMemoryCalls):
             buffer.close()
         self.host.clear()
         self.streams.clear()
+        self.streams_changed += 1
         self.events.clear()
         self._orphans.clear()
         self.last_op = None

@@ -153,7 +153,7 @@ class Simulator:
 
     def launch(self, client: int, stream: Hashable, after: tuple, blocks: int, threads: int, cost: BlockCost,
                smem: int = 0, priority: int = 0, sm_cap: int | None = None, regs_per_thread: int = 32,
-               _kernel: Kernel | None = None) -> Any:
+               _kernel: Kernel | None = None, count: int = 1) -> Any:
         """Submit, at the current time, the kernel ``Kernel(client=client, stream=stream, ...)`` would be, with
         no Kernel made: what a daemon does for a launch whose only outcome it reads is when it ended. (``submit``
         hands a Kernel's own fields here with the Kernel as ``_kernel``: the checks and numbers are in one place,
@@ -163,10 +163,12 @@ class Simulator:
             Its record: ``client``, ``seq``, ``submitted``, ``eligible``, ``started``, ``ended``, ``done`` and
             ``cancelled`` read as a Kernel's would, and ``tag`` is the caller's. It compares and hashes by
             identity, is named in later ops' ``after`` as a Kernel is, and is what ``advance``, ``run`` and
-            ``cancel`` return for it.
+            ``cancel`` return for it. With ``count`` above 1, that many such kernels go one after another on
+            the stream, the first after ``after``, and this is the last one's record: the others have none
+            (``advance`` and ``cancel`` return nothing for them; the stream's order says when they end).
 
         Raises:
-            ValueError: as ``submit`` for such a Kernel; or ``handles`` is false.
+            ValueError: as ``submit`` for such a Kernel; ``handles`` is false; or ``count`` is below 1.
         """
         if blocks < 1:
             raise ValueError(f"kernel needs at least one block, got {blocks}")
@@ -185,7 +187,7 @@ class Simulator:
             number = self._stream(client, stream)
         return self._core.submit_kernel(_kernel, client, number, after, blocks, threads, priority, sm_cap,
                                         (seconds, cost.shared, cost.clocked, cost.dram, cost.weight), numbers,
-                                        self._min_block if self._min_block > seconds else seconds)
+                                        self._min_block if self._min_block > seconds else seconds, count)
 
     def _stream(self, client: int, stream: Hashable) -> int:
         key = (client, stream)

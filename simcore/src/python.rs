@@ -231,7 +231,12 @@ impl Engine {
     }
 
     fn obj<'py>(&self, py: Python<'py>, h: u64) -> Bound<'py, PyAny> {
-        self.objs.borrow()[slot(h)].as_ref().expect("a live op").0.bind(py).clone()
+        self.record(py, h).expect("a live op")
+    }
+
+    /// The Python object of op `h`: None for a kernel of a run that has none (submit_kernel's `count`).
+    fn record<'py>(&self, py: Python<'py>, h: u64) -> Option<Bound<'py, PyAny>> {
+        self.objs.borrow().get(slot(h))?.as_ref().map(|(o, _)| o.bind(py).clone())
     }
 
     /// Raise what a Python policy raised during the last call into the engine.
@@ -282,7 +287,7 @@ impl Engine {
             let o = self.core.ops.at_mut(h);
             o.dirty = false;
             let (e, s, t, d, c) = (o.eligible, o.started, o.ended, o.done, o.cancelled);
-            let obj = self.obj(py, h);
+            let Some(obj) = self.record(py, h) else { continue }; // one of a run's kernels without one
             if let Ok(handle) = obj.downcast::<Handle>() {
                 handle.borrow_mut().update(e, s, t, d, c);
                 continue;
@@ -337,7 +342,8 @@ impl Engine {
     }
 
     fn objects<'py>(&self, py: Python<'py>, handles: &[u64]) -> PyResult<Bound<'py, PyList>> {
-        PyList::new(py, handles.iter().map(|&h| self.obj(py, h)))
+        let records: Vec<_> = handles.iter().filter_map(|&h| self.record(py, h)).collect();
+        PyList::new(py, records)
     }
 }
 
@@ -376,25 +382,35 @@ impl Engine {
     }
 
     /// Submit a kernel: `op`, the caller's Kernel, which gets the engine's times written on it; or, with `op`
-    /// None, a kernel of these values alone, whose `Handle` this returns (None otherwise).
+    /// None, a kernel of these values alone, whose `Handle` this returns (None otherwise). With `op` None,
+    /// `count` such kernels go one after another on the stream (after `after`, the first): only the last has
+    /// a handle, the others no record at all (nothing returns them; the stream's order says when they end).
     #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (op, client, stream, after, blocks, threads, priority, sm_cap, cost, shape, seconds, count=1))]
     fn submit_kernel(&mut self, py: Python<'_>, op: Option<&Bound<'_, PyAny>>, client: i64, stream: u64,
                      after: &Bound<'_, PyAny>, blocks: i64, threads: u32, priority: i64, sm_cap: Option<i64>,
-                     cost: (f64, bool, bool, bool, f64), shape: (u32, i64, i64, i64, f64, f64), seconds: f64)
-                     -> PyResult<PyObject> {
+                     cost: (f64, bool, bool, bool, f64), shape: (u32, i64, i64, i64, f64, f64), seconds: f64,
+                     count: u64) -> PyResult<PyObject> {
         if op.is_none() && !self.handles {
             return Err(PyValueError::new_err(
                 "a recorded run and a policy written in Python need Kernel objects: submit a Kernel"));
         }
-        let after = self.deps(after)?;
+        if count == 0 || (count > 1 && op.is_some()) {
+            return Err(PyValueError::new_err("count must be at least 1, and 1 for a Kernel"));
+        }
+        let mut after = self.deps(after)?;
         let into = op.and_then(|op| self.slot_for(op));
         let args = KernelArgs {
-            client, stream, after, threads, priority, sm_cap,
+            client, stream, after: Vec::new(), threads, priority, sm_cap,
             cost: Cost { seconds: cost.0, shared: cost.1, clocked: cost.2, dram: cost.3, weight: cost.4 },
             need: Need { warps: shape.1, regs: shape.2, smem: shape.3 },
             shape: shape.0, seconds, demand: shape.4, sm_share: shape.5, blocks,
         };
-        let h = self.core.submit_kernel(&mut *self.policy, into, args);
+        for _ in 1..count {
+            self.core.submit_kernel(&mut *self.policy, None, KernelArgs { after, ..args.clone() });
+            after = Vec::new();
+        }
+        let h = self.core.submit_kernel(&mut *self.policy, into, KernelArgs { after, ..args });
         let out = match op {
             Some(op) => {
                 self.entered(h, op)?;

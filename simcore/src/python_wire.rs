@@ -9,6 +9,7 @@
 //! fds that fail the dataclass's check) is decoded whole and handed to `from_wire`, so that every malformed
 //! message is judged, and its error worded, by the one Python function that does so today.
 
+use crate::hash::Map;
 use crate::wire::{self, Builder, Error, Reader, Token, MAX_DEPTH};
 use pyo3::exceptions::{PyOverflowError, PyTypeError, PyValueError};
 use pyo3::ffi;
@@ -738,7 +739,17 @@ pub struct Frames {
     start: usize,
     /// Stream offset of `buf[0]`.
     offset: u64,
+    /// Bodies of frames the caller has seen before, each with its token (`remember`, `repeats`).
+    memo: Map<Box<[u8]>, PyObject>,
+    /// The body of the frame `next` decoded last, if it may be remembered (no fds, at most MEMO_BODY bytes).
+    last: Vec<u8>,
+    has_last: bool,
 }
+
+/// The largest body a connection remembers (a launch notification's is about 70 bytes), and how many it
+/// remembers before it starts again from none: a client's loop repeats a few calls, not thousands.
+const MEMO_BODY: usize = 256;
+const MEMO_FRAMES: usize = 64;
 
 impl Frames {
     /// The header at `start`: (body length, fds), checked against the limits; None while incomplete.
@@ -758,12 +769,24 @@ impl Frames {
         Ok(Some((length, nfds)))
     }
 
-    /// Decode the frame of `length` at `start` with `fds`, and take it.
-    fn take_frame<'py>(&mut self, py: Python<'py>, length: usize, fds: &Bound<'py, PyAny>, limit: usize)
-                       -> PyResult<Bound<'py, PyAny>> {
+    /// Decode the frame of `length` at `start` with `fds`, and take it (as one `remember` may name, if
+    /// `memo`).
+    fn take_frame<'py>(&mut self, py: Python<'py>, length: usize, fds: &Bound<'py, PyAny>, limit: usize,
+                       memo: bool) -> PyResult<Bound<'py, PyAny>> {
         let body = self.start + HEADER;
         let end = body + length;
         let message = self.codec.get().decode_body(py, &self.buf[body..end], fds, limit);
+        self.has_last = memo && length <= MEMO_BODY;
+        if self.has_last {
+            self.last.clear();
+            self.last.extend_from_slice(&self.buf[body..end]);
+        }
+        self.consume(end);
+        message
+    }
+
+    /// Take the bytes of `buf` up to `end`.
+    fn consume(&mut self, end: usize) {
         if end == self.buf.len() {
             // The common case: everything received has been taken.
             self.offset += end as u64;
@@ -780,7 +803,6 @@ impl Frames {
                 self.start = 0;
             }
         }
-        message
     }
 }
 
@@ -789,7 +811,8 @@ impl Frames {
     #[new]
     fn new(codec: Py<Codec>) -> Self {
         let max_fds = codec.get().max_fds as u32;
-        Frames { codec, max_fds, buf: Vec::new(), start: 0, offset: 0 }
+        Frames { codec, max_fds, buf: Vec::new(), start: 0, offset: 0, memo: Map::default(), last: Vec::new(),
+                 has_last: false }
     }
 
     /// Append bytes received (any bytes-like object).
@@ -804,6 +827,57 @@ impl Frames {
         self.offset += self.buf.len() as u64;
         self.buf = Vec::new();
         self.start = 0;
+        self.forget();
+    }
+
+    /// Remember the body of the frame `next` decoded last as `token`, so that frames repeating it byte for byte
+    /// come back from `repeats` undecoded; false, remembering nothing, where that frame had fds or a body
+    /// over MEMO_BODY bytes. The caller says what a repeat means: the same bytes are the same message.
+    fn remember(&mut self, token: PyObject) -> bool {
+        if !std::mem::take(&mut self.has_last) {
+            return false;
+        }
+        if self.memo.len() >= MEMO_FRAMES {
+            self.memo.clear();
+        }
+        self.memo.insert(self.last.as_slice().into(), token);
+        true
+    }
+
+    /// Forget every frame remembered.
+    fn forget(&mut self) {
+        self.memo.clear();
+        self.has_last = false;
+    }
+
+    /// The complete frames at the head of what was received that repeat one remembered frame, without fds, up
+    /// to `most` of them: taken undecoded, as (its token, how many). None, taking nothing, where the next
+    /// frame is not one (incomplete, over `limit`, with fds, or not remembered); the frames after a run of
+    /// one token are left for the next call.
+    fn repeats(&mut self, py: Python<'_>, limit: usize, most: usize) -> Option<(PyObject, usize)> {
+        let mut at = self.start;
+        let mut count = 0;
+        let mut token: Option<&PyObject> = None;
+        while count < most {
+            let Some(h) = self.buf.get(at..at + HEADER) else { break };
+            let length = u32::from_le_bytes(h[..4].try_into().expect("4 bytes")) as usize;
+            let nfds = u32::from_le_bytes(h[4..].try_into().expect("4 bytes"));
+            let end = at + HEADER + length;
+            if nfds != 0 || length > limit.min(MEMO_BODY) || end > self.buf.len() {
+                break;
+            }
+            let Some(t) = self.memo.get(&self.buf[at + HEADER..end]) else { break };
+            if token.is_some_and(|first| !first.is(t)) {
+                break;
+            }
+            token = Some(t);
+            count += 1;
+            at = end;
+        }
+        let token = token?.clone_ref(py);
+        self.has_last = false;
+        self.consume(at);
+        Some((token, count))
     }
 
     /// The stream offset just past the bytes received.
@@ -836,13 +910,15 @@ impl Frames {
             return Ok(Some((first, end, nfds).into_pyobject(py)?.into_any()));
         }
         let none = pyo3::types::PyTuple::empty(py);
-        self.take_frame(py, length, none.as_any(), limit).map(Some)
+        self.take_frame(py, length, none.as_any(), limit, true).map(Some)
     }
 
     /// The message of the frame `next` left for its fds to be claimed, with them.
     fn take<'py>(&mut self, py: Python<'py>, fds: &Bound<'py, PyAny>, limit: usize) -> PyResult<Bound<'py, PyAny>> {
         match self.header(py, limit)? {
-            Some((length, _)) if self.buf.len() - self.start - HEADER >= length => self.take_frame(py, length, fds, limit),
+            Some((length, _)) if self.buf.len() - self.start - HEADER >= length => {
+                self.take_frame(py, length, fds, limit, false)
+            }
             _ => Err(PyValueError::new_err("no complete frame to take")),
         }
     }
