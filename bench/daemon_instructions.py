@@ -7,7 +7,9 @@ The wall-clock benchmarks (launch_rate, rpc_latency, ipc_open) measure what a us
 machine their figures move with whatever else runs. An instruction count does not: it is the figure to follow
 when changing the daemon's path. Each process runs under callgrind, and each figure is the count of one
 window (counters zeroed before it, dumped after it, with `callgrind_control`), less an empty window's, over
-the calls in it. Only user-space instructions count; the kernel's share of a syscall does not.
+the calls in it. Only user-space instructions count; the kernel's share of a syscall does not. The daemon
+runs with `--spin 0`: what a session reads while it spins for its client's next call (mpsd.daemon.channel)
+depends on how long the client takes, many times longer under callgrind, and is waiting, not the call's path.
 
     launch   N x ctx.launch('spin', 1, 32, [0]) and one synchronize(), less one synchronize() alone
     request  N x ctx.mem_get_info()
@@ -82,7 +84,7 @@ def _valgrind(out_dir: Path) -> list[str]:
 def counted_daemon(out_dir: Path) -> Iterator[tuple[Counted, Path]]:
     pipe_dir = Path(tempfile.mkdtemp(prefix="mpsdi-", dir="/tmp"))
     proc = subprocess.Popen([*_valgrind(out_dir), "-q", sys.executable, "-m", "mpsd", "--pipe-dir", str(pipe_dir),
-                             "--time-scale", "1000"], stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+                             "--time-scale", "1000", "--spin", "0"], stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
     try:
         h._wait_ready(proc, timeout=300)
         threading.Thread(target=h._drain, args=(proc,), daemon=True).start()

@@ -3,14 +3,28 @@
 # has nothing more (EAGAIN) park on wait_readable. Replies are written at once from synchronous code; only
 # when the socket buffer is full does the rest wait for a flush task, so the order of bytes is kept.
 #
+# Parking costs more than the call: trio re-arms epoll, runs its loop, sleeps in epoll_wait and reschedules
+# the task (about 20 us of CPU and a wake-up from idle, where a blocking peer makes one recv), and a client's
+# next call often comes a few tens of microseconds after its reply. So a channel whose socket has just emptied
+# keeps reading it for a short while first (`Spin`), as the CUDA runtime spins on a result rather than yield
+# while a process has no more active contexts than the host has cores (cudaDeviceScheduleAuto): only while the
+# daemon has no more clients than cores; and a channel whose client has lately called within the window less
+# than a quarter of the time spins only once in 32 waits, so an idle or slow client costs a window now and
+# then, not each time. Between reads the channel lets every other task run (a checkpoint: trio polls every
+# socket and runs what is due meanwhile, so no other client waits for the window to end) and every other
+# process waiting for the core (sched_yield).
+#
 # What waits here is what the peer has not read (the kernel's buffer is full), and each reply that carries
 # an fd holds a dup of it, so a client that sends requests and reads no replies could make the daemon hold
 # bytes and fds without end. Past MAX_UNSENT_BYTES or MAX_UNSENT_FDS the channel gives up on that peer: it
 # drops what waits, closes the fds and shuts the socket down, so the reader sees the end of the connection.
 from __future__ import annotations
 
+import os
 import socket
+import time
 from collections import deque
+from typing import Callable
 
 import trio
 
@@ -20,12 +34,38 @@ READ_SIZE = 1 << 16
 _FAIR_READS = 16  # after this many reads that did not have to wait, let other tasks run
 MAX_UNSENT_BYTES = 8 << 20  # eight frames of the largest size, or about 100,000 small replies
 MAX_UNSENT_FDS = 64  # replies with fds (mem_fd, ipc_open_mem_handle) the peer has not taken
+DEFAULT_SPIN = 100e-6  # seconds a channel keeps reading an emptied socket (the daemon's --spin)
+MAX_SPIN = 1e-3  # no other task runs meanwhile
+_SPIN_MEMORY = 8  # spins the moving average of a channel's hits remembers, about
+_SPIN_HITS = 0.25  # a channel whose spins ended with a call less often than this spins once in _PROBE waits
+_PROBE = 32
+
+
+class Spin:
+    """When the channels of one daemon may keep reading an emptied socket before parking, and for how long.
+
+    Args:
+        window: seconds at most (0: never).
+        clients: how many clients the daemon serves now.
+        cores: how many cores the daemon may run on (default: its CPU affinity's).
+    """
+
+    def __init__(self, window: float, clients: Callable[[], int], cores: int | None = None) -> None:
+        self.window = window
+        self.clients = clients
+        self.cores = cores if cores is not None else len(os.sched_getaffinity(0))
+
+    def now(self) -> float:
+        """Seconds a channel may spin from now: 0 where it must park at once (more clients than cores)."""
+        if not self.window or self.clients() > self.cores:
+            return 0.0
+        return self.window
 
 
 class Channel:
     """A non-blocking socket with fd passing, read and written from trio tasks."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, spin: Spin | None = None) -> None:
         sock.setblocking(False)
         self.sock = sock
         self.closed = False
@@ -36,6 +76,9 @@ class Channel:
         self._flushing = False
         self._eager_reads = 0
         self._drained = False  # the last read returned less than asked for: the socket is empty
+        self._spin = spin
+        self._hits = 1.0  # how often a spin has ended with a call, lately (a moving average)
+        self._waits = 0
 
     async def receive(self) -> tuple[bytes, list[int]]:
         """The next bytes and fds (b"" at end of file).
@@ -49,9 +92,13 @@ class Channel:
                 # A short read emptied the socket: wait first rather than spend a syscall on EAGAIN.
                 self._drained = False
                 self._eager_reads = 0
-                await trio.lowlevel.wait_readable(self.sock)
+                got = await self._spun() if self._spin is not None else None
+                if got is None:
+                    await trio.lowlevel.wait_readable(self.sock)
+            else:
+                got = None
             try:
-                data, ancdata, flags, _ = self.sock.recvmsg(READ_SIZE, ANCILLARY_SIZE, RECV_FLAGS)
+                data, ancdata, flags, _ = got or self.sock.recvmsg(READ_SIZE, ANCILLARY_SIZE, RECV_FLAGS)
             except BlockingIOError:
                 self._drained = True
                 continue
@@ -61,6 +108,31 @@ class Channel:
                 self._eager_reads = 0
                 await trio.lowlevel.checkpoint()
             return data, unpack_fds(ancdata, flags)
+
+    async def _spun(self) -> tuple | None:
+        """What the socket gave while this channel kept reading it for as long as its Spin allows now (see the
+        top of this file), letting every other task and process run between reads; None if it gave nothing
+        in time, or the channel does not spin this time."""
+        self._waits += 1
+        if self._hits < _SPIN_HITS and self._waits % _PROBE:
+            return None
+        window = self._spin.now()  # type: ignore[union-attr]
+        if window <= 0:
+            return None
+        sock, clock = self.sock, time.perf_counter
+        end = clock() + window
+        while True:
+            await trio.lowlevel.checkpoint()
+            try:
+                got = sock.recvmsg(READ_SIZE, ANCILLARY_SIZE, RECV_FLAGS)
+            except BlockingIOError:
+                if clock() < end:
+                    os.sched_yield()  # a process waiting for this core goes first
+                    continue
+                self._hits -= self._hits / _SPIN_MEMORY
+                return None
+            self._hits += (1 - self._hits) / _SPIN_MEMORY
+            return got
 
     def send_nowait(self, data: bytes, fds: tuple[int, ...], nursery: trio.Nursery) -> None:
         """Write `data` (with `fds` on its first byte) now, or queue what does not fit for a flush task.

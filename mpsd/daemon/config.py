@@ -14,6 +14,7 @@ import psutil
 
 from mpsd.backends.cuda import CudaDevice, cuda_device_count
 from mpsd.backends.engine import DEFAULT_IDLE_GRACE
+from mpsd.daemon.channel import DEFAULT_SPIN, MAX_SPIN
 from mpsd.daemon.mps_config import NamedServer, load_mps_config
 from mpsd.sim import H200, POLICIES as SIM_POLICIES, DeviceSpec, Simulator
 from mpsd_protocol import log_directory, parse_integer, parse_mem_limits, parse_size, pipe_directory
@@ -42,6 +43,7 @@ class Config:
     clock: str = "wall"  # "virtual": simulated time moves only as the clients' simulated host clocks allow
     host_time: float | None = None  # virtual clock: None, a client's own code costs nothing; else the factor
     idle_grace: float = DEFAULT_IDLE_GRACE  # virtual clock: wall seconds before a silent client counts as idle
+    spin: float = DEFAULT_SPIN  # seconds a session keeps reading its emptied socket before it parks (channel.Spin)
     # Every client is a process of its own even though they share one pid (no option: mpsd-stress --virtual-time
     # plays every tenant in its own process, beside the daemon).
     shared_process: bool = False
@@ -161,6 +163,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--idle-grace", type=float, metavar="SECONDS",
                         help="virtual clock: wall seconds a client may compute without calling before the "
                              f"others go on without it (default {DEFAULT_IDLE_GRACE})")
+    parser.add_argument("--spin", type=float, metavar="SECONDS",
+                        help="how long a session keeps reading its client's socket once it is empty before it "
+                             "waits, while the daemon has no more clients than cores, as the CUDA runtime spins "
+                             f"on a result rather than yield (default {DEFAULT_SPIN * 1e6:g} us; 0: never)")
     parser.add_argument("--active-thread-percentage", type=float,
                         help="default CUDA_MPS_ACTIVE_THREAD_PERCENTAGE for clients (default 100)")
     parser.add_argument("--pinned-mem-limit", help="default pinned device memory limit, e.g. 4G or 0=4G,1=2G")
@@ -237,6 +243,9 @@ def load_config(argv: Sequence[str] | None = None, environ: dict[str, str] | Non
     idle_grace = float(pick("idle_grace", DEFAULT_IDLE_GRACE))
     if not 0 < idle_grace < float("inf"):
         raise ConfigError(f"--idle-grace must be a positive number of seconds, not {idle_grace}")
+    spin = float(pick("spin", DEFAULT_SPIN))
+    if not 0 <= spin <= MAX_SPIN:
+        raise ConfigError(f"--spin must be 0 to {MAX_SPIN} seconds, not {spin}")
     percentage = float(pick("active_thread_percentage", 100.0))
     if not 0 < percentage <= 100:
         raise ConfigError(f"--active-thread-percentage must be in (0, 100], not {percentage}")
@@ -304,6 +313,7 @@ def load_config(argv: Sequence[str] | None = None, environ: dict[str, str] | Non
             raise ConfigError(str(exc)) from None
     return Config(pipe_dir=pipe_dir, protocol=int(protocol), apply=apply, servers=servers, log_dir=log_dir, default_log_dir=default_log, devices=devices,
                   policy=policy, time_scale=time_scale, clock=clock, host_time=host_time, idle_grace=idle_grace,
+                  spin=spin,
                   active_thread_percentage=percentage,
                   pinned_mem_limits=limits, client_priority=priority, fault_containment=containment,
                   ipc_access=ipc_access, peer_access=peer_access, max_clients=max_clients,

@@ -26,6 +26,7 @@ from mpsd.backends.base import HOST_VIEW, Backend
 from mpsd.backends.cuda import CudaBackend, CudaDevice
 from mpsd.backends.hostmem import HostMemory, default_budget
 from mpsd.backends.sim import SimBackend
+from mpsd.daemon.channel import Spin
 from mpsd.daemon.config import Config
 from mpsd.daemon.control import MPS_VERSION, Control, Settings
 from mpsd.daemon.listeners import Greetings, Listeners, ListenError, open_listeners, write_protocol_file
@@ -125,6 +126,7 @@ class Daemon:
         self._server_change = trio.Event()
         self._grace = SHUTDOWN_GRACE
         self.sessions: set[Session] = set()
+        self.spin = Spin(config.spin, self.sessions.__len__)  # how long a session reads an emptied socket on
         self.greetings = Greetings(config.handshake_timeout)
         self._next_client = 1
         self._stop = trio.Event()

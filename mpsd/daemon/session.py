@@ -105,7 +105,7 @@ class Session:
         self.daemon = daemon
         self.pid, self.uid, self.gid = peer_credentials(sock)
         self.route = route  # the server/namespace socket it came in by (MPS v3), None: the main socket
-        self.channel = Channel(sock)
+        self.channel = Channel(sock, daemon.spin)
         self.conn = Connection(Role.SERVER)
         self.context: Context | None = None
         self.reader_scope = trio.CancelScope()
