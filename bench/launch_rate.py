@@ -114,6 +114,10 @@ def main() -> int:
                    help="the daemon's --time-scale (default 1000: the simulated launch overhead, a few us per "
                         "kernel at scale 1, becomes nanoseconds of wall time and cannot bound the rate)")
     p.add_argument("--devices", help="the daemon's --devices; cuda:N compares with direct cuda-python launches")
+    p.add_argument("--settle", type=int, default=20000,
+                   help="launches (and frames) each side makes once, before the blocks (default 20000): a fresh "
+                        "daemon's first few thousand launches are a third slower, its interpreter still "
+                        "specializing the path and its tables growing")
     args = p.parse_args()
     real = args.devices is not None and args.devices.startswith("cuda:")
     h.prepare_dirs(args)
@@ -122,22 +126,27 @@ def main() -> int:
     server_cpu = h.SERVER_CPU if args.pin else None
     with contextlib.ExitStack() as stack:
         d, ctx = h.daemon_and_client(stack, args, time_scale=args.time_scale, devices=args.devices)
-        baseline = None
+        baseline = settle = None
         if real and not args.skip_baseline:
             direct = direct_launches(int(args.devices.split(":")[1]))
             baseline = lambda: direct(args.n, args.warmup)  # noqa: E731
+            settle = lambda: direct(0, args.settle)  # noqa: E731
         elif not args.skip_baseline:
             peer = stack.enter_context(h.raw_peer(server_cpu))
             baseline = lambda: block_raw(*peer, args.n, args.warmup)  # noqa: E731
+            settle = lambda: block_raw(*peer, 0, args.settle)  # noqa: E731
         if args.pin:
             h.pin(0, h.CLIENT_CPU)
+        block_ours(ctx, 0, args.settle)
+        if settle is not None:
+            settle()
         daemon_cpu = psutil.Process(d.proc.pid)
         cpu_before = sum(daemon_cpu.cpu_times()[:2])
         ours, raw = h.alternate(args, "launch_client", lambda: block_ours(ctx, args.n, args.warmup), baseline)
         # the daemon idles while the raw side runs: its CPU over the whole run is that of our launches
         cpu_per_launch = (sum(daemon_cpu.cpu_times()[:2]) - cpu_before) / (args.repeat * (args.n + args.warmup))
         done = None if real else ctx.statistics().get("kernels_completed")  # a real GPU has no such count
-        expected = args.repeat * (args.n + args.warmup)
+        expected = args.repeat * (args.n + args.warmup) + args.settle
         if done is not None and done != expected:
             raise RuntimeError(f"the daemon completed {done} kernels, not the {expected} launched")
 
@@ -146,7 +155,8 @@ def main() -> int:
             ("daemon", f"--devices {args.devices}: a real GPU" if real else
              f"--time-scale {args.time_scale:g}: simulated launch overhead "
              f"{H200.kernel_overhead * 1e6:g} us / {args.time_scale:g} per kernel, so it does not bound the rate"),
-            ("blocks", f"{args.repeat} x {args.n} per side, alternating, {args.warmup} warm-up per block"),
+            ("blocks", f"{args.repeat} x {args.n} per side, alternating, {args.warmup} warm-up per block, "
+                       f"after {args.settle} once"),
             ("mpsd rate", f"{rate:,.0f} launches/s   (per block "
                           + " ".join(f"{args.n / t:,.0f}" for t in ours) + ")"),
             ("daemon CPU", f"{cpu_per_launch * 1e6:.1f} us per launch (user + system, read with psutil)")]
