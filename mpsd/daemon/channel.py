@@ -92,7 +92,7 @@ class Channel:
                 # A short read emptied the socket: wait first rather than spend a syscall on EAGAIN.
                 self._drained = False
                 self._eager_reads = 0
-                got = await self._spun() if self._spin is not None else None
+                got = await self._spun(window) if self._spin is not None and (window := self._spins()) else None
                 if got is None:
                     await trio.lowlevel.wait_readable(self.sock)
             else:
@@ -109,16 +109,17 @@ class Channel:
                 await trio.lowlevel.checkpoint()
             return data, unpack_fds(ancdata, flags)
 
-    async def _spun(self) -> tuple | None:
-        """What the socket gave while this channel kept reading it for as long as its Spin allows now (see the
-        top of this file), letting every other task and process run between reads; None if it gave nothing
-        in time, or the channel does not spin this time."""
+    def _spins(self) -> float:
+        """Seconds this channel spins for the next call this time: its Spin's, unless its client's calls have
+        lately come too late (see the top of this file)."""
         self._waits += 1
         if self._hits < _SPIN_HITS and self._waits % _PROBE:
-            return None
-        window = self._spin.now()  # type: ignore[union-attr]
-        if window <= 0:
-            return None
+            return 0.0
+        return self._spin.now()  # type: ignore[union-attr]
+
+    async def _spun(self, window: float) -> tuple | None:
+        """What the socket gave while this channel kept reading it for `window` seconds, letting every other task
+        and process run between reads; None if it gave nothing in time."""
         sock, clock = self.sock, time.perf_counter
         end = clock() + window
         while True:

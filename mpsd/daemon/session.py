@@ -169,12 +169,18 @@ class Session:
     async def _read_loop(self) -> None:
         served = 0
         clock = trio.lowlevel.current_clock()  # trio.current_time() is this, less two calls
+        # Whether repeats of a remembered launch may be next in line: after a read, a launch or a run, not after
+        # a look found none (a loop's next run after a request starts at its next launch, served the short way).
+        look = False
         while True:
-            if self._repeating and (taken := self._repeat(FAIR_MESSAGES - served % FAIR_MESSAGES)):
-                if (served := served + taken) % FAIR_MESSAGES == 0:
-                    await trio.lowlevel.checkpoint()
-                    self._arrival()
-                continue
+            if look and self._repeating:
+                taken = self._repeat(FAIR_MESSAGES - served % FAIR_MESSAGES)
+                if taken:
+                    if (served := served + taken) % FAIR_MESSAGES == 0:
+                        await trio.lowlevel.checkpoint()
+                        self._arrival()
+                    continue
+                look = False
             try:
                 event = self.conn.next_event()
                 if event is NEED_DATA:
@@ -182,6 +188,7 @@ class Session:
                     self._read_at = clock.current_time()
                     if self._received is not None:  # _arrival, inlined
                         self._received(self._read_at)
+                    look = True
                     continue
             except ProtocolError as exc:
                 self._protocol_error(str(exc))
@@ -193,6 +200,7 @@ class Session:
             if (type(event) is Notification and event.op == "launch" and not event.fds and self.host is None
                     and self._queued + self._posted < LAUNCH_QUEUE):
                 self._launch(event)  # a launch under the wall clock with room in the queue: most messages
+                look = True
             elif isinstance(event, (Request, Notification)):
                 self._receive(event)
                 if self._closing:
