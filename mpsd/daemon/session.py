@@ -394,11 +394,7 @@ class Session:
             self._receive(note)
             return
         if not work.done:  # its place in the queue is its work's from here (what _serve does)
-            queue = self._queues.get(work.stream)
-            if queue is None:
-                queue = self._queues[work.stream] = deque()
-            queue.append((work, 0, 1))
-            self._queued += 1
+            self._queue(work, 0, 1)
         if (run := ctx.run_of(work)) is not None:  # the same bytes again will be the same launch again
             if ctx.streams_changed != self._remembered_at:
                 self.conn.forget()
@@ -427,12 +423,16 @@ class Session:
                 ctx.last_error = error
             return count
         if not work.done:
-            queue = self._queues.get(work.stream)
-            if queue is None:
-                queue = self._queues[work.stream] = deque()
-            queue.append((work, 0, count))
-            self._queued += count
+            self._queue(work, 0, count)
         return count
+
+    def _queue(self, work: Work, staged: int, calls: int) -> None:
+        """`work`, holding `staged` bytes, takes the places of `calls` launch calls in the client's queue."""
+        queue = self._queues.get(work.stream)
+        if queue is None:
+            queue = self._queues[work.stream] = deque()
+        queue.append((work, staged, calls))
+        self._queued += calls
 
     def _arrival(self) -> None:
         """Under the wall clock: the calls served from here on arrived at the last read. Said after every wait,
@@ -488,11 +488,7 @@ class Session:
         self._posted -= 1
         queued = ctx.last_op if ctx is not None else None
         if queued is not before and queued is not None and not queued.done:
-            queue = self._queues.get(queued.stream)
-            if queue is None:
-                queue = self._queues[queued.stream] = deque()
-            queue.append((queued, staged, 1))
-            self._queued += 1
+            self._queue(queued, staged, 1)
         else:
             self._staged -= staged
         if self._held is not None:
