@@ -47,7 +47,8 @@ class Spin:
     Args:
         window: seconds at most (0: never).
         clients: how many clients the daemon serves now.
-        cores: how many cores the daemon may run on (default: its CPU affinity's).
+        cores: how many cores the daemon may run on (default: its CPU affinity's as it starts; pinning it to
+            fewer later does not change the rule).
     """
 
     def __init__(self, window: float, clients: Callable[[], int], cores: int | None = None) -> None:
