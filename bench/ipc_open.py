@@ -84,22 +84,31 @@ def exporter(pipe_dir: Path, cpu: int | None) -> Iterator[socket.socket]:
 
 
 # -- the two sides, as seen by the importer ------------------------------------------------------------------
-def block_ours(ctx, sock: socket.socket, n: int, warmup: int) -> list[float]:
+STEPS = ("handle", "open", "view", "close")  # the parts of our sample that --steps times
+
+
+def block_ours(ctx, sock: socket.socket, n: int, warmup: int, steps: list[list[float]] | None = None) -> list[float]:
+    """Our samples, in us; with `steps`, each sample's parts (STEPS) are appended there too."""
     clock = time.perf_counter_ns
     samples = [0.0] * n
     for i in range(-warmup, n):
         t0 = clock()
         sock.sendall(OURS)
         handle = sock.recv(HANDLE_SIZE, socket.MSG_WAITALL)
+        t1 = clock()
         q = ctx.ipc_open_mem_handle(handle)
+        t2 = clock()
         view = q.host_view()
         first, last = view[0], view[SIZE - 1]
         view.release()
+        t3 = clock()
         ctx.ipc_close_mem_handle(q)
-        elapsed = (clock() - t0) / 1000.0
+        t4 = clock()
         assert (first, last) == (FIRST, LAST), (first, last)
         if i >= 0:
-            samples[i] = elapsed
+            samples[i] = (t4 - t0) / 1000.0
+            if steps is not None:
+                steps.append([(t1 - t0) / 1000.0, (t2 - t1) / 1000.0, (t3 - t2) / 1000.0, (t4 - t3) / 1000.0])
     return samples
 
 
@@ -124,7 +133,11 @@ def block_raw(sock: socket.socket, n: int, warmup: int) -> list[float]:
 
 
 def main() -> int:
-    args = h.parser(__doc__.splitlines()[0], n=1000, repeat=5, warmup=50).parse_args()
+    p = h.parser(__doc__.splitlines()[0], n=1000, repeat=5, warmup=50)
+    p.add_argument("--steps", action="store_true",
+                   help="also print the p50 of each part of our sample: the exporter's handle, the open, the view "
+                        "and the close")
+    args = p.parse_args()
     h.prepare_dirs(args)
 
     started = time.monotonic()
@@ -134,7 +147,8 @@ def main() -> int:
         sock = stack.enter_context(exporter(d.pipe_dir, server_cpu))
         if args.pin:
             h.pin(0, h.CLIENT_CPU)
-        ours, raw = h.alternate(args, "ipc_open_client", lambda: block_ours(ctx, sock, args.n, args.warmup),
+        steps: list[list[float]] | None = [] if args.steps else None
+        ours, raw = h.alternate(args, "ipc_open_client", lambda: block_ours(ctx, sock, args.n, args.warmup, steps),
                                 None if args.skip_baseline else lambda: block_raw(sock, args.n, args.warmup))
 
     o50, o99 = h.percentiles(ours)
@@ -142,6 +156,9 @@ def main() -> int:
                         "bytes -> ipc_close_mem_handle (1 MiB, private daemon, blocking clients)")),
             ("samples", f"{args.repeat} x {args.n} per side, alternating blocks, {args.warmup} warm-up per block"),
             ("mpsd p50 / p99", f"{o50:.1f} us / {o99:.1f} us")]
+    if steps:
+        parts = [h.percentile(sorted(column), 50) for column in zip(*steps)]
+        rows.append(("steps p50", ", ".join(f"{name} {value:.1f} us" for name, value in zip(STEPS, parts))))
     line = {"bench": "ipc_open", "n": args.n, "repeat": args.repeat, "size": SIZE, "p50_us": round(o50, 2),
             "p99_us": round(o99, 2), "target_ratio": TARGET}
     verdict = None
