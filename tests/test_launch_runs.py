@@ -207,7 +207,7 @@ def test_a_run_of_launches_runs_as_its_launches_one_by_one(policy):
         assert _play(policy, seed, True) == _play(policy, seed, False), f"seed {seed}"
 
 
-def test_a_run_needs_a_count_and_plain_values():
+def test_a_run_is_of_one_kernel_or_more():
     sim = Simulator(H200)
     cost = kernel_cost(H200, "spin", 1, 32, [0])
     with pytest.raises(ValueError, match="count must be at least 1"):
