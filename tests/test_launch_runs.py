@@ -20,7 +20,7 @@ from mpsd.backends.ops import Launch
 from mpsd.backends.sim import SimBackend
 from mpsd.sim import H200, Simulator, kernel_cost
 from mpsd_client import IllegalAddressError, InvalidResourceHandleError
-from mpsd_protocol import Connection, Notification, Request, Role
+from mpsd_protocol import Connection, Notification, RemoteProtocolError, Request, Role
 
 GOOD = {"name": "spin", "grid": [1, 1, 1], "block": [32, 1, 1], "args": [0], "shared_mem": 0, "stream": None}
 COMPILED = ["mps", "round-robin", "priority", "fair", "exclusive", "mig", "timeslice"]
@@ -87,6 +87,17 @@ def test_a_frame_with_fds_never_repeats():
     _close(message.fds)
     server.receive_data(_launch(client))
     assert server.repeats(10) == (token, 1)
+
+
+def test_fds_that_came_with_a_repeat_break_the_protocol_as_they_always_did():
+    """Fds attached to frames that declare none are the peer's error, found when those frames are taken: a repeat
+    that came with fds is not taken as one, and next_event fails the connection."""
+    client, server = _pair()
+    _remembered(server, client, object())
+    server.receive_data(_launch(client), [_fd()])
+    assert server.repeats(10) is None
+    with pytest.raises(RemoteProtocolError, match="file descriptors arrived with bytes of frames that declared none"):
+        server.next_event()
 
 
 def test_what_may_be_remembered():
@@ -339,3 +350,23 @@ async def test_calls_between_runs_keep_their_place(served, actx, autojump_clock)
     await end.record()
     await end.synchronize()
     assert await event.elapsed_ms(end) == pytest.approx(9.0, rel=0.01)
+
+
+# -- a real daemon process -----------------------------------------------------------------------------------
+def test_runs_in_a_real_daemon_keep_their_place_among_calls_with_fds(ctx):
+    """Over a real socket, where one read holds many launch frames and a frame with fds ends one: loops of one
+    launch, each between a pinned buffer's registration (its memfd travels with the call) and a memset whose
+    bytes come back through that buffer, all run, and every copy reads what the memset before it wrote."""
+    p = ctx.malloc(4096)
+    for value in range(1, 21):
+        for _ in range(300):
+            ctx.launch("spin", 1, 32, [0])
+        host = ctx.host_alloc(4096)  # the fd's frame, between two runs
+        for _ in range(300):
+            ctx.launch("spin", 1, 32, [0])
+        ctx.memset(p, value, 4096)
+        ctx.memcpy_dtoh(host, p)
+        ctx.synchronize()
+        assert bytes(memoryview(host)[:8]) == bytes([value]) * 8
+        ctx.free_host(host)
+    assert ctx.statistics()["kernels_completed"] == 20 * 600 + 20  # and the memsets, which run as kernels
