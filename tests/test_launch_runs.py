@@ -7,6 +7,7 @@
 # place in the launch queue, and a run must end wherever the context stops being what it was.
 from __future__ import annotations
 
+import os
 import random
 import struct
 from types import SimpleNamespace
@@ -20,7 +21,7 @@ from mpsd.backends.ops import Launch
 from mpsd.backends.sim import SimBackend
 from mpsd.sim import H200, Simulator, kernel_cost
 from mpsd_client import IllegalAddressError, InvalidResourceHandleError
-from mpsd_protocol import Connection, Notification, RemoteProtocolError, Request, Role
+from mpsd_protocol import NEED_DATA, Connection, Notification, RemoteProtocolError, Request, Role
 
 GOOD = {"name": "spin", "grid": [1, 1, 1], "block": [32, 1, 1], "args": [0], "shared_mem": 0, "stream": None}
 COMPILED = ["mps", "round-robin", "priority", "fair", "exclusive", "mig", "timeslice"]
@@ -56,7 +57,7 @@ def test_frames_that_repeat_a_remembered_one_come_back_as_its_token_and_a_count(
     assert server.repeats(100) == (b, 2)
     assert server.repeats(100) is None  # args [8] was never remembered: it is left where it is
     assert server.next_event() == Notification("launch", {**GOOD, "args": [8]})
-    assert server.repeats(100) is None and server.next_event() is not None  # NEED_DATA
+    assert server.repeats(100) is None and server.next_event() is NEED_DATA
 
 
 def test_an_incomplete_frame_ends_a_run_and_counts_once_complete():
@@ -154,14 +155,12 @@ def test_reading_with_repeats_gives_the_messages_in_their_order(sequence, cuts):
 
 
 def _fd() -> int:
-    import os
     r, w = os.pipe()
     os.close(w)
     return r
 
 
 def _close(fds) -> None:
-    import os
     for fd in fds:
         os.close(fd)
 
