@@ -4,7 +4,8 @@
 # run (Session._repeat, Context.launch_run), which the backend submits as `count` launches with one record
 # (submit_run; the simulator's `launch(count=...)`). Each layer must give what the one-at-a-time way gives: the
 # same messages in the same order, the same kernels at the same simulated times, the same errors, the same
-# place in the launch queue, and a run must end wherever the context stops being what it was.
+# place in the launch queue, the same waits by the legacy default stream's rules, and a run must end wherever
+# the context stops being what it was.
 from __future__ import annotations
 
 import os
@@ -291,21 +292,24 @@ async def test_a_run_keeps_the_legacy_default_streams_order(served, actx, autoju
     assert after.ended - blocking.ended == pytest.approx(3e-3, rel=0.01)
 
 
-async def test_launches_that_must_wait_by_the_legacy_rules_never_run_as_runs(served, actx, autojump_clock):
-    """With a blocking stream beside it, each launch on the default stream waits for that stream's last work,
-    and one on the blocking stream for the default stream's: neither is remembered, however often it repeats
-    (1-ms kernels again)."""
-    _, session = _only(served)
+async def test_runs_beside_a_blocking_stream_wait_as_the_legacy_rules_say(served, actx, autojump_clock):
+    """With a blocking stream beside it, a run on the default stream waits for that stream's last work, and a
+    run on the blocking stream for the default stream's, as each of their launches would (1-ms kernels again,
+    which would otherwise run side by side): all of them one after another."""
+    ctx, session = _only(served)
     ms = {**GOOD, "args": [int(1.98e6)]}
     stream = await actx.create_stream()
     other = {**ms, "stream": stream.handle}
-    await _send(actx, ms, ms, other, other, ms, ms, ms, other, other)
+    await _send(actx, ms, ms, other, other)  # the second of each is remembered
     await actx.synchronize()
-    assert not session._repeating
+    assert session._repeating
     start = trio.current_time()
-    await _send(actx, *[ms, ms, other, other] * 5)
+    await _send(actx, *[ms] * 6, *[other] * 6, *[ms] * 6, *[other, other, ms, ms] * 3)
+    queued = [entry for queue in session._queues.values() for entry in queue]
+    assert max(calls for _, _, calls in queued) > 1  # (runs, not launches one by one)
     await actx.synchronize()
-    assert trio.current_time() - start == pytest.approx(20e-3 / 100, rel=0.02)  # one after another
+    assert trio.current_time() - start == pytest.approx(30e-3 / 100, rel=0.02)
+    assert ctx.counters.launches == 34
 
 
 async def test_a_run_ends_with_its_stream(served, actx, autojump_clock):

@@ -532,17 +532,17 @@ class Context(VirtualMemoryCalls):
 
     def run_of(self, work: Launch) -> tuple[Stream, Launch] | None:
         """What `launch_run` needs to launch `work` (made by `launch` or `launch_cached`, the checks passed)
-        again and again with nothing checked again: where it touches no memory and the legacy default stream's
-        rules make it wait for nothing (the default stream of a context with no other, or a non-blocking
-        stream), which stays so until a stream is created or destroyed (`streams_changed`). None for another."""
+        again and again with nothing checked again: where it touches no memory (a pointer's extent, and so the
+        launch, may change with any free), until a stream is created or destroyed (`streams_changed`). None
+        for another."""
         s = self.streams.get(work.stream[1])
-        if work.extents or s is None or (s.blocking if s.id else len(self.streams) > 1 or self._orphans):
-            return None
-        return s, work
+        return None if work.extents or s is None else (s, work)
 
     def launch_run(self, run: tuple[Stream, Launch], count: int) -> Launch:
         """`count` launches of `run` (run_of's) on its stream, while `streams_changed` is what it was then and
-        the context has no sticky error: one `Launch` stands for them all, the last.
+        the context has no sticky error: one `Launch` stands for them all, the last. The first waits for what
+        the legacy default stream's rules make a launch wait for, and so do the rest: nothing else is queued
+        on another stream between them.
 
         Raises:
             CudaError: the backend refused them (the ones before may have been queued).
@@ -550,8 +550,11 @@ class Context(VirtualMemoryCalls):
         s, like = run
         work = Launch.of(self.id, s.key, s.priority, self.quotas.sm_cap, like.kernel, like.grid, like.block,  # type: ignore[arg-type]
                          like.shared_mem, like.args, ())
-        self.backend.submit_run(work, count)
-        s.tail = self.last_op = work
+        if len(self.streams) == 1 and not self._orphans:  # _enqueue's share where there is nothing to wait for
+            self.backend.submit_run(work, count)
+            s.tail = self.last_op = work
+        else:
+            self._enqueue(s, work, count)
         self.counters.launches += count
         return work
 
@@ -579,8 +582,9 @@ class Context(VirtualMemoryCalls):
             raise InvalidResourceHandleError(f"no stream {brief(stream, 20)} in this context")
         return s
 
-    def _enqueue(self, stream: Stream, work: Work) -> Work:
-        """Queue `work` on `stream`, after what the legacy default stream's rules make it wait for.
+    def _enqueue(self, stream: Stream, work: Work, count: int = 1) -> Work:
+        """Queue `work` on `stream` (`count` times: a run of launches), after what the legacy default stream's
+        rules make it wait for.
 
         Raises:
             OutOfMemoryError: the backend cannot hold what it would touch (nothing is queued).
@@ -595,7 +599,10 @@ class Context(VirtualMemoryCalls):
             deps = []
         if deps or type(work.after) is not tuple:
             work.after = tuple(d for d in deps if d is not None and not d.done) + tuple(work.after)
-        self.backend.submit(work)
+        if count == 1:
+            self.backend.submit(work)
+        else:
+            self.backend.submit_run(work, count)  # type: ignore[arg-type]
         stream.tail = work
         self.last_op = work
         return work
