@@ -550,11 +550,7 @@ class Context(VirtualMemoryCalls):
         s, like = run
         work = Launch.of(self.id, s.key, s.priority, self.quotas.sm_cap, like.kernel, like.grid, like.block,  # type: ignore[arg-type]
                          like.shared_mem, like.args, ())
-        if len(self.streams) == 1 and not self._orphans:  # _enqueue's share where there is nothing to wait for
-            self.backend.submit_run(work, count)
-            s.tail = self.last_op = work
-        else:
-            self._enqueue(s, work, count)
+        self._enqueue(s, work, count)
         self.counters.launches += count
         return work
 
