@@ -161,10 +161,8 @@ class SimBackend:
         if type(work) is Launch and self._plain:
             # Most launches touch no memory (spin, work): they skip the host RAM budget altogether.
             touched = self.host_memory.reserve(touches) if work.extents and (touches := self._touches(work)) else None
-            blocks, threads, cost = self._costs.get((work.kernel, work.grid, work.block, work.args)) or self._cost(work)
             try:
-                handle = self.engine.launch(work.client, work.stream, _handles(work.after) if work.after else (),
-                                            blocks, threads, cost, work.shared_mem, work.priority, work.sm_cap)
+                handle = self._launch(work, 1)
             except BaseException:
                 if touched is not None:
                     self.host_memory.settle(touched)
@@ -173,8 +171,6 @@ class SimBackend:
                 handle.tag = functools.partial(self._complete, work)
                 if touched is not None:
                     self._reservations.setdefault(work.client, {})[handle] = touched
-            work.handle = handle
-            work.after = ()  # as _op does: no chain of finished work stays reachable from a stream's tail
             return
         # Most launches touch no memory (spin, work): they skip the host RAM budget altogether.
         touches = self._touches(work) if type(work) is not Launch or work.extents else None
@@ -191,16 +187,21 @@ class SimBackend:
             self._reservations.setdefault(work.client, {})[op] = touched
 
     def submit_run(self, launch: Launch, count: int) -> None:
-        if not self._plain:  # each kernel needs its own Kernel object: the same launch, submitted again and again
-            for _ in range(count):
-                self.submit(launch)
+        if self._plain:
+            self._launch(launch, count)
             return
-        blocks, threads, cost = (self._costs.get((launch.kernel, launch.grid, launch.block, launch.args))
-                                 or self._cost(launch))
-        launch.handle = self.engine.launch(launch.client, launch.stream,
-                                           _handles(launch.after) if launch.after else (), blocks, threads, cost,
-                                           launch.shared_mem, launch.priority, launch.sm_cap, count)
-        launch.after = ()
+        for _ in range(count):  # each kernel needs its own Kernel object: the same launch, submitted again and again
+            self.submit(launch)
+
+    def _launch(self, work: Launch, count: int) -> Any:
+        """`count` kernels of `work` for the simulator to make its own records of (Simulator.launch): the last
+        one's is work's handle."""
+        blocks, threads, cost = self._costs.get((work.kernel, work.grid, work.block, work.args)) or self._cost(work)
+        work.handle = handle = self.engine.launch(work.client, work.stream,
+                                                  _handles(work.after) if work.after else (), blocks, threads, cost,
+                                                  work.shared_mem, work.priority, work.sm_cap, count)
+        work.after = ()  # as _op does: no chain of finished work stays reachable from a stream's tail
+        return handle
 
     def when_done(self, work: Iterable[Work | None], callback: Callable[[], None]) -> None:
         self.engine.when_done([w.handle for w in work if w is not None], callback)

@@ -385,10 +385,8 @@ class Session:
             return
         try:
             work = ctx.launch_cached(note.args)
-        except Exception as exc:  # what _dispatch and _notification make of it
-            error = exc if isinstance(exc, CudaError) else _unexpected(exc)
-            if ctx.sticky is None:
-                ctx.last_error = error
+        except Exception as exc:
+            _failed(ctx, exc)
             return
         if work is None:
             self._receive(note)
@@ -417,10 +415,8 @@ class Session:
         run, count = taken
         try:
             work = ctx.launch_run(run, count)  # type: ignore[arg-type]
-        except Exception as exc:  # what _launch makes of it, for each of them
-            error = exc if isinstance(exc, CudaError) else _unexpected(exc)
-            if ctx.sticky is None:
-                ctx.last_error = error
+        except Exception as exc:  # as for each of them
+            _failed(ctx, exc)
             return count
         if not work.done:
             self._queue(work, 0, count)
@@ -766,6 +762,14 @@ def _call(handler: Callable[..., Any], *args: Any) -> Any:
         raise
     except Exception as exc:
         raise _unexpected(exc)  # which sets the cause
+
+
+def _failed(ctx: Context, exc: Exception) -> None:
+    """A fire-and-forget launch failed (called while handling `exc`): what _dispatch and _notification make of
+    it, the context's last error, unless a sticky one stands."""
+    error = exc if isinstance(exc, CudaError) else _unexpected(exc)
+    if ctx.sticky is None:
+        ctx.last_error = error
 
 
 def _unexpected(exc: Exception) -> CudaError:
