@@ -23,6 +23,8 @@ from ._caching import CachingAllocator, caching_allocator
 from ._objects import DevicePointer, Event, HostBuffer, Stream
 from ._pools import MemPool, PoolStatistics
 from ._sync import Context, connect
+from ._wait import (DEVICE_LMEM_RESIZE_TO_MAX, DEVICE_MAP_HOST, DEVICE_SCHEDULE_AUTO, DEVICE_SCHEDULE_BLOCKING_SYNC,
+                    DEVICE_SCHEDULE_MASK, DEVICE_SCHEDULE_SPIN, DEVICE_SCHEDULE_YIELD, DEVICE_SYNC_MEMOPS)
 
 globals().update({cls.__name__: cls for cls in ERROR_CLASSES.values()})
 
@@ -35,6 +37,8 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
+    "DEVICE_LMEM_RESIZE_TO_MAX", "DEVICE_MAP_HOST", "DEVICE_SCHEDULE_AUTO", "DEVICE_SCHEDULE_BLOCKING_SYNC",
+    "DEVICE_SCHEDULE_MASK", "DEVICE_SCHEDULE_SPIN", "DEVICE_SCHEDULE_YIELD", "DEVICE_SYNC_MEMOPS",
     "AsyncContext", "CachingAllocator", "Context", "ContextBase", "CudaError", "DevicePointer", "Event", "HostBuffer",
     "MemPool", "PoolStatistics", "Stream",
     "caching_allocator", "connect", "error_name", "error_string", "format_size", "open_context", "parse_size",

@@ -10,6 +10,7 @@ from mpsd_protocol import CudaError
 from ._core import CURRENT, Core
 from ._objects import DevicePointer, Event, HostBuffer, Stream
 from ._pools import MemPool
+from ._wait import DEVICE_MAP_HOST, check_flags
 
 
 class ContextBase:
@@ -48,6 +49,22 @@ class ContextBase:
         """``cudaDeviceGetStreamPriorityRange``: (least, greatest); lower numbers are more urgent."""
         least, greatest = self._core.properties["stream_priority_range"]
         return least, greatest
+
+    def set_device_flags(self, flags: int) -> None:
+        """``cudaSetDeviceFlags``: how this context's calls wait for the device, which here means for the daemon's
+        reply (the constants are `mpsd_client.DEVICE_SCHEDULE_*`). The default, Auto, spins for a short while
+        before it blocks; Spin and Yield spin until the reply comes (Yield lets other processes run between
+        reads); BlockingSync blocks at once, for the least CPU. The trio context keeps the flags and always waits
+        through trio. MapHost, LmemResizeToMax and SyncMemops are accepted and change nothing.
+
+        Raises:
+            InvalidValueError: an unknown bit, or more than one scheduling choice.
+        """
+        self._core.device_flags = check_flags(flags)
+
+    def get_device_flags(self) -> int:
+        """``cudaGetDeviceFlags``: the flags set last, with MapHost, which CUDA always reports."""
+        return self._core.device_flags | DEVICE_MAP_HOST
 
     def mem_get_info(self) -> Any:
         """``cudaMemGetInfo``: (free, total) bytes as this client sees them; a pinned limit caps both."""

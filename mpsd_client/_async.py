@@ -35,7 +35,7 @@ from mpsd_protocol import (  # type: ignore[attr-defined]
 )
 
 from ._api import ContextBase
-from ._core import Core
+from ._core import TAKE_NOTICES, Core
 from ._env import check_ordinal, requested_limits, visible_devices
 
 READ_SIZE = 1 << 16
@@ -74,7 +74,10 @@ class AsyncContext(ContextBase):
         try:
             item = next(op)
             while True:
-                if isinstance(item, Request):
+                if item is TAKE_NOTICES:
+                    self._take_now()
+                    item = op.send(None)
+                elif isinstance(item, Request):
                     waiter = self._waiting[item.id] = _Answer()
                     try:
                         await self._send(item)
@@ -171,19 +174,9 @@ class AsyncContext(ContextBase):
                     await self._fairly()
                 elif event is CLOSED:
                     break
-                elif isinstance(event, Reply):
-                    waiter = self._waiting.get(event.id)
-                    if waiter is None:
-                        close_fds(event.fds)
-                    else:
-                        waiter.give(event)
-                elif isinstance(event, Notification):
-                    close_fds(event.fds)
-                    try:
-                        self._core.notification_received(event)
-                    except CudaError as exc:
-                        why = exc.detail or why
-                        break
+                elif (ended := self._route(event)) is not None:
+                    why = ended or why
+                    break
         except ProtocolError as exc:
             why = f"protocol error: {exc}"
         except OSError as exc:
@@ -191,6 +184,37 @@ class AsyncContext(ContextBase):
         error = self._core.connection_lost(why)
         for waiter in list(self._waiting.values()):
             waiter.give(error)
+
+    def _route(self, event: Reply | Notification) -> str | None:
+        """Give a reply to the task that waits for it, or act on a notice; why the connection ends, if it does."""
+        if isinstance(event, Reply):
+            waiter = self._waiting.get(event.id)
+            if waiter is None:
+                close_fds(event.fds)
+            else:
+                waiter.give(event)
+            return None
+        close_fds(event.fds)
+        try:
+            self._core.notification_received(event)
+        except CudaError as exc:
+            return exc.detail or ""
+        return None
+
+    def _take_now(self) -> None:
+        """Take in what the daemon has sent already, without waiting (TAKE_NOTICES). The end of the connection
+        and its errors stay where they are, for the reader to find."""
+        try:
+            while (event := self._conn.next_event()) is not CLOSED:
+                if event is NEED_DATA:
+                    data, ancdata, flags, _ = self._raw.recvmsg(READ_SIZE, ANCILLARY_SIZE, RECV_FLAGS)
+                    self._conn.receive_data(data, unpack_fds(ancdata, flags))
+                    if not data:
+                        return
+                elif self._route(event) is not None:
+                    return
+        except (ProtocolError, OSError):  # BlockingIOError: nothing more has come
+            return
 
 
 @asynccontextmanager

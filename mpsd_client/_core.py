@@ -24,6 +24,7 @@ from mpsd_protocol import (  # type: ignore[attr-defined]
     EVENT_HANDLE,
     POOL_ALLOC,
     POOL_FREE,
+    IPC_FREED,
     POOL_RELEASE,
     PROTOCOL_ERROR,
     PROTOCOL_VERSION,
@@ -47,7 +48,16 @@ from mpsd_protocol import (  # type: ignore[attr-defined]
 from ._objects import DevicePointer, Event, HostBuffer, Stream
 from ._pools import ALIGN, RESERVE_STEP, SYNCHRONISING, MemPool, Ordering
 
-Op = Generator[Request | Notification, Reply | None, Any]
+
+class _TakeNotices:
+    """What an op yields to have its shell take in, without waiting, the notices the daemon has sent."""
+
+    def __repr__(self) -> str:
+        return "TAKE_NOTICES"
+
+
+TAKE_NOTICES = _TakeNotices()
+Op = Generator[Request | Notification | _TakeNotices, Reply | None, Any]
 STAGING_SIZE = 8 << 20
 CURRENT: Any = object()  # malloc_async's pool: the device's current one
 MAX_OPS = 1024  # pool operations that may wait for the next message, at most
@@ -62,6 +72,7 @@ class Core:
         self.limits = limits
         self._ids = itertools.count(1)
         self.client_id = 0
+        self.device_flags = 0  # cudaSetDeviceFlags' (mpsd_client._wait)
         self.server_pid = 0
         self.properties: dict[str, Any] = {}
         self.kernels: dict[str, list[str]] = {}
@@ -74,6 +85,7 @@ class Core:
         self._maps: dict[int, tuple[mmap.mmap, int, int]] = {}
         self._handles: dict[int, bytes] = {}  # allocation base -> its IPC handle
         self._opens: dict[int, int] = {}  # IPC mapping -> opens not yet closed (the daemon counts the same)
+        self._freed: set[int] = set()  # IPC mappings whose exporter has let go (the daemon's IPC_FREED notices)
         # Stream-ordered allocation (mpsd_client._pools): the pools, the default one first; what each live
         # allocation came from (its pool, segment and rounded size); what is known of order between streams; the
         # pool operations that wait for the next message (the shells send them ahead of it, in one notification).
@@ -166,8 +178,13 @@ class Core:
         self._ops.extend([POOL_RELEASE, base] for base in bases)
 
     def notification_received(self, note: Notification) -> None:
-        """The daemon told us something unasked: today only that it is closing us for a protocol error."""
-        if note.op == PROTOCOL_ERROR:
+        """The daemon told us something unasked: that an IPC mapping's exporter let go of it, or that it is
+        closing us for a protocol error."""
+        if note.op == IPC_FREED:
+            ptr = note.args.get("ptr") if isinstance(note.args, dict) else None
+            if ptr in self._opens:
+                self._freed.add(ptr)
+        elif note.op == PROTOCOL_ERROR:
             message = note.args.get("message") if isinstance(note.args, dict) else None
             self.broken = MpsRpcFailureError(f"the daemon closed the connection: {message}")
             raise self.broken
@@ -441,19 +458,26 @@ class Core:
         if addr not in self._opens:
             raise InvalidValueError(f"{addr:#x} is not a pointer opened from an IPC handle in this context")
         # The daemon serves this client's messages in order, so the pointer is invalid for every later call either
-        # way, as cudaIpcCloseMemHandle promises, and the bytes stay for the work queued before the close. A close
-        # that leaves references is this context's business alone: a notification. The last one may free memory
-        # that other processes see (the exporter's charge, its range): a request, so that it has happened when
-        # the call returns, whatever this process tells others next.
+        # way, as cudaIpcCloseMemHandle promises, and the bytes stay for the work queued before the close. As CUDA
+        # says, a close leaves the exporter's allocation and other processes' mappings as they were: it is this
+        # context's business alone, a notification. Except for the last close of memory whose exporter has freed
+        # it already, which frees what other processes see (its charge, its range): that one is a request, so
+        # that it has happened when the call returns, whatever this process tells others next. The daemon tells
+        # importers when an exporter lets go before it answers the exporter (IPC_FREED), so once this process
+        # has taken in what has come (TAKE_NOTICES), a free it can know of is known here.
         args = self._charge(CALLS["ipc_close_mem_handle"].encode((addr,)))
-        if self._opens[addr] > 1:
-            yield Notification("ipc_close_mem_handle", args)
-        else:
+        last = self._opens[addr] == 1
+        if last:
+            yield TAKE_NOTICES
+        if last and addr in self._freed:
             yield from self._request("ipc_close_mem_handle", args, ())
+        else:
+            yield Notification("ipc_close_mem_handle", args)
         left = self._opens.pop(addr) - 1
         if left:
             self._opens[int(ptr)] = left
         else:
+            self._freed.discard(addr)
             self._unmap(int(ptr))
 
     def ipc_open_event_handle(self, ctx: Any, handle: bytes) -> Op:

@@ -10,10 +10,8 @@ import time
 from typing import Any, Iterator
 
 from mpsd_protocol import (  # type: ignore[attr-defined]
-    ANCILLARY_SIZE,
     CLOSED,
     NEED_DATA,
-    RECV_FLAGS,
     Connection,
     CudaError,
     MpsConnectionError,
@@ -31,10 +29,9 @@ from mpsd_protocol import (  # type: ignore[attr-defined]
 )
 
 from ._api import ContextBase
-from ._core import CURRENT, Core
+from ._core import CURRENT, TAKE_NOTICES, Core
 from ._env import check_ordinal, requested_limits, visible_devices
-
-READ_SIZE = 1 << 16
+from ._wait import DEVICE_SCHEDULE_MASK, ReplyWait
 
 
 class Context(ContextBase):
@@ -44,16 +41,25 @@ class Context(ContextBase):
         self._sock = sock
         self._core = core
         self._conn = Connection(Role.CLIENT)
+        self._wait = ReplyWait(sock)
         self._lock = threading.Lock()  # calls never nest: one at a time per context
         self.closed = False
+
+    def set_device_flags(self, flags: int) -> None:
+        super().set_device_flags(flags)
+        self._wait.schedule = flags & DEVICE_SCHEDULE_MASK
 
     def _drive(self, op: Any) -> Any:
         with self._lock:
             try:
                 item = next(op)
                 while True:
+                    if item is TAKE_NOTICES:
+                        self._take(None)
+                        item = op.send(None)
+                        continue
                     self._send(item)
-                    item = op.send(self._reply_to(item.id) if isinstance(item, Request) else None)
+                    item = op.send(self._take(item.id) if isinstance(item, Request) else None)
             except StopIteration as stop:
                 return stop.value
             except CudaError as exc:
@@ -114,12 +120,20 @@ class Context(ContextBase):
         except OSError as exc:
             raise self._core.connection_lost(f"lost the daemon: {exc.strerror or exc}") from None
 
-    def _reply_to(self, request_id: int) -> Reply:
+    def _take(self, request_id: int | None) -> Reply | None:
+        """Take in what the daemon sends up to the reply to `request_id`, and that reply; with None, only what
+        has come already (the notices an op waits for, TAKE_NOTICES)."""
         try:
             while True:
                 event = self._conn.next_event()
                 if event is NEED_DATA:
-                    data, ancdata, flags, _ = self._sock.recvmsg(READ_SIZE, ANCILLARY_SIZE, RECV_FLAGS)
+                    if request_id is not None:
+                        data, ancdata, flags, _ = self._wait.read()
+                    else:
+                        try:
+                            data, ancdata, flags, _ = self._wait.now()
+                        except BlockingIOError:
+                            return None
                     self._conn.receive_data(data, unpack_fds(ancdata, flags))
                 elif event is CLOSED:
                     raise self._core.connection_lost("the daemon closed the connection")

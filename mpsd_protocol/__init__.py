@@ -31,7 +31,7 @@ from ._dirs import (
     log_directory,
     pipe_directory,
 )
-from ._connection import CLOSED, HEADER, HELLO, NEED_DATA, PROTOCOL_ERROR, Connection, Role
+from ._connection import CLOSED, HEADER, HELLO, IPC_FREED, NEED_DATA, PROTOCOL_ERROR, Connection, Role
 from ._errors import (
     CODES_BY_NAME,
     ERROR_CLASSES,
@@ -57,6 +57,7 @@ from ._messages import (
     Request,
 )
 from ._peer import check_server, peer_credentials
+from ._spin import SpinOdds
 from ._units import format_size, parse_decimal, parse_integer, parse_mem_limits, parse_percentage, parse_size
 
 # One exception class per error code, built from the table: InvalidValueError, IllegalAddressError, ...
@@ -68,7 +69,7 @@ __all__ = [
     "read_control_reply", "PROTOCOL_FILE", "V3_MODULES",
     "DEFAULT_LOG_DIRECTORY", "DEFAULT_PIPE_DIRECTORY", "LOG_VARIABLES", "PIPE_VARIABLES", "log_directory",
     "pipe_directory",
-    "CLOSED", "HEADER", "HELLO", "NEED_DATA", "PROTOCOL_ERROR", "Connection", "Role",
+    "CLOSED", "HEADER", "HELLO", "IPC_FREED", "NEED_DATA", "PROTOCOL_ERROR", "Connection", "Role",
     "CODES_BY_NAME", "ERROR_CLASSES", "CudaError", "error_class", "error_from_wire", "error_name",
     "error_string", "make_error",
     "ANCILLARY_SIZE", "RECV_FLAGS", "close_fds", "pack_fds", "unpack_fds",
@@ -76,6 +77,6 @@ __all__ = [
     "PARAM_KINDS", "check_args", "check_shape", "dims",
     "MAX_FDS_PER_FRAME", "PROTOCOL_VERSION", "LocalProtocolError", "Message", "Notification", "ProtocolError",
     "RemoteProtocolError", "Reply", "Request",
-    "check_server", "peer_credentials",
+    "check_server", "peer_credentials", "SpinOdds",
     "format_size", "parse_decimal", "parse_integer", "parse_percentage", "parse_mem_limits", "parse_size",
 ] + [cls.__name__ for cls in ERROR_CLASSES.values()]

@@ -47,6 +47,7 @@ _HEADER_SIZE = HEADER.size
 DEFAULT_MAX_FRAME = 1 << 20  # bulk data travels through shared memory, never in frames
 HELLO = "hello"
 PROTOCOL_ERROR = "protocol_error"  # the notice a server sends before closing a connection that broke the rules
+IPC_FREED = "ipc_memory_freed"  # the notice that an IPC mapping's exporter has freed it: {"ptr": the mapping}
 # Fds that may wait for their frames: one frame's, still arriving, and the next one's, which came with the
 # read that completes it (a read never brings the fds of two writes).
 MAX_QUEUED_FDS = 2 * MAX_FDS_PER_FRAME

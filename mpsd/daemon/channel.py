@@ -9,8 +9,8 @@
 # keeps reading it for a short while first (`Spin`), as the CUDA runtime spins on a result rather than yield
 # while a process has no more active contexts than the host has cores (cudaDeviceScheduleAuto): only while the
 # daemon has no more clients than cores; and a channel whose client has lately called within the window less
-# than a quarter of the time spins only once in 32 waits, so an idle or slow client costs a window now and
-# then, not each time. Between reads the channel lets every other task run (a checkpoint: trio polls every
+# than a quarter of the time spins only once in 32 waits (mpsd_protocol.SpinOdds, which a blocking client's
+# wait for its reply shares), so an idle or slow client costs a window now and then, not each time. Between reads the channel lets every other task run (a checkpoint: trio polls every
 # socket and runs what is due meanwhile, so no other client waits for the window to end) and every other
 # process waiting for the core (sched_yield).
 #
@@ -28,7 +28,7 @@ from typing import Callable
 
 import trio
 
-from mpsd_protocol import ANCILLARY_SIZE, RECV_FLAGS, close_fds, pack_fds, unpack_fds
+from mpsd_protocol import ANCILLARY_SIZE, RECV_FLAGS, SpinOdds, close_fds, pack_fds, unpack_fds
 
 READ_SIZE = 1 << 16
 _FAIR_READS = 16  # after this many reads that did not have to wait, let other tasks run
@@ -36,9 +36,6 @@ MAX_UNSENT_BYTES = 8 << 20  # eight frames of the largest size, or about 100,000
 MAX_UNSENT_FDS = 64  # replies with fds (mem_fd, ipc_open_mem_handle) the peer has not taken
 DEFAULT_SPIN = 100e-6  # seconds a channel keeps reading an emptied socket (the daemon's --spin)
 MAX_SPIN = 1e-3  # a client's next call that comes later than this is not worth a core's time
-_SPIN_MEMORY = 8  # spins the moving average of a channel's hits remembers, about
-_SPIN_HITS = 0.25  # a channel whose spins ended with a call less often than this spins once in _PROBE waits
-_PROBE = 32
 
 
 class Spin:
@@ -78,8 +75,7 @@ class Channel:
         self._eager_reads = 0
         self._drained = False  # the last read returned less than asked for: the socket is empty
         self._spin = spin
-        self._hits = 1.0  # how often a spin has ended with a call, lately (a moving average)
-        self._waits = 0
+        self._odds = SpinOdds()  # how often a spin has lately ended with a call
 
     async def receive(self) -> tuple[bytes, list[int]]:
         """The next bytes and fds (b"" at end of file).
@@ -113,10 +109,7 @@ class Channel:
     def _spins(self) -> float:
         """Seconds this channel spins for the next call this time: its Spin's, unless its client's calls have
         lately come too late (see the top of this file)."""
-        self._waits += 1
-        if self._hits < _SPIN_HITS and self._waits % _PROBE:
-            return 0.0
-        return self._spin.now()  # type: ignore[union-attr]
+        return self._spin.now() if self._odds.worth() else 0.0  # type: ignore[union-attr]
 
     async def _spun(self, window: float) -> tuple | None:
         """What the socket gave while this channel kept reading it for `window` seconds, letting every other task
@@ -131,9 +124,9 @@ class Channel:
                 if clock() < end:
                     os.sched_yield()  # a process waiting for this core goes first
                     continue
-                self._hits -= self._hits / _SPIN_MEMORY
+                self._odds.miss()
                 return None
-            self._hits += (1 - self._hits) / _SPIN_MEMORY
+            self._odds.hit()
             return got
 
     def send_nowait(self, data: bytes, fds: tuple[int, ...], nursery: trio.Nursery) -> None:

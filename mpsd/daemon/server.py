@@ -513,10 +513,10 @@ class Daemon:
             "sm_cap": context.quotas.sm_cap, "pinned_mem_limit": context.quotas.pinned_mem_limit,
             "priority": context.quotas.priority, "weight": context.quotas.weight,
             "memory_used": context.account.reserved, "memory_peak": context.account.peak,
-            "memory_imported": sum(export.importers[context.id].size for export in
+            "memory_imported": sum(export.importers[context.id][1].size for export in
                                    {id(e): e for e in context.imports.values()}.values()),
             # of which another device's, mapped over peer access
-            "memory_imported_peer": sum(export.importers[context.id].size for export in
+            "memory_imported_peer": sum(export.importers[context.id][1].size for export in
                                         {id(e): e for e in context.imports.values()}.values()
                                         if export.device != context.device.index),
             "launches": counters.launches, "copies": counters.copies, "bytes_copied": counters.bytes_copied,

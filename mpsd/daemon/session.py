@@ -234,6 +234,10 @@ class Session:
                                   f"Client {self.pid}: protocol error, closing its connection: {text}")
         self._send(Notification(PROTOCOL_ERROR, {"message": text}))
 
+    def _tell(self, op: str, args: dict[str, Any]) -> None:
+        """A notice to this client that no call of its asked for (another client's call caused it)."""
+        self._send(Notification(op, args))
+
     def _send(self, message: Reply | Notification) -> None:
         assert self._nursery is not None
         self.channel.send_nowait(self.conn.send(message), message.fds, self._nursery)
@@ -597,6 +601,7 @@ class Session:
             self._closing = True
             return
         ctx = self.context
+        ctx.tell = self._tell
         backend = self.daemon.device_of(ctx).backend
         clock = backend.clock_info()
         engine = backend.virtual

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from mpsd_protocol import (  # type: ignore[attr-defined]
     POOL_ALLOC,
@@ -49,6 +49,10 @@ STREAM_PRIORITY_GREATEST, STREAM_PRIORITY_LEAST = -5, 0  # cudaDeviceGetStreamPr
 NON_BLOCKING = 0x1  # cudaStreamNonBlocking
 MAX_STAGED_COPY = 64 << 20  # the client stages pageable copies in pieces of 8 MiB
 _MAX_CHECKED = 1024  # launches whose checks are kept, by kernel, shape and arguments
+
+
+def _deaf(op: str, args: dict[str, Any]) -> None:
+    """Where a context's notices go while no session hears them (a context made in process, for tests)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +137,7 @@ class Context(VirtualMemoryCalls):
         self.requested_priority = requested_priority  # CUDA_MPS_CLIENT_PRIORITY, which daemon levels only tighten
         self.ipc = ipc
         self.imports: dict[int, Export] = {}  # address of an IPC mapping -> its export
+        self.tell: Callable[[str, dict[str, Any]], None] = _deaf  # a notice to the client (its session's)
         self.id = client_id
         self.pid, self.uid, self.gid = pid, uid, gid
         # The process it stands for, as CUDA's same-process rules see it: its pid, or, where the daemon's

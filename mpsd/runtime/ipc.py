@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Callable
 from mpsd.runtime.memory import Allocation
 from mpsd_protocol import (  # type: ignore[attr-defined]
     EVENT,
+    IPC_FREED,
     MEMORY,
     DeviceUninitializedError,
     InvalidResourceHandleError,
@@ -48,7 +49,7 @@ class Export:
     gid: int
     allocation: Allocation | None = None  # memory exports
     cell: EventCell | None = None  # event exports
-    importers: dict[int, Allocation] = field(default_factory=dict)  # context id -> its mapping
+    importers: dict[int, tuple[Context, Allocation]] = field(default_factory=dict)  # context id -> it, its mapping
     counts: dict[int, int] = field(default_factory=dict)  # context id -> opens not yet closed
 
     def handle(self) -> bytes:
@@ -99,14 +100,16 @@ class IpcRegistry:
         export = self._find(ctx, handle, MEMORY)
         if export.process == ctx.process:
             raise DeviceUninitializedError("an IPC memory handle cannot be opened in the process that exported it")
-        mapping = export.importers.get(ctx.id)
-        if mapping is None:
+        entry = export.importers.get(ctx.id)
+        if entry is None:
             assert export.allocation is not None  # _find refuses exports whose memory was freed
             segment = export.allocation.segment
             mapping = ctx.memory.map_import(segment, export.allocation.size)
             segment.refs += 1
-            export.importers[ctx.id] = mapping
+            export.importers[ctx.id] = (ctx, mapping)
             ctx.imports[mapping.addr] = export
+        else:
+            mapping = entry[1]
         export.counts[ctx.id] = export.counts.get(ctx.id, 0) + 1
         return mapping
 
@@ -127,7 +130,7 @@ class IpcRegistry:
     def _unmap(self, ctx: Context, export: Export) -> Segment:
         """Take `export`'s mapping out of `ctx`; its segment, for the caller to release."""
         del export.counts[ctx.id]
-        mapping = export.importers.pop(ctx.id)
+        _, mapping = export.importers.pop(ctx.id)
         del ctx.imports[mapping.addr]
         ctx.memory.remove(mapping.addr)
         if export.allocation is None and not export.importers:
@@ -135,12 +138,15 @@ class IpcRegistry:
         return mapping.segment
 
     def allocation_freed(self, alloc: Allocation) -> None:
-        """The exporter freed (or lost) an allocation: no new opens; existing mappings live on."""
+        """The exporter freed (or lost) an allocation: no new opens; existing mappings live on, and each
+        importer is told, so that its last close of the mapping, which now frees the bytes, waits for that."""
         export = self._by_allocation.pop(alloc, None)
         if export is not None:
             export.allocation = None
             if not export.importers:
                 del self._exports[export.id]
+            for ctx, mapping in export.importers.values():
+                ctx.tell(IPC_FREED, {"ptr": mapping.addr})
 
     # -- events ----------------------------------------------------------------------------------------
     def export_event(self, ctx: Context, cell: EventCell) -> bytes:
