@@ -52,13 +52,14 @@ class ContextBase:
 
     def set_device_flags(self, flags: int) -> None:
         """``cudaSetDeviceFlags``: how this context's calls wait for the device, which here means for the daemon's
-        reply (the constants are `mpsd_client.DEVICE_SCHEDULE_*`). The default, Auto, spins for a short while
-        before it blocks; Spin and Yield spin until the reply comes (Yield lets other processes run between
-        reads); BlockingSync blocks at once, for the least CPU. The trio context keeps the flags and always waits
-        through trio. MapHost, LmemResizeToMax and SyncMemops are accepted and change nothing.
+        reply (the constants are `mpsd_client.DEVICE_SCHEDULE_*`). Auto, the default, spins for 200 us at most
+        before it blocks (CUDA's spins until the result while the process has no more contexts than the host has
+        cores: the daemon needs a core here); Spin and Yield spin until the reply comes (Yield lets other
+        processes run between reads); BlockingSync blocks at once, for the least CPU. The trio context keeps the
+        flags and always waits through trio. The other bits of the low byte are taken and change nothing.
 
         Raises:
-            InvalidValueError: an unknown bit, or more than one scheduling choice.
+            InvalidValueError: a bit above the low byte, or more than one scheduling choice.
         """
         self._core.device_flags = check_flags(flags)
 

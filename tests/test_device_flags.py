@@ -95,6 +95,10 @@ def test_device_flags_are_checked_as_cuda_checks_them(ctx):
         ctx.set_device_flags(flags)
         assert ctx.get_device_flags() == flags | DEVICE_MAP_HOST
         assert ctx.mem_get_info()[1] > 0  # and calls still get their replies
+    # Bits 0x20 and 0x40 are taken and dropped, as the H200's runtime does.
+    ctx.set_device_flags(DEVICE_SCHEDULE_SPIN | 0x20 | 0x40)
+    assert ctx.get_device_flags() == DEVICE_SCHEDULE_SPIN | DEVICE_MAP_HOST
+    ctx.set_device_flags(DEVICE_SCHEDULE_AUTO)
     for bad in (DEVICE_SCHEDULE_SPIN | DEVICE_SCHEDULE_YIELD, 0x3 | DEVICE_SCHEDULE_BLOCKING_SYNC, 0x100, -1, "spin",
                 1.0, True):
         with pytest.raises(InvalidValueError):
@@ -107,7 +111,7 @@ async def test_the_trio_context_keeps_the_flags(actx):
     assert actx.get_device_flags() == DEVICE_SCHEDULE_BLOCKING_SYNC | DEVICE_MAP_HOST
     assert (await actx.mem_get_info())[1] > 0
     with pytest.raises(InvalidValueError):
-        actx.set_device_flags(0x40)
+        actx.set_device_flags(0x100)
 
 
 SYNCHRONIZE = """
