@@ -35,6 +35,7 @@ import msgpack
 
 HEADER = struct.Struct("<II")  # the same header as mpsd_protocol.HEADER
 READ_SIZE = 1 << 16
+SPIN = 1e-3  # seconds a spinning raw reader keeps reading an empty socket before it blocks
 READY = "mpsd: ready on "
 HERE = Path(__file__).resolve().parent
 
@@ -46,10 +47,13 @@ def frame(obj: Any) -> bytes:
 
 
 class FrameReader:
-    """Reads frames from a blocking socket: one recv per refill, as many frames per recv as arrived."""
+    """Reads frames from a blocking socket: one recv per refill, as many frames per recv as arrived (with
+    `spin`, a refill reads without blocking for up to SPIN seconds first, as a spinning waiter does; the bound
+    keeps an idle peer from taking a core while the other side's blocks run)."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, spin: bool = False) -> None:
         self.sock = sock
+        self.spin = spin
         self.buffer = bytearray()
         self.start = 0
 
@@ -67,7 +71,7 @@ class FrameReader:
                         self.buffer.clear()
                         self.start = 0
                     return msgpack.unpackb(body, raw=False)
-            data = self.sock.recv(READ_SIZE)
+            data = self._refill()
             if not data:
                 return None
             if self.start:
@@ -76,28 +80,39 @@ class FrameReader:
             self.buffer += data
 
 
-def _peer(fd: int) -> None:
+    def _refill(self) -> bytes:
+        if self.spin:
+            end = time.perf_counter() + SPIN
+            while time.perf_counter() < end:
+                try:
+                    return self.sock.recv(READ_SIZE, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    pass
+        return self.sock.recv(READ_SIZE)
+
+
+def _peer(fd: int, spin: bool = False) -> None:
     """Decode every frame; answer each request [0, id, op, args] with a reply [1, id, None, result] shaped like
     mem_get_info's, and drop notifications [2, op, args] once decoded. Until end of file."""
     sock = socket.socket(fileno=fd)
-    reader = FrameReader(sock)
+    reader = FrameReader(sock, spin)
     while (message := reader.next()) is not None:
         if message[0] == 0:
             sock.sendall(frame([1, message[1], None, [141 << 30, 141 << 30]]))
 
 
 @contextlib.contextmanager
-def raw_peer(cpu: int | None = None) -> Iterator[tuple[socket.socket, FrameReader]]:
+def raw_peer(cpu: int | None = None, spin: bool = False) -> Iterator[tuple[socket.socket, FrameReader]]:
     """A peer process at the other end of a socketpair (pinned to `cpu` if given): yields our end and a
-    reader on it."""
+    reader on it. With `spin` both ends read without blocking until something comes."""
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    proc = subprocess.Popen([sys.executable, str(HERE / "_harness.py"), str(theirs.fileno())],
+    proc = subprocess.Popen([sys.executable, str(HERE / "_harness.py"), str(theirs.fileno())] + ["spin"] * spin,
                             pass_fds=[theirs.fileno()])
     theirs.close()
     try:
         if cpu is not None:
             pin(proc.pid, cpu)
-        yield ours, FrameReader(ours)
+        yield ours, FrameReader(ours, spin)
     finally:
         ours.close()
         if proc.wait(timeout=10) != 0:
@@ -307,4 +322,4 @@ def prepare_dirs(args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
-    _peer(int(sys.argv[1]))
+    _peer(int(sys.argv[1]), sys.argv[2:] == ["spin"])

@@ -10,6 +10,7 @@ window (counters zeroed before it, dumped after it, with `callgrind_control`), l
 the calls in it. Only user-space instructions count; the kernel's share of a syscall does not. The daemon
 runs with `--spin 0`: what a session reads while it spins for its client's next call (mpsd.daemon.channel)
 depends on how long the client takes, many times longer under callgrind, and is waiting, not the call's path.
+For the same reason the clients wait for their replies with cudaDeviceScheduleBlockingSync, not Auto's spin.
 
     launch   N x ctx.launch('spin', 1, 32, [0]) and one synchronize(), less one synchronize() alone
     request  N x ctx.mem_get_info()
@@ -148,6 +149,7 @@ def _client(pipe_dir: str) -> None:
 
     name, grid, block, kargs = KERNEL
     with mpsd_client.connect(pipe_dir, timeout=300) as ctx:
+        ctx.set_device_flags(mpsd_client.DEVICE_SCHEDULE_BLOCKING_SYNC)
         for line in sys.stdin:
             what, count = line.split()
             if what == "launch":
@@ -214,6 +216,8 @@ def main() -> int:
     started = time.monotonic()
     try:
         with counted_daemon(out_dir) as (daemon, pipe_dir), mpsd_client.connect(pipe_dir, timeout=300) as ctx:
+            ctx.set_device_flags(mpsd_client.DEVICE_SCHEDULE_BLOCKING_SYNC)
+
             def launches(count: int) -> Callable[[], None]:
                 def run() -> None:
                     for _ in range(count):

@@ -6,6 +6,9 @@ raw msgpack ping-pong between two processes over a Unix socketpair, measured in 
 The two sides alternate, block by block (`--repeat` blocks of `--n` samples each, after `--warmup`
 unmeasured calls per block), so that load from other processes on a small machine falls on both alike.
 Percentiles are over all samples of a side. Target (issue 14, 2-core machines): our p50 at most 1.5x the raw p50.
+Both ends of ours spin a while for the next message before they block (the daemon's --spin, the client's
+cudaDeviceScheduleAuto), and the raw pair blocks: a third side, the raw pair with both ends spinning (for up to
+1 ms, then blocking), shows what that choice alone is worth (printed, not part of the target).
 Beside the latencies it prints the server side's CPU per request (the daemon's, the raw peer's: user and
 system time, read with psutil over every call of every block): what the latency is made of beyond the
 kernel's wake-ups.
@@ -82,13 +85,20 @@ def main() -> int:
     with contextlib.ExitStack() as stack:
         d, ctx = h.daemon_and_client(stack, args, time_scale=1.0)
         peer = None if args.skip_baseline else stack.enter_context(h.raw_peer(server_cpu))
+        spinner = None if args.skip_baseline else stack.enter_context(h.raw_peer(server_cpu, spin=True))
         if args.pin:
             h.pin(0, h.CLIENT_CPU)
         our_cpu, raw_cpu = [0.0, 0.0], [0.0, 0.0]
+        spun: list[list[float]] = []
+
+        def raw_blocks() -> list[float]:
+            assert peer is not None and spinner is not None
+            spun.append(block_raw(*spinner, args.n, args.warmup))
+            return server_cpu_counted(lambda: block_raw(*peer, args.n, args.warmup), peer_pid(peer[0]), raw_cpu)()
+
         ours, raw = h.alternate(
             args, "rpc_client", server_cpu_counted(lambda: block_ours(ctx, args.n, args.warmup), d.proc.pid, our_cpu),
-            None if peer is None else server_cpu_counted(lambda: block_raw(*peer, args.n, args.warmup),
-                                                         peer_pid(peer[0]), raw_cpu))
+            None if peer is None else raw_blocks)
     calls = args.repeat * (args.n + args.warmup)
 
     o50, o99 = h.percentiles(ours)
@@ -110,12 +120,15 @@ def main() -> int:
                                    "2 processes, blocking)"),
                  ("raw peer CPU", f"{raw_cpu[0] / calls * 1e6:.1f} us user + {raw_cpu[1] / calls * 1e6:.1f} us "
                                   "system per round trip"),
+                 ("raw spinning", f"{h.percentiles(spun)[0]:.1f} us / {h.percentiles(spun)[1]:.1f} us   (the same "
+                                  f"pair, both ends spinning; ours is {o50 / h.percentiles(spun)[0]:.2f}x its p50)"),
                  ("ratio p50 (p99)", f"{ratio50:.2f}x ({ratio99:.2f}x);  p50 ratio per block "
                                      + " ".join(f"{v:.2f}" for v in per_block)),
                  ("target", f"p50 ratio <= {TARGET:.1f}x")]
         line.update({"raw_p50_us": round(r50, 2), "raw_p99_us": round(r99, 2), "ratio_p50": round(ratio50, 3),
                      "ratio_p99": round(ratio99, 3), "ratio_p50_blocks": [round(v, 3) for v in per_block],
-                     "raw_peer_cpu_us": [round(v / calls * 1e6, 2) for v in raw_cpu], "pass": verdict})
+                     "raw_peer_cpu_us": [round(v / calls * 1e6, 2) for v in raw_cpu],
+                     "raw_spinning_p50_us": round(h.percentiles(spun)[0], 2), "pass": verdict})
     rows.append(("wall time", f"{time.monotonic() - started:.1f} s"))
     h.report("rpc_latency", rows, verdict, line if args.json else None)
     return 0

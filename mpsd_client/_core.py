@@ -63,10 +63,24 @@ CURRENT: Any = object()  # malloc_async's pool: the device's current one
 MAX_OPS = 1024  # pool operations that may wait for the next message, at most
 
 
+class _Imports:
+    """The IPC mappings a context opened: the opens of each not yet closed (the daemon counts the same), and
+    those whose exporter has let go (the daemon's IPC_FREED notices)."""
+
+    __slots__ = ("opens", "freed")
+
+    def __init__(self) -> None:
+        self.opens: dict[int, int] = {}
+        self.freed: set[int] = set()
+
+
 class Core:
     """State and rules of one client connection, without I/O."""
 
     def __init__(self, device: int, visible: list[int | str] | None, limits: dict[str, Any]) -> None:
+        # At most 29 attributes: CPython 3.11 shares an instance dict's keys among instances only up to 30, and
+        # past that every attribute load of the object is slower (a launch makes dozens: 1,000 instructions more
+        # per launch in bench/daemon_instructions.py's client). Group what is rarely used instead.
         self.device = device
         self.visible = visible
         self.limits = limits
@@ -84,8 +98,7 @@ class Core:
         # base address -> the mapping of its memfd's pages, where its bytes begin in it, its size
         self._maps: dict[int, tuple[mmap.mmap, int, int]] = {}
         self._handles: dict[int, bytes] = {}  # allocation base -> its IPC handle
-        self._opens: dict[int, int] = {}  # IPC mapping -> opens not yet closed (the daemon counts the same)
-        self._freed: set[int] = set()  # IPC mappings whose exporter has let go (the daemon's IPC_FREED notices)
+        self._imports = _Imports()
         # Stream-ordered allocation (mpsd_client._pools): the pools, the default one first; what each live
         # allocation came from (its pool, segment and rounded size); what is known of order between streams; the
         # pool operations that wait for the next message (the shells send them ahead of it, in one notification).
@@ -182,8 +195,8 @@ class Core:
         closing us for a protocol error."""
         if note.op == IPC_FREED:
             ptr = note.args.get("ptr") if isinstance(note.args, dict) else None
-            if ptr in self._opens:
-                self._freed.add(ptr)
+            if ptr in self._imports.opens:
+                self._imports.freed.add(ptr)
         elif note.op == PROTOCOL_ERROR:
             message = note.args.get("message") if isinstance(note.args, dict) else None
             self.broken = MpsRpcFailureError(f"the daemon closed the connection: {message}")
@@ -450,12 +463,14 @@ class Core:
             os.close(fds[0])
         else:
             self._map(ptr, size, fds[0], mapping.get("offset", 0))
-        self._opens[ptr] = self._opens.get(ptr, 0) + 1
+        opens = self._imports.opens
+        opens[ptr] = opens.get(ptr, 0) + 1
         return DevicePointer(ptr, size, ctx)
 
     def ipc_close_mem_handle(self, ptr: int) -> Op:
         addr = _address(ptr)
-        if addr not in self._opens:
+        imports = self._imports
+        if addr not in imports.opens:
             raise InvalidValueError(f"{addr:#x} is not a pointer opened from an IPC handle in this context")
         # The daemon serves this client's messages in order, so the pointer is invalid for every later call either
         # way, as cudaIpcCloseMemHandle promises, and the bytes stay for the work queued before the close. As CUDA
@@ -466,18 +481,18 @@ class Core:
         # importers when an exporter lets go before it answers the exporter (IPC_FREED), so once this process
         # has taken in what has come (TAKE_NOTICES), a free it can know of is known here.
         args = self._charge(CALLS["ipc_close_mem_handle"].encode((addr,)))
-        last = self._opens[addr] == 1
+        last = imports.opens[addr] == 1
         if last:
             yield TAKE_NOTICES
-        if last and addr in self._freed:
+        if last and addr in imports.freed:
             yield from self._request("ipc_close_mem_handle", args, ())
         else:
             yield Notification("ipc_close_mem_handle", args)
-        left = self._opens.pop(addr) - 1
+        left = imports.opens.pop(addr) - 1
         if left:
-            self._opens[int(ptr)] = left
+            imports.opens[addr] = left
         else:
-            self._freed.discard(addr)
+            imports.freed.discard(addr)
             self._unmap(int(ptr))
 
     def ipc_open_event_handle(self, ctx: Any, handle: bytes) -> Op:
