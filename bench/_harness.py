@@ -79,7 +79,6 @@ class FrameReader:
                 self.start = 0
             self.buffer += data
 
-
     def _refill(self) -> bytes:
         if self.spin:
             end = time.perf_counter() + SPIN
@@ -104,7 +103,7 @@ def _peer(fd: int, spin: bool = False) -> None:
 @contextlib.contextmanager
 def raw_peer(cpu: int | None = None, spin: bool = False) -> Iterator[tuple[socket.socket, FrameReader]]:
     """A peer process at the other end of a socketpair (pinned to `cpu` if given): yields our end and a
-    reader on it. With `spin` both ends read without blocking until something comes."""
+    reader on it. With `spin` both ends read without blocking for up to SPIN seconds before they block."""
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     proc = subprocess.Popen([sys.executable, str(HERE / "_harness.py"), str(theirs.fileno())] + ["spin"] * spin,
                             pass_fds=[theirs.fileno()])

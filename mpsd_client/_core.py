@@ -22,9 +22,9 @@ from typing import Any, Generator
 from mpsd_protocol import (  # type: ignore[attr-defined]
     CALLS,
     EVENT_HANDLE,
+    IPC_FREED,
     POOL_ALLOC,
     POOL_FREE,
-    IPC_FREED,
     POOL_RELEASE,
     PROTOCOL_ERROR,
     PROTOCOL_VERSION,

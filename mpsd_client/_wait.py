@@ -22,7 +22,8 @@ from mpsd_protocol import ANCILLARY_SIZE, RECV_FLAGS, InvalidValueError, SpinOdd
 # (bench/fidelity/device_flags_h200.txt), cudaSetDeviceFlags takes any bits of the low byte with at most one
 # scheduling choice, at any time, and cudaGetDeviceFlags reports MapHost always and, of the rest, only the
 # scheduling choice, LmemResizeToMax and SyncMemops.
-DEVICE_SCHEDULE_AUTO, DEVICE_SCHEDULE_SPIN, DEVICE_SCHEDULE_YIELD, DEVICE_SCHEDULE_BLOCKING_SYNC = 0x00, 0x01, 0x02, 0x04
+DEVICE_SCHEDULE_AUTO, DEVICE_SCHEDULE_SPIN, DEVICE_SCHEDULE_YIELD = 0x00, 0x01, 0x02
+DEVICE_SCHEDULE_BLOCKING_SYNC = 0x04
 DEVICE_SCHEDULE_MASK = 0x07
 DEVICE_MAP_HOST, DEVICE_LMEM_RESIZE_TO_MAX, DEVICE_SYNC_MEMOPS = 0x08, 0x10, 0x80
 FLAGS = 0xFF

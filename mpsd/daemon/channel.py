@@ -10,9 +10,10 @@
 # while a process has no more active contexts than the host has cores (cudaDeviceScheduleAuto): only while the
 # daemon has no more clients than cores; and a channel whose client has lately called within the window less
 # than a quarter of the time spins only once in 32 waits (mpsd_protocol.SpinOdds, which a blocking client's
-# wait for its reply shares), so an idle or slow client costs a window now and then, not each time. Between reads the channel lets every other task run (a checkpoint: trio polls every
-# socket and runs what is due meanwhile, so no other client waits for the window to end) and every other
-# process waiting for the core (sched_yield).
+# wait for its reply shares), so an idle or slow client costs a window now and then, not each time. Between
+# reads the channel lets every other task run (a checkpoint: trio polls every socket and runs what is due
+# meanwhile, so no other client waits for the window to end) and every other process waiting for the core
+# (sched_yield).
 #
 # What waits here is what the peer has not read (the kernel's buffer is full), and each reply that carries
 # an fd holds a dup of it, so a client that sends requests and reads no replies could make the daemon hold
