@@ -210,8 +210,9 @@ ROWS = (
     Call("mem_fd", (Arg("ptr", PTR),), reply=MAP, reply_fds=1),  # the memfd behind device memory (host_view)
     Call("ipc_get_mem_handle", (Arg("ptr", PTR),), reply=BYTES),
     Call("ipc_open_mem_handle", (Arg("handle", BYTES), Arg("flags", INT, 1)), reply=MAP, reply_fds=1),
-    # The client knows what it opened, so a close is checked there; one that leaves references needs no reply.
-    # The daemon releases the mapping after the work queued before it.
+    # The client knows what it opened, so a close is checked there, and needs no reply unless it gives back memory
+    # its exporter has freed already (mpsd_client._core). The daemon releases the mapping after the work queued
+    # before it.
     Call("ipc_close_mem_handle", (Arg("ptr", PTR),), notify=True, cost=(LAUNCH, None)),
     Call("ipc_get_event_handle", _EVENT, reply=BYTES),
     Call("ipc_open_event_handle", (Arg("handle", BYTES),), reply=EVENT_HANDLE),
