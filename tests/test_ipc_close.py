@@ -1,20 +1,24 @@
 # cudaIpcCloseMemHandle as a notification, and the one close that stays a request: the last close of memory
 # whose exporter has freed it already, which gives back what other processes see. The daemon tells each importer
 # when an exporter lets go (IPC_FREED) before it answers the exporter; the client takes in what has come before
-# it chooses (TAKE_NOTICES). The real-process side of it is in test_reclaim.py.
+# it chooses (TAKE_NOTICES).
 from __future__ import annotations
 
 import os
 import select
 import signal
+import socket
 
 import pytest
+import trio
 
 import mpsd_client
 from daemons import spawn_worker
 from inproc import in_process_daemon
+from mpsd_client._async import AsyncContext
 from mpsd_client._core import TAKE_NOTICES, Core
-from mpsd_protocol import IPC_FREED, Notification, Reply, Request
+from mpsd_client._sync import Context
+from mpsd_protocol import IPC_FREED, Connection, Notification, Reply, Request, Role
 
 MiB = 1 << 20
 BASE = 0x7F40_0000_0000
@@ -153,3 +157,31 @@ def test_a_real_importers_close_waits_for_the_daemon_only_when_it_gives_memory_b
             if proc.poll() is None:
                 proc.kill()
             proc.communicate()
+
+
+@pytest.mark.parametrize("shell", ["blocking", "trio"])
+def test_each_shell_takes_in_what_has_come_without_waiting(shell):
+    """TAKE_NOTICES: what the daemon has sent is read and acted on, and nothing waits when nothing has come.
+    The daemon's end is a socketpair and a server Connection, past the handshake."""
+    ours, theirs = socket.socketpair()
+    server = Connection(Role.SERVER)
+    core = Core(0, None, {})
+    core._imports.opens[BASE] = 1
+    try:
+        if shell == "blocking":
+            shell_ctx = Context(ours, core)
+            take = lambda: shell_ctx._take(None)  # noqa: E731
+        else:
+            ours.setblocking(False)
+            shell_ctx = AsyncContext(trio.socket.from_stdlib_socket(ours), ours, core)
+            take = shell_ctx._take_now
+        shell_ctx._conn.receive_data(server.send(Reply(1, None, {})), [])  # the hello's reply
+        assert shell_ctx._conn.next_event().id == 1
+        take()  # nothing has come: it returns at once
+        assert not core._imports.freed
+        theirs.sendall(server.send(Notification(IPC_FREED, {"ptr": BASE})))
+        take()
+        assert core._imports.freed == {BASE}
+    finally:
+        ours.close()
+        theirs.close()
