@@ -11,7 +11,6 @@ import time
 
 import pytest
 
-import mpsd_client
 from daemons import run_worker
 from mpsd_client import (
     DEVICE_LMEM_RESIZE_TO_MAX,
