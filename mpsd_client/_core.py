@@ -195,7 +195,7 @@ class Core:
         closing us for a protocol error."""
         if note.op == IPC_FREED:
             ptr = note.args.get("ptr") if isinstance(note.args, dict) else None
-            if ptr in self._imports.opens:
+            if type(ptr) is int and ptr in self._imports.opens:
                 self._imports.freed.add(ptr)
         elif note.op == PROTOCOL_ERROR:
             message = note.args.get("message") if isinstance(note.args, dict) else None

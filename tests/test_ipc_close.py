@@ -75,6 +75,8 @@ def test_the_last_close_after_the_exporter_let_go_is_a_request(core):
     other = _open(core, BASE + 64 * MiB)
     core.notification_received(Notification(IPC_FREED, {"ptr": ptr}))
     core.notification_received(Notification(IPC_FREED, {"ptr": BASE + 128 * MiB}))  # not ours: nothing
+    for garbage in ({"ptr": [BASE]}, {"ptr": None}, {"ptr": float(BASE)}, {}):  # unreadable: nothing changes
+        core.notification_received(Notification(IPC_FREED, garbage))
     assert _close(core, ptr) == ["notification"]  # a reference is left: nothing is given back yet
     assert _close(core, ptr) == ["take notices", "request"]
     assert _close(core, other) == ["take notices", "notification"]
