@@ -79,7 +79,7 @@ class Core:
 
     def __init__(self, device: int, visible: list[int | str] | None, limits: dict[str, Any]) -> None:
         # At most 29 attributes: CPython 3.11 shares an instance dict's keys among instances only up to 30, and
-        # past that every attribute load of the object is slower (a launch makes dozens: 1,000 instructions more
+        # past that every attribute load of the object is slower (a launch makes dozens: 1,100 instructions more
         # per launch in bench/daemon_instructions.py's client). Group what is rarely used instead.
         self.device = device
         self.visible = visible
