@@ -45,10 +45,6 @@ class Context(ContextBase):
         self._lock = threading.Lock()  # calls never nest: one at a time per context
         self.closed = False
 
-    def set_device_flags(self, flags: int) -> None:
-        super().set_device_flags(flags)
-        self._wait.schedule = flags & DEVICE_SCHEDULE_MASK
-
     def _drive(self, op: Any) -> Any:
         with self._lock:
             try:
@@ -128,7 +124,7 @@ class Context(ContextBase):
                 event = self._conn.next_event()
                 if event is NEED_DATA:
                     if request_id is not None:
-                        data, ancdata, flags, _ = self._wait.read()
+                        data, ancdata, flags, _ = self._wait.read(self._core.device_flags & DEVICE_SCHEDULE_MASK)
                     else:
                         try:
                             data, ancdata, flags, _ = self._wait.now()

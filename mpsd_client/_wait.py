@@ -50,16 +50,15 @@ def check_flags(flags: object) -> int:
 class ReplyWait:
     """Reads a blocking socket for a reply, spinning first as the scheduling flags say."""
 
-    __slots__ = ("sock", "schedule", "odds")
+    __slots__ = ("sock", "odds")
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
-        self.schedule = DEVICE_SCHEDULE_AUTO
         self.odds = SpinOdds()
 
-    def read(self) -> tuple[bytes, list, int, object]:
-        """The next bytes (and ancillary data) from the socket; b"" at end of file."""
-        schedule = self.schedule
+    def read(self, schedule: int) -> tuple[bytes, list, int, object]:
+        """The next bytes (and ancillary data) from the socket, waited for as `schedule` (a
+        DEVICE_SCHEDULE_* choice) says; b"" at end of file."""
         if schedule != DEVICE_SCHEDULE_BLOCKING_SYNC and (schedule != DEVICE_SCHEDULE_AUTO or self.odds.worth()):
             got = self._spun(schedule)
             if got is not None:

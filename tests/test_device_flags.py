@@ -29,7 +29,8 @@ SCHEDULES = {"auto": DEVICE_SCHEDULE_AUTO, "spin": DEVICE_SCHEDULE_SPIN, "yield"
              "blocking": DEVICE_SCHEDULE_BLOCKING_SYNC}
 
 
-def _read_late(wait: ReplyWait, sock: socket.socket, delay: float) -> tuple[bytes, int]:
+def _read_late(wait: ReplyWait, sock: socket.socket, delay: float, schedule: int = DEVICE_SCHEDULE_AUTO
+               ) -> tuple[bytes, int]:
     """What `wait` reads when another process writes a byte to `sock`'s peer after `delay` seconds, and how
     many times the reading thread slept meanwhile."""
     peer = sock.dup()
@@ -41,7 +42,7 @@ def _read_late(wait: ReplyWait, sock: socket.socket, delay: float) -> tuple[byte
     peer.close()
     try:
         before = resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw
-        data = wait.read()[0]
+        data = wait.read(schedule)[0]
         return data, resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw - before
     finally:
         os.waitpid(pid, 0)
@@ -60,9 +61,7 @@ def pair():
 def test_each_schedule_waits_as_cuda_says(pair, schedule, sleeps):
     """A reply 50 ms away: Spin and Yield keep reading until it comes; BlockingSync sleeps at once; Auto spins
     for its window (200 us) and then sleeps."""
-    wait = ReplyWait(pair[0])
-    wait.schedule = SCHEDULES[schedule]
-    data, slept = _read_late(wait, pair[1], 0.05)
+    data, slept = _read_late(ReplyWait(pair[0]), pair[1], 0.05, SCHEDULES[schedule])
     assert data == b"x"
     assert (slept > 0) == sleeps, slept
 
@@ -87,7 +86,7 @@ def test_auto_spins_only_now_and_then_for_replies_that_keep_coming_late(pair):
     pair[1].send(b"y")
     low = wait.odds.rate
     wait.odds.waits = PROBE - 1  # the next wait is a probe: it finds the reply there, a hit
-    assert wait.read()[0] == b"y"
+    assert wait.read(DEVICE_SCHEDULE_AUTO)[0] == b"y"
     assert wait.odds.rate > low
 
 
