@@ -43,6 +43,7 @@ from mpsd_protocol import (  # type: ignore[attr-defined]
     check_shape,
     close_fds,
     error_from_wire,
+    format_size,
 )
 
 from ._objects import DevicePointer, Event, HostBuffer, Stream
@@ -505,6 +506,12 @@ class Core:
         fd = os.memfd_create("mpsd-host", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, nbytes)
+            # Pinned memory is resident, as cudaHostAlloc's page-locked pages are: its pages are this process's
+            # from the start, never ones the daemon's copies fault in.
+            try:
+                os.posix_fallocate(fd, 0, nbytes)
+            except OSError as exc:
+                raise OutOfMemoryError(f"cannot pin {format_size(nbytes)} of host memory: {exc.strerror}") from None
             # The daemon maps only buffers that cannot shrink under it.
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
             buffer = HostBuffer(fd, nbytes)

@@ -24,7 +24,8 @@ def _host(daemon) -> dict:
 
 
 def test_touching_past_the_budget_fails_that_call_and_zeros_cost_nothing(daemon_factory):
-    daemon = start_daemon("--time-scale", "100", "--host-memory", "64M")
+    # 64 MiB for device pages, and 8 for the staging buffer the pageable copies below pin (it counts too)
+    daemon = start_daemon("--time-scale", "100", "--host-memory", "72M")
     daemon_factory.append(daemon)
     with mpsd_client.connect(daemon.pipe_dir) as a, mpsd_client.connect(daemon.pipe_dir) as b:
         p = a.malloc(1 << 30)  # a GiB of device memory costs no RAM until it is touched
@@ -34,7 +35,7 @@ def test_touching_past_the_budget_fails_that_call_and_zeros_cost_nothing(daemon_
         a.memset(p, 7, 56 * MiB)
         a.synchronize()
         assert 56 * MiB <= _host(daemon)["resident"] < 58 * MiB
-        with pytest.raises(OutOfMemoryError, match="budget of 64"):
+        with pytest.raises(OutOfMemoryError, match="budget of 72"):
             a.memset(p + 56 * MiB, 7, 32 * MiB)
         assert _host(daemon)["resident"] < 58 * MiB
         # A pageable copy goes in pieces: those that fit land, the first that does not fails.
@@ -60,7 +61,7 @@ def test_touching_past_the_budget_fails_that_call_and_zeros_cost_nothing(daemon_
         a.memcpy_dtoh(out, p + 56 * MiB - 2)
         assert list(out) == [0, 0, 7, 7]
         host = _host(daemon)
-        assert 32 * MiB <= host["resident"] < 36 * MiB and host["reserved"] == 0 and host["budget"] == 64 * MiB
+        assert 32 * MiB <= host["resident"] < 36 * MiB and host["reserved"] == 0 and host["budget"] == 72 * MiB
         assert "Host RAM holding simulated device memory: 3" in render(query(daemon.pipe_dir))
         a.free(p)
         assert _host(daemon)["resident"] <= 2 * MiB  # b's chunk
@@ -110,3 +111,58 @@ def test_memory_mapped_into_a_reservation_counts_against_the_budget(daemon_facto
         ctx.memset(va, 0, 128 * MiB)  # the pages go back, piece by piece
         ctx.synchronize()
         assert _host(daemon)["resident"] < MiB and page == 2 * MiB
+
+
+def _file_bytes(address: int, nbytes: int) -> int:
+    """Bytes of RAM the file mapped at [address, address + nbytes) holds (its memfd's st_blocks)."""
+    return os.stat(f"/proc/self/map_files/{address:x}-{address + nbytes:x}").st_blocks * 512
+
+
+def _memfd(nbytes: int) -> int:
+    """A sealed memfd of `nbytes` whose pages nobody has touched, as a hostile client would register it."""
+    import fcntl
+
+    fd = os.memfd_create("untouched", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, nbytes)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+    return fd
+
+
+def test_pinned_buffers_the_daemon_maps_count_against_the_budget(daemon_factory):
+    """Issue 29, item 1: a copy into (or out of) a pinned buffer makes the daemon touch its pages, so every buffer
+    it maps counts against --host-memory whole, beside device memory, from registration to unmapping; untouched
+    memfds registered through the raw call are refused past the budget instead of growing the daemon's RAM."""
+    daemon = start_daemon("--time-scale", "100", "--host-memory", "64M")
+    daemon_factory.append(daemon)
+    with mpsd_client.connect(daemon.pipe_dir) as ctx:
+        big = ctx.host_alloc(40 * MiB)
+        assert _file_bytes(big.base_address, 40 * MiB) == 40 * MiB  # pinned is resident: the client's own pages
+        assert _host(daemon)["pinned"] == 40 * MiB
+        with pytest.raises(OutOfMemoryError, match="pinned host memory would take the daemon's host RAM past"):
+            ctx.host_alloc(32 * MiB)
+        p = ctx.malloc(64 * MiB)
+        with pytest.raises(OutOfMemoryError, match="budget of 64"):  # device pages share the budget
+            ctx.memset(p, 7, 32 * MiB)
+        ctx.memset(p, 7, 16 * MiB)
+        ctx.memcpy_dtoh(memoryview(big)[:16 * MiB], p)  # writes pages of the client's buffer, counted from registration
+        assert big[16 * MiB - 1] == 7
+        held = []
+        try:  # the attack: untouched memfds registered one after another, each the daemon's to fault in
+            for _ in range(8):
+                fd = _memfd(32 * MiB)
+                try:
+                    held.append(ctx._drive(ctx._core.invoke("host_register", 32 * MiB, fds=(fd,))))
+                finally:
+                    os.close(fd)
+        except OutOfMemoryError:
+            pass
+        assert held == [] and _host(daemon)["pinned"] == 40 * MiB
+        ctx.free_host(big)
+        assert _host(daemon)["pinned"] == 0
+        fd = _memfd(32 * MiB)
+        try:  # with the room back, the same call fits
+            held.append(ctx._drive(ctx._core.invoke("host_register", 32 * MiB, fds=(fd,))))
+        finally:
+            os.close(fd)
+        assert _host(daemon)["pinned"] == 32 * MiB
+    assert _host(daemon)["pinned"] == 0  # a client's buffers are unmapped and uncounted as it goes

@@ -217,6 +217,43 @@ def test_importer_keeps_the_bytes_after_the_exporter_dies(daemon):
             ctx.ipc_open_mem_handle(bytes.fromhex(handle))  # nothing left to open
 
 
+LIMITED_EXPORTER = """
+    import mpsd_client
+    ctx = mpsd_client.connect()
+    p = ctx.malloc(1 << 30)
+    print(ctx.ipc_get_mem_handle(p).hex())
+    print("ready", flush=True)
+    input()
+"""
+
+
+def test_imports_outliving_their_exporter_stay_within_a_live_clients_limit(daemon_factory):
+    """Issue 29, item 2: memory an importer maps counts against the importer's own limit, so exporters that
+    exit and reconnect cannot leave it holding more than its limit (that way two clients limited to 1 GiB each
+    once held 11.75 GiB): the second exporter's GiB is refused, and so is a malloc past what the import left."""
+    from mpsd_client import OutOfMemoryError
+
+    daemon = start_daemon("--time-scale", "100", "--pinned-mem-limit", "2G")
+    daemon_factory.append(daemon)
+    with mpsd_client.connect(daemon.pipe_dir) as ctx:
+        room = ctx.mem_get_info()[0]  # the 2 GiB limit less the context's own charge
+        assert 1 << 30 < room < 2 << 30
+        opened = []
+        for round in range(2):
+            worker, (handle,) = export_from_worker(daemon, LIMITED_EXPORTER)
+            try:
+                opened.append(ctx.ipc_open_mem_handle(bytes.fromhex(handle)))
+            except OutOfMemoryError as exc:
+                assert round == 1 and "past its pinned limit" in str(exc)
+            finish(worker)  # the exporter exits; its GiB lives on for as long as we map it
+        assert len(opened) == 1 and ctx.mem_get_info()[0] == room - (1 << 30)
+        with pytest.raises(OutOfMemoryError):
+            ctx.malloc(room - (1 << 30) + (2 << 20))
+        ctx.ipc_close_mem_handle(opened[0])
+        assert ctx.mem_get_info()[0] == room
+        ctx.free(ctx.malloc(room - (2 << 20)))  # closed: the room is this client's own again
+
+
 SMALL_EXPORTER = """
     import mpsd_client
     ctx = mpsd_client.connect()

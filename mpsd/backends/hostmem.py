@@ -8,6 +8,13 @@
 # client that would push the host toward the OOM killer gets cudaErrorMemoryAllocation for that call, and no
 # other client notices. A memset to zero gives whole pages back (punches holes) instead of writing zeros, so
 # clearing memory, the commonest first touch, costs nothing.
+#
+# A client's pinned host buffers are the client's memfds, mapped into the daemon so that copies never cross the
+# socket. Every page of one that a copy makes the daemon touch joins the daemon's RAM (its resident set, and its
+# cgroup where it faults the page in), whoever owns the file, and a client can give pages back (punch holes)
+# while the daemon works on the buffer: no measurement made before a copy can bound what it will fault. So a
+# buffer counts against the budget whole, from its registration (cudaHostAlloc or cudaHostRegister, which pin
+# every page, as a real driver does) until the daemon unmaps it.
 from __future__ import annotations
 
 import ctypes
@@ -48,6 +55,7 @@ class HostMemory:
         self.budget = budget
         self.resident = 0  # bytes of RAM the segments held when last measured
         self.pending = 0  # bytes that queued work may still materialise
+        self.pinned = 0  # bytes of clients' pinned host buffers mapped here: the daemon may touch every page
         self._resident: dict[Segment, int] = {}
 
     def reserve(self, extents: list[tuple[Segment, int, int]]) -> Reservation:
@@ -57,13 +65,34 @@ class HostMemory:
             OutOfMemoryError: they do not fit beside what is resident and reserved.
         """
         new = sum(self._holes(segment, offset, nbytes) for segment, offset, nbytes in extents)
-        if new and self.resident + self.pending + new > self.budget:
-            raise OutOfMemoryError(
-                f"touching {format_size(new)} more of simulated device memory would take the daemon's host RAM "
-                f"past its budget of {format_size(self.budget)} ({format_size(self.resident)} in use, "
-                f"{format_size(self.pending)} reserved by queued work; mpsd --host-memory sets the budget)")
+        if new:
+            self._check(new, "touching", "of simulated device memory")
         self.pending += new
         return Reservation(new, [segment for segment, _, _ in extents])
+
+    def pin(self, nbytes: int) -> int:
+        """Count a client's pinned host buffer of `nbytes`, which the daemon maps, against the budget; the
+        bytes counted (whole pages), for `unpin`.
+
+        Raises:
+            OutOfMemoryError: it does not fit beside what is resident, reserved and pinned.
+        """
+        pages = -(-nbytes // PAGE) * PAGE
+        self._check(pages, "mapping", "of pinned host memory")
+        self.pinned += pages
+        return pages
+
+    def unpin(self, pages: int) -> None:
+        """The daemon has unmapped a pinned buffer that `pin` counted as `pages`."""
+        self.pinned -= pages
+
+    def _check(self, new: int, doing: str, what: str) -> None:
+        if self.resident + self.pending + self.pinned + new > self.budget:
+            raise OutOfMemoryError(
+                f"{doing} {format_size(new)} more {what} would take the daemon's host RAM past its budget of "
+                f"{format_size(self.budget)} ({format_size(self.resident)} in use, {format_size(self.pending)} "
+                f"reserved by queued work, {format_size(self.pinned)} of clients' pinned buffers; mpsd "
+                f"--host-memory sets the budget)")
 
     def settle(self, reservation: Reservation) -> None:
         """The op ran, or never will: its pages are measured instead of reserved."""

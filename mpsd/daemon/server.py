@@ -97,10 +97,12 @@ class Daemon:
         if moved is not None:
             logging.getLogger("mpsd").warning(moved)
             self.log.server(moved[0].upper() + moved[1:])
-        # One budget of host RAM for every device's simulated memory: they all live in this process.
+        # One budget of host RAM for every device's simulated memory and the clients' pinned buffers mapped here:
+        # they all live in this process.
         self.host_memory = HostMemory(config.host_memory if config.host_memory is not None else default_budget())
         self.devices = [Device(i, self._backend(i, device), containment=config.fault_containment, log=self.log,
-                               shared_process=config.shared_process) for i, device in enumerate(config.devices)]
+                               host_memory=self.host_memory, shared_process=config.shared_process)
+                        for i, device in enumerate(config.devices)]
         self.ipc = IpcRegistry(config.ipc_access, self.log, self.peers)
         self.owner_uid = os.geteuid()
         self.settings = Settings(config.active_thread_percentage, {
@@ -502,7 +504,7 @@ class Daemon:
                 })
         return {"server_pid": self.control.server.pid, "devices": devices, "processes": processes,
                 "host_memory": {"resident": self.host_memory.resident, "reserved": self.host_memory.pending,
-                                "budget": self.host_memory.budget}}
+                                "pinned": self.host_memory.pinned, "budget": self.host_memory.budget}}
 
     def client_statistics(self, context: Context) -> dict[str, Any]:
         stats = context.device.backend.statistics()

@@ -191,8 +191,13 @@ class Context(VirtualMemoryCalls):
         free (less the context's own charge) while total stays the device's; a MIG instance's client sees
         the instance's memory as the total, shared with the instance's other clients."""
         device_free, total = self.device.ledger.room(self.partition)
-        own_free = self.quotas.pinned_mem_limit - self.backend.context_memory - self.account.reserved
-        return max(0, min(own_free, device_free)), total
+        return max(0, min(self.room_under_limit(), device_free)), total
+
+    def room_under_limit(self) -> int:
+        """What this client's pinned limit still allows: less the context's own charge, its allocations and
+        what it maps through IPC (mpsd.runtime.ledger.Account.imported says why imports count)."""
+        account = self.account
+        return self.quotas.pinned_mem_limit - self.backend.context_memory - account.reserved - account.imported
 
     def malloc(self, nbytes: int) -> int:
         if nbytes == 0:
@@ -263,23 +268,37 @@ class Context(VirtualMemoryCalls):
         alloc.segment.release()
 
     def host_register(self, fd: int, nbytes: int) -> int:
+        """Map a client's pinned host buffer (its memfd); its id. The whole buffer counts against the daemon's
+        host RAM budget while it is mapped here (mpsd.backends.hostmem says why).
+
+        Raises:
+            InvalidValueError: 0 bytes, or not a memfd the daemon can map safely.
+            OutOfMemoryError: the buffer does not fit in the daemon's host RAM budget.
+        """
         if nbytes == 0:
             raise InvalidValueError("a host buffer of 0 bytes cannot be registered")
+        pinned = self.device.host_memory.pin(nbytes)
         buffer_id = self._handle()
         try:
-            self.host[buffer_id] = HostBuffer(buffer_id, fd, nbytes)
-        except CudaError:
-            raise
-        except (OSError, ValueError) as exc:  # not a mappable file, or the mapping failed
-            raise InvalidValueError(f"cannot map the host buffer: {exc}") from None
+            buffer = HostBuffer(buffer_id, fd, nbytes, pinned)
+        except (CudaError, OSError, ValueError) as exc:
+            self.device.host_memory.unpin(pinned)
+            if isinstance(exc, CudaError):
+                raise
+            raise InvalidValueError(f"cannot map the host buffer: {exc}") from None  # not a mappable file
+        self.host[buffer_id] = buffer
         return buffer_id
 
     def host_unregister(self, buffer_id: int) -> None:
         buffer = self.host.pop(buffer_id, None)
         if buffer is None:
             raise InvalidValueError(f"no host buffer {brief(buffer_id, 20)}")
+        self._unmap_host(buffer)
+
+    def _unmap_host(self, buffer: HostBuffer) -> None:
         self.backend.release_host(buffer)
         buffer.close()
+        self.device.host_memory.unpin(buffer.pinned)
 
     def _device(self, ptr: int, nbytes: int, what: str) -> Extent:
         extent = self.memory.extent(ptr, nbytes)
@@ -736,8 +755,7 @@ class Context(VirtualMemoryCalls):
         reclaimed = {"allocations": len(allocations), "bytes": reclaimed_bytes, "imports": imports,
                      "streams": len(self.streams) - 1, "events": len(self.events), "host_buffers": len(self.host)}
         for buffer in self.host.values():
-            self.backend.release_host(buffer)
-            buffer.close()
+            self._unmap_host(buffer)
         self.host.clear()
         self.streams.clear()
         self.streams_changed += 1

@@ -12,6 +12,7 @@ from mpsd.runtime.ledger import Ledger
 from mpsd_protocol import CudaError
 
 if TYPE_CHECKING:
+    from mpsd.backends.hostmem import HostMemory
     from mpsd.daemon.servlog import ServerLog
     from mpsd.runtime.context import Context
 
@@ -27,14 +28,17 @@ class Device:
         index: its ordinal in the daemon.
         backend: what runs its work (mpsd.backends).
         containment: "device" (a fatal fault tears down every client on it) or "client" (only the culprit).
+        host_memory: the daemon's host RAM budget (mpsd.backends.hostmem.HostMemory), shared by its devices:
+            what its clients' pinned host buffers are counted against.
         shared_process: every client is a process of its own though they share one pid (mpsd-stress
             --virtual-time plays every tenant in the daemon's process).
     """
 
-    def __init__(self, index: int, backend: Backend, *, containment: str, log: ServerLog,
+    def __init__(self, index: int, backend: Backend, *, containment: str, log: ServerLog, host_memory: HostMemory,
                  shared_process: bool = False) -> None:
         self.index = index
         self.backend = backend
+        self.host_memory = host_memory
         backend.on_fault, backend.on_idle = self.fault, self.went_idle
         self.name = backend.name
         self.shared_process = shared_process

@@ -1,7 +1,9 @@
 # CUDA IPC across client processes: exports of device allocations and of interprocess events, held by the
 # daemon and named by 64-byte handles with a random secret. Opening a memory handle maps the exporter's memfd
-# segment into the importer's address space (the same bytes, charged once, to the exporter) and passes the
-# memfd itself back over SCM_RIGHTS. An event handle shares the event's record cell, so records, waits and
+# segment into the importer's address space (the same bytes, counted once on the device, to the exporter) and
+# passes the memfd itself back over SCM_RIGHTS. A mapping also counts against the importer's own pinned limit:
+# the bytes outlive their exporter's exit, and were they charged to no live client, clients that export, let
+# importers keep the memory and reconnect would hold more than their limits add up to. An event handle shares the event's record cell, so records, waits and
 # queries in any process see the same marker in the simulator.
 #
 # Lifetime (where CUDA says "undefined"): the bytes live until the exporter has freed the allocation (or
@@ -14,7 +16,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
-from mpsd.runtime.memory import Allocation
+from mpsd.runtime.memory import CHUNK, Allocation
 from mpsd_protocol import (  # type: ignore[attr-defined]
     EVENT,
     IPC_FREED,
@@ -24,8 +26,10 @@ from mpsd_protocol import (  # type: ignore[attr-defined]
     InvalidValueError,
     IpcHandle,
     NotPermittedError,
+    OutOfMemoryError,
     PeerAccessUnsupportedError,
     brief,
+    format_size,
 )
 
 if TYPE_CHECKING:
@@ -103,9 +107,18 @@ class IpcRegistry:
         entry = export.importers.get(ctx.id)
         if entry is None:
             assert export.allocation is not None  # _find refuses exports whose memory was freed
+            size = export.allocation.size
+            charge = _charge(size)
+            room = ctx.room_under_limit()
+            if charge > room:
+                raise OutOfMemoryError(
+                    f"mapping {format_size(charge)} through IPC would take this client past its pinned limit "
+                    f"({format_size(max(room, 0))} left): memory it maps counts against its limit, since it outlives "
+                    "its exporter")
             segment = export.allocation.segment
-            mapping = ctx.memory.map_import(segment, export.allocation.size)
+            mapping = ctx.memory.map_import(segment, size)
             segment.refs += 1
+            ctx.account.imported += charge
             export.importers[ctx.id] = (ctx, mapping)
             ctx.imports[mapping.addr] = export
         else:
@@ -133,6 +146,7 @@ class IpcRegistry:
         _, mapping = export.importers.pop(ctx.id)
         del ctx.imports[mapping.addr]
         ctx.memory.remove(mapping.addr)
+        ctx.account.imported -= _charge(mapping.size)
         if export.allocation is None and not export.importers:
             del self._exports[export.id]
         return mapping.segment
@@ -203,3 +217,8 @@ class IpcRegistry:
             raise NotPermittedError(f"the IPC access policy ({self.access}) does not let uid {ctx.uid} open a "
                                     f"handle exported by uid {export.uid}")
         return export
+
+
+def _charge(size: int) -> int:
+    """What a mapping of `size` bytes holds against its importer's limit: the driver's 2 MiB steps."""
+    return -(-size // CHUNK) * CHUNK

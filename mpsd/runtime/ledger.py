@@ -26,6 +26,10 @@ class Account:
         in_use: of those, bytes of live allocations.
         peak: the most it had reserved at once.
         instance: for a client, the MIG instance whose memory it is charged in (None: the device's).
+        imported: for a client, bytes of other clients' memory it maps through IPC (in 2 MiB steps): held
+            against its own limit, though not against the device again. The driver keeps such memory alive for
+            as long as any mapping holds it, past its exporter's exit, so it must fit within some live
+            client's limit all along: then no set of clients holds more than the sum of their limits.
     """
 
     total: int
@@ -33,6 +37,7 @@ class Account:
     in_use: int = 0
     peak: int = 0
     instance: int | None = None
+    imported: int = 0
 
     @property
     def free(self) -> int:

@@ -358,11 +358,12 @@ class AddressSpace:
 
 
 class HostBuffer:
-    """A client's pinned host buffer: its memfd, mapped here too, so copies never cross the socket."""
+    """A client's pinned host buffer: its memfd, mapped here too, so copies never cross the socket; `pinned`
+    is what the daemon's host RAM budget counts for it."""
 
-    __slots__ = ("id", "size", "map")
+    __slots__ = ("id", "size", "map", "pinned")
 
-    def __init__(self, buffer_id: int, fd: int, size: int) -> None:
+    def __init__(self, buffer_id: int, fd: int, size: int, pinned: int) -> None:
         # A client could shrink its file under our mapping and make us fault (SIGBUS): only memfds sealed
         # against shrinking are mapped.
         try:
@@ -375,6 +376,7 @@ class HostBuffer:
             raise InvalidValueError(f"host buffer file holds fewer than {size} bytes")
         self.id = buffer_id
         self.size = size
+        self.pinned = pinned
         self.map = mmap.mmap(fd, size)
 
     def view(self, offset: int, nbytes: int) -> memoryview | None:

@@ -107,8 +107,10 @@ def render(status: dict[str, Any]) -> str:
                      f"{d['sms_busy']:>8}  {d['policy']:<11} {d['clients']:>7}")
     host = status.get("host_memory")
     if isinstance(host, dict) and {"resident", "reserved", "budget"} <= host.keys():
+        pinned = f", {format_size(host['pinned'])} pinned by clients" if host.get("pinned") else ""
         lines.append(f"Host RAM holding simulated device memory: {format_size(host['resident'])} of a "
-                     f"{format_size(host['budget'])} budget ({format_size(host['reserved'])} reserved by queued work)")
+                     f"{format_size(host['budget'])} budget ({format_size(host['reserved'])} reserved by queued "
+                     f"work{pinned})")
     lines += ["", f"{'GPU':>3}  {'PID':>8}  {'Type':<4}  {'UID':>6}  {'Memory':>10}  {'SMs':>4}  {'ATP':>6}  "
                   f"{'Prio':>4}  Sticky error"]
     if not status["processes"]:
