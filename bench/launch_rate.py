@@ -3,6 +3,7 @@
 
     .venv/bin/python bench/launch_rate.py [--n 5000] [--repeat 5] [--time-scale 1000] [--json]
     python3 bench/launch_rate.py --devices cuda:0      # on a real GPU: beside direct launches with cuda-python
+    python3 bench/launch_rate.py --devices cuda:0 --policy priority   # ... through the kernel dispatcher
 
 Our interval runs from the first launch to the return of `ctx.synchronize()` after the last, so the daemon
 has really taken every launch through its engine. The raw stream sends as many frames shaped like our
@@ -114,6 +115,8 @@ def main() -> int:
                    help="the daemon's --time-scale (default 1000: the simulated launch overhead, a few us per "
                         "kernel at scale 1, becomes nanoseconds of wall time and cannot bound the rate)")
     p.add_argument("--devices", help="the daemon's --devices; cuda:N compares with direct cuda-python launches")
+    p.add_argument("--policy", help="the daemon's --policy (on cuda:N any but mps puts its kernel dispatcher in the "
+                                    "path, whose cost this then measures)")
     p.add_argument("--settle", type=int, default=20000,
                    help="launches (and frames) each side makes once, before the blocks (default 20000): a fresh "
                         "daemon's first few thousand launches are a third slower, its interpreter still "
@@ -125,7 +128,8 @@ def main() -> int:
     started = time.monotonic()
     server_cpu = h.SERVER_CPU if args.pin else None
     with contextlib.ExitStack() as stack:
-        d, ctx = h.daemon_and_client(stack, args, time_scale=args.time_scale, devices=args.devices)
+        d, ctx = h.daemon_and_client(stack, args, time_scale=args.time_scale, devices=args.devices,
+                                     policy=args.policy)
         baseline = settle = None
         if real and not args.skip_baseline:
             direct = direct_launches(int(args.devices.split(":")[1]))
@@ -166,7 +170,7 @@ def main() -> int:
                                   f"completes it, timed here on the same simulator (target: under 5 us)"))
     target = REAL_TARGET if real else TARGET
     line = {"bench": "launch_rate", "n": args.n, "repeat": args.repeat, "time_scale": args.time_scale,
-            "devices": args.devices, "rate_per_s": round(rate), "target_ratio": target,
+            "devices": args.devices, "policy": args.policy, "rate_per_s": round(rate), "target_ratio": target,
             "daemon_cpu_us_per_launch": round(cpu_per_launch * 1e6, 2)}
     if not real:
         line["simulator_us_per_launch"] = round(share * 1e6, 2)

@@ -16,6 +16,8 @@ from mpsd.backends.cuda import CudaDevice, cuda_device_count
 from mpsd.backends.engine import DEFAULT_IDLE_GRACE
 from mpsd.daemon.channel import DEFAULT_SPIN, MAX_SPIN
 from mpsd.daemon.mps_config import NamedServer, load_mps_config
+from mpsd.runtime.dispatch import DEFAULT_IN_FLIGHT
+from mpsd.runtime.dispatch_policies import kernel_policy
 from mpsd.sim import H200, POLICIES as SIM_POLICIES, DeviceSpec, Simulator
 from mpsd_protocol import log_directory, parse_integer, parse_mem_limits, parse_size, pipe_directory
 
@@ -25,6 +27,7 @@ CONTAINMENT = ("device", "client")
 IPC_ACCESS = ("uid", "group", "any")
 PEER_ACCESS = ("all", "none")
 CLOCKS = ("wall", "virtual")
+DISPATCH = ("block", "kernel")
 HANDSHAKE_TIMEOUT = 10.0  # wall seconds a connection has to say hello (the client waits as long for the reply)
 
 
@@ -72,6 +75,15 @@ class Config:
     trace: Path | None = None  # record the device timeline; written there at exit
     # Per-device policy and options from [mpsd.device.N] sections; devices without one use policy and policy_options.
     device_policies: dict[int, tuple[str, dict[str, Any]]] = field(default_factory=dict)
+    # Where the policy acts: "block", in the simulator's block scheduler (simulated devices), or "kernel", in the
+    # daemon's dispatcher in front of the device (mpsd.runtime.dispatch; a real GPU's only choice).
+    dispatch: str = "block"
+    kernels_in_flight: int = DEFAULT_IN_FLIGHT  # kernel dispatch: a client's kernels on the device at once
+
+    @property
+    def kernel_dispatch(self) -> bool:
+        """Whether a dispatcher runs in front of the devices (`mps` is pass-through: it needs none)."""
+        return self.dispatch == "kernel" and self.policy != "mps"
 
     @property
     def socket_path(self) -> Path:
@@ -142,6 +154,13 @@ def build_parser() -> argparse.ArgumentParser:
                                           "(cuda:0, cuda:0,cuda:1), or auto (the real ones if any, else h200)")
     parser.add_argument("--policy", help=f"scheduling policy: {', '.join(POLICIES)}, or a policy written in Python "
                                          "(mpsd.sim.Policy) named module:Class (default mps)")
+    parser.add_argument("--dispatch", choices=DISPATCH,
+                        help="where the policy acts: block (default on simulated devices: the simulator's block "
+                             "scheduler) or kernel (the daemon releases each client's kernels to the device by "
+                             "the policy; the only choice on a real GPU, where any policy but mps implies it)")
+    parser.add_argument("--kernels-in-flight", type=int, metavar="N",
+                        help=f"kernel dispatch: most kernels of one client on the device at once "
+                             f"(default {DEFAULT_IN_FLIGHT})")
     parser.add_argument("--timeslice", type=float, metavar="SECONDS",
                         help="timeslice policy: length of a slice (default 0.0020854, measured on an H200 without MPS; "
                              "shorter by up to 38 us for contexts that hold many warps)")
@@ -277,14 +296,31 @@ def load_config(argv: Sequence[str] | None = None, environ: dict[str, str] | Non
     if partitions:
         policy_options["partitions"] = _partitions(partitions)
     devices = parse_devices(pick("devices", "h200"))
-    if any(isinstance(d, CudaDevice) for d in devices) and (
-            policy != "mps" or policy_options or clock == "virtual" or pick("trace") or file_settings.get("device")):
-        raise ConfigError("a real GPU (cuda:N) shares its SMs as its hardware does, on the wall clock: --policy and "
-                          "its options, [mpsd.device.N], --clock virtual and --trace need simulated devices")
-    try:  # the simulator judges its own settings; asking it now turns a mistake into a usage error
-        Simulator(_spec(devices[0]), policy=policy, policy_options=policy_options)
-    except ValueError as exc:
-        raise ConfigError(f"--policy {policy}: {exc}") from None
+    real = any(isinstance(d, CudaDevice) for d in devices)
+    dispatch = pick("dispatch", "kernel" if real and policy != "mps" else "block")
+    if dispatch not in DISPATCH:
+        raise ConfigError(f"--dispatch must be one of {', '.join(DISPATCH)}, not {str(dispatch)[:24]!r}")
+    in_flight = int(pick("kernels_in_flight", DEFAULT_IN_FLIGHT))
+    if not 1 <= in_flight <= 1024:
+        raise ConfigError(f"--kernels-in-flight must be between 1 and 1024, not {in_flight}")
+    if real and (dispatch == "block" and policy != "mps" or clock == "virtual" or pick("trace")
+                 or file_settings.get("device")):
+        raise ConfigError("a real GPU (cuda:N) places blocks as its hardware does, on the wall clock: a policy acts "
+                          "there by kernel (--dispatch kernel), and [mpsd.device.N], --clock virtual and --trace "
+                          "need simulated devices")
+    if dispatch == "kernel":
+        if file_settings.get("device"):
+            raise ConfigError("[mpsd.device.N] sections set block-level policies: not with --dispatch kernel")
+        if policy != "mps":
+            try:  # the dispatcher's policies judge their own settings, as the simulator's do below
+                kernel_policy(policy, policy_options)
+            except ValueError as exc:
+                raise ConfigError(f"--policy {policy} with --dispatch kernel: {exc}") from None
+    else:
+        try:  # the simulator judges its own settings; asking it now turns a mistake into a usage error
+            Simulator(_spec(devices[0]), policy=policy, policy_options=policy_options)
+        except ValueError as exc:
+            raise ConfigError(f"--policy {policy}: {exc}") from None
     device_policies = _device_policies(file_settings.get("device", {}), devices, policy, policy_options)
     max_clients = int(pick("max_clients", 48))
     if not 1 <= max_clients <= 4096:
@@ -322,7 +358,7 @@ def load_config(argv: Sequence[str] | None = None, environ: dict[str, str] | Non
                   multiuser=bool(pick("multiuser", False)), mps_names=bool(pick("mps_names", False)),
                   static_partitioning=bool(pick("static_partitioning", False)),
                   control_log_stdout=bool(pick("control_log_stdout", False)),
-                  device_policies=device_policies,
+                  device_policies=device_policies, dispatch=dispatch, kernels_in_flight=in_flight,
                   trace=Path(trace) if (trace := pick("trace")) else None)
 
 

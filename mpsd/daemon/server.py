@@ -38,6 +38,8 @@ from mpsd.daemon.session import Session
 from mpsd.daemon.sm_partitions import PartitionError, SmPartitions
 from mpsd.runtime.context import Context, Quotas
 from mpsd.runtime.device import COMPUTE_MODES, Device
+from mpsd.runtime.dispatch import Dispatcher
+from mpsd.runtime.dispatch_policies import kernel_policy
 from mpsd.runtime.ipc import IpcRegistry
 from mpsd.runtime.memory import CHUNK
 from mpsd.sim import DeviceSpec
@@ -180,15 +182,22 @@ class Daemon:
             DaemonError: the real GPU cannot be opened.
         """
         config = self.config
+        backend: Backend
         if isinstance(device, CudaDevice):
             try:
-                return CudaBackend(device.ordinal)
+                backend = CudaBackend(device.ordinal)
             except (ImportError, OSError, RuntimeError) as exc:
                 raise DaemonError(f"cannot open GPU cuda:{device.ordinal}: {exc}") from None
-        policy, options = config.device_policy(index)
-        return SimBackend(device, policy=policy, policy_options=options, clock=config.clock,
-                          time_scale=config.time_scale, idle_grace=config.idle_grace, trace=config.trace_path(index),
-                          host_memory=self.host_memory)
+        else:
+            # Under kernel dispatch the simulator models the hardware the dispatcher feeds: MPS's block scheduler.
+            policy, options = ("mps", {}) if config.dispatch == "kernel" else config.device_policy(index)
+            backend = SimBackend(device, policy=policy, policy_options=options, clock=config.clock,
+                                 time_scale=config.time_scale, idle_grace=config.idle_grace,
+                                 trace=config.trace_path(index), host_memory=self.host_memory)
+        if config.kernel_dispatch:
+            return Dispatcher(backend, kernel_policy(config.policy, config.policy_options),  # type: ignore[return-value]
+                              config.kernels_in_flight)
+        return backend
 
     def peers(self, exporter: int, importer: int) -> bool:
         """Whether a context on device `importer` may map device `exporter`'s memory, and copies between them go
@@ -494,6 +503,7 @@ class Daemon:
                 "sms_busy": device.backend.busy_sms(),
                 "policy": device.backend.policy, "clients": len(device.contexts), "sim_time": now,
             })
+            dispatched = device.backend.dispatch_statistics() if isinstance(device.backend, Dispatcher) else {}
             for ctx in device.contexts.values():
                 processes.append({
                     "pid": ctx.pid, "device": device.index, "type": "M+C", "uid": ctx.uid,
@@ -501,6 +511,8 @@ class Daemon:
                     "active_thread_percentage": ctx.quotas.active_thread_percentage,
                     "priority": ctx.quotas.priority, "weight": ctx.quotas.weight, "partition": ctx.partition,
                     "sticky_error": ctx.sticky.name if ctx.sticky else None,
+                    # under kernel dispatch: its work held in the daemon, its kernels on the device, device time
+                    "dispatch": dispatched.get(ctx.id),
                 })
         return {"server_pid": self.control.server.pid, "devices": devices, "processes": processes,
                 "host_memory": {"resident": self.host_memory.resident, "reserved": self.host_memory.pending,

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from mpsd.runtime.dispatch_policies import kernel_policy
 from mpsd.sim import H200, POLICIES, Simulator
 from mpsd.stress.metrics import latency_summary, summarize
 from mpsd.stress.runner import Progress, RunError, device_policies, run_real, run_virtual
@@ -24,6 +25,8 @@ from mpsd.stress.workload import TenantSpec, Workload, WorkloadError, load_workl
 from mpsd_protocol import format_size
 
 __all__ = ["main"]
+
+DISPATCH_KEYS = ("dispatch", "kernels_in_flight")  # settings for the daemon's dispatcher, not for a policy
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,6 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--devices", metavar="cuda:N",
                         help="run the tenants against a real GPU (the daemon's --devices; wall clock, mps only; the "
                              "table then has the tenants' figures, not the device's)")
+    parser.add_argument("--dispatch", choices=("block", "kernel"), default="block",
+                        help="where the policy acts on the simulated H200: block (its block scheduler, the default) "
+                             "or kernel (the daemon's dispatcher in front of MPS's blocks, as on a real GPU, where "
+                             "a policy other than mps always acts by kernel)")
     parser.add_argument("--duration", type=float, metavar="SECONDS", help="override [run] duration")
     parser.add_argument("--time-scale", type=float, default=1.0, metavar="S",
                         help="with --clock wall: run the daemon's GPU at S x real speed (0.25: 4x slower), so that "
@@ -147,8 +154,9 @@ def _policies(workload: Workload, options: argparse.Namespace) -> dict[str, dict
         names = [p.strip() for p in options.compare_policies.split(",") if p.strip()]
     else:
         names = [options.policy or workload.policy]
-    if options.devices is not None and names != ["mps"]:
-        raise WorkloadError("a real GPU shares itself as MPS does: --devices goes with the mps policy alone")
+    # A real GPU's block scheduler is its own: a policy acts there by kernel, as --dispatch kernel has it act in
+    # front of the simulator.
+    kernel = options.dispatch == "kernel" or options.devices is not None
     out = {}
     for name in names:
         if name not in POLICIES and ":" not in name:
@@ -156,10 +164,18 @@ def _policies(workload: Workload, options: argparse.Namespace) -> dict[str, dict
         settings = workload.policy_options.get(name, {})
         if not isinstance(settings, dict):
             raise WorkloadError(f"[run.policy_options.{name}] must be a table")
-        try:
-            Simulator(H200, policy=name, policy_options=settings)
-        except ValueError as exc:
-            raise WorkloadError(f"[run.policy_options.{name}]: {exc}") from None
+        if kernel and name != "mps":
+            try:
+                kernel_policy(name, {k: v for k, v in settings.items() if k not in DISPATCH_KEYS})
+            except ValueError as exc:
+                raise WorkloadError(f"--dispatch kernel: [run.policy_options.{name}]: {exc}") from None
+            settings = {**settings, "dispatch": "kernel"}
+        else:
+            try:
+                Simulator(H200, policy=name, policy_options={k: v for k, v in settings.items()
+                                                             if k not in DISPATCH_KEYS})
+            except ValueError as exc:
+                raise WorkloadError(f"[run.policy_options.{name}]: {exc}") from None
         try:
             device_policies(workload, name, settings)
         except RunError as exc:

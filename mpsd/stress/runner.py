@@ -42,7 +42,8 @@ VIRTUAL_START = 1.0  # the simulated second the run starts at under the virtual 
 READY_TIMEOUT = 120.0  # 64 tenants importing numpy on 2 cores take a while
 SILENCE_TIMEOUT = 120.0  # wall seconds without a word from any tenant after which the run is given up
 IDLE_GRACE = 30.0  # the daemon's idle grace: a tenant is never blocked outside mpsd once the run has begun
-OPTION_FLAGS = {"timeslice": "--timeslice", "switch": "--context-switch", "aging": "--aging"}
+OPTION_FLAGS = {"timeslice": "--timeslice", "switch": "--context-switch", "aging": "--aging",
+                "dispatch": "--dispatch", "kernels_in_flight": "--kernels-in-flight"}
 LIMIT_VARIABLES = ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "CUDA_MPS_CLIENT_PRIORITY",
                    "MPSD_MIG_PARTITION", "CUDA_VISIBLE_DEVICES")
 
@@ -139,12 +140,14 @@ def _levels(tenants: list[tuple[TenantSpec, dict[str, Any]]]) -> list[tuple[str,
 
 def _daemon_args(work: Path, policy: str, options: dict[str, Any], trace: Path | None, max_clients: int,
                  clock: str, time_scale: float, devices: str | None = None) -> list[str]:
+    args = ["--pipe-dir", str(work), "--policy", policy, "--max-clients", str(max_clients)]
     if devices is not None and devices.startswith("cuda"):
-        # A real GPU shares itself as its hardware does, on the wall clock, and keeps no trace.
-        return ["--pipe-dir", str(work), "--devices", devices, "--max-clients", str(max_clients)]
-    args = ["--pipe-dir", str(work), "--policy", policy, "--max-clients", str(max_clients), "--clock", clock]
-    args += (["--trace", str(trace)] if trace is not None else []) + (["--devices", devices] if devices else [])
-    args += ["--idle-grace", repr(IDLE_GRACE)] if clock == "virtual" else ["--time-scale", repr(time_scale)]
+        # A real GPU runs on the wall clock and keeps no trace; a policy acts there by kernel.
+        args += ["--devices", devices]
+    else:
+        args += ["--clock", clock] + (["--trace", str(trace)] if trace is not None else [])
+        args += ["--devices", devices] if devices else []
+        args += ["--idle-grace", repr(IDLE_GRACE)] if clock == "virtual" else ["--time-scale", repr(time_scale)]
     for key, value in options.items():
         if key == "partitions":
             args += ["--mig-partitions", ",".join(str(p) for p in value)]

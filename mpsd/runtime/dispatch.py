@@ -1,0 +1,353 @@
+# The kernel-level dispatcher: one scheduler in the daemon between the clients' streams and the device, the same on
+# every backend. A real GPU's block scheduler is not ours, so in front of one this is the only place a policy can
+# act: each client's work waits here in per-stream queues and is released to the backend by the policy, with at
+# most `in_flight` of a client's kernels on the device at once, so that work held back can still be reordered.
+# In front of the simulator (`--dispatch kernel`) the same code runs over the simulator's hardware-faithful `mps`
+# blocks, so what a policy will do on a GPU is predicted, and tested, on a machine without one.
+#
+# It is shaped as a Backend that wraps a Backend: the runtime keeps speaking the one protocol (mpsd.backends.base),
+# and work it holds simply has no handle yet (`Work.done` is False, as for work queued on a GPU). Rules:
+# - per stream, work is released in the order it came; work whose `after` names work not yet released waits for it
+#   (an event recorded on a held stream, the legacy default stream's implicit waits); event records and waits go
+#   as soon as they reach their stream's head, outside the policy (they take no SM);
+# - a client's work never released is dropped when the client is cancelled or goes, and whoever waits on it is
+#   told at once, as for cancelled work;
+# - the policy (mpsd.runtime.dispatch_policies) picks the next client to release from among those with a
+#   releasable head and room under the bound, or holds them all; `room_for` tells it whether a kernel would find SMs
+#   free beside what is already released. A device whose queue holds no blocks of work that is not running lets
+#   the next urgent kernel start as soon as blocks end, and lets a policy choose among clients each time room opens:
+#   a block, once it runs, cannot be preempted, and neither a GPU nor the simulator's `mps` will reorder them.
+"""The kernel-level dispatcher."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Iterable
+
+from mpsd.backends.base import Backend, Client, when_all
+from mpsd.backends.ops import Launch, Record, Work
+from mpsd_protocol import CudaError
+
+if TYPE_CHECKING:
+    from mpsd.runtime.dispatch_policies import KernelPolicy
+
+__all__ = ["DEFAULT_IN_FLIGHT", "Dispatcher", "Tenant"]
+
+log = logging.getLogger("mpsd.runtime.dispatch")
+DEFAULT_IN_FLIGHT = 2  # kernels of one client on the device at once
+
+
+class _Dropped:
+    """The handle of work the dispatcher never released: done, and cancelled (its client went)."""
+
+    __slots__ = ()
+    done = True
+    cancelled = True
+    ended = math.nan
+    tag = None
+
+
+DROPPED = _Dropped()
+
+
+@dataclass(eq=False, slots=True)
+class _Item:
+    seq: int  # arrival order across every client
+    work: Work
+    count: int  # kernels it stands for: what is left of a run's count, else 1
+    stream_priority: int
+    run: bool  # it came as a run (submit_run), and goes as one, perhaps in parts
+    queued_at: float  # the device's clock when it came
+
+
+@dataclass(eq=False)
+class Tenant:
+    """What the dispatcher knows of one client, and what a policy reads.
+
+    Attributes:
+        id: the client's id.
+        priority: its client priority as the daemon set it (0 normal, 1 below normal).
+        weight: its share under `fair`.
+        queued: items waiting to be released (a run of launches is one).
+        in_flight: its kernels released and not yet ended.
+        gpu_ns: device nanoseconds its released kernels took (from their completion times; copies and event
+            waits take none), whole, so that equal shares compare equal.
+        released: kernels released so far.
+    """
+
+    id: int
+    priority: int = 0
+    weight: float = 1.0
+    queued: int = 0
+    in_flight: int = 0
+    gpu_ns: int = 0
+    released: int = 0
+    last_end: float = -math.inf
+    queues: dict[tuple[int, int], deque[_Item]] = field(default_factory=dict, repr=False)
+    # stream priority -> its released kernels not yet ended, so that work on the device keeps its urgency
+    running: dict[int, int] = field(default_factory=dict, repr=False)
+
+    def head(self) -> _Item | None:
+        """The item it would release next: among its streams' heads whose dependencies are released, the most
+        urgent stream's (lowest CUDA priority), then the oldest."""
+        best: _Item | None = None
+        for queue in self.queues.values():
+            if queue:
+                item = queue[0]
+                if all(a.handle is not None for a in item.work.after) and (
+                        best is None or (item.stream_priority, item.seq) < (best.stream_priority, best.seq)):
+                    best = item
+        return best
+
+    @property
+    def gpu_time(self) -> float:
+        """`gpu_ns` in seconds."""
+        return self.gpu_ns / 1e9
+
+    def waiting_since(self) -> float:
+        """When its oldest held work came (infinity when it holds none)."""
+        return min((q[0].queued_at for q in self.queues.values() if q), default=math.inf)
+
+    def urgency(self) -> tuple[int, int]:
+        """(client priority, most urgent stream priority among its held and running work, or the most urgent
+        it has used while it has none): lower goes first."""
+        streams = [q[0].stream_priority for q in self.queues.values() if q]
+        streams += [p for p, n in self.running.items() if n]
+        return self.priority, min(streams) if streams else min(self.running, default=0)
+
+
+class Dispatcher:
+    """`backend`, with its clients' work released by `policy`, at most `in_flight` kernels of a client at once.
+
+    Args:
+        backend: the device.
+        policy: which client's work goes next (mpsd.runtime.dispatch_policies).
+        in_flight: the bound on each client's released, unfinished kernels (at least 1).
+    """
+
+    def __init__(self, backend: Backend, policy: KernelPolicy, in_flight: int = DEFAULT_IN_FLIGHT) -> None:
+        if in_flight < 1:
+            raise ValueError("in_flight must be at least 1")
+        self.inner = backend
+        self.rule = policy
+        self.policy = policy.name
+        self.in_flight = in_flight
+        self.tenants: dict[int, Tenant] = {}
+        self._seq = itertools.count()
+        self._waiters: dict[Work, list[Callable[[], None]]] = {}  # held work -> told once it is done
+        self._released_at: dict[Work, float] = {}
+        props = backend.properties(0)
+        self.sms = int(props["multiprocessor_count"])
+        self._sm_limits = (int(props["max_blocks_per_multiprocessor"]), int(props["max_threads_per_multiprocessor"]),
+                           int(props["shared_memory_per_multiprocessor"]))
+        self.busy = 0  # SMs that released, unfinished kernels occupy (by their grid, as `footprint` counts them)
+        self._pumping = False
+        self._again = False
+        # Work the backend refused when it was released, after its call had returned: (client, error)
+        self.on_refused: Callable[[int, CudaError], None] = lambda client, error: log.warning(
+            "client %d: released work refused: %s", client, error)
+
+    def __getattr__(self, name: str) -> Any:  # everything else is the backend's
+        return getattr(self.inner, name)
+
+    # The device sets these on its backend: they are the wrapped backend's to call.
+    @property
+    def on_fault(self) -> Callable[[int, CudaError], None]:
+        return self.inner.on_fault
+
+    @on_fault.setter
+    def on_fault(self, value: Callable[[int, CudaError], None]) -> None:
+        self.inner.on_fault = value
+
+    @property
+    def on_idle(self) -> Callable[[int, float, float], None]:
+        return self.inner.on_idle
+
+    @on_idle.setter
+    def on_idle(self, value: Callable[[int, float, float], None]) -> None:
+        self.inner.on_idle = value
+
+    # -- clients -------------------------------------------------------------------------------------------
+    def attach(self, client: Client, *, sm_cap: int, priority: int, weight: float, instance: int | None,
+               sms: tuple[int, int] | None = None) -> None:
+        tenant = self._tenant(client.id)
+        tenant.priority, tenant.weight = priority, weight
+        self.inner.attach(client, sm_cap=sm_cap, priority=priority, weight=weight, instance=instance, sms=sms)
+        self._pump()
+
+    def cancel(self, client: int) -> None:
+        self._drop(client)
+        self.inner.cancel(client)
+        self._pump()
+
+    def forget(self, client: int) -> None:
+        self._drop(client)
+        self.tenants.pop(client, None)
+        self.inner.forget(client)
+        self._pump()
+
+    def _tenant(self, client: int) -> Tenant:
+        tenant = self.tenants.get(client)
+        if tenant is None:
+            tenant = self.tenants[client] = Tenant(client)
+            self.rule.joined(tenant, self)
+        return tenant
+
+    def _drop(self, client: int) -> None:
+        """Work of `client` never released is dropped; whoever waits on it is told now."""
+        tenant = self.tenants.get(client)
+        if tenant is None:
+            return
+        for queue in tenant.queues.values():
+            for item in queue:
+                item.work.handle = DROPPED
+                for told in self._waiters.pop(item.work, ()):
+                    told()
+        tenant.queues.clear()
+        tenant.queued = 0
+
+    # -- work ----------------------------------------------------------------------------------------------
+    def submit(self, work: Work) -> None:
+        self._hold(work, 1, False)
+
+    def submit_run(self, launch: Launch, count: int) -> None:
+        self._hold(launch, count, True)
+
+    def _hold(self, work: Work, count: int, run: bool) -> None:
+        """Queue `work` and release what the policy lets go. Where `work` itself is released now and the
+        backend refuses it, the call fails as it would without the dispatcher, and nothing stays queued."""
+        tenant = self._tenant(work.client)
+        item = _Item(next(self._seq), work, count, work.priority, run, self.inner.now())
+        tenant.queues.setdefault(work.stream, deque()).append(item)
+        tenant.queued += 1
+        self._pump(item)
+
+    def when_done(self, work: Iterable[Work | None], callback: Callable[[], None]) -> None:
+        when_all([w for w in work if w is not None and not w.done], self._wait, callback)
+
+    def _wait(self, work: Work, told: Callable[[], None]) -> None:
+        if work.handle is None:  # still held here: waited on once released
+            self._waiters.setdefault(work, []).append(told)
+        else:
+            self.inner.when_done((work,), told)
+
+    def footprint(self, work: Work) -> int:
+        """The SMs a kernel occupies while it runs: its blocks over as many SMs as they fill (by the threads and
+        shared memory they take; registers as the built-in kernels use them), within its client's SM cap. Copies,
+        memsets and event records take none."""
+        if not isinstance(work, Launch):
+            return 0
+        blocks_per_sm, threads_per_sm, smem_per_sm = self._sm_limits
+        threads = max(1, work.block[0] * work.block[1] * work.block[2])
+        per_sm = min(blocks_per_sm, threads_per_sm // threads, smem_per_sm // work.shared_mem if work.shared_mem
+                     else blocks_per_sm)
+        blocks = work.grid[0] * work.grid[1] * work.grid[2]
+        cap = self.sms if work.sm_cap is None else min(self.sms, work.sm_cap)
+        return min(cap, -(-blocks // max(1, per_sm)))
+
+    def room_for(self, tenant: Tenant) -> bool:
+        """Whether `tenant`'s next kernel would run at once beside the work released (or the device is idle)."""
+        head = tenant.head()
+        return head is not None and (self.busy == 0 or self.busy + self.footprint(head.work) <= self.sms)
+
+    def _pump(self, raising: _Item | None = None) -> None:
+        """Release work while the policy picks a client. Re-entered from a completion the backend reports during
+        a release, it leaves the work to the loop already running."""
+        if self._pumping:
+            self._again = True
+            return
+        self._pumping = True
+        try:
+            while True:
+                self._again = False
+                self._release_records(raising)
+                ready = [t for t in self.tenants.values() if t.queued and t.in_flight < self.in_flight]
+                ready = [t for t in ready if t.head() is not None]
+                chosen = self.rule.pick(self, ready) if ready else None
+                if chosen is None and ready and not any(t.in_flight for t in self.tenants.values()):
+                    # Never idle while work could go: what a policy holds may be what the work it favours
+                    # waits for (an event recorded on a held stream).
+                    chosen = min(ready, key=lambda t: t.head().seq)  # type: ignore[union-attr]
+                if chosen is None:
+                    if self._again:
+                        continue
+                    break
+                self._release(chosen, raising)
+        finally:
+            self._pumping = False
+
+    def _release_records(self, raising: _Item | None) -> None:
+        """Event records and waits at a stream's head go at once, outside the policy and the bound: they take
+        no SM and no time of the device's, and held, they would only hold back whoever waits on them."""
+        for tenant in list(self.tenants.values()):
+            for queue in list(tenant.queues.values()):
+                while queue and isinstance(queue[0].work, Record) and all(
+                        a.handle is not None for a in queue[0].work.after):
+                    self._release(tenant, raising, queue[0])
+
+    def _release(self, tenant: Tenant, raising: _Item | None, item: _Item | None = None) -> None:
+        item = item or tenant.head()
+        assert item is not None
+        work = item.work
+        # One kernel a pick, a run's too, so that each is the policy's choice (and runs are where it is
+        # pass-through: without a dispatcher).
+        n = 1
+        if n < item.count:  # part of a run goes: a copy of the launch stands for it
+            part = dataclasses.replace(work, handle=None)  # type: ignore[type-var]
+            work.after = ()
+            item.count -= n
+        else:
+            tenant.queues[work.stream].popleft()
+            tenant.queued -= 1
+            part = work
+        if part.after:
+            part.after = tuple(a for a in part.after if not a.done)  # dropped work, say, holds nothing back
+        try:
+            if item.run:
+                self.inner.submit_run(part, n)  # type: ignore[arg-type]
+            else:
+                self.inner.submit(part)
+        except CudaError as error:
+            part.handle = DROPPED
+            self._tell_held(part)
+            if item is raising:
+                raise
+            self.on_refused(tenant.id, error)
+            return
+        sms = self.footprint(part)
+        if isinstance(part, Record):
+            n = 0  # outside the bound
+        tenant.in_flight += n
+        tenant.released += n
+        tenant.running[item.stream_priority] = tenant.running.get(item.stream_priority, 0) + n
+        self.busy += sms
+        self._released_at[part] = self.inner.now()
+        self._tell_held(part)
+        self.inner.when_done((part,), lambda: self._ended(tenant, part, n, item.stream_priority, sms))
+
+    def _tell_held(self, work: Work) -> None:
+        for told in self._waiters.pop(work, ()):
+            self._wait(work, told)
+
+    def _ended(self, tenant: Tenant, work: Work, n: int, stream_priority: int, sms: int) -> None:
+        tenant.in_flight -= n
+        tenant.running[stream_priority] -= n
+        self.busy -= sms
+        released = self._released_at.pop(work, math.nan)
+        ended = work.ended
+        if ended == ended and isinstance(work, Launch):  # a kernel that completed: its device time counts
+            start = max(released, tenant.last_end)
+            tenant.gpu_ns += max(0, round((ended - start) * 1e9))
+            tenant.last_end = max(tenant.last_end, ended)
+        self.rule.ended(tenant, self)
+        self._pump()
+
+    def dispatch_statistics(self) -> dict[str, Any]:
+        """Per client: work held (a run counts its kernels), kernels in flight and released, device seconds."""
+        return {t.id: {"queued": sum(item.count for q in t.queues.values() for item in q), "in_flight": t.in_flight,
+                       "released": t.released, "gpu_time": t.gpu_time} for t in self.tenants.values()}

@@ -1,0 +1,190 @@
+# The kernel-level policies: which client's work the dispatcher (mpsd.runtime.dispatch) releases next. A policy
+# sees the clients with a releasable head and room under the bound (`ready`), and the dispatcher itself for the
+# rest (every tenant, the device's clock, whether a kernel has `room_for` it beside the work released); it returns one of
+# `ready`, or None to hold them all until the next arrival or completion. The shipped policies release a kernel
+# only where it fits (priority excepted for the most urgent work), so that the device queues no blocks that are
+# not running and each choice is made when room opens, not when work arrives. These act on whole kernels, not blocks: a kernel released runs on the device's own block
+# scheduler beside the others (the simulator's `mps` policy, or a GPU's hardware), and stream priorities still
+# order the blocks there. The simulator's block-level policies of the same names (mpsd.sim.policies) model
+# schedulers that could preempt or place blocks; these are what a daemon in front of a real GPU can do.
+"""Kernel-level scheduling policies."""
+
+from __future__ import annotations
+
+import importlib
+import math
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mpsd.runtime.dispatch import Dispatcher, Tenant
+
+__all__ = ["KERNEL_POLICIES", "KernelPolicy", "kernel_policy"]
+
+
+class KernelPolicy:
+    """The interface, and pass-through in arrival order. A policy of one's own subclasses it (``module:Class``
+    to `--policy` with `--dispatch kernel`) and overrides `pick`, and `joined` or `ended` where it keeps state."""
+
+    name = "fifo"
+
+    def __init__(self, **options: Any) -> None:
+        if options:
+            raise ValueError(f"the {self.name} policy takes no options ({', '.join(sorted(options))} given)")
+
+    def joined(self, tenant: Tenant, dispatcher: Dispatcher) -> None:
+        """A client was first seen."""
+
+    def ended(self, tenant: Tenant, dispatcher: Dispatcher) -> None:
+        """Work of `tenant` released earlier has ended (or was cancelled)."""
+
+    def pick(self, dispatcher: Dispatcher, ready: list[Tenant]) -> Tenant | None:
+        """The client whose head goes next, from `ready` (never empty), or None to hold all of them."""
+        first = min(ready, key=lambda t: t.head().seq)  # type: ignore[union-attr]
+        return first if dispatcher.room_for(first) else None
+
+
+class Priority(KernelPolicy):
+    """The most urgent work first, by client priority, then stream priority (CUDA's: lower is more urgent), then
+    arrival. Less urgent work is held while more urgent work waits here, so that urgent work waits at most for
+    the kernels already on the device, which the device's stream priorities then let it overtake block by
+    block.
+
+    Args:
+        aging: seconds after which held work is released as if most urgent (as the simulator's block-level
+            policy ages a waiting kernel); None (default) never.
+    """
+
+    name = "priority"
+
+    def __init__(self, aging: float | None = None, **options: Any) -> None:
+        super().__init__(**options)
+        if aging is not None and not (isinstance(aging, (int, float)) and 0.0 <= aging < math.inf):
+            raise ValueError(f"aging must be a finite number of seconds >= 0, not {aging!r}")
+        self.aging = aging
+
+    def _urgency(self, tenant: Tenant, now: float) -> tuple[float, float]:
+        if self.aging is not None and now - tenant.waiting_since() >= self.aging:
+            return -math.inf, -math.inf
+        return tenant.urgency()
+
+    def pick(self, dispatcher: Dispatcher, ready: list[Tenant]) -> Tenant | None:
+        now = dispatcher.inner.now()
+        best = min(ready, key=lambda t: (self._urgency(t, now), t.head().seq))  # type: ignore[union-attr]
+        urgency = self._urgency(best, now)
+        if urgency <= min(self._urgency(t, now) for t in dispatcher.tenants.values()):
+            return best  # the most urgent work goes at once: the device's stream priorities put it first there
+        # Less urgent work goes only where nothing more urgent is held, and only to SMs left free, so that what is
+        # more urgent, when it comes, waits for no block that has not started.
+        # (Work held only for an event another client has yet to record holds no one back.)
+        held = min(self._urgency(t, now) for t in dispatcher.tenants.values() if t.head() is not None)
+        return best if urgency <= held and dispatcher.room_for(best) else None
+
+
+class RoundRobin(KernelPolicy):
+    """One kernel of each client with work, in turn."""
+
+    name = "round-robin"
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self._last = -1
+
+    def pick(self, dispatcher: Dispatcher, ready: list[Tenant]) -> Tenant | None:
+        after = [t for t in ready if t.id > self._last]
+        chosen = min(after or ready, key=lambda t: t.id)
+        if not dispatcher.room_for(chosen):
+            return None  # its turn waits for room
+        self._last = chosen.id
+        return chosen
+
+
+class Fair(KernelPolicy):
+    """The client with the least device time for its weight goes next (device time from its work's completion
+    times). A client that arrives starts level with the least served of the others, so that it cannot claim the
+    device for as long as they have had it."""
+
+    name = "fair"
+
+    def joined(self, tenant: Tenant, dispatcher: Dispatcher) -> None:
+        others = [t.gpu_ns / t.weight for t in dispatcher.tenants.values() if t is not tenant]
+        tenant.gpu_ns = round(min(others) * tenant.weight) if others else 0
+
+    def pick(self, dispatcher: Dispatcher, ready: list[Tenant]) -> Tenant | None:
+        least = min(ready, key=lambda t: (t.gpu_ns / max(t.weight, 1e-9), t.head().seq))  # type: ignore[union-attr]
+        return least if dispatcher.room_for(least) else None
+
+
+class Timeslice(KernelPolicy):
+    """One client's work at a time, for a slice of device time each in turn: at the end of its slice its work is
+    held and what it has on the device drains before the next client's goes (no block is preempted).
+
+    Args:
+        timeslice: the slice, in seconds (infinite: `exclusive`, each client until it has nothing left).
+    """
+
+    name = "timeslice"
+
+    def __init__(self, timeslice: float = 0.0020854, **options: Any) -> None:
+        super().__init__(**options)
+        if not timeslice > 0:
+            raise ValueError("timeslice must be positive")
+        self.slice = timeslice
+        self.active: Tenant | None = None
+        self._since = 0.0
+
+    def pick(self, dispatcher: Dispatcher, ready: list[Tenant]) -> Tenant | None:
+        now = dispatcher.inner.now()
+        active = self.active if self.active is not None and self.active.id in dispatcher.tenants else None
+        if active is not None and (active.queued or active.in_flight):
+            if now - self._since < self.slice or not _others(dispatcher, active):
+                return active if active in ready else None  # its slice (alone, it has no one to give way to)
+            if active.in_flight:
+                return None  # its slice is over: what it has on the device drains before the next client's goes
+        waiting = [t for t in dispatcher.tenants.values() if t.queued]
+        if not waiting:
+            return None
+        last = active.id if active is not None else -1
+        chosen = min([t for t in waiting if t.id > last] or waiting, key=lambda t: t.id)
+        self.active, self._since = chosen, now
+        return chosen if chosen in ready else None
+
+
+class Exclusive(Timeslice):
+    """One client's work at a time, each until it has nothing queued or running."""
+
+    name = "exclusive"
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(timeslice=math.inf, **options)
+
+
+def _others(dispatcher: Dispatcher, tenant: Tenant) -> bool:
+    return any(t.queued for t in dispatcher.tenants.values() if t is not tenant)
+
+
+KERNEL_POLICIES: dict[str, type[KernelPolicy]] = {
+    p.name: p for p in (Priority, RoundRobin, Fair, Timeslice, Exclusive)}
+
+
+def kernel_policy(name: str, options: dict[str, Any]) -> KernelPolicy:
+    """The kernel-level policy `name` (or ``module:Class``, a KernelPolicy of one's own) with the options it takes.
+
+    Raises:
+        ValueError: no such policy, or an option it does not take.
+    """
+    if ":" in name:
+        module, _, attr = name.partition(":")
+        try:
+            cls = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as exc:
+            raise ValueError(f"cannot load the policy {name}: {exc}") from None
+        if not (isinstance(cls, type) and issubclass(cls, KernelPolicy)):
+            raise ValueError(f"{name} is not a KernelPolicy (mpsd.runtime.dispatch_policies)")
+    elif name in KERNEL_POLICIES:
+        cls = KERNEL_POLICIES[name]
+    else:
+        raise ValueError(f"no kernel-level policy {name!r} (known: {', '.join(KERNEL_POLICIES)}, or module:Class)")
+    try:
+        return cls(**options)
+    except TypeError as exc:  # an option its constructor does not take
+        raise ValueError(f"the {name} policy: {exc}") from None
