@@ -229,7 +229,7 @@ async def test_a_departed_clients_held_work_is_dropped_not_waited_for(autojump_c
         await urgent.launch("spin", FULL, 1024, [20 * ONE_MS], stream=s)
         async with d.connect(**BEST_EFFORT) as be:
             await full_kernels(be, await be.create_stream(), 8)
-            assert not await be.create_stream() is None  # a request: its launches have reached the daemon
+            await be.create_stream()  # a request: its launches have reached the daemon
         await urgent.synchronize()
         start, end = await full_kernels(urgent, s, 1)
         await end.synchronize()
