@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mpsd_protocol import CudaError
+from mpsd_protocol import Calls, CudaError
 
 from ._core import CURRENT, Core
 from ._objects import DevicePointer, Event, HostBuffer, Stream
@@ -93,30 +93,30 @@ class ContextBase:
     # InvalidValueError); a backend without the calls (a real GPU, in mpsd) raises NotSupportedError.
     def mem_get_allocation_granularity(self) -> Any:
         """``cuMemGetAllocationGranularity``: the bytes every size and mapping is a multiple of (2 MiB)."""
-        return self._drive(self._core.invoke("mem_get_allocation_granularity"))
+        return self._drive(self._core.invoke(Calls.mem_get_allocation_granularity))
 
     def mem_address_reserve(self, size: int, alignment: int = 0) -> Any:
         """``cuMemAddressReserve``: `size` bytes of device address space with no memory behind them; the
         address. Raises OutOfMemoryError when the address space is exhausted."""
-        return self._drive(self._core.invoke("mem_address_reserve", size, alignment))
+        return self._drive(self._core.invoke(Calls.mem_address_reserve, size, alignment))
 
     def mem_address_free(self, ptr: int, size: int) -> Any:
         """``cuMemAddressFree``: the whole reservation at `ptr`, once nothing is mapped in it."""
-        return self._drive(self._core.invoke("mem_address_free", ptr, size))
+        return self._drive(self._core.invoke(Calls.mem_address_free, ptr, size))
 
     def mem_create(self, size: int) -> Any:
         """``cuMemCreate``: `size` bytes of device memory, charged as cudaMalloc's are; its handle (an int).
         Raises OutOfMemoryError past the device's memory or the pinned limit."""
-        return self._drive(self._core.invoke("mem_create", size))
+        return self._drive(self._core.invoke(Calls.mem_create, size))
 
     def mem_release(self, handle: int) -> Any:
         """``cuMemRelease``: the handle goes; its memory when its last mapping does."""
-        return self._drive(self._core.invoke("mem_release", handle))
+        return self._drive(self._core.invoke(Calls.mem_release, handle))
 
     def mem_map(self, ptr: int, size: int, offset: int, handle: int) -> Any:
         """``cuMemMap`` (and ``cuMemSetAccess`` read-write for this device): [ptr, ptr + size) of a reservation
         shows [offset, offset + size) of the handle's memory, to kernels, copies and host_view."""
-        return self._drive(self._core.invoke("mem_map", ptr, size, offset, handle))
+        return self._drive(self._core.invoke(Calls.mem_map, ptr, size, offset, handle))
 
     def mem_unmap(self, ptr: int, size: int) -> Any:
         """``cuMemUnmap``: whole mappings only; it does not wait for queued work, which faults with an illegal
@@ -222,7 +222,7 @@ class ContextBase:
         Raises:
             InvalidResourceHandleError: the event is not an interprocess, disable-timing event.
         """
-        return self._drive(self._core.invoke("ipc_get_event_handle", event))
+        return self._drive(self._core.invoke(Calls.ipc_get_event_handle, event))
 
     def ipc_open_event_handle(self, handle: bytes) -> Any:
         """``cudaIpcOpenEventHandle``: an Event of this context that shares the exported event's records
@@ -259,7 +259,7 @@ class ContextBase:
     def memcpy_dtod(self, dst: DevicePointer | int, src: DevicePointer | int, nbytes: int,
                     stream: Stream | None = None) -> Any:
         """Copy `nbytes` between device addresses; asynchronous with respect to the host, as in CUDA."""
-        return self._drive(self._core.invoke("memcpy_dtod", dst, src, nbytes, stream))
+        return self._drive(self._core.invoke(Calls.memcpy_dtod, dst, src, nbytes, stream))
 
     def memcpy_peer(self, dst: DevicePointer | int, src_context: ContextBase, src: DevicePointer | int, nbytes: int,
                     stream: Stream | None = None) -> Any:
@@ -270,11 +270,11 @@ class ContextBase:
         statistics count which (``peer_copies_nvlink``, ``peer_copies_staged``). A source context of another
         process, or one that has failed, is cudaErrorInvalidDevice at the next synchronising call.
         """
-        return self._drive(self._core.invoke("memcpy_peer", dst, src_context.client_id, src, nbytes, stream))
+        return self._drive(self._core.invoke(Calls.memcpy_peer, dst, src_context.client_id, src, nbytes, stream))
 
     def memset(self, ptr: DevicePointer | int, value: int, nbytes: int, stream: Stream | None = None) -> Any:
         """``cudaMemset``: set `nbytes` bytes at `ptr` to the low byte of `value`, in stream order."""
-        return self._drive(self._core.invoke("memset", ptr, value, nbytes, stream))
+        return self._drive(self._core.invoke(Calls.memset, ptr, value, nbytes, stream))
 
     def create_stream(self, priority: int = 0, non_blocking: bool = False) -> Any:
         """``cudaStreamCreateWithPriority``: priorities are clamped to `stream_priority_range()`."""
@@ -303,7 +303,7 @@ class ContextBase:
 
     def synchronize(self) -> Any:
         """``cudaDeviceSynchronize``: wait for all of this context's work; raises its pending errors."""
-        return self._drive(self._core.invoke("synchronize"))
+        return self._drive(self._core.invoke(Calls.synchronize))
 
     def get_last_error(self) -> Any:
         """``cudaGetLastError``: the last error (a `CudaError`) or None, and reset it (sticky ones stay)."""
@@ -333,4 +333,4 @@ class ContextBase:
 
     def statistics(self) -> Any:
         """What the daemon counted for this client: kernels, blocks, SM-seconds, memory, copies."""
-        return self._drive(self._core.invoke("statistics"))
+        return self._drive(self._core.invoke(Calls.statistics))

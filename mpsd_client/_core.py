@@ -20,7 +20,6 @@ from typing import Any, Generator
 
 
 from mpsd_protocol import (  # type: ignore[attr-defined]
-    CALLS,
     EVENT_HANDLE,
     IPC_FREED,
     POOL_ALLOC,
@@ -29,6 +28,8 @@ from mpsd_protocol import (  # type: ignore[attr-defined]
     PROTOCOL_ERROR,
     PROTOCOL_VERSION,
     STREAM_HANDLE,
+    Call,
+    Calls,
     CudaError,
     InvalidDeviceFunctionError,
     InvalidResourceHandleError,
@@ -62,6 +63,7 @@ Op = Generator[Request | Notification | _TakeNotices, Reply | None, Any]
 STAGING_SIZE = 8 << 20
 CURRENT: Any = object()  # malloc_async's pool: the device's current one
 MAX_OPS = 1024  # pool operations that may wait for the next message, at most
+_LAUNCH, _PACK_LAUNCH = Calls.launch.name, Calls.launch.pack  # looked up once: every launch uses them
 
 
 class _Imports:
@@ -145,9 +147,9 @@ class Core:
         close_fds(reply.fds)
         return reply.result
 
-    def invoke(self, name: str, *values: Any, fds: tuple[int, ...] = ()) -> Op:
-        """The call `name` of mpsd_protocol's table, its arguments in the row's order (streams and events as the
-        objects users hold), checked against the row. Returns its result, checked too; for a call whose reply
+    def invoke(self, call: Call, *values: Any, fds: tuple[int, ...] = ()) -> Op:
+        """The call of `call`, a row of mpsd_protocol's table (Calls), its arguments in the row's order (streams
+        and events as the objects users hold), checked against the row. Returns its result, checked too; for a call whose reply
         carries fds, (result, fds), the fds the caller's to close.
 
         Raises:
@@ -155,7 +157,7 @@ class Core:
                 of another context.
             MpsRpcFailureError: the daemon's reply is not what the row says.
         """
-        call = CALLS[name]
+        name = call.name
         args = call.encode([self._stream(v) if arg.kind is STREAM_HANDLE else self._event(v)
                             if arg.kind is EVENT_HANDLE else v for arg, v in zip(call.args, values)])
         reply = yield from self._request(name, args, fds)
@@ -163,11 +165,11 @@ class Core:
             close_fds(reply.fds)
             raise MpsRpcFailureError(f"the daemon answered {name} with {brief(reply.result, 60)} and "
                                      f"{len(reply.fds)} file descriptors, not {call.reply.what} and {call.reply_fds}")
-        if name == "destroy_stream":
+        if call is Calls.destroy_stream:
             self._destroyed.add(args["stream"])
         if self.pools:
-            self.ordering.observe(name, args)
-            if name in SYNCHRONISING:  # pools give back what is past their release threshold
+            self.ordering.observe(call, args)
+            if call in SYNCHRONISING:  # pools give back what is past their release threshold
                 for pool in self.pools:
                     self._release(pool.unused(pool.release_threshold, threshold=True))
                 yield from self._flush()
@@ -181,7 +183,7 @@ class Core:
         if not self._ops:
             return []
         ops, self._ops = self._ops, []
-        return [Notification("mem_pool_ops", {"ops": ops})]
+        return [Notification(Calls.mem_pool_ops.name, Calls.mem_pool_ops.encode((ops,)))]
 
     def _flush(self) -> Op:
         notes = self.take_notes()
@@ -251,33 +253,33 @@ class Core:
     def clock(self) -> Op:
         """This client's simulated now, in seconds."""
         if self.clock_kind == "virtual":
-            return (yield from self.invoke("clock"))["now"]
+            return (yield from self.invoke(Calls.clock))["now"]
         return (time.monotonic() - self.origin) * self.time_scale
 
     def sleep(self, seconds: float) -> Op:
         """Advance this client's simulated clock by `seconds`; returns the wall seconds the shell must still
         sleep (none under the virtual clock)."""
-        CALLS["sleep"].encode((seconds,))  # its row's check, whichever clock keeps the time
+        Calls.sleep.encode((seconds,))  # its row's check, whichever clock keeps the time
         if self.clock_kind == "virtual":
-            yield from self.invoke("sleep", seconds)
+            yield from self.invoke(Calls.sleep, seconds)
             return 0.0
         return seconds / self.time_scale
 
     def idle(self) -> Op:
         """Hold the virtual clock no longer until the next call (nothing under the wall clock)."""
         if self.clock_kind == "virtual":
-            yield from self.invoke("idle")
+            yield from self.invoke(Calls.idle)
 
     def device_properties(self) -> Op:
-        self.properties = yield from self.invoke("device_properties")
+        self.properties = yield from self.invoke(Calls.device_properties)
         return dict(self.properties)
 
     def mem_get_info(self) -> Op:
-        free, total = yield from self.invoke("mem_get_info")
+        free, total = yield from self.invoke(Calls.mem_get_info)
         return free, total
 
     def get_last_error(self, clear: bool) -> Op:
-        remote = yield from self.invoke("get_last_error", clear)
+        remote = yield from self.invoke(Calls.get_last_error, clear)
         # An error the daemon holds came from fire-and-forget work and was never raised here, so it wins
         # over the last error this side raised.
         error = error_from_wire(remote) if remote else self.last_error
@@ -287,15 +289,15 @@ class Core:
 
     # -- memory ----------------------------------------------------------------------------------------
     def malloc(self, ctx: Any, nbytes: int) -> Op:
-        addr = yield from self.invoke("malloc", nbytes)
+        addr = yield from self.invoke(Calls.malloc, nbytes)
         return DevicePointer(addr, nbytes, ctx)
 
     def free(self, ptr: int) -> Op:
         if int(ptr) in self._pool_live:  # cudaFree of stream-ordered memory: freed in order, then synchronised
             self.free_async(ptr, None)
-            yield from self.invoke("synchronize")
+            yield from self.invoke(Calls.synchronize)
             return
-        yield from self.invoke("free", ptr)
+        yield from self.invoke(Calls.free, ptr)
         self._unmap(int(ptr))
         self._handles.pop(int(ptr), None)
 
@@ -303,7 +305,7 @@ class Core:
     def mem_unmap(self, ptr: int, size: int) -> Op:
         """cuMemUnmap; host views of the mappings it removes are let go (the same addresses may show other
         memory next)."""
-        yield from self.invoke("mem_unmap", ptr, size)
+        yield from self.invoke(Calls.mem_unmap, ptr, size)
         for base in [b for b in self._maps if ptr <= b < ptr + size]:
             self._unmap(base)
 
@@ -370,7 +372,7 @@ class Core:
             grow = -(-(-(-nbytes // ALIGN) * ALIGN) // RESERVE_STEP) * RESERVE_STEP
             if pool.max_size and pool.reserved + grow > pool.max_size:
                 raise OutOfMemoryError(f"the pool's max_size of {pool.max_size} bytes has no room for {nbytes} more")
-            pool.add((yield from self.invoke("mem_pool_reserve", grow)), grow)
+            pool.add((yield from self.invoke(Calls.mem_pool_reserve, grow)), grow)
             ptr = self._hand_out(ctx, pool, key, nbytes)
             assert ptr is not None, "a fresh reservation fits what it was made for"
         if len(self._ops) >= MAX_OPS:
@@ -444,7 +446,7 @@ class Core:
         for base, (mapping, start, size) in self._maps.items():
             if base <= addr < base + size:
                 return memoryview(mapping)[start + addr - base:start + size]
-        found, fds = yield from self.invoke("mem_fd", addr)
+        found, fds = yield from self.invoke(Calls.mem_fd, addr)
         base, size = found["base"], found["size"]
         return self._map(base, size, fds[0], found.get("offset", 0))[addr - base:]
 
@@ -452,11 +454,11 @@ class Core:
         addr = _address(ptr)
         handle = self._handles.get(addr)
         if handle is None:  # one allocation has one handle: ask once (free forgets it)
-            handle = self._handles[addr] = yield from self.invoke("ipc_get_mem_handle", addr)
+            handle = self._handles[addr] = yield from self.invoke(Calls.ipc_get_mem_handle, addr)
         return handle
 
     def ipc_open_mem_handle(self, ctx: Any, handle: bytes, flags: int) -> Op:
-        mapping, fds = yield from self.invoke("ipc_open_mem_handle", handle, flags)
+        mapping, fds = yield from self.invoke(Calls.ipc_open_mem_handle, handle, flags)
         ptr, size = mapping["ptr"], mapping["size"]
         if ptr in self._maps or not mapping.get("mappable", True):
             # Opened before (the same mapping, one more reference), or a real GPU's memory, which the host
@@ -481,14 +483,15 @@ class Core:
         # that it has happened when the call returns, whatever this process tells others next. The daemon tells
         # importers when an exporter lets go before it answers the exporter (IPC_FREED), so once this process
         # has taken in what has come (TAKE_NOTICES), a free it can know of is known here.
-        args = self._charge(CALLS["ipc_close_mem_handle"].encode((addr,)))
+        call = Calls.ipc_close_mem_handle
+        args = call.encode((addr,))
         last = imports.opens[addr] == 1
         if last:
             yield TAKE_NOTICES
         if last and addr in imports.freed:
-            yield from self._request("ipc_close_mem_handle", args, ())
+            yield from self._request(call.name, args, ())
         else:
-            yield Notification("ipc_close_mem_handle", args)
+            yield Notification(call.name, self._charge(args))
         left = imports.opens.pop(addr) - 1
         if left:
             imports.opens[addr] = left
@@ -497,7 +500,7 @@ class Core:
             self._unmap(int(ptr))
 
     def ipc_open_event_handle(self, ctx: Any, handle: bytes) -> Op:
-        handle_id = yield from self.invoke("ipc_open_event_handle", handle)
+        handle_id = yield from self.invoke(Calls.ipc_open_event_handle, handle)
         return Event(ctx, handle_id, True, True)
 
     def host_alloc(self, nbytes: int) -> Op:
@@ -515,7 +518,7 @@ class Core:
             # The daemon maps only buffers that cannot shrink under it.
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
             buffer = HostBuffer(fd, nbytes)
-            buffer.id = yield from self.invoke("host_register", nbytes, fds=(fd,))
+            buffer.id = yield from self.invoke(Calls.host_register, nbytes, fds=(fd,))
         finally:
             os.close(fd)  # the mappings on both sides keep the memory
         buffer.nbytes = nbytes
@@ -527,7 +530,7 @@ class Core:
         if not isinstance(buffer, HostBuffer) or self._pinned.get(getattr(buffer, "id", None)) is not buffer:
             raise InvalidValueError(f"{brief(buffer, 40)} is not a host buffer of this context")
         del self._pinned[buffer.id]
-        yield from self.invoke("host_unregister", buffer.id)
+        yield from self.invoke(Calls.host_unregister, buffer.id)
         try:
             buffer.close()
         except BufferError:
@@ -554,14 +557,14 @@ class Core:
             return
         pinned = self._find_pinned(view)
         if pinned is not None:
-            yield from self.invoke("memcpy_htod", dst_addr, pinned[0].id, pinned[1], nbytes, stream, False)
+            yield from self.invoke(Calls.memcpy_htod, dst_addr, pinned[0].id, pinned[1], nbytes, stream, False)
             return
         staging = yield from self._acquire_staging()
         try:
             for start in range(0, nbytes, STAGING_SIZE):
                 chunk = view[start:start + STAGING_SIZE]
                 staging[:len(chunk)] = chunk
-                yield from self.invoke("memcpy_htod", dst_addr + start, staging.id, 0, len(chunk), stream, True)
+                yield from self.invoke(Calls.memcpy_htod, dst_addr + start, staging.id, 0, len(chunk), stream, True)
         finally:
             self._staging.append(staging)
 
@@ -573,24 +576,24 @@ class Core:
             return
         pinned = self._find_pinned(view)
         if pinned is not None:
-            yield from self.invoke("memcpy_dtoh", pinned[0].id, pinned[1], src_addr, nbytes, stream, False)
+            yield from self.invoke(Calls.memcpy_dtoh, pinned[0].id, pinned[1], src_addr, nbytes, stream, False)
             return
         staging = yield from self._acquire_staging()
         try:
             for start in range(0, nbytes, STAGING_SIZE):
                 size = min(STAGING_SIZE, nbytes - start)
-                yield from self.invoke("memcpy_dtoh", staging.id, 0, src_addr + start, size, stream, True)
+                yield from self.invoke(Calls.memcpy_dtoh, staging.id, 0, src_addr + start, size, stream, True)
                 view[start:start + size] = staging[:size]
         finally:
             self._staging.append(staging)
 
     # -- streams and events ----------------------------------------------------------------------------
     def create_stream(self, ctx: Any, priority: int, non_blocking: bool) -> Op:
-        handle, clamped = yield from self.invoke("create_stream", priority, 1 if non_blocking else 0)
+        handle, clamped = yield from self.invoke(Calls.create_stream, priority, 1 if non_blocking else 0)
         return Stream(ctx, handle, clamped, non_blocking)
 
     def create_event(self, ctx: Any, disable_timing: bool, interprocess: bool) -> Op:
-        handle = yield from self.invoke("create_event", bool(disable_timing), bool(interprocess))
+        handle = yield from self.invoke(Calls.create_event, bool(disable_timing), bool(interprocess))
         return Event(ctx, handle, bool(disable_timing), bool(interprocess))
 
     # -- kernels ---------------------------------------------------------------------------------------
@@ -610,9 +613,8 @@ class Core:
             shape = check_shape(name, grid, block, shared_mem, self.properties)
             if key is not None:
                 self._shapes[key] = shape
-        return Notification("launch", self._charge({"name": name, "grid": shape[0], "block": shape[1],
-                                                    "args": check_args(name, params, args),
-                                                    "shared_mem": shared_mem, "stream": self._stream(stream)}))
+        return Notification(_LAUNCH, self._charge(_PACK_LAUNCH(
+            name, shape[0], shape[1], check_args(name, params, args), shared_mem, self._stream(stream))))
 
 
 def _plain(value: Any) -> bool:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import mmap
 from typing import TYPE_CHECKING, Any
 
+from mpsd_protocol import Calls
+
 if TYPE_CHECKING:
     from ._api import ContextBase
 
@@ -89,19 +91,19 @@ class Stream:
 
     def synchronize(self) -> Any:
         """Wait until all work queued on this stream has completed (``cudaStreamSynchronize``)."""
-        return self.ctx._drive(self.ctx._core.invoke("stream_synchronize", self))
+        return self.ctx._drive(self.ctx._core.invoke(Calls.stream_synchronize, self))
 
     def query(self) -> Any:
         """True if all work queued on this stream has completed (``cudaStreamQuery``)."""
-        return self.ctx._drive(self.ctx._core.invoke("stream_query", self))
+        return self.ctx._drive(self.ctx._core.invoke(Calls.stream_query, self))
 
     def wait_event(self, event: Event) -> Any:
         """Make later work on this stream wait for `event`'s latest record (``cudaStreamWaitEvent``)."""
-        return self.ctx._drive(self.ctx._core.invoke("stream_wait_event", self, event))
+        return self.ctx._drive(self.ctx._core.invoke(Calls.stream_wait_event, self, event))
 
     def destroy(self) -> Any:
         """Destroy the stream; work already queued on it still runs (``cudaStreamDestroy``)."""
-        return self.ctx._drive(self.ctx._core.invoke("destroy_stream", self))
+        return self.ctx._drive(self.ctx._core.invoke(Calls.destroy_stream, self))
 
     def __repr__(self) -> str:
         return f"<Stream {self.handle} priority={self.priority}>"
@@ -118,15 +120,15 @@ class Event:
 
     def record(self, stream: Stream | None = None) -> Any:
         """Record the event in `stream` (the default stream if None) (``cudaEventRecord``)."""
-        return self.ctx._drive(self.ctx._core.invoke("event_record", self, stream))
+        return self.ctx._drive(self.ctx._core.invoke(Calls.event_record, self, stream))
 
     def synchronize(self) -> Any:
         """Wait until the event's latest record has completed (``cudaEventSynchronize``)."""
-        return self.ctx._drive(self.ctx._core.invoke("event_synchronize", self))
+        return self.ctx._drive(self.ctx._core.invoke(Calls.event_synchronize, self))
 
     def query(self) -> Any:
         """True if the latest record has completed, or the event was never recorded (``cudaEventQuery``)."""
-        return self.ctx._drive(self.ctx._core.invoke("event_query", self))
+        return self.ctx._drive(self.ctx._core.invoke(Calls.event_query, self))
 
     def elapsed_ms(self, end: Event) -> Any:
         """Simulated milliseconds from this event to `end` (``cudaEventElapsedTime``).
@@ -135,11 +137,11 @@ class Event:
             InvalidResourceHandleError: either event disables timing or was never recorded.
             NotReadyError: either has not completed yet.
         """
-        return self.ctx._drive(self.ctx._core.invoke("event_elapsed", self, end))
+        return self.ctx._drive(self.ctx._core.invoke(Calls.event_elapsed, self, end))
 
     def destroy(self) -> Any:
         """Destroy the event (``cudaEventDestroy``)."""
-        return self.ctx._drive(self.ctx._core.invoke("destroy_event", self))
+        return self.ctx._drive(self.ctx._core.invoke(Calls.destroy_event, self))
 
     def __repr__(self) -> str:
         return f"<Event {self.handle}>"

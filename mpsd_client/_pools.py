@@ -29,7 +29,7 @@ import operator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from mpsd_protocol import InvalidValueError  # type: ignore[attr-defined]
+from mpsd_protocol import Call, Calls, InvalidValueError  # type: ignore[attr-defined]
 
 if TYPE_CHECKING:
     from ._api import ContextBase
@@ -42,7 +42,7 @@ UINT64_MAX = (1 << 64) - 1
 FLAGS = ("reuse_follow_event_dependencies", "reuse_allow_opportunistic", "reuse_allow_internal_dependencies")
 ATTRIBUTES = FLAGS + ("release_threshold", "reserved_mem_current", "reserved_mem_high", "used_mem_current",
                       "used_mem_high")
-SYNCHRONISING = ("synchronize", "stream_synchronize", "event_synchronize")
+SYNCHRONISING = (Calls.synchronize, Calls.stream_synchronize, Calls.event_synchronize)
 _ADDR = operator.attrgetter("addr")
 
 
@@ -274,19 +274,19 @@ class Ordering:
             after.append(other)
         return after
 
-    def observe(self, name: str, args: dict[str, Any]) -> None:
+    def observe(self, call: Call, args: dict[str, Any]) -> None:
         """A call of the table went through: what it teaches about order."""
         stream = args.get("stream") or 0
-        if name == "event_record":
+        if call is Calls.event_record:
             known = dict(self.follows.get(stream, {}))
             known[stream] = self.frees.get(stream, 0)
             self.recorded[args["event"]] = known
-        elif name == "stream_wait_event":
+        elif call is Calls.stream_wait_event:
             _join(self.follows.setdefault(stream, {}), self.recorded.get(args["event"], {}))
-        elif name == "synchronize":
+        elif call is Calls.synchronize:
             _join(self.completed, self.frees)
-        elif name == "stream_synchronize":
+        elif call is Calls.stream_synchronize:
             _join(self.completed, {stream: self.frees.get(stream, 0)})
             _join(self.completed, self.follows.get(stream, {}))
-        elif name == "event_synchronize":
+        elif call is Calls.event_synchronize:
             _join(self.completed, self.recorded.get(args["event"], {}))

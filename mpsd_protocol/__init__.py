@@ -19,6 +19,7 @@ from ._calls import (
     SYNC,
     Arg,
     Call,
+    Calls,
     Kind,
 )
 from ._control import (CONTROL_PACKET, PROTOCOL_FILE, V3_MODULES, control_packets, read_control_answer,
@@ -65,7 +66,7 @@ globals().update({cls.__name__: cls for cls in ERROR_CLASSES.values()})
 
 __all__ = [
     "brief", "CALL", "CALLS", "CLOCK", "EVENT_HANDLE", "LAUNCH", "NOTHING", "POOL_ALLOC", "POOL_FREE", "POOL_RELEASE",
-    "STREAM_HANDLE", "SYNC", "Arg", "Call", "Kind", "CONTROL_PACKET", "control_packets", "read_control_answer",
+    "STREAM_HANDLE", "SYNC", "Arg", "Call", "Calls", "Kind", "CONTROL_PACKET", "control_packets", "read_control_answer",
     "read_control_reply", "PROTOCOL_FILE", "V3_MODULES",
     "DEFAULT_LOG_DIRECTORY", "DEFAULT_PIPE_DIRECTORY", "LOG_VARIABLES", "PIPE_VARIABLES", "log_directory",
     "pipe_directory",

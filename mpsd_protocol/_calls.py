@@ -11,8 +11,9 @@
 # CUDA's own error for it. The handshake (`hello`) is no call: the connection's state machine owns it.
 from __future__ import annotations
 
+import keyword
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from ._brief import brief
@@ -81,13 +82,14 @@ class Arg:
     default: Any = REQUIRED
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class Call:
     """One call.
 
     Attributes:
-        name: its op on the wire, CUDA's name in snake_case.
+        name: its op on the wire, CUDA's name in snake_case: its attribute's in the table (Calls).
         args: its arguments in the order handlers take them; a missing one takes its default.
+        pack: the argument map of values in the row's order, unchecked (see __post_init__).
         reply: the kind of its result.
         fds: file descriptors its request carries (exactly these; any a call takes none of are closed).
         reply_fds: file descriptors its reply carries.
@@ -97,7 +99,6 @@ class Call:
         sticky_ok: it still answers after a sticky error, so the client can learn what happened.
     """
 
-    name: str
     args: tuple[Arg, ...] = ()
     reply: Kind = NOTHING
     fds: int = 0
@@ -106,6 +107,22 @@ class Call:
     waits: bool = False
     cost: tuple[str, str | None] = (CALL, None)
     sticky_ok: bool = False
+    name: str = ""
+    pack: Callable[..., dict[str, Any]] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # `pack(*values)`: the argument map of values checked already, and more strictly than the row would (a
+        # launch's, by check_shape and check_args), nothing checked again. Made from the row's names as a
+        # function with a dict display, as dataclasses make their __init__: a launch is packed on every call,
+        # and dict(zip(names, values)) costs it three times as much.
+        names = [arg.name for arg in self.args]
+        assert all(n.isidentifier() and not keyword.iskeyword(n) for n in names), names
+        params = ", ".join(names)
+        display = ", ".join(f"{n!r}: {n}" for n in names)
+        object.__setattr__(self, "pack", eval(f"lambda {params}: {{{display}}}"))  # noqa: S307 (our own names)
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        object.__setattr__(self, "name", name)  # a row is named by its attribute of the table (Calls)
 
     def check(self, args: dict[str, Any], fds: tuple[int, ...] = ()) -> tuple[Any, ...]:
         """The daemon's side: the arguments of a request that arrived, in the row's order.
@@ -152,74 +169,82 @@ def _wrong(call: Call, arg: Arg, value: Any) -> InvalidValueError:
 
 _EVENT, _STREAM = (Arg("event", EVENT_HANDLE),), (Arg("stream", STREAM_HANDLE, None),)
 _COPY = (Arg("nbytes", COUNT), *_STREAM, Arg("staged", BOOL, False))  # pageable copies are staged
-ROWS = (
-    Call("device_properties", reply=MAP, sticky_ok=True),
-    Call("mem_get_info", reply=PAIR),
-    Call("malloc", (Arg("nbytes", COUNT),), reply=PTR, cost=(CALL, "alloc")),
-    Call("free", (Arg("ptr", PTR),), waits=True, cost=(CALL, "alloc")),  # cudaFree synchronises
+
+
+class Calls:
+    """The table, a row by name: ``Calls.malloc`` is malloc's. Code of either end names a call so, not by its
+    string, so that a misspelt name is an error the type checker finds (and an AttributeError on import where
+    the name is read at module level) instead of a request the daemon refuses at run time."""
+
+    device_properties = Call(reply=MAP, sticky_ok=True)
+    mem_get_info = Call(reply=PAIR)
+    malloc = Call((Arg("nbytes", COUNT),), reply=PTR, cost=(CALL, "alloc"))
+    free = Call((Arg("ptr", PTR),), waits=True, cost=(CALL, "alloc"))  # cudaFree synchronises
     # Stream-ordered allocation. A pool is the client's, as CUDA's is the driver's in the process: its memory is
     # reserved by request (the round trip CUDA's pool pays to grow), and what it hands out, takes back and gives
     # back comes as one notification ahead of the client's next message, a list of POOL_OPS in the order they
     # were made: one message for a batch, not two for every pair, so a pair costs the daemon a few dict
     # operations (bench/alloc_rate.py). Priced as one launch call under the virtual clock (mpsd.sim has no figure
     # of its own for these yet).
-    Call("mem_pool_reserve", (Arg("nbytes", COUNT),), reply=PTR, cost=(CALL, "alloc")),
-    Call("mem_pool_ops", (Arg("ops", LIST),), notify=True, cost=(LAUNCH, None)),
+    mem_pool_reserve = Call((Arg("nbytes", COUNT),), reply=PTR, cost=(CALL, "alloc"))
+    mem_pool_ops = Call((Arg("ops", LIST),), notify=True, cost=(LAUNCH, None))
     # The driver's virtual memory (cuMemGetAllocationGranularity, cuMemAddressReserve/Free, cuMemCreate/Release,
     # cuMemMap/Unmap): address space reserved apart from memory, and physical memory mapped into it page by page,
     # so that an allocation grows in place (PyTorch's expandable_segments). Sizes, addresses and offsets are
     # whole pages of the granularity; mem_map grants the device read-write access too (cuMemSetAccess's part).
-    Call("mem_get_allocation_granularity", reply=INT),
-    Call("mem_address_reserve", (Arg("size", COUNT), Arg("alignment", COUNT, 0)), reply=PTR),
-    Call("mem_address_free", (Arg("ptr", PTR), Arg("size", COUNT))),
-    Call("mem_create", (Arg("size", COUNT),), reply=INT, cost=(CALL, "alloc")),
-    Call("mem_release", (Arg("handle", INT),)),
-    Call("mem_map", (Arg("ptr", PTR), Arg("size", COUNT), Arg("offset", COUNT), Arg("handle", INT))),
-    Call("mem_unmap", (Arg("ptr", PTR), Arg("size", COUNT))),
-    Call("host_register", (Arg("nbytes", COUNT),), reply=INT, fds=1),  # a sealed memfd
-    Call("host_unregister", (Arg("id", INT),)),
-    Call("memcpy_htod", (Arg("dst", PTR), Arg("host", INT), Arg("offset", COUNT), *_COPY), notify=True,
-         waits=True, cost=(LAUNCH, "h2d")),  # waits without a stream, from pinned memory
-    Call("memcpy_dtoh", (Arg("host", INT), Arg("offset", COUNT), Arg("src", PTR), *_COPY), notify=True,
-         waits=True, cost=(LAUNCH, "d2h")),  # waits without a stream, or into pageable memory
-    Call("memcpy_dtod", (Arg("dst", PTR), Arg("src", PTR), Arg("nbytes", COUNT), *_STREAM), notify=True,
-         cost=(LAUNCH, "d2d")),
+    mem_get_allocation_granularity = Call(reply=INT)
+    mem_address_reserve = Call((Arg("size", COUNT), Arg("alignment", COUNT, 0)), reply=PTR)
+    mem_address_free = Call((Arg("ptr", PTR), Arg("size", COUNT)))
+    mem_create = Call((Arg("size", COUNT),), reply=INT, cost=(CALL, "alloc"))
+    mem_release = Call((Arg("handle", INT),))
+    mem_map = Call((Arg("ptr", PTR), Arg("size", COUNT), Arg("offset", COUNT), Arg("handle", INT)))
+    mem_unmap = Call((Arg("ptr", PTR), Arg("size", COUNT)))
+    host_register = Call((Arg("nbytes", COUNT),), reply=INT, fds=1)  # a sealed memfd
+    host_unregister = Call((Arg("id", INT),))
+    memcpy_htod = Call((Arg("dst", PTR), Arg("host", INT), Arg("offset", COUNT), *_COPY), notify=True,
+                       waits=True, cost=(LAUNCH, "h2d"))  # waits without a stream, from pinned memory
+    memcpy_dtoh = Call((Arg("host", INT), Arg("offset", COUNT), Arg("src", PTR), *_COPY), notify=True,
+                       waits=True, cost=(LAUNCH, "d2h"))  # waits without a stream, or into pageable memory
+    memcpy_dtod = Call((Arg("dst", PTR), Arg("src", PTR), Arg("nbytes", COUNT), *_STREAM), notify=True,
+                       cost=(LAUNCH, "d2d"))
     # cudaMemcpyPeerAsync from a context of the same process on another device (`src_client`: its client id)
     # into this one's, on this one's stream.
-    Call("memcpy_peer", (Arg("dst", PTR), Arg("src_client", INT), Arg("src", PTR), Arg("nbytes", COUNT), *_STREAM),
-         notify=True, cost=(LAUNCH, "d2d")),
-    Call("memset", (Arg("ptr", PTR), Arg("value", INT), Arg("nbytes", COUNT), *_STREAM), notify=True,
-         cost=(LAUNCH, "memset")),
-    Call("create_stream", (Arg("priority", INT, 0), Arg("flags", INT, 0)), reply=PAIR),  # handle, clamped
-    Call("destroy_stream", (Arg("stream", STREAM_HANDLE),)),
-    Call("stream_synchronize", _STREAM, waits=True, cost=(SYNC, None)),
-    Call("stream_query", _STREAM, reply=BOOL),
-    Call("stream_wait_event", (*_STREAM, *_EVENT), notify=True, cost=(LAUNCH, None)),
-    Call("create_event", (Arg("disable_timing", BOOL, False), Arg("interprocess", BOOL, False)),
-         reply=EVENT_HANDLE),
-    Call("destroy_event", _EVENT),
-    Call("event_record", (*_EVENT, *_STREAM), notify=True, cost=(LAUNCH, None)),
-    Call("event_synchronize", _EVENT, waits=True, cost=(SYNC, None)),
-    Call("event_query", _EVENT, reply=BOOL),
-    Call("event_elapsed", (Arg("start", EVENT_HANDLE), Arg("end", EVENT_HANDLE)), reply=FLOAT),
-    Call("synchronize", waits=True, cost=(SYNC, None)),
-    Call("get_last_error", (Arg("clear", BOOL, True),), reply=ERROR, sticky_ok=True),
-    Call("statistics", reply=MAP, sticky_ok=True),
-    Call("launch", (Arg("name", STR), Arg("grid", DIMS), Arg("block", DIMS), Arg("args", LIST),
-                    Arg("shared_mem", INT, 0), *_STREAM), notify=True, cost=(LAUNCH, None)),
-    Call("mem_fd", (Arg("ptr", PTR),), reply=MAP, reply_fds=1),  # the memfd behind device memory (host_view)
-    Call("ipc_get_mem_handle", (Arg("ptr", PTR),), reply=BYTES),
-    Call("ipc_open_mem_handle", (Arg("handle", BYTES), Arg("flags", INT, 1)), reply=MAP, reply_fds=1),
+    memcpy_peer = Call((Arg("dst", PTR), Arg("src_client", INT), Arg("src", PTR), Arg("nbytes", COUNT), *_STREAM),
+                       notify=True, cost=(LAUNCH, "d2d"))
+    memset = Call((Arg("ptr", PTR), Arg("value", INT), Arg("nbytes", COUNT), *_STREAM), notify=True,
+                  cost=(LAUNCH, "memset"))
+    create_stream = Call((Arg("priority", INT, 0), Arg("flags", INT, 0)), reply=PAIR)  # handle, clamped
+    destroy_stream = Call((Arg("stream", STREAM_HANDLE),))
+    stream_synchronize = Call(_STREAM, waits=True, cost=(SYNC, None))
+    stream_query = Call(_STREAM, reply=BOOL)
+    stream_wait_event = Call((*_STREAM, *_EVENT), notify=True, cost=(LAUNCH, None))
+    create_event = Call((Arg("disable_timing", BOOL, False), Arg("interprocess", BOOL, False)),
+                        reply=EVENT_HANDLE)
+    destroy_event = Call(_EVENT)
+    event_record = Call((*_EVENT, *_STREAM), notify=True, cost=(LAUNCH, None))
+    event_synchronize = Call(_EVENT, waits=True, cost=(SYNC, None))
+    event_query = Call(_EVENT, reply=BOOL)
+    event_elapsed = Call((Arg("start", EVENT_HANDLE), Arg("end", EVENT_HANDLE)), reply=FLOAT)
+    synchronize = Call(waits=True, cost=(SYNC, None))
+    get_last_error = Call((Arg("clear", BOOL, True),), reply=ERROR, sticky_ok=True)
+    statistics = Call(reply=MAP, sticky_ok=True)
+    launch = Call((Arg("name", STR), Arg("grid", DIMS), Arg("block", DIMS), Arg("args", LIST),
+                   Arg("shared_mem", INT, 0), *_STREAM), notify=True, cost=(LAUNCH, None))
+    mem_fd = Call((Arg("ptr", PTR),), reply=MAP, reply_fds=1)  # the memfd behind device memory (host_view)
+    ipc_get_mem_handle = Call((Arg("ptr", PTR),), reply=BYTES)
+    ipc_open_mem_handle = Call((Arg("handle", BYTES), Arg("flags", INT, 1)), reply=MAP, reply_fds=1)
     # The client knows what it opened, so a close is checked there, and needs no reply unless it gives back memory
     # its exporter has freed already (mpsd_client._core). The daemon releases the mapping after the work queued
     # before it.
-    Call("ipc_close_mem_handle", (Arg("ptr", PTR),), notify=True, cost=(LAUNCH, None)),
-    Call("ipc_get_event_handle", _EVENT, reply=BYTES),
-    Call("ipc_open_event_handle", (Arg("handle", BYTES),), reply=EVENT_HANDLE),
+    ipc_close_mem_handle = Call((Arg("ptr", PTR),), notify=True, cost=(LAUNCH, None))
+    ipc_get_event_handle = Call(_EVENT, reply=BYTES)
+    ipc_open_event_handle = Call((Arg("handle", BYTES),), reply=EVENT_HANDLE)
     # The client's simulated host clock, under the daemon's virtual clock: its now, let time pass, and stop
     # holding the clock until the next call.
-    Call("clock", reply=MAP, cost=(CLOCK, None), sticky_ok=True),
-    Call("sleep", (Arg("seconds", SECONDS),), reply=MAP, cost=(CLOCK, None), sticky_ok=True),
-    Call("idle", reply=MAP, cost=(CLOCK, None), sticky_ok=True),
-)
+    clock = Call(reply=MAP, cost=(CLOCK, None), sticky_ok=True)
+    sleep = Call((Arg("seconds", SECONDS),), reply=MAP, cost=(CLOCK, None), sticky_ok=True)
+    idle = Call(reply=MAP, cost=(CLOCK, None), sticky_ok=True)
+
+
+ROWS: tuple[Call, ...] = tuple(row for row in vars(Calls).values() if isinstance(row, Call))
 CALLS: dict[str, Call] = {call.name: call for call in ROWS}

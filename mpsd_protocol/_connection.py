@@ -153,10 +153,6 @@ class Connection:
         frame had fds or a large body; a connection remembers a few dozen frames at most."""
         return self._frames.remember(token)
 
-    def forget(self) -> None:
-        """Forget every frame remembered."""
-        self._frames.forget()
-
     def repeats(self, most: int) -> tuple[object, int] | None:
         """The complete frames next in line that repeat one remembered frame, up to `most` of them, taken
         undecoded: (its token, how many). None, taking nothing, where the next message must come from

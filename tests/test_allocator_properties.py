@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from mpsd_client import CachingAllocator
 from mpsd_client._pools import ALIGN, FLAGS, RESERVE_STEP, MemPool, Ordering
+from mpsd_protocol import Calls
 
 MiB = 1 << 20
 STREAMS = (0, 1, 2)
@@ -54,8 +55,8 @@ class Owner:
     def wait(self, waiter: int, recorder: int) -> None:
         """An event recorded on `recorder`, then `waiter` waits for it."""
         self.events += 1
-        self.order.observe("event_record", {"event": self.events, "stream": recorder})
-        self.order.observe("stream_wait_event", {"event": self.events, "stream": waiter})
+        self.order.observe(Calls.event_record, {"event": self.events, "stream": recorder})
+        self.order.observe(Calls.stream_wait_event, {"event": self.events, "stream": waiter})
 
     def check(self) -> None:
         pool = self.pool
@@ -91,7 +92,7 @@ def test_a_pools_ranges_never_overlap_and_its_figures_add_up(steps, flags):
         elif kind == "wait":
             owner.wait(step[1], step[2])
         elif kind == "sync":
-            owner.order.observe("stream_synchronize", {"stream": step[1]})
+            owner.order.observe(Calls.stream_synchronize, {"stream": step[1]})
         elif kind == "trim":
             kept = owner.pool.reserved
             gone = owner.pool.unused(step[1])

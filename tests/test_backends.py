@@ -382,7 +382,7 @@ def test_a_client_whose_window_changes_moves_and_its_queued_work_keeps_its_order
     from types import SimpleNamespace
 
     from mpsd.backends.cuda import CudaBackend
-    from mpsd.backends.ops import Extent, Launch, Record
+    from mpsd.backends.ops import Extent, Launch, Plan, Record
 
     gpu = CudaBackend(0)
     half = gpu.sm_cap(50)
@@ -392,10 +392,10 @@ def test_a_client_whose_window_changes_moves_and_its_queued_work_keeps_its_order
     extents = {c: Extent(memory[c], 0, 4 * N) for c in (1, 2)}
     given: dict[int, list] = {1: [], 2: []}
     for c in (1, 2):  # 264 blocks of 10 ms (2e7 cycles) on about half the SMs: two waves
-        given[c].append(Launch(client=c, stream=(c, 0), kernel="spin", grid=(264, 1, 1), block=(1024, 1, 1),
-                               shared_mem=0, args=(20_000_000,)))
-        given[c].append(Launch(client=c, stream=(c, 0), kernel="fill_f32", grid=(256, 1, 1), block=(256, 1, 1),
-                               shared_mem=0, args=(0, 7.0, N), extents=((0, extents[c]),)))
+        given[c].append(Launch(client=c, stream=(c, 0), plan=Plan("spin", (264, 1, 1), (1024, 1, 1), 0,
+                                                                           (20_000_000,))))
+        given[c].append(Launch(client=c, stream=(c, 0), plan=Plan("fill_f32", (256, 1, 1), (256, 1, 1), 0, (0, 7.0, N),
+                                                                           ((0, 4 * N),)), extents=((0, extents[c]),)))
         for work in given[c]:
             gpu.submit(work)
     before = {key: context for key, (_, context) in gpu._streams.items()}
@@ -406,8 +406,9 @@ def test_a_client_whose_window_changes_moves_and_its_queued_work_keeps_its_order
         assert gpu._streams[key][1] is gpu._placed[key[0]] is not gpu._primary
     order: list = []
     for c in (1, 2):
-        given[c].append(Launch(client=c, stream=(c, 0), kernel="saxpy_f32", grid=(256, 1, 1), block=(256, 1, 1),
-                               shared_mem=0, args=(1.0, 0, 0, N), extents=((1, extents[c]), (2, extents[c]))))
+        given[c].append(Launch(client=c, stream=(c, 0), plan=Plan("saxpy_f32", (256, 1, 1), (256, 1, 1), 0,
+                                                                           (1.0, 0, 0, N), ((1, 4 * N), (2, 4 * N))),
+                               extents=((1, extents[c]), (2, extents[c]))))
         given[c].append(Record(client=c, stream=(c, 0)))
         for work in given[c][2:]:
             gpu.submit(work)

@@ -14,7 +14,7 @@ from daemons import start_daemon
 from mpsd.backends.hostmem import PAGE, HostMemory
 from mpsd.backends.memfd import Segment
 from mpsd.tools.smi import query, render
-from mpsd_protocol import OutOfMemoryError
+from mpsd_protocol import Calls, OutOfMemoryError
 
 MiB = 1 << 20
 
@@ -151,7 +151,7 @@ def test_pinned_buffers_the_daemon_maps_count_against_the_budget(daemon_factory)
             for _ in range(8):
                 fd = _memfd(32 * MiB)
                 try:
-                    held.append(ctx._drive(ctx._core.invoke("host_register", 32 * MiB, fds=(fd,))))
+                    held.append(ctx._drive(ctx._core.invoke(Calls.host_register, 32 * MiB, fds=(fd,))))
                 finally:
                     os.close(fd)
         except OutOfMemoryError:
@@ -161,7 +161,7 @@ def test_pinned_buffers_the_daemon_maps_count_against_the_budget(daemon_factory)
         assert _host(daemon)["pinned"] == 0
         fd = _memfd(32 * MiB)
         try:  # with the room back, the same call fits
-            held.append(ctx._drive(ctx._core.invoke("host_register", 32 * MiB, fds=(fd,))))
+            held.append(ctx._drive(ctx._core.invoke(Calls.host_register, 32 * MiB, fds=(fd,))))
         finally:
             os.close(fd)
         assert _host(daemon)["pinned"] == 32 * MiB

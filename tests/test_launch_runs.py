@@ -1,9 +1,9 @@
 # A client's loop launches one kernel again and again, and its notifications repeat byte for byte. The
 # connection remembers such a frame once the session has served it the short way (Connection.remember), hands
 # back the frames that repeat it undecoded, as a count (Connection.repeats), and the session serves them as one
-# run (Session._repeat, Context.launch_run), which the backend submits as `count` launches with one record
-# (submit_run; the simulator's `launch(count=...)`). Each layer must give what the one-at-a-time way gives: the
-# same messages in the same order, the same kernels at the same simulated times, the same errors, the same
+# call of `count` launches (Session._repeat, Context.launch), which the backend takes as `count` launches with
+# one record (Backend.submit; the simulator's `launch(count=...)`). Each layer must give what the one-at-a-time
+# way gives: the same messages in the same order, the same kernels at the same simulated times, the same errors, the same
 # place in the launch queue, the same waits by the legacy default stream's rules, and a run must end wherever
 # the context stops being what it was.
 from __future__ import annotations
@@ -18,7 +18,7 @@ import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mpsd.backends.ops import Launch
+from mpsd.backends.ops import Launch, Plan
 from mpsd.backends.sim import SimBackend
 from mpsd.sim import H200, Simulator, kernel_cost
 from mpsd_client import IllegalAddressError, InvalidResourceHandleError
@@ -104,7 +104,7 @@ def test_fds_that_came_with_a_repeat_break_the_protocol_as_they_always_did():
 
 def test_what_may_be_remembered():
     """Only the frame next_event returned last, once; not one over 256 bytes; a few dozen frames at most (the
-    65th distinct one starts the memory afresh); and nothing once forgotten."""
+    65th distinct one starts the memory afresh)."""
     assert not Connection(Role.SERVER).remember(object())  # nothing taken yet
     client, server = _pair()
     _remembered(server, client, "x")
@@ -118,9 +118,6 @@ def test_what_may_be_remembered():
     assert server.repeats(10) is None  # "x" was forgotten when the 65th came
     server.next_event()
     assert server.repeats(10) == (64, 1)
-    server.forget()
-    server.receive_data(_launch(client, args=[64]))
-    assert server.repeats(10) is None
 
 
 @settings(max_examples=200, deadline=None)
@@ -234,8 +231,8 @@ def test_the_simulated_backend_submits_a_run_as_its_launches(tmp_path, traced):
     needs every kernel's own object, one Kernel each (the last of them the run's record)."""
     backend = SimBackend(H200, trace=tmp_path / "trace.json" if traced else None)
     backend.attach(SimpleNamespace(id=1, pid=1, uid=0), sm_cap=132, priority=0, weight=1.0, instance=None)
-    work = Launch.of(1, (1, 0), 0, None, "spin", (1, 1, 1), (32, 1, 1), 0, (0,), ())
-    backend.submit_run(work, 5)
+    work = Launch.of(1, (1, 0), 0, None, Plan("spin", (1, 1, 1), (32, 1, 1), 0, (0,)), ())
+    backend.submit(work, 5)
     done = backend.sim.run()
     assert len(done) == (5 if traced else 1) and done[-1] is work.handle and work.handle.done
     assert backend.sim.statistics().kernels_completed == 5

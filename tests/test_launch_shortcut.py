@@ -1,6 +1,6 @@
-# The launch notification's short way from the session to the backend (Session._launch, Context.launch_cached):
-# it serves a launch whose checks the context has cached, and hands everything else to the general path (the
-# call's row, then Context.launch's checks in CUDA's order). It must queue exactly what that path queues, never
+# The launch notification's short way from the session to the backend (Session._launch, Context.planned): it
+# serves a launch whose plan the context has kept, and hands everything else to the general path (the call's
+# row, then Context.plan's checks in CUDA's order, then Context.launch). It must queue exactly what that path queues, never
 # take a launch that path refuses, count in the client's launch queue as that path does, and leave every error
 # what it was.
 from __future__ import annotations
@@ -51,8 +51,18 @@ def _only_context(served):
 
 
 def _general(ctx, args: dict) -> Launch:
-    """What the session's general path does with a launch's argument map: the row's checks, then `launch`."""
-    return ctx.launch(*CALLS["launch"].check(args))
+    """What the session's general path does with a launch's argument map: the row's checks, the plan, then
+    `launch` (Session.on_launch)."""
+    name, grid, block, kargs, shared_mem, stream = CALLS["launch"].check(args)
+    return ctx.launch(ctx.plan(name, grid, block, kargs, shared_mem), stream)
+
+
+def _short(ctx, args: dict) -> Launch | None:
+    """What the short way does with a launch's argument map: its plan, where one was kept, launched (the
+    session checks first that its stream is an int or None, which `test_a_bad_launch_gets_the_same_error_after_a_
+    good_one` holds it to)."""
+    plan = ctx.planned(args)
+    return None if plan is None else ctx.launch(plan, args.get("stream"))
 
 
 def _fields(work: Launch) -> dict:
@@ -60,16 +70,16 @@ def _fields(work: Launch) -> dict:
 
 
 async def test_the_shortcut_queues_what_the_general_path_queues(served, actx, autojump_clock):
-    """Once a launch's checks are cached, the shortcut gives the Launch that `launch` gives, on the default
+    """Once a launch's plan is kept, the shortcut gives the Launch that the general path gives, on the default
     stream and on another, and makes it its stream's last work."""
     ctx = _only_context(served)
     await actx.create_stream()
     stream = max(ctx.streams)
-    assert ctx.launch_cached(GOOD) is None  # nothing cached yet: it does nothing
+    assert _short(ctx, GOOD) is None  # nothing kept yet: it does nothing
     assert ctx.counters.launches == 0 and ctx.last_op is None
     for args in (GOOD, {**GOOD, "stream": stream}):
         general = _general(ctx, args)
-        short = ctx.launch_cached(args)
+        short = _short(ctx, args)
         assert short is not None and short is not general and ctx.last_op is short
         assert _fields(short) == _fields(general)
         assert ctx.streams[0 if args["stream"] is None else stream].tail is short
@@ -90,26 +100,28 @@ async def test_a_cached_launch_keeps_the_legacy_default_streams_order(served, ac
     for args in (ms, {**ms, "stream": stream}, ms):
         await _error_of(actx, args)
         works.append(ctx.last_op)
-    assert ctx.launch_cached(ms) is not None  # the second and third went the short way too
+    assert ctx.planned(ms) is not None  # the second and third went the short way too
     await actx.synchronize()
     first, second, third = (work.ended for work in works)
     assert second - first == pytest.approx(1e-3, rel=0.01) and third - second == pytest.approx(1e-3, rel=0.01)
 
 
 async def test_the_shortcut_takes_no_launch_the_general_path_refuses(served, actx, autojump_clock):
-    """Every launch that differs from a cached one by a value of another kind, or a stream the context lacks,
-    is left to the general path, which refuses it."""
+    """Every launch that differs from a planned one by a value of another kind is left to the general path,
+    which refuses it; one that differs by its stream alone finds the plan, and the stream is looked at where
+    the launch is made."""
     ctx = _only_context(served)
     await actx.create_stream()
     assert 1 in ctx.streams  # what True and 1.0 would find, taken for 1
     _general(ctx, GOOD)
-    assert ctx.launch_cached(GOOD) is not None
+    plan = ctx.planned(GOOD)
+    assert plan is not None and ctx.counters.launches == 1
     for change, message in BAD:
         args = _bad(change)
-        assert ctx.launch_cached(args) is None, change
+        assert ctx.planned(args) is (plan if set(change) == {"stream"} else None), change
         with pytest.raises(CudaError, match=re.escape(message)):
             _general(ctx, args)
-    assert ctx.counters.launches == 2
+    assert ctx.counters.launches == 1
     await actx.synchronize()
 
 

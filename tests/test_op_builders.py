@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from mpsd.backends.ops import Extent, Launch
+from mpsd.backends.ops import Extent, Launch, Plan
 from mpsd.sim import H200, Kernel, kernel_cost
 
 
@@ -32,7 +32,7 @@ def test_kernel_of_is_kernel(sm_cap):
 
 def test_launch_of_is_launch():
     extents = ((0, Extent(None, 8, 64)), (1, None))
-    built = Launch.of(1, (1, 2), -1, 33, "fill_f32", (2, 1, 1), (32, 1, 1), 0, (4096, 1.0, 16), extents)
-    made = Launch(client=1, stream=(1, 2), priority=-1, sm_cap=33, kernel="fill_f32", grid=(2, 1, 1),
-                  block=(32, 1, 1), shared_mem=0, args=(4096, 1.0, 16), extents=extents)
+    plan = Plan("fill_f32", (2, 1, 1), (32, 1, 1), 0, (4096, 1.0, 16), ((0, 64),))
+    built = Launch.of(1, (1, 2), -1, 33, plan, extents)
+    made = Launch(client=1, stream=(1, 2), priority=-1, sm_cap=33, plan=plan, extents=extents)
     assert type(built) is Launch and _fields(built) == _fields(made)

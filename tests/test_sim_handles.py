@@ -17,7 +17,7 @@ from sim_scenarios import first_difference, play  # noqa: E402
 
 from inproc import in_process_daemon  # noqa: E402
 from mpsd import _core  # noqa: E402
-from mpsd.backends.ops import Extent, Launch  # noqa: E402
+from mpsd.backends.ops import Extent, Launch, Plan  # noqa: E402
 from mpsd.backends.sim import SimBackend  # noqa: E402
 from mpsd.sim import H200, Kernel, Policy, Simulator, kernel_cost  # noqa: E402
 
@@ -138,7 +138,7 @@ def test_launch_is_refused_where_kernel_objects_are_needed(make):
 
 
 def _spin_launch(client: int = 1, after: tuple = (), extents: tuple = ()) -> Launch:
-    work = Launch.of(client, (client, 0), 0, None, "spin", (1, 1, 1), (32, 1, 1), 0, (round(1e-3 * H200.clock_hz),),
+    work = Launch.of(client, (client, 0), 0, None, Plan("spin", (1, 1, 1), (32, 1, 1), 0, (round(1e-3 * H200.clock_hz),)),
                      extents)
     work.after = after
     return work
@@ -163,7 +163,7 @@ async def test_the_backend_gives_a_launch_a_handle_and_one_that_touches_memory_i
     segment = backend.allocate(4096)
     plain, after = _spin_launch(), _spin_launch(2)
     after.after = (plain,)
-    touching = Launch.of(1, (1, 1), 0, None, "fill_f32", (1, 1, 1), (32, 1, 1), 0, (0, 2.0, 32),
+    touching = Launch.of(1, (1, 1), 0, None, Plan("fill_f32", (1, 1, 1), (32, 1, 1), 0, (0, 2.0, 32), ((0, 128),)),
                          ((0, Extent(segment, 0, 128)),))
     for work in (plain, after, touching):
         backend.submit(work)

@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterable, Protocol
 
 import trio
 
-from mpsd.backends.ops import Launch, Work
+from mpsd.backends.ops import Work
 from mpsd_protocol import CudaError
 
 __all__ = ["Backend", "Client", "DeviceMemory", "Instance", "HOST_VIEW", "VIRTUAL_MEMORY", "when_all"]
@@ -104,19 +104,16 @@ class Backend(Protocol):
         """The calls served next were read from their client's socket at trio time `at`: work they queue
         arrived then, however long the daemon took to get to it."""
 
-    def submit(self, work: Work) -> None:
-        """Queue `work` after the work it names in `after` and the work before it on its stream.
+    def submit(self, work: Work, count: int = 1) -> None:
+        """Queue `work` after the work it names in `after` and the work before it on its stream: the one way
+        work reaches a backend. A Launch may come `count` times over (a client's loop launching one plan again
+        and again): the launches go one after another on its stream, the first after what `after` names, and
+        `work` stands for the last of them, its record saying when all have ended. Only a launch that touches
+        no memory (no `extents`) comes more than once.
 
         Raises:
             OutOfMemoryError: the backend cannot hold what the work would touch (the call fails; nothing is
                 queued).
-        """
-
-    def submit_run(self, launch: Launch, count: int) -> None:
-        """`submit` of `count` launches of `launch`'s kernel, shape and arguments one after another on its
-        stream, the first after what `launch` names in `after` (a client's loop launching one kernel again and
-        again): `launch` stands for the last of them, and its record says when all have ended. Only a launch
-        that touches no memory (no `extents`) comes in a run.
         """
 
     def when_done(self, work: Iterable[Work | None], callback: Callable[[], None]) -> None:

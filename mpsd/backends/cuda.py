@@ -499,15 +499,9 @@ class CudaBackend:
     def received(self, at: float) -> None:
         """A real GPU runs work when it is given, not when its call arrived."""
 
-    def submit(self, work: Work) -> None:
-        self._submit(work, 1)
-
-    def submit_run(self, launch: Launch, count: int) -> None:
-        self._submit(launch, count)
-
-    def _submit(self, work: Work, count: int) -> None:
-        """`submit`, of `count` launches where `work` is a Launch: one record marks them all, as it marks all
-        the work of a stream until its next event (_flush)."""
+    def submit(self, work: Work, count: int = 1) -> None:
+        """`count` launches where `work` is a Launch: one record marks them all, as it marks all the work of a
+        stream until its next event (_flush)."""
         cu = self.cu
         key = work.stream
         stream, context = self._stream(key, work.priority)
@@ -569,18 +563,19 @@ class CudaBackend:
         waiting[-1].owner = event is not _SYNCED
 
     def _launch(self, work: Launch, stream: Any, pending: _Pending, count: int) -> None:
-        kernel = self._kernels[work.kernel]
+        plan = work.plan
+        kernel = self._kernels[plan.kernel]
         values = kernel.values
-        for value, arg in zip(values, work.args):
+        for value, arg in zip(values, plan.args):
             value.value = arg
         for index, extent in work.extents:
             if extent is None:  # caught before launch: reported when it would have run
                 pending.fault = IllegalAddressError(
-                    f"{work.kernel} argument {index} ({int(work.args[index]):#x}) points outside live memory")
+                    f"{plan.kernel} argument {index} ({int(plan.args[index]):#x}) points outside live memory")
                 return
             values[index].value = extent.memory.dptr + extent.offset
-        (gx, gy, gz), (bx, by, bz) = work.grid, work.block
-        launch, function, smem, address = self.cu.cuLaunchKernel, kernel.function, work.shared_mem, kernel.address
+        (gx, gy, gz), (bx, by, bz) = plan.grid, plan.block
+        launch, function, smem, address = self.cu.cuLaunchKernel, kernel.function, plan.shared_mem, kernel.address
         for _ in range(count):
             _check(launch(function, gx, gy, gz, bx, by, bz, smem, stream, address, 0))
 

@@ -1,6 +1,6 @@
-# The work the runtime hands a backend, in CUDA's terms and nobody else's: a kernel launch with its 3-D grid and
-# block, shared memory and arguments; a copy from one place to another; a memset; an event record (or a
-# stream's wait on one). Where bytes are involved they are already resolved to extents of memory (device memory
+# The work the runtime hands a backend, in CUDA's terms and nobody else's: a kernel launch (of a plan: its
+# kernel, 3-D grid and block, shared memory and arguments, checked once); a copy from one place to another; a
+# memset; an event record (or a stream's wait on one). Where bytes are involved they are already resolved to extents of memory (device memory
 # the backend made, or a pinned host buffer), checked against the client's address space, so a backend never
 # sees an address it has to look up. What the work costs and how its effect lands on the bytes is the backend's
 # business: the simulator models the first and computes the second with numpy, a GPU just runs it.
@@ -16,7 +16,7 @@ import mmap
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Copy", "Extent", "Launch", "Memset", "Record", "Work", "stage"]
+__all__ = ["Copy", "Extent", "Launch", "Memset", "Plan", "Record", "Work", "stage"]
 _new = object.__new__
 
 
@@ -65,12 +65,18 @@ class Work:
         return self.handle is not None and self.handle.cancelled
 
 
-@dataclass(eq=False, slots=True, kw_only=True)
-class Launch(Work):
-    """A built-in kernel (mpsd.runtime.kernels) over `grid` blocks of `block` threads.
+@dataclass(frozen=True, slots=True, eq=False)
+class Plan:
+    """A checked launch: a built-in kernel (mpsd.runtime.kernels) over `grid` blocks of `block` threads, with
+    `shared_mem` bytes of dynamic shared memory and its arguments as the kernel takes them. It depends on
+    nothing that changes (the kernel table, the device's limits, the backend's fit), so the runtime resolves a
+    launch call's arguments to a plan once and launches the plan again and again; a backend may keep what it
+    works out from one by `key`.
 
     Attributes:
-        extents: for each pointer argument the kernel touches, (argument index, the bytes it touches).
+        touches: for each pointer argument the kernel touches, (argument index, the bytes it touches): where
+            those bytes lie is looked up at each launch, as memory comes and goes.
+        key: (kernel, grid, block, args), the values a backend's own figures for the plan depend on.
     """
 
     kernel: str
@@ -78,20 +84,46 @@ class Launch(Work):
     block: tuple[int, int, int]
     shared_mem: int
     args: tuple[int | float, ...]
+    touches: tuple[tuple[int, int], ...] = ()
+    key: tuple[object, ...] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "key", (self.kernel, self.grid, self.block, self.args))
+
+    @property
+    def threads(self) -> int:
+        """Threads per block."""
+        bx, by, bz = self.block
+        return bx * by * bz
+
+    @property
+    def blocks(self) -> int:
+        gx, gy, gz = self.grid
+        return gx * gy * gz
+
+
+@dataclass(eq=False, slots=True, kw_only=True)
+class Launch(Work):
+    """`plan`, launched on a stream.
+
+    Attributes:
+        extents: for each pointer argument the plan touches, (argument index, the bytes it touches now, None
+            where the pointer lies in no live allocation).
+    """
+
+    plan: Plan
     extents: tuple[tuple[int, Extent | None], ...] = ()
 
     @classmethod
-    def of(cls, client: int, stream: tuple[int, int], priority: int, sm_cap: int | None, kernel: str,
-           grid: tuple[int, int, int], block: tuple[int, int, int], shared_mem: int, args: tuple[int | float, ...],
+    def of(cls, client: int, stream: tuple[int, int], priority: int, sm_cap: int | None, plan: Plan,
            extents: tuple[tuple[int, Extent | None], ...]) -> Launch:
         """``Launch(client=client, stream=stream, ...)`` with these fields in this order, `after` and `handle`
-        their defaults: what the runtime calls for every launch, as a call with ten keywords costs three times
+        their defaults: what the runtime calls for every launch, as a call with keywords costs several times
         as much in CPython 3.11 (tests/test_op_builders.py holds the two to the same fields)."""
         work = _new(cls)
         work.client, work.stream, work.priority, work.sm_cap, work.after, work.handle = (
             client, stream, priority, sm_cap, (), None)
-        work.kernel, work.grid, work.block, work.shared_mem, work.args, work.extents = (
-            kernel, grid, block, shared_mem, args, extents)
+        work.plan, work.extents = plan, extents
         return work
 
 

@@ -20,7 +20,7 @@ from mpsd.backends.base import HOST_VIEW, VIRTUAL_MEMORY, Client, Instance
 from mpsd.backends.engine import DEFAULT_IDLE_GRACE, Engine, VirtualEngine
 from mpsd.backends.hostmem import HostMemory, Reservation, default_budget
 from mpsd.backends.memfd import Segment
-from mpsd.backends.ops import Copy, Extent, Launch, Memset, Record, Work
+from mpsd.backends.ops import Copy, Extent, Launch, Memset, Plan, Record, Work
 from mpsd.backends.recorder import Recorder
 from mpsd.backends.vrange import VirtualRange
 from mpsd.sim import COPY_KINDS, BlockCost, DeviceSpec, Kernel, Marker, Op, Simulator, copy_kernel, kernel_cost, sm_cap
@@ -105,9 +105,8 @@ class SimBackend:
         self.instances = tuple(Instance(p.profile, p.sm_count, p.memory)
                                for p in getattr(self.sim.policy, "partitions", ()))
         self._reservations: dict[int, dict[Op, Reservation]] = {}  # client -> host RAM its queued ops may touch
-        # launch costs by kernel, grid, block and arguments: (blocks, threads per block, cost per block)
-        self._costs: dict[tuple[str, tuple[int, int, int], tuple[int, int, int], tuple[int | float, ...]],
-                          tuple[int, int, BlockCost]] = {}
+        # launch costs by plan key (kernel, grid, block, arguments): (blocks, threads per block, cost per block)
+        self._costs: dict[tuple[object, ...], tuple[int, int, BlockCost]] = {}
         # All the daemon reads of a launch's op is when it ended (and calls its tag, the effect on the bytes of one
         # that touches memory), so the simulator makes its record natively (Simulator.launch) rather than be
         # handed a Kernel, except where the Kernel objects are needed (a trace; a policy written in Python).
@@ -157,12 +156,12 @@ class SimBackend:
     def received(self, at: float) -> None:
         self.engine.arrival = at
 
-    def submit(self, work: Work) -> None:
+    def submit(self, work: Work, count: int = 1) -> None:
         if type(work) is Launch and self._plain:
             # Most launches touch no memory (spin, work): they skip the host RAM budget altogether.
             touched = self.host_memory.reserve(touches) if work.extents and (touches := self._touches(work)) else None
             try:
-                handle = self._launch(work, 1)
+                handle = self._launch(work, count)
             except BaseException:
                 if touched is not None:
                     self.host_memory.settle(touched)
@@ -172,6 +171,13 @@ class SimBackend:
                 if touched is not None:
                     self._reservations.setdefault(work.client, {})[handle] = touched
             return
+        for _ in range(count - 1):  # each kernel needs its own Kernel object: the same plan, launched again
+            each = Launch.of(work.client, work.stream, work.priority, work.sm_cap, work.plan, ())  # type: ignore[attr-defined]
+            each.after, work.after = work.after, ()  # the first waits for what the run waits for
+            self._submit_op(each)
+        self._submit_op(work)
+
+    def _submit_op(self, work: Work) -> None:
         # Most launches touch no memory (spin, work): they skip the host RAM budget altogether.
         touches = self._touches(work) if type(work) is not Launch or work.extents else None
         touched = self.host_memory.reserve(touches) if touches else None
@@ -186,36 +192,30 @@ class SimBackend:
         if touched is not None:
             self._reservations.setdefault(work.client, {})[op] = touched
 
-    def submit_run(self, launch: Launch, count: int) -> None:
-        if self._plain:
-            self._launch(launch, count)
-            return
-        for _ in range(count):  # each kernel needs its own Kernel object: the same launch, submitted again and again
-            self.submit(launch)
-
     def _launch(self, work: Launch, count: int) -> Any:
         """`count` kernels of `work` for the simulator to make its own records of (Simulator.launch): the last
         one's is work's handle."""
-        blocks, threads, cost = self._costs.get((work.kernel, work.grid, work.block, work.args)) or self._cost(work)
+        plan = work.plan
+        blocks, threads, cost = self._costs.get(plan.key) or self._cost(plan)
         work.handle = handle = self.engine.launch(work.client, work.stream,
                                                   _handles(work.after) if work.after else (), blocks, threads, cost,
-                                                  work.shared_mem, work.priority, work.sm_cap, count)
+                                                  plan.shared_mem, work.priority, work.sm_cap, count)
         work.after = ()  # as _op does: no chain of finished work stays reachable from a stream's tail
         return handle
 
     def when_done(self, work: Iterable[Work | None], callback: Callable[[], None]) -> None:
         self.engine.when_done([w.handle for w in work if w is not None], callback)
 
-    def _cost(self, work: Launch) -> tuple[int, int, BlockCost]:
-        """A launch's blocks, threads per block and cost per block, which `_costs` keeps: a loop launches the
-        same kernel with the same arguments again and again, so each launch looks there first and its cost is
-        computed once (pointer arguments make new keys, so the cache is cleared when it grows large)."""
-        (gx, gy, gz), (bx, by, bz) = work.grid, work.block
-        blocks, threads = gx * gy * gz, bx * by * bz
-        cost = kernel_cost(self.spec, work.kernel, blocks, threads, work.args)
+    def _cost(self, plan: Plan) -> tuple[int, int, BlockCost]:
+        """A plan's blocks, threads per block and cost per block, which `_costs` keeps by its key: a loop
+        launches the same kernel with the same arguments again and again, so each launch looks there first and
+        its cost is computed once (pointer arguments make new keys, so the cache is cleared when it grows
+        large)."""
+        blocks, threads = plan.blocks, plan.threads
+        cost = kernel_cost(self.spec, plan.kernel, blocks, threads, plan.args)
         if len(self._costs) >= _MAX_COSTS:
             self._costs.clear()
-        entry = self._costs[(work.kernel, work.grid, work.block, work.args)] = (blocks, threads, cost)
+        entry = self._costs[plan.key] = (blocks, threads, cost)
         return entry
 
     def _op(self, work: Work) -> Op:
@@ -223,10 +223,11 @@ class SimBackend:
         client, stream = work.client, work.stream
         op: Op
         if isinstance(work, Launch):
-            blocks, threads, cost = self._costs.get((work.kernel, work.grid, work.block, work.args)) or self._cost(work)
-            op = Kernel.of(client, stream, after, blocks, threads, cost, work.shared_mem, work.priority, work.sm_cap)
+            plan = work.plan
+            blocks, threads, cost = self._costs.get(plan.key) or self._cost(plan)
+            op = Kernel.of(client, stream, after, blocks, threads, cost, plan.shared_mem, work.priority, work.sm_cap)
             if self.recorder is not None:
-                self.recorder.launched(op, work.kernel)
+                self.recorder.launched(op, plan.kernel)
             if work.extents:  # one that touches no memory has no effect to apply and no host RAM to settle
                 op.tag = functools.partial(self._complete, work)
             work.after = ()
@@ -299,15 +300,15 @@ class SimBackend:
         if isinstance(work, Launch):
             if not work.extents:  # a kernel without pointer arguments changes no bytes
                 return
-            views = []
+            views, plan = [], work.plan
             for index, extent in work.extents:
                 view = _view(extent)
                 if view is None:
                     self.on_fault(work.client, IllegalAddressError(
-                        f"{work.kernel} argument {index} ({int(work.args[index]):#x}) points outside live memory"))
+                        f"{plan.kernel} argument {index} ({int(plan.args[index]):#x}) points outside live memory"))
                     return
                 views.append(view)
-            reference.RUN[work.kernel](views, work.args)
+            reference.RUN[plan.kernel](views, plan.args)
         elif isinstance(work, Copy):
             target = _view(work.dst)
             source = work.data if work.data is not None else _view(work.src)

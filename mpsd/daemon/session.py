@@ -33,7 +33,7 @@ import trio
 
 from mpsd.backends.base import HOST_VIEW
 from mpsd.backends.engine import VirtualEngine
-from mpsd.backends.ops import Work
+from mpsd.backends.ops import Plan, Work
 from mpsd.daemon.channel import Channel
 from mpsd.runtime.context import Context
 from mpsd.runtime.kernels import signatures
@@ -50,6 +50,7 @@ from mpsd_protocol import (  # type: ignore[attr-defined]
     PROTOCOL_ERROR,
     PROTOCOL_VERSION,
     Call,
+    Calls,
     Connection,
     CudaError,
     InvalidDeviceError,
@@ -129,10 +130,9 @@ class Session:
         self._answered = trio.Event()  # set when the last of them has gone
         self._read_at = 0.0  # trio time of the last read from the socket: when the calls it held arrived
         self._received: Callable[[float], None] | None = None  # its backend's `received`, under the wall clock
-        # Launch notifications the connection remembers (`_launch`), each with its context's run (run_of), as
-        # they were when its streams had last changed this often: the read loop serves their repeats as runs.
+        # Whether the connection remembers launch notifications (`_launch`), each as its plan and stream: the
+        # read loop serves their repeats as one call of many launches.
         self._repeating = False
-        self._remembered_at = 0
 
     @property
     def _ctx(self) -> Context:
@@ -197,7 +197,7 @@ class Session:
                 return  # the peer reset the connection: it is gone
             if event is CLOSED or self._closing:
                 return
-            if (type(event) is Notification and event.op == "launch" and not event.fds and self.host is None
+            if (type(event) is Notification and event.op == _LAUNCH and not event.fds and self.host is None
                     and self._queued + self._posted < LAUNCH_QUEUE):
                 self._launch(event)  # a launch under the wall clock with room in the queue: most messages
                 look = True
@@ -343,7 +343,7 @@ class Session:
         call = CALLS.get(op)
         # Whether it takes a place in the launch queue, and the bytes it holds there: worked out once.
         counted = op in LAUNCH_CALLS and self.context is not None
-        staged = _staged_bytes(message) if op == "memcpy_htod" else 0
+        staged = _staged_bytes(message) if op == _STAGING else 0
         if self.host is None:
             charged = 0.0
             if not counted:  # _serve's share for it, inlined
@@ -380,51 +380,44 @@ class Session:
         self._watch()
 
     def _launch(self, note: Notification) -> None:
-        """A launch notification that `_receive` would serve at once (the wall clock, room in the queue, no fds):
-        what it, `_serve`, `_notification` and `_dispatch` do for the call, in one frame where the context has
-        its checks cached (Context.launch_cached) and no sticky error; anything else goes their way."""
+        """A launch notification that `_receive` would serve at once (the wall clock, room in the queue, no
+        fds), where its context has no sticky error and has its plan (Context.planned): what `_receive`,
+        `_serve`, `_notification`, `_dispatch` and `on_launch` do for the call, in one frame. Anything else
+        goes their way, by its row."""
         ctx = self.context
-        if ctx is None or ctx.sticky is not None:
+        stream = note.args.get("stream")
+        if (ctx is None or ctx.sticky is not None or (stream is not None and type(stream) is not int)
+                or (plan := ctx.planned(note.args)) is None):  # (a bool or a float is no stream, for the row)
             self._receive(note)
             return
-        try:
-            work = ctx.launch_cached(note.args)
-        except Exception as exc:
-            _failed(ctx, exc)
-            return
-        if work is None:
-            self._receive(note)
-            return
-        if not work.done:  # its place in the queue is its work's from here (what _serve does)
-            self._queue(work, 0, 1)
-        if (run := ctx.run_of(work)) is not None:  # the same bytes again will be the same launch again
-            if ctx.streams_changed != self._remembered_at:
-                self.conn.forget()
-                self._remembered_at = ctx.streams_changed
-            self._repeating = self.conn.remember(run) or self._repeating
+        self._launched(ctx, plan, stream, 1)
+        if not plan.touches:  # the same bytes again will be the same launch again (`_repeat`)
+            self._repeating = self.conn.remember((plan, stream)) or self._repeating
 
     def _repeat(self, most: int) -> int:
         """Serve the launch notifications next in line that repeat one `_launch` remembered, up to `most` of
-        them, as one run (Context.launch_run): what `_launch` would do for each, where the context is as it
-        was then (no sticky error, its streams as they were) and the queue has room; how many, 0 for none."""
+        them, as one call of `count` launches: what `_launch` would do for each, where the context has no
+        sticky error and the queue has room; how many, 0 for none. (A plan stays true while its context lives:
+        only one that touches no memory is remembered, and its stream is looked up again.)"""
         ctx = self.context
         assert ctx is not None  # (only a launch served by a context is remembered)
-        if ctx.streams_changed != self._remembered_at:  # the runs may not hold any more: learn them again
-            self.conn.forget()
-            self._repeating = False
-            return 0
         room = LAUNCH_QUEUE - self._queued - self._posted
         if ctx.sticky is not None or room <= 0 or (taken := self.conn.repeats(min(most, room))) is None:
             return 0
-        run, count = taken
-        try:
-            work = ctx.launch_run(run, count)  # type: ignore[arg-type]
-        except Exception as exc:  # as for each of them
-            _failed(ctx, exc)
-            return count
-        if not work.done:
-            self._queue(work, 0, count)
+        (plan, stream), count = taken  # type: ignore[misc]
+        self._launched(ctx, plan, stream, count)
         return count
+
+    def _launched(self, ctx: Context, plan: Plan, stream: int | None, count: int) -> None:
+        """`count` launches of `plan`, served at once: their work takes the places of their calls in the
+        queue, or a failure is the context's last error, as for each of them."""
+        try:
+            work = ctx.launch(plan, stream, count)
+        except Exception as exc:
+            _failed(ctx, exc)
+            return
+        if not work.done:  # (what _serve does)
+            self._queue(work, 0, count)
 
     def _queue(self, work: Work, staged: int, calls: int) -> None:
         """`work`, holding `staged` bytes, takes the places of `calls` launch calls in the client's queue."""
@@ -638,6 +631,13 @@ class Session:
     def on_statistics(self) -> dict[str, Any]:
         return self.daemon.client_statistics(self._ctx)
 
+    def on_launch(self, name: str, grid: object, block: object, args: object, shared_mem: int,
+                  stream: int | None) -> Work:
+        """A launch by its row (one `_launch` did not serve: the virtual clock's, a request, one not planned yet,
+        a bad one): its plan (made, or found), launched."""
+        ctx = self._ctx
+        return ctx.launch(ctx.plan(name, grid, block, args, shared_mem), stream)
+
     def on_free(self, ptr: int) -> Deferred:
         self._ctx.check_free(ptr)
         # cudaFree synchronises: it waits for the context's work before the memory goes.
@@ -741,6 +741,9 @@ HANDLERS: dict[str, tuple[Callable[..., Any], bool]] = {
 
 # Launch calls: each queues work on the device and returns (mpsd.sim.clock), and takes a place in the queue.
 LAUNCH_CALLS = frozenset(call.name for call in CALLS.values() if call.cost[0] == LAUNCH)
+# The ops the read loop looks at before their row: the launch it may serve the short way, the copy that may
+# hold staged bytes.
+_LAUNCH, _STAGING = Calls.launch.name, Calls.memcpy_htod.name
 
 
 def _hung_up(sock: socket.socket) -> bool:
@@ -753,7 +756,7 @@ def _hung_up(sock: socket.socket) -> bool:
 def _staged_bytes(message: Request | Notification) -> int:
     """The bytes a call makes the daemon hold until it runs: those of a staged (pageable) host-to-device copy."""
     args = message.args
-    if message.op != "memcpy_htod" or not isinstance(args, dict) or not args.get("staged"):
+    if message.op != _STAGING or not isinstance(args, dict) or not args.get("staged"):
         return 0
     nbytes = args.get("nbytes")
     return nbytes if type(nbytes) is int and nbytes > 0 else 0

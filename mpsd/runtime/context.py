@@ -36,7 +36,7 @@ from mpsd_protocol import (  # type: ignore[attr-defined]
     format_size,
 )
 from mpsd.backends.base import HOST_VIEW
-from mpsd.backends.ops import Copy, Extent, Launch, Memset, Record, Work, stage
+from mpsd.backends.ops import Copy, Extent, Launch, Memset, Plan, Record, Work, stage
 from mpsd.runtime.kernels import KERNELS
 from mpsd.runtime.memory import CHUNK, AddressSpace, Allocation, HostBuffer
 from mpsd.runtime.vmm import VMM_BASE, MappedPiece, VirtualMemory, VirtualMemoryCalls
@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 STREAM_PRIORITY_GREATEST, STREAM_PRIORITY_LEAST = -5, 0  # cudaDeviceGetStreamPriorityRange on Hopper
 NON_BLOCKING = 0x1  # cudaStreamNonBlocking
 MAX_STAGED_COPY = 64 << 20  # the client stages pageable copies in pieces of 8 MiB
-_MAX_CHECKED = 1024  # launches whose checks are kept, by kernel, shape and arguments
+_MAX_PLANS = 1024  # plans kept, by kernel, shape and arguments
 
 
 def _deaf(op: str, args: dict[str, Any]) -> None:
@@ -154,9 +154,8 @@ class Context(VirtualMemoryCalls):
         self.reservations: dict[int, Reservation] = {}  # stream-ordered pools' memory, by base address
         self._last_reservation: Reservation | None = None
         self._orphans: list[Work] = []  # last work of destroyed streams: it still counts
-        self.streams_changed = 0  # how often a stream was created or destroyed: runs (run_of) last until then
         self.last_op: Work | None = None  # the work the latest call queued
-        self._checked: dict[tuple[Any, ...], Any] = {}  # launches checked before (launch)
+        self._plans: dict[tuple[Any, ...], Plan] = {}  # launches checked before, by their values (plan)
         self.sticky: CudaError | None = None
         self.last_error: CudaError | None = None  # from fire-and-forget calls, for get_last_error
         self.counters = Counters()
@@ -480,120 +479,83 @@ class Context(VirtualMemoryCalls):
         return {"client": self.id, "stream": stream.key, "priority": stream.priority, "sm_cap": self.quotas.sm_cap}
 
     # -- kernels ---------------------------------------------------------------------------------------
-    def launch(self, name: str, grid: object, block: object, args: object, shared_mem: object,
-               stream: int | None) -> Work:
-        """Queue a kernel. A pointer argument outside live memory is found now, and is an illegal address
-        when the kernel runs: sticky, contained as the device's fault-containment setting says."""
-        # A loop launches the same kernel with the same shape and arguments again and again: what checking
-        # them gives depends on nothing else (the kernel table, the device's limits and the backend's fit are
-        # fixed), so it is worked out once. The key holds each value's type beside it, as 1, 1.0 and True are
-        # equal keys but not equally valid, and None between the lists, which no valid value is, so that
-        # different lists never flatten to one key. Anything but the lists our client sends, and any launch
-        # that fails, is checked afresh, so a bad launch gets the error it always got.
-        checked = key = None
+    def plan(self, name: str, grid: object, block: object, args: object, shared_mem: object) -> Plan:
+        """A launch call's checks, in CUDA's order (its kernel, grid and block, arguments, and the fit of a
+        block on one SM), as a plan: the grid, block and arguments as the backend takes them and what the
+        pointer arguments touch (kernels.Kernel).
+
+        A loop launches the same kernel with the same shape and arguments again and again, and what checking
+        them gives depends on nothing else, so the plan is made once and kept by those values (`planned` finds
+        it again for the next call). The key holds each value's type beside it, as 1, 1.0 and True are equal
+        keys but not equally valid, and None between the lists, which no valid value is, so that different
+        lists never flatten to one key. Anything but the lists our client sends, and any launch that fails, is
+        checked afresh, so a bad launch gets the error it always got; and no launch with a float among its
+        values is kept: -0.0 and 0.0 are equal keys, yet a fill with one writes other bits than with the other.
+        """
+        key = None
         if type(grid) is list and type(block) is list and type(args) is list:
             key = (name, shared_mem, *grid, None, *block, None, *args)
             key = (*key, *map(type, key))
             try:
-                checked = self._checked.get(key)
+                found = self._plans.get(key)
             except TypeError:  # an unhashable value among them: the checks say what is wrong with it
                 key = None
-        if checked is None:
-            checked = self._check_launch(name, grid, block, args, shared_mem, stream)
-            # Not one with a float among its values, though: -0.0 and 0.0 are equal keys, yet a fill with
-            # one writes other bits than with the other.
-            if key is not None and float not in key:
-                if len(self._checked) >= _MAX_CHECKED:  # pointer arguments make new keys
-                    self._checked.clear()
-                self._checked[key] = checked
-        grid3, block3, values, touched = checked
-        s = self._stream(stream)
-        extents = tuple((index, self.memory.extent(int(values[index]), nbytes))
-                        for index, nbytes in touched) if touched else ()
-        work = Launch.of(self.id, s.key, s.priority, self.quotas.sm_cap, name, grid3, block3,
-                         shared_mem, values, extents)  # type: ignore[arg-type]
-        self._enqueue(s, work)
-        self.counters.launches += 1
-        return work
-
-    def launch_cached(self, args: dict[str, Any]) -> Launch | None:
-        """`launch` of a launch call's argument map as it arrived, in one frame, where its checks are cached and
-        its stream is one of this context's: the loop's common case. None, having done nothing, for any other;
-        the caller then serves the call by its row and `launch`, whose full checks, in CUDA's order, give the
-        error it always got.
-
-        The row's own checks need not be made again here: only a launch that passed them (and `launch`'s) is
-        ever cached, under a key holding each value's type, so a hit is a launch of exactly those kinds and
-        values. The stream is the one value outside the key, so its kind is checked as the row would: an int
-        or None, not a bool or a float that a dict would take for an int."""
-        grid, block, kargs = args.get("grid"), args.get("block"), args.get("args")
-        if type(grid) is not list or type(block) is not list or type(kargs) is not list:
-            return None
-        stream = args.get("stream")
-        s = self.streams.get(0 if stream is None else stream) if stream is None or type(stream) is int else None
-        if s is None:
-            return None
-        name, shared_mem = args.get("name"), args.get("shared_mem", 0)
-        key = (name, shared_mem, *grid, None, *block, None, *kargs)  # as `launch` makes it
-        try:
-            checked = self._checked.get((*key, *map(type, key)))
-        except TypeError:
-            return None
-        if checked is None:
-            return None
-        grid3, block3, values, touched = checked
-        extents = tuple((index, self.memory.extent(int(values[index]), nbytes))
-                        for index, nbytes in touched) if touched else ()
-        work = Launch.of(self.id, s.key, s.priority, self.quotas.sm_cap, name, grid3, block3,  # type: ignore[arg-type]
-                         shared_mem, values, extents)
-        if len(self.streams) == 1 and not self._orphans:  # _enqueue's share where there is nothing to wait for
-            self.backend.submit(work)
-            s.tail = self.last_op = work
-        else:
-            self._enqueue(s, work)
-        self.counters.launches += 1
-        return work
-
-    def run_of(self, work: Launch) -> tuple[Stream, Launch] | None:
-        """What `launch_run` needs to launch `work` (made by `launch` or `launch_cached`, the checks passed)
-        again and again with nothing checked again: where it touches no memory (a pointer's extent, and so the
-        launch, may change with any free), until a stream is created or destroyed (`streams_changed`). None
-        for another."""
-        s = self.streams.get(work.stream[1])
-        return None if work.extents or s is None else (s, work)
-
-    def launch_run(self, run: tuple[Stream, Launch], count: int) -> Launch:
-        """`count` launches of `run` (run_of's) on its stream, while `streams_changed` is what it was then and
-        the context has no sticky error: one `Launch` stands for them all, the last. The first waits for what
-        the legacy default stream's rules make a launch wait for, and so do the rest: nothing else is queued
-        on another stream between them.
-
-        Raises:
-            CudaError: the backend refused them (the ones before may have been queued).
-        """
-        s, like = run
-        work = Launch.of(self.id, s.key, s.priority, self.quotas.sm_cap, like.kernel, like.grid, like.block,  # type: ignore[arg-type]
-                         like.shared_mem, like.args, ())
-        self._enqueue(s, work, count)
-        self.counters.launches += count
-        return work
-
-    def _check_launch(self, name: str, grid: object, block: object, args: object, shared_mem: object,
-                      stream: int | None) -> tuple[tuple[int, int, int], tuple[int, int, int], tuple[int | float, ...],
-                                                   list[tuple[int, int]]]:
-        """A launch's checks, in CUDA's order (the stream's among them, though only the rest is kept): its grid,
-        block and arguments as the backend takes them, and what its pointer arguments touch (kernels.Kernel)."""
+            else:
+                if found is not None:
+                    return found
         kernel = KERNELS.get(name)
         if kernel is None:
             raise InvalidDeviceFunctionError(f"no kernel named {brief(name, 60)}")
         grid3, block3 = check_shape(name, grid, block, shared_mem, self.device.properties)
-        checked = check_args(name, kernel.params, args)
-        self._stream(stream)
+        values = check_args(name, kernel.params, args)
         threads = block3[0] * block3[1] * block3[2]
         if not self.backend.fits(threads, shared_mem):  # type: ignore[arg-type]
             raise LaunchOutOfResourcesError(f"a block of {threads} threads and {shared_mem} bytes of shared "
                                             "memory does not fit on one SM")
-        return grid3, block3, tuple(checked), kernel.extents(checked)
+        made = Plan(name, grid3, block3, shared_mem, tuple(values), tuple(kernel.extents(values)))  # type: ignore[arg-type]
+        if key is not None and float not in key:
+            if len(self._plans) >= _MAX_PLANS:  # pointer arguments make new keys
+                self._plans.clear()
+            self._plans[key] = made
+        return made
+
+    def planned(self, args: dict[str, Any]) -> Plan | None:
+        """The plan `plan` made and kept for a launch call's argument map as it arrived (None: none kept).
+        The row's checks need not be made first: only a launch that passed them (and `plan`'s) is kept, under
+        a key holding each value's type, so a plan found is one of exactly those kinds and values."""
+        grid, block, kargs = args.get("grid"), args.get("block"), args.get("args")
+        if type(grid) is not list or type(block) is not list or type(kargs) is not list:
+            return None
+        key = (args.get("name"), args.get("shared_mem", 0), *grid, None, *block, None, *kargs)  # as `plan` makes it
+        try:
+            return self._plans.get((*key, *map(type, key)))
+        except TypeError:
+            return None
+
+    def launch(self, plan: Plan, stream: int | None, count: int = 1) -> Launch:
+        """Queue `count` launches of `plan` on `stream`, one after another (the launch queued stands for the
+        last). A pointer argument outside live memory is found now, and is an illegal address when the kernel
+        runs: sticky, contained as the device's fault-containment setting says. Only a plan that touches no
+        memory is launched more than once in a call.
+
+        Raises:
+            InvalidResourceHandleError: no such stream in this context.
+            CudaError: the backend refused the launches.
+        """
+        s = self.streams.get(0 if stream is None else stream)
+        if s is None:
+            raise InvalidResourceHandleError(f"no stream {brief(stream, 20)} in this context")
+        touches = plan.touches
+        extents = tuple((index, self.memory.extent(int(plan.args[index]), nbytes))  # type: ignore[arg-type]
+                        for index, nbytes in touches) if touches else ()
+        work = Launch.of(self.id, s.key, s.priority, self.quotas.sm_cap, plan, extents)
+        if count == 1 and len(self.streams) == 1 and not self._orphans:
+            self.backend.submit(work)  # _enqueue's share where there is nothing to wait for: most launches
+            s.tail = self.last_op = work
+        else:
+            self._enqueue(s, work, count)
+        self.counters.launches += count
+        return work
 
     # -- streams and events ----------------------------------------------------------------------------
     def _stream(self, stream: int | None) -> Stream:
@@ -603,8 +565,8 @@ class Context(VirtualMemoryCalls):
         return s
 
     def _enqueue(self, stream: Stream, work: Work, count: int = 1) -> Work:
-        """Queue `work` on `stream` (`count` times: a run of launches), after what the legacy default stream's
-        rules make it wait for.
+        """Queue `work` on `stream` (`count` launches of its plan, where it is a Launch), after what the legacy
+        default stream's rules make it wait for.
 
         Raises:
             OutOfMemoryError: the backend cannot hold what it would touch (nothing is queued).
@@ -619,10 +581,7 @@ class Context(VirtualMemoryCalls):
             deps = []
         if deps or type(work.after) is not tuple:
             work.after = tuple(d for d in deps if d is not None and not d.done) + tuple(work.after)
-        if count == 1:
-            self.backend.submit(work)
-        else:
-            self.backend.submit_run(work, count)  # type: ignore[arg-type]
+        self.backend.submit(work, count)
         stream.tail = work
         self.last_op = work
         return work
@@ -634,7 +593,6 @@ class Context(VirtualMemoryCalls):
         priority = min(max(priority, STREAM_PRIORITY_GREATEST), STREAM_PRIORITY_LEAST)
         stream_id = self._handle()
         self.streams[stream_id] = Stream(stream_id, priority, not flags & NON_BLOCKING, (self.id, stream_id))
-        self.streams_changed += 1
         return stream_id, priority
 
     def destroy_stream(self, stream: int) -> None:
@@ -642,7 +600,6 @@ class Context(VirtualMemoryCalls):
         gone = self.streams.pop(stream, None) if stream else None  # None and 0: the default stream
         if gone is None:
             raise InvalidResourceHandleError(f"no stream {brief(stream, 20)} to destroy")
-        self.streams_changed += 1
         self._orphans = [op for op in self._orphans if not op.done]
         if gone.tail is not None and not gone.tail.done:
             self._orphans.append(gone.tail)
@@ -758,7 +715,6 @@ class Context(VirtualMemoryCalls):
             self._unmap_host(buffer)
         self.host.clear()
         self.streams.clear()
-        self.streams_changed += 1
         self.events.clear()
         self._orphans.clear()
         self.last_op = None

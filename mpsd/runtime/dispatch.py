@@ -61,7 +61,6 @@ class _Item:
     work: Work
     count: int  # kernels it stands for: what is left of a run's count, else 1
     stream_priority: int
-    run: bool  # it came as a run (submit_run), and goes as one, perhaps in parts
     queued_at: float  # the device's clock when it came
 
 
@@ -212,17 +211,11 @@ class Dispatcher:
         tenant.queued = 0
 
     # -- work ----------------------------------------------------------------------------------------------
-    def submit(self, work: Work) -> None:
-        self._hold(work, 1, False)
-
-    def submit_run(self, launch: Launch, count: int) -> None:
-        self._hold(launch, count, True)
-
-    def _hold(self, work: Work, count: int, run: bool) -> None:
+    def submit(self, work: Work, count: int = 1) -> None:
         """Queue `work` and release what the policy lets go. Where `work` itself is released now and the
         backend refuses it, the call fails as it would without the dispatcher, and nothing stays queued."""
         tenant = self._tenant(work.client)
-        item = _Item(next(self._seq), work, count, work.priority, run, self.inner.now())
+        item = _Item(next(self._seq), work, count, work.priority, self.inner.now())
         tenant.queues.setdefault(work.stream, deque()).append(item)
         tenant.queued += 1
         self._pump(item)
@@ -243,10 +236,10 @@ class Dispatcher:
         if not isinstance(work, Launch):
             return 0
         blocks_per_sm, threads_per_sm, smem_per_sm = self._sm_limits
-        threads = max(1, work.block[0] * work.block[1] * work.block[2])
-        per_sm = min(blocks_per_sm, threads_per_sm // threads, smem_per_sm // work.shared_mem if work.shared_mem
-                     else blocks_per_sm)
-        blocks = work.grid[0] * work.grid[1] * work.grid[2]
+        plan = work.plan
+        per_sm = min(blocks_per_sm, threads_per_sm // max(1, plan.threads),
+                     smem_per_sm // plan.shared_mem if plan.shared_mem else blocks_per_sm)
+        blocks = plan.blocks
         cap = self.sms if work.sm_cap is None else min(self.sms, work.sm_cap)
         return min(cap, -(-blocks // max(1, per_sm)))
 
@@ -308,10 +301,7 @@ class Dispatcher:
         if part.after:
             part.after = tuple(a for a in part.after if not a.done)  # dropped work, say, holds nothing back
         try:
-            if item.run:
-                self.inner.submit_run(part, n)  # type: ignore[arg-type]
-            else:
-                self.inner.submit(part)
+            self.inner.submit(part, n)
         except CudaError as error:
             part.handle = DROPPED
             self._tell_held(part)
