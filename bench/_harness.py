@@ -293,12 +293,13 @@ def median(values: list[float]) -> float:
 
 def report(title: str, rows: list[tuple[str, str]], verdict: bool | None,
            json_line: dict[str, Any] | None) -> None:
-    """Print the one result block (and the JSON line if asked); verdict None means no baseline was run."""
+    """Print the one result block (and the JSON line if asked); verdict None: no baseline was run, or there is
+    no target for what was."""
     width = max(len(k) for k, _ in rows)
     print(f"== {title} ==")
     for key, value in rows:
         print(f"  {key:<{width}}  {value}")
-    result = "n/a (no baseline measured)" if verdict is None else "PASS" if verdict else "MISS"
+    result = "n/a (no baseline, or no target)" if verdict is None else "PASS" if verdict else "MISS"
     print(f"  {'result':<{width}}  {result}")
     if json_line is not None:
         print(json.dumps(json_line, sort_keys=True))
