@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 from ._brief import brief
 from ._errors import InvalidValueError  # type: ignore[attr-defined]
 
-# Host-cost kinds, as mpsd.sim.clock prices them (the simulator imports nothing from here; a test pins that
+# Host-cost kinds, as mpsd.clock prices them (the clock imports nothing from here; a test pins that
 # the two agree). LAUNCH: queues work and returns; SYNC: waits for the device; CALL: anything else; CLOCK:
 # touches only the client's own simulated clock, so it is answered at once and never stamped.
 LAUNCH, SYNC, CALL, CLOCK = "launch", "sync", "call", "clock"

@@ -11,8 +11,8 @@ import pytest
 import mpsd_client
 import mpsd_protocol._calls as kinds
 from daemons import run_worker, start_daemon
+from mpsd import clock
 from mpsd.daemon.session import HANDLERS
-from mpsd.sim import clock
 from mpsd_protocol import CALLS, CLOCK, LAUNCH
 
 SAMPLE = {kinds.INT: 0, kinds.COUNT: 0, kinds.PTR: 0, kinds.EVENT_HANDLE: 0, kinds.STREAM_HANDLE: None,

@@ -1,9 +1,12 @@
-# The engine drives one device's simulator in one of two ways. Under the wall clock (`Engine`), simulated
-# seconds = wall seconds since the engine started x time_scale: the only place where simulated time meets real
-# time. Under the virtual clock (`VirtualEngine`), simulated time never follows the wall: it moves as the
-# clients' calls, stamped with their own simulated host clocks, let it (mpsd.sim.clock), and jumps from event
-# to event while every client waits. Either way completed ops come back in simulated order; each op's tag (a
-# callback set by its context) applies the op's effect on the bytes, then whoever waits on the op is told.
+# The engine drives one device's clock (mpsd.clock.DeviceClock, the one owner of its simulated time, shared with
+# the backend) in one of two ways, as SimPy's RealtimeEnvironment is a way of running an Environment. Under the
+# wall clock (`Engine`), simulated seconds = wall seconds since the engine started x time_scale: the only place
+# where simulated time meets real time. Under the virtual clock (`VirtualEngine`), simulated time never follows
+# the wall: it moves as the clients' calls, stamped with their own simulated host clocks, let it
+# (mpsd.clock.virtual), and jumps from event to event while every client waits. Either way completed ops come
+# back in simulated order; each op's tag (a callback set by its context) applies the op's effect on the bytes,
+# then whoever waits on the op is told. Work (submitting, cancelling) goes to the simulator; time, only through
+# the clock.
 from __future__ import annotations
 
 import logging
@@ -14,8 +17,8 @@ from typing import Callable, Iterable
 import trio
 
 from mpsd.backends.base import when_all
-from mpsd.sim import BlockCost, Op, Simulator
-from mpsd.sim.clock import HOLDING, Host, VirtualClock
+from mpsd.clock import HOLDING, DeviceClock, Host, VirtualClock
+from mpsd.sim import BlockCost, Op
 
 log = logging.getLogger("mpsd.backends.engine")
 # Instants of simulated time processed before the engine lets other tasks run. When the model falls behind
@@ -27,17 +30,18 @@ DEFAULT_IDLE_GRACE = 0.5  # wall seconds of silence after which a holding client
 
 
 class Engine:
-    """Runs `sim` in real time, scaled.
+    """Runs a device in real time, scaled.
 
     Args:
-        sim: the device's simulator.
+        device_clock: the device's clock (its simulator is `device_clock.sim`), shared with the backend.
         time_scale: simulated seconds per wall second (0.5: the GPU runs at half speed).
     """
 
-    def __init__(self, sim: Simulator, time_scale: float = 1.0) -> None:
+    def __init__(self, device_clock: DeviceClock, time_scale: float = 1.0) -> None:
         if not time_scale > 0:
             raise ValueError("time_scale must be positive")
-        self.sim = sim
+        self.device_clock = device_clock
+        self.sim = device_clock.sim
         self.time_scale = time_scale
         self._origin: float | None = None
         self._clock: trio.abc.Clock | None = None  # set with _origin, by run
@@ -55,8 +59,8 @@ class Engine:
     def sim_now(self) -> float:
         """The simulated time that corresponds to now."""
         if self._origin is None:
-            return self.sim.now
-        return max(self.sim.now, (trio.current_time() - self._origin) * self.time_scale)
+            return self.device_clock.now
+        return max(self.device_clock.now, (trio.current_time() - self._origin) * self.time_scale)
 
     def monotonic_origin(self) -> float:
         """``time.monotonic()`` at simulated time 0 (trio's clock has an offset of its own)."""
@@ -70,11 +74,11 @@ class Engine:
         self._advance_to(self.sim_now() if due is None else max(due, self.sim_now()))
 
     def _advance_to(self, target: float) -> None:
-        sim = self.sim
-        now = sim.now
-        for op in sim.advance(target if target > now else now, MAX_INSTANTS_PER_STEP):
+        device = self.device_clock
+        now = device.now
+        for op in device.advance(target if target > now else now, MAX_INSTANTS_PER_STEP):
             self._finish(op)
-        now = sim.now
+        now = device.now
         if now < target:
             self._wake.set()  # behind: the run loop comes back after letting other tasks in
             self.max_lag = max(self.max_lag, target - now)
@@ -98,8 +102,8 @@ class Engine:
     def _arrive(self) -> None:
         """Bring the simulator to the time the call being served arrived, count how late it is served as lag,
         and wake the run loop for the work about to be submitted."""
-        sim, origin = self.sim, self._origin
-        before = sim.now
+        device, origin = self.device_clock, self._origin
+        before = device.now
         if origin is None:
             arrived = now = before
         else:
@@ -109,9 +113,9 @@ class Engine:
             arrived = now if self.arrival is None else min(now, (self.arrival - origin) * self.time_scale)
         # Calls read together arrive together: after the first, the simulator is already there, and advancing
         # to where it is does nothing unless something is due at this very instant (an op completed at submit).
-        if arrived > before or ((due := sim.next_time()) is not None and due <= before):
+        if arrived > before or ((due := device.next_time()) is not None and due <= before):
             self._advance_to(arrived)
-            before = sim.now
+            before = device.now
         lag = now - before
         if lag > self.max_lag:
             self.max_lag = lag
@@ -151,10 +155,10 @@ class Engine:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Drive the simulator until cancelled."""
         self._clock = trio.lowlevel.current_clock()  # trio's clock for this run (a test's MockClock, say)
-        self._origin = self._clock.current_time() - self.sim.now / self.time_scale
+        self._origin = self._clock.current_time() - self.device_clock.now / self.time_scale
         task_status.started()
         while True:
-            next_time = self.sim.next_time()
+            next_time = self.device_clock.next_time()
             deadline = math.inf if next_time is None else self._origin + next_time / self.time_scale
             with trio.move_on_at(deadline) as waited:
                 await self._wake.wait()
@@ -166,26 +170,26 @@ class Engine:
 
 
 class VirtualEngine(Engine):
-    """Runs `sim` under the virtual clock: simulated time advances only as the clients' stamped calls allow.
+    """Runs a device under the virtual clock: simulated time advances only as the clients' stamped calls allow.
 
     Args:
-        sim: the device's simulator.
+        device_clock: the device's clock (its simulator is `device_clock.sim`), shared with the backend.
         idle_grace: wall seconds a holding client may stay silent before it counts as idle (so that one
             blocked on something outside mpsd cannot stall the others).
         on_idle: told of each client that went idle that way.
     """
 
-    def __init__(self, sim: Simulator, idle_grace: float = DEFAULT_IDLE_GRACE,
+    def __init__(self, device_clock: DeviceClock, idle_grace: float = DEFAULT_IDLE_GRACE,
                  on_idle: Callable[[Host], None] = lambda host: None) -> None:
-        super().__init__(sim, 1.0)
+        super().__init__(device_clock, 1.0)
         if not idle_grace > 0:
             raise ValueError("idle_grace must be positive")
-        self.clock = VirtualClock(sim, self._finish_all)
+        self.clock = VirtualClock(device_clock, self._finish_all)
         self.idle_grace = idle_grace
         self._on_idle = on_idle
 
     def sim_now(self) -> float:
-        return self.sim.now
+        return self.device_clock.now
 
     def monotonic_origin(self) -> float:
         return math.nan  # simulated time has no fixed relation to the host's clock
@@ -207,7 +211,7 @@ class VirtualEngine(Engine):
 
     def cancel(self, client: int) -> None:
         super().cancel(client)
-        self._finish_all(self.sim.advance(self.sim.now))
+        self._finish_all(self.device_clock.advance(self.device_clock.now))
 
     def heard(self, host: Host) -> None:
         """`host` called (or was answered) just now: its idle grace starts again, and the clock may move."""

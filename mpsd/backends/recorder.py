@@ -67,7 +67,7 @@ class Recorder:
             ids[op] = n
             kernels.append(KernelRecord(names[op.client], n, name, op.blocks, op.submitted,
                                         op.started, op.ended if op.done else math.nan, op.eligible))
-        return Timeline(policy=sim.policy.name, sm_count=backend.spec.sm_count, duration=sim.now,
+        return Timeline(policy=sim.policy.name, sm_count=backend.spec.sm_count, duration=backend.device_clock.now,
                         launch_overhead=backend.spec.kernel_overhead, tenants=tenants, kernels=kernels,
                         spans=spans_of(sim, names, ids),
                         memory_high_water={names[c.id]: c.account.peak for c in self.contexts.values()},

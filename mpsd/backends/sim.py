@@ -23,9 +23,9 @@ from mpsd.backends.memfd import Segment
 from mpsd.backends.ops import Copy, Extent, Launch, Memset, Plan, Record, Work
 from mpsd.backends.recorder import Recorder
 from mpsd.backends.vrange import VirtualRange
+from mpsd.clock import DeviceClock, Host
 from mpsd.sim import COPY_KINDS, BlockCost, DeviceSpec, Kernel, Marker, Op, Simulator, copy_kernel, kernel_cost, sm_cap
 from mpsd.sim import Copy as SimCopy
-from mpsd.sim.clock import Host
 from mpsd_protocol import CudaError, IllegalAddressError  # type: ignore[attr-defined]
 
 if TYPE_CHECKING:
@@ -97,8 +97,9 @@ class SimBackend:
         self.server_memory, self.context_memory = spec.server_memory, spec.context_memory
         self.on_fault, self.on_idle = on_fault, on_idle
         self.sim = Simulator(spec, policy=policy, policy_options=policy_options, record=trace is not None)
-        self.engine = (VirtualEngine(self.sim, idle_grace, self._went_idle) if clock == "virtual"
-                       else Engine(self.sim, time_scale))
+        self.device_clock = DeviceClock(self.sim)  # the device's simulated time, the engine's and the recorder's
+        self.engine = (VirtualEngine(self.device_clock, idle_grace, self._went_idle) if clock == "virtual"
+                       else Engine(self.device_clock, time_scale))
         self.virtual = self.engine if isinstance(self.engine, VirtualEngine) else None
         self.recorder = Recorder(trace) if trace is not None else None
         self.host_memory = host_memory if host_memory is not None else HostMemory(default_budget())

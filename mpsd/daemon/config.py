@@ -14,15 +14,14 @@ import psutil
 
 from mpsd.backends.cuda import CudaDevice, cuda_device_count
 from mpsd.backends.engine import DEFAULT_IDLE_GRACE
+from mpsd.backends.factory import (DEFAULT_DEVICE, DEVICE_MODELS, POLICIES, DeviceDescription, accepted_options,
+                                   check_policy)
 from mpsd.daemon.channel import DEFAULT_SPIN, MAX_SPIN
 from mpsd.daemon.mps_config import NamedServer, load_mps_config
 from mpsd.runtime.dispatch import DEFAULT_IN_FLIGHT
 from mpsd.runtime.dispatch_policies import kernel_policy
-from mpsd.sim import H200, POLICIES as SIM_POLICIES, DeviceSpec, Simulator
 from mpsd_protocol import log_directory, parse_integer, parse_mem_limits, parse_size, pipe_directory
 
-DEVICE_MODELS: dict[str, DeviceSpec] = {"h200": H200}
-POLICIES = tuple(SIM_POLICIES)  # whatever the simulator offers
 CONTAINMENT = ("device", "client")
 IPC_ACCESS = ("uid", "group", "any")
 PEER_ACCESS = ("all", "none")
@@ -40,7 +39,7 @@ class Config:
     pipe_dir: Path
     log_dir: Path
     default_log_dir: bool = False  # MPS's /var/log/nvidia-mps, left for the pipe directory if it cannot be written
-    devices: tuple[DeviceSpec | CudaDevice, ...] = (H200,)
+    devices: tuple[DeviceDescription, ...] = (DEFAULT_DEVICE,)
     policy: str = "mps"
     time_scale: float = 1.0
     clock: str = "wall"  # "virtual": simulated time moves only as the clients' simulated host clocks allow
@@ -111,13 +110,13 @@ def _index(text: str) -> int | None:
         return None
 
 
-def parse_devices(text: str) -> tuple[DeviceSpec | CudaDevice, ...]:
+def parse_devices(text: str) -> tuple[DeviceDescription, ...]:
     """``h200:2`` (two simulated H200s), ``h200``, ``h200,h200``; ``cuda:0`` or ``cuda:0,cuda:1`` (real GPUs by
     driver ordinal); ``auto`` (every real GPU there is, else one simulated H200)."""
     if text.strip().lower() == "auto":
         count = cuda_device_count()
-        return tuple(CudaDevice(i) for i in range(count)) if count else (H200,)
-    devices: list[DeviceSpec | CudaDevice] = []
+        return tuple(CudaDevice(i) for i in range(count)) if count else (DEFAULT_DEVICE,)
+    devices: list[DeviceDescription] = []
     for part in filter(None, (p.strip().lower() for p in text.split(","))):
         model, _, count = part.partition(":")
         if model == "cuda":
@@ -318,7 +317,7 @@ def load_config(argv: Sequence[str] | None = None, environ: dict[str, str] | Non
                 raise ConfigError(f"--policy {policy} with --dispatch kernel: {exc}") from None
     else:
         try:  # the simulator judges its own settings; asking it now turns a mistake into a usage error
-            Simulator(_spec(devices[0]), policy=policy, policy_options=policy_options)
+            check_policy(devices[0], policy, policy_options)
         except ValueError as exc:
             raise ConfigError(f"--policy {policy}: {exc}") from None
     device_policies = _device_policies(file_settings.get("device", {}), devices, policy, policy_options)
@@ -428,12 +427,7 @@ def _partitions(value: Any) -> list[str]:
     return [str(p).strip() for p in parts if str(p).strip()]
 
 
-def _spec(device: DeviceSpec | CudaDevice) -> DeviceSpec:
-    """The model a device's settings are judged by: its own, or for a real GPU the H200's."""
-    return device if isinstance(device, DeviceSpec) else H200
-
-
-def _device_policies(tables: Any, devices: tuple[DeviceSpec | CudaDevice, ...], policy: str,
+def _device_policies(tables: Any, devices: tuple[DeviceDescription, ...], policy: str,
                      options: dict[str, Any]) -> dict[int, tuple[str, dict[str, Any]]]:
     """Each [mpsd.device.N] table as (policy, options). A device keeps the default policy unless its table
     names another, and inherits the default options its policy accepts; its own options come on top.
@@ -457,7 +451,7 @@ def _device_policies(tables: Any, devices: tuple[DeviceSpec | CudaDevice, ...], 
         name = table.get("policy", policy)
         if name not in POLICIES and ":" not in str(name):
             raise ConfigError(f"{where}: unknown policy {name!r} (known: {', '.join(POLICIES)}, or module:Class)")
-        accepted = SIM_POLICIES[name].options if name in SIM_POLICIES else {}
+        accepted = accepted_options(name)
         merged = {k: v for k, v in options.items() if k in accepted}
         for setting, option in DEVICE_KEYS.items():
             if option is None or setting not in table:
@@ -470,7 +464,7 @@ def _device_policies(tables: Any, devices: tuple[DeviceSpec | CudaDevice, ...], 
             else:
                 merged[option] = float(value)
         try:
-            Simulator(_spec(devices[index]), policy=name, policy_options=merged)
+            check_policy(devices[index], name, merged)
         except ValueError as exc:
             raise ConfigError(f"{where}: policy {name}: {exc}") from None
         out[index] = (name, merged)

@@ -23,7 +23,7 @@ from typing import Any
 import trio
 
 from mpsd.backends.base import HOST_VIEW, Backend
-from mpsd.backends.cuda import CudaBackend, CudaDevice
+from mpsd.backends.factory import DeviceDescription, GpuUnavailableError, open_backend
 from mpsd.backends.hostmem import HostMemory, default_budget
 from mpsd.backends.sim import SimBackend
 from mpsd.daemon.channel import Spin
@@ -42,7 +42,6 @@ from mpsd.runtime.dispatch import Dispatcher
 from mpsd.runtime.dispatch_policies import kernel_policy
 from mpsd.runtime.ipc import IpcRegistry
 from mpsd.runtime.memory import CHUNK
-from mpsd.sim import DeviceSpec
 from mpsd_protocol import (  # type: ignore[attr-defined]
     CONTROL_PACKET,
     DevicesUnavailableError,
@@ -175,25 +174,21 @@ class Daemon:
                 except PartitionError as exc:
                     raise DaemonError(f"{config.apply}: servers.{named.name}'s SM partition {spec.name}: {exc}") from None
 
-    def _backend(self, index: int, device: DeviceSpec | CudaDevice) -> Backend:
+    def _backend(self, index: int, device: DeviceDescription) -> Backend:
         """What runs device `index`: a real GPU, or the simulator.
 
         Raises:
             DaemonError: the real GPU cannot be opened.
         """
         config = self.config
-        backend: Backend
-        if isinstance(device, CudaDevice):
-            try:
-                backend = CudaBackend(device.ordinal)
-            except (ImportError, OSError, RuntimeError) as exc:
-                raise DaemonError(f"cannot open GPU cuda:{device.ordinal}: {exc}") from None
-        else:
-            # Under kernel dispatch the simulator models the hardware the dispatcher feeds: MPS's block scheduler.
-            policy, options = ("mps", {}) if config.dispatch == "kernel" else config.device_policy(index)
-            backend = SimBackend(device, policy=policy, policy_options=options, clock=config.clock,
-                                 time_scale=config.time_scale, idle_grace=config.idle_grace,
-                                 trace=config.trace_path(index), host_memory=self.host_memory)
+        # Under kernel dispatch the simulator models the hardware the dispatcher feeds: MPS's block scheduler.
+        policy, options = ("mps", {}) if config.dispatch == "kernel" else config.device_policy(index)
+        try:
+            backend = open_backend(device, policy=policy, policy_options=options, clock=config.clock,
+                                   time_scale=config.time_scale, idle_grace=config.idle_grace,
+                                   trace=config.trace_path(index), host_memory=self.host_memory)
+        except GpuUnavailableError as exc:
+            raise DaemonError(str(exc)) from None
         if config.kernel_dispatch:
             return Dispatcher(backend, kernel_policy(config.policy, config.policy_options),  # type: ignore[return-value]
                               config.kernels_in_flight)

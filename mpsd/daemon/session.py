@@ -6,7 +6,7 @@
 #
 # Under the virtual clock every call is stamped when it arrives with the simulated time at which it starts
 # on the client's host thread (its clock, plus its own code's time where the daemon charges it), and applied
-# when the device reaches that time, in stamp order across clients (mpsd.sim.clock, which also says what each
+# when the device reaches that time, in stamp order across clients (mpsd.clock, which also says what each
 # kind of call costs the host; a call's kind is its row's). `clock`, `sleep` and `idle` act on the client's
 # clock alone.
 #
@@ -34,10 +34,10 @@ import trio
 from mpsd.backends.base import HOST_VIEW
 from mpsd.backends.engine import VirtualEngine
 from mpsd.backends.ops import Plan, Work
+from mpsd.clock import Host, Timing
 from mpsd.daemon.channel import Channel
 from mpsd.runtime.context import Context
 from mpsd.runtime.kernels import signatures
-from mpsd.sim.clock import Host, Timing
 from mpsd_protocol import (  # type: ignore[attr-defined]
     CALL,
     CALLS,
@@ -739,7 +739,7 @@ HANDLERS: dict[str, tuple[Callable[..., Any], bool]] = {
     else (getattr(Context, _CONTEXT_METHODS.get(call.name, call.name)), False) for call in CALLS.values()}
 
 
-# Launch calls: each queues work on the device and returns (mpsd.sim.clock), and takes a place in the queue.
+# Launch calls: each queues work on the device and returns (mpsd.clock), and takes a place in the queue.
 LAUNCH_CALLS = frozenset(call.name for call in CALLS.values() if call.cost[0] == LAUNCH)
 # The ops the read loop looks at before their row: the launch it may serve the short way, the copy that may
 # hold staged bytes.

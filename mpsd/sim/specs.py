@@ -53,7 +53,7 @@ class DeviceSpec:
     # the device when the call returns (``launch_latency``; the device's own ``kernel_overhead`` follows), and
     # from the kernel's end until its synchronise returns (``sync_latency``). Those are a thread's figures
     # after a long idle time; back to back it pays the ``_busy`` ones, and ``host_cooling`` is the time
-    # constant of the change between them (``mpsd.sim.host.HostThread``; 0: one figure). Only virtual-time
+    # constant of the change between them (``mpsd.clock.host.HostThread``; 0: one figure). Only virtual-time
     # answers to "what does a tenant observe" add them (``mpsd simulate``, mpsd-stress --virtual-time,
     # bench/fidelity): the daemon's clients are real processes and pay real host time.
     launch_latency: float = 0.0
@@ -84,7 +84,7 @@ class DeviceSpec:
     # The fraction of its bandwidth each direction's engine gets while the other direction's runs.
     copy_duplex: tuple[tuple[str, float], ...] = ()
     # A copy call's host time, by kind, as a fraction of a kernel launch call's (``launch_latency`` and its
-    # busy figure; ``mpsd.sim.host``); a kind not here costs what a launch does.
+    # busy figure; ``mpsd.clock.host``); a kind not here costs what a launch does.
     copy_calls: tuple[tuple[str, float], ...] = ()
     # A copy between this device and a peer over NVLink: its bytes/s each way (0: the device has no NVLink)
     # and its fixed cost. Between devices that are not peers a copy is staged through host memory at

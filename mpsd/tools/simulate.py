@@ -1,12 +1,12 @@
 # `mpsd simulate WORKLOAD.toml`: the daemon's GPU model alone, in virtual time, as fast as it can run. A
 # scheduling question about many tenants is answered in seconds, identically on every run: the same engine,
-# policies and virtual-clock driver (mpsd.sim.clock) the daemon runs, fed from a workload file (the format of
+# policies and virtual-clock driver (mpsd.clock) the daemon runs, fed from a workload file (the format of
 # mpsd-stress, mpsd.stress.workload) instead of from client processes. Old scenario files are translated
 # into one first (mpsd.tools.scenario), with a note saying so.
 #
 # Each tenant instance is one host thread whose calls follow one another, each reaching the device as it
 # returns; a synchronise returns a while after the work ends, and both cost more the longer the thread was
-# idle before (mpsd.sim.host, DeviceSpec's figures measured on a real H200). A request is its calls in order
+# idle before (mpsd.clock.host, DeviceSpec's figures measured on a real H200). A request is its calls in order
 # (input, [[tenant.kernel]], output) on one stream; an open-loop request's calls are made when it is due, even
 # if the last one has not returned (its work then queues on the stream; mpsd-stress's tenant would wait for
 # it); a closed loop's next request follows the last one's synchronise and think_ms. Each call's latency is
@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mpsd.clock import DeviceClock, VirtualClock
 from mpsd.sim import COPY_KINDS, H200, Copy, DeviceSpec, Kernel, Op, Simulator, copy_kernel, kernel_cost
-from mpsd.sim.clock import VirtualClock
 from mpsd.stress.workload import COPIES, TenantSpec, Workload, WorkloadError, arrival_times, parse_workload
 from mpsd.tools.scenario import is_scenario, to_toml, to_workload
 
@@ -86,7 +86,7 @@ def run_workload(workload: Workload) -> dict[str, Any]:
         raise WorkloadError(f"[run.policy_options.{workload.policy}]: {exc}") from None
     results: dict[int, TenantResult] = {}
     # Each tenant is one host thread: its calls are made one after another (``calls``, in the order they are
-    # due), and only its next one is posted to the daemon's driver (mpsd.sim.clock), at the time its work
+    # due), and only its next one is posted to the daemon's driver (mpsd.clock), at the time its work
     # reaches the device; the driver applies them and the device's events in time order, the device's first
     # at equal times, calls due alike in the order they were listed. No tenant holds the clock: each call is
     # posted as soon as it is known, and the driver runs the device on until the next.
@@ -149,7 +149,7 @@ def run_workload(workload: Workload) -> dict[str, Any]:
             request(op.client, at, loop.make(), _Loop(loop.make, left, loop.think, loop.until))
             call_next(op.client)
 
-    clock = VirtualClock(sim, finished)
+    clock = VirtualClock(DeviceClock(sim), finished)
     hosts = {client: clock.join(client) for client in results}
     for host in hosts.values():
         clock.wait(host)

@@ -8,8 +8,10 @@
 # The calls of every host are applied in the order of their stamps (time, then the host's client id, then the
 # order they came in), never in the order the host scheduler delivered them; device instants at a time go
 # before calls stamped at that time. A call's cost kind (which mpsd_protocol's table of calls gives each call)
-# says what it costs its host thread (mpsd.sim.host, calibrated on an H200), and so when it is applied and
-# when it returns. Pure: no I/O, no wall clock; the daemon decides when a silent host counts as idle.
+# says what it costs its host thread (mpsd.clock.host, its figures the DeviceSpec's, calibrated on an H200), and
+# so when it is applied and when it returns. The device's time is the DeviceClock's (mpsd.clock.device), shared
+# with the engine that drives this and the backend. Pure: no I/O, no wall clock; the daemon decides when a
+# silent host counts as idle.
 """Ordering the calls of many hosts and a device's events in simulated time."""
 
 from __future__ import annotations
@@ -19,11 +21,13 @@ import itertools
 import math
 import operator
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-from .simulator import Simulator
+from .device import DeviceClock
 from .host import HostThread
-from .ops import Op
+
+if TYPE_CHECKING:
+    from mpsd.sim import Op
 
 __all__ = ["CALL", "HOLDING", "IDLE", "LAUNCH", "SYNC", "WAITING", "Host", "Timing", "VirtualClock"]
 
@@ -78,13 +82,13 @@ class VirtualClock:
     """The calls of every host and the device's events, in simulated-time order.
 
     Args:
-        sim: the device.
+        device_clock: the device's clock.
         finish: told of the ops that completed, in completion order, before anything later happens (so that
             a host woken by them can hold the clock at once).
     """
 
-    def __init__(self, sim: Simulator, finish: Callable[[list[Op]], None]) -> None:
-        self.sim = sim
+    def __init__(self, device_clock: DeviceClock, finish: Callable[[list[Op]], None]) -> None:
+        self.device_clock = device_clock
         self.hosts: dict[int, Host] = {}
         self._finish = finish
         self._calls: list[_Call] = []
@@ -94,7 +98,7 @@ class VirtualClock:
     def join(self, client: int) -> Host:
         """A new host, holding at the device's now. Calls of several hosts stamped alike go in the order of
         their client ids (the order they connected, in the daemon), as the policies break their ties."""
-        host = Host(client, HostThread(self.sim.spec), self.sim.now)
+        host = Host(client, self.device_clock.host_thread(), self.device_clock.now)
         self.hosts[client] = host
         return host
 
@@ -106,7 +110,7 @@ class VirtualClock:
         """A call of ``host`` arrives: when it starts, ``charged`` seconds of its own work after its clock.
         A host that was not holding resumes no earlier than the device's now."""
         if host.state != HOLDING:
-            host.clock = max(host.clock, self.sim.now)
+            host.clock = max(host.clock, self.device_clock.now)
             host.state = HOLDING
         host.clock += charged
         host.calls += 1
@@ -118,7 +122,7 @@ class VirtualClock:
         clock stays at the call's start otherwise, until `returned`."""
         start = self.start(host, charged)
         kind, what = cost
-        spec = self.sim.spec
+        spec = self.device_clock.spec
         if kind == LAUNCH:
             scale = dict(spec.copy_calls).get(what, 1.0) if what else 1.0
             host.clock = host.thread.launch(start, scale)
@@ -128,7 +132,7 @@ class VirtualClock:
     def returned(self, host: Host, timing: Timing, waited: bool) -> float:
         """The call `timing` returns at the device's now, after waiting for the device if `waited`: when it
         returns on the host's clock; the host holds the clock from then."""
-        now, thread = self.sim.now, host.thread
+        now, thread = self.device_clock.now, host.thread
         if timing.kind == SYNC or (timing.kind == LAUNCH and waited):
             back = thread.synchronize(now, timing.at)
         elif timing.kind == LAUNCH:
@@ -140,7 +144,7 @@ class VirtualClock:
 
     def hold(self, host: Host, at: float) -> None:
         """``host`` runs its own code again from ``at`` (a call returned)."""
-        host.clock, host.state = max(at, self.sim.now), HOLDING
+        host.clock, host.state = max(at, self.device_clock.now), HOLDING
 
     def wait(self, host: Host) -> None:
         host.state = WAITING
@@ -151,7 +155,7 @@ class VirtualClock:
     def post(self, host: Host, at: float, action: Callable[[], None], order: int | None = None) -> None:
         """Apply ``action`` at simulated time ``at`` (no earlier than the device's now), in stamp order; calls
         stamped alike go by ``order`` (default: the host's client id), then as they were posted."""
-        now = self.sim.now
+        now = self.device_clock.now
         heapq.heappush(self._calls, (now if now > at else at, host.client if order is None else order,
                                      next(self._seq), action))
 
@@ -172,19 +176,19 @@ class VirtualClock:
             True if the budget ran out (more may be ready), False if nothing more can go until a host calls
             again or stops holding.
         """
-        sim, calls = self.sim, self._calls
+        device, calls = self.device_clock, self._calls
         for _ in range(budget):
             blocker = self.blocker()
             horizon = (math.inf, 0) if blocker is None else (blocker.clock, blocker.client)
             head = calls[0] if calls else None
-            instant = sim.next_time()
+            instant = device.next_time()
             if instant is not None and instant <= horizon[0] and (head is None or instant <= head[0]):
-                self._done(sim.advance(instant, 1))
+                self._done(device.advance(instant, 1))
             elif head is not None and (head[0], head[1]) <= horizon:
                 heapq.heappop(calls)
-                self._done(sim.advance(max(head[0], sim.now)))
+                self._done(device.advance(max(head[0], device.now)))
                 head[3]()
-                self._done(sim.advance(sim.now))  # what the call completed at once (a marker on idle streams)
+                self._done(device.advance(device.now))  # what the call completed at once (a marker on idle streams)
             else:
                 return False
         return True

@@ -5,14 +5,18 @@
 # or spun, and whether the GPU was idle or busy with another process (bench/fidelity/h200_timing_host.json,
 # "1 tenant alone"; beside a saturating tenant the launch calls after a sleep were still as slow). So the
 # model keeps a warmth per thread that decays with idle time, and one thread's calls happen one after another.
+# It lives beside the device's clock (mpsd.clock), not inside the simulator: it prices a host's calls, not the
+# device's work; its figures are the DeviceSpec's.
 """Host-side latency of a tenant's launch and synchronise calls."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from .specs import DeviceSpec
+if TYPE_CHECKING:
+    from mpsd.sim import DeviceSpec
 
 __all__ = ["HostThread"]
 

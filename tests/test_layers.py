@@ -1,0 +1,91 @@
+"""Which way imports go, read from the source (docs/architecture.md draws the same edges): the daemon reaches the
+simulator only through the backend factory (mpsd.backends.factory), and the clock (mpsd.clock) is pure."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import mpsd
+
+ROOT = Path(mpsd.__file__).parent
+
+
+def imported(source: str, module: str, *, typing: bool = True) -> set[str]:
+    """Every module that `source`, the text of `module` (a dotted name), imports, relative imports resolved;
+    ``from a import b`` counts as both a and a.b, since b may be a module. With ``typing=False`` what only a
+    type checker imports (under ``if TYPE_CHECKING:``) is left out."""
+    package = module.split(".")[:-1]
+    found: set[str] = set()
+    skipped: set[int] = set()
+    tree = ast.parse(source)
+    if not typing:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+                skipped.update(id(child) for statement in node.body for child in ast.walk(statement))
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package[:len(package) - node.level + 1] if node.level else []
+            name = ".".join([*base, *([node.module] if node.module else [])])
+            found.add(name)
+            found.update(f"{name}.{alias.name}" for alias in node.names)
+    return found
+
+
+def within(names: set[str], package: str) -> set[str]:
+    return {name for name in names if name == package or name.startswith(package + ".")}
+
+
+def modules(package: str) -> list[str]:
+    """The dotted name of every module of `package`, a subpackage of mpsd (``__init__`` named as such, so that
+    its relative imports resolve from the package itself)."""
+    folder = ROOT.joinpath(*package.split(".")[1:])
+    found = sorted(folder.rglob("*.py"))
+    assert found, folder
+    return [".".join([package, *path.relative_to(folder).with_suffix("").parts]) for path in found]
+
+
+def source(module: str) -> str:
+    return ROOT.joinpath(*module.split(".")[1:]).with_suffix(".py").read_text()
+
+
+@pytest.mark.parametrize(("text", "hits"), [
+    ("from mpsd.sim import H200", {"mpsd.sim"}),
+    ("import mpsd.sim.specs", {"mpsd.sim.specs"}),
+    ("from mpsd import sim", {"mpsd.sim"}),
+    ("from ..sim.clock import Host", {"mpsd.sim.clock", "mpsd.sim.clock.Host"}),
+    ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from mpsd.sim import Op", {"mpsd.sim"}),
+    ("from mpsd.simulated import x\nfrom mpsd.backends.factory import open_backend", set()),
+])
+def test_the_check_sees_an_import_of_the_simulator_however_written(text, hits):
+    """The check below would fail for each way of writing an import of mpsd.sim, and for no other module."""
+    found = within(imported(text, "mpsd.daemon.server"), "mpsd.sim")
+    assert found >= hits and bool(found) == bool(hits)
+
+
+def test_type_checking_imports_are_left_out_only_when_asked():
+    """The clock's check leaves out what only a type checker imports; the daemon's does not."""
+    text = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from mpsd.sim import Op\nimport heapq"
+    assert imported(text, "mpsd.clock.virtual", typing=False) == {"typing", "typing.TYPE_CHECKING", "heapq"}
+    assert "mpsd.sim" in imported(text, "mpsd.clock.virtual")
+
+
+@pytest.mark.parametrize("module", modules("mpsd.daemon"))
+def test_the_daemon_imports_nothing_of_the_simulator(module):
+    """Every module of mpsd.daemon reaches the simulator only through mpsd.backends (the factory), not even
+    for a type."""
+    assert within(imported(source(module), module), "mpsd.sim") == set()
+
+
+@pytest.mark.parametrize("module", modules("mpsd.clock"))
+def test_the_clock_is_pure(module):
+    """mpsd.clock runs without trio, sockets or anything of mpsd but itself (the simulator only as types)."""
+    names = imported(source(module), module, typing=False)
+    assert within(names, "mpsd") <= within(names, "mpsd.clock")
+    assert not {"trio", "socket", "time", "asyncio", "threading"} & {name.split(".")[0] for name in names}
