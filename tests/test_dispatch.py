@@ -87,18 +87,43 @@ async def test_each_stream_keeps_its_order(policy, autojump_clock):
 
 
 async def test_a_client_has_at_most_its_bound_of_kernels_on_the_device(autojump_clock):
-    """--kernels-in-flight N: a client's kernels beyond N wait in the daemon, and go as the first ones end."""
-    async with served("round-robin", "--kernels-in-flight", "3") as d, d.connect() as a:
+    """--kernels-in-flight N: a client's kernels beyond N wait in the daemon, and go as the first ones end (with
+    another client on the device, idle: a client alone has no bound, as nobody could wait behind its work)."""
+    async with served("round-robin", "--kernels-in-flight", "3") as d, d.connect() as a, d.connect():
         s = await a.create_stream()
         for _ in range(10):
             await a.launch("spin", 1, 32, [ONE_MS], stream=s)
         assert not await s.query()  # a request: the launches before it have reached the daemon
-        (mine,) = [p["dispatch"] for p in d.daemon.status()["processes"]]
+        mine, _ = [p["dispatch"] for p in d.daemon.status()["processes"]]
         assert (mine["in_flight"], mine["queued"], mine["released"]) == (3, 7, 3)
         await s.synchronize()
-        (mine,) = [p["dispatch"] for p in d.daemon.status()["processes"]]
+        mine, _ = [p["dispatch"] for p in d.daemon.status()["processes"]]
         assert (mine["in_flight"], mine["queued"], mine["released"]) == (0, 0, 10)
         assert mine["gpu_time"] == pytest.approx(10 * UNIT / 1e3, rel=1e-6)
+
+
+async def test_the_bound_is_for_the_others(autojump_clock):
+    """A client alone on the device has no bound (nobody could wait behind its work); under `priority` neither
+    has the most urgent client, beside a less urgent one, while the less urgent one keeps its bound."""
+    async with served("round-robin", "--kernels-in-flight", "3") as d, d.connect() as a:
+        s = await a.create_stream()
+        for _ in range(10):
+            await a.launch("spin", 1, 32, [ONE_MS], stream=s)
+        assert not await s.query()
+        (mine,) = [p["dispatch"] for p in d.daemon.status()["processes"]]
+        assert (mine["in_flight"], mine["queued"]) == (10, 0)
+        await s.synchronize()
+    async with served("priority", "--kernels-in-flight", "1") as d, d.connect() as urgent, \
+            d.connect(**BEST_EFFORT) as be:
+        s_urgent, s_be = await urgent.create_stream(priority=-5), await be.create_stream()
+        for _ in range(4):
+            await be.launch("spin", 1, 32, [ONE_MS], stream=s_be)
+            await urgent.launch("spin", 1, 32, [ONE_MS], stream=s_urgent)
+        assert not await s_urgent.query() and not await s_be.query()
+        held = {p["priority"]: p["dispatch"] for p in d.daemon.status()["processes"]}
+        assert (held[0]["in_flight"], held[0]["queued"]) == (4, 0)
+        assert held[1]["in_flight"] == 1  # its first, released before the urgent work came; the rest wait
+        await together(urgent.synchronize, be.synchronize)
 
 
 async def gated(a, b, n: int = 4, level: bool = True, blocker_ms: float = 1.0) -> tuple[float, float]:

@@ -68,8 +68,11 @@ __all__ = ["CudaBackend", "CudaDevice", "CudaFailure", "cuda_device_count"]
 # daemon charges them on every backend alike, so quotas mean the same on both.
 SERVER_MEMORY, CONTEXT_MEMORY = 81_172_336, 538_339_472
 # Seconds between looks at pending work: while someone waits for some of it (a synchronize, a full launch queue,
-# memory to free), and while nobody does. A look costs the daemon an event record and query per stream and a
-# wake of its task; a client streaming launches with nobody waiting needs its work retired only now and then.
+# memory to free, the kernel dispatcher's bound), and while nobody does. A look costs the daemon an event record
+# and query per stream; a wait learns of its work's end half a POLL late on average, which a request of a few
+# short kernels feels (bench/request_cost.py: 10 us instead took 9 us off its cost on the H200, and a quarter
+# off the launch rate, bench/fidelity/dispatch_h200_spin/summary.txt); a client streaming launches with nobody
+# waiting needs its work retired only now and then.
 POLL, IDLE_POLL = 50e-6, 500e-6
 _SYNCED = object()  # in place of an event: work the backend waited for when the driver refused it one
 PORTABLE = 0x1  # CU_MEMHOSTALLOC_PORTABLE, CU_MEMHOSTREGISTER_PORTABLE: pinned for every context, green ones too

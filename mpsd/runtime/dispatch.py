@@ -16,7 +16,10 @@
 #   releasable head and room under the bound, or holds them all; `room_for` tells it whether a kernel would find SMs
 #   free beside what is already released. A device whose queue holds no blocks of work that is not running lets
 #   the next urgent kernel start as soon as blocks end, and lets a policy choose among clients each time room opens:
-#   a block, once it runs, cannot be preempted, and neither a GPU nor the simulator's `mps` will reorder them.
+#   a block, once it runs, cannot be preempted, and neither a GPU nor the simulator's `mps` will reorder them;
+# - the bound is there for the others: a client alone on the device has none, and a policy may lift it for a
+#   client no other can be more urgent than (`KernelPolicy.bounded`: priority's most urgent). Each kernel held
+#   back costs the device the time it takes to learn that the one before it ended (a poll, on a GPU).
 """The kernel-level dispatcher."""
 
 from __future__ import annotations
@@ -259,7 +262,10 @@ class Dispatcher:
             while True:
                 self._again = False
                 self._release_records(raising)
-                ready = [t for t in self.tenants.values() if t.queued and t.in_flight < self.in_flight]
+                # The bound holds back a client's work only where another's could come to wait behind it.
+                alone, rule, bound = len(self.tenants) == 1, self.rule, self.in_flight
+                ready = [t for t in self.tenants.values() if t.queued and (
+                    t.in_flight < bound or alone or not rule.bounded(t, self))]
                 ready = [t for t in ready if t.head() is not None]
                 chosen = self.rule.pick(self, ready) if ready else None
                 if chosen is None and ready and not any(t.in_flight for t in self.tenants.values()):

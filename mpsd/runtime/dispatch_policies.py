@@ -37,6 +37,10 @@ class KernelPolicy:
     def ended(self, tenant: Tenant, dispatcher: Dispatcher) -> None:
         """Work of `tenant` released earlier has ended (or was cancelled)."""
 
+    def bounded(self, tenant: Tenant, dispatcher: Dispatcher) -> bool:
+        """Whether `tenant` is held to the bound on kernels in flight now (it is, unless a policy says not)."""
+        return True
+
     def pick(self, dispatcher: Dispatcher, ready: list[Tenant]) -> Tenant | None:
         """The client whose head goes next, from `ready` (never empty), or None to hold all of them."""
         first = min(ready, key=lambda t: t.head().seq)  # type: ignore[union-attr]
@@ -66,6 +70,12 @@ class Priority(KernelPolicy):
         if self.aging is not None and now - tenant.waiting_since() >= self.aging:
             return -math.inf, -math.inf
         return tenant.urgency()
+
+    def bounded(self, tenant: Tenant, dispatcher: Dispatcher) -> bool:
+        """The most urgent work is not bounded: nothing it could hold back is more urgent, and each kernel of a
+        request held until the one before has ended would add the time the device takes to say so."""
+        now = dispatcher.inner.now()
+        return self._urgency(tenant, now) > min(self._urgency(t, now) for t in dispatcher.tenants.values())
 
     def pick(self, dispatcher: Dispatcher, ready: list[Tenant]) -> Tenant | None:
         now = dispatcher.inner.now()
