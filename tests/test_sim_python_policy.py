@@ -62,7 +62,7 @@ def test_a_policy_named_module_colon_class_is_built_with_the_options():
     assert sim.policy.name == "shortest-job-first"
     with pytest.raises(ValueError, match="takes no arguments"):
         Simulator(policy="examples.sjf_policy:ShortestJobFirst", policy_options={"nope": 1})
-    with pytest.raises(ValueError, match="not a subclass"):
+    with pytest.raises(ValueError, match="mpsd.sim:Kernel is not a Policy"):
         Simulator(policy="mpsd.sim:Kernel")
     with pytest.raises(ValueError, match="No module"):
         Simulator(policy="no_such_module:Policy")

@@ -11,9 +11,10 @@
 
 from __future__ import annotations
 
-import importlib
 import math
 from typing import TYPE_CHECKING, Any
+
+from mpsd.plugins import load
 
 if TYPE_CHECKING:
     from mpsd.runtime.dispatch import Dispatcher, Tenant
@@ -183,14 +184,8 @@ def kernel_policy(name: str, options: dict[str, Any]) -> KernelPolicy:
         ValueError: no such policy, or an option it does not take.
     """
     if ":" in name:
-        module, _, attr = name.partition(":")
-        try:
-            cls = getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError) as exc:
-            raise ValueError(f"cannot load the policy {name}: {exc}") from None
-        if not (isinstance(cls, type) and issubclass(cls, KernelPolicy)):
-            raise ValueError(f"{name} is not a KernelPolicy (mpsd.runtime.dispatch_policies)")
-    elif name in KERNEL_POLICIES:
+        return load(name, KernelPolicy, options)
+    if name in KERNEL_POLICIES:
         cls = KERNEL_POLICIES[name]
     else:
         raise ValueError(f"no kernel-level policy {name!r} (known: {', '.join(KERNEL_POLICIES)}, or module:Class)")

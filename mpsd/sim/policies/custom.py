@@ -7,8 +7,9 @@
 
 from __future__ import annotations
 
-import importlib
 from typing import Any, ClassVar
+
+from mpsd.plugins import load
 
 from ..ops import Kernel
 from .base import ClientConfig
@@ -118,14 +119,4 @@ def load_policy(name: str, options: dict[str, Any] | None) -> Policy:
     Raises:
         ValueError: the module or class cannot be found, is not a Policy, or refuses the options.
     """
-    module_name, _, class_name = name.partition(":")
-    try:
-        cls = getattr(importlib.import_module(module_name), class_name)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"policy {name!r}: {exc}") from None
-    if not (isinstance(cls, type) and issubclass(cls, Policy)):
-        raise ValueError(f"policy {name!r} is not a subclass of mpsd.sim.Policy")
-    try:
-        return cls(**(options or {}))
-    except TypeError as exc:
-        raise ValueError(f"policy {name!r}: {exc}") from None
+    return load(name, Policy, options)
