@@ -542,9 +542,7 @@ class Context(VirtualMemoryCalls):
             InvalidResourceHandleError: no such stream in this context.
             CudaError: the backend refused the launches.
         """
-        s = self.streams.get(0 if stream is None else stream)
-        if s is None:
-            raise InvalidResourceHandleError(f"no stream {brief(stream, 20)} in this context")
+        s = self._stream(stream)
         touches = plan.touches
         extents = tuple((index, self.memory.extent(int(plan.args[index]), nbytes))  # type: ignore[arg-type]
                         for index, nbytes in touches) if touches else ()
