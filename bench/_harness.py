@@ -127,7 +127,8 @@ class Daemon:
 
 @contextlib.contextmanager
 def daemon(time_scale: float, profile_dir: Path | None = None, py_spy_dir: Path | None = None,
-           cpu: int | None = None, devices: str | None = None, policy: str | None = None) -> Iterator[Daemon]:
+           cpu: int | None = None, devices: str | None = None, policy: str | None = None,
+           dispatch: str | None = None) -> Iterator[Daemon]:
     """A private `python -m mpsd` on a short temp pipe directory; stopped with SIGTERM, which must give 0."""
     pipe_dir = Path(tempfile.mkdtemp(prefix="mpsdb-", dir="/tmp"))  # socket paths are limited to 107 bytes
     cmd = [sys.executable]
@@ -138,6 +139,8 @@ def daemon(time_scale: float, profile_dir: Path | None = None, py_spy_dir: Path 
         cmd += ["--devices", devices]
     if policy is not None:
         cmd += ["--policy", policy]
+    if dispatch is not None:
+        cmd += ["--dispatch", dispatch]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
     spy = None
     try:
@@ -307,13 +310,15 @@ def report(title: str, rows: list[tuple[str, str]], verdict: bool | None,
 
 
 def daemon_and_client(stack: contextlib.ExitStack, args: argparse.Namespace, time_scale: float,
-                      devices: str | None = None, policy: str | None = None) -> tuple[Any, Any]:
+                      devices: str | None = None, policy: str | None = None,
+                      dispatch: str | None = None) -> tuple[Any, Any]:
     """A private daemon (on the server CPU with --pin, profiled when asked, on `devices` if given) and a
     blocking client of it, both closed when `stack` closes."""
     import mpsd_client
 
     d = stack.enter_context(daemon(time_scale=time_scale, profile_dir=args.profile, py_spy_dir=args.py_spy,
-                                   cpu=SERVER_CPU if args.pin else None, devices=devices, policy=policy))
+                                   cpu=SERVER_CPU if args.pin else None, devices=devices, policy=policy,
+                                   dispatch=dispatch))
     return d, stack.enter_context(mpsd_client.connect(d.pipe_dir))
 
 

@@ -117,6 +117,7 @@ def main() -> int:
     p.add_argument("--devices", help="the daemon's --devices; cuda:N compares with direct cuda-python launches")
     p.add_argument("--policy", help="the daemon's --policy (on cuda:N any but mps puts its kernel dispatcher in the "
                                     "path, whose cost this then measures)")
+    p.add_argument("--dispatch", help="the daemon's --dispatch (kernel: the dispatcher in front of the simulator too)")
     p.add_argument("--settle", type=int, default=20000,
                    help="launches (and frames) each side makes once, before the blocks (default 20000): a fresh "
                         "daemon's first few thousand launches are a third slower, its interpreter still "
@@ -129,7 +130,7 @@ def main() -> int:
     server_cpu = h.SERVER_CPU if args.pin else None
     with contextlib.ExitStack() as stack:
         d, ctx = h.daemon_and_client(stack, args, time_scale=args.time_scale, devices=args.devices,
-                                     policy=args.policy)
+                                     policy=args.policy, dispatch=args.dispatch)
         baseline = settle = None
         if real and not args.skip_baseline:
             direct = direct_launches(int(args.devices.split(":")[1]))
@@ -170,7 +171,7 @@ def main() -> int:
                                   f"completes it, timed here on the same simulator (target: under 5 us)"))
     target = REAL_TARGET if real else TARGET
     line = {"bench": "launch_rate", "n": args.n, "repeat": args.repeat, "time_scale": args.time_scale,
-            "devices": args.devices, "policy": args.policy, "rate_per_s": round(rate), "target_ratio": target,
+            "devices": args.devices, "policy": args.policy, "dispatch": args.dispatch, "rate_per_s": round(rate), "target_ratio": target,
             "daemon_cpu_us_per_launch": round(cpu_per_launch * 1e6, 2)}
     if not real:
         line["simulator_us_per_launch"] = round(share * 1e6, 2)

@@ -32,9 +32,11 @@
 #   on the stream since the last one: it is recorded when the backend's task next runs, when an event record
 #   asks for its exact place, or when other work must wait for it. One trio task polls the oldest event of each
 #   stream and tells whoever waits; it runs after the calls one read of a socket brought where the GPU had
-#   nothing pending, then every POLL while someone waits for work (spinning between looks, as trio's timers
-#   are whole milliseconds) and about every IDLE_POLL while nobody does (a stream or event query may then learn
-#   of work's end a millisecond late). The events are reused.
+#   nothing pending, then every POLL while someone waits for work, and about every IDLE_POLL while nobody does
+#   (a stream or event query may then learn of work's end a millisecond late). Between two looks while someone
+#   waits, it spins (trio's timers are whole milliseconds), querying the events already recorded at each turn
+#   of trio's loop, and the work waited for is marked when the wait begins: a wait learns of its end within a
+#   turn of the loop. The events are reused.
 #
 # Where it differs from MPS today: a green context's SMs are fixed, where MPS lets a capped client use any SMs
 # up to its cap (the windows overlap, but a client never reaches SMs outside its own); weights and MIG
@@ -67,12 +69,11 @@ __all__ = ["CudaBackend", "CudaDevice", "CudaFailure", "cuda_device_count"]
 # What MPS holds on an H200 beside the clients' allocations, measured (bench/fidelity/h200_memory.json): the
 # daemon charges them on every backend alike, so quotas mean the same on both.
 SERVER_MEMORY, CONTEXT_MEMORY = 81_172_336, 538_339_472
-# Seconds between looks at pending work: while someone waits for some of it (a synchronize, a full launch queue,
-# memory to free, the kernel dispatcher's bound), and while nobody does. A look costs the daemon an event record
-# and query per stream; a wait learns of its work's end half a POLL late on average, which a request of a few
-# short kernels feels (bench/request_cost.py: 10 us instead took 9 us off its cost on the H200, and a quarter
-# off the launch rate, bench/fidelity/dispatch_h200_spin/summary.txt); a client streaming launches with nobody
-# waiting needs its work retired only now and then.
+# Seconds between full looks at pending work (which mark what was queued since the last, an event record a
+# stream): while someone waits for some of it (a synchronize, a full launch queue, memory to free, the kernel
+# dispatcher's holding), and while nobody does. More often costs launch rate (10 us took a quarter off it,
+# bench/fidelity/dispatch_h200_spin/summary.txt); a client streaming launches with nobody waiting needs its
+# work retired only now and then.
 POLL, IDLE_POLL = 50e-6, 500e-6
 _SYNCED = object()  # in place of an event: work the backend waited for when the driver refused it one
 PORTABLE = 0x1  # CU_MEMHOSTALLOC_PORTABLE, CU_MEMHOSTREGISTER_PORTABLE: pinned for every context, green ones too
@@ -628,15 +629,32 @@ class CudaBackend:
             self._watchers -= 1
             callback()
 
+        for handle in pending:  # marked now, so that each look until it ends is only a query
+            if handle.event is None:
+                self._flush(handle.stream)
         when_all(pending, lambda pending, told: pending.waiters.append(told), done)
         self._hurry.set()
 
     def _poll(self) -> bool:
-        """Finish the work whose events have fired, and free the memory nothing may touch any more; whether
-        any work or memory is still waiting."""
-        cu = self.cu
+        """Mark the work queued since the last look, finish the work whose events have fired, and free the
+        memory nothing may touch any more; whether any work or memory is still waiting."""
         for key in list(self._open):
             self._flush(key)
+        busy = self._retire()
+        self._draining = [queue for queue in self._draining if queue]
+        if self._graves:
+            graves, self._graves = self._graves, []
+            for action, tails, pages in graves:
+                if all(pending.retired for pending in tails):
+                    action()
+                else:
+                    self._graves.append((action, tails, pages))
+        return busy or bool(self._graves) or bool(self._open)
+
+    def _retire(self) -> bool:
+        """Finish the marked work whose events have fired (one query an event); whether any marked work is
+        still running."""
+        cu = self.cu
         busy = False
         not_ready = cu.CUresult.CUDA_ERROR_NOT_READY
         for queue in (*self._queues.values(), *self._draining):
@@ -654,15 +672,7 @@ class CudaBackend:
                 self._finish(head, ended)
                 if head.owner:  # its event is back for reuse: a callback above may have recorded it again
                     fired = None
-        self._draining = [queue for queue in self._draining if queue]
-        if self._graves:
-            graves, self._graves = self._graves, []
-            for action, tails, pages in graves:
-                if all(pending.retired for pending in tails):
-                    action()
-                else:
-                    self._graves.append((action, tails, pages))
-        return busy or bool(self._graves) or bool(self._open)
+        return busy
 
     def _ended(self, context: _Context, event: Any) -> float:
         """When a fired event did, in the backend's seconds."""
@@ -716,13 +726,24 @@ class CudaBackend:
                 await self._wake.wait()
                 self._wake = trio.Event()
             elif self._watchers:
-                await _spin(POLL)
+                await self._spin()
             elif self._graves:
                 await trio.sleep(POLL)
             else:
                 self._hurry = trio.Event()
                 with trio.move_on_after(IDLE_POLL):
                     await self._hurry.wait()
+
+    async def _spin(self) -> None:
+        """Until the next full look (POLL), with the daemon's other tasks running between, finish marked work
+        as soon as its event fires: someone waits for it. No timer: trio's are whole milliseconds under epoll
+        (Python's epoll.poll rounds a timeout up to one), and a synchronize would wait that long for work long
+        done (about 1.5 ms a request on the H200, bench/fidelity/dispatch_h200). CUDA's own synchronize spins
+        too, where a process has fewer contexts than cores (cudaDeviceScheduleAuto)."""
+        deadline = time.monotonic() + POLL
+        while self._watchers and time.monotonic() < deadline:
+            await trio.lowlevel.checkpoint()
+            self._retire()
 
     def write_trace(self, index: int) -> None:
         return None
@@ -762,17 +783,6 @@ _ATTRIBUTES = {
     "clock_khz": "CLOCK_RATE", "memory_clock_khz": "MEMORY_CLOCK_RATE", "bus_width": "GLOBAL_MEMORY_BUS_WIDTH",
     "pci_domain": "PCI_DOMAIN_ID", "pci_bus": "PCI_BUS_ID", "pci_device": "PCI_DEVICE_ID",
 }
-
-
-async def _spin(seconds: float) -> None:
-    """Let `seconds` pass, the daemon's other tasks running meanwhile, with no timer: trio's timers are whole
-    milliseconds under epoll (Python's epoll.poll rounds a timeout up to one), twenty times POLL, and a client
-    whose synchronize waits on the GPU would wait that long for work long done (about 1.5 ms a request on the
-    H200, bench/fidelity/dispatch_h200). CUDA's own synchronize spins too, where a process has fewer contexts
-    than cores (cudaDeviceScheduleAuto)."""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        await trio.lowlevel.checkpoint()
 
 
 def _tell(waiters: list[Callable[[], None]]) -> None:

@@ -15,6 +15,7 @@ import time
 from typing import Callable, Iterable
 
 import trio
+import trio.testing
 
 from mpsd.backends.base import when_all
 from mpsd.clock import HOLDING, DeviceClock, Host, VirtualClock
@@ -26,6 +27,7 @@ log = logging.getLogger("mpsd.backends.engine")
 MAX_INSTANTS_PER_STEP = 16
 # Calls and instants the virtual clock applies before the engine lets other tasks run.
 MAX_VIRTUAL_STEPS = 64
+TIMER_STEP = 1e-3  # what a trio timer may oversleep by, under epoll
 DEFAULT_IDLE_GRACE = 0.5  # wall seconds of silence after which a holding client counts as idle
 
 
@@ -157,16 +159,27 @@ class Engine:
         self._clock = trio.lowlevel.current_clock()  # trio's clock for this run (a test's MockClock, say)
         self._origin = self._clock.current_time() - self.device_clock.now / self.time_scale
         task_status.started()
+        # trio's timers are whole milliseconds under epoll (a timeout rounds up): on the real clock, while
+        # someone waits for work, the engine waits with one to within a millisecond of the next event, then
+        # spins to it (letting the other tasks run), so that a completion is told when it is due, not up to a
+        # millisecond after.
+        real = not isinstance(self._clock, trio.testing.MockClock)
         while True:
             next_time = self.device_clock.next_time()
             deadline = math.inf if next_time is None else self._origin + next_time / self.time_scale
-            with trio.move_on_at(deadline) as waited:
+            spin = TIMER_STEP if real and self._waiters else 0.0
+            with trio.move_on_at(deadline - spin) as waited:
                 await self._wake.wait()
+            due = waited.cancelled_caught
+            if due and spin:
+                while not self._wake.is_set() and trio.current_time() < deadline:
+                    await trio.lowlevel.checkpoint()
+                due = not self._wake.is_set()
             self._wake = trio.Event()
             # Woken by the deadline: the next event is due, even where rounding (origin + t / scale, and back)
             # puts the clock a hair short of it. Under a clock that stands still while we loop (trio's
             # MockClock, in tests) we would otherwise spin at that instant for ever.
-            self.catch_up(next_time if waited.cancelled_caught else None)
+            self.catch_up(next_time if due else None)
 
 
 class VirtualEngine(Engine):

@@ -17,14 +17,18 @@
 #   free beside what is already released. A device whose queue holds no blocks of work that is not running lets
 #   the next urgent kernel start as soon as blocks end, and lets a policy choose among clients each time room opens:
 #   a block, once it runs, cannot be preempted, and neither a GPU nor the simulator's `mps` will reorder them;
-# - the bound is there for the others: a client alone on the device has none, and a policy may lift it for a
-#   client no other can be more urgent than (`KernelPolicy.bounded`: priority's most urgent). Each kernel held
-#   back costs the device the time it takes to learn that the one before it ended (a poll, on a GPU).
+# - the bound is there for the others: a client alone on the device is pass-through (no policy is asked: it has
+#   no one to give way to), and a policy may lift the bound for a client no other can be more urgent than
+#   (`KernelPolicy.bounded`: priority's most urgent), whose runs then go whole. Each kernel held back costs the
+#   device the time it takes to learn that the one before it ended (a poll, on a GPU);
+# - released work is not watched kernel by kernel: what has ended is read from the work itself whenever the
+#   dispatcher next decides, and only while it holds something back does it ask the backend to say when a
+#   stream's oldest released work ends (on a GPU a watch makes the backend look often, and costs the daemon a
+#   callback a kernel: a quarter of a launch's cost through the dispatcher).
 """The kernel-level dispatcher."""
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import math
@@ -67,6 +71,18 @@ class _Item:
     queued_at: float  # the device's clock when it came
 
 
+@dataclass(eq=False, slots=True)
+class _Flight:
+    """Work released to the backend and not yet seen to end."""
+
+    work: Work
+    count: int  # kernels it stands for (none for an event record)
+    stream_priority: int
+    sms: int  # its footprint, counted in Dispatcher.busy
+    released_at: float
+    watched: bool = False  # the backend calls back when it ends
+
+
 @dataclass(eq=False)
 class Tenant:
     """What the dispatcher knows of one client, and what a policy reads.
@@ -93,6 +109,8 @@ class Tenant:
     queues: dict[tuple[int, int], deque[_Item]] = field(default_factory=dict, repr=False)
     # stream priority -> its released kernels not yet ended, so that work on the device keeps its urgency
     running: dict[int, int] = field(default_factory=dict, repr=False)
+    # per stream, its released work not yet seen to end, oldest first (a stream's work ends in its order)
+    flights: dict[tuple[int, int], deque[_Flight]] = field(default_factory=dict, repr=False)
 
     def head(self) -> _Item | None:
         """The item it would release next: among its streams' heads whose dependencies are released, the most
@@ -142,7 +160,6 @@ class Dispatcher:
         self.tenants: dict[int, Tenant] = {}
         self._seq = itertools.count()
         self._waiters: dict[Work, list[Callable[[], None]]] = {}  # held work -> told once it is done
-        self._released_at: dict[Work, float] = {}
         props = backend.properties(0)
         self.sms = int(props["multiprocessor_count"])
         self._sm_limits = (int(props["max_blocks_per_multiprocessor"]), int(props["max_threads_per_multiprocessor"]),
@@ -189,7 +206,9 @@ class Dispatcher:
 
     def forget(self, client: int) -> None:
         self._drop(client)
-        self.tenants.pop(client, None)
+        tenant = self.tenants.pop(client, None)
+        if tenant is not None:  # what it left on the device no longer counts (the backend let it go)
+            self.busy -= sum(f.sms for flights in tenant.flights.values() for f in flights)
         self.inner.forget(client)
         self._pump()
 
@@ -252,8 +271,10 @@ class Dispatcher:
         return head is not None and (self.busy == 0 or self.busy + self.footprint(head.work) <= self.sms)
 
     def _pump(self, raising: _Item | None = None) -> None:
-        """Release work while the policy picks a client. Re-entered from a completion the backend reports during
-        a release, it leaves the work to the loop already running."""
+        """Release work while the policy picks a client, having first counted what has ended; then, while
+        anything is held, watch each stream's oldest released work, so that its end decides again. Re-entered
+        from a completion the backend reports during a release, it leaves the work to the loop already
+        running."""
         if self._pumping:
             self._again = True
             return
@@ -261,24 +282,46 @@ class Dispatcher:
         try:
             while True:
                 self._again = False
+                self._reap()
                 self._release_records(raising)
-                # The bound holds back a client's work only where another's could come to wait behind it.
-                alone, rule, bound = len(self.tenants) == 1, self.rule, self.in_flight
-                ready = [t for t in self.tenants.values() if t.queued and (
-                    t.in_flight < bound or alone or not rule.bounded(t, self))]
-                ready = [t for t in ready if t.head() is not None]
-                chosen = self.rule.pick(self, ready) if ready else None
-                if chosen is None and ready and not any(t.in_flight for t in self.tenants.values()):
-                    # Never idle while work could go: what a policy holds may be what the work it favours
-                    # waits for (an event recorded on a held stream).
-                    chosen = min(ready, key=lambda t: t.head().seq)  # type: ignore[union-attr]
+                if len(self.tenants) == 1:  # alone: nobody to give way to, so no policy and no bound
+                    (tenant,) = self.tenants.values()
+                    while tenant.queued and tenant.head() is not None:
+                        self._release(tenant, raising, whole=True)
+                        self._release_records(raising)
+                    chosen = None
+                else:
+                    chosen, whole = self._choose()
                 if chosen is None:
                     if self._again:
                         continue
                     break
-                self._release(chosen, raising)
+                self._release(chosen, raising, whole=whole)
+            if any(t.queued for t in self.tenants.values()):
+                self._watch()
         finally:
             self._pumping = False
+
+    def _choose(self) -> tuple[Tenant | None, bool]:
+        """The policy's pick among the clients with releasable work and room under their bound, and whether
+        the pick is unbounded (its runs then go whole)."""
+        rule, bound = self.rule, self.in_flight
+        ready, unbounded = [], set()
+        for t in self.tenants.values():
+            if t.queued and t.head() is not None:
+                if t.in_flight >= bound and rule.bounded(t, self):
+                    continue
+                ready.append(t)
+                if not rule.bounded(t, self):
+                    unbounded.add(t.id)
+        if not ready:
+            return None, False
+        chosen = rule.pick(self, ready)
+        if chosen is None and not any(t.in_flight for t in self.tenants.values()):
+            # Never idle while work could go: what a policy holds may be what the work it favours waits for
+            # (an event recorded on a held stream).
+            chosen = min(ready, key=lambda t: t.head().seq)  # type: ignore[union-attr]
+        return chosen, chosen is not None and chosen.id in unbounded
 
     def _release_records(self, raising: _Item | None) -> None:
         """Event records and waits at a stream's head go at once, outside the policy and the bound: they take
@@ -289,16 +332,18 @@ class Dispatcher:
                         a.handle is not None for a in queue[0].work.after):
                     self._release(tenant, raising, queue[0])
 
-    def _release(self, tenant: Tenant, raising: _Item | None, item: _Item | None = None) -> None:
+    def _release(self, tenant: Tenant, raising: _Item | None, item: _Item | None = None,
+                 whole: bool = False) -> None:
         item = item or tenant.head()
         assert item is not None
         work = item.work
-        # One kernel a pick, a run's too, so that each is the policy's choice (and runs are where it is
-        # pass-through: without a dispatcher).
-        n = 1
-        if n < item.count:  # part of a run goes: a copy of the launch stands for it
-            part = dataclasses.replace(work, handle=None)  # type: ignore[type-var]
-            work.after = ()
+        # One kernel a pick, a run's too, so that each is the policy's choice; an unbounded client's run goes
+        # whole (as without a dispatcher).
+        n = item.count if whole else 1
+        if n < item.count:  # part of a run goes: a copy of the launch (only launches make runs) stands for it
+            assert isinstance(work, Launch)
+            part = Launch.of(work.client, work.stream, work.priority, work.sm_cap, work.plan, work.extents)
+            part.after, work.after = work.after, ()
             item.count -= n
         else:
             tenant.queues[work.stream].popleft()
@@ -322,28 +367,50 @@ class Dispatcher:
         tenant.released += n
         tenant.running[item.stream_priority] = tenant.running.get(item.stream_priority, 0) + n
         self.busy += sms
-        self._released_at[part] = self.inner.now()
+        flights = tenant.flights.get(part.stream)
+        if flights is None:
+            flights = tenant.flights[part.stream] = deque()
+        flights.append(_Flight(part, n, item.stream_priority, sms, self.inner.now()))
         self._tell_held(part)
-        self.inner.when_done((part,), lambda: self._ended(tenant, part, n, item.stream_priority, sms))
 
     def _tell_held(self, work: Work) -> None:
         for told in self._waiters.pop(work, ()):
             self._wait(work, told)
 
-    def _ended(self, tenant: Tenant, work: Work, n: int, stream_priority: int, sms: int) -> None:
+    def _reap(self) -> None:
+        """Count the released work that has ended (or was cancelled), in the order it ended."""
+        ended: list[tuple[Tenant, _Flight]] = []
+        for tenant in self.tenants.values():
+            for flights in tenant.flights.values():
+                while flights and flights[0].work.done:
+                    ended.append((tenant, flights.popleft()))
+        if len(ended) > 1:
+            ended.sort(key=lambda e: (e[1].work.ended, e[1].released_at))  # nan (cancelled) sorts anywhere
+        for tenant, flight in ended:
+            self._ended(tenant, flight)
+
+    def _watch(self) -> None:
+        """Ask the backend to say when each stream's oldest released work ends."""
+        for tenant in self.tenants.values():
+            for flights in tenant.flights.values():
+                if flights and not flights[0].watched:
+                    flights[0].watched = True
+                    self.inner.when_done((flights[0].work,), self._pump)
+
+    def _ended(self, tenant: Tenant, flight: _Flight) -> None:
+        n, work = flight.count, flight.work
         tenant.in_flight -= n
-        tenant.running[stream_priority] -= n
-        self.busy -= sms
-        released = self._released_at.pop(work, math.nan)
+        tenant.running[flight.stream_priority] -= n
+        self.busy -= flight.sms
         ended = work.ended
         if ended == ended and isinstance(work, Launch):  # a kernel that completed: its device time counts
-            start = max(released, tenant.last_end)
+            start = max(flight.released_at, tenant.last_end)
             tenant.gpu_ns += max(0, round((ended - start) * 1e9))
             tenant.last_end = max(tenant.last_end, ended)
         self.rule.ended(tenant, self)
-        self._pump()
 
     def dispatch_statistics(self) -> dict[str, Any]:
         """Per client: work held (a run counts its kernels), kernels in flight and released, device seconds."""
+        self._reap()
         return {t.id: {"queued": sum(item.count for q in t.queues.values() for item in q), "in_flight": t.in_flight,
                        "released": t.released, "gpu_time": t.gpu_time} for t in self.tenants.values()}
