@@ -352,6 +352,60 @@ def test_a_killed_clients_running_kernel_stalls_nobody(backend_daemon):
         holder.communicate(timeout=30)
 
 
+BEST_EFFORT = """
+import sys
+import mpsd_client
+ctx = mpsd_client.connect()
+s = ctx.create_stream()
+for _ in range(20):
+    ctx.launch("spin", 264, 1024, [2_000_000], stream=s)   # full waves of about a millisecond each on an H200
+print("queued", flush=True)
+with ctx.idle():  # the others go on meanwhile, under the virtual clock too
+    sys.stdin.readline()
+s.synchronize()
+"""
+
+
+@pytest.mark.parametrize("policy", ["priority", "round-robin", "fair", "timeslice", "exclusive"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_each_kernel_policy_keeps_the_streams_order_beside_held_work(backend, policy, daemon_factory):
+    """The kernel dispatcher on both backends, under each policy: beside another client's 20 full waves (held
+    in the daemon: the bound lets two of them on the device), a client's fill and two saxpys of its buffer
+    with itself, on two streams joined by an event, give 9 only in their order; under `priority` they wait
+    for no more than the best-effort waves already on the device, under `exclusive` for all of them."""
+    daemon = start_daemon(*backend, "--policy", policy, "--dispatch", "kernel")
+    daemon_factory.append(daemon)
+    with mpsd_client.connect(daemon.pipe_dir) as ctx:
+        be = spawn_worker(BEST_EFFORT, daemon.pipe_dir, env={"CUDA_MPS_CLIENT_PRIORITY": "1"})
+        try:
+            with ctx.idle():
+                assert be.stdout.readline() == "queued\n", be.stderr.read()
+            p = ctx.malloc(4 * N)
+            first, second = ctx.create_stream(priority=-5), ctx.create_stream(priority=-5)
+            start, end = ctx.create_event(), ctx.create_event()
+            start.record(first)
+            ctx.launch("fill_f32", 64, 256, [p, 1.0, N], stream=first)
+            filled = ctx.create_event(disable_timing=True)
+            filled.record(first)
+            second.wait_event(filled)
+            for _ in range(2):
+                ctx.launch("saxpy_f32", 64, 256, [2.0, p, p, N], stream=second)
+            end.record(second)
+            end.synchronize()
+            waited = start.elapsed_ms(end)
+            assert (_floats(ctx, p) == 9.0).all()
+            be.stdin.write("go\n")
+            be.stdin.flush()
+            assert be.wait(60) == 0, be.stderr.read()
+        finally:
+            be.kill()
+            be.communicate(timeout=30)
+    if policy == "priority":
+        assert waited < 5.0
+    if policy == "exclusive":
+        assert waited > 15.0
+
+
 @pytest.mark.skipif(cuda_device_count() == 0, reason="no GPU here (cuda-python and a driver are needed)")
 def test_capped_clients_get_the_green_contexts_of_windows_placed_all_together_on_a_real_gpu():
     """Two clients at 50% and one at 25%, arriving one by one, end in green contexts of windows that are as good
