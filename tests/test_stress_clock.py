@@ -71,6 +71,11 @@ def test_real_processes_and_the_model_alone_print_the_same_figures(path, policy)
                   for key in a if a[key] != b.get(key)]
         assert not differ
         assert real_run == alone_run
+    if path.stem == "many_small_tenants":  # the scale: 64 tenant processes against one daemon, 2 cores
+        (run,) = real_runs.values()
+        assert len(run["tenants"]) == 64
+        assert all(t["completed"] > 0 and t["errors"] == 0 for t in run["tenants"])
+        assert run["quota_violations"] == 0
 
 
 def test_same_file_same_json_on_a_loaded_host(tmp_path):

@@ -90,29 +90,6 @@ def test_a_small_mix_with_real_processes(tmp_path):
         assert lo - 0.005 <= k.submitted and k.ended <= hi + 0.005
 
 
-def test_sixty_four_tenant_processes(tmp_path):
-    """The issue's scale: 64 concurrent tenant processes against one daemon on this 2-core machine."""
-    (tmp_path / "many.toml").write_text("""
-[run]
-duration = 0.2
-[[tenant]]
-name = "small"
-count = 64
-think_ms = 10
-[[tenant.kernel]]
-name = "spin"
-grid = 4
-block = 256
-duration_ms = 0.1
-""")
-    done = stress(str(tmp_path / "many.toml"), "--no-solo", "--json", str(tmp_path / "out.json"))
-    assert done.returncode == 0, done.stderr
-    run = json.loads((tmp_path / "out.json").read_text())["runs"]["mps"]
-    assert len(run["tenants"]) == 64
-    assert all(t["completed"] > 0 and t["errors"] == 0 for t in run["tenants"])
-    assert run["quota_violations"] == 0
-
-
 def test_bad_workload_is_a_usage_error(tmp_path):
     (tmp_path / "bad.toml").write_text("[[tenant]]\nname = 'x'\n")
     done = stress(str(tmp_path / "bad.toml"))

@@ -1,13 +1,18 @@
-"""One workload three ways on the H200 machine: through mpsd on the real GPU (`--devices cuda:0`), through mpsd on
-the simulated H200 (`--clock virtual`, so its figures are an H200's whatever the host), and straight on the GPU
+"""Sharing three ways on the H200 machine: through mpsd on the real GPU (`--devices cuda:0`), through mpsd on the
+simulated H200 (`--clock virtual`, so its figures are an H200's whatever the host), and straight on the GPU
 under real MPS (`nvidia-cuda-mps-control -d`, each process its own CUDA client with cuda-python), side by side.
 
-    python3 bench/fidelity/crosscheck.py [--processes 1,2,4] [--kernels 20] [--atp 50] [--json FILE]
+    python3 bench/fidelity/crosscheck.py [--only NAME,...] [--json FILE]      # every scenario by default
+    python3 bench/fidelity/crosscheck.py --list
 
-The workload: P processes start together; each launches K full waves of `spin` (264 blocks of 1024 threads, each
-block spinning 1 ms of the H200's clock) back to back on its default stream, then synchronises. A process's
-figure is the time from its first launch to the return of its synchronise; the row is their mean. Under MPS the
-P processes' waves share the SMs, so the mean grows with P; the model predicts by how much.
+A scenario is a few tenant processes started together, each with its own active thread percentage (or none).
+A batch tenant launches full waves of a kernel back to back on its default stream (`spin`: 264 blocks of 1024
+threads, each spinning 1 ms of the H200's clock; `work`: 132 blocks of 1024 threads of arithmetic), then
+synchronises: its figure is the time from its first launch to the return of its synchronise. A latency tenant
+makes requests of one small kernel (8 blocks of 128 threads spinning 0.1 ms) and a synchronise, 2 ms apart,
+while the others run: its figures are its requests' p50 and p99. Under MPS a cap bounds the SMs a tenant's
+kernels may use, and tenants share the SMs they leave each other; issue 33 wants mpsd on cuda:0 within 5% of
+real MPS on every batch figure and 15% on every latency figure, and the model too.
 """
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ import sys
 import tempfile
 import textwrap
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,53 +34,111 @@ sys.path.insert(0, str(ROOT))
 from mpsd.sim import H200  # noqa: E402
 
 CYCLES = int(H200.clock_hz * 1e-3)  # 1 ms of the H200's SM clock
-GRID, BLOCK = 264, 1024
+WORK_ITERATIONS = 100_000
+KERNELS = {"spin": (264, 1024, CYCLES), "work": (132, 1024, WORK_ITERATIONS),
+           "probe": (8, 128, CYCLES // 10)}
+BATCH_TOLERANCE, LATENCY_TOLERANCE = 0.05, 0.15
+
+
+@dataclass(frozen=True)
+class Tenant:
+    kernel: str = "spin"  # spin or work: a batch tenant; probe: a latency tenant
+    count: int = 10  # waves (batch) or requests (latency)
+    atp: float | None = None  # CUDA_MPS_ACTIVE_THREAD_PERCENTAGE
+    gap_ms: float = 2.0  # a latency tenant's pause between requests
+
+
+def _scenarios() -> dict[str, list[Tenant]]:
+    out: dict[str, list[Tenant]] = {}
+    for p in (1, 2, 4):
+        out[f"{p} x spin"] = [Tenant()] * p
+    for atp in (10, 20, 25, 30, 33, 40, 50, 60, 75, 90):
+        out[f"spin at {atp}%"] = [Tenant(atp=atp)]
+    for atp in (10, 25, 50, 90):
+        out[f"work at {atp}%"] = [Tenant("work", 20, atp)]
+    for kernel, count in (("spin", 10), ("work", 20)):
+        out[f"3 x {kernel} at 50%"] = [Tenant(kernel, count, 50)] * 3
+        out[f"4 x {kernel} at 25%"] = [Tenant(kernel, count, 25)] * 4
+        out[f"{kernel} at 50% beside uncapped"] = [Tenant(kernel, count, 50), Tenant(kernel, count)]
+    for atp in (None, 50):
+        out["latency beside spin" + (f" at {atp}%" if atp else "")] = [Tenant("probe", 40), Tenant("spin", 120, atp)]
+    return out
+
+
+SCENARIOS = _scenarios()
 
 # A tenant through mpsd: the same program under either clock (ctx.clock() is wall time on a real GPU).
 MPSD_WORKER = """
-import sys, time, mpsd_client
-kernels, cycles, virtual = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "virtual"
+import json, sys, time, mpsd_client
+kernel, grid, block, arg, count, gap, virtual = json.loads(sys.argv[1])
 ctx = mpsd_client.connect()
 ctx.launch("spin", 1, 32, [0]); ctx.synchronize()            # warm
 print("ready", flush=True)
-sys.stdin.readline()                                          # go
+with ctx.idle():                                              # the others go on meanwhile (virtual clock)
+    sys.stdin.readline()                                      # go
 if virtual:
     ctx.sleep(max(0.0, 1.0 - ctx.clock()))                    # everyone starts at simulated second 1
 clock = ctx.clock if virtual else time.perf_counter
-t0 = clock()
-for _ in range(kernels):
-    ctx.launch("spin", %d, %d, [cycles])
-ctx.synchronize()
-print((clock() - t0) * 1e3, flush=True)
-""" % (GRID, BLOCK)
+out = []
+if kernel == "probe":
+    for _ in range(count):
+        t0 = clock()
+        ctx.launch("spin", grid, block, [arg]); ctx.synchronize()
+        out.append((clock() - t0) * 1e3)
+        ctx.sleep(gap)
+else:
+    t0 = clock()
+    for _ in range(count):
+        ctx.launch(kernel, grid, block, [arg])
+    ctx.synchronize()
+    out.append((clock() - t0) * 1e3)
+print(json.dumps(out), flush=True)
+"""
 
 # A tenant straight on the GPU with cuda-python: under real MPS when the control daemon runs.
 CUDA_WORKER = """
-import ctypes, sys, time
+import ctypes, json, sys, time
 from mpsd.backends.cuda import CudaBackend
-kernels, cycles = int(sys.argv[1]), int(sys.argv[2])
+kernel, grid, block, arg, count, gap, virtual = json.loads(sys.argv[1])
 gpu = CudaBackend(0)
-cu, spin = gpu.cu, gpu._functions["spin"]
-arg = ctypes.c_int64(cycles)
-params = (ctypes.c_void_p * 1)(ctypes.addressof(arg))
+cu = gpu.cu
+function = gpu._functions["spin" if kernel == "probe" else kernel]
+value = ctypes.c_int64(arg)
+params = (ctypes.c_void_p * 1)(ctypes.addressof(value))
 zero = ctypes.c_int64(0)
 warm = (ctypes.c_void_p * 1)(ctypes.addressof(zero))
-cu.cuLaunchKernel(spin, 1, 1, 1, 32, 1, 1, 0, 0, ctypes.addressof(warm), 0); cu.cuCtxSynchronize()
+cu.cuLaunchKernel(gpu._functions["spin"], 1, 1, 1, 32, 1, 1, 0, 0, ctypes.addressof(warm), 0); cu.cuCtxSynchronize()
 print("ready", flush=True)
 sys.stdin.readline()
-t0 = time.perf_counter()
-for _ in range(kernels):
-    cu.cuLaunchKernel(spin, %d, 1, 1, %d, 1, 1, 0, 0, ctypes.addressof(params), 0)
-cu.cuCtxSynchronize()
-print((time.perf_counter() - t0) * 1e3, flush=True)
-""" % (GRID, BLOCK)
+out = []
+if kernel == "probe":
+    for _ in range(count):
+        t0 = time.perf_counter()
+        cu.cuLaunchKernel(function, grid, 1, 1, block, 1, 1, 0, 0, ctypes.addressof(params), 0)
+        cu.cuCtxSynchronize()
+        out.append((time.perf_counter() - t0) * 1e3)
+        time.sleep(gap)
+else:
+    t0 = time.perf_counter()
+    for _ in range(count):
+        cu.cuLaunchKernel(function, grid, 1, 1, block, 1, 1, 0, 0, ctypes.addressof(params), 0)
+    cu.cuCtxSynchronize()
+    out.append((time.perf_counter() - t0) * 1e3)
+print(json.dumps(out), flush=True)
+"""
 
 
-def run_tenants(code: str, processes: int, kernels: int, env: dict[str, str], mode: str) -> list[float]:
-    """Start `processes` tenants, let them all get ready, start them together; each one's milliseconds."""
-    procs = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), str(kernels), str(CYCLES), mode],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-             for _ in range(processes)]
+def run_tenants(code: str, tenants: list[Tenant], env: dict[str, str], virtual: bool) -> list[list[float]]:
+    """Start the tenants, let them all get ready, start them together; each one's milliseconds."""
+    procs = []
+    for t in tenants:
+        grid, block, arg = KERNELS[t.kernel]
+        spec = json.dumps([t.kernel, grid, block, arg, t.count, t.gap_ms / 1e3, virtual])
+        own = dict(env)
+        if t.atp is not None:
+            own["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = f"{t.atp:g}"
+        procs.append(subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), spec],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=own))
     try:
         for p in procs:
             line = p.stdout.readline()  # type: ignore[union-attr]
@@ -83,13 +147,13 @@ def run_tenants(code: str, processes: int, kernels: int, env: dict[str, str], mo
         for p in procs:
             p.stdin.write("go\n")  # type: ignore[union-attr]
             p.stdin.flush()  # type: ignore[union-attr]
-        return [float(p.stdout.readline()) for p in procs]  # type: ignore[union-attr]
+        return [json.loads(p.stdout.readline()) for p in procs]  # type: ignore[union-attr]
     finally:
         for p in procs:
             p.wait(timeout=120)
 
 
-def with_daemon(args: list[str], processes: int, kernels: int, mode: str, base: dict[str, str]) -> list[float]:
+def with_daemon(args: list[str], tenants: list[Tenant], virtual: bool, base: dict[str, str]) -> list[list[float]]:
     pipe = Path(tempfile.mkdtemp(prefix="mpsdx-", dir="/tmp"))
     daemon = subprocess.Popen([sys.executable, "-m", "mpsd", "--pipe-dir", str(pipe), *args],
                               stderr=subprocess.PIPE, text=True, env=base)
@@ -99,51 +163,87 @@ def with_daemon(args: list[str], processes: int, kernels: int, mode: str, base: 
                 break
         else:
             raise RuntimeError("the daemon did not start")
-        return run_tenants(MPSD_WORKER, processes, kernels, dict(base, CUDA_MPS_PIPE_DIRECTORY=str(pipe)), mode)
+        return run_tenants(MPSD_WORKER, tenants, dict(base, CUDA_MPS_PIPE_DIRECTORY=str(pipe)), virtual)
     finally:
         daemon.terminate()
         daemon.wait(timeout=30)
         shutil.rmtree(pipe, ignore_errors=True)
 
 
-def with_real_mps(processes: int, kernels: int, base: dict[str, str]) -> list[float]:
+def with_real_mps(tenants: list[Tenant], base: dict[str, str]) -> list[list[float]]:
     pipe = Path(tempfile.mkdtemp(prefix="mps-", dir="/tmp"))
     env = dict(base, CUDA_MPS_PIPE_DIRECTORY=str(pipe), CUDA_MPS_LOG_DIRECTORY=str(pipe))
     subprocess.run(["nvidia-cuda-mps-control", "-d"], env=env, check=True)
     try:
         time.sleep(0.5)
-        return run_tenants(CUDA_WORKER, processes, kernels, env, "mps")
+        return run_tenants(CUDA_WORKER, tenants, env, False)
     finally:
         subprocess.run(["nvidia-cuda-mps-control"], input="quit\n", text=True, env=env, timeout=30)
         time.sleep(0.5)
         shutil.rmtree(pipe, ignore_errors=True)
 
 
+RUNS = {
+    "mps": with_real_mps,
+    "cuda": lambda tenants, base: with_daemon(["--devices", "cuda:0"], tenants, False, base),
+    "model": lambda tenants, base: with_daemon(["--devices", "h200", "--clock", "virtual", "--idle-grace", "30"],
+                                               tenants, True, base),
+}
+
+
+def figures(tenant: Tenant, samples: list[float]) -> dict[str, float]:
+    """A batch tenant's ms, or a latency tenant's p50 and p99 ms."""
+    if tenant.kernel != "probe":
+        return {"ms": samples[0]}
+    ordered = sorted(samples)
+    return {"p50 ms": ordered[len(ordered) // 2], "p99 ms": ordered[min(len(ordered) - 1, round(0.99 * len(ordered)))]}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--processes", default="1,2,4")
-    parser.add_argument("--kernels", type=int, default=20)
-    parser.add_argument("--atp", type=float, help="every tenant's CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
+    parser.add_argument("--only", help="comma-separated scenario names (see --list)")
+    parser.add_argument("--list", action="store_true", help="print the scenarios and stop")
+    parser.add_argument("--modes", default="mps,cuda,model",
+                        help="which of mps (real MPS), cuda (mpsd on cuda:0), model (mpsd on the simulated H200)")
     parser.add_argument("--json", type=Path)
     options = parser.parse_args()
-    base = dict(os.environ)
-    if options.atp is not None:
-        base["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = f"{options.atp:g}"
+    if options.list:
+        for name, tenants in SCENARIOS.items():
+            print(f"{name}: {tenants}")
+        return 0
+    names = list(SCENARIOS) if options.only is None else options.only.split(",")
+    unknown = [n for n in names if n not in SCENARIOS]
+    if unknown:
+        parser.error(f"no such scenario: {', '.join(unknown)} (see --list)")
+    modes = options.modes.split(",")
+    if not modes or not set(modes) <= set(RUNS):
+        parser.error(f"--modes takes some of {', '.join(RUNS)}")
+    base = {k: v for k, v in os.environ.items() if k != "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"}
     rows: list[dict[str, Any]] = []
-    print(f"{options.kernels} full waves of 1-ms spin blocks ({GRID} x {BLOCK}) per process, mean ms per process"
-          + (f", active thread percentage {options.atp:g}" if options.atp is not None else ""))
-    print(f"{'P':>2}  {'real MPS':>10}  {'mpsd cuda:0':>12}  {'mpsd model':>11}  {'cuda/MPS':>8}  {'model/MPS':>9}")
-    for p in (int(x) for x in options.processes.split(",")):
-        real = with_real_mps(p, options.kernels, base)
-        cuda = with_daemon(["--devices", "cuda:0"], p, options.kernels, "wall", base)
-        model = with_daemon(["--devices", "h200", "--clock", "virtual", "--idle-grace", "30"], p, options.kernels,
-                            "virtual", base)
-        mean = {k: sum(v) / len(v) for k, v in (("mps", real), ("cuda", cuda), ("model", model))}
-        rows.append({"processes": p, "kernels": options.kernels, "atp": options.atp, "real_mps_ms": real,
-                     "mpsd_cuda_ms": cuda,
-                     "mpsd_model_ms": model, "means": mean})
-        print(f"{p:>2}  {mean['mps']:>10.3f}  {mean['cuda']:>12.3f}  {mean['model']:>11.3f}  "
-              f"{mean['cuda'] / mean['mps']:>8.3f}  {mean['model'] / mean['mps']:>9.3f}", flush=True)
+    worst: dict[str, float] = {}
+    print(f"{'scenario':<32} {'tenant':>6} {'figure':>7} " + " ".join(f"{m:>9}" for m in modes)
+          + "".join(f" {m + '/mps':>10}" for m in modes if m != "mps" and "mps" in modes))
+    for name in names:
+        tenants = SCENARIOS[name]
+        runs = {mode: RUNS[mode](tenants, base) for mode in modes}
+        for i, tenant in enumerate(tenants):
+            got = {mode: figures(tenant, samples[i]) for mode, samples in runs.items()}
+            for figure in got[modes[0]]:
+                row = {"scenario": name, "tenant": i, "spec": asdict(tenant), "figure": figure,
+                       **{mode: got[mode][figure] for mode in modes}}
+                tolerance = LATENCY_TOLERANCE if tenant.kernel == "probe" else BATCH_TOLERANCE
+                ratios = ""
+                for mode in modes:
+                    if mode != "mps" and "mps" in modes:
+                        ratio = row[f"{mode}/mps"] = row[mode] / row["mps"]
+                        worst[mode] = max(worst.get(mode, 0.0), abs(ratio - 1) / tolerance)
+                        ratios += f" {ratio:>10.3f}"
+                rows.append(row)
+                print(f"{name:<32} {i:>6} {figure:>7} " + " ".join(f"{row[m]:>9.3f}" for m in modes) + ratios,
+                      flush=True)
+    if worst:
+        print(f"worst, as a share of its tolerance ({BATCH_TOLERANCE:.0%} batch, {LATENCY_TOLERANCE:.0%} latency;"
+              " at most 1 meets issue 33): " + ", ".join(f"{m} {w:.2f}" for m, w in worst.items()))
     if options.json is not None:
         options.json.write_text(json.dumps(rows, indent=1) + "\n")
     return 0

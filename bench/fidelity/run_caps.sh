@@ -17,7 +17,7 @@ if kill -0 $bench 2>/dev/null; then  # stuck: the stacks of it and of its daemon
 fi
 wait $bench
 tail -14 "$OUT/launch_rate.txt"
-timeout 90 python3 bench/fidelity/crosscheck.py --processes 1,2,3 --atp 50 --json "$OUT/crosscheck_atp50.json" 2>&1 \
+timeout 90 python3 bench/fidelity/crosscheck.py --only "spin at 50%,3 x spin at 50%" --json "$OUT/crosscheck_atp50.json" 2>&1 \
     | tee "$OUT/crosscheck_atp50.txt"
 timeout 70 bash bench/fidelity/run_backends.sh 2>&1 | tail -6
 for name in inference_training bandwidth; do
