@@ -88,6 +88,7 @@ def raw(sock: Any, reader: h.FrameReader, launches: int) -> Callable[[int, int],
 def main() -> int:
     p = h.parser(__doc__.splitlines()[0], n=500, repeat=5, warmup=50)
     p.add_argument("--devices", help="the daemon's --devices; cuda:N compares with the same calls by cuda-python")
+    p.add_argument("--dispatch", help="the daemon's --dispatch (kernel: the dispatcher in front of the simulator too)")
     p.add_argument("--policy", help="the daemon's --policy (on cuda:N any but mps puts its kernel dispatcher in "
                                     "the path)")
     p.add_argument("--launches", type=int, default=2, help="launches a request (default 2)")
@@ -98,7 +99,8 @@ def main() -> int:
     h.prepare_dirs(args)
     started = time.monotonic()
     with contextlib.ExitStack() as stack:
-        _, ctx = h.daemon_and_client(stack, args, time_scale=1.0, devices=args.devices, policy=args.policy)
+        _, ctx = h.daemon_and_client(stack, args, time_scale=1.0, devices=args.devices, policy=args.policy,
+                                     dispatch=args.dispatch)
         baseline = None
         if real and not args.skip_baseline:
             baseline = direct(int(args.devices.split(":")[1]), args.launches, cycles)

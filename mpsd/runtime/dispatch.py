@@ -251,24 +251,28 @@ class Dispatcher:
         else:
             self.inner.when_done((work,), told)
 
-    def footprint(self, work: Work) -> int:
+    def footprint(self, work: Work, spread: bool = False) -> int:
         """The SMs a kernel occupies while it runs: its blocks over as many SMs as they fill (by the threads and
-        shared memory they take; registers as the built-in kernels use them), within its client's SM cap. Copies,
-        memsets and event records take none."""
+        shared memory they take; registers as the built-in kernels use them), or with `spread` one SM a block,
+        within its client's SM cap. Copies, memsets and event records take none."""
         if not isinstance(work, Launch):
             return 0
-        blocks_per_sm, threads_per_sm, smem_per_sm = self._sm_limits
         plan = work.plan
-        per_sm = min(blocks_per_sm, threads_per_sm // max(1, plan.threads),
-                     smem_per_sm // plan.shared_mem if plan.shared_mem else blocks_per_sm)
         blocks = plan.blocks
         cap = self.sms if work.sm_cap is None else min(self.sms, work.sm_cap)
+        if spread:
+            return min(cap, blocks)
+        blocks_per_sm, threads_per_sm, smem_per_sm = self._sm_limits
+        per_sm = min(blocks_per_sm, threads_per_sm // max(1, plan.threads),
+                     smem_per_sm // plan.shared_mem if plan.shared_mem else blocks_per_sm)
         return min(cap, -(-blocks // max(1, per_sm)))
 
     def room_for(self, tenant: Tenant) -> bool:
-        """Whether `tenant`'s next kernel would run at once beside the work released (or the device is idle)."""
+        """Whether `tenant`'s next kernel would run at once beside the work released (or the device is idle),
+        counted as the policy counts its SMs (`KernelPolicy.spread`)."""
         head = tenant.head()
-        return head is not None and (self.busy == 0 or self.busy + self.footprint(head.work) <= self.sms)
+        return head is not None and (self.busy == 0 or self.busy + self.footprint(
+            head.work, self.rule.spread(tenant, self)) <= self.sms)
 
     def _pump(self, raising: _Item | None = None) -> None:
         """Release work while the policy picks a client, having first counted what has ended; then, while
@@ -360,7 +364,7 @@ class Dispatcher:
                 raise
             self.on_refused(tenant.id, error)
             return
-        sms = self.footprint(part)
+        sms = self.footprint(part, self.rule.spread(tenant, self))
         if isinstance(part, Record):
             n = 0  # outside the bound
         tenant.in_flight += n

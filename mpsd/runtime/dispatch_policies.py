@@ -42,6 +42,12 @@ class KernelPolicy:
         """Whether `tenant` is held to the bound on kernels in flight now (it is, unless a policy says not)."""
         return True
 
+    def spread(self, tenant: Tenant, dispatcher: Dispatcher) -> bool:
+        """Whether `tenant`'s kernels count one SM a block where the dispatcher counts the SMs they hold (for
+        `room_for`), rather than as many blocks to an SM as fit: work that others may have to wait for is then
+        released at one block to an SM, so that none of its blocks runs at half speed beside another."""
+        return False
+
     def pick(self, dispatcher: Dispatcher, ready: list[Tenant]) -> Tenant | None:
         """The client whose head goes next, from `ready` (never empty), or None to hold all of them."""
         first = min(ready, key=lambda t: t.head().seq)  # type: ignore[union-attr]
@@ -77,6 +83,11 @@ class Priority(KernelPolicy):
         request held until the one before has ended would add the time the device takes to say so."""
         now = dispatcher.inner.now()
         return self._urgency(tenant, now) > min(self._urgency(t, now) for t in dispatcher.tenants.values())
+
+    def spread(self, tenant: Tenant, dispatcher: Dispatcher) -> bool:
+        """Less urgent work goes one block to an SM: urgent work that comes waits for the blocks on the device,
+        and two blocks sharing an SM each take about twice as long as one alone."""
+        return self.bounded(tenant, dispatcher)
 
     def pick(self, dispatcher: Dispatcher, ready: list[Tenant]) -> Tenant | None:
         now = dispatcher.inner.now()
