@@ -85,7 +85,8 @@ def _valgrind(out_dir: Path) -> list[str]:
 def counted_daemon(out_dir: Path) -> Iterator[tuple[Counted, Path]]:
     pipe_dir = Path(tempfile.mkdtemp(prefix="mpsdi-", dir="/tmp"))
     proc = subprocess.Popen([*_valgrind(out_dir), "-q", sys.executable, "-m", "mpsd", "--pipe-dir", str(pipe_dir),
-                             "--time-scale", "1000", "--spin", "0"], stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+                             "--time-scale", "1000", "--spin", "0"],
+                            stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
     try:
         h._wait_ready(proc, timeout=300)
         threading.Thread(target=h._drain, args=(proc,), daemon=True).start()

@@ -171,8 +171,8 @@ def main() -> int:
                                   f"completes it, timed here on the same simulator (target: under 5 us)"))
     target = REAL_TARGET if real else TARGET
     line = {"bench": "launch_rate", "n": args.n, "repeat": args.repeat, "time_scale": args.time_scale,
-            "devices": args.devices, "policy": args.policy, "dispatch": args.dispatch, "rate_per_s": round(rate), "target_ratio": target,
-            "daemon_cpu_us_per_launch": round(cpu_per_launch * 1e6, 2)}
+            "devices": args.devices, "policy": args.policy, "dispatch": args.dispatch, "rate_per_s": round(rate),
+            "target_ratio": target, "daemon_cpu_us_per_launch": round(cpu_per_launch * 1e6, 2)}
     if not real:
         line["simulator_us_per_launch"] = round(share * 1e6, 2)
     verdict = None

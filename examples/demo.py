@@ -203,8 +203,8 @@ def explain(r: dict[str, Any], share: float) -> list[str]:
         lines.append(f"{capped}")
         lines.append(
             f"Probe latency (simulated, launch to completion of 8 blocks of 0.1 ms on a stream of priority "
-            f"{info['stream_priority']}): p50 {pct(alone, .5):.2f} / p99 {pct(alone, .99):.2f} ms with the other tenants "
-            f"idle, p50 {pct(loaded, .5):.2f} / p99 {pct(loaded, .99):.2f} ms while they were running.")
+            f"{info['stream_priority']}): p50 {pct(alone, .5):.2f} / p99 {pct(alone, .99):.2f} ms with the other "
+            f"tenants idle, p50 {pct(loaded, .5):.2f} / p99 {pct(loaded, .99):.2f} ms while they were running.")
         block_ms = 1.0  # the other tenants' blocks
         within = sum(x <= pct(alone, .5) + block_ms for x in loaded) / len(loaded)
         lines.append(
@@ -298,7 +298,8 @@ def main() -> int:
     try:
         daemon, daemon_said = start_daemon(pipe_dir, log_dir)
 
-        print(f"\nStarting {len(TENANTS)} workers; each reads its quotas from its environment, as a real MPS client does:")
+        print(f"\nStarting {len(TENANTS)} workers; each reads its quotas from its environment, "
+              "as a real MPS client does:")
         for role, env, what in TENANTS:
             print(f"  {role:<10}  {' '.join(f'{k}={v}' for k, v in env.items())}")
             print(f"  {'':<10}  -> {what}")

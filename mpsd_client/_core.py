@@ -149,8 +149,8 @@ class Core:
 
     def invoke(self, call: Call, *values: Any, fds: tuple[int, ...] = ()) -> Op:
         """The call of `call`, a row of mpsd_protocol's table (Calls), its arguments in the row's order (streams
-        and events as the objects users hold), checked against the row. Returns its result, checked too; for a call whose reply
-        carries fds, (result, fds), the fds the caller's to close.
+        and events as the objects users hold), checked against the row. Returns its result, checked too; for a
+        call whose reply carries fds, (result, fds), the fds the caller's to close.
 
         Raises:
             InvalidValueError: an argument of the wrong kind; InvalidResourceHandleError: a stream or event

@@ -3,8 +3,9 @@
 # CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, CUDA_MPS_PINNED_DEVICE_MEM_LIMIT and CUDA_MPS_CLIENT_PRIORITY ask for
 # tighter quotas (the daemon never lets them loosen its own: a smaller share, a smaller limit, a less urgent
 # priority than the daemon's level, whose finer levels only the control plane sets), MPSD_MIG_PARTITION picks
-# a MIG instance, CUDA_MPS_SM_PARTITION a static SM partition (-S), CUDA_MPS_PIPE_DIRECTORY (or MPSD_PIPE_DIRECTORY) says where the daemon is. Only the daemon
-# applies the rules; this module only reads and checks the variables.
+# a MIG instance, CUDA_MPS_SM_PARTITION a static SM partition (-S), CUDA_MPS_PIPE_DIRECTORY (or
+# MPSD_PIPE_DIRECTORY) says where the daemon is. Only the daemon applies the rules; this module only reads and
+# checks the variables.
 from __future__ import annotations
 
 import os

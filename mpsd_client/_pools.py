@@ -258,7 +258,8 @@ class Ordering:
         count = self.frees[stream] = self.frees.get(stream, 0) + 1
         return count
 
-    def dependencies(self, pool: MemPool, frees: dict[int, int], stream: int, internal: bool = True) -> list[int] | None:
+    def dependencies(self, pool: MemPool, frees: dict[int, int], stream: int,
+                     internal: bool = True) -> list[int] | None:
         """The streams `stream` must wait for to reuse bytes freed by `frees` (none: it may at once), or None if
         the pool's flags (or `internal` False) allow no reuse. A free a synchronisation has seen complete is
         anyone's, whatever the flags: the H200 reused it on another stream with all three off."""

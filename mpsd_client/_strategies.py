@@ -218,7 +218,8 @@ class _SegmentAllocator(_Figures):
             waiting = sum(held.size for held in segment.pending.values())
             out.append({"device": 0, "address": base, "total_size": segment.size, "allocated_size": allocated,
                         "active_size": allocated + waiting,
-                        "requested_size": sum(segment.live.values()) + sum(h.requested for h in segment.pending.values()),
+                        "requested_size": (sum(segment.live.values())
+                                           + sum(h.requested for h in segment.pending.values())),
                         "stream": segment.stream, "segment_type": "small" if segment.small else "large",
                         "segment_pool_id": (0, 0), "is_expandable": False, "frames": [], "blocks": blocks})
         return out

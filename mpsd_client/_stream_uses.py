@@ -3,8 +3,8 @@
 # on each such stream at the free, and the block waits until all of them have completed: it is no longer
 # allocated but still active ("active_pending_free" in a snapshot). Events of one stream complete in the order
 # they were recorded, so each stream's are checked from the oldest up to the first still pending, at each malloc
-# (as PyTorch's process_events does); emptying the cache waits for all of them, the default stream's first. Spent events are kept for reuse,
-# so that a training loop does not create an event per free.
+# (as PyTorch's process_events does); emptying the cache waits for all of them, the default stream's first.
+# Spent events are kept for reuse, so that a training loop does not create an event per free.
 """Blocks freed under record_stream, waiting for their streams' events."""
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 # Launch validation (shape, then arguments), shared by both ends: the client checks a launch before it
 # leaves (so a bad launch raises at the call, as cudaLaunchKernel returns its error), and the daemon checks
-# again because it trusts no client. Kernel signatures come from the daemon in the handshake: a list of parameter kinds per kernel.
+# again because it trusts no client. Kernel signatures come from the daemon in the handshake: a list of
+# parameter kinds per kernel.
 from __future__ import annotations
 
 from typing import Any, Sequence

@@ -1,6 +1,7 @@
-# Helpers for tests that need real processes. Real parts only: the daemon runs as its own process (`python -m mpsd`) on a private pipe directory, and
-# tests talk to it over its real socket, from this process or from worker processes they spawn. A daemon is
-# ready when it prints its ready line: tests wait for that line, never sleep-and-poll.
+# Helpers for tests that need real processes. Real parts only: the daemon runs as its own process
+# (`python -m mpsd`) on a private pipe directory, and tests talk to it over its real socket, from this process
+# or from worker processes they spawn. A daemon is ready when it prints its ready line: tests wait for that
+# line, never sleep-and-poll.
 from __future__ import annotations
 
 import os

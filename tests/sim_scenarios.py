@@ -63,8 +63,8 @@ def _kernel(rng: random.Random, spec, client: int, stream: int) -> Kernel:
         n = blocks * threads * rng.choice([1, 16, 64])
         cost = kernel_cost(spec, name, blocks, threads, [0, 0, 0, n] if name == "vector_add_f32" else [0, 0, n])
     elif kind < 0.7:
-        blocks, threads, cost = copy_kernel(spec, rng.choice(["d2d", "memset"]), rng.choice([0, 4096, 1 << 20, 1 << 26]),
-                                            rng.choice([None, 2, 8]))
+        blocks, threads, cost = copy_kernel(spec, rng.choice(["d2d", "memset"]),
+                                            rng.choice([0, 4096, 1 << 20, 1 << 26]), rng.choice([None, 2, 8]))
         regs, smem = 32, 0
     elif kind < 0.8:
         cost = BlockCost(rng.choice([0.0, 1e-5, 1e-4]), dram=True, weight=rng.choice([0.5, 1.0, 1.364]))

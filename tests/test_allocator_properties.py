@@ -429,7 +429,8 @@ def test_no_strategy_hands_out_a_block_before_its_streams_are_done(steps, strate
         states = {b["address"]: b["state"] for b in blocks}
         assert all(states[ptr] == "active_pending_free" for ptr in waiting)
         stats = allocator.memory_stats()
-        assert stats["allocated_bytes.all.current"] == sum(b["size"] for b in blocks if b["state"] == "active_allocated")
+        assert stats["allocated_bytes.all.current"] == sum(b["size"] for b in blocks
+                                                           if b["state"] == "active_allocated")
         assert stats["active_bytes.all.current"] == sum(b["size"] for b in blocks if b["state"] != "inactive")
         assert stats["active.all.current"] == sum(1 for b in blocks if b["state"] != "inactive")
     for ptr in live:

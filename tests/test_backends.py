@@ -1,7 +1,7 @@
 # The runtime's semantics on every backend: the same daemon, the same client calls and the same assertions on the
 # simulated H200 and on a real GPU (`--devices cuda:0`). The real GPU's half runs where cuda-python and a GPU are
-# (the H200 machine: bench/fidelity/run_backends.sh runs it there, test_backends_h200.log is its output); elsewhere it is skipped, saying
-# why, so CI stays green.
+# (the H200 machine: bench/fidelity/run_backends.sh runs it there, test_backends_h200.log is its output);
+# elsewhere it is skipped, saying why, so CI stays green.
 from __future__ import annotations
 
 import time

@@ -5,13 +5,14 @@
 #
 # What differs by nature is normalised on both sides, and only that: times; pids (the control daemon's and
 # every server's become <mps>: each server has its nvidia-cuda-mps-server process, as MPS's, whose pid a
-# record's command is given where the recording gave its server's; each client's its label); GPU UUIDs and PCI ids; the namespace inode and command ps shows; the temporary directories; the
-# junk MPS's server logs as the pid of a client's first request; the delay MPS names when it will try a refused
-# shutdown again (the replay's daemon waits a minute, so that a retry's timing cannot change the state a later
-# record sees; test_quit_* check the retries themselves). A normalised value keeps its column's width, so ps's
-# and device_query's columns are still compared byte for byte. control.log is compared line for line,
-# without the lines of timed retries; server.log must hold MPS's lines in MPS's order (mpsd writes lines of its
-# own there too, which its other tests read). A client's calls compare by the CUDA errors they got.
+# record's command is given where the recording gave its server's; each client's its label); GPU UUIDs and PCI
+# ids; the namespace inode and command ps shows; the temporary directories; the junk MPS's server logs as the
+# pid of a client's first request; the delay MPS names when it will try a refused shutdown again (the replay's
+# daemon waits a minute, so that a retry's timing cannot change the state a later record sees; test_quit_* check
+# the retries themselves). A normalised value keeps its column's width, so ps's and device_query's columns are
+# still compared byte for byte. control.log is compared line for line, without the lines of timed retries;
+# server.log must hold MPS's lines in MPS's order (mpsd writes lines of its own there too, which its other tests
+# read). A client's calls compare by the CUDA errors they got.
 from __future__ import annotations
 
 import io
@@ -154,7 +155,8 @@ def _real_names() -> Names:
             match = re.search(r"Starting new server (\d+)", line)
             if match:
                 names.pids[match.group(1)] = "<mps>"
-        if record["kind"] == "control" and record["stdin"].startswith("get_server_list") and record["stdout"][:1].isdigit():
+        if (record["kind"] == "control" and record["stdin"].startswith("get_server_list")
+                and record["stdout"][:1].isdigit()):
             names.pids[record["stdout"].split()[0]] = "<mps>"
         if record.get("what", "").startswith("client ") and record["what"].endswith(" started"):
             names.pids[record["client_pid"]] = f"<client:{record['what'].split()[1]}>"
@@ -388,7 +390,8 @@ def _marks(i: int) -> list[pytest.MarkDecorator]:
     return [pytest.mark.xfail(reason=DIFFERENT[i], strict=True)] if i in DIFFERENT else []
 
 
-@pytest.mark.parametrize("i", [pytest.param(i, marks=_marks(i), id=f"{i}-{(r.get('stdin') or r.get('what') or '')[:40]}")
+@pytest.mark.parametrize("i", [pytest.param(i, marks=_marks(i),
+                                            id=f"{i}-{(r.get('stdin') or r.get('what') or '')[:40]}")
                                for i, r in _main_records()])
 def test_each_record_replays_as_recorded(replayed, i):
     """Record i of the main daemon's life: the same output, exit status and log lines, normalised."""
@@ -514,7 +517,8 @@ def test_quit_with_a_live_client_retries_with_backoff(command, first, last):
         assert quitting.poll() is None or timed  # it waits for the daemon to go
         meanwhile = subprocess.run([TOOL], input=b"get_server_list\n", capture_output=True, env=env, timeout=60)
         if not timed:
-            assert (meanwhile.stderr, meanwhile.returncode) == (b"Cannot send command to MPS control daemon process\n", 1)
+            assert (meanwhile.stderr, meanwhile.returncode) == (
+                b"Cannot send command to MPS control daemon process\n", 1)
         if timed:  # the time is up before the client has gone: the server goes by force
             assert quitting.wait(60) == 0
         worker.stdin.write("alloc\n")

@@ -83,7 +83,8 @@ def test_partition_commands_through_the_tool(daemon_factory):
     assert tool(pipe, "partition", "remove") == (
         1, "", 'Unknown command "partition remove"\nUsage: partition <list|create|delete> [options]\n')
     rc, out, err = tool(pipe, "partition", "list")
-    assert (rc, err, out.splitlines()[1].split()[:6]) == (0, "", ["p0", "big", device_properties(H200, 0)["uuid"], "3", "24", "0"])
+    assert (rc, err, out.splitlines()[1].split()[:6]) == (
+        0, "", ["p0", "big", device_properties(H200, 0)["uuid"], "3", "24", "0"])
     assert tool(pipe, stdin="lspart\n")[1].splitlines()[1].split()[0] == "p0"
     assert tool(pipe, "partition", "delete", "--partition=big") == (0, "", "")
     assert tool(pipe, "partition", "list") == (0, "", "")
@@ -115,7 +116,8 @@ def test_server_commands(v3):
         1, "", 'Invalid client priority "2", expected 0 or 1\n')
     assert tool(pipe, "server", "set", "--active-thread-percentage=0") == (
         1, "", 'Invalid active thread percentage "0", expected between (0.0, 100.0]\n')
-    assert tool(pipe, "server", "get", f"--pid={pid + 1}", "--client-priority") == (1, "", f"Server {pid + 1} not found\n")
+    assert tool(pipe, "server", "get", f"--pid={pid + 1}", "--client-priority") == (
+        1, "", f"Server {pid + 1} not found\n")
     assert tool(pipe, "server", "get", "--device=7", "--pinned-memory-limit") == (1, "", 'Invalid device "7"\n')
     assert tool(pipe, "server", "get") == (1, "", "Usage: server get [--pid=PID] [--device=DEV] "
                                                   "--active-thread-percentage|--pinned-memory-limit|--client-priority\n")
@@ -259,7 +261,8 @@ def test_apply_starts_named_servers_from_a_toml_file(daemon_factory, tmp_path):
      "servers.a needs a uid (each of mpsd's servers serves one user)"),
     ('schema_version = "1.0"\n[servers.a]\nuid = 1\nactive_thread_percentage = "150"\n',
      "servers.a.active_thread_percentage must be in (0, 100], not '150'"),
-    ('schema_version = "1.0"\n[servers.a]\nuid = 1\n[servers.b]\nuid = 1\n', "servers.a and servers.b both serve uid 1"),
+    ('schema_version = "1.0"\n[servers.a]\nuid = 1\n[servers.b]\nuid = 1\n',
+     "servers.a and servers.b both serve uid 1"),
 ])
 def test_apply_refuses_what_it_cannot_apply(tmp_path, text, error):
     """A configuration error stops the daemon before it listens (exit 2, the path and the key named)."""

@@ -1,11 +1,11 @@
 # The kernel-level dispatcher (mpsd.runtime.dispatch) in front of the simulated H200 (`--dispatch kernel`): the
 # real daemon in this trio loop on its virtual clock (tests/inproc.py), its clients on its socket; trio's
-# autojump clock lets its idle grace pass in no wall time when every task waits. Simulated times are exact, so each rule shows as a time: a kernel of 264 blocks of 1024 threads fills the H200 (two
-# blocks on each of its 132 SMs), so such kernels run one after another, in the order the policy releases them.
+# autojump clock lets its idle grace pass in no wall time when every task waits. Simulated times are exact, so
+# each rule shows as a time: a kernel of 264 blocks of 1024 threads fills the H200 (two blocks on each of its
+# 132 SMs), so such kernels run one after another, in the order the policy releases them.
 from __future__ import annotations
 
 import dataclasses
-from contextlib import AsyncExitStack
 from pathlib import Path
 
 import numpy as np

@@ -3,9 +3,9 @@
 # back the frames that repeat it undecoded, as a count (Connection.repeats), and the session serves them as one
 # call of `count` launches (Session._repeat, Context.launch), which the backend takes as `count` launches with
 # one record (Backend.submit; the simulator's `launch(count=...)`). Each layer must give what the one-at-a-time
-# way gives: the same messages in the same order, the same kernels at the same simulated times, the same errors, the same
-# place in the launch queue, the same waits by the legacy default stream's rules, and a run must end wherever
-# the context stops being what it was.
+# way gives: the same messages in the same order, the same kernels at the same simulated times, the same errors,
+# the same place in the launch queue, the same waits by the legacy default stream's rules, and a run must end
+# wherever the context stops being what it was.
 from __future__ import annotations
 
 import os

@@ -1,8 +1,8 @@
 # The launch notification's short way from the session to the backend (Session._launch, Context.planned): it
 # serves a launch whose plan the context has kept, and hands everything else to the general path (the call's
-# row, then Context.plan's checks in CUDA's order, then Context.launch). It must queue exactly what that path queues, never
-# take a launch that path refuses, count in the client's launch queue as that path does, and leave every error
-# what it was.
+# row, then Context.plan's checks in CUDA's order, then Context.launch). It must queue exactly what that path
+# queues, never take a launch that path refuses, count in the client's launch queue as that path does, and leave
+# every error what it was.
 from __future__ import annotations
 
 import dataclasses

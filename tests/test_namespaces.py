@@ -196,7 +196,8 @@ async def test_the_daemon_never_follows_a_planted_link_for_a_server_directory(co
 
 
 @pytest.mark.parametrize("text, error", [
-    ('[servers.train.namespaces.small]\ncgroup_depth = 2\n', "servers.train.namespaces.small.cgroup_depth is not supported"),
+    ('[servers.train.namespaces.small]\ncgroup_depth = 2\n',
+     "servers.train.namespaces.small.cgroup_depth is not supported"),
     ('[servers.train.namespaces.small]\n[[servers.train.namespaces.small.devices]]\nuuid = "GPU-a"\n'
      'sm_partition = "large"\n', "sm_partition 'large' is no partition of servers.train.devices on GPU-a"),
     ('[[servers.train.devices]]\nuuid = "GPU-a"\n[[servers.train.devices.sm_partitions]]\nname = "x"\nchunks = 0\n',
@@ -289,7 +290,8 @@ uuid = "{uuids[0]}"
         async with mpsd_client.open_context(d.pipe_dir / "train", device=1,
                                             environ={"CUDA_MPS_SM_PARTITION": "tail"}) as ctx:
             assert ctx.quotas["sm_cap"] == 20
-        assert d.daemon.control.execute("partition delete --partition=large", UID) == "Partition p1 is namespace pinned's"
+        assert (d.daemon.control.execute("partition delete --partition=large", UID)
+                == "Partition p1 is namespace pinned's")
         with pytest.raises(mpsd_client.InvalidValueError, match="is server other's"):
             async with mpsd_client.open_context(d.pipe_dir / "train", device=0,
                                                 environ={"CUDA_MPS_SM_PARTITION": "theirs"}):

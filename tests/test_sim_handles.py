@@ -138,8 +138,8 @@ def test_launch_is_refused_where_kernel_objects_are_needed(make):
 
 
 def _spin_launch(client: int = 1, after: tuple = (), extents: tuple = ()) -> Launch:
-    work = Launch.of(client, (client, 0), 0, None, Plan("spin", (1, 1, 1), (32, 1, 1), 0, (round(1e-3 * H200.clock_hz),)),
-                     extents)
+    work = Launch.of(client, (client, 0), 0, None,
+                     Plan("spin", (1, 1, 1), (32, 1, 1), 0, (round(1e-3 * H200.clock_hz),)), extents)
     work.after = after
     return work
 

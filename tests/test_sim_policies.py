@@ -31,7 +31,8 @@ def launch(sim, client, n=1, blocks=16, cost=SPIN, stream=0, threads=1024, **kw)
 
 def at(sim, t):
     """(client, SM, blocks) of the groups that started at t, in trace order."""
-    return [(g.op.client, g.sm, g.count) for g in sorted(sim.trace, key=lambda g: g.start) if g.start == pytest.approx(t)]
+    return [(g.op.client, g.sm, g.count) for g in sorted(sim.trace, key=lambda g: g.start)
+            if g.start == pytest.approx(t)]
 
 
 def test_registry_names():

@@ -127,7 +127,8 @@ async def test_v3_partition_module_keeps_the_legacy_commands_partitions(tmp_path
     lspart: each sees, and may remove, what the other made; a partition may have a name, which
     CUDA_MPS_SM_PARTITION takes as well as the id; include_remainder's partition lies at the device's end and
     holds its last 4 SMs too; failures set the "!" flag and change nothing; only root or the owner may change."""
-    async with in_process_daemon("-S", "--protocol", "3", "--time-scale", "100", "--trace", str(tmp_path / "t.json")) as d:
+    async with in_process_daemon("-S", "--protocol", "3", "--time-scale", "100",
+                                 "--trace", str(tmp_path / "t.json")) as d:
         control = d.daemon.control
 
         def run(line: str, uid: int = UID) -> tuple[str, bool]:

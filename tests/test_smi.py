@@ -100,11 +100,13 @@ def test_nvidia_smi_table_report_and_ids(daemon_factory):
         for args in (("-i", "7"), ("-i", props["uuid"][:10], "-q"), ("-i", "3", "--query-gpu=name", "--format=csv")):
             missing = _smi(daemon, *args)
             assert (missing.returncode, missing.stdout) == (6, "No devices were found\n")
-        assert _recorded("-i 7") == _recorded("-i GPU-8 --query-gpu=index --format=csv") == ["No devices were found", "6"]
+        assert (_recorded("-i 7") == _recorded("-i GPU-8 --query-gpu=index --format=csv")
+                == ["No devices were found", "6"])
         by_uuid = _smi(daemon, "-i", props["uuid"], "--query-gpu=index", "--format=csv,noheader").stdout
         by_bus = _smi(daemon, "-i", bus, "--query-gpu=index", "--format=csv,noheader").stdout
         assert by_uuid == by_bus == "0\n"
-        for args, words in ((("-L", "-i", "0"), _recorded("-i 0 -L")), (("-q", "-d", "BOGUS"), _recorded("-q -d BOGUS"))):
+        for args, words in ((("-L", "-i", "0"), _recorded("-i 0 -L")),
+                            (("-q", "-d", "BOGUS"), _recorded("-q -d BOGUS"))):
             refused = _smi(daemon, *args)
             assert [*refused.stdout.splitlines(), str(refused.returncode)] == words
 

@@ -141,9 +141,9 @@ def test_summary_per_tenant():
 def test_summary_is_plain_json_with_the_documented_keys():
     s = summarize(hand_timeline())
     assert json.loads(json.dumps(s, allow_nan=False)) == s
-    assert set(s) == {"policy", "virtual", "duration_s", "lag_ms", "requests", "completed", "errors", "throughput_per_s",
-                      "latency_ms", "jain_index", "sm_seconds", "idle_sm_seconds_while_queued", "quota_violations",
-                      "tenants", "host_time_warning"}
+    assert set(s) == {"policy", "virtual", "duration_s", "lag_ms", "requests", "completed", "errors",
+                      "throughput_per_s", "latency_ms", "jain_index", "sm_seconds", "idle_sm_seconds_while_queued",
+                      "quota_violations", "tenants", "host_time_warning"}
     assert set(s["tenants"][0]) == {
         "tenant", "group", "requests", "completed", "errors", "throughput_per_s", "latency_ms", "slo_attainment",
         "isolation", "sm_seconds", "sm_share", "entitlement", "normalised_share", "max_sms", "sm_cap",

@@ -50,8 +50,11 @@ steps = case.split(":")[1].split(",") if ":" in case else []
 for step in steps:
     if step == "launch": launch("launch on it", target)
     elif step == "memset": call("memset on it", rt.cudaMemsetAsync(dev, 0, 1 << 20, target))
-    elif step == "dtod": call("dtod on it", rt.cudaMemcpyAsync(dev, dev, 0, rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice, target))
-    elif step == "htod_pinned": call("htod pinned on it", rt.cudaMemcpyAsync(dev, host, 1 << 20, rt.cudaMemcpyKind.cudaMemcpyHostToDevice, target))
+    elif step == "dtod": call("dtod on it", rt.cudaMemcpyAsync(dev, dev, 0, rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice,
+                                                               target))
+    elif step == "htod_pinned": call("htod pinned on it",
+                                     rt.cudaMemcpyAsync(dev, host, 1 << 20, rt.cudaMemcpyKind.cudaMemcpyHostToDevice,
+                                                        target))
     elif step == "device_sync": call("cudaDeviceSynchronize", rt.cudaDeviceSynchronize())
     elif step == "stream_sync": call("cudaStreamSynchronize(it)", rt.cudaStreamSynchronize(target))
     elif step == "stream_query": call("cudaStreamQuery(it)", rt.cudaStreamQuery(target))
@@ -64,7 +67,8 @@ for step in steps:
     elif step == "record": call("cudaEventRecord(e, it)", rt.cudaEventRecord(e, target))
     elif step == "event_query": call("cudaEventQuery(e)", rt.cudaEventQuery(e))
     elif step == "event_sync": call("cudaEventSynchronize(e)", rt.cudaEventSynchronize(e))
-    elif step == "sync_memcpy": call("cudaMemcpy dtod", rt.cudaMemcpy(dev, dev, 0, rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice))
+    elif step == "sync_memcpy": call("cudaMemcpy dtod",
+                                     rt.cudaMemcpy(dev, dev, 0, rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice))
 status = rt.cudaStreamIsCapturing(target)
 out.append(["is capturing", [status[0].name, getattr(status[1], "name", str(status[1]))]])
 result = call("end capture", rt.cudaStreamEndCapture(target))

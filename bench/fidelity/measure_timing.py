@@ -69,7 +69,9 @@ extern "C" __global__ void gaps(long long duration_ns, long long threshold_ns, u
     bool rec = blockIdx.x == 0 && threadIdx.x == 0;
     do {
         asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-        if (rec && now - prev > threshold_ns && n < cap) { log[2 * n + 1] = prev - t0; log[2 * n + 2] = now - prev; n++; }
+        if (rec && now - prev > threshold_ns && n < cap) {
+            log[2 * n + 1] = prev - t0; log[2 * n + 2] = now - prev; n++;
+        }
         prev = now;
     } while (now - t0 < duration_ns);
     if (rec) log[0] = n;
@@ -747,16 +749,18 @@ def device_facts() -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="the JSON file to write (rewritten after each experiment)")
-    parser.add_argument("--only", default="", help="comma-separated name fragments: run only the multi-process "
-                                                   "experiments whose names hold one (the single-process steps are skipped)")
+    parser.add_argument("--only", default="",
+                        help="comma-separated name fragments: run only the multi-process experiments whose names "
+                             "hold one (the single-process steps are skipped)")
     parser.add_argument("--set", choices=("main", "host-switch", "slices", "bandwidth", "copies",
                                           "copy-sharing", "copy-duplex", "copy-streams"), default="main",
                         help="main: the experiments of h200_timing_extra.json; host-switch: host latency against "
                              "idle time, launch cost, and time-slicing timelines (h200_timing_host.json); slices: "
-                             "context switches against the blocks resident (no MPS; h200_timing_slices.json); bandwidth: "
-                             "DRAM bandwidth against blocks, SM caps and neighbours (h200_bandwidth.json); copies: memcpy by "
-                             "kind and size, alone and beside others (h200_copies.json); copy-sharing: copy calls, memsets, "
-                             "pageable copies, device copies as kernels, and how a copy engine is shared (h200_copies2.json); "
+                             "context switches against the blocks resident (no MPS; h200_timing_slices.json); "
+                             "bandwidth: DRAM bandwidth against blocks, SM caps and neighbours (h200_bandwidth.json); "
+                             "copies: memcpy by kind and size, alone and beside others (h200_copies.json); "
+                             "copy-sharing: copy calls, memsets, pageable copies, device copies as kernels, and how a "
+                             "copy engine is shared (h200_copies2.json); "
                              "copy-duplex: both directions at once, three streams on one engine (h200_copies3.json); "
                              "copy-streams: two and three streams on one engine (h200_copies4.json)")
     parser.add_argument("--plan", action="store_true", help="print the experiments and exit (no GPU needed)")

@@ -7,9 +7,10 @@
 #   fd is what IPC passes over SCM_RIGHTS (the seed's dma-buf path). The runtime keeps its own client address
 #   spaces, so a client's pointer is translated to the device address when its work is queued.
 # - Kernels: the built-ins compiled once with NVRTC for the device's architecture (mpsd.backends.cuda_kernels),
-#   launched with the client's grid and block. A pointer argument outside live memory is caught before launch (the runtime resolves
-#   every extent) and reported as an illegal address when the kernel would have run, contained as the
-#   daemon's fault containment says, without corrupting the primary context that every client shares.
+#   launched with the client's grid and block. A pointer argument outside live memory is caught before launch
+#   (the runtime resolves every extent) and reported as an illegal address when the kernel would have run,
+#   contained as the daemon's fault containment says, without corrupting the primary context that every client
+#   shares.
 # - Virtual memory (the driver's VMM calls, mpsd.runtime.vmm): a reservation is a cuMemAddressReserve'd range
 #   (CudaRange), the physical memory mapped into it is ordinary CudaMemory (cuMemCreate'd, so its handle maps at a
 #   second address too) mapped with cuMemMap and made readable and writable by cuMemSetAccess. Work on it is given
@@ -330,7 +331,8 @@ class CudaBackend:
             "max_threads_per_block": a["threads_per_block"],
             "max_block_dims": [a["block_x"], a["block_y"], a["block_z"]],
             "max_grid_dims": [a["grid_x"], a["grid_y"], a["grid_z"]],
-            "warp_size": a["warp_size"], "regs_per_multiprocessor": a["regs_per_sm"], "regs_per_block": a["regs_per_block"],
+            "warp_size": a["warp_size"], "regs_per_multiprocessor": a["regs_per_sm"],
+            "regs_per_block": a["regs_per_block"],
             "shared_memory_per_block": a["smem_per_block"], "shared_memory_per_block_optin": a["smem_optin"],
             "shared_memory_per_multiprocessor": a["smem_per_sm"], "clock_rate_khz": a["clock_khz"],
             "memory_bandwidth": 2 * a["memory_clock_khz"] * 1e3 * a["bus_width"] / 8,

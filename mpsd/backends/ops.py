@@ -1,9 +1,10 @@
 # The work the runtime hands a backend, in CUDA's terms and nobody else's: a kernel launch (of a plan: its
 # kernel, 3-D grid and block, shared memory and arguments, checked once); a copy from one place to another; a
-# memset; an event record (or a stream's wait on one). Where bytes are involved they are already resolved to extents of memory (device memory
-# the backend made, or a pinned host buffer), checked against the client's address space, so a backend never
-# sees an address it has to look up. What the work costs and how its effect lands on the bytes is the backend's
-# business: the simulator models the first and computes the second with numpy, a GPU just runs it.
+# memset; an event record (or a stream's wait on one). Where bytes are involved they are already resolved to
+# extents of memory (device memory the backend made, or a pinned host buffer), checked against the client's
+# address space, so a backend never sees an address it has to look up. What the work costs and how its effect
+# lands on the bytes is the backend's business: the simulator models the first and computes the second with
+# numpy, a GPU just runs it.
 #
 # Work items are compared by identity: two launches with equal fields stay two launches. A backend keeps its
 # own record of each in `handle`, and `done`, `ended` and `cancelled` read from it.

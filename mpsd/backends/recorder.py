@@ -59,7 +59,8 @@ class Recorder:
         sim = backend.sim
         names = {c.id: client_name(c) for c in self.contexts.values()}
         tenants = [TenantInfo(name=names[c.id], group=f"pid {c.pid}", sm_cap=c.quotas.sm_cap,
-                              mem_limit=c.quotas.pinned_mem_limit, entitlement=1 / len(names), priority=c.quotas.priority)
+                              mem_limit=c.quotas.pinned_mem_limit, entitlement=1 / len(names),
+                              priority=c.quotas.priority)
                    for c in self.contexts.values()]
         ids = {}
         kernels = []

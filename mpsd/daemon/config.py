@@ -346,7 +346,8 @@ def load_config(argv: Sequence[str] | None = None, environ: dict[str, str] | Non
             servers = load_mps_config(apply)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-    return Config(pipe_dir=pipe_dir, protocol=int(protocol), apply=apply, servers=servers, log_dir=log_dir, default_log_dir=default_log, devices=devices,
+    return Config(pipe_dir=pipe_dir, protocol=int(protocol), apply=apply, servers=servers, log_dir=log_dir,
+                  default_log_dir=default_log, devices=devices,
                   policy=policy, time_scale=time_scale, clock=clock, host_time=host_time, idle_grace=idle_grace,
                   spin=spin,
                   active_thread_percentage=percentage,

@@ -270,7 +270,8 @@ class V3:
         if "device" in options and "pinned-memory-limit" not in options:
             raise Failure('Option "--device" goes with --pinned-memory-limit\n' + USAGE[("server", "set")])
         # Every value is checked before any is set: a command that fails changes nothing.
-        percentage = _percentage(options["active-thread-percentage"] or "") if "active-thread-percentage" in given else None
+        percentage = (_percentage(options["active-thread-percentage"] or "")
+                      if "active-thread-percentage" in given else None)
         limit = _limit(options["pinned-memory-limit"] or "") if "pinned-memory-limit" in given else None
         priority = _priority(options["client-priority"] or "") if "client-priority" in given else None
         settings, log = self.control.daemon.settings, self.control.daemon.log
@@ -510,7 +511,8 @@ class V3:
         if name == "active-thread-percentage":
             return f"{namespace.percentage(control.percentage_for_new_client(key)):.1f}"
         if name == "client-priority":
-            base = control.daemon.settings.client_priority if key is None else control.daemon.settings.priority_for(-1, key)
+            base = (control.daemon.settings.client_priority if key is None
+                    else control.daemon.settings.priority_for(-1, key))
             return str(namespace.priority(base))
         if name == "cgroup":
             return namespace.cgroup or ""

@@ -19,7 +19,8 @@ __all__ = ["open_daemon"]
 
 
 @asynccontextmanager
-async def open_daemon(config: Config, *, grace: float | None = None, keep_traces: bool = False) -> AsyncIterator[Daemon]:
+async def open_daemon(config: Config, *, grace: float | None = None,
+                      keep_traces: bool = False) -> AsyncIterator[Daemon]:
     """``async with open_daemon(config) as daemon:`` serves `config` in this trio loop for the block.
 
     The daemon is listening on ``config.socket_path`` when the block begins; when it ends, the daemon shuts

@@ -8,10 +8,11 @@
 # server's), so that the -a file's parser, the control language and the daemon's attach share one copy.
 #
 # mpsd's guesses (NVIDIA documents none of them): the name's rules (a path component: letters, digits, '_',
-# '.', '-', at most 64, not starting with '.' or '-', none of the pipe directory's own names, not "default"); that a namespace's value above its
-# server's is cut to the server's (a namespace subdivides, it never adds); that a namespace belongs to the
-# server of one user (its key is that uid, so it outlives the server's restarts, as the -a file's named
-# servers do); and that the first namespace whose cgroup holds the client's wins, in the order they were made.
+# '.', '-', at most 64, not starting with '.' or '-', none of the pipe directory's own names, not "default");
+# that a namespace's value above its server's is cut to the server's (a namespace subdivides, it never adds);
+# that a namespace belongs to the server of one user (its key is that uid, so it outlives the server's restarts,
+# as the -a file's named servers do); and that the first namespace whose cgroup holds the client's wins, in the
+# order they were made.
 #
 # A namespace's `devices` (release 620's [[servers.<s>.namespaces.<ns>.devices]], each a GPU `uuid` and maybe an
 # `sm_partition` by name): mpsd's guesses are that a client in the namespace sees those devices only, in the
@@ -81,7 +82,8 @@ def check_name(text: str, what: str = "namespace") -> str:
     """
     if not _NAME.fullmatch(text) or text in RESERVED or (what == "namespace" and text == DEFAULT):
         raise ValueError(f'Invalid {what} name "{text[:24]}": letters, digits, "_", "." and "-", at most 64, '
-                         "none of the pipe directory's own names" + (f' nor "{DEFAULT}"' if what == "namespace" else ""))
+                         "none of the pipe directory's own names"
+                         + (f' nor "{DEFAULT}"' if what == "namespace" else ""))
     return text
 
 

@@ -149,7 +149,8 @@ class Daemon:
         config = self.config
         if config.static_partitioning or any(named.sm_partitions for named in config.servers):
             # The simulator's mps policy is what pins a client to its partition's SMs.
-            unpinnable = [d.index for d in self.devices if not isinstance(d.backend, SimBackend) or d.backend.policy != "mps"]
+            unpinnable = [d.index for d in self.devices
+                          if not isinstance(d.backend, SimBackend) or d.backend.policy != "mps"]
             if unpinnable:
                 raise DaemonError("static SM partitioning (-S, or the -a file's sm_partitions) needs simulated "
                                   "devices under the mps policy; not device " + ", ".join(map(str, unpinnable)))
@@ -172,7 +173,8 @@ class Daemon:
                     self.sm_partitions.add(by_uuid[uuid], spec.chunks, name=spec.name,
                                            include_remainder=spec.include_remainder, server=named.name)
                 except PartitionError as exc:
-                    raise DaemonError(f"{config.apply}: servers.{named.name}'s SM partition {spec.name}: {exc}") from None
+                    raise DaemonError(f"{config.apply}: servers.{named.name}'s SM partition "
+                                      f"{spec.name}: {exc}") from None
 
     def _backend(self, index: int, device: DeviceDescription) -> Backend:
         """What runs device `index`: a real GPU, or the simulator.

@@ -1,12 +1,13 @@
 # The kernel-level policies: which client's work the dispatcher (mpsd.runtime.dispatch) releases next. A policy
 # sees the clients with a releasable head and room under the bound (`ready`), and the dispatcher itself for the
-# rest (every tenant, the device's clock, whether a kernel has `room_for` it beside the work released); it returns one of
-# `ready`, or None to hold them all until the next arrival or completion. The shipped policies release a kernel
-# only where it fits (priority excepted for the most urgent work), so that the device queues no blocks that are
-# not running and each choice is made when room opens, not when work arrives. These act on whole kernels, not blocks: a kernel released runs on the device's own block
-# scheduler beside the others (the simulator's `mps` policy, or a GPU's hardware), and stream priorities still
-# order the blocks there. The simulator's block-level policies of the same names (mpsd.sim.policies) model
-# schedulers that could preempt or place blocks; these are what a daemon in front of a real GPU can do.
+# rest (every tenant, the device's clock, whether a kernel has `room_for` it beside the work released); it
+# returns one of `ready`, or None to hold them all until the next arrival or completion. The shipped policies
+# release a kernel only where it fits (priority excepted for the most urgent work), so that the device queues no
+# blocks that are not running and each choice is made when room opens, not when work arrives. These act on whole
+# kernels, not blocks: a kernel released runs on the device's own block scheduler beside the others (the
+# simulator's `mps` policy, or a GPU's hardware), and stream priorities still order the blocks there. The
+# simulator's block-level policies of the same names (mpsd.sim.policies) model schedulers that could preempt or
+# place blocks; these are what a daemon in front of a real GPU can do.
 """Kernel-level scheduling policies."""
 
 from __future__ import annotations

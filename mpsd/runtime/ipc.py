@@ -3,8 +3,8 @@
 # segment into the importer's address space (the same bytes, counted once on the device, to the exporter) and
 # passes the memfd itself back over SCM_RIGHTS. A mapping also counts against the importer's own pinned limit:
 # the bytes outlive their exporter's exit, and were they charged to no live client, clients that export, let
-# importers keep the memory and reconnect would hold more than their limits add up to. An event handle shares the event's record cell, so records, waits and
-# queries in any process see the same marker in the simulator.
+# importers keep the memory and reconnect would hold more than their limits add up to. An event handle shares
+# the event's record cell, so records, waits and queries in any process see the same marker in the simulator.
 #
 # Lifetime (where CUDA says "undefined"): the bytes live until the exporter has freed the allocation (or
 # exited) and every importer has closed it (or exited); an importer never loses data to the exporter's exit.

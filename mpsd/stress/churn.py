@@ -1,12 +1,13 @@
 # A tenant's churn through one of the caching allocator's strategies (workload: allocator = "pytorch" |
-# "pytorch-expandable" | "buddy" | "slab"). The allocator is synchronous, as a CUDA program's is, but a tenant is a trio task, so the allocator's
-# device here is a ledger: it decides at once whether a segment fits the memory the tenant had free at set-up
-# (the allocator's view of the device), hands the allocator an address of its own, and queues the cudaMalloc or
-# cudaFree, which the tenant then awaits on mpsd (`flush`). So mpsd charges every segment and times every round
-# trip, while blocks carved from cached segments cost no call at all, as with PyTorch. The blocks' addresses are
-# the allocator's (no kernel reads them), the segments' device memory is real. With expandable segments the
-# ledger takes the driver's virtual memory calls the same way: a reservation costs nothing, each page made is
-# charged, and the tenant awaits each reserve, create, map, unmap, release and free on mpsd.
+# "pytorch-expandable" | "buddy" | "slab"). The allocator is synchronous, as a CUDA program's is, but a tenant
+# is a trio task, so the allocator's device here is a ledger: it decides at once whether a segment fits the
+# memory the tenant had free at set-up (the allocator's view of the device), hands the allocator an address of
+# its own, and queues the cudaMalloc or cudaFree, which the tenant then awaits on mpsd (`flush`). So mpsd
+# charges every segment and times every round trip, while blocks carved from cached segments cost no call at
+# all, as with PyTorch. The blocks' addresses are the allocator's (no kernel reads them), the segments' device
+# memory is real. With expandable segments the ledger takes the driver's virtual memory calls the same way: a
+# reservation costs nothing, each page made is charged, and the tenant awaits each reserve, create, map, unmap,
+# release and free on mpsd.
 """A stress tenant's churn through a caching allocator."""
 
 from __future__ import annotations

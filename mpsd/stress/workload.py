@@ -255,9 +255,10 @@ def arrival_times(tenant: TenantSpec, duration: float, seed: int, copy: int = 0)
 
 # -- checking ---------------------------------------------------------------------------------------------
 
-_TENANT_KEYS = {"name", "device", "count", "active_thread_percentage", "pinned_mem_limit", "priority", "weight", "partition",
-                "deadline_ms", "memory", "churn", "allocator", "stream_priority", "arrival", "rate", "burst", "trace", "think_ms",
-                "ipc", "ipc_size", "ipc_peer", "input", "output", "start", "requests", "kernel"}
+_TENANT_KEYS = {"name", "device", "count", "active_thread_percentage", "pinned_mem_limit", "priority", "weight",
+                "partition", "deadline_ms", "memory", "churn", "allocator", "stream_priority", "arrival", "rate",
+                "burst", "trace", "think_ms", "ipc", "ipc_size", "ipc_peer", "input", "output", "start", "requests",
+                "kernel"}
 _KERNEL_KEYS = {"name", "grid", "block", "repeat", "duration_ms", "cycles", "iterations", "elements"}
 _COPY_KEYS = {"name", "bytes", "repeat"}
 

@@ -111,7 +111,8 @@ def query_report(status: dict[str, Any], display: str | None) -> str:
             raise QueryError("Failed to parse --display/-d flags")
     everything = display is None
     driver, cuda = _versions(status)
-    lines = ["", "==============NVSMI LOG==============", "", _key(0, "Timestamp", time.strftime("%a %b %e %H:%M:%S %Y")),
+    lines = ["", "==============NVSMI LOG==============", "",
+             _key(0, "Timestamp", time.strftime("%a %b %e %H:%M:%S %Y")),
              _key(0, "Driver Version", driver), _key(0, "CUDA Version", cuda), "",
              _key(0, "Attached GPUs", len(status["devices"]))]
     apps = compute_apps(status)
@@ -119,8 +120,8 @@ def query_report(status: dict[str, Any], display: str | None) -> str:
         lines.append(f"GPU {d.get('pci_bus_id', d['index'])}")
         mig = "Enabled" if d.get("mig") else "Disabled"
         if everything:
-            lines += [_key(1, "Product Name", d["name"]), _key(1, "Product Architecture",
-                                                                _ARCHITECTURES.get(d.get("compute_capability", [0])[0], "N/A")),
+            lines += [_key(1, "Product Name", d["name"]),
+                      _key(1, "Product Architecture", _ARCHITECTURES.get(d.get("compute_capability", [0])[0], "N/A")),
                       _key(1, "MIG Mode"), _key(2, "Current", mig), _key(2, "Pending", mig),
                       _key(1, "GPU UUID", d["uuid"]), _key(1, "Minor Number", d["index"])]
             if d.get("pci_bus_id"):
@@ -145,6 +146,7 @@ def query_report(status: dict[str, Any], display: str | None) -> str:
             for p in mine:
                 lines += [_key(2, "GPU instance ID", "N/A"), _key(2, "Compute instance ID", "N/A"),
                           _key(2, "Process ID", p["pid"]), _key(3, "Type", p["type"]),
-                          _key(3, "Name", process_name(p["pid"])), _key(3, "Used GPU Memory", f"{_mib(p['memory'])} MiB")]
+                          _key(3, "Name", process_name(p["pid"])),
+                          _key(3, "Used GPU Memory", f"{_mib(p['memory'])} MiB")]
         lines.append("")
     return "\n".join(lines)
