@@ -27,6 +27,7 @@ demo: $(STAMP)
 # One worker per core (pytest-xdist): most tests wait on daemons and client processes, so two workers on two
 # cores take about two thirds of the time one does.
 test: $(STAMP)
+	$(BIN)/ruff check --quiet .
 	cargo test --quiet --manifest-path simcore/Cargo.toml
 	$(BIN)/python -m pytest -q -p no:cacheprovider -n auto
 

@@ -10,6 +10,7 @@ waves can take.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -62,8 +63,9 @@ async def probe(pipe_dir: Path, requests: int, events: bool) -> dict[str, float]
             walls.append(wall)
             gpus.append(gpu)
             await trio.sleep(0.01)
-        return {"requests": requests, "unfired": unfired, "early": early, "under 0.95 ms": short, "wall p50": statistics.median(walls),
-                "wall min": min(walls), "gpu p50": statistics.median([g for g in gpus if g == g] or [float("nan")])}
+        return {"requests": requests, "unfired": unfired, "early": early, "under 0.95 ms": short,
+                "wall p50": statistics.median(walls), "wall min": min(walls),
+                "gpu p50": statistics.median([g for g in gpus if g == g] or [float("nan")])}
 
 
 def main() -> int:
@@ -77,7 +79,7 @@ def main() -> int:
     args = p.parse_args()
     with h.daemon(time_scale=1.0, devices=args.devices, policy=args.policy) as d:
         print("alone ", trio.run(probe, d.pipe_dir, args.requests, not args.no_events))
-        env = {**__import__("os").environ, "CUDA_MPS_PIPE_DIRECTORY": str(d.pipe_dir), "CUDA_MPS_CLIENT_PRIORITY": "1"}
+        env = {**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(d.pipe_dir), "CUDA_MPS_CLIENT_PRIORITY": "1"}
         others = [subprocess.Popen([sys.executable, "-c", BEST_EFFORT], env=env) for _ in range(args.beside)]
         try:
             time.sleep(1.0)
