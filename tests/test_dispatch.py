@@ -199,6 +199,22 @@ async def test_priority_holds_best_effort_work_while_urgent_work_waits(autojump_
         assert held == [5]
 
 
+async def test_priority_releases_less_urgent_work_one_block_to_an_sm(autojump_clock):
+    """Beside a more urgent client, best-effort kernels of one block to each SM go one at a time, though two
+    would fit on the device at two blocks to an SM: an urgent kernel that comes then waits for one block that
+    runs alone (1 ms here), not for two sharing each SM (2 ms)."""
+    async with served("priority") as d, d.connect() as urgent, d.connect(**BEST_EFFORT) as be:
+        s_be, s_urgent = await be.create_stream(), await urgent.create_stream(priority=-5)
+        for _ in range(4):
+            await be.launch("spin", 132, 1024, [ONE_MS], stream=s_be)
+        assert not await s_be.query()
+        (mine,) = [p["dispatch"] for p in d.daemon.status()["processes"] if p["priority"] == 1]
+        assert (mine["in_flight"], mine["queued"]) == (1, 3)
+        start, end = await full_kernels(urgent, s_urgent, 1)
+        await together(urgent.synchronize, be.synchronize)
+        assert await start.elapsed_ms(end) <= 2 * UNIT + 0.01  # at most what is left of one block, then its own
+
+
 async def test_work_held_for_another_clients_event_holds_no_one_back(autojump_clock):
     """Priority holds less urgent clients only for urgent work that could go: an urgent stream that waits on a
     best-effort client's event lets that client's work go, though the urgent client has work on the device."""
