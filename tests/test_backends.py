@@ -352,6 +352,40 @@ def test_a_killed_clients_running_kernel_stalls_nobody(backend_daemon):
         holder.communicate(timeout=30)
 
 
+SATURATOR = """
+import mpsd_client
+ctx = mpsd_client.connect()
+print("running", flush=True)
+while True:
+    for _ in range(2):
+        ctx.launch("spin", 132, 1024, [400_000])
+    ctx.synchronize()
+"""
+
+
+def test_a_synchronize_returns_after_its_work_beside_others(backend_daemon):
+    """Requests whose stream ends in a kernel (two full waves of about 0.5 ms each on an H200), beside a client
+    that keeps the device busy: no synchronize returns before its kernels can have run. (On the H200 a CUDA
+    backend that took work not yet marked by an event for finished let half of them return in 0.27 ms,
+    bench/fidelity/check_sync.py.)"""
+    if not backend_daemon.real:
+        pytest.skip("wall time bounds a synchronize only on a real GPU (the model's clock is virtual)")
+    other = spawn_worker(SATURATOR, backend_daemon.pipe_dir)
+    try:
+        assert other.stdout.readline() == "running\n", other.stderr.read()
+        with mpsd_client.connect(backend_daemon.pipe_dir) as ctx:
+            stream = ctx.create_stream(priority=-5)
+            for _ in range(30):
+                t0 = time.perf_counter()
+                for _ in range(2):
+                    ctx.launch("spin", 264, 1024, [1_000_000], stream=stream)
+                stream.synchronize()
+                assert time.perf_counter() - t0 > 0.9e-3
+    finally:
+        other.kill()
+        other.communicate(timeout=30)
+
+
 BEST_EFFORT = """
 import sys
 import mpsd_client

@@ -77,6 +77,7 @@ SERVER_MEMORY, CONTEXT_MEMORY = 81_172_336, 538_339_472
 # work retired only now and then.
 POLL, IDLE_POLL = 50e-6, 500e-6
 _SYNCED = object()  # in place of an event: work the backend waited for when the driver refused it one
+_UNASKED = object()  # no event asked about yet (None is work not marked yet, which must never pass as fired)
 PORTABLE = 0x1  # CU_MEMHOSTALLOC_PORTABLE, CU_MEMHOSTREGISTER_PORTABLE: pinned for every context, green ones too
 VMM_PAGE = 2 << 20  # the page the runtime reserves, makes and maps memory in (mpsd.runtime.vmm.GRANULARITY)
 
@@ -660,20 +661,22 @@ class CudaBackend:
         busy = False
         not_ready = cu.CUresult.CUDA_ERROR_NOT_READY
         for queue in (*self._queues.values(), *self._draining):
-            fired, ended = None, math.nan  # work sharing an event ends together: it is asked about once
+            fired, ended = _UNASKED, math.nan  # work sharing an event ends together: it is asked about once
             while queue:
                 head = queue[0]
                 event = head.event
+                if event is None:  # not marked yet (since the last full look, or by a callback of this pass)
+                    busy = True
+                    break
                 if event is not fired:
-                    # None: queued by a callback of this very pass; its event is recorded in the next one
-                    if event is None or (event is not _SYNCED and cu.cuEventQuery(event)[0] == not_ready):
+                    if event is not _SYNCED and cu.cuEventQuery(event)[0] == not_ready:
                         busy = True
                         break
                     fired, ended = event, self.now() if event is _SYNCED else self._ended(head.context, event)
                 queue.popleft()
                 self._finish(head, ended)
                 if head.owner:  # its event is back for reuse: a callback above may have recorded it again
-                    fired = None
+                    fired = _UNASKED
         return busy
 
     def _ended(self, context: _Context, event: Any) -> float:
