@@ -34,6 +34,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python bench/rpc_latency.py
 	$(BIN)/python bench/launch_rate.py
+	$(BIN)/python bench/sync_wake.py
 	$(BIN)/python bench/request_cost.py
 	$(BIN)/python bench/ipc_open.py
 	$(BIN)/python bench/malloc_rate.py

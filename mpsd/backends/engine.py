@@ -125,8 +125,10 @@ class Engine:
 
     def when_done(self, ops: Iterable[Op | None], callback: Callable[[], None]) -> None:
         """Call `callback` (now, if they are) once every op of `ops` has completed or was cancelled."""
-        when_all([op for op in ops if op is not None and not op.done],
-                  lambda op, told: self._waiters.setdefault(op, []).append(told), callback)
+        pending = [op for op in ops if op is not None and not op.done]
+        if pending and not self._waiters:
+            self._wake.set()  # the run loop waits for the next event more closely while someone waits (run)
+        when_all(pending, lambda op, told: self._waiters.setdefault(op, []).append(told), callback)
 
     def cancel(self, client: int) -> None:
         """Tear down a client's work (queued dropped, running evicted) and wake everyone waiting on it."""
