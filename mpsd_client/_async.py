@@ -152,9 +152,8 @@ class AsyncContext(ContextBase):
     async def _sleep(self, op: Any) -> None:
         """Wake on time, as time.sleep does: trio's timers are whole milliseconds under epoll (Python's
         epoll.poll rounds a timeout up to one), so a Poisson tenant that slept with trio alone would start
-        each request up to a millisecond late (bench/fidelity: on the H200 that was most of the latency a
-        critical request showed through mpsd above the same request made directly). It sleeps with trio to
-        within a millisecond of the end, then lets the other tasks run until the end comes."""
+        each request up to a millisecond late, and mpsd-stress counts that as its latency. It sleeps with
+        trio to within a millisecond of the end, then lets the other tasks run until the end comes."""
         wall = await self._drive(op)
         if wall > 0:
             start = time.monotonic()
