@@ -93,7 +93,7 @@ class Tenant:
         priority: its client priority as the daemon set it (0 normal, 1 below normal).
         weight: its share under `fair`.
         queued: items waiting to be released (a run of launches is one).
-        in_flight: its kernels released and not yet ended.
+        in_flight: its kernels released and not yet seen to end (counted when the dispatcher next decides).
         gpu_ns: device nanoseconds its released kernels took (from their completion times; copies and event
             waits take none), whole, so that equal shares compare equal.
         released: kernels released so far.
@@ -291,9 +291,8 @@ class Dispatcher:
                 self._release_records(raising)
                 if len(self.tenants) == 1:  # alone: nobody to give way to, so no policy and no bound
                     (tenant,) = self.tenants.values()
-                    while tenant.queued and tenant.head() is not None:
+                    while tenant.queued and tenant.head() is not None:  # (its event records too)
                         self._release(tenant, raising, whole=True)
-                        self._release_records(raising)
                     chosen = None
                 else:
                     chosen, whole = self._choose()
@@ -314,10 +313,11 @@ class Dispatcher:
         ready, unbounded = [], set()
         for t in self.tenants.values():
             if t.queued and t.head() is not None:
-                if t.in_flight >= bound and rule.bounded(t, self):
+                bounded = rule.bounded(t, self)
+                if bounded and t.in_flight >= bound:
                     continue
                 ready.append(t)
-                if not rule.bounded(t, self):
+                if not bounded:
                     unbounded.add(t.id)
         if not ready:
             return None, False
