@@ -99,14 +99,45 @@ print(ctx.device_properties()["multiprocessor_count"], start.elapsed_ms(end))
 """
 
 
-def test_the_active_thread_percentage_caps_the_sms(backend_daemon):
-    """At 25% a client holds 32 of the H200's 132 SMs: a full wave of the device takes it five waves."""
+@pytest.mark.parametrize("percentage, waves", [(25, 5), (20, 6), (33, 4)])
+def test_the_active_thread_percentage_caps_the_sms(backend_daemon, percentage, waves):
+    """As MPS rounds a cap (whole TPCs) a client at 25% holds 32 of the H200's 132 SMs, at 20% 26 and at 33% 42:
+    a full wave of the device (two blocks an SM) takes it 5, 6 and 4 waves. On cuda:0 the green context of 26
+    SMs holds 32 (the driver's groups are 8 SMs), and of 42, 48: its grid goes in launches of the blocks 26 (42)
+    SMs hold, or it would take 5 (3) waves."""
     whole = run_worker(CAPPED, backend_daemon.pipe_dir)
-    capped = run_worker(CAPPED, backend_daemon.pipe_dir, env={"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "25"})
+    capped = run_worker(CAPPED, backend_daemon.pipe_dir, env={"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": f"{percentage}"})
     assert whole.returncode == 0 and capped.returncode == 0, whole.stderr + capped.stderr
     (sms_whole, ms_whole), (sms_capped, ms_capped) = ([float(v) for v in r.stdout.split()] for r in (whole, capped))
-    assert sms_capped == sms_whole // 4 // 2 * 2
-    assert ms_capped > 3 * ms_whole  # five waves, where the whole device ran one
+    assert sms_capped == int(sms_whole * percentage / 100) // 2 * 2
+    assert waves - 0.5 < ms_capped / ms_whole < waves + 0.5
+
+
+CAPPED_KERNELS = """
+import numpy as np, mpsd_client
+n = 528 * 256 * 2
+ctx = mpsd_client.connect()
+a, b, c, total = ctx.malloc(4 * n), ctx.malloc(4 * n), ctx.malloc(4 * n), ctx.malloc(4)
+x = np.arange(n, dtype=np.float32) % 1000
+ctx.memcpy_htod(a, x)
+ctx.launch("fill_f32", 528, 256, [b, 2.0, n])
+ctx.launch("vector_add_f32", 300, 256, [a, b, c, n])
+ctx.launch("saxpy_f32", 1000, 128, [0.5, a, c, n])    # c = 0.5 a + (a + 2)
+ctx.launch("reduce_sum_f32", 200, 1024, [b, total, n])
+ctx.synchronize()
+got, whole = np.empty(n, np.float32), np.empty(1, np.float32)
+ctx.memcpy_dtoh(got, c); ctx.memcpy_dtoh(whole, total)
+print(bool(np.array_equal(got, 1.5 * x + 2)), float(whole[0]) == 2.0 * n)
+"""
+
+
+def test_a_capped_clients_grid_computes_what_it_would_whole(backend_daemon):
+    """At 20% (26 SMs, in a green context of 32 on an H200) each of these grids is more than its cap's SMs hold at
+    once: on cuda:0 it goes as launches in a row, each block told where it lies in the whole grid, and computes
+    what one launch would."""
+    done = run_worker(CAPPED_KERNELS, backend_daemon.pipe_dir, env={"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "20"})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "True"]
 
 
 def test_an_illegal_address_is_sticky(backend_daemon):
@@ -393,6 +424,7 @@ ctx = mpsd_client.connect()
 s = ctx.create_stream()
 for _ in range(20):
     ctx.launch("spin", 264, 1024, [2_000_000], stream=s)   # full waves of about a millisecond each on an H200
+assert not s.query()  # a call with a reply: the daemon has the launches before the other client's work
 print("queued", flush=True)
 with ctx.idle():  # the others go on meanwhile, under the virtual clock too
     sys.stdin.readline()

@@ -165,6 +165,23 @@ async def test_full_device_kernels_go_in_the_policys_turns(policy, level, turns,
         assert await gated(a, b, level=level, blocker_ms=10) == pytest.approx(turns, abs=0.01)
 
 
+@pytest.mark.parametrize("policy", ["exclusive", "timeslice"])
+async def test_what_a_client_alone_released_is_its_slice_when_another_comes(policy, autojump_clock):
+    """A client alone goes without a policy, all its kernels on the device at once; when another client's work
+    comes, that is the first client's slice: the newcomer's full-device kernel waits for the six to drain, and
+    ends a seventh kernel's time after they began (its start event is recorded when its calls come, a little
+    after; released at once beside them, it would end within two)."""
+    async with served(policy) as d, d.connect() as a:
+        sa = await a.create_stream()
+        await full_kernels(a, sa, 6)
+        assert not await sa.query()  # the six are on the device, none held
+        async with d.connect() as b:
+            sb = await b.create_stream()
+            start, end = await full_kernels(b, sb, 1)
+            await together(a.synchronize, b.synchronize)
+            assert 6.5 < await start.elapsed_ms(end) / UNIT <= 7
+
+
 @pytest.mark.parametrize("weight,turns", [
     (1.0, (11, 12)),  # a1 b1 a2 b2 ... a6 b6
     (3.0, (7, 12)),  # a1 a2 a3 b1 a4 a5 a6 b2 ... b6: three of a's for each of b's while both have work

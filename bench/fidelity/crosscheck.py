@@ -60,6 +60,7 @@ def _scenarios() -> dict[str, list[Tenant]]:
         out[f"3 x {kernel} at 50%"] = [Tenant(kernel, count, 50)] * 3
         out[f"4 x {kernel} at 25%"] = [Tenant(kernel, count, 25)] * 4
         out[f"{kernel} at 50% beside uncapped"] = [Tenant(kernel, count, 50), Tenant(kernel, count)]
+    out["latency alone"] = [Tenant("probe", 40)]  # what the others add to it, beside what the path costs
     for atp in (None, 50):
         out["latency beside spin" + (f" at {atp}%" if atp else "")] = [Tenant("probe", 40), Tenant("spin", 120, atp)]
     return out

@@ -28,7 +28,9 @@
 #   tenant keeps the most SMs. A client whose window changes moves: each of its streams becomes a new CUDA
 #   stream of the new green context that waits for the last event of the old one, so its work keeps its order
 #   (work already queued runs out on the old SMs), and the old stream is destroyed at once (the driver lets its
-#   queued work finish first).
+#   queued work finish first). A window's SMs come in the driver's groups (8 on an H200), so it may hold more
+#   than the cap (32 SMs for the 26 of 20%): a capped client's grid then goes as launches in a row of at most
+#   the blocks its cap's SMs hold at once, and its kernels take the waves they take under MPS.
 # - Completion: work on a stream completes in order, so one event marks the end of every piece of work queued
 #   on the stream since the last one: it is recorded when the backend's task next runs, when an event record
 #   asks for its exact place, or when other work must wait for it. One trio task polls the oldest event of each
@@ -40,7 +42,9 @@
 #   turn of the loop. The events are reused.
 #
 # Where it differs from MPS today: a green context's SMs are fixed, where MPS lets a capped client use any SMs
-# up to its cap (the windows overlap, but a client never reaches SMs outside its own); weights and MIG
+# up to its cap (the windows overlap, but a client never reaches SMs outside its own); a grid given as launches
+# in a row waits for the slowest block of each before the next starts (MPS starts a block wherever one ends,
+# which matters only where a kernel's blocks take unequal times); weights and MIG
 # instances are not modelled; a kernel or copy is known to have ended when the next event of its stream fires
 # (event records are timed exactly); and a cancelled client's running work is waited for rather than torn down
 # (a real GPU cannot drop work already queued).
@@ -257,6 +261,7 @@ class CudaBackend:
         self.access = access
         self._kernels = compile_kernels(cu, nvrtc, self._attrs["major"], self._attrs["minor"])
         self._functions = {name: kernel.function for name, kernel in self._kernels.items()}
+        self._blocks_per_sm: dict[tuple[str, int, int], int] = {}  # (kernel, threads, shared memory) -> blocks
         self._origin = time.monotonic()
         self._primary = self._dated(self.context, self._attrs["sm_count"])
         self._current = self.context
@@ -584,8 +589,30 @@ class CudaBackend:
             values[index].value = extent.memory.dptr + extent.offset
         (gx, gy, gz), (bx, by, bz) = plan.grid, plan.block
         launch, function, smem, address = self.cu.cuLaunchKernel, kernel.function, plan.shared_mem, kernel.address
+        cap = self._caps.get(work.client)
+        step = gx
+        if cap is not None and pending.context.sm_count > cap:
+            # Its green context holds more SMs than its cap (the driver's groups are 8 SMs on an H200): the grid
+            # goes as launches in a row of at most the blocks `cap` SMs hold at once, as MPS holds it to its cap.
+            step = max(1, self._occupancy(plan.kernel, bx * by * bz, smem) * cap // (gy * gz))
+        if kernel.base is not None:
+            kernel.total.value = gx
         for _ in range(count):
-            _check(launch(function, gx, gy, gz, bx, by, bz, smem, stream, address, 0))
+            for first in range(0, gx, step):
+                if kernel.base is not None:
+                    kernel.base.value = first
+                _check(launch(function, min(step, gx - first), gy, gz, bx, by, bz, smem, stream, address, 0))
+
+    def _occupancy(self, name: str, threads: int, smem: int) -> int:
+        """The blocks of a kernel one SM holds at once, as the driver computes it."""
+        key = (name, threads, smem)
+        found = self._blocks_per_sm.get(key)
+        if found is None:
+            cu = self.cu
+            function = _check(cu.cuKernelGetFunction(self._kernels[name].function))
+            found = self._blocks_per_sm[key] = max(1, _check(
+                cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(function, threads, smem)))
+        return found
 
     def _copy(self, work: Copy, stream: Any, pending: _Pending) -> None:
         cu, n = self.cu, work.nbytes

@@ -1,5 +1,9 @@
 # The CUDA backend's built-in kernels: their CUDA C source, the parameter kinds the runtime's signatures give
 # them (mpsd.runtime.kernels), and their compilation, once per daemon, with NVRTC for the device's architecture.
+# The kernels whose blocks differ take two more parameters than their signature, last: the launch's first block
+# (`base`) and the blocks of the whole grid (`total`), so that the backend can give a capped client's grid as
+# several launches in a row (CudaBackend._launch) and each block still computes what it would in one; spin's and
+# work's blocks are all alike (and bench/ launches them straight, with their signature's one argument).
 """The built-in kernels on a real GPU."""
 
 from __future__ import annotations
@@ -22,47 +26,54 @@ extern "C" __global__ void work(long long iters) {
     for (long long i = 0; i < iters; ++i) x = fmaf(x, 0.9999999f, 1e-7f);
     if (x == -12345.0f) *(volatile float *)0 = x;  /* never true: keeps the loop */
 }
-extern "C" __global__ void fill_f32(float *p, float value, long long n) {
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+extern "C" __global__ void fill_f32(float *p, float value, long long n, long long base, long long total) {
+    for (long long i = (base + blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += total * blockDim.x)
         p[i] = value;
 }
-extern "C" __global__ void vector_add_f32(const float *a, const float *b, float *c, long long n) {
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+extern "C" __global__ void vector_add_f32(const float *a, const float *b, float *c, long long n,
+                                          long long base, long long total) {
+    for (long long i = (base + blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += total * blockDim.x)
         c[i] = a[i] + b[i];
 }
-extern "C" __global__ void saxpy_f32(float alpha, const float *x, float *y, long long n) {
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+extern "C" __global__ void saxpy_f32(float alpha, const float *x, float *y, long long n,
+                                     long long base, long long total) {
+    for (long long i = (base + blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += total * blockDim.x)
         y[i] = alpha * x[i] + y[i];
 }
-extern "C" __global__ void reduce_sum_f32(const float *x, float *out, long long n) {
+extern "C" __global__ void reduce_sum_f32(const float *x, float *out, long long n,
+                                          long long base, long long total) {
     __shared__ float partial[1024];
-    if (blockIdx.x != 0) return;  /* one block sums it all, so the result does not depend on the grid */
+    if (base + blockIdx.x != 0) return;  /* one block sums it all, so the result does not depend on the grid */
     float sum = 0.0f;
     for (long long i = threadIdx.x; i < n; i += blockDim.x) sum += x[i];
     partial[threadIdx.x] = sum;
     __syncthreads();
     if (threadIdx.x == 0) {
-        float total = 0.0f;
-        for (unsigned t = 0; t < blockDim.x; ++t) total += partial[t];
-        out[0] = total;
+        float whole = 0.0f;
+        for (unsigned t = 0; t < blockDim.x; ++t) whole += partial[t];
+        out[0] = whole;
     }
 }
 """
 KERNEL_PARAMS = {"spin": ("i64",), "work": ("i64",), "fill_f32": ("ptr", "f32", "i64"),
                  "vector_add_f32": ("ptr", "ptr", "ptr", "i64"), "saxpy_f32": ("f32", "ptr", "ptr", "i64"),
                  "reduce_sum_f32": ("ptr", "ptr", "i64")}
+PLACED = frozenset(KERNEL_PARAMS) - {"spin", "work"}  # kernels that take `base` and `total`
 _CTYPES = {"ptr": ctypes.c_uint64, "i64": ctypes.c_int64, "f32": ctypes.c_float}
 
 
 @dataclass(eq=False, slots=True)
 class Kernel:
-    """A built-in kernel and its argument buffer: one ctypes value per parameter and the array of their
-    addresses, filled in place for each launch (cuLaunchKernel copies the arguments when it is called)."""
+    """A built-in kernel and its argument buffer: one ctypes value per parameter, then `base` and `total` where
+    its blocks differ (None where they do not), and the array of their addresses, filled in place for each launch
+    (cuLaunchKernel copies the arguments when it is called)."""
 
     function: Any
     values: tuple[Any, ...]
     pointers: Any
     address: int
+    base: Any
+    total: Any
 
 
 def compile_kernels(cu: Any, nvrtc: Any, major: int, minor: int) -> dict[str, Kernel]:
@@ -85,7 +96,9 @@ def compile_kernels(cu: Any, nvrtc: Any, major: int, minor: int) -> dict[str, Ke
     kernels: dict[str, Kernel] = {}
     for name, params in KERNEL_PARAMS.items():
         values = tuple(_CTYPES[kind]() for kind in params)
-        pointers = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
+        base, total = (ctypes.c_int64(), ctypes.c_int64()) if name in PLACED else (None, None)
+        every = (*values, base, total) if name in PLACED else values
+        pointers = (ctypes.c_void_p * len(every))(*[ctypes.addressof(v) for v in every])
         kernels[name] = Kernel(_check(cu.cuLibraryGetKernel(library, name.encode())), values, pointers,
-                               ctypes.addressof(pointers))
+                               ctypes.addressof(pointers), base, total)
     return kernels

@@ -365,7 +365,7 @@ class Dispatcher:
                 raise
             self.on_refused(tenant.id, error)
             return
-        sms = self.footprint(part, self.rule.spread(tenant, self))
+        sms = self.footprint(part, len(self.tenants) > 1 and self.rule.spread(tenant, self))  # alone: no policy
         if isinstance(part, Record):
             n = 0  # outside the bound
         tenant.in_flight += n

@@ -158,6 +158,10 @@ class Timeslice(KernelPolicy):
     def pick(self, dispatcher: Dispatcher, ready: list[Tenant]) -> Tenant | None:
         now = dispatcher.inner.now()
         active = self.active if self.active is not None and self.active.id in dispatcher.tenants else None
+        if active is None:  # a client that was alone went without a policy: what it has on the device is its slice
+            active = next((t for t in dispatcher.tenants.values() if t.in_flight), None)
+            if active is not None:
+                self.active, self._since = active, now
         if active is not None and (active.queued or active.in_flight):
             if now - self._since < self.slice or not _others(dispatcher, active):
                 return active if active in ready else None  # its slice (alone, it has no one to give way to)
