@@ -6,8 +6,8 @@
 set -u
 source bench/fidelity/device_env.sh || exit 1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-timeout 150 python3 -m pytest -q -p no:cacheprovider -ra tests/test_backends.py -k cuda 2>&1 | tail -4 \
-    | tee "$OUT/test_backends.log"
+timeout 150 python3 -m pytest -q -p no:cacheprovider -ra tests/test_backends.py -k cuda > "$OUT/test_backends.log" 2>&1
+grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/test_backends.log"
 timeout 330 python3 bench/fidelity/crosscheck.py --json "$OUT/crosscheck_h200.json" > "$OUT/crosscheck_h200.txt" 2>&1
 tail -40 "$OUT/crosscheck_h200.txt"
 [ "${1:-}" = --no-profile ] && exit 0
