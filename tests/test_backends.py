@@ -110,7 +110,8 @@ def test_the_active_thread_percentage_caps_the_sms(backend_daemon, percentage, w
     assert whole.returncode == 0 and capped.returncode == 0, whole.stderr + capped.stderr
     (sms_whole, ms_whole), (sms_capped, ms_capped) = ([float(v) for v in r.stdout.split()] for r in (whole, capped))
     assert sms_capped == int(sms_whole * percentage / 100) // 2 * 2
-    assert waves - 0.5 < ms_capped / ms_whole < waves + 0.5
+    # (a whole-device wave's time holds the launch's fixed cost too: about 0.14 of 1.14 ms on the H200)
+    assert waves - 1 < ms_capped / ms_whole <= waves + 0.5
 
 
 CAPPED_KERNELS = """

@@ -61,6 +61,7 @@ def _scenarios() -> dict[str, list[Tenant]]:
         out[f"4 x {kernel} at 25%"] = [Tenant(kernel, count, 25)] * 4
         out[f"{kernel} at 50% beside uncapped"] = [Tenant(kernel, count, 50), Tenant(kernel, count)]
     out["latency alone"] = [Tenant("probe", 40)]  # what the others add to it, beside what the path costs
+    out["latency alone, no gap"] = [Tenant("probe", 40, gap_ms=0.0)]  # each request on the heels of the last
     for atp in (None, 50):
         out["latency beside spin" + (f" at {atp}%" if atp else "")] = [Tenant("probe", 40), Tenant("spin", 120, atp)]
     return out

@@ -29,8 +29,9 @@
 #   stream of the new green context that waits for the last event of the old one, so its work keeps its order
 #   (work already queued runs out on the old SMs), and the old stream is destroyed at once (the driver lets its
 #   queued work finish first). A window's SMs come in the driver's groups (8 on an H200), so it may hold more
-#   than the cap (32 SMs for the 26 of 20%): a capped client's grid then goes as launches in a row of at most
-#   the blocks its cap's SMs hold at once, and its kernels take the waves they take under MPS.
+#   than the cap (32 SMs for the 26 of 20%): where that would run a grid in fewer waves than the cap's SMs, the
+#   grid goes as launches in a row of the blocks its cap's SMs hold at once, and takes the waves it takes under
+#   MPS.
 # - Completion: work on a stream completes in order, so one event marks the end of every piece of work queued
 #   on the stream since the last one: it is recorded when the backend's task next runs, when an event record
 #   asks for its exact place, or when other work must wait for it. One trio task polls the oldest event of each
@@ -592,9 +593,14 @@ class CudaBackend:
         cap = self._caps.get(work.client)
         step = gx
         if cap is not None and pending.context.sm_count > cap:
-            # Its green context holds more SMs than its cap (the driver's groups are 8 SMs on an H200): the grid
-            # goes as launches in a row of at most the blocks `cap` SMs hold at once, as MPS holds it to its cap.
-            step = max(1, self._occupancy(plan.kernel, bx * by * bz, smem) * cap // (gy * gz))
+            # Its green context holds more SMs than its cap (the driver's groups are 8 SMs on an H200). Where that
+            # would let its grid run in fewer waves than `cap` SMs take, the grid goes as launches in a row of the
+            # blocks `cap` SMs hold at once, as MPS holds it to its cap. Only there: a launch waits for its slowest
+            # block before the next starts, and where other clients share its SMs that costs more than it saves
+            # (three tenants at 50% took 1.2 to 1.3 times MPS's time, split; bench/fidelity/h200_dec03/split).
+            per_sm, blocks = self._occupancy(plan.kernel, bx * by * bz, smem), gx * gy * gz
+            if -(-blocks // (per_sm * cap)) > -(-blocks // (per_sm * pending.context.sm_count)):
+                step = max(1, per_sm * cap // (gy * gz))
         if kernel.base is not None:
             kernel.total.value = gx
         for _ in range(count):
