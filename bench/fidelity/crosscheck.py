@@ -61,7 +61,7 @@ def _scenarios() -> dict[str, list[Tenant]]:
         out[f"4 x {kernel} at 25%"] = [Tenant(kernel, count, 25)] * 4
         out[f"{kernel} at 50% beside uncapped"] = [Tenant(kernel, count, 50), Tenant(kernel, count)]
     out["latency alone"] = [Tenant("probe", 40)]  # what the others add to it, beside what the path costs
-    out["latency alone, no gap"] = [Tenant("probe", 40, gap_ms=0.0)]  # each request on the heels of the last
+    out["latency alone back to back"] = [Tenant("probe", 40, gap_ms=0.0)]  # each request on the heels of the last
     for atp in (None, 50):
         out["latency beside spin" + (f" at {atp}%" if atp else "")] = [Tenant("probe", 40), Tenant("spin", 120, atp)]
     return out
@@ -213,7 +213,7 @@ def main() -> int:
         for name, tenants in SCENARIOS.items():
             print(f"{name}: {tenants}")
         return 0
-    names = list(SCENARIOS) if options.only is None else options.only.split(",")
+    names = list(SCENARIOS) if options.only is None else options.only.split(",")  # (no name holds a comma)
     unknown = [n for n in names if n not in SCENARIOS]
     if unknown:
         parser.error(f"no such scenario: {', '.join(unknown)} (see --list)")
