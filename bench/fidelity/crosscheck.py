@@ -17,6 +17,7 @@ real MPS on every batch figure and 15% on every latency figure, and the model to
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -27,7 +28,7 @@ import textwrap
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -155,7 +156,9 @@ def run_tenants(code: str, tenants: list[Tenant], env: dict[str, str], virtual: 
             p.wait(timeout=120)
 
 
-def with_daemon(args: list[str], tenants: list[Tenant], virtual: bool, base: dict[str, str]) -> list[list[float]]:
+@contextlib.contextmanager
+def mpsd_daemon(args: list[str], base: dict[str, str]) -> Iterator[dict[str, str]]:
+    """A daemon of `args`, started and ready: the environment its clients connect with."""
     pipe = Path(tempfile.mkdtemp(prefix="mpsdx-", dir="/tmp"))
     daemon = subprocess.Popen([sys.executable, "-m", "mpsd", "--pipe-dir", str(pipe), *args],
                               stderr=subprocess.PIPE, text=True, env=base)
@@ -165,11 +168,16 @@ def with_daemon(args: list[str], tenants: list[Tenant], virtual: bool, base: dic
                 break
         else:
             raise RuntimeError("the daemon did not start")
-        return run_tenants(MPSD_WORKER, tenants, dict(base, CUDA_MPS_PIPE_DIRECTORY=str(pipe)), virtual)
+        yield dict(base, CUDA_MPS_PIPE_DIRECTORY=str(pipe))
     finally:
         daemon.terminate()
         daemon.wait(timeout=30)
         shutil.rmtree(pipe, ignore_errors=True)
+
+
+def with_daemon(args: list[str], tenants: list[Tenant], virtual: bool, base: dict[str, str]) -> list[list[float]]:
+    with mpsd_daemon(args, base) as env:
+        return run_tenants(MPSD_WORKER, tenants, env, virtual)
 
 
 def with_real_mps(tenants: list[Tenant], base: dict[str, str]) -> list[list[float]]:
@@ -201,6 +209,11 @@ def figures(tenant: Tenant, samples: list[float]) -> dict[str, float]:
     return {"p50 ms": ordered[len(ordered) // 2], "p99 ms": ordered[min(len(ordered) - 1, round(0.99 * len(ordered)))]}
 
 
+def base_env() -> dict[str, str]:
+    """This process's environment, less a cap (each tenant sets its own)."""
+    return {k: v for k, v in os.environ.items() if k != "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", help="comma-separated scenario names (see --list)")
@@ -220,7 +233,7 @@ def main() -> int:
     modes = options.modes.split(",")
     if not modes or not set(modes) <= set(RUNS):
         parser.error(f"--modes takes some of {', '.join(RUNS)}")
-    base = {k: v for k, v in os.environ.items() if k != "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"}
+    base = base_env()
     rows: list[dict[str, Any]] = []
     worst: dict[str, float] = {}
     print(f"{'scenario':<32} {'tenant':>6} {'figure':>7} " + " ".join(f"{m:>9}" for m in modes)

@@ -36,7 +36,12 @@ _FAIR_READS = 16  # after this many reads that did not have to wait, let other t
 MAX_UNSENT_BYTES = 8 << 20  # eight frames of the largest size, or about 100,000 small replies
 MAX_UNSENT_FDS = 64  # replies with fds (mem_fd, ipc_open_mem_handle) the peer has not taken
 DEFAULT_SPIN = 100e-6  # seconds a channel keeps reading an emptied socket (the daemon's --spin)
-MAX_SPIN = 1e-3  # a client's next call that comes later than this is not worth a core's time
+# On a real GPU the daemon's wake-up from epoll is on a request's path, and a lone latency tenant's requests 2 ms
+# apart took 0.37 ms at the median beside real MPS's 0.13 with a 1-ms spin, 0.22 with a 5-ms one
+# (bench/fidelity/probe_wake.py, h200_dec03/probe_wake*). The daemon is one thread: however many channels spin,
+# it holds one core, and a GPU host has them to spare.
+REAL_GPU_SPIN = 5e-3
+MAX_SPIN = 10e-3  # a bound on --spin: a client whose calls come further apart than this has its core back
 
 
 class Spin:
