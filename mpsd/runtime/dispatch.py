@@ -79,7 +79,7 @@ class _Flight:
     work: Work
     count: int  # kernels it stands for (none for an event record)
     stream_priority: int
-    sms: int  # its footprint, counted in Dispatcher.busy
+    sms: int  # its footprint (what Tenant.occupied counts of it)
     released_at: float
     watched: bool = False  # the backend calls back when it ends
 
@@ -97,6 +97,10 @@ class Tenant:
         gpu_ns: device nanoseconds its released kernels took (from their completion times; copies and event
             waits take none), whole, so that equal shares compare equal.
         released: kernels released so far.
+        sm_cap: the SMs its client may hold at once.
+        footprints: the footprints of its released, unfinished work, summed.
+        occupied: what of them Dispatcher.busy counts: no more than its SM cap (a capped client's two kernels
+            in flight hold its cap's SMs, not twice as many).
     """
 
     id: int
@@ -106,6 +110,9 @@ class Tenant:
     in_flight: int = 0
     gpu_ns: int = 0
     released: int = 0
+    sm_cap: int | None = None
+    footprints: int = 0
+    occupied: int = 0
     last_end: float = -math.inf
     queues: dict[tuple[int, int], deque[_Item]] = field(default_factory=dict, repr=False)
     # stream priority -> its released kernels not yet ended, so that work on the device keeps its urgency
@@ -165,7 +172,7 @@ class Dispatcher:
         self.sms = int(props["multiprocessor_count"])
         self._sm_limits = (int(props["max_blocks_per_multiprocessor"]), int(props["max_threads_per_multiprocessor"]),
                            int(props["shared_memory_per_multiprocessor"]))
-        self.busy = 0  # SMs that released, unfinished kernels occupy (by their grid, as `footprint` counts them)
+        self.busy = 0  # SMs that released, unfinished kernels occupy: the sum of the tenants' `occupied`
         self._pumping = False
         self._again = False
         # Work the backend refused when it was released, after its call had returned: (client, error)
@@ -196,7 +203,7 @@ class Dispatcher:
     def attach(self, client: Client, *, sm_cap: int, priority: int, weight: float, instance: int | None,
                sms: tuple[int, int] | None = None) -> None:
         tenant = self._tenant(client.id)
-        tenant.priority, tenant.weight = priority, weight
+        tenant.priority, tenant.weight, tenant.sm_cap = priority, weight, sm_cap
         self.inner.attach(client, sm_cap=sm_cap, priority=priority, weight=weight, instance=instance, sms=sms)
         self._pump()
 
@@ -209,7 +216,7 @@ class Dispatcher:
         self._drop(client)
         tenant = self.tenants.pop(client, None)
         if tenant is not None:  # what it left on the device no longer counts (the backend let it go)
-            self.busy -= sum(f.sms for flights in tenant.flights.values() for f in flights)
+            self.busy -= tenant.occupied
         self.inner.forget(client)
         self._pump()
 
@@ -272,8 +279,11 @@ class Dispatcher:
         """Whether `tenant`'s next kernel would run at once beside the work released (or the device is idle),
         counted as the policy counts its SMs (`KernelPolicy.spread`)."""
         head = tenant.head()
-        return head is not None and (self.busy == 0 or self.busy + self.footprint(
-            head.work, self.rule.spread(tenant, self)) <= self.sms)
+        if head is None:
+            return False
+        sms = self.footprint(head.work, self.rule.spread(tenant, self))
+        cap = self.sms if tenant.sm_cap is None else tenant.sm_cap
+        return self.busy == 0 or (tenant.footprints + sms <= cap and self.busy + sms <= self.sms)
 
     def _pump(self, raising: _Item | None = None) -> None:
         """Release work while the policy picks a client, having first counted what has ended; then, while
@@ -371,16 +381,24 @@ class Dispatcher:
         tenant.in_flight += n
         tenant.released += n
         tenant.running[item.stream_priority] = tenant.running.get(item.stream_priority, 0) + n
-        self.busy += sms
         flights = tenant.flights.get(part.stream)
         if flights is None:
             flights = tenant.flights[part.stream] = deque()
         flights.append(_Flight(part, n, item.stream_priority, sms, self.inner.now()))
+        self._occupy(tenant, sms)
         self._tell_held(part)
 
     def _tell_held(self, work: Work) -> None:
         for told in self._waiters.pop(work, ()):
             self._wait(work, told)
+
+    def _occupy(self, tenant: Tenant, more: int) -> None:
+        """`more` SMs of footprints released for `tenant` (fewer, where negative), counted in `busy` within its
+        cap."""
+        tenant.footprints += more
+        occupied = min(tenant.footprints, self.sms if tenant.sm_cap is None else tenant.sm_cap)
+        self.busy += occupied - tenant.occupied
+        tenant.occupied = occupied
 
     def _reap(self) -> None:
         """Count the released work that has ended (or was cancelled), in the order it ended."""
@@ -406,7 +424,7 @@ class Dispatcher:
         n, work = flight.count, flight.work
         tenant.in_flight -= n
         tenant.running[flight.stream_priority] -= n
-        self.busy -= flight.sms
+        self._occupy(tenant, -flight.sms)
         ended = work.ended
         if ended == ended and isinstance(work, Launch):  # a kernel that completed: its device time counts
             start = max(flight.released_at, tenant.last_end)

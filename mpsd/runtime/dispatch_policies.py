@@ -100,7 +100,11 @@ class Priority(KernelPolicy):
         # more urgent, when it comes, waits for no block that has not started.
         # (Work held only for an event another client has yet to record holds no one back.)
         held = min(self._urgency(t, now) for t in dispatcher.tenants.values() if t.head() is not None)
-        return best if urgency <= held and dispatcher.room_for(best) else None
+        if urgency > held:
+            return None
+        # The oldest of the equally urgent that fits: one at its cap holds back none as urgent as itself.
+        level = sorted((t for t in ready if self._urgency(t, now) == urgency), key=lambda t: t.head().seq)  # type: ignore[union-attr]
+        return next((t for t in level if dispatcher.room_for(t)), None)
 
 
 class RoundRobin(KernelPolicy):
