@@ -36,11 +36,11 @@ _FAIR_READS = 16  # after this many reads that did not have to wait, let other t
 MAX_UNSENT_BYTES = 8 << 20  # eight frames of the largest size, or about 100,000 small replies
 MAX_UNSENT_FDS = 64  # replies with fds (mem_fd, ipc_open_mem_handle) the peer has not taken
 DEFAULT_SPIN = 100e-6  # seconds a channel keeps reading an emptied socket (the daemon's --spin)
-# On a real GPU the daemon's wake-up from epoll is on a request's path, and a lone latency tenant's requests 2 ms
-# apart took 0.37 ms at the median beside real MPS's 0.13 with a 1-ms spin, 0.22 with a 5-ms one
-# (bench/fidelity/probe_wake.py, h200_dec03/probe_wake*). The daemon is one thread: however many channels spin,
-# it holds one core, and a GPU host has them to spare.
-REAL_GPU_SPIN = 5e-3
+# On a real GPU the daemon's wake-up from epoll is on a request's path: a lone latency tenant's requests 2 ms apart
+# took 0.37 ms at the median beside real MPS's 0.13 with a 1-ms spin, 0.22 with a 5-ms one
+# (bench/fidelity/probe_wake.py, h200_dec03/probe_wake), so --spin goes to 10 ms. It stays 100 us by default: with
+# 5 ms on a real GPU, DISB-C's best-effort tenants under priority lost a third of their throughput (six channels
+# spinning in the daemon's one thread, it seems; h200_dec03/quick).
 MAX_SPIN = 10e-3  # a bound on --spin: a client whose calls come further apart than this has its core back
 
 

@@ -16,7 +16,7 @@ from mpsd.backends.cuda import CudaDevice, cuda_device_count
 from mpsd.backends.engine import DEFAULT_IDLE_GRACE
 from mpsd.backends.factory import (DEFAULT_DEVICE, DEVICE_MODELS, POLICIES, DeviceDescription, accepted_options,
                                    check_policy)
-from mpsd.daemon.channel import DEFAULT_SPIN, MAX_SPIN, REAL_GPU_SPIN
+from mpsd.daemon.channel import DEFAULT_SPIN, MAX_SPIN
 from mpsd.daemon.mps_config import NamedServer, load_mps_config
 from mpsd.runtime.dispatch import DEFAULT_IN_FLIGHT
 from mpsd.runtime.dispatch_policies import kernel_policy
@@ -184,8 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--spin", type=float, metavar="SECONDS",
                         help="how long a session keeps reading its client's socket once it is empty before it "
                              "waits, while the daemon has no more clients than cores, as the CUDA runtime spins "
-                             f"on a result rather than yield (default {DEFAULT_SPIN * 1e6:g} us, "
-                             f"{REAL_GPU_SPIN * 1e3:g} ms on a real GPU; at most {MAX_SPIN * 1e3:g} ms; 0: never)")
+                             f"on a result rather than yield (default {DEFAULT_SPIN * 1e6:g} us; at most "
+                             f"{MAX_SPIN * 1e3:g} ms; 0: never)")
     parser.add_argument("--active-thread-percentage", type=float,
                         help="default CUDA_MPS_ACTIVE_THREAD_PERCENTAGE for clients (default 100)")
     parser.add_argument("--pinned-mem-limit", help="default pinned device memory limit, e.g. 4G or 0=4G,1=2G")
@@ -294,7 +294,7 @@ def load_config(argv: Sequence[str] | None = None, environ: dict[str, str] | Non
         policy_options["partitions"] = _partitions(partitions)
     devices = parse_devices(pick("devices", "h200"))
     real = any(isinstance(d, CudaDevice) for d in devices)
-    spin = float(pick("spin", REAL_GPU_SPIN if real else DEFAULT_SPIN))
+    spin = float(pick("spin", DEFAULT_SPIN))
     if not 0 <= spin <= MAX_SPIN:
         raise ConfigError(f"--spin must be 0 to {MAX_SPIN} seconds, not {spin}")
     dispatch = pick("dispatch", "kernel" if real and policy != "mps" else "block")
