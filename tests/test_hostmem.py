@@ -166,3 +166,31 @@ def test_pinned_buffers_the_daemon_maps_count_against_the_budget(daemon_factory)
             os.close(fd)
         assert _host(daemon)["pinned"] == 32 * MiB
     assert _host(daemon)["pinned"] == 0  # a client's buffers are unmapped and uncounted as it goes
+
+
+async def test_a_refused_staged_copy_lets_go_of_its_bytes_at_once():
+    """A pageable copy refused by the host budget gives its staged bytes back when it is refused, not when Python's
+    cyclic collector next runs (the error's traceback holds them until then): with the collector off, 40 refused
+    8-MiB pieces leave the daemon's RSS where it was (it grew by the 320 MiB they staged before)."""
+    import gc
+
+    import psutil
+
+    from inproc import in_process_daemon
+
+    me = psutil.Process()
+    async with in_process_daemon("--host-memory", "64M") as d, d.connect() as ctx:
+        p = await ctx.malloc(1 << 30)
+        await ctx.memset(p, 7, 56 * MiB)
+        await ctx.synchronize()
+        piece = np.full(8 * MiB, 3, np.uint8)
+        gc.disable()
+        try:
+            before = me.memory_info().rss
+            for i in range(40):
+                with pytest.raises(OutOfMemoryError, match="budget of 64"):
+                    await ctx.memcpy_htod(p + 512 * MiB + i * 8 * MiB, piece)
+            grown = me.memory_info().rss - before
+        finally:
+            gc.enable()
+    assert grown < 64 * MiB, grown
