@@ -153,6 +153,19 @@ def _command_lines(pid: str) -> st.SearchStrategy[bytes]:
     )).map(lambda line: " ".join([line[0], *line[1]]).encode())
 
 
+def test_a_number_of_thousands_of_digits_gets_an_answer_not_an_internal_error(ctx, daemon):
+    """Python converts no more than 4,300 digits to an int: every argument of every command, given 4,301 of them,
+    is read as MPS reads it (a number too large, or no number), and no answer is the daemon's internal error."""
+    commands = {**COMMANDS, "mpsd_compute_mode": 2, "sm_partition": 2}
+    with _control_socket(daemon) as sock:
+        for name, count in sorted(commands.items()):
+            for i in range(count):
+                line = " ".join([name, *("9" * 4301 if j == i else "0" for j in range(count))])
+                answer = _ask(sock, line.encode())
+                assert not answer.startswith("Internal error"), (name, i, answer)
+        assert daemon.proc.poll() is None
+
+
 def test_fuzzed_control_packets_all_get_a_reply(ctx, daemon):
     """Random command lines of every command with random arguments, and random bytes: every packet is
     answered and the daemon stays up."""

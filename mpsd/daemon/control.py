@@ -324,7 +324,7 @@ class Control:
         if not text.isascii() or not text.isdigit():
             self._note(f"Invalid device identifier format: {text}")
             return None
-        return int(text)
+        return _digits(text, U64)
 
     def _contexts(self):
         return [ctx for device in self.daemon.devices for ctx in device.contexts.values()
@@ -696,7 +696,7 @@ class Control:
         device, mode = self._args(args, 2, usage)
         if mode not in COMPUTE_MODES:
             raise CommandError(f"Usage: {usage}")
-        index = int(device) if device.isascii() and device.isdigit() else len(self.daemon.devices)
+        index = _digits(device, U64) if device.isascii() and device.isdigit() else len(self.daemon.devices)
         if index >= len(self.daemon.devices):
             raise CommandError(f"Invalid device {device}")
         self.daemon.devices[index].compute_mode = mode
