@@ -217,6 +217,37 @@ def test_importer_keeps_the_bytes_after_the_exporter_dies(daemon):
             ctx.ipc_open_mem_handle(bytes.fromhex(handle))  # nothing left to open
 
 
+EVENT_EXPORTER = """
+    import mpsd_client
+    ctx = mpsd_client.connect()
+    e = ctx.create_event(disable_timing=True, interprocess=True)
+    e.record()
+    print(ctx.ipc_get_event_handle(e).hex())
+    print("ready", flush=True)
+    input()
+"""
+
+
+def test_an_event_handle_opens_only_while_its_exporter_lives(daemon):
+    """An IPC event opened before its exporter is SIGKILLed goes on working in the importer; once the exporter
+    is gone, its handle opens no more, as its memory's handle does not."""
+    worker, (handle,) = export_from_worker(daemon, EVENT_EXPORTER)
+    with mpsd_client.connect(daemon.pipe_dir) as ctx:
+        opened = ctx.ipc_open_event_handle(bytes.fromhex(handle))
+        worker.kill()
+        worker.communicate()
+        from test_daemon import wait_for_log
+
+        wait_for_log(daemon, f"Client {worker.pid} disconnected")
+        with pytest.raises(InvalidResourceHandleError):
+            ctx.ipc_open_event_handle(bytes.fromhex(handle))
+        s = ctx.create_stream()
+        s.wait_event(opened)  # the record it shares was done: nothing to wait for
+        s.synchronize()
+        opened.record(s)
+        assert opened.query()
+
+
 LIMITED_EXPORTER = """
     import mpsd_client
     ctx = mpsd_client.connect()

@@ -55,6 +55,7 @@ class Export:
     cell: EventCell | None = None  # event exports
     importers: dict[int, tuple[Context, Allocation]] = field(default_factory=dict)  # context id -> it, its mapping
     counts: dict[int, int] = field(default_factory=dict)  # context id -> opens not yet closed
+    exporter: int | None = None  # the id of the context whose event it is (event exports)
 
     def handle(self) -> bytes:
         return IpcHandle(self.kind, self.device, self.id, self.secret).to_bytes()
@@ -167,7 +168,7 @@ class IpcRegistry:
         """``cudaIpcGetEventHandle`` for an interprocess event's record cell."""
         export = cell.export
         if export is None:
-            export = cell.export = self._new(ctx, EVENT, cell=cell)
+            export = cell.export = self._new(ctx, EVENT, cell=cell, exporter=ctx.id)
         return export.handle()
 
     def open_event(self, ctx: Context, handle: object) -> EventCell:
@@ -184,9 +185,15 @@ class IpcRegistry:
 
     # -- clients ---------------------------------------------------------------------------------------
     def context_closed(self, ctx: Context) -> None:
-        """Close everything a departing client imported; its own exports end with its allocations."""
+        """Close everything a departing client imported; its own exports end with its allocations, and with it
+        those of its events: what others opened of them goes on, as a memory import does, but a handle to one
+        no longer opens (as its memory's handle does not once it is freed)."""
         for export in {id(e): e for e in ctx.imports.values()}.values():
             self._unmap(ctx, export).release()  # its work was cancelled already: nothing touches the bytes
+        for event in ctx.events.values():
+            export = event.cell.export
+            if export is not None and export.exporter == ctx.id:
+                self._exports.pop(export.id, None)
 
     # -- shared ----------------------------------------------------------------------------------------
     def _new(self, ctx: Context, kind: int, **what: object) -> Export:
