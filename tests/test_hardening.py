@@ -511,6 +511,36 @@ def test_other_users_connect_while_one_floods_the_handshake(daemon_factory):
         sock.close()
 
 
+def test_another_users_denied_commands_cannot_flood_control_log(daemon_factory):
+    """Another uid's control.log lines are rate-limited (a burst, then a hundred a second, and a count of what
+    was left out); the owner's commands are all logged, as MPS logs them."""
+    user = _needs_second_user()
+    d = start_daemon("--time-scale", "100", "--multiuser")
+    daemon_factory.append(d)
+    for path in (d.pipe_dir.parent, d.pipe_dir):
+        os.chmod(path, 0o755)
+    os.chmod(d.pipe_dir / "control", 0o777)
+    flood = 2000
+
+    def deny() -> str:
+        with _control_socket(d) as sock:
+            answers = {_ask(sock, b"set_default_active_thread_percentage 50") for _ in range(flood)}
+        time.sleep(0.05)  # (a token's worth later: the next line says how many were left out)
+        with _control_socket(d) as sock:
+            _ask(sock, b"get_server_list")
+        return "|".join(sorted(answers))
+
+    assert _as_user(user, deny).startswith("Permission denied")
+    with _control_socket(d) as sock:
+        for _ in range(3):
+            _ask(sock, b"get_default_client_priority")
+    text = (d.log_dir / "control.log").read_text()
+    logged = text.count("Cmd:set_default_active_thread_percentage 50")
+    assert 0 < logged < flood // 2, logged
+    assert f"lines of user {user.pw_uid} left out)" in text
+    assert text.count("Cmd:get_default_client_priority") == 3
+
+
 def test_a_client_that_reads_no_replies_is_disconnected(ctx, daemon):
     """Requests whose replies are never read (each mem_fd reply holds a dup'd fd until it is sent) make the
     daemon close that connection once 64 fds' worth wait, and give every fd back; other clients carry on

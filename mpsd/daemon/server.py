@@ -805,12 +805,19 @@ class Daemon:
         with sock:
             if self.control.quitting:
                 return
-            self.log.control("Accepting connection...")
-            self.log.control("NEW UI")
             try:
                 uid = peer_credentials(sock)[1]
+            except OSError:
+                return
+            limited = None if uid in (0, self.owner_uid) else uid  # whose lines the log rate-limits
+            self._control_log(limited, "Accepting connection...", "NEW UI")
+            try:
                 while packet := await sock.recv(CONTROL_PACKET):
-                    reply = self._control_reply(packet, uid, route)
+                    self.log.limited = limited
+                    try:
+                        reply = self._control_reply(packet, uid, route)
+                    finally:
+                        self.log.limited = None
                     if self.control.quitting:
                         await self._stop.wait()  # the daemon is on its way out: the tool sees it go
                         return
@@ -818,8 +825,16 @@ class Daemon:
                         await sock.send(part)
             except OSError:
                 pass  # the control client went away
-            self.log.control("UI closed")
+            self._control_log(limited, "UI closed")
             self.control.after_command()
+
+    def _control_log(self, limited: int | None, *lines: str) -> None:
+        self.log.limited = limited
+        try:
+            for line in lines:
+                self.log.control(line)
+        finally:
+            self.log.limited = None
 
     def _control_reply(self, packet: bytes, uid: int, route: Route | None = None) -> str:
         """What one control packet gets back. Any user may send one, so nothing in it may end the daemon: a

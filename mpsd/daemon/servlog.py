@@ -7,7 +7,10 @@
 # Clients put text in these lines (commands, pids they claim, what their bad requests held). So that none can
 # forge a line or flood the disk, every line is cut to MAX_LINE characters and its control characters are
 # escaped (a newline in a command shows as \n, it does not start a line), and complaints about one client
-# (`complaint`) are rate-limited: a burst, then one a second, with a count of those left out.
+# (`complaint`) are rate-limited: a burst, then one a second, with a count of those left out. So are the
+# control.log lines of users other than root and the daemon's owner (`limited`): a burst, then a hundred a
+# second (another uid's denied commands wrote 212 MB in 10 s before); what root and the owner do is all logged,
+# as MPS logs it.
 from __future__ import annotations
 
 import datetime
@@ -23,6 +26,8 @@ from mpsd.daemon.ownership import UnsafePathError, open_log, private_directory
 MAX_LINE = 4088  # characters in one line, its prefix included: where MPS cuts its lines (measured on an H200)
 COMPLAINT_BURST = 20  # complaints about one client logged in a row before the rate limit applies
 COMPLAINT_INTERVAL = 1.0  # seconds between complaints about one client after that
+CONTROL_BURST = 1000  # control.log lines of one limited user logged in a row before the rate limit applies
+CONTROL_INTERVAL = 0.01  # seconds between its lines after that
 _CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f\u2028\u2029\x85]")  # a tab stays: MPS logs it as it came
 
 
@@ -55,6 +60,7 @@ class ServerLog:
         self.server_pid = self.pid  # whose server.log lines are the server's: the server process's, where one runs
         self.echo: TextIO | None = None  # where control.log's lines also go (stdout, for MPS's -f)
         self._files: dict[str, TextIO] = {}
+        self.limited: int | None = None  # the uid whose control.log lines are rate-limited now (None: nobody's)
         self._complaints: dict[Hashable, list[float]] = {}  # about whom -> [allowance, last time, left out]
         if directory is None:
             return
@@ -80,7 +86,14 @@ class ServerLog:
 
     def control(self, text: str, pid: int | None = None, verbatim: bool = False) -> None:
         """A control.log line; `pid` is whose it is where not the daemon's (MPS logs a server's start under
-        the server's pid); `verbatim` for the daemon's own text that holds newlines on purpose."""
+        the server's pid); `verbatim` for the daemon's own text that holds newlines on purpose. Left out while
+        the user `limited` names has had its share lately."""
+        if self.limited is not None:
+            left = self._share(("control", self.limited), CONTROL_BURST, CONTROL_INTERVAL)
+            if left is None:
+                return
+            if left:
+                self._write("control", "Control", f"({left} lines of user {self.limited} left out)")
         self._write("control", "Control", text, pid, verbatim)
 
     def server(self, text: str, source: str = "Server", pid: int | None = None) -> None:
@@ -89,20 +102,26 @@ class ServerLog:
 
     def complaint(self, about: Hashable, text: str) -> None:
         """A server.log line about what a client did wrong, unless that client has had its share lately."""
+        left = self._share(about, COMPLAINT_BURST, COMPLAINT_INTERVAL)
+        if left is None:
+            return
+        self.server(text + (f" ({left} similar lines about it left out)" if left else ""))
+
+    def _share(self, about: Hashable, burst: int, interval: float) -> int | None:
+        """Whether one more line about `about` may go now (a token bucket of `burst` lines, one more every
+        `interval` seconds): None if not (it is counted), else how many were left out since the last."""
         now = time.monotonic()
-        state = self._complaints.setdefault(about, [float(COMPLAINT_BURST), now, 0])
-        state[0] = min(float(COMPLAINT_BURST), state[0] + (now - state[1]) / COMPLAINT_INTERVAL)
+        state = self._complaints.setdefault(about, [float(burst), now, 0])
+        state[0] = min(float(burst), state[0] + (now - state[1]) / interval)
         state[1] = now
         if state[0] < 1.0:
             state[2] += 1
-            return
+            return None
         state[0] -= 1.0
-        if state[2]:
-            text += f" ({int(state[2])} similar lines about it left out)"
-            state[2] = 0
-        self.server(text)
+        left, state[2] = int(state[2]), 0
         if len(self._complaints) > 4096:  # those long quiet go; the limit keeps for the rest
             self._complaints = {k: v for k, v in self._complaints.items() if now - v[1] < 60.0}
+        return left
 
     def close(self) -> None:
         for handle in self._files.values():
