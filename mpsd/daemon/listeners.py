@@ -215,7 +215,9 @@ def unlink(path: Path) -> None:
 
 class Greetings:
     """Connections that have not said hello yet, by uid: at most `limit` of a uid at once, and none for
-    longer than `timeout` wall seconds.
+    longer than `timeout` wall seconds. A connection that comes while its uid has `limit` waiting closes the
+    oldest of them: a worker that leaks connections which never say hello (reopened as they close) then costs
+    its own uid only its oldest silent ones, never a new client's handshake, which takes milliseconds.
 
     Args:
         timeout: seconds from the connection to hello.
@@ -224,30 +226,45 @@ class Greetings:
 
     def __init__(self, timeout: float, limit: int = MAX_UNGREETED) -> None:
         self.timeout, self.limit = timeout, limit
-        self._waiting: dict[int, dict[Hashable, trio.CancelScope]] = {}  # uid -> connection -> its timer
-        self._refused: dict[int, int] = {}  # uid -> connections refused since it was last under its limit
+        # uid -> connection -> (its timer, its handshake's scope), oldest first
+        self._waiting: dict[int, dict[Hashable, tuple[trio.CancelScope, trio.CancelScope]]] = {}
+        self._evicting: dict[int, int] = {}  # uid -> connections closed for newer ones since it was under its limit
+        self._evicted: set[Hashable] = set()  # connections closed for a newer one, until their handshake ends
 
     def waiting(self, uid: int) -> int:
         """How many connections of `uid` have not said hello yet."""
         return len(self._waiting.get(uid, ()))
 
     def admit(self, uid: int) -> int:
-        """0 when a new connection of `uid` may wait for its hello; else how many have been refused in a row
-        (1 for the first, the one worth a log line)."""
-        if self.waiting(uid) < self.limit:
+        """Make room for a new connection of `uid`: 0 where there was room, else how many of its oldest have been
+        closed for newer ones in a row (1 for the first, the one worth a log line)."""
+        waiting = self._waiting.get(uid)
+        if waiting is None or len(waiting) < self.limit:
             return 0
-        self._refused[uid] = self._refused.get(uid, 0) + 1
-        return self._refused[uid]
+        oldest = next(iter(waiting))
+        self._evicted.add(oldest)
+        waiting[oldest][1].cancel()
+        self.greeted(uid, oldest)
+        self._evicting[uid] = self._evicting.get(uid, 0) + 1
+        return self._evicting[uid]
+
+    def evicted(self, key: Hashable) -> bool:
+        """Whether connection `key` was closed to make room for a newer one (asked once, when it has ended)."""
+        if key in self._evicted:
+            self._evicted.discard(key)
+            return True
+        return False
 
     @asynccontextmanager
     async def open_handshake(self, uid: int, key: Hashable, sock: socket.socket) -> AsyncIterator[trio.CancelScope]:
         """Count the connection `key` of `uid` until `greeted` (or the block ends); the block is cancelled
-        if the timeout passes first with nothing unread on `sock`. Yields that scope, whose
-        ``cancelled_caught`` then says the timeout closed it."""
+        if the timeout passes first with nothing unread on `sock`, or a newer connection of `uid` needs its
+        place. Yields that scope, whose ``cancelled_caught`` then says one of them closed it (`evicted` says
+        which)."""
         timer = trio.CancelScope()
-        self._waiting.setdefault(uid, {})[key] = timer
         try:
             with trio.CancelScope() as scope:
+                self._waiting.setdefault(uid, {})[key] = (timer, scope)
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._expire, timer, scope, sock)
                     yield scope
@@ -258,11 +275,11 @@ class Greetings:
     def greeted(self, uid: int, key: Hashable) -> None:
         """The connection said hello (or is gone): it counts no more, and its time is not limited."""
         waiting = self._waiting.get(uid, {})
-        timer = waiting.pop(key, None)
-        if timer is not None:
-            timer.cancel()
-        if len(waiting) < self.limit:
-            self._refused.pop(uid, None)
+        found = waiting.pop(key, None)
+        if found is not None:
+            found[0].cancel()
+        if len(waiting) < self.limit - 1:
+            self._evicting.pop(uid, None)
         if not waiting:
             self._waiting.pop(uid, None)
 

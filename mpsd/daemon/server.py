@@ -770,18 +770,16 @@ class Daemon:
         except OSError:
             sock.close()
             return
-        refused = self.greetings.admit(session.uid)
-        if refused:
-            sock.close()
-            if refused == 1:
-                self.log.server(f"User {session.uid} has {self.greetings.limit} connections that have not said "
-                                "hello; refusing more until one does or is closed")
-            return
+        if self.greetings.admit(session.uid) == 1:
+            self.log.server(f"User {session.uid} has {self.greetings.limit} connections that have not said hello; "
+                            "closing the oldest of them for each new one until one does or is closed")
         self.sessions.add(session)
         try:
             async with self.greetings.open_handshake(session.uid, session, sock) as handshake:
                 await session.run()
-            if handshake.cancelled_caught:
+            if self.greetings.evicted(session):
+                pass  # (the line above said so, once for the run of them)
+            elif handshake.cancelled_caught:
                 self.log.server(f"Client {session.pid}: no hello within {self.greetings.timeout:g} s; its "
                                 "connection was closed")
             elif session.channel.overflowed:
