@@ -300,6 +300,22 @@ async def test_every_error_is_cudas_and_raised_by_the_call(served, autojump_cloc
             await actx.ipc_get_mem_handle(await actx.malloc_async(MiB))
 
 
+async def test_forged_overlapping_pool_operations_cannot_count_more_in_use_than_is_reserved(actx):
+    """A client that bypasses its pool and claims overlapping ranges of one reservation has the overlapping ones
+    refused: "in use" stays within what it reserved (forged, it said 2.0 GB in use with 2 MiB reserved)."""
+    base = await actx._drive(actx._core.call("mem_pool_reserve", {"nbytes": 2 * MiB}))
+    before = (await actx.statistics())["memory_in_use"]
+    ops = [[0, base, 2 * MiB, 0, []]] + [[0, base + 4096 * i, 2 * MiB - 4096 * i, 0, []] for i in range(1, 500)]
+    with pytest.raises(InvalidValueError, match="handed out twice"):
+        await actx._drive(actx._core.call("mem_pool_ops", {"ops": ops}))
+    assert (await actx.statistics())["memory_in_use"] - before == 2 * MiB
+    with pytest.raises(InvalidValueError, match="handed out twice"):  # inside it, and across its start
+        await actx._drive(actx._core.call("mem_pool_ops", {"ops": [[0, base + MiB, 4096, 0, []]]}))
+    await actx._drive(actx._core.call("mem_pool_ops", {"ops": [[1, base, 0]]}))
+    await actx._drive(actx._core.call("mem_pool_ops", {"ops": [[0, base + MiB, MiB, 0, []], [0, base, MiB, 0, []]]}))
+    assert (await actx.statistics())["memory_in_use"] - before == 2 * MiB  # side by side they fit
+
+
 async def test_a_pair_makes_no_round_trip_and_the_daemon_hears_of_it_with_the_next_call(actx, autojump_clock):
     """Once the pool has memory, malloc_async and free_async wait for no reply: they are notifications, sent
     ahead of the client's next message (or in batches); the daemon's ledger has them all after its next call."""

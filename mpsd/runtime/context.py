@@ -14,6 +14,7 @@
 # passes whole (mem_pool_ops' operations).
 from __future__ import annotations
 
+import bisect
 import functools
 import mmap
 from dataclasses import dataclass, field
@@ -104,7 +105,16 @@ class Reservation:
     base: int
     size: int
     live: dict[int, int] = field(default_factory=dict)  # address -> bytes
+    starts: list[int] = field(default_factory=list)  # the live addresses, sorted: no two may overlap
     in_use: int = 0
+
+    def overlaps(self, ptr: int, nbytes: int) -> bool:
+        """Whether [ptr, +nbytes) overlaps a live allocation (a forged batch could claim one range twice and
+        make "in use" greater than what is reserved)."""
+        i = bisect.bisect_right(self.starts, ptr)
+        if i and self.starts[i - 1] + self.live[self.starts[i - 1]] > ptr:
+            return True
+        return i < len(self.starts) and self.starts[i] < ptr + nbytes
 
 
 @dataclass(slots=True)
@@ -372,9 +382,10 @@ class Context(VirtualMemoryCalls):
             raise InvalidValueError(f"malloc_async waits for a list of streams, not {brief(after, 20)}")
         waits = [self._pool_stream(a).tail for a in after]
         reservation = self._reservation(ptr, nbytes)
-        if ptr in reservation.live:
-            raise InvalidValueError(f"{ptr:#x} was handed out twice by its pool")
+        if ptr in reservation.live or reservation.overlaps(ptr, nbytes):
+            raise InvalidValueError(f"[{ptr:#x}, +{nbytes}) was handed out twice by its pool")
         reservation.live[ptr] = nbytes
+        bisect.insort(reservation.starts, ptr)
         reservation.in_use += nbytes
         self.counters.async_mallocs += 1
         pending = tuple(w for w in waits if w is not None and not w.done)
@@ -387,6 +398,7 @@ class Context(VirtualMemoryCalls):
         nbytes = reservation.live.pop(ptr, None)
         if nbytes is None:
             raise InvalidValueError(f"{ptr:#x} is no live allocation of a memory pool")
+        del reservation.starts[bisect.bisect_left(reservation.starts, ptr)]
         reservation.in_use -= nbytes
         self.counters.async_frees += 1
         self._pool_stream(stream)  # after the bookkeeping: the pool that sent it counts the bytes free either way
