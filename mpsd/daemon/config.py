@@ -262,6 +262,9 @@ def load_config(argv: Sequence[str] | None = None, environ: dict[str, str] | Non
     idle_grace = float(pick("idle_grace", DEFAULT_IDLE_GRACE))
     if not 0 < idle_grace < float("inf"):
         raise ConfigError(f"--idle-grace must be a positive number of seconds, not {idle_grace}")
+    spin = float(pick("spin", DEFAULT_SPIN))
+    if not 0 <= spin <= MAX_SPIN:
+        raise ConfigError(f"--spin must be 0 to {MAX_SPIN} seconds, not {spin}")
     percentage = float(pick("active_thread_percentage", 100.0))
     if not 0 < percentage <= 100:
         raise ConfigError(f"--active-thread-percentage must be in (0, 100], not {percentage}")
@@ -294,9 +297,6 @@ def load_config(argv: Sequence[str] | None = None, environ: dict[str, str] | Non
         policy_options["partitions"] = _partitions(partitions)
     devices = parse_devices(pick("devices", "h200"))
     real = any(isinstance(d, CudaDevice) for d in devices)
-    spin = float(pick("spin", DEFAULT_SPIN))
-    if not 0 <= spin <= MAX_SPIN:
-        raise ConfigError(f"--spin must be 0 to {MAX_SPIN} seconds, not {spin}")
     dispatch = pick("dispatch", "kernel" if real and policy != "mps" else "block")
     if dispatch not in DISPATCH:
         raise ConfigError(f"--dispatch must be one of {', '.join(DISPATCH)}, not {str(dispatch)[:24]!r}")

@@ -808,14 +808,13 @@ class Daemon:
             except OSError:
                 return
             limited = None if uid in (0, self.owner_uid) else uid  # whose lines the log rate-limits
-            self._control_log(limited, "Accepting connection...", "NEW UI")
+            with self.log.limiting(limited):
+                self.log.control("Accepting connection...")
+                self.log.control("NEW UI")
             try:
                 while packet := await sock.recv(CONTROL_PACKET):
-                    self.log.limited = limited
-                    try:
+                    with self.log.limiting(limited):
                         reply = self._control_reply(packet, uid, route)
-                    finally:
-                        self.log.limited = None
                     if self.control.quitting:
                         await self._stop.wait()  # the daemon is on its way out: the tool sees it go
                         return
@@ -823,16 +822,9 @@ class Daemon:
                         await sock.send(part)
             except OSError:
                 pass  # the control client went away
-            self._control_log(limited, "UI closed")
+            with self.log.limiting(limited):
+                self.log.control("UI closed")
             self.control.after_command()
-
-    def _control_log(self, limited: int | None, *lines: str) -> None:
-        self.log.limited = limited
-        try:
-            for line in lines:
-                self.log.control(line)
-        finally:
-            self.log.limited = None
 
     def _control_reply(self, packet: bytes, uid: int, route: Route | None = None) -> str:
         """What one control packet gets back. Any user may send one, so nothing in it may end the daemon: a

@@ -18,7 +18,8 @@ import os
 import re
 import time
 from pathlib import Path
-from typing import Hashable, TextIO
+from contextlib import contextmanager
+from typing import Hashable, Iterator, TextIO
 
 from mpsd.daemon.ownership import UnsafePathError, open_log, private_directory
 
@@ -83,6 +84,15 @@ class ServerLog:
         if name == "control" and self.echo is not None:
             self.echo.write(line)
             self.echo.flush()
+
+    @contextmanager
+    def limiting(self, uid: int | None) -> Iterator[None]:
+        """Within the block, control.log's lines are `uid`'s, rate-limited (None: nobody's)."""
+        self.limited = uid
+        try:
+            yield
+        finally:
+            self.limited = None
 
     def control(self, text: str, pid: int | None = None, verbatim: bool = False) -> None:
         """A control.log line; `pid` is whose it is where not the daemon's (MPS logs a server's start under
