@@ -17,8 +17,8 @@ import datetime
 import os
 import re
 import time
-from pathlib import Path
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Hashable, Iterator, TextIO
 
 from mpsd.daemon.ownership import UnsafePathError, open_log, private_directory
