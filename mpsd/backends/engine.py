@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 import time
 from typing import Callable, Iterable
 
 import trio
-import trio.testing
 
 from mpsd.backends.base import when_all
 from mpsd.clock import HOLDING, DeviceClock, Host, VirtualClock
@@ -165,7 +165,10 @@ class Engine:
         # someone waits for work, the engine waits with one to within a millisecond of the next event, then
         # spins to it (letting the other tasks run), so that a completion is told when it is due, not up to a
         # millisecond after.
-        real = not isinstance(self._clock, trio.testing.MockClock)
+        # A MockClock exists only where trio.testing was imported; the daemon itself does not import it (with
+        # pytest installed, trio.testing imports pytest: a tenth of a second of every daemon's start).
+        testing = sys.modules.get("trio.testing")
+        real = testing is None or not isinstance(self._clock, testing.MockClock)
         while True:
             next_time = self.device_clock.next_time()
             deadline = math.inf if next_time is None else self._origin + next_time / self.time_scale
