@@ -80,9 +80,11 @@ def test_real_processes_and_the_model_alone_print_the_same_figures(path, policy)
 
 def test_same_file_same_json_on_a_loaded_host(tmp_path):
     """The same workload and seed, run twice with real processes, once beside a process that keeps a core
-    busy: byte-identical JSON, times included."""
+    busy: byte-identical JSON, times included (half the file's duration: some 10 requests of the latency
+    tenant and 30 to 70 of each batch tenant under each policy)."""
     (tmp_path / "small.toml").write_text(SMALL)
-    args = [str(tmp_path / "small.toml"), "--compare-policies", "mps,timeslice", "--no-solo", "--json", "-"]
+    args = [str(tmp_path / "small.toml"), "--compare-policies", "mps,timeslice", "--no-solo", "--duration", "0.05",
+            "--json", "-"]
     quiet = stress(*args)
     hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
