@@ -193,7 +193,7 @@ def test_without_a_device_trace_memory_is_each_contexts_own_and_the_device_figur
     memory high water as its context's own peak, the same as the trace gives, and no SM figure at all: None,
     not the zeros an empty trace would sum to."""
     w = workload({"name": "a", "pinned_mem_limit": "2G", "memory": "1G", "churn": "64M", "kernel": [spin(0.1, grid=8)]},
-                 {"name": "b", "memory": "256M", "kernel": [spin(0.1, grid=8)]})
+                 {"name": "b", "memory": "256M", "kernel": [spin(0.1, grid=8)]}, duration=0.01)
     traced, untraced = summarize(run_virtual(w, "mps", {})), summarize(run_virtual(w, "mps", {}, device_trace=False))
     assert [t["memory_high_water"] for t in untraced["tenants"]] == \
         [t["memory_high_water"] for t in traced["tenants"]] == [(1 << 30) + (64 << 20), 256 << 20]
@@ -236,7 +236,7 @@ def test_small_input_copies_wait_out_a_loaders_slices_unless_partitioned():
     for the loader's copy-engine slices (as on a real H200), under MIG its partition has engines of its own."""
     w = workload({"name": "serving", "arrival": "uniform", "rate": 500, "input": "64K",
                   "kernel": [spin(0.05, grid=8)]},
-                 {"name": "loader", "input": "256M", "kernel": [spin(0.05, grid=8)]}, duration=0.2)
+                 {"name": "loader", "input": "256M", "kernel": [spin(0.05, grid=8)]})
     alone = summarize(run_virtual(w, "mps", {}, [w.tenants[0]]))["tenants"][0]["latency_ms"]["p50"]
     mps = summarize(run_virtual(w, "mps", {}))["tenants"][0]["latency_ms"]["p50"]
     tenants = [replace(t, partition=i) for i, t in enumerate(w.tenants)]
@@ -250,7 +250,7 @@ def test_memory_is_charged_as_the_daemon_charges_it():
     """Allocations of 1 MiB or less share 2 MiB chunks, as in the daemon (tests/test_stress_run.py sees the same
     2 MiB for these buffers from real processes); larger ones take whole 2 MiB pages; churn is freed again."""
     w = workload({"name": "small", "input": "64K", "output": "16K", "kernel": [spin(0.05, grid=8)]},
-                 {"name": "large", "memory": "3M", "churn": "1M", "kernel": [spin(0.05, grid=8)]})
+                 {"name": "large", "memory": "3M", "churn": "1M", "kernel": [spin(0.05, grid=8)]}, duration=0.01)
     small, large = summarize(run_virtual(w, "mps", {}))["tenants"]
     assert small["memory_high_water"] == 2 << 20
     assert large["memory_high_water"] == (4 << 20) + (2 << 20)  # 3M in two pages, 1M of churn in a chunk
