@@ -32,6 +32,18 @@ def daemon(daemon_factory: list[DaemonProcess]) -> DaemonProcess:
     return d
 
 
+@pytest.fixture(scope="module")
+def module_daemon() -> Iterator[DaemonProcess]:
+    """One daemon, as `daemon`'s, shared by a module's cases that leave nothing on it: each connects (or is
+    refused, or breaks its own connection) and asks nothing of what other clients hold. It must exit 0 after
+    the module's last case, as `daemon_factory`'s must after each test."""
+    d = start_daemon("--time-scale", "100")
+    yield d
+    code = d.stop()
+    assert code == 0, f"daemon exited {code}: {d.stderr_lines}"
+    shutil.rmtree(d.pipe_dir.parent, ignore_errors=True)
+
+
 @pytest.fixture
 def realtime_daemon(daemon_factory: list[DaemonProcess]) -> DaemonProcess:
     """One daemon whose simulated time runs at wall-clock speed (for timing semantics)."""

@@ -179,14 +179,15 @@ def test_malformed_frame_closes_only_that_connection(ctx, daemon):
     p.HEADER.pack(len(b := msgpack.packb([2, "launch", {}])), 9) + b,                 # fds that never came
     b"\x00" * 3,                                                                      # a torn header, then EOF
 ])
-def test_bad_first_frames_never_hurt_the_daemon(daemon, frame):
-    """Frames that break the rules close that connection; the daemon keeps serving."""
-    sock = raw_socket(daemon)
+def test_bad_first_frames_never_hurt_the_daemon(module_daemon, frame):
+    """Frames that break the rules close that connection; the daemon keeps serving (one daemon takes every
+    frame in turn, so each case also shows the ones before it hurt nothing)."""
+    sock = raw_socket(module_daemon)
     sock.sendall(frame)
     sock.shutdown(socket.SHUT_WR)
     read_until_closed(sock)
     sock.close()
-    with mpsd_client.connect(daemon.pipe_dir) as ctx:
+    with mpsd_client.connect(module_daemon.pipe_dir) as ctx:
         assert ctx.malloc(16)
 
 

@@ -217,12 +217,12 @@ def test_control_log_states_the_true_exit_status(base):
     ("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "0=٥G", "cudaErrorInvalidValue"),
     ("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "0=" + "9" * 5000, "cudaErrorInvalidValue"),
 ])
-def test_client_environment_numbers_are_ascii(daemon, monkeypatch, variable, value, outcome):
+def test_client_environment_numbers_are_ascii(module_daemon, monkeypatch, variable, value, outcome):
     """The client reads the numbers in its environment as strictly as the daemon reads control arguments: a
     lookalike digit is a CUDA error (or ends CUDA_VISIBLE_DEVICES), never a ValueError or a different number."""
     monkeypatch.setenv(variable, value)
     try:
-        with mpsd_client.connect(daemon.pipe_dir):
+        with mpsd_client.connect(module_daemon.pipe_dir):
             result = "connected"
     except mpsd_client.CudaError as exc:
         result = exc.name

@@ -100,11 +100,11 @@ async def test_client_priority_is_recorded_and_only_lowered(autojump_clock):
     ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "lots"), ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "0"),
     ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "101"), ("CUDA_MPS_CLIENT_PRIORITY", "2"),
 ])
-def test_malformed_quota_variables_fail_connect_naming_the_variable(daemon, monkeypatch, name, value):
+def test_malformed_quota_variables_fail_connect_naming_the_variable(module_daemon, monkeypatch, name, value):
     """A quota variable the runtime cannot read fails connect with cudaErrorInvalidValue naming it."""
     monkeypatch.setenv(name, value)
     with pytest.raises(InvalidValueError, match=name):
-        mpsd_client.connect(daemon.pipe_dir)
+        mpsd_client.connect(module_daemon.pipe_dir)
 
 
 def test_visible_devices_select_and_renumber(daemon_factory, monkeypatch):
