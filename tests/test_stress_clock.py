@@ -101,7 +101,7 @@ def test_traces_are_on_one_clock_without_negative_times(tmp_path):
     """The report's Perfetto trace of a real-process run: every timestamp is at or after the run's start, and
     the complete events of every track nest (Perfetto drops those that overlap without nesting)."""
     (tmp_path / "small.toml").write_text(SMALL)
-    done = stress(str(tmp_path / "small.toml"), "--no-solo", "--report", str(tmp_path / "report"))
+    done = stress(str(tmp_path / "small.toml"), "--no-solo", "--duration", "0.05", "--report", str(tmp_path / "report"))
     assert done.returncode == 0, done.stderr
     events = json.loads((tmp_path / "report" / "trace_mps.json").read_text())["traceEvents"]
     slices = [e for e in events if e.get("ph") == "X"]
