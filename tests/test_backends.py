@@ -427,8 +427,9 @@ for _ in range(20):
     ctx.launch("spin", 264, 1024, [2_000_000], stream=s)   # full waves of about a millisecond each on an H200
 assert not s.query()  # a call with a reply: the daemon has the launches before the other client's work
 print("queued", flush=True)
-with ctx.idle():  # the others go on meanwhile, under the virtual clock too
-    sys.stdin.readline()
+# Not idle: under the virtual clock no time passes until the other client's work is queued too (or the idle
+# grace, half a second, has passed), so that its waves are still held when that work comes.
+sys.stdin.readline()
 s.synchronize()
 """
 
