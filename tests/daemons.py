@@ -44,8 +44,9 @@ class DaemonProcess:
             self.proc.wait()
             raise AssertionError("the daemon did not exit within 20 s of SIGTERM")
         assert self.proc.stderr is not None
-        self.stderr_lines.extend(self.proc.stderr.read().splitlines())
-        self.proc.stderr.close()
+        if not self.proc.stderr.closed:  # (stopped once already: what it said is read)
+            self.stderr_lines.extend(self.proc.stderr.read().splitlines())
+            self.proc.stderr.close()
         return self.proc.returncode
 
 

@@ -4,6 +4,7 @@
 # elsewhere it is skipped, saying why, so CI stays green.
 from __future__ import annotations
 
+import json
 import time
 
 import numpy as np
@@ -546,3 +547,52 @@ def test_a_client_whose_window_changes_moves_and_its_queued_work_keeps_its_order
         out = np.empty(N, np.float32)
         gpu.cu.cuMemcpyDtoH(out.ctypes.data, memory[c].dptr, 4 * N)
         assert (out == 14.0).all()  # the doubling ran after the fill, on the other stream
+
+
+TRACED = """
+import mpsd_client
+ctx = mpsd_client.connect()
+start, end = ctx.create_event(), ctx.create_event()
+ctx.launch("spin", 1, 32, [0]); ctx.synchronize()
+start.record()
+ctx.launch("spin", 264, 1024, [2_000_000])   # one full wave of about a millisecond on a whole H200
+end.record()
+end.synchronize()
+print(ctx.device_properties()["multiprocessor_count"], start.elapsed_ms(end))
+"""
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_trace_shows_where_and_when_each_block_ran(backend, tmp_path, daemon_factory):
+    """`--trace` on both backends (on cuda:0 the kernels write each block's start, end and SM): a full wave
+    of the device fills every SM for about the time its events gave it, and a client capped at 25% runs its
+    blocks on no more SMs than its window holds (32: four of the driver's 8-SM groups, or 36 with the
+    12-SM one); the trace names both clients and their kernels."""
+    from mpsd.stress.metrics import summarize
+    from mpsd.stress.trace import read_chrome_trace
+
+    path = tmp_path / "trace.json"
+    daemon = start_daemon(*backend, "--trace", str(path))
+    daemon_factory.append(daemon)
+    whole = run_worker(TRACED, daemon.pipe_dir)
+    capped = run_worker(TRACED, daemon.pipe_dir, env={"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "25"})
+    assert whole.returncode == 0 and capped.returncode == 0, whole.stderr + capped.stderr
+    assert daemon.stop() == 0, daemon.server_log()
+    timeline = read_chrome_trace(json.loads(path.read_text()))
+    sms = int(whole.stdout.split()[0])
+    waves = [k for k in timeline.kernels if k.name == "spin" and k.blocks == 264]
+    assert len(waves) == 2 and len({k.tenant for k in waves}) == 2
+    for kernel, run in zip(waves, (whole, capped)):
+        spans = [s for s in timeline.spans if s.kernel == kernel.kernel]
+        assert sum(s.blocks for s in spans) == 264
+        assert all(kernel.started - 1e-6 <= s.start < s.end <= kernel.ended + 1e-6 for s in spans)
+        assert all(0 <= s.sm < sms for s in spans)
+        # 2e6 cycles of 1.98 GHz, and no more than its events saw (they hold its launch's time through mpsd too)
+        elapsed = float(run.stdout.split()[1]) / 1e3
+        assert 0.98e-3 <= kernel.ended - kernel.started <= elapsed + 1e-4
+    whole_sms = {s.sm for s in timeline.spans if s.kernel == waves[0].kernel}
+    capped_sms = {s.sm for s in timeline.spans if s.kernel == waves[1].kernel}
+    assert len(whole_sms) == sms
+    assert len(capped_sms) <= (36 if "cuda:0" in backend else int(sms * 0.25) // 2 * 2)
+    summary = summarize(timeline)
+    assert summary["sm_seconds"] > 0 and summary["tenants"][0]["max_sms"] == sms

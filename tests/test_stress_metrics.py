@@ -164,8 +164,8 @@ def test_records_of_unlisted_tenants_count_only_in_the_totals():
 
 
 def test_an_untraced_run_renders_its_unknown_device_figures_as_dashes():
-    """On a real GPU the daemon keeps no trace: the table shows '-' where a traced run has SM figures, and its
-    caption says why, where a traced run's gives the fairness and SM time."""
+    """A run whose device was not traced (an isolation baseline, say): the table shows '-' where a traced run has
+    SM figures, and its caption says why, where a traced run's gives the fairness and SM time."""
     from rich.console import Console
 
     from mpsd.stress.cli import render_comparison, render_run

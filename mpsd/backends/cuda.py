@@ -32,6 +32,8 @@
 #   than the cap (32 SMs for the 26 of 20%): where that would run a grid in fewer waves than the cap's SMs, the
 #   grid goes as launches in a row of the blocks its cap's SMs hold at once, and takes the waves it takes under
 #   MPS.
+# - Trace (`--trace FILE`): the kernels are compiled to write where and when each block ran (mpsd.backends.
+#   cuda_trace), and the trace at exit is drawn from that, as the simulator's is from its block groups.
 # - Completion: work on a stream completes in order, so one event marks the end of every piece of work queued
 #   on the stream since the last one: it is recorded when the backend's task next runs, when an event record
 #   asks for its exact place, or when other work must wait for it. One trio task polls the oldest event of each
@@ -59,16 +61,22 @@ import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import trio
 
 from mpsd.backends.base import VIRTUAL_MEMORY, Client, when_all
 from mpsd.backends.cuda_driver import CudaFailure, _bindings, _check, cuda_device_count
 from mpsd.backends.cuda_kernels import compile_kernels
+from mpsd.backends.cuda_trace import RECORD, BlockTrace
 from mpsd.backends.ops import Copy, Extent, Launch, Memset, Record, Work
+from mpsd.backends.recorder import Recorder
 from mpsd.backends.smgroups import place
 from mpsd_protocol import CudaError, IllegalAddressError, OutOfMemoryError  # type: ignore[attr-defined]
+
+if TYPE_CHECKING:
+    from mpsd.stress.timeline import Timeline
 
 __all__ = ["CudaBackend", "CudaDevice", "CudaFailure", "cuda_device_count"]
 
@@ -83,6 +91,9 @@ SERVER_MEMORY, CONTEXT_MEMORY = 81_172_336, 538_339_472
 POLL, IDLE_POLL = 50e-6, 500e-6
 _SYNCED = object()  # in place of an event: work the backend waited for when the driver refused it one
 _UNASKED = object()  # no event asked about yet (None is work not marked yet, which must never pass as fired)
+# The gap between back-to-back kernels of one stream on an H200, measured (mpsd.sim.specs.H200.kernel_overhead
+# says how): a traced kernel counts as queued from its stream's turn, this much later, until its last block starts.
+KERNEL_OVERHEAD = 2e-6
 PORTABLE = 0x1  # CU_MEMHOSTALLOC_PORTABLE, CU_MEMHOSTREGISTER_PORTABLE: pinned for every context, green ones too
 VMM_PAGE = 2 << 20  # the page the runtime reserves, makes and maps memory in (mpsd.runtime.vmm.GRANULARITY)
 
@@ -221,6 +232,8 @@ class CudaBackend:
 
     Args:
         ordinal: the driver's device ordinal.
+        trace: where to write the device's timeline at exit (a Chrome trace), if anywhere: its kernels are then
+            the traced ones, each block recording where and when it ran.
     """
 
     capabilities: frozenset[str]  # VIRTUAL_MEMORY where the driver's granularity fits the runtime's pages; no
@@ -230,7 +243,7 @@ class CudaBackend:
     virtual = None
     server_memory, context_memory = SERVER_MEMORY, CONTEXT_MEMORY
 
-    def __init__(self, ordinal: int = 0) -> None:
+    def __init__(self, ordinal: int = 0, trace: Path | None = None) -> None:
         cu, nvrtc = _bindings()
         self.cu, self._nvrtc = cu, nvrtc
         _check(cu.cuInit(0))
@@ -260,7 +273,7 @@ class CudaBackend:
         access.location = prop.location
         access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
         self.access = access
-        self._kernels = compile_kernels(cu, nvrtc, self._attrs["major"], self._attrs["minor"])
+        self._kernels = compile_kernels(cu, nvrtc, self._attrs["major"], self._attrs["minor"], traced=trace is not None)
         self._functions = {name: kernel.function for name, kernel in self._kernels.items()}
         self._blocks_per_sm: dict[tuple[str, int, int], int] = {}  # (kernel, threads, shared memory) -> blocks
         self._origin = time.monotonic()
@@ -286,6 +299,11 @@ class CudaBackend:
         self._nvml = _nvml_handle(self.properties(ordinal)["uuid"])
         self.on_fault: Callable[[int, CudaError], None] = lambda client, error: None
         self.on_idle: Callable[[int, float, float], None] = lambda client, clock, grace: None
+        self.recorder = Recorder(trace) if trace is not None else None
+        self._trace: BlockTrace | None = None
+        if trace is not None:
+            self._trace = BlockTrace(cu, self._attrs["threads_per_sm"])
+            self._trace.stamps.append(self._stamp())
 
     def _dated(self, handle: Any, sm_count: int) -> _Context:
         """`handle` made current, with a base event recorded and waited for."""
@@ -379,6 +397,8 @@ class CudaBackend:
         on a real GPU."""
         if client.id in self._placed:
             return  # a priority or weight change: nothing of it is modelled here
+        if self.recorder is not None:
+            self.recorder.attached(client)  # type: ignore[arg-type]
         self._placed[client.id] = self._primary
         if sm_cap < self._attrs["sm_count"]:
             self._caps[client.id] = sm_cap
@@ -603,10 +623,15 @@ class CudaBackend:
                 step = max(1, per_sm * cap // (gy * gz))
         if kernel.base is not None:
             kernel.total.value = gx
+        trace = self._trace
         for _ in range(count):
+            if trace is not None:  # each launch its slots, a part of a grid its own of them
+                slots = trace.slots(work.client, work.stream, plan.kernel, gx * gy * gz, bx * by * bz, self.now())
             for first in range(0, gx, step):
                 if kernel.base is not None:
                     kernel.base.value = first
+                if trace is not None:
+                    kernel.trace.value = slots and slots + first * gy * gz * RECORD
                 _check(launch(function, min(step, gx - first), gy, gz, bx, by, bz, smem, stream, address, 0))
 
     def _occupancy(self, name: str, threads: int, smem: int) -> int:
@@ -783,11 +808,59 @@ class CudaBackend:
             await trio.lowlevel.checkpoint()
             self._retire()
 
-    def write_trace(self, index: int) -> None:
-        return None
+    def _stamp(self) -> tuple[int, float]:
+        """The GPU's global timer (ns) at an instant of the backend's clock: read by a one-thread kernel between
+        two events, on the primary context, and dated halfway between them (a few microseconds apart)."""
+        cu, trace = self.cu, self._trace
+        assert trace is not None
+        self._use(self._primary)
+        stream = _check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING))
+        out = _check(cu.cuMemAlloc(8))
+        before, after = (_check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DEFAULT)) for _ in range(2))
+        try:
+            stamp = self._kernels["mpsd_stamp"]
+            stamp.values[0].value = int(out)
+            _check(cu.cuEventRecord(before, stream))
+            _check(cu.cuLaunchKernel(stamp.function, 1, 1, 1, 1, 1, 1, 0, stream, stamp.address, 0))
+            _check(cu.cuEventRecord(after, stream))
+            _check(cu.cuStreamSynchronize(stream))
+            timer = ctypes.c_uint64()
+            _check(cu.cuMemcpyDtoH(ctypes.addressof(timer), out, 8))
+            return timer.value, (self._ended(self._primary, before) + self._ended(self._primary, after)) / 2
+        finally:
+            for event in (before, after):
+                cu.cuEventDestroy(event)
+            cu.cuMemFree(out)
+            cu.cuStreamDestroy(stream)
 
-    def timeline(self, index: int) -> None:
-        return None
+    def write_trace(self, index: int) -> Path | None:
+        """Write the device's timeline, if one was asked for; where it went.
+
+        Raises:
+            OSError: it cannot be written.
+        """
+        if self.recorder is None:
+            return None
+        self.recorder.write(*self.timeline(index))  # type: ignore[misc]
+        return self.recorder.path
+
+    def timeline(self, index: int) -> tuple[Timeline, dict[str, Any]] | None:
+        """The device's timeline, once the work it was given has run (it waits for it), from what the traced
+        kernels recorded; None where no trace was asked for."""
+        recorder, trace = self.recorder, self._trace
+        if recorder is None or trace is None:
+            return None
+        for context in (self._primary, *self._green.values()):
+            self._use(context)
+            _check(self.cu.cuCtxSynchronize())
+        trace.stamps.append(self._stamp())
+        names, tenants = recorder.tenants()
+        kernels, spans = trace.read(names)
+        timeline = recorder.device(names, tenants, policy=self.policy, sm_count=self._attrs["sm_count"],
+                                   duration=self.now(), launch_overhead=KERNEL_OVERHEAD, kernels=kernels,
+                                   spans=spans)
+        recorder.dropped = trace.untraced
+        return timeline, recorder.meta(index, self._origin, 1.0, 0.0)
 
 
 def _nvml_handle(uuid: str) -> Any:

@@ -56,7 +56,7 @@ def open_backend(device: DeviceDescription, *, policy: str = "mps", policy_optio
         device: the device's description.
         policy, policy_options, clock, time_scale, idle_grace, trace, host_memory: a simulated device's
             settings (mpsd.backends.sim.SimBackend); a real GPU places blocks as its hardware does, on the
-            wall clock, and takes none of them.
+            wall clock, and takes only `trace` of them.
 
     Returns:
         The backend, not started.
@@ -67,7 +67,7 @@ def open_backend(device: DeviceDescription, *, policy: str = "mps", policy_optio
     """
     if isinstance(device, CudaDevice):
         try:
-            return CudaBackend(device.ordinal)
+            return CudaBackend(device.ordinal, trace=trace)
         except (ImportError, OSError, RuntimeError) as exc:  # cuda-python's and the driver's, made ours here
             raise GpuUnavailableError(f"cannot open GPU cuda:{device.ordinal}: {exc}") from None
     return SimBackend(device, policy=policy, policy_options=policy_options, clock=clock,

@@ -377,13 +377,15 @@ class SimBackend:
         """
         if self.recorder is None:
             return None
-        self.recorder.write(self, index)
+        self.recorder.write(*self.timeline(index))  # type: ignore[misc]
         return self.recorder.path
 
     def timeline(self, index: int) -> tuple[Timeline, dict[str, Any]] | None:
         if self.recorder is None:
             return None
-        return self.recorder.timeline(self), self.recorder.meta(self, index)
+        engine = self.engine
+        return self.recorder.timeline(self), self.recorder.meta(index, engine.monotonic_origin(), engine.time_scale,
+                                                                engine.max_lag)
 
 
 def _handles(after: tuple[Work, ...]) -> tuple[Any, ...]:

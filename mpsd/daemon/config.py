@@ -303,11 +303,10 @@ def load_config(argv: Sequence[str] | None = None, environ: dict[str, str] | Non
     in_flight = int(pick("kernels_in_flight", DEFAULT_IN_FLIGHT))
     if not 1 <= in_flight <= 1024:
         raise ConfigError(f"--kernels-in-flight must be between 1 and 1024, not {in_flight}")
-    if real and (dispatch == "block" and policy != "mps" or clock == "virtual" or pick("trace")
-                 or file_settings.get("device")):
+    if real and (dispatch == "block" and policy != "mps" or clock == "virtual" or file_settings.get("device")):
         raise ConfigError("a real GPU (cuda:N) places blocks as its hardware does, on the wall clock: a policy acts "
-                          "there by kernel (--dispatch kernel), and [mpsd.device.N], --clock virtual and --trace "
-                          "need simulated devices")
+                          "there by kernel (--dispatch kernel), and [mpsd.device.N] and --clock virtual need "
+                          "simulated devices")
     if dispatch == "kernel":
         if file_settings.get("device"):
             raise ConfigError("[mpsd.device.N] sections set block-level policies: not with --dispatch kernel")

@@ -46,8 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "for the tenants' calls, whatever this host's speed and load; wall: simulated time "
                              "follows the wall clock x --time-scale, and this host's speed shows in the figures")
     parser.add_argument("--devices", metavar="cuda:N",
-                        help="run the tenants against a real GPU (the daemon's --devices; wall clock, mps only; the "
-                             "table then has the tenants' figures, not the device's)")
+                        help="run the tenants against a real GPU (the daemon's --devices; wall clock; the device's "
+                             "figures come from its traced kernels' records of each block)")
     parser.add_argument("--dispatch", choices=("block", "kernel"), default="block",
                         help="where the policy acts on the simulated H200: block (its block scheduler, the default) "
                              "or kernel (the daemon's dispatcher in front of MPS's blocks, as on a real GPU, where "
@@ -268,7 +268,7 @@ def render_run(summary: dict[str, Any]) -> Any:
     table.caption = (f"Jain's fairness {summary['jain_index']:.3f} · SM-time used {summary['sm_seconds']:.2f} s · "
                      f"idle SM-time while work was queued {summary['idle_sm_seconds_while_queued']:.3f} s · "
                      f"quota violations {summary['quota_violations']}" if summary["sm_seconds"] is not None else
-                     "The device was not traced (a real GPU keeps no trace): its figures (SM share, SMs held, "
+                     "The device was not traced: its figures (SM share, SMs held, "
                      "waits, fairness, quota violations) are unknown; memory is each context's own peak.")
     if summary["lag_ms"] > 1.0:
         table.caption += (f"\nThe daemon's model fell up to {summary['lag_ms']:.1f} ms behind the wall clock: too many "

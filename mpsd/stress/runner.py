@@ -142,8 +142,8 @@ def _daemon_args(work: Path, policy: str, options: dict[str, Any], trace: Path |
                  clock: str, time_scale: float, devices: str | None = None) -> list[str]:
     args = ["--pipe-dir", str(work), "--policy", policy, "--max-clients", str(max_clients)]
     if devices is not None and devices.startswith("cuda"):
-        # A real GPU runs on the wall clock and keeps no trace; a policy acts there by kernel.
-        args += ["--devices", devices]
+        # A real GPU runs on the wall clock; a policy acts there by kernel; its trace is its traced kernels'.
+        args += ["--devices", devices] + (["--trace", str(trace)] if trace is not None else [])
     else:
         args += ["--clock", clock] + (["--trace", str(trace)] if trace is not None else [])
         args += ["--devices", devices] if devices else []
@@ -228,8 +228,8 @@ def run_real(workload: Workload, policy: str, policy_options: dict[str, Any], te
     Returns the run's Timeline, or with ``by_device`` one per simulated device of the workload (its tenants and
     what that device did), by index.
 
-    With ``devices`` a real GPU (``cuda:0``) the daemon owns it instead of the model: the wall clock, the
-    hardware's own sharing, and no device trace, so the timeline holds the tenants' requests alone.
+    With ``devices`` a real GPU (``cuda:0``) the daemon owns it instead of the model: the wall clock and the
+    hardware's own sharing; its device trace is what the GPU's traced kernels recorded of each block.
 
     Under the virtual clock (the default) the figures are the model's for the tenants' calls, whatever the
     host's speed. Under the wall clock the daemon's GPU runs at ``time_scale`` x real speed (its
@@ -276,7 +276,7 @@ def run_real(workload: Workload, policy: str, policy_options: dict[str, Any], te
                 proc.kill()
             _stop_daemon(daemon)
         on_gpu = bool(devices and devices.startswith("cuda"))
-        traces = None if trace_path is None or on_gpu else _read_traces(workload, trace_path, daemon)
+        traces = None if trace_path is None else _read_traces(workload, trace_path, daemon)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     # A real GPU runs on the wall clock, whatever was asked.
@@ -598,8 +598,8 @@ def _timelines(workload: Workload, policy: str, policy_options: dict[str, Any], 
 def _timeline(workload: Workload, policy: str, plan: _Plan, ready: dict[str, dict[str, Any]],
               done: dict[str, dict[str, Any]], trace: tuple[Timeline, dict[str, Any]] | None,
               t0: float, clock: str) -> Timeline:
-    """Tenants' requests and the daemon's device, on one clock: simulated seconds from t0. Without a trace (a
-    real GPU, or none asked for), the tenants' requests alone, on an H200's SMs."""
+    """Tenants' requests and the daemon's device, on one clock: simulated seconds from t0. Without a trace (none
+    asked for), the tenants' requests alone, on an H200's SMs."""
     device, meta = trace if trace is not None else (Timeline(
         policy=policy, sm_count=H200.sm_count, duration=0.0, launch_overhead=H200.kernel_overhead),
         {"clients": {}, "clock": clock})
