@@ -165,6 +165,26 @@ async def test_full_device_kernels_go_in_the_policys_turns(policy, level, turns,
         assert await gated(a, b, level=level, blocker_ms=10) == pytest.approx(turns, abs=0.01)
 
 
+async def test_the_next_kernel_waits_on_the_device_behind_the_one_running(autojump_clock):
+    """Where no kernel has room, the policy's next pick goes at once to wait on the device behind the kernels
+    running, one at a time: it starts as they end, not once the daemon has learnt of their end (about 200 us
+    on the H200). It holds no SM meanwhile: each full-device kernel ends a kernel's time after the one before,
+    in the order the policy picked them."""
+    async with served("round-robin", shared_process=True) as d, d.connect() as a, d.connect() as b:
+        sa, sb = await a.create_stream(), await b.create_stream()
+        a_start, a_end = await full_kernels(a, sa, 3)
+        b_start, b_end = await full_kernels(b, sb, 3)
+        tenants = dispatcher(d).tenants.values()
+        # a's first runs, its second (round-robin's pick while a alone had work) waits behind it; b's are held
+        assert sorted((t.in_flight, t.queued) for t in tenants) == [(0, 4), (2, 2)]  # (end records too)
+        (running,) = dispatcher(d)._behind  # what the second waits for on the device: the first
+        assert not running.done and running.handle.started <= 0.001 + H200.kernel_overhead
+        await together(a.synchronize, b.synchronize)
+        # a1 a2 b1 a3 b2 b3, back to back (b's start is recorded at once, beside a1)
+        assert (await a_start.elapsed_ms(a_end), await b_start.elapsed_ms(b_end)) == pytest.approx(
+            (4 * UNIT, 6 * UNIT), abs=0.05)
+
+
 @pytest.mark.parametrize("policy", ["exclusive", "timeslice"])
 async def test_what_a_client_alone_released_is_its_slice_when_another_comes(policy, autojump_clock):
     """A client alone goes without a policy, all its kernels on the device at once; when another client's work

@@ -173,6 +173,13 @@ class Dispatcher:
         self._sm_limits = (int(props["max_blocks_per_multiprocessor"]), int(props["max_threads_per_multiprocessor"]),
                            int(props["shared_memory_per_multiprocessor"]))
         self.busy = 0  # SMs that released, unfinished kernels occupy: the sum of the tenants' `occupied`
+        # Counts every change of what a policy reads (queues, heads, work released or ended, clients), so that a
+        # policy may compute what it needs once per state rather than at each of a decision's questions.
+        self.version = 0
+        # The kernel released to wait on the device behind everything running (`_choose`), and what it waits for;
+        # while any of that runs, no other is released so.
+        self._behind: tuple[Work, ...] = ()
+        self._ahead = False  # room_for answers as if the work running had ended (while a policy looks ahead)
         self._pumping = False
         self._again = False
         # Work the backend refused when it was released, after its call had returned: (client, error)
@@ -204,6 +211,7 @@ class Dispatcher:
                sms: tuple[int, int] | None = None) -> None:
         tenant = self._tenant(client.id)
         tenant.priority, tenant.weight, tenant.sm_cap = priority, weight, sm_cap
+        self.version += 1
         self.inner.attach(client, sm_cap=sm_cap, priority=priority, weight=weight, instance=instance, sms=sms)
         self._pump()
 
@@ -215,6 +223,7 @@ class Dispatcher:
     def forget(self, client: int) -> None:
         self._drop(client)
         tenant = self.tenants.pop(client, None)
+        self.version += 1
         if tenant is not None:  # what it left on the device no longer counts (the backend let it go)
             self.busy -= tenant.occupied
         self.inner.forget(client)
@@ -239,6 +248,7 @@ class Dispatcher:
                     told()
         tenant.queues.clear()
         tenant.queued = 0
+        self.version += 1
 
     # -- work ----------------------------------------------------------------------------------------------
     def submit(self, work: Work, count: int = 1) -> None:
@@ -248,6 +258,7 @@ class Dispatcher:
         item = _Item(next(self._seq), work, count, work.priority, self.inner.now())
         tenant.queues.setdefault(work.stream, deque()).append(item)
         tenant.queued += 1
+        self.version += 1
         self._pump(item)
 
     def when_done(self, work: Iterable[Work | None], callback: Callable[[], None]) -> None:
@@ -281,9 +292,13 @@ class Dispatcher:
         head = tenant.head()
         if head is None:
             return False
+        if self.busy == 0:
+            return True
         sms = self.footprint(head.work, self.rule.spread(tenant, self))
+        if self._ahead:  # a kernel of the whole device has room exactly when all that runs has ended
+            return sms >= self.sms
         cap = self.sms if tenant.sm_cap is None else tenant.sm_cap
-        return self.busy == 0 or (tenant.footprints + sms <= cap and self.busy + sms <= self.sms)
+        return tenant.footprints + sms <= cap and self.busy + sms <= self.sms
 
     def _pump(self, raising: _Item | None = None) -> None:
         """Release work while the policy picks a client, having first counted what has ended; then, while
@@ -305,20 +320,29 @@ class Dispatcher:
                         self._release(tenant, raising, whole=True)
                     chosen = None
                 else:
-                    chosen, whole = self._choose()
+                    chosen, whole, behind = self._choose()
                 if chosen is None:
                     if self._again:
                         continue
                     break
-                self._release(chosen, raising, whole=whole)
+                self._release(chosen, raising, whole=whole, behind=behind)
             if any(t.queued for t in self.tenants.values()):
                 self._watch()
         finally:
             self._pumping = False
 
-    def _choose(self) -> tuple[Tenant | None, bool]:
-        """The policy's pick among the clients with releasable work and room under their bound, and whether
-        the pick is unbounded (its runs then go whole)."""
+    def _choose(self) -> tuple[Tenant | None, bool, tuple[Work, ...]]:
+        """The policy's pick among the clients with releasable work and room under their bound, whether the
+        pick is unbounded (its runs then go whole), and the work it is to wait behind on the device.
+
+        Where the policy holds them all for want of room, it is asked again, with room only for kernels that
+        fill the device (which have room exactly when everything running has ended): its pick then goes at
+        once, waiting on the device for all that runs (a stream wait on each), so that it starts as they end
+        rather than once the daemon has learnt of it and launched it (about 200 us a kernel on the H200,
+        bench/fidelity/h200_dec03/trace). It holds no SM until then. One kernel at a time waits so, so that
+        whatever comes next is still the policy's to choose; a smaller kernel, which may find room before all
+        has ended, waits in the daemon (behind everything, capped trainers sharing the device went in turn:
+        inference_training's under round-robin lost a sixth of their throughput on the model)."""
         rule, bound = self.rule, self.in_flight
         ready, unbounded = [], set()
         for t in self.tenants.values():
@@ -330,13 +354,25 @@ class Dispatcher:
                 if not bounded:
                     unbounded.add(t.id)
         if not ready:
-            return None, False
+            return None, False, ()
         chosen = rule.pick(self, ready)
-        if chosen is None and not any(t.in_flight for t in self.tenants.values()):
-            # Never idle while work could go: what a policy holds may be what the work it favours waits for
-            # (an event recorded on a held stream).
-            chosen = min(ready, key=lambda t: t.head().seq)  # type: ignore[union-attr]
-        return chosen, chosen is not None and chosen.id in unbounded
+        behind: tuple[Work, ...] = ()
+        if chosen is None:
+            running = tuple(f.work for t in self.tenants.values() for flights in t.flights.values()
+                            for f in flights if f.count and not f.work.done)
+            if not running:
+                # Never idle while work could go: what a policy holds may be what the work it favours waits for
+                # (an event recorded on a held stream).
+                chosen = min(ready, key=lambda t: t.head().seq)  # type: ignore[union-attr]
+            elif rule.ahead and all(w.done for w in self._behind):
+                self._ahead = True
+                try:
+                    chosen = rule.pick(self, ready)
+                finally:
+                    self._ahead = False
+                if chosen is not None:
+                    behind = self._behind = running
+        return chosen, chosen is not None and chosen.id in unbounded, behind
 
     def _release_records(self, raising: _Item | None) -> None:
         """Event records and waits at a stream's head go at once, outside the policy and the bound: they take
@@ -348,10 +384,11 @@ class Dispatcher:
                     self._release(tenant, raising, queue[0])
 
     def _release(self, tenant: Tenant, raising: _Item | None, item: _Item | None = None,
-                 whole: bool = False) -> None:
+                 whole: bool = False, behind: tuple[Work, ...] = ()) -> None:
         item = item or tenant.head()
         assert item is not None
         work = item.work
+        self.version += 1
         # One kernel a pick, a run's too, so that each is the policy's choice; an unbounded client's run goes
         # whole (as without a dispatcher).
         n = item.count if whole else 1
@@ -364,8 +401,9 @@ class Dispatcher:
             tenant.queues[work.stream].popleft()
             tenant.queued -= 1
             part = work
-        if part.after:
-            part.after = tuple(a for a in part.after if not a.done)  # dropped work, say, holds nothing back
+        if part.after or behind:
+            # (dropped work, say, holds nothing back)
+            part.after = tuple(a for a in (*part.after, *behind) if not a.done)
         try:
             self.inner.submit(part, n)
         except CudaError as error:
@@ -422,6 +460,7 @@ class Dispatcher:
 
     def _ended(self, tenant: Tenant, flight: _Flight) -> None:
         n, work = flight.count, flight.work
+        self.version += 1
         tenant.in_flight -= n
         tenant.running[flight.stream_priority] -= n
         self._occupy(tenant, -flight.sms)
