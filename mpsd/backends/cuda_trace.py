@@ -2,7 +2,7 @@
 # traced device runs the built-in kernels that write, for each block, when it began and ended by the GPU's global
 # timer and which SM ran it (mpsd.backends.cuda_kernels), into slots in device memory that each launch is given
 # here. At exit the slots are copied back and become the timeline's kernels and spans (one span a block), on the
-# backend's clock: the GPU's timer is mapped onto it by stamps taken between two events, at start and at the end.
+# backend's clock: the GPU's timer is mapped onto it by stamps a kernel takes, at start and at the end.
 # Events alone date a stream's work, not where its blocks ran or how long they waited for SMs; this is what
 # gives the real GPU SM-time, SMs held and idle SMs while work was queued, as the simulator's trace does.
 """Block records of a traced real GPU."""
