@@ -229,6 +229,7 @@ class CudaBackend:
     policy = "mps"
     virtual = None
     server_memory, context_memory = SERVER_MEMORY, CONTEXT_MEMORY
+    memory_fds = 1  # the exported POSIX fd (CudaMemory)
 
     def __init__(self, ordinal: int = 0) -> None:
         cu, nvrtc = _bindings()

@@ -41,6 +41,7 @@ from mpsd.runtime.device import COMPUTE_MODES, Device
 from mpsd.runtime.dispatch import Dispatcher
 from mpsd.runtime.dispatch_policies import kernel_policy
 from mpsd.runtime.ipc import IpcRegistry
+from mpsd.runtime.limits import FdBudget
 from mpsd.runtime.memory import CHUNK
 from mpsd_protocol import (  # type: ignore[attr-defined]
     CONTROL_PACKET,
@@ -101,8 +102,12 @@ class Daemon:
         # One budget of host RAM for every device's simulated memory and the clients' pinned buffers mapped here:
         # they all live in this process.
         self.host_memory = HostMemory(config.host_memory if config.host_memory is not None else default_budget())
+        # And one count of the fds its clients' objects hold, against the process's limit less a reserve.
+        limits = config.client_limits
+        self.fds = FdBudget(limits.fds, limits.fd_reserve)
         self.devices = [Device(i, self._backend(i, device), containment=config.fault_containment, log=self.log,
-                               host_memory=self.host_memory, shared_process=config.shared_process)
+                               host_memory=self.host_memory, shared_process=config.shared_process, limits=limits,
+                               fds=self.fds)
                         for i, device in enumerate(config.devices)]
         self.ipc = IpcRegistry(config.ipc_access, self.log, self.peers)
         self.owner_uid = os.geteuid()
@@ -604,6 +609,7 @@ class Daemon:
         # that memory, not fds, is what runs out.
         needed = sum(2 * (device.total_memory // CHUNK) for device in self.devices)
         self.log.server(f"File descriptor limit {limit}" + (f" (raised from {was})" if was != limit else "")
+                        + f", {self.fds.kept(limit)} of them kept from clients (--fd-reserve)"
                         + (f"; the devices' memory in 2 MiB allocations would need {needed}, so raise the hard "
                            "limit (LimitNOFILE= under systemd)" if limit < needed else ""))
         received = (trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) if handle_signals

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from mpsd.backends.base import VIRTUAL_MEMORY, DeviceMemory
 from mpsd.backends.ops import Extent
+from mpsd.runtime.limits import refused
 from mpsd.runtime.memory import CHUNK, _Arena
 from mpsd_protocol import (  # type: ignore[attr-defined]
     InvalidValueError, NotSupportedError, OutOfMemoryError, brief, format_size)
@@ -135,13 +136,15 @@ class VirtualMemoryCalls:
         Raises:
             InvalidValueError: a size of no whole pages, or an alignment that is not a power of two up to the
                 granularity (the driver takes larger ones; mpsd places every reservation 2 MiB aligned).
-            OutOfMemoryError: the address space is exhausted.
+            OutOfMemoryError: the address space is exhausted, or this client holds as many reservations as it may.
         """
         vmm = self._vmm()
         _whole_pages("mem_address_reserve", "size", size)
         if alignment and (alignment & (alignment - 1) or alignment > GRANULARITY):
             raise InvalidValueError(f"mem_address_reserve: alignment {alignment} is not a power of two up to "
                                     f"{GRANULARITY} (larger alignments are not emulated)")
+        if len(vmm.arena.allocs) >= self.limits.reservations:
+            raise refused("reservations", self.limits.reservations)
         allowed = RESERVE_SHARE * self.device.memory_total(self.partition)
         if vmm.reserved_bytes + size > allowed:
             raise OutOfMemoryError(f"mem_address_reserve: {format_size(size)} more would pass the "
@@ -179,15 +182,17 @@ class VirtualMemoryCalls:
 
         Raises:
             InvalidValueError: not a whole number of pages.
-            OutOfMemoryError: past the device's free memory or this client's pinned limit.
+            OutOfMemoryError: past the device's free memory or this client's pinned limit, or its limits on
+                allocations and fds.
         """
         vmm = self._vmm()
         _whole_pages("mem_create", "size", size)
+        self.check_allocations()
         free, _ = self.mem_get_info()
         if size > free:
             raise OutOfMemoryError(f"mem_create: tried to make {format_size(size)}; {format_size(free)} free")
         try:
-            memory = self.backend.allocate(size)
+            memory = self._allocate(size)
         except OSError as exc:
             raise OutOfMemoryError(f"the daemon could not back {format_size(size)}: {exc.strerror}") from None
         handle = vmm._next_handle
