@@ -1,8 +1,10 @@
 # Per-client limits on what a client can make the daemon hold (issue 29, item 4): each kind is refused past its
 # setting with cudaErrorMemoryAllocation naming the setting, there is room again once one goes, and another client
-# of the same daemon is untouched. In process (tests/inproc.py) but for the fd reserve, which needs a daemon
-# process whose fd limit can be lowered under it.
+# of the same daemon is untouched. In process (tests/inproc.py), but for the daemon's reserves of fds and memory
+# mappings, which a client exhausts in a daemon process of its own (its fd limit lowered under it).
 from __future__ import annotations
+
+from pathlib import Path
 
 import psutil
 import pytest
@@ -171,12 +173,71 @@ def test_one_client_taking_every_fd_it_may_leaves_others_room_to_allocate_and_co
         assert process.num_fds() < limit - kept
 
 
+async def test_a_clients_memory_mappings_are_limited_and_given_back():
+    """Under --max-maps 6, a client's reserved range (one mapping of the daemon's), mem_create (one) and two pieces
+    mapped into the range (two each) are all it may hold: a third piece, a host buffer and a large malloc are
+    refused; an unmapped piece gives its two back; and everything goes with the client."""
+    async with in_process_daemon("--max-maps", "6") as d:
+        async with d.connect() as a, d.connect() as b:
+            r = await a.mem_address_reserve(16 * MiB)
+            h = await a.mem_create(2 * MiB)
+            await a.mem_map(r, 2 * MiB, 0, h)
+            await a.mem_map(r + 4 * MiB, 2 * MiB, 0, h)
+            for call, args in ((a.mem_map, (r + 8 * MiB, 2 * MiB, 0, h)), (a.host_alloc, (4096,)),
+                               (a.malloc, (4 * MiB,))):
+                with pytest.raises(OutOfMemoryError, match=r"holds 6 memory mappings.*hold 6 \(mpsd --max-maps") as no:
+                    await call(*args)
+                _code_2(no)
+            assert len([await b.malloc(4 * MiB) for _ in range(6)]) == 6
+            await a.mem_unmap(r + 4 * MiB, 2 * MiB)
+            await a.malloc(4 * MiB)
+            assert d.daemon.maps.held == 5 + 6  # a: the range, the handle, a piece and the malloc
+        await trio.testing.wait_all_tasks_blocked()  # the daemon has seen both go
+        assert d.daemon.maps.held == 0
+
+
+async def test_one_client_mapping_all_it_may_leaves_others_room_to_allocate_and_connect(daemon_factory):
+    """A client that maps one 2 MiB handle into every other page of a range (two of the daemon's memory mappings
+    each) is refused at half of what vm.max_map_count less the reserve leaves clients, and then another client
+    still allocates and a new one connects and allocates. (Before, it went on to vm.max_map_count, its last call
+    an internal error, and every mmap of the daemon failed after: the other clients' mallocs with them.)"""
+    limit = int(Path("/proc/sys/vm/max_map_count").read_text())
+    if limit > 262_144:
+        pytest.skip(f"vm.max_map_count is {limit}: reaching half of it would take too long")
+    d = start_daemon("--time-scale", "100")
+    daemon_factory.append(d)
+    async with mpsd_client.open_context(d.pipe_dir, environ={}) as other, \
+            mpsd_client.open_context(d.pipe_dir, environ={}) as greedy:
+        pages = limit  # of 2 MiB: room for more pieces than the daemon could map
+        r = await greedy.mem_address_reserve(pages * 2 * MiB)
+        h = await greedy.mem_create(2 * MiB)
+        left = iter(range(0, pages, 2))
+        refusals: list[OutOfMemoryError] = []
+
+        async def map_pieces() -> None:  # many at once: one at a time, the daemon waits on each round trip
+            for page in left:
+                try:
+                    await greedy.mem_map(r + page * 2 * MiB, 2 * MiB, 0, h)
+                except OutOfMemoryError as exc:
+                    refusals.append(exc)
+                    return
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(32):
+                nursery.start_soon(map_pieces)
+        await other.free(await other.malloc(4 * MiB))
+        async with mpsd_client.open_context(d.pipe_dir, environ={}) as late:
+            await late.free(await late.malloc(4 * MiB))
+        assert len(refusals) == 32
+        assert all("half of what its limit" in exc.message for exc in refusals)
+
+
 def test_the_limits_are_settings_of_the_daemon(tmp_path):
     """Each limit has a default, an option and an [mpsd] key of the option's name; nonsense is a usage error."""
     limits = load_config(["--pipe-dir", str(tmp_path)], environ={}).client_limits
     assert (limits.streams, limits.events, limits.waits, limits.allocations, limits.reservations,
-            limits.host_buffers, limits.fds, limits.fd_reserve) == (65_536, 262_144, 4_096, 1_048_576, 65_536,
-                                                                    65_536, 150_000, 1_024)
+            limits.host_buffers, limits.fds, limits.fd_reserve, limits.maps, limits.map_reserve) == (
+        65_536, 262_144, 4_096, 1_048_576, 65_536, 65_536, 150_000, 1_024, 150_000, 8_192)
     config = tmp_path / "mpsd.toml"
     config.write_text("[mpsd]\nmax-streams = 5\nmax-pending-waits = 7\nfd-reserve = 0\n")
     limits = load_config(["--pipe-dir", str(tmp_path), "--config", str(config), "--max-streams", "6"],

@@ -51,7 +51,6 @@ if TYPE_CHECKING:
 STREAM_PRIORITY_GREATEST, STREAM_PRIORITY_LEAST = -5, 0  # cudaDeviceGetStreamPriorityRange on Hopper
 NON_BLOCKING = 0x1  # cudaStreamNonBlocking
 MAX_STAGED_COPY = 64 << 20  # the client stages pageable copies in pieces of 8 MiB
-HOST_BUFFER_FDS = 1  # a pinned host buffer's mapping here (Python's mmap keeps a duplicate of its fd)
 _MAX_PLANS = 1024  # plans kept, by kernel, shape and arguments
 
 
@@ -159,7 +158,8 @@ class Context(VirtualMemoryCalls):
         self.quotas = quotas
         self.backend = device.backend
         self.limits = device.limits  # the most of each kind of object it may hold (mpsd.runtime.limits)
-        self.fds = 0  # the daemon's fds its objects hold (the device's FdBudget counts them)
+        # The daemon's fds and memory mappings its objects hold (the device's ProcessBudgets count them).
+        self.fds = self.maps = 0
         self.vmm = VirtualMemory()  # reserved ranges and physical memory (the driver's VMM calls: mpsd.runtime.vmm)
         self.memory = AddressSpace(self._allocate, self.vmm)
         self.account = device.ledger.open(quotas.pinned_mem_limit, partition)  # what its memory is charged
@@ -254,22 +254,40 @@ class Context(VirtualMemoryCalls):
             raise refused("allocations", self.limits.allocations)
 
     def _allocate(self, nbytes: int) -> DeviceMemory:
-        """The backend's `allocate`, its fds counted against this client's limit and the daemon's reserve until
-        the memory goes (after the client, where an IPC importer keeps it).
+        """The backend's `allocate`, its fds and mappings counted against this client's limits and the daemon's
+        reserves until the memory goes (after the client, where an IPC importer keeps it).
 
         Raises:
-            OutOfMemoryError: past either (a CudaError: its callers pass it on as it is).
+            OutOfMemoryError: past one of them (a CudaError: its callers pass it on as it is).
             OSError: the backend cannot back it.
         """
-        count, budget = self.backend.memory_fds, self.device.fds
-        budget.take(self, count)
+        fds, maps = self.backend.memory_fds, self.backend.host_maps
+        self.take_host(fds, maps)
         try:
             memory = self.backend.allocate(nbytes)
         except BaseException:
-            budget.give(self, count)
+            self.give_host(fds, maps)
             raise
-        memory.on_release.append(functools.partial(budget.give, self, count))
+        memory.on_release.append(functools.partial(self.give_host, fds, maps))
         return memory
+
+    def take_host(self, fds: int, maps: int) -> None:
+        """Count `fds` fds and `maps` memory mappings of the daemon's for a new object of this client's.
+
+        Raises:
+            OutOfMemoryError: past this client's limits or into the daemon's reserves (mpsd.runtime.limits).
+        """
+        self.device.fds.take(self, fds)
+        try:
+            self.device.maps.take(self, maps)
+        except BaseException:
+            self.device.fds.give(self, fds)
+            raise
+
+    def give_host(self, fds: int, maps: int) -> None:
+        """An object that `take_host` counted has closed its fds and mappings (or never made them)."""
+        self.device.fds.give(self, fds)
+        self.device.maps.give(self, maps)
 
     def check_free(self, addr: int) -> None:
         if addr == 0:
@@ -319,18 +337,18 @@ class Context(VirtualMemoryCalls):
             raise InvalidValueError("a host buffer of 0 bytes cannot be registered")
         if len(self.host) >= self.limits.host_buffers:
             raise refused("host_buffers", self.limits.host_buffers)
-        self.device.fds.take(self, HOST_BUFFER_FDS)
+        self.take_host(1, 1)  # its mapping here, and the duplicate of its fd that Python's mmap keeps
         try:
             pinned = self.device.host_memory.pin(nbytes)
         except BaseException:
-            self.device.fds.give(self, HOST_BUFFER_FDS)
+            self.give_host(1, 1)
             raise
         buffer_id = self._handle()
         try:
             buffer = HostBuffer(buffer_id, fd, nbytes, pinned)
         except (CudaError, OSError, ValueError) as exc:
             self.device.host_memory.unpin(pinned)
-            self.device.fds.give(self, HOST_BUFFER_FDS)
+            self.give_host(1, 1)
             if isinstance(exc, CudaError):
                 raise
             raise InvalidValueError(f"cannot map the host buffer: {exc}") from None  # not a mappable file
@@ -347,7 +365,7 @@ class Context(VirtualMemoryCalls):
         self.backend.release_host(buffer)
         buffer.close()
         self.device.host_memory.unpin(buffer.pinned)
-        self.device.fds.give(self, HOST_BUFFER_FDS)
+        self.give_host(1, 1)
 
     def _device(self, ptr: int, nbytes: int, what: str) -> Extent:
         extent = self.memory.extent(ptr, nbytes)

@@ -9,22 +9,27 @@
 # programs make (PyTorch holds a few streams, events by the hundred, allocations by the thousand), so that only a
 # runaway or hostile client meets them.
 #
-# The fds are also counted for the whole daemon (FdBudget): what all clients' objects hold, against the process's
-# soft RLIMIT_NOFILE less a reserve, and no client may hold more than half of what that leaves. The reserve is for
-# what the daemon itself needs to go on serving (its listening sockets and logs, a socket per connection, fds in
-# flight over SCM_RIGHTS), and the half for the other clients' allocations: a client that has taken every fd it
-# may still leaves another room to allocate and a new one room to connect.
+# Two of those are the daemon process's own resources, shared by every client and by the daemon itself: fds (its
+# soft RLIMIT_NOFILE) and memory mappings (vm.max_map_count: each segment, host buffer and reserved range is one, each
+# piece mapped into a range two, and past the count every mmap of the process fails, Python's own heap's included).
+# Each is counted for the whole daemon too (ProcessBudget): what all clients' objects hold, against the process's
+# limit less a reserve, and no client may hold more than half of what that leaves. The reserve is for what the
+# daemon itself needs to go on serving (its listening sockets and logs, a socket per connection, fds in flight over
+# SCM_RIGHTS; its libraries and heap), and the half for the other clients' allocations: a client that has taken all
+# it may still leaves another room to allocate and a new one room to connect.
 """Per-client limits on the objects a client makes the daemon hold, and the daemon's fd reserve."""
 
 from __future__ import annotations
 
 import resource
 from dataclasses import dataclass, fields
-from typing import Protocol
+from pathlib import Path
+from typing import Callable
 
 from mpsd_protocol import OutOfMemoryError  # type: ignore[attr-defined]
 
-__all__ = ["ClientLimits", "FdBudget", "LIMIT_SETTINGS", "refused"]
+__all__ = ["ClientLimits", "FDS", "LIMIT_SETTINGS", "MAPS", "ProcessBudget", "Resource", "fd_limit", "map_limit",
+           "refused"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +46,10 @@ class ClientLimits:
     # to fill an H200's 150 GB with 2 MiB allocations (143,156 fds) beside thousands of host buffers.
     fds: int = 150_000
     fd_reserve: int = 1_024  # fds of the daemon's limit no client may take (at most a quarter of the limit)
+    # One mapping per segment and per host buffer, one per reserved range and two per piece mapped into one: as many
+    # as the fds, though vm.max_map_count (65,530 by default) makes half of what it leaves the bound that counts.
+    maps: int = 150_000
+    map_reserve: int = 8_192  # mappings of vm.max_map_count no client may take (at most a quarter of it)
 
 
 # Each limit's setting: (field, option, what it counts in a refusal's words, what the option's help says). The
@@ -63,6 +72,12 @@ LIMIT_SETTINGS: tuple[tuple[str, str, str, str], ...] = (
     ("fd_reserve", "--fd-reserve", "",
      "file descriptors of the daemon's limit (RLIMIT_NOFILE) that no client may take, so that others still "
      "allocate and connect (at most a quarter of the limit)"),
+    ("maps", "--max-maps", "memory mappings of the daemon",
+     "memory mappings the daemon may hold for one client: one per segment of simulated memory, host buffer and "
+     "reserved range, two per piece mapped into a range; never more than half of what vm.max_map_count leaves "
+     "clients"),
+    ("map_reserve", "--map-reserve", "",
+     "memory mappings of the daemon's vm.max_map_count that no client may take (at most a quarter of it)"),
 )
 _OPTIONS = {name: (option, what) for name, option, what, _ in LIMIT_SETTINGS}
 assert {f.name for f in fields(ClientLimits)} == set(_OPTIONS)
@@ -76,58 +91,86 @@ def refused(kind: str, limit: int, held: int | None = None) -> OutOfMemoryError:
                             f"{limit} (mpsd {option})")
 
 
-class _Holder(Protocol):
-    fds: int  # the fds the daemon holds for this client's objects
+@dataclass(frozen=True, slots=True)
+class Resource:
+    """A resource of the daemon's process that clients' objects hold: its ClientLimits fields (`name` is also the
+    attribute of a holder that counts its share), its words, and how its limit is set."""
+
+    name: str
+    reserve: str  # the ClientLimits field of its reserve
+    what: str
+    limit_is: str
 
 
-class FdBudget:
-    """The fds the daemon holds for its clients' objects, each client's and in all, against their limits.
+FDS = Resource("fds", "fd_reserve", "file descriptors", "RLIMIT_NOFILE, LimitNOFILE= under systemd")
+MAPS = Resource("maps", "map_reserve", "memory mappings", "vm.max_map_count, a sysctl")
+
+
+def fd_limit() -> int:
+    """The process's soft RLIMIT_NOFILE, as it is now."""
+    limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return 1 << 30 if limit == resource.RLIM_INFINITY else limit  # Linux's fd table stops at fs.nr_open before
+
+
+def map_limit() -> int:
+    """vm.max_map_count (Linux's default where it cannot be read)."""
+    try:
+        return int(Path("/proc/sys/vm/max_map_count").read_text())
+    except (OSError, ValueError):
+        return 65_530
+
+
+class ProcessBudget:
+    """What the daemon holds of one resource of its process for its clients' objects, each client's and in all.
 
     Of the process's limit, the reserve is the daemon's; of the rest, one client may hold at most half (and at most
-    its own limit), so that a client that has taken all it may leaves the others room to allocate. The limit is
-    read at each new object (a system call, about 0.3 us beside a malloc's tens), so that one raised or lowered
-    while the daemon runs (prlimit) is the one that counts.
+    its own limit), so that a client that has taken all it may leaves the others room to allocate.
 
     Args:
-        per_client: the most one client's objects may hold.
-        reserve: fds of the process's limit left to the daemon itself (at most a quarter of it).
+        kind: which resource (FDS or MAPS).
+        limits: the daemon's ClientLimits: the per-client limit and the reserve.
+        limit: the process's limit, asked at each new object: fd_limit reads it (a system call, about 0.3 us beside a
+            malloc's tens), so that one raised or lowered while the daemon runs (prlimit) is the one that counts;
+            the daemon reads vm.max_map_count once (a sysctl, seldom changed) and passes it as a constant.
     """
 
-    def __init__(self, per_client: int, reserve: int) -> None:
-        self.per_client = per_client
-        self.reserve = reserve
+    def __init__(self, kind: Resource, limits: ClientLimits, limit: Callable[[], int]) -> None:
+        self.kind = kind
+        self.per_client: int = getattr(limits, kind.name)
+        self.reserve: int = getattr(limits, kind.reserve)
+        self.limit = limit
         self.held = 0
 
     def kept(self, limit: int) -> int:
-        """The fds of a process limit of `limit` that no client may take."""
+        """What of a process limit of `limit` no client may take."""
         return min(self.reserve, limit // 4)
 
-    def take(self, holder: _Holder, count: int) -> None:
-        """Count `count` more fds for `holder`'s new object.
+    def take(self, holder: object, count: int) -> None:
+        """Count `count` more for `holder`'s new object (`holder` counts its share in the attribute named for the
+        resource).
 
         Raises:
             OutOfMemoryError: past the client's limit or its half, or into the daemon's reserve.
         """
-        if holder.fds + count > self.per_client:
-            raise refused("fds", self.per_client, holder.fds)
-        limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-        if limit == resource.RLIM_INFINITY:
-            limit = 1 << 30  # Linux's fd table stops at fs.nr_open well before this
+        name = self.kind.name
+        mine = getattr(holder, name)
+        if mine + count > self.per_client:
+            raise refused(name, self.per_client, mine)
+        limit = self.limit()
         kept = self.kept(limit)
-        if holder.fds + count > (limit - kept) // 2:
-            raise OutOfMemoryError(
-                f"this client holds {holder.fds} file descriptors of the daemon, half of what its limit of {limit} "
-                f"leaves clients beside the {kept} it keeps for itself (mpsd --fd-reserve; the limit is "
-                "RLIMIT_NOFILE, LimitNOFILE= under systemd)")
+        if mine + count > (limit - kept) // 2:
+            raise self._refused(f"this client holds {mine} {self.kind.what} of the daemon, half of what", limit)
         if self.held + count > limit - kept:
-            raise OutOfMemoryError(
-                f"the daemon's clients hold {self.held} file descriptors, all that its limit of {limit} leaves them "
-                f"beside the {kept} it keeps for itself (mpsd --fd-reserve; the limit is RLIMIT_NOFILE, "
-                "LimitNOFILE= under systemd)")
-        holder.fds += count
+            raise self._refused(f"the daemon's clients hold {self.held} {self.kind.what}, all that", limit)
+        setattr(holder, name, mine + count)
         self.held += count
 
-    def give(self, holder: _Holder, count: int) -> None:
-        """`holder`'s object that `take` counted as `count` fds has closed them."""
-        holder.fds -= count
+    def _refused(self, whose: str, limit: int) -> OutOfMemoryError:
+        return OutOfMemoryError(f"{whose} its limit of {limit} leaves clients beside the {self.kept(limit)} it keeps "
+                                f"for itself (mpsd --{self.kind.reserve.replace('_', '-')}; the limit is "
+                                f"{self.kind.limit_is})")
+
+    def give(self, holder: object, count: int) -> None:
+        """`holder`'s object that `take` counted as `count` has let go of them."""
+        setattr(holder, self.kind.name, getattr(holder, self.kind.name) - count)
         self.held -= count
