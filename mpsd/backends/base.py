@@ -63,6 +63,10 @@ class Backend(Protocol):
     total_memory: int
     server_memory: int  # what the MPS server itself holds of it
     context_memory: int  # what each client's context holds of it
+    memory_fds: int  # the fds of the daemon one allocation from `allocate` holds open while it lives
+    # The daemon's memory mappings (vm.max_map_count counts them) one allocation or reserved range holds; a piece
+    # mapped into a range holds twice as many (itself, and the split of the rest).
+    host_maps: int
     virtual: Any  # the virtual clock's driver (mpsd.backends.engine.VirtualEngine), where it runs one, else None
     on_fault: Callable[[int, CudaError], None]  # told of a fatal error in a client's work, to contain it
     on_idle: Callable[[int, float, float], None]  # virtual clock: (client, its clock, grace) counted idle

@@ -242,6 +242,8 @@ class CudaBackend:
     policy = "mps"
     virtual = None
     server_memory, context_memory = SERVER_MEMORY, CONTEXT_MEMORY
+    memory_fds = 1  # the exported POSIX fd (CudaMemory)
+    host_maps = 0  # device memory and reservations are the driver's, on the GPU
 
     def __init__(self, ordinal: int = 0, trace: Path | None = None) -> None:
         cu, nvrtc = _bindings()

@@ -84,6 +84,8 @@ class SimBackend:
     """
 
     capabilities = frozenset({HOST_VIEW, VIRTUAL_MEMORY})
+    memory_fds = 2  # a memfd segment's own and its mapping's (Python's mmap keeps a duplicate)
+    host_maps = 1  # a segment's mapping; a reserved range's (mpsd.backends.vrange)
 
     def __init__(self, spec: DeviceSpec, *, policy: str = "mps", policy_options: dict[str, Any] | None = None,
                  clock: str = "wall", time_scale: float = 1.0, idle_grace: float = DEFAULT_IDLE_GRACE,

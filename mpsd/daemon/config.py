@@ -20,6 +20,7 @@ from mpsd.daemon.channel import DEFAULT_SPIN, MAX_SPIN
 from mpsd.daemon.mps_config import NamedServer, load_mps_config
 from mpsd.runtime.dispatch import DEFAULT_IN_FLIGHT
 from mpsd.runtime.dispatch_policies import kernel_policy
+from mpsd.runtime.limits import LIMIT_SETTINGS, ClientLimits
 from mpsd_protocol import log_directory, parse_integer, parse_mem_limits, parse_size, pipe_directory
 
 CONTAINMENT = ("device", "client")
@@ -78,6 +79,7 @@ class Config:
     # daemon's dispatcher in front of the device (mpsd.runtime.dispatch; a real GPU's only choice).
     dispatch: str = "block"
     kernels_in_flight: int = DEFAULT_IN_FLIGHT  # kernel dispatch: a client's kernels on the device at once
+    client_limits: ClientLimits = ClientLimits()  # what one client may make the daemon hold (mpsd.runtime.limits)
 
     @property
     def kernel_dispatch(self) -> bool:
@@ -226,7 +228,37 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--peer-access", choices=PEER_ACCESS,
                         help="simulated devices: all (default) map each other's memory, as NVLink peers; none "
                              "(an IPC handle opened on another device is cudaErrorPeerAccessUnsupported)")
+    _add_limits(parser)
     return parser
+
+
+def _add_limits(parser: argparse.ArgumentParser) -> None:
+    """The per-client limits (mpsd.runtime.limits), one group of options."""
+    defaults = ClientLimits()
+    group = parser.add_argument_group(
+        "limits per client", "the most of each kind of object one client may make the daemon hold; a call past a "
+                             "limit fails with cudaErrorMemoryAllocation")
+    for name, option, _, text in LIMIT_SETTINGS:
+        group.add_argument(option, type=int, metavar="N",  # [mpsd]'s key: the option's name
+                           help=f"{text} (default {getattr(defaults, name):,})")
+
+
+def _limits(pick: Any) -> ClientLimits:
+    """The per-client limits from their options or [mpsd] keys, each a whole number (at least 1; the fd reserve
+    may be 0).
+
+    Raises:
+        ConfigError: one is not.
+    """
+    values: dict[str, int] = {}
+    defaults = ClientLimits()
+    for name, option, _, _ in LIMIT_SETTINGS:
+        value = pick(option[2:].replace("-", "_"), getattr(defaults, name))
+        least = 0 if name == "fd_reserve" else 1
+        if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= 1 << 31:
+            raise ConfigError(f"{option} must be a whole number from {least} to {1 << 31}, not {str(value)[:24]!r}")
+        values[name] = value
+    return ClientLimits(**values)
 
 
 def load_config(argv: Sequence[str] | None = None, environ: dict[str, str] | None = None) -> Config:
@@ -359,6 +391,7 @@ def load_config(argv: Sequence[str] | None = None, environ: dict[str, str] | Non
                   static_partitioning=bool(pick("static_partitioning", False)),
                   control_log_stdout=bool(pick("control_log_stdout", False)),
                   device_policies=device_policies, dispatch=dispatch, kernels_in_flight=in_flight,
+                  client_limits=_limits(pick),
                   trace=Path(trace) if (trace := pick("trace")) else None)
 
 

@@ -41,6 +41,7 @@ from mpsd.runtime.device import COMPUTE_MODES, Device
 from mpsd.runtime.dispatch import Dispatcher
 from mpsd.runtime.dispatch_policies import kernel_policy
 from mpsd.runtime.ipc import IpcRegistry
+from mpsd.runtime.limits import FDS, MAPS, ProcessBudget, fd_limit, map_limit
 from mpsd.runtime.memory import CHUNK
 from mpsd_protocol import (  # type: ignore[attr-defined]
     CONTROL_PACKET,
@@ -101,8 +102,15 @@ class Daemon:
         # One budget of host RAM for every device's simulated memory and the clients' pinned buffers mapped here:
         # they all live in this process.
         self.host_memory = HostMemory(config.host_memory if config.host_memory is not None else default_budget())
+        # And one count of the fds and memory mappings its clients' objects hold, each against the process's
+        # limit less a reserve (mpsd.runtime.limits).
+        limits = config.client_limits
+        self.fds = ProcessBudget(FDS, limits, fd_limit)
+        max_maps = map_limit()
+        self.maps = ProcessBudget(MAPS, limits, lambda: max_maps)
         self.devices = [Device(i, self._backend(i, device), containment=config.fault_containment, log=self.log,
-                               host_memory=self.host_memory, shared_process=config.shared_process)
+                               host_memory=self.host_memory, shared_process=config.shared_process, limits=limits,
+                               fds=self.fds, maps=self.maps)
                         for i, device in enumerate(config.devices)]
         self.ipc = IpcRegistry(config.ipc_access, self.log, self.peers)
         self.owner_uid = os.geteuid()
@@ -604,8 +612,14 @@ class Daemon:
         # that memory, not fds, is what runs out.
         needed = sum(2 * (device.total_memory // CHUNK) for device in self.devices)
         self.log.server(f"File descriptor limit {limit}" + (f" (raised from {was})" if was != limit else "")
+                        + f", {self.fds.kept(limit)} of them kept from clients (--fd-reserve)"
                         + (f"; the devices' memory in 2 MiB allocations would need {needed}, so raise the hard "
                            "limit (LimitNOFILE= under systemd)" if limit < needed else ""))
+        # And a mapping per 2 MiB on the simulated device (none on a GPU).
+        maps, needed = self.maps.limit(), sum(d.backend.host_maps * (d.total_memory // CHUNK) for d in self.devices)
+        self.log.server(f"Memory map limit {maps} (vm.max_map_count), {self.maps.kept(maps)} of them kept from "
+                        "clients (--map-reserve)" + (f"; the devices' memory in 2 MiB allocations would need {needed}, "
+                                                     "so raise it (sysctl)" if maps < needed else ""))
         received = (trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) if handle_signals
                     else contextlib.nullcontext(None))
         failure: BaseException | None = None

@@ -38,6 +38,7 @@ from mpsd.clock import Host, Timing
 from mpsd.daemon.channel import Channel
 from mpsd.runtime.context import Context
 from mpsd.runtime.kernels import signatures
+from mpsd.runtime.limits import refused
 from mpsd_protocol import (  # type: ignore[attr-defined]
     CALL,
     CALLS,
@@ -116,6 +117,7 @@ class Session:
         self.host: Host | None = None  # this client's host clock, under the virtual clock
         self._engine: VirtualEngine | None = None  # and its device's engine (set with `host`)
         self._deferred = 0  # replies waiting for the device
+        self._max_deferred = daemon.config.client_limits.waits  # (mpsd.runtime.limits)
         # The client's launch queue (`_full`): per stream, the work of its launch calls, oldest first, with the
         # staged bytes of each and the calls it stands for (a run of repeated launches is one work), and how
         # many calls there are (work that has ended since stays counted until the queue is next pruned); and
@@ -264,12 +266,16 @@ class Session:
         if request.fds:
             close_fds(request.fds)
         if isinstance(result, Deferred) and not result.ready():
-            if timing is not None:
-                self._virtual.clock.wait(self._host)
-            self._deferred += 1
-            self.daemon.device_of(self._ctx).backend.when_done(
-                result.ops, functools.partial(self._finish, request.id, result, timing))
-            return
+            if self._deferred < self._max_deferred:
+                if timing is not None:
+                    self._virtual.clock.wait(self._host)
+                self._deferred += 1
+                self.daemon.device_of(self._ctx).backend.when_done(
+                    result.ops, functools.partial(self._finish, request.id, result, timing))
+                return
+            # Past the client's limit (mpsd.runtime.limits): a synchronize or a free has done nothing yet; a copy
+            # that waits was refused before it was queued (_room_to_wait), so none comes here.
+            result = refused("waits", self._max_deferred)
         if timing is not None:
             self._returned(timing, waited=False)
         if isinstance(result, CudaError):
@@ -648,6 +654,8 @@ class Session:
 
     def on_memcpy_htod(self, dst: int, host: int, offset: int, nbytes: int, stream: int | None,
                        staged: bool) -> Deferred | None:
+        if stream is None and not staged:
+            self._room_to_wait()
         op = self._ctx.memcpy_htod(dst, host, offset, nbytes, stream, staged)
         # A pageable source has been read already; a pinned one is read when the copy runs, so a
         # synchronous copy from pinned memory returns only once it has.
@@ -655,9 +663,17 @@ class Session:
 
     def on_memcpy_dtoh(self, host: int, offset: int, src: int, nbytes: int, stream: int | None,
                        staged: bool) -> Deferred | None:
+        if stream is None or staged:
+            self._room_to_wait()
         op = self._ctx.memcpy_dtoh(host, offset, src, nbytes, stream)
         # Device-to-pageable copies are synchronous even on a stream (the bytes land in staging).
         return Deferred([op]) if stream is None or staged else None
+
+    def _room_to_wait(self) -> None:
+        """Raise if this client has as many calls waiting for the device as it may: a copy that will wait is
+        refused before it is queued, not queued and then left to run unwaited for."""
+        if self._deferred >= self._max_deferred:
+            raise refused("waits", self._max_deferred)
 
     def on_synchronize(self) -> Deferred:
         return Deferred(self._ctx.tails())

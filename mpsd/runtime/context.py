@@ -37,9 +37,10 @@ from mpsd_protocol import (  # type: ignore[attr-defined]
     check_shape,
     format_size,
 )
-from mpsd.backends.base import HOST_VIEW
+from mpsd.backends.base import HOST_VIEW, DeviceMemory
 from mpsd.backends.ops import Copy, Extent, Launch, Memset, Plan, Record, Work, stage
 from mpsd.runtime.kernels import KERNELS
+from mpsd.runtime.limits import refused
 from mpsd.runtime.memory import CHUNK, AddressSpace, Allocation, HostBuffer
 from mpsd.runtime.vmm import VMM_BASE, MappedPiece, VirtualMemory, VirtualMemoryCalls
 
@@ -156,8 +157,11 @@ class Context(VirtualMemoryCalls):
         self.process = -client_id if device.shared_process else pid
         self.quotas = quotas
         self.backend = device.backend
+        self.limits = device.limits  # the most of each kind of object it may hold (mpsd.runtime.limits)
+        # The daemon's fds and memory mappings its objects hold (the device's ProcessBudgets count them).
+        self.fds = self.maps = 0
         self.vmm = VirtualMemory()  # reserved ranges and physical memory (the driver's VMM calls: mpsd.runtime.vmm)
-        self.memory = AddressSpace(self.backend.allocate, self.vmm)
+        self.memory = AddressSpace(self._allocate, self.vmm)
         self.account = device.ledger.open(quotas.pinned_mem_limit, partition)  # what its memory is charged
         self.host: dict[int, HostBuffer] = {}
         self.streams: dict[int, Stream] = {0: Stream(0, 0, True, (client_id, 0))}
@@ -223,6 +227,7 @@ class Context(VirtualMemoryCalls):
         Raises:
             OutOfMemoryError: past the device's free memory, this client's pinned limit or the address space.
         """
+        self.check_allocations()
         free, _ = self.mem_get_info()
         try:
             addr, span, charge = self.memory.plan(nbytes)
@@ -241,6 +246,48 @@ class Context(VirtualMemoryCalls):
             raise OutOfMemoryError(f"the daemon could not back {format_size(nbytes)}: {exc.strerror}") from None
         self.device.ledger.move(self.account, charge, 0 if pool else nbytes)
         return addr
+
+    def check_allocations(self) -> None:
+        """Raise if this client holds as many allocations as it may (malloc's, pool reservations, mem_create's
+        handles and IPC imports: each an object of the daemon's, whatever its size)."""
+        if len(self.memory) + len(self.vmm.physical) >= self.limits.allocations:
+            raise refused("allocations", self.limits.allocations)
+
+    def _allocate(self, nbytes: int) -> DeviceMemory:
+        """The backend's `allocate`, its fds and mappings counted against this client's limits and the daemon's
+        reserves until the memory goes (after the client, where an IPC importer keeps it).
+
+        Raises:
+            OutOfMemoryError: past one of them (a CudaError: its callers pass it on as it is).
+            OSError: the backend cannot back it.
+        """
+        fds, maps = self.backend.memory_fds, self.backend.host_maps
+        self.take_host(fds, maps)
+        try:
+            memory = self.backend.allocate(nbytes)
+        except BaseException:
+            self.give_host(fds, maps)
+            raise
+        memory.on_release.append(functools.partial(self.give_host, fds, maps))
+        return memory
+
+    def take_host(self, fds: int, maps: int) -> None:
+        """Count `fds` fds and `maps` memory mappings of the daemon's for a new object of this client's.
+
+        Raises:
+            OutOfMemoryError: past this client's limits or into the daemon's reserves (mpsd.runtime.limits).
+        """
+        self.device.fds.take(self, fds)
+        try:
+            self.device.maps.take(self, maps)
+        except BaseException:
+            self.device.fds.give(self, fds)
+            raise
+
+    def give_host(self, fds: int, maps: int) -> None:
+        """An object that `take_host` counted has closed its fds and mappings (or never made them)."""
+        self.device.fds.give(self, fds)
+        self.device.maps.give(self, maps)
 
     def check_free(self, addr: int) -> None:
         if addr == 0:
@@ -283,16 +330,25 @@ class Context(VirtualMemoryCalls):
 
         Raises:
             InvalidValueError: 0 bytes, or not a memfd the daemon can map safely.
-            OutOfMemoryError: the buffer does not fit in the daemon's host RAM budget.
+            OutOfMemoryError: the buffer does not fit in the daemon's host RAM budget, or this client holds as many
+                host buffers or fds as it may.
         """
         if nbytes == 0:
             raise InvalidValueError("a host buffer of 0 bytes cannot be registered")
-        pinned = self.device.host_memory.pin(nbytes)
+        if len(self.host) >= self.limits.host_buffers:
+            raise refused("host_buffers", self.limits.host_buffers)
+        self.take_host(1, 1)  # its mapping here, and the duplicate of its fd that Python's mmap keeps
+        try:
+            pinned = self.device.host_memory.pin(nbytes)
+        except BaseException:
+            self.give_host(1, 1)
+            raise
         buffer_id = self._handle()
         try:
             buffer = HostBuffer(buffer_id, fd, nbytes, pinned)
         except (CudaError, OSError, ValueError) as exc:
             self.device.host_memory.unpin(pinned)
+            self.give_host(1, 1)
             if isinstance(exc, CudaError):
                 raise
             raise InvalidValueError(f"cannot map the host buffer: {exc}") from None  # not a mappable file
@@ -309,6 +365,7 @@ class Context(VirtualMemoryCalls):
         self.backend.release_host(buffer)
         buffer.close()
         self.device.host_memory.unpin(buffer.pinned)
+        self.give_host(1, 1)
 
     def _device(self, ptr: int, nbytes: int, what: str) -> Extent:
         extent = self.memory.extent(ptr, nbytes)
@@ -611,6 +668,8 @@ class Context(VirtualMemoryCalls):
             raise InvalidValueError(f"bad stream flags {flags:#x}")
         # Priorities outside the range are clamped, as the runtime does.
         priority = min(max(priority, STREAM_PRIORITY_GREATEST), STREAM_PRIORITY_LEAST)
+        if len(self.streams) > self.limits.streams:  # (the default stream is not one it created)
+            raise refused("streams", self.limits.streams)
         stream_id = self._handle()
         self.streams[stream_id] = Stream(stream_id, priority, not flags & NON_BLOCKING, (self.id, stream_id))
         return stream_id, priority
@@ -639,9 +698,15 @@ class Context(VirtualMemoryCalls):
     def create_event(self, disable_timing: bool, interprocess: bool) -> int:
         if interprocess and not disable_timing:
             raise InvalidValueError("an interprocess event must also disable timing")
+        self.check_events()
         event_id = self._handle()
         self.events[event_id] = Event(event_id, not disable_timing, bool(interprocess))
         return event_id
+
+    def check_events(self) -> None:
+        """Raise if this client holds as many events as it may (its own and those opened from IPC handles)."""
+        if len(self.events) >= self.limits.events:
+            raise refused("events", self.limits.events)
 
     def _event(self, event: int) -> Event:
         e = self.events.get(event)
@@ -667,6 +732,7 @@ class Context(VirtualMemoryCalls):
 
     def ipc_open_event_handle(self, handle: object) -> int:
         """A new event of this context sharing the exported event's records (it behaves as disable-timing)."""
+        self.check_events()
         cell = self.ipc.open_event(self, handle)
         cell.users += 1
         event_id = self._handle()

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from mpsd.backends.base import Backend
 from mpsd.runtime.ledger import Ledger
+from mpsd.runtime.limits import FDS, MAPS, ClientLimits, ProcessBudget, fd_limit, map_limit
 from mpsd_protocol import CudaError
 
 if TYPE_CHECKING:
@@ -32,13 +33,20 @@ class Device:
             what its clients' pinned host buffers are counted against.
         shared_process: every client is a process of its own though they share one pid (mpsd-stress
             --virtual-time plays every tenant in the daemon's process).
+        limits: what each of its clients may hold (mpsd.runtime.limits).
+        fds, maps: the fds and memory mappings the daemon holds for its clients, shared by its devices (a budget of
+            its own if None).
     """
 
     def __init__(self, index: int, backend: Backend, *, containment: str, log: ServerLog, host_memory: HostMemory,
-                 shared_process: bool = False) -> None:
+                 shared_process: bool = False, limits: ClientLimits = ClientLimits(),
+                 fds: ProcessBudget | None = None, maps: ProcessBudget | None = None) -> None:
         self.index = index
         self.backend = backend
         self.host_memory = host_memory
+        self.limits = limits
+        self.fds = fds if fds is not None else ProcessBudget(FDS, limits, fd_limit)
+        self.maps = maps if maps is not None else ProcessBudget(MAPS, limits, map_limit)
         backend.on_fault, backend.on_idle = self.fault, self.went_idle
         self.name = backend.name
         self.shared_process = shared_process

@@ -101,12 +101,14 @@ class IpcRegistry:
             InvalidResourceHandleError: no such export (forged, or its memory is gone).
             DeviceUninitializedError: opened in the exporting process.
             NotPermittedError: the access policy refuses this client.
+            OutOfMemoryError: past the client's pinned limit, or it holds as many allocations as it may.
         """
         export = self._find(ctx, handle, MEMORY)
         if export.process == ctx.process:
             raise DeviceUninitializedError("an IPC memory handle cannot be opened in the process that exported it")
         entry = export.importers.get(ctx.id)
         if entry is None:
+            ctx.check_allocations()  # a mapping of the daemon's like any other, whoever made its memory
             assert export.allocation is not None  # _find refuses exports whose memory was freed
             size = export.allocation.size
             charge = _charge(size)

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from mpsd.backends.base import VIRTUAL_MEMORY, DeviceMemory
 from mpsd.backends.ops import Extent
+from mpsd.runtime.limits import refused
 from mpsd.runtime.memory import CHUNK, _Arena
 from mpsd_protocol import (  # type: ignore[attr-defined]
     InvalidValueError, NotSupportedError, OutOfMemoryError, brief, format_size)
@@ -98,6 +99,7 @@ class VirtualMemory:
         self.arena = _Arena(VMM_BASE, VMM_LIMIT, GRANULARITY)
         self.physical: dict[int, Physical] = {}
         self.reserved_bytes = 0  # address space held in reservations
+        self.maps = 0  # the daemon's memory mappings its ranges and the pieces mapped into them hold (host_maps)
         self._next_handle = 1
 
     def reserved(self, ptr: int) -> Reserved | None:
@@ -135,13 +137,15 @@ class VirtualMemoryCalls:
         Raises:
             InvalidValueError: a size of no whole pages, or an alignment that is not a power of two up to the
                 granularity (the driver takes larger ones; mpsd places every reservation 2 MiB aligned).
-            OutOfMemoryError: the address space is exhausted.
+            OutOfMemoryError: the address space is exhausted, or this client holds as many reservations as it may.
         """
         vmm = self._vmm()
         _whole_pages("mem_address_reserve", "size", size)
         if alignment and (alignment & (alignment - 1) or alignment > GRANULARITY):
             raise InvalidValueError(f"mem_address_reserve: alignment {alignment} is not a power of two up to "
                                     f"{GRANULARITY} (larger alignments are not emulated)")
+        if len(vmm.arena.allocs) >= self.limits.reservations:
+            raise refused("reservations", self.limits.reservations)
         allowed = RESERVE_SHARE * self.device.memory_total(self.partition)
         if vmm.reserved_bytes + size > allowed:
             raise OutOfMemoryError(f"mem_address_reserve: {format_size(size)} more would pass the "
@@ -150,12 +154,16 @@ class VirtualMemoryCalls:
             addr = vmm.arena.place(size)
         except MemoryError:
             raise OutOfMemoryError(f"no {format_size(size)} of virtual address space left") from None
+        maps = self.backend.host_maps
+        self.take_host(0, maps)
         try:
             view = self.backend.reserve(size)
         except OSError as exc:
+            self.give_host(0, maps)
             raise OutOfMemoryError(f"the daemon could not reserve {format_size(size)}: {exc.strerror}") from None
         vmm.arena.insert(Reserved(addr, size, view))  # type: ignore[arg-type]
         vmm.reserved_bytes += size
+        vmm.maps += maps
         return addr
 
     def mem_address_free(self: Context, ptr: int, size: int) -> None:  # type: ignore[misc]
@@ -173,21 +181,25 @@ class VirtualMemoryCalls:
         vmm.arena.remove(ptr)
         vmm.reserved_bytes -= size
         found.view.close()
+        vmm.maps -= self.backend.host_maps
+        self.give_host(0, self.backend.host_maps)
 
     def mem_create(self: Context, size: int) -> int:  # type: ignore[misc]
         """cuMemCreate: `size` bytes of device memory (whole pages), charged as cudaMalloc's; its handle.
 
         Raises:
             InvalidValueError: not a whole number of pages.
-            OutOfMemoryError: past the device's free memory or this client's pinned limit.
+            OutOfMemoryError: past the device's free memory or this client's pinned limit, or its limits on
+                allocations and fds.
         """
         vmm = self._vmm()
         _whole_pages("mem_create", "size", size)
+        self.check_allocations()
         free, _ = self.mem_get_info()
         if size > free:
             raise OutOfMemoryError(f"mem_create: tried to make {format_size(size)}; {format_size(free)} free")
         try:
-            memory = self.backend.allocate(size)
+            memory = self._allocate(size)
         except OSError as exc:
             raise OutOfMemoryError(f"the daemon could not back {format_size(size)}: {exc.strerror}") from None
         handle = vmm._next_handle
@@ -214,6 +226,7 @@ class VirtualMemoryCalls:
 
         Raises:
             InvalidValueError: unaligned, outside one reservation or the memory, or over pages already mapped.
+            OutOfMemoryError: past this client's limit on the daemon's memory mappings or into their reserve.
         """
         physical = self._physical(handle)
         for name, value in (("ptr", ptr), ("size", size), ("offset", offset)):
@@ -228,7 +241,14 @@ class VirtualMemoryCalls:
         pages = range(first, first + size // GRANULARITY)
         if any(page in found.pages for page in pages):
             raise InvalidValueError(f"mem_map: [{ptr:#x}, +{size}) overlaps pages already mapped")
-        found.view.map(ptr - found.addr, physical.memory, offset, size)
+        maps = 2 * self.backend.host_maps  # the piece, and the split of what is left of the range around it
+        self.take_host(0, maps)
+        try:
+            found.view.map(ptr - found.addr, physical.memory, offset, size)
+        except OSError as exc:
+            self.give_host(0, maps)
+            raise OutOfMemoryError(f"mem_map: the daemon could not map {format_size(size)}: {exc.strerror}") from None
+        self.vmm.maps += maps
         mapping = Mapping(ptr, size, physical, offset)
         for page in pages:
             found.pages[page] = mapping
@@ -255,6 +275,9 @@ class VirtualMemoryCalls:
                 m.addr < ptr or m.addr + m.size > ptr + size for m in mappings.values()):
             raise InvalidValueError(f"mem_unmap: [{ptr:#x}, +{size}) is not made of whole mappings")
         found.view.unmap(ptr - found.addr, size)
+        maps = 2 * self.backend.host_maps * len(mappings)
+        self.vmm.maps -= maps
+        self.give_host(0, maps)
         for page in pages:
             del found.pages[page]
         for mapping in mappings.values():
@@ -291,6 +314,8 @@ class VirtualMemoryCalls:
             freed += physical.size
             self._free_physical(physical)
         vmm.physical.clear()
+        self.give_host(0, vmm.maps)
+        vmm.maps = 0
         return freed
 
     def _physical(self: Context, handle: int) -> Physical:  # type: ignore[misc]
