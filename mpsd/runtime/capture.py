@@ -270,6 +270,9 @@ class CaptureCalls:
             self._add_nodes(into[0], work, into[1], count)  # type: ignore[attr-defined]
             work.handle = CAPTURED
             return True
+        if isinstance(work, (Copy, Memset)) and work.dst.nbytes == 0:
+            work.handle = CAPTURED  # no bytes, no work: no node, and no stream's rules, as on the H200
+            return True
         cap = self.capturing.get(stream.id)
         if cap is None:
             if stream.id == 0:
@@ -280,8 +283,7 @@ class CaptureCalls:
             return False
         if cap.invalidated:
             raise StreamCaptureInvalidatedError(f"the capture on stream {cap.origin} was invalidated")
-        if not isinstance(work, Record) and not (isinstance(work, (Copy, Memset)) and work.dst.nbytes == 0):
-            # (a copy of no bytes makes no node, as on the H200; a Record here is a pool's wait: no node either)
+        if not isinstance(work, Record):  # (a Record here is a pool's wait: no node)
             cap.deps[stream.id] = self._add_nodes(cap.graph, work, cap.deps[stream.id], count)  # type: ignore[attr-defined]
         work.handle = CAPTURED
         return True
