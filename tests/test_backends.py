@@ -546,3 +546,28 @@ def test_a_client_whose_window_changes_moves_and_its_queued_work_keeps_its_order
         out = np.empty(N, np.float32)
         gpu.cu.cuMemcpyDtoH(out.ctypes.data, memory[c].dptr, 4 * N)
         assert (out == 14.0).all()  # the doubling ran after the fill, on the other stream
+
+
+def test_a_captured_graph_with_a_fork_computes_on_every_backend(backend_daemon):
+    """A graph captured across two streams (fork and join) and launched twice computes what its launches would: on
+    the simulator its nodes run by their dependencies, on a real GPU they are replayed on the launch's stream."""
+    with mpsd_client.connect(backend_daemon.pipe_dir) as ctx:
+        a, b, c = (ctx.malloc(4 * N) for _ in range(3))
+        s, t = ctx.create_stream(), ctx.create_stream(non_blocking=True)
+        forked, joined = ctx.create_event(disable_timing=True), ctx.create_event(disable_timing=True)
+        s.begin_capture()
+        ctx.launch("fill_f32", 64, 256, [a, 1.0, N], stream=s)
+        forked.record(s)
+        t.wait_event(forked)
+        ctx.launch("fill_f32", 64, 256, [b, 2.0, N], stream=t)
+        joined.record(t)
+        s.wait_event(joined)
+        ctx.launch("vector_add_f32", 128, 256, [a, b, c, N], stream=s)
+        ctx.launch("saxpy_f32", 128, 256, [1.0, c, a, N], stream=s)  # a = c + a: 4, then 4 again
+        graph = s.end_capture()
+        assert [len(n.deps) for n in graph.nodes()] == [0, 1, 2, 1]
+        executable = graph.instantiate()
+        for _ in range(2):
+            executable.launch(s)
+        s.synchronize()
+        assert (_floats(ctx, a) == 4.0).all() and (_floats(ctx, c) == 3.0).all()
