@@ -7,6 +7,7 @@ from typing import Any
 
 from mpsd_protocol import Calls, CudaError
 
+from . import _graphs
 from ._core import CURRENT, Core
 from ._objects import DevicePointer, Event, HostBuffer, Stream
 from ._pools import MemPool
@@ -300,6 +301,16 @@ class ContextBase:
             self._core.last_error = exc
             raise
         return self._post(note)
+
+    def graph_create(self) -> Any:
+        """``cudaGraphCreate``: an empty `Graph`, for nodes added by hand."""
+        return self._drive(_graphs.create_graph(self))
+
+    def thread_exchange_stream_capture_mode(self, mode: str) -> str:
+        """``cudaThreadExchangeStreamCaptureMode``: the calling thread's capture mode from now on ("global", the
+        default, "thread_local" or "relaxed"), which says which of its calls a capture under way refuses; the
+        mode it had."""
+        return _graphs.exchange_capture_mode(self, mode)
 
     def synchronize(self) -> Any:
         """``cudaDeviceSynchronize``: wait for all of this context's work; raises its pending errors."""

@@ -15,6 +15,7 @@ import fcntl
 import itertools
 import mmap
 import os
+import threading
 import time
 from typing import Any, Generator
 
@@ -67,14 +68,32 @@ _LAUNCH, _PACK_LAUNCH = Calls.launch.name, Calls.launch.pack  # looked up once: 
 
 
 class _Imports:
-    """The IPC mappings a context opened: the opens of each not yet closed (the daemon counts the same), and
-    those whose exporter has let go (the daemon's IPC_FREED notices)."""
+    """IPC: the handles of this context's allocations, the mappings it opened with the opens of each not yet
+    closed (the daemon counts the same), and those whose exporter has let go (the daemon's IPC_FREED notices)."""
 
-    __slots__ = ("opens", "freed")
+    __slots__ = ("handles", "opens", "freed")
 
     def __init__(self) -> None:
+        self.handles: dict[int, bytes] = {}  # allocation base -> its IPC handle
         self.opens: dict[int, int] = {}
         self.freed: set[int] = set()
+
+
+class _Capture:
+    """The captures this context began and has not ended (their streams' handles), and the capture mode of each
+    thread that set one (cudaThreadExchangeStreamCaptureMode; the others' is global). While a capture is under
+    way every call carries its thread, for the daemon's rules of the thread-local and relaxed modes."""
+
+    __slots__ = ("streams", "modes")
+
+    def __init__(self) -> None:
+        self.streams: set[int] = set()
+        self.modes: dict[int, int] = {}
+
+    def tag(self, args: dict[str, Any]) -> dict[str, Any]:
+        thread = threading.get_ident()
+        mode = self.modes.get(thread)
+        return {**args, "thread": thread, **({"thread_mode": mode} if mode else {})}
 
 
 class Core:
@@ -100,8 +119,8 @@ class Core:
         self._staging: list[HostBuffer] = []
         # base address -> the mapping of its memfd's pages, where its bytes begin in it, its size
         self._maps: dict[int, tuple[mmap.mmap, int, int]] = {}
-        self._handles: dict[int, bytes] = {}  # allocation base -> its IPC handle
         self._imports = _Imports()
+        self.capture = _Capture()
         # Stream-ordered allocation (mpsd_client._pools): the pools, the default one first; what each live
         # allocation came from (its pool, segment and rounded size); what is known of order between streams; the
         # pool operations that wait for the next message (the shells send them ahead of it, in one notification).
@@ -122,7 +141,10 @@ class Core:
 
     # -- plumbing --------------------------------------------------------------------------------------
     def _charge(self, args: dict[str, Any]) -> dict[str, Any]:
-        """Under ``--host-time measured``: the thread CPU time spent since our last call, with the call."""
+        """Under ``--host-time measured``: the thread CPU time spent since our last call, with the call; while a
+        capture is under way, the calling thread."""
+        if self.capture.streams:
+            args = self.capture.tag(args)
         if not self.measure:
             return args
         now = time.thread_time()
@@ -167,6 +189,7 @@ class Core:
                                      f"{len(reply.fds)} file descriptors, not {call.reply.what} and {call.reply_fds}")
         if call is Calls.destroy_stream:
             self._destroyed.add(args["stream"])
+            self.capture.streams.discard(args["stream"])  # its capture ends with it
         if self.pools:
             self.ordering.observe(call, args)
             if call in SYNCHRONISING:  # pools give back what is past their release threshold
@@ -299,7 +322,7 @@ class Core:
             return
         yield from self.invoke(Calls.free, ptr)
         self._unmap(int(ptr))
-        self._handles.pop(int(ptr), None)
+        self._imports.handles.pop(int(ptr), None)
 
     # -- the driver's virtual memory (mpsd.runtime.vmm) -----------------------------------------------------
     def mem_unmap(self, ptr: int, size: int) -> Op:
@@ -452,9 +475,10 @@ class Core:
 
     def ipc_get_mem_handle(self, ptr: int) -> Op:
         addr = _address(ptr)
-        handle = self._handles.get(addr)
+        handles = self._imports.handles
+        handle = handles.get(addr)
         if handle is None:  # one allocation has one handle: ask once (free forgets it)
-            handle = self._handles[addr] = yield from self.invoke(Calls.ipc_get_mem_handle, addr)
+            handle = handles[addr] = yield from self.invoke(Calls.ipc_get_mem_handle, addr)
         return handle
 
     def ipc_open_mem_handle(self, ctx: Any, handle: bytes, flags: int) -> Op:

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 from mpsd_protocol import Calls
 
+from . import _graphs
+
 if TYPE_CHECKING:
     from ._api import ContextBase
 
@@ -102,8 +104,40 @@ class Stream:
         return self.ctx._drive(self.ctx._core.invoke(Calls.stream_wait_event, self, event))
 
     def destroy(self) -> Any:
-        """Destroy the stream; work already queued on it still runs (``cudaStreamDestroy``)."""
+        """Destroy the stream; work already queued on it still runs (``cudaStreamDestroy``). A capture it is in is
+        invalidated, and ends where it began here."""
         return self.ctx._drive(self.ctx._core.invoke(Calls.destroy_stream, self))
+
+    # -- stream capture (mpsd.runtime.capture has the rules) ---------------------------------------------------
+    def begin_capture(self, mode: str = "global") -> Any:
+        """``cudaStreamBeginCapture``: work queued on this stream from now on (and on the streams that wait on
+        events recorded in it: a fork) is recorded as a graph's nodes, not run, until `end_capture`. `mode`
+        ("global", "thread_local" or "relaxed") says which other calls are refused meanwhile, as CUDA's modes do.
+
+        Raises:
+            InvalidValueError: another mode. StreamCaptureUnsupportedError: the legacy default stream.
+            IllegalStateError: this stream captures already.
+        """
+        return self.ctx._drive(_graphs.begin_capture(self, mode))
+
+    def end_capture(self) -> Any:
+        """``cudaStreamEndCapture``: the `Graph` captured.
+
+        Raises:
+            IllegalStateError: the stream is not capturing. StreamCaptureUnmatchedError: its capture began on
+                another stream. StreamCaptureWrongThreadError: a thread-local capture of another thread.
+            StreamCaptureInvalidatedError: a refused call invalidated it. StreamCaptureUnjoinedError: a stream
+                forked from it was not joined back (waited on) before the end. Either ends it without a graph.
+        """
+        return self.ctx._drive(_graphs.end_capture(self))
+
+    def is_capturing(self) -> Any:
+        """``cudaStreamIsCapturing``: whether a capture is under way on this stream (active or invalidated)."""
+        return self.ctx._drive(_graphs.is_capturing(self))
+
+    def capture_info(self) -> Any:
+        """``cudaStreamGetCaptureInfo``: a `CaptureInfo` (status, id, mode, graph, dependencies)."""
+        return self.ctx._drive(_graphs.capture_info(self))
 
     def __repr__(self) -> str:
         return f"<Stream {self.handle} priority={self.priority}>"

@@ -7,6 +7,20 @@ rule about whom to trust.)
 from ._brief import brief
 from ._calls import (
     CALL,
+    CAPTURE_ACTIVE,
+    CAPTURE_GLOBAL,
+    CAPTURE_INVALIDATED,
+    CAPTURE_NONE,
+    CAPTURE_RELAXED,
+    CAPTURE_THREAD_LOCAL,
+    COPY,
+    QUERY_EVENT,
+    QUERY_STREAM,
+    SYNC_DEVICE,
+    SYNC_EVENT,
+    SYNC_STREAM,
+    UNSAFE,
+    WORK,
     CALLS,
     CLOCK,
     EVENT_HANDLE,
@@ -65,7 +79,9 @@ from ._units import format_size, parse_decimal, parse_integer, parse_mem_limits,
 globals().update({cls.__name__: cls for cls in ERROR_CLASSES.values()})
 
 __all__ = [
-    "brief", "CALL", "CALLS", "CLOCK", "EVENT_HANDLE", "LAUNCH", "NOTHING", "POOL_ALLOC", "POOL_FREE", "POOL_RELEASE",
+    "brief", "CALL", "CAPTURE_ACTIVE", "CAPTURE_GLOBAL", "CAPTURE_INVALIDATED", "CAPTURE_NONE", "CAPTURE_RELAXED",
+    "CAPTURE_THREAD_LOCAL", "COPY", "QUERY_EVENT", "QUERY_STREAM", "SYNC_DEVICE", "SYNC_EVENT", "SYNC_STREAM",
+    "UNSAFE", "WORK", "CALLS", "CLOCK", "EVENT_HANDLE", "LAUNCH", "NOTHING", "POOL_ALLOC", "POOL_FREE", "POOL_RELEASE",
     "STREAM_HANDLE", "SYNC", "Arg", "Call", "Calls", "Kind", "CONTROL_PACKET", "control_packets", "read_control_answer",
     "read_control_reply", "PROTOCOL_FILE", "V3_MODULES",
     "DEFAULT_LOG_DIRECTORY", "DEFAULT_PIPE_DIRECTORY", "LOG_VARIABLES", "PIPE_VARIABLES", "log_directory",

@@ -69,6 +69,21 @@ ERROR = Kind("an error or None", lambda v: v is None or isinstance(v, dict))
 
 REQUIRED: Any = object()
 
+# What a call does while a stream of its context captures (cudaStreamBeginCapture); mpsd.runtime.capture applies
+# the rules, as bench/fidelity/graph_capture_h200 measured them on an H200. WORK: queues work on its stream, which
+# a capturing stream turns into a node of the graph (where the work is queued, Context._enqueue); on the legacy
+# stream beside a capturing blocking stream it is cudaErrorStreamCaptureImplicit. COPY: the same, but a copy that
+# synchronises (no stream, or pageable memory) is UNSAFE first. UNSAFE: a "potentially unsafe" call, refused by the
+# capture mode rules (global, thread-local, relaxed). SYNC_DEVICE: refused while any stream captures. SYNC_STREAM
+# and QUERY_STREAM: refused on a capturing stream (a synchronize of another stream is UNSAFE). SYNC_EVENT and
+# QUERY_EVENT: refused on an event recorded in a capture under way (cudaErrorCapturedEvent; a synchronize of
+# another event is UNSAFE). Every refusal invalidates the captures it is refused for.
+WORK, COPY, UNSAFE, SYNC_DEVICE = "work", "copy", "unsafe", "sync_device"
+SYNC_STREAM, QUERY_STREAM, SYNC_EVENT, QUERY_EVENT = "sync_stream", "query_stream", "sync_event", "query_event"
+# cudaStreamCaptureMode and cudaStreamCaptureStatus, by CUDA's values.
+CAPTURE_GLOBAL, CAPTURE_THREAD_LOCAL, CAPTURE_RELAXED = 0, 1, 2
+CAPTURE_NONE, CAPTURE_ACTIVE, CAPTURE_INVALIDATED = 0, 1, 2
+
 # The operations of mem_pool_ops, each a list: [POOL_ALLOC, ptr, nbytes, stream, [streams it waits for]] (a
 # malloc_async; the streams: memory freed there reused without an event between, the pool's internal dependency),
 # [POOL_FREE, ptr, stream] (a free_async), [POOL_RELEASE, ptr] (a reservation the pool gives back).
@@ -97,6 +112,7 @@ class Call:
         waits: its reply may wait for the device (it synchronises), and earlier errors surface in it.
         cost: its host-cost kind, and what prices it within that kind (a copy's engine, "alloc").
         sticky_ok: it still answers after a sticky error, so the client can learn what happened.
+        capture: what it does while a stream of the context captures (WORK, UNSAFE and the rest above).
     """
 
     args: tuple[Arg, ...] = ()
@@ -107,6 +123,7 @@ class Call:
     waits: bool = False
     cost: tuple[str, str | None] = (CALL, None)
     sticky_ok: bool = False
+    capture: str | None = None
     name: str = ""
     pack: Callable[..., dict[str, Any]] = field(init=False, repr=False)
 
@@ -178,8 +195,8 @@ class Calls:
 
     device_properties = Call(reply=MAP, sticky_ok=True)
     mem_get_info = Call(reply=PAIR)
-    malloc = Call((Arg("nbytes", COUNT),), reply=PTR, cost=(CALL, "alloc"))
-    free = Call((Arg("ptr", PTR),), waits=True, cost=(CALL, "alloc"))  # cudaFree synchronises
+    malloc = Call((Arg("nbytes", COUNT),), reply=PTR, cost=(CALL, "alloc"), capture=UNSAFE)
+    free = Call((Arg("ptr", PTR),), waits=True, cost=(CALL, "alloc"), capture=UNSAFE)  # cudaFree synchronises
     # Stream-ordered allocation. A pool is the client's, as CUDA's is the driver's in the process: its memory is
     # reserved by request (the round trip CUDA's pool pays to grow), and what it hands out, takes back and gives
     # back comes as one notification ahead of the client's next message, a list of POOL_OPS in the order they
@@ -199,37 +216,38 @@ class Calls:
     mem_release = Call((Arg("handle", INT),))
     mem_map = Call((Arg("ptr", PTR), Arg("size", COUNT), Arg("offset", COUNT), Arg("handle", INT)))
     mem_unmap = Call((Arg("ptr", PTR), Arg("size", COUNT)))
-    host_register = Call((Arg("nbytes", COUNT),), reply=INT, fds=1)  # a sealed memfd
-    host_unregister = Call((Arg("id", INT),))
+    host_register = Call((Arg("nbytes", COUNT),), reply=INT, fds=1, capture=UNSAFE)  # a sealed memfd
+    host_unregister = Call((Arg("id", INT),), capture=UNSAFE)
+    # memcpy_htod waits without a stream, from pinned memory; memcpy_dtoh without a stream, or into pageable memory.
     memcpy_htod = Call((Arg("dst", PTR), Arg("host", INT), Arg("offset", COUNT), *_COPY), notify=True,
-                       waits=True, cost=(LAUNCH, "h2d"))  # waits without a stream, from pinned memory
+                       waits=True, cost=(LAUNCH, "h2d"), capture=COPY)
     memcpy_dtoh = Call((Arg("host", INT), Arg("offset", COUNT), Arg("src", PTR), *_COPY), notify=True,
-                       waits=True, cost=(LAUNCH, "d2h"))  # waits without a stream, or into pageable memory
+                       waits=True, cost=(LAUNCH, "d2h"), capture=COPY)
     memcpy_dtod = Call((Arg("dst", PTR), Arg("src", PTR), Arg("nbytes", COUNT), *_STREAM), notify=True,
-                       cost=(LAUNCH, "d2d"))
+                       cost=(LAUNCH, "d2d"), capture=WORK)
     # cudaMemcpyPeerAsync from a context of the same process on another device (`src_client`: its client id)
     # into this one's, on this one's stream.
     memcpy_peer = Call((Arg("dst", PTR), Arg("src_client", INT), Arg("src", PTR), Arg("nbytes", COUNT), *_STREAM),
-                       notify=True, cost=(LAUNCH, "d2d"))
+                       notify=True, cost=(LAUNCH, "d2d"), capture=WORK)
     memset = Call((Arg("ptr", PTR), Arg("value", INT), Arg("nbytes", COUNT), *_STREAM), notify=True,
-                  cost=(LAUNCH, "memset"))
+                  cost=(LAUNCH, "memset"), capture=WORK)
     create_stream = Call((Arg("priority", INT, 0), Arg("flags", INT, 0)), reply=PAIR)  # handle, clamped
     destroy_stream = Call((Arg("stream", STREAM_HANDLE),))
-    stream_synchronize = Call(_STREAM, waits=True, cost=(SYNC, None))
-    stream_query = Call(_STREAM, reply=BOOL)
+    stream_synchronize = Call(_STREAM, waits=True, cost=(SYNC, None), capture=SYNC_STREAM)
+    stream_query = Call(_STREAM, reply=BOOL, capture=QUERY_STREAM)
     stream_wait_event = Call((*_STREAM, *_EVENT), notify=True, cost=(LAUNCH, None))
     create_event = Call((Arg("disable_timing", BOOL, False), Arg("interprocess", BOOL, False)),
                         reply=EVENT_HANDLE)
     destroy_event = Call(_EVENT)
     event_record = Call((*_EVENT, *_STREAM), notify=True, cost=(LAUNCH, None))
-    event_synchronize = Call(_EVENT, waits=True, cost=(SYNC, None))
-    event_query = Call(_EVENT, reply=BOOL)
+    event_synchronize = Call(_EVENT, waits=True, cost=(SYNC, None), capture=SYNC_EVENT)
+    event_query = Call(_EVENT, reply=BOOL, capture=QUERY_EVENT)
     event_elapsed = Call((Arg("start", EVENT_HANDLE), Arg("end", EVENT_HANDLE)), reply=FLOAT)
-    synchronize = Call(waits=True, cost=(SYNC, None))
+    synchronize = Call(waits=True, cost=(SYNC, None), capture=SYNC_DEVICE)
     get_last_error = Call((Arg("clear", BOOL, True),), reply=ERROR, sticky_ok=True)
     statistics = Call(reply=MAP, sticky_ok=True)
     launch = Call((Arg("name", STR), Arg("grid", DIMS), Arg("block", DIMS), Arg("args", LIST),
-                   Arg("shared_mem", INT, 0), *_STREAM), notify=True, cost=(LAUNCH, None))
+                   Arg("shared_mem", INT, 0), *_STREAM), notify=True, cost=(LAUNCH, None), capture=WORK)
     mem_fd = Call((Arg("ptr", PTR),), reply=MAP, reply_fds=1)  # the memfd behind device memory (host_view)
     ipc_get_mem_handle = Call((Arg("ptr", PTR),), reply=BYTES)
     ipc_open_mem_handle = Call((Arg("handle", BYTES), Arg("flags", INT, 1)), reply=MAP, reply_fds=1)
@@ -239,6 +257,27 @@ class Calls:
     ipc_close_mem_handle = Call((Arg("ptr", PTR),), notify=True, cost=(LAUNCH, None))
     ipc_get_event_handle = Call(_EVENT, reply=BYTES)
     ipc_open_event_handle = Call((Arg("handle", BYTES),), reply=EVENT_HANDLE)
+    # CUDA graphs (mpsd.runtime.capture, mpsd.runtime.graphs). Graphs, their nodes and executable graphs are ints
+    # of the context's handles. `thread` is the calling thread's (threading.get_ident), for the thread-local mode's
+    # rules; while it has a capture under way the client also sends it with every call, as an extra argument.
+    stream_begin_capture = Call((*_STREAM, Arg("mode", INT, CAPTURE_GLOBAL), Arg("thread", INT, 0)))
+    stream_end_capture = Call((*_STREAM, Arg("thread", INT, 0)), reply=INT)  # the graph
+    stream_is_capturing = Call(_STREAM, reply=INT)  # a CAPTURE_* status
+    stream_get_capture_info = Call(_STREAM, reply=MAP)  # status, id, graph, dependencies (its nodes)
+    graph_create = Call(reply=INT)
+    # A node of `type` ("kernel", "memset", "memcpy", "empty") after the nodes `deps`: `params` are the arguments of
+    # the call it stands for, without the stream: launch's, memset's, or for a memcpy by its "kind" ("d2d", "h2d",
+    # "d2h") memcpy_dtod's, memcpy_htod's or memcpy_dtoh's (from pinned memory: no "staged").
+    graph_add_node = Call((Arg("graph", INT), Arg("type", STR), Arg("deps", LIST), Arg("params", MAP)), reply=INT)
+    graph_get_nodes = Call((Arg("graph", INT),), reply=LIST)  # each node's id, type, deps and params, in order
+    graph_clone = Call((Arg("graph", INT),), reply=INT)
+    graph_destroy = Call((Arg("graph", INT),))
+    graph_instantiate = Call((Arg("graph", INT),), reply=INT)
+    graph_exec_update = Call((Arg("exec", INT), Arg("graph", INT)), reply=MAP)  # result, node (cudaGraphExecUpdate)
+    graph_exec_destroy = Call((Arg("exec", INT),))
+    # One notification for the whole graph, however many nodes it has, priced as a fraction of a kernel launch's
+    # call under the virtual clock (DeviceSpec.graph_launch_call): where a graph saves the host its launches.
+    graph_launch = Call((Arg("exec", INT), *_STREAM), notify=True, cost=(LAUNCH, "graph"), capture=WORK)
     # The client's simulated host clock, under the daemon's virtual clock: its now, let time pass, and stop
     # holding the clock until the next call.
     clock = Call(reply=MAP, cost=(CLOCK, None), sticky_ok=True)

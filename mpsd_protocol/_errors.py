@@ -60,6 +60,8 @@ _TABLE: list[tuple[int, str, str, str, type[BaseException] | None, bool]] = [
      "PeerAccessUnsupportedError", None, False),
     (400, "cudaErrorInvalidResourceHandle", "invalid resource handle", "InvalidResourceHandleError", ValueError,
      False),
+    (401, "cudaErrorIllegalState", "the operation cannot be performed in the present state", "IllegalStateError",
+     None, False),
     (500, "cudaErrorNotFound", "named symbol not found", "NotFoundError", None, False),
     (600, "cudaErrorNotReady", "device not ready", "NotReadyError", None, False),
     (700, "cudaErrorIllegalAddress", "an illegal memory access was encountered", "IllegalAddressError", None,

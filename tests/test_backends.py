@@ -596,3 +596,28 @@ def test_the_trace_shows_where_and_when_each_block_ran(backend, tmp_path, daemon
     assert len(capped_sms) <= (36 if "cuda:0" in backend else int(sms * 0.25) // 2 * 2)
     summary = summarize(timeline)
     assert summary["sm_seconds"] > 0 and summary["tenants"][0]["max_sms"] == sms
+
+
+def test_a_captured_graph_with_a_fork_computes_on_every_backend(backend_daemon):
+    """A graph captured across two streams (fork and join) and launched twice computes what its launches would: on
+    the simulator its nodes run by their dependencies, on a real GPU they are replayed on the launch's stream."""
+    with mpsd_client.connect(backend_daemon.pipe_dir) as ctx:
+        a, b, c = (ctx.malloc(4 * N) for _ in range(3))
+        s, t = ctx.create_stream(), ctx.create_stream(non_blocking=True)
+        forked, joined = ctx.create_event(disable_timing=True), ctx.create_event(disable_timing=True)
+        s.begin_capture()
+        ctx.launch("fill_f32", 64, 256, [a, 1.0, N], stream=s)
+        forked.record(s)
+        t.wait_event(forked)
+        ctx.launch("fill_f32", 64, 256, [b, 2.0, N], stream=t)
+        joined.record(t)
+        s.wait_event(joined)
+        ctx.launch("vector_add_f32", 128, 256, [a, b, c, N], stream=s)
+        ctx.launch("saxpy_f32", 128, 256, [1.0, c, a, N], stream=s)  # a = c + a: 4, then 4 again
+        graph = s.end_capture()
+        assert [len(n.deps) for n in graph.nodes()] == [0, 1, 2, 1]
+        executable = graph.instantiate()
+        for _ in range(2):
+            executable.launch(s)
+        s.synchronize()
+        assert (_floats(ctx, a) == 4.0).all() and (_floats(ctx, c) == 3.0).all()

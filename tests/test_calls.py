@@ -16,7 +16,8 @@ from mpsd.daemon.session import HANDLERS
 from mpsd_protocol import CALLS, CLOCK, LAUNCH
 
 SAMPLE = {kinds.INT: 0, kinds.COUNT: 0, kinds.PTR: 0, kinds.EVENT_HANDLE: 0, kinds.STREAM_HANDLE: None,
-          kinds.BOOL: False, kinds.SECONDS: 0.0, kinds.STR: "x", kinds.BYTES: b"", kinds.LIST: [], kinds.DIMS: 1}
+          kinds.BOOL: False, kinds.SECONDS: 0.0, kinds.STR: "x", kinds.BYTES: b"", kinds.LIST: [], kinds.DIMS: 1,
+          kinds.MAP: {}}
 WRONG = {kinds.STR: 7, kinds.BOOL: 1, kinds.SECONDS: -1.0}  # anything else: a string
 ARGUMENTS = [(call.name, arg.name) for call in CALLS.values() for arg in call.args]
 
@@ -126,6 +127,18 @@ def test_every_row_is_reachable_from_the_client_and_nothing_else_is(daemon, virt
         end.synchronize()
         end.query()
         start.elapsed_ms(end)
+        stream.begin_capture()
+        assert stream.is_capturing() and stream.capture_info().status == "active"
+        ctx.launch("fill_f32", 1, 256, [p, 2.0, 256], stream=stream)
+        graph = stream.end_capture()
+        graph.add_empty_node(deps=graph.nodes())
+        clone = graph.clone()
+        executable = clone.instantiate()
+        executable.update(graph)
+        executable.launch(stream)
+        executable.destroy()
+        clone.destroy()
+        ctx.graph_create().destroy()
         page = ctx.mem_get_allocation_granularity()
         va, handle = ctx.mem_address_reserve(2 * page), ctx.mem_create(page)
         ctx.mem_map(va, page, 0, handle)

@@ -51,6 +51,12 @@
 # instances are not modelled; a kernel or copy is known to have ended when the next event of its stream fires
 # (event records are timed exactly); and a cancelled client's running work is waited for rather than torn down
 # (a real GPU cannot drop work already queued).
+#
+# Graphs: a graph launch is replayed, not launched as a CUDA graph. Its nodes go as the work they stand for, in the
+# graph's order, on the launch's stream (so branches of a graph run one after another here), with one record after
+# them; the host saves the calls of the nodes (one notification from the client) but the device runs what
+# cuLaunchKernel would. A real CUDA graph (stream capture on the daemon's streams, cuGraphInstantiate,
+# cuGraphLaunch) waits for a GPU to test it on: this machine's tests cannot run it.
 """The real-GPU backend."""
 
 from __future__ import annotations
@@ -70,7 +76,7 @@ from mpsd.backends.base import VIRTUAL_MEMORY, Client, when_all
 from mpsd.backends.cuda_driver import CudaFailure, _bindings, _check, cuda_device_count
 from mpsd.backends.cuda_kernels import compile_kernels
 from mpsd.backends.cuda_trace import RECORD, BlockTrace
-from mpsd.backends.ops import Copy, Extent, Launch, Memset, Record, Work
+from mpsd.backends.ops import Copy, Extent, GraphLaunch, Launch, Memset, Record, Work
 from mpsd.backends.recorder import Recorder
 from mpsd.backends.smgroups import place
 from mpsd_protocol import CudaError, IllegalAddressError, OutOfMemoryError  # type: ignore[attr-defined]
@@ -538,6 +544,9 @@ class CudaBackend:
     def submit(self, work: Work, count: int = 1) -> None:
         """`count` launches where `work` is a Launch: one record marks them all, as it marks all the work of a
         stream until its next event (_flush)."""
+        if type(work) is GraphLaunch:
+            self._replay(work)
+            return
         cu = self.cu
         key = work.stream
         stream, context = self._stream(key, work.priority)
@@ -572,6 +581,19 @@ class CudaBackend:
         if isinstance(work, Record):
             self._flush(key)  # an event record is timed where it stands
         self._wake.set()
+
+    def _replay(self, work: GraphLaunch) -> None:
+        """A graph launch, its nodes submitted in order on its stream (each node's dependencies come before it in
+        `nodes`, so the stream's order keeps them), the first after what the launch waits for, and a record after
+        them, which is the launch's record."""
+        after = work.after
+        for node in work.nodes:
+            node.stream, node.priority, node.after = work.stream, work.priority, after
+            after = ()
+            self.submit(node)
+        end = Record(client=work.client, stream=work.stream, priority=work.priority, sm_cap=work.sm_cap, after=after)
+        self.submit(end)
+        work.handle, work.after = end.handle, ()
 
     def _flush(self, key: tuple[int, int]) -> None:
         """Record one event after the work queued on stream `key` since its last one: it marks all of it."""

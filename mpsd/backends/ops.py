@@ -1,6 +1,7 @@
 # The work the runtime hands a backend, in CUDA's terms and nobody else's: a kernel launch (of a plan: its
 # kernel, 3-D grid and block, shared memory and arguments, checked once); a copy from one place to another; a
-# memset; an event record (or a stream's wait on one). Where bytes are involved they are already resolved to
+# memset; an event record (or a stream's wait on one); an instantiated graph's launch, whose nodes are such work.
+# Where bytes are involved they are already resolved to
 # extents of memory (device memory the backend made, or a pinned host buffer), checked against the client's
 # address space, so a backend never sees an address it has to look up. What the work costs and how its effect
 # lands on the bytes is the backend's business: the simulator models the first and computes the second with
@@ -17,7 +18,7 @@ import mmap
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Copy", "Extent", "Launch", "Memset", "Plan", "Record", "Work", "stage"]
+__all__ = ["Copy", "Extent", "GraphLaunch", "Launch", "Memset", "Plan", "Record", "Work", "stage"]
 _new = object.__new__
 
 
@@ -163,6 +164,26 @@ class Memset(Work):
 class Record(Work):
     """Completes when it reaches its stream's head and its `after` work is done: an event record, or a
     stream's wait on another stream's event."""
+
+
+@dataclass(eq=False, slots=True, kw_only=True)
+class GraphLaunch(Work):
+    """An instantiated graph launched on a stream, as one unit of work (cudaGraphLaunch): its nodes run in
+    dependency order, the roots after `after` and the stream's earlier work, and it is done when all of them are.
+
+    Attributes:
+        nodes: each node's work, fresh for this launch (a Launch, Copy, Memset, or a Record for an empty node), in
+            an order where every node comes after those it depends on. Its fields other than the node's own (its
+            client, stream, priority and quotas) are the graph launch's; a backend may put it on a stream of its
+            own (branches of a graph run side by side).
+        deps: for each node, the indices in `nodes` of the nodes it depends on (all earlier).
+        graph: the executable graph launched: the same object for every launch of it, so that a backend may keep
+            what it works out from its shape (lanes, a graph of its own) by it.
+    """
+
+    nodes: tuple[Work, ...] = ()
+    deps: tuple[tuple[int, ...], ...] = ()
+    graph: Any = field(default=None, repr=False)
 
 
 def stage(source: memoryview) -> mmap.mmap | bytes:

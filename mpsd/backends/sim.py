@@ -9,7 +9,9 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
+import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
@@ -20,7 +22,7 @@ from mpsd.backends.base import HOST_VIEW, VIRTUAL_MEMORY, Client, Instance
 from mpsd.backends.engine import DEFAULT_IDLE_GRACE, Engine, VirtualEngine
 from mpsd.backends.hostmem import HostMemory, Reservation, default_budget
 from mpsd.backends.memfd import Segment
-from mpsd.backends.ops import Copy, Extent, Launch, Memset, Plan, Record, Work
+from mpsd.backends.ops import Copy, Extent, GraphLaunch, Launch, Memset, Plan, Record, Work
 from mpsd.backends.recorder import Recorder
 from mpsd.backends.vrange import VirtualRange
 from mpsd.clock import DeviceClock, Host
@@ -114,6 +116,9 @@ class SimBackend:
         # that touches memory), so the simulator makes its record natively (Simulator.launch) rather than be
         # handed a Kernel, except where the Kernel objects are needed (a trace; a policy written in Python).
         self._plain = self.recorder is None and self.sim.handles
+        # The simulator's streams for each executable graph's nodes (_lanes), while the graph lives.
+        self._graph_lanes: weakref.WeakKeyDictionary[Any, list[tuple[int, Any]]] = weakref.WeakKeyDictionary()
+        self._graph_numbers = itertools.count()
 
     # -- what the device is ----------------------------------------------------------------------------
     def properties(self, index: int) -> dict[str, Any]:
@@ -174,6 +179,9 @@ class SimBackend:
                 if touched is not None:
                     self._reservations.setdefault(work.client, {})[handle] = touched
             return
+        if type(work) is GraphLaunch:
+            self._submit_graph(work)
+            return
         for _ in range(count - 1):  # each kernel needs its own Kernel object: the same plan, launched again
             each = Launch.of(work.client, work.stream, work.priority, work.sm_cap, work.plan, ())  # type: ignore[attr-defined]
             each.after, work.after = work.after, ()  # the first waits for what the run waits for
@@ -194,6 +202,49 @@ class SimBackend:
         work.handle = op
         if touched is not None:
             self._reservations.setdefault(work.client, {})[op] = touched
+
+    def _submit_graph(self, work: GraphLaunch) -> None:
+        """A graph launch: a marker on its stream that the roots wait for (so they come after the stream's earlier
+        work and what `after` names), its nodes on streams of the graph's own, one a chain of it (branches run
+        side by side, each node after its dependencies), and a marker on its stream after the last nodes, which
+        is the launch's record and what the stream's next work waits for. The nodes cost what the same work
+        launched one by one costs the device (each kernel its launch overhead): only the host's call is cheaper.
+        If the backend refuses a node (host RAM), the nodes submitted before it still run."""
+        client, stream = work.client, work.stream
+        entry = Record(client=client, stream=stream, priority=work.priority, sm_cap=work.sm_cap, after=work.after)
+        self._submit_op(entry)
+        lanes = self._lanes(work)
+        sinks = set(range(len(work.nodes)))
+        for node, deps, lane in zip(work.nodes, work.deps, lanes):
+            node.stream = lane
+            node.after = tuple(work.nodes[d] for d in deps) if deps else (entry,)
+            sinks.difference_update(deps)
+            if type(node) is Launch and self._plain:
+                self.submit(node)
+            else:
+                self._submit_op(node)
+        end = Record(client=client, stream=stream, priority=work.priority, sm_cap=work.sm_cap,
+                     after=tuple(work.nodes[i] for i in sorted(sinks)) or (entry,))
+        self._submit_op(end)
+        work.handle, work.after = end.handle, ()
+
+    def _lanes(self, work: GraphLaunch) -> list[tuple[int, Any]]:
+        """Streams of the simulator for a graph's nodes: a node goes on the lane of the first of its
+        dependencies whose lane has nothing after it yet, else on a new one, so a chain is one lane. Kept by
+        the executable graph, whose launches run one after another anyway."""
+        found = self._graph_lanes.get(work.graph)
+        if found is not None:
+            return found
+        last: dict[int, int] = {}  # lane -> the node last put on it
+        lanes: list[int] = []
+        for index, deps in enumerate(work.deps):
+            lane = next((lanes[d] for d in deps if last.get(lanes[d]) == d), len(last))
+            last[lane] = index
+            lanes.append(lane)
+        number = next(self._graph_numbers)
+        streams = [(work.client, ("graph", number, lane)) for lane in lanes]
+        self._graph_lanes[work.graph] = streams
+        return streams
 
     def _launch(self, work: Launch, count: int) -> Any:
         """`count` kernels of `work` for the simulator to make its own records of (Simulator.launch): the last

@@ -34,8 +34,9 @@ __all__ = ["CALL", "HOLDING", "IDLE", "LAUNCH", "SYNC", "WAITING", "Host", "Timi
 HOLDING, WAITING, IDLE = "holding", "waiting", "idle"
 # What a call costs its host thread, by its cost (kind, what). LAUNCH: a launch call whose work reaches the
 # device as it returns, `what` the copy kind whose call costs a fraction of a kernel launch's
-# (DeviceSpec.copy_calls); a launch that must wait (a synchronous copy) then returns a synchronise's latency
-# after the work ends. SYNC: waits for the device, then a synchronise's latency. CALL: `what` "alloc" costs
+# (DeviceSpec.copy_calls), or "graph", a graph launch's (DeviceSpec.graph_launch_call); a launch that must wait
+# (a synchronous copy) then returns a synchronise's latency after the work ends. SYNC: waits for the device, then
+# a synchronise's latency. CALL: `what` "alloc" costs
 # DeviceSpec.alloc_call_latency, anything else call_latency, after any wait for the device. Event records and
 # stream waits were not measured apart from launches: they cost what a kernel launch call does.
 LAUNCH, SYNC, CALL = "launch", "sync", "call"
@@ -124,7 +125,8 @@ class VirtualClock:
         kind, what = cost
         spec = self.device_clock.spec
         if kind == LAUNCH:
-            scale = dict(spec.copy_calls).get(what, 1.0) if what else 1.0
+            scale = (spec.graph_launch_call if what == "graph" else dict(spec.copy_calls).get(what, 1.0)
+                     ) if what else 1.0
             host.clock = host.thread.launch(start, scale)
             return Timing(kind, 0.0, host.clock)
         return Timing(kind, spec.alloc_call_latency if what == "alloc" else spec.call_latency, start)

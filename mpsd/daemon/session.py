@@ -299,6 +299,8 @@ class Session:
             if ctx.sticky is not None:
                 raise ctx.sticky  # check_usable's rule
         values = call.check(args, fds)
+        if ctx is not None and ctx.capturing and call.capture is not None:
+            ctx.capture_rule(call, values, args)  # what a capture under way makes of the call (mpsd.runtime.capture)
         handler, on_session = HANDLERS[call.name]
         target = self if on_session else ctx if ctx is not None else self._ctx  # (the last raises)
         try:
@@ -393,7 +395,7 @@ class Session:
         ctx = self.context
         stream = note.args.get("stream")
         if (ctx is None or ctx.sticky is not None or (stream is not None and type(stream) is not int)
-                or (plan := ctx.planned(note.args)) is None):  # (a bool or a float is no stream, for the row)
+                or ctx.capturing or (plan := ctx.planned(note.args)) is None):  # (a bool or a float is no stream)
             self._receive(note)
             return
         self._launched(ctx, plan, stream, 1)
@@ -408,7 +410,8 @@ class Session:
         ctx = self.context
         assert ctx is not None  # (only a launch served by a context is remembered)
         room = LAUNCH_QUEUE - self._queued - self._posted
-        if ctx.sticky is not None or room <= 0 or (taken := self.conn.repeats(min(most, room))) is None:
+        if (ctx.sticky is not None or room <= 0 or ctx.capturing  # (a capture's rules are the row's way)
+                or (taken := self.conn.repeats(min(most, room))) is None):
             return 0
         (plan, stream), count = taken  # type: ignore[misc]
         self._launched(ctx, plan, stream, count)

@@ -39,6 +39,8 @@ from mpsd_protocol import (  # type: ignore[attr-defined]
 )
 from mpsd.backends.base import HOST_VIEW, DeviceMemory
 from mpsd.backends.ops import Copy, Extent, Launch, Memset, Plan, Record, Work, stage
+from mpsd.runtime.capture import CaptureCalls
+from mpsd.runtime.graphs import CAPTURED, GraphCalls
 from mpsd.runtime.kernels import KERNELS
 from mpsd.runtime.limits import refused
 from mpsd.runtime.memory import CHUNK, AddressSpace, Allocation, HostBuffer
@@ -93,6 +95,7 @@ class Event:
     timing: bool
     interprocess: bool
     cell: EventCell = field(default_factory=EventCell)
+    captured: Any = None  # (capture, the nodes it marks) where it was last recorded in a capture (mpsd.runtime.capture)
 
     @property
     def record(self) -> Record | None:
@@ -136,7 +139,7 @@ class Counters:
     bytes_copied_peer: int = 0
 
 
-class Context(VirtualMemoryCalls):
+class Context(VirtualMemoryCalls, CaptureCalls, GraphCalls):
     """One client's sub-context on one device."""
 
     def __init__(self, device: Device, client_id: int, pid: int, uid: int, gid: int, quotas: Quotas,
@@ -175,6 +178,8 @@ class Context(VirtualMemoryCalls):
         self.last_error: CudaError | None = None  # from fire-and-forget calls, for get_last_error
         self.counters = Counters()
         self._next_handle = 1
+        self._init_graphs()  # graphs and executable graphs (mpsd.runtime.graphs)
+        self._init_capture()  # the captures under way (mpsd.runtime.capture)
         self.closed = False
 
     # -- errors ----------------------------------------------------------------------------------------
@@ -542,6 +547,9 @@ class Context(VirtualMemoryCalls):
         return self._copy(s, Memset(**self._on(s), dst=target, value=value & 0xFF))
 
     def _copy(self, stream: Stream, work: Copy | Memset) -> Work:
+        self._enqueue(stream, work)
+        if work.handle is CAPTURED:  # a node of a graph now: not a copy made
+            return work
         counters = self.counters
         counters.copies += 1
         counters.bytes_copied += work.dst.nbytes
@@ -551,7 +559,7 @@ class Context(VirtualMemoryCalls):
             else:
                 counters.peer_copies_staged += 1
             counters.bytes_copied_peer += work.dst.nbytes
-        return self._enqueue(stream, work)
+        return work
 
     def _on(self, stream: Stream) -> dict[str, object]:
         """What every piece of work queued on `stream` carries: whose it is, where, and the quotas it runs under."""
@@ -631,6 +639,8 @@ class Context(VirtualMemoryCalls):
             s.tail = self.last_op = work
         else:
             self._enqueue(s, work, count)
+            if work.handle is CAPTURED:
+                return work
         self.counters.launches += count
         return work
 
@@ -647,7 +657,10 @@ class Context(VirtualMemoryCalls):
 
         Raises:
             OutOfMemoryError: the backend cannot hold what it would touch (nothing is queued).
+            CudaError: a capture's rules refuse it (mpsd.runtime.capture).
         """
+        if (self.capturing or self._into is not None) and self._captured(stream, work, count):
+            return work  # taken as nodes of a graph: nothing queued
         if stream.id == 0:
             # (A context with the default stream alone, most of them, has nothing for it to wait for.)
             deps = ([s.tail for s in self.streams.values() if s.blocking and s.id != 0] + self._orphans
@@ -679,6 +692,8 @@ class Context(VirtualMemoryCalls):
         gone = self.streams.pop(stream, None) if stream else None  # None and 0: the default stream
         if gone is None:
             raise InvalidResourceHandleError(f"no stream {brief(stream, 20)} to destroy")
+        if self.capturing:
+            self._stream_gone(stream)
         self._orphans = [op for op in self._orphans if not op.done]
         if gone.tail is not None and not gone.tail.done:
             self._orphans.append(gone.tail)
@@ -692,6 +707,8 @@ class Context(VirtualMemoryCalls):
 
     def stream_wait_event(self, stream: int | None, event: int) -> None:
         s, e = self._stream(stream), self._event(event)
+        if (self.capturing or e.captured is not None) and self._capture_wait(s, e):
+            return
         if e.record is not None and not e.record.done:
             self._enqueue(s, Record(**self._on(s), after=(e.record,)))
 
@@ -720,7 +737,11 @@ class Context(VirtualMemoryCalls):
 
     def record_event(self, event: int, stream: int | None) -> None:
         e, s = self._event(event), self._stream(stream)
-        e.cell.record = self._enqueue(s, Record(**self._on(s)))  # type: ignore[assignment]
+        if self.capturing and self._capture_record(e, s):
+            return
+        record = self._enqueue(s, Record(**self._on(s)))
+        e.captured = None
+        e.cell.record = record  # type: ignore[assignment]
 
     # -- IPC -------------------------------------------------------------------------------------------
     def ipc_get_event_handle(self, event: int) -> bytes:
@@ -802,6 +823,9 @@ class Context(VirtualMemoryCalls):
         self.host.clear()
         self.streams.clear()
         self.events.clear()
+        self.capturing.clear()
+        self.graphs.clear()
+        self.execs.clear()
         self._orphans.clear()
         self.last_op = None
         return reclaimed

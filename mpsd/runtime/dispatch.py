@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from mpsd.backends.base import Backend, Client, when_all
-from mpsd.backends.ops import Launch, Record, Work
+from mpsd.backends.ops import GraphLaunch, Launch, Record, Work
 from mpsd_protocol import CudaError
 
 if TYPE_CHECKING:
@@ -273,7 +273,10 @@ class Dispatcher:
     def footprint(self, work: Work, spread: bool = False) -> int:
         """The SMs a kernel occupies while it runs: its blocks over as many SMs as they fill (by the threads and
         shared memory they take; registers as the built-in kernels use them), or with `spread` one SM a block,
-        within its client's SM cap. Copies, memsets and event records take none."""
+        within its client's SM cap. Copies, memsets and event records take none; a graph launch, one unit of work
+        here however many nodes it has, what its largest kernel takes."""
+        if isinstance(work, GraphLaunch):
+            return max((self.footprint(node, spread) for node in work.nodes), default=0)
         if not isinstance(work, Launch):
             return 0
         plan = work.plan
@@ -465,7 +468,7 @@ class Dispatcher:
         tenant.running[flight.stream_priority] -= n
         self._occupy(tenant, -flight.sms)
         ended = work.ended
-        if ended == ended and isinstance(work, Launch):  # a kernel that completed: its device time counts
+        if ended == ended and isinstance(work, (Launch, GraphLaunch)):  # kernels that completed: their time counts
             start = max(flight.released_at, tenant.last_end)
             tenant.gpu_ns += max(0, round((ended - start) * 1e9))
             tenant.last_end = max(tenant.last_end, ended)

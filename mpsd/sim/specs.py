@@ -86,6 +86,9 @@ class DeviceSpec:
     # A copy call's host time, by kind, as a fraction of a kernel launch call's (``launch_latency`` and its
     # busy figure; ``mpsd.clock.host``); a kind not here costs what a launch does.
     copy_calls: tuple[tuple[str, float], ...] = ()
+    # A graph launch call's host time (cudaGraphLaunch), whatever the graph's size, as a fraction of a kernel
+    # launch call's, as ``copy_calls`` are.
+    graph_launch_call: float = 1.0
     # A copy between this device and a peer over NVLink: its bytes/s each way (0: the device has no NVLink)
     # and its fixed cost. Between devices that are not peers a copy is staged through host memory at
     # ``pcie_bandwidth`` (simcore/src/copies.rs says how).
@@ -147,6 +150,10 @@ H200 = DeviceSpec(
     copy_duplex=(("d2h", 0.946), ("h2d", 0.715)),
     copy_kernels=(("d2d", 1.1665, 1.364), ("memset", 1.4433, 0.716)),
     copy_calls=(("d2d", 0.892), ("d2h", 0.403), ("h2d", 0.432), ("memset", 0.399)),
+    # 100 empty kernels cost the host 483 us launched one by one through the driver and 2.0 us as one graph launch
+    # (h200-runtime-measurements.md, CUDA graphs): a graph launch is 2.0 / 4.83 of one launch call. One graph's
+    # figure only: how the call grows with the graph's nodes was not measured, so it does not grow here.
+    graph_launch_call=2.0 / 4.83,
     # NVLink 4 as NVIDIA's H200 datasheet gives it: 900 GB/s a GPU, both directions together (18 links), so
     # 450 GB/s each way. A nominal figure, not a measurement (no two-GPU H200 has been lent to measure one):
     # copies a real one makes will reach less. Its latency is taken as the PCIe engines' (copy_latency).
