@@ -427,7 +427,9 @@ class Daemon:
         self.log.server(
             f"Client {context.pid} disconnected; reclaimed {reclaimed['allocations']} allocations "
             f"({format_size(reclaimed['bytes'])}), {reclaimed['imports']} IPC imports, {reclaimed['streams']} "
-            f"streams, {reclaimed['events']} events, {reclaimed['host_buffers']} host buffers")
+            f"streams, {reclaimed['events']} events, {reclaimed['host_buffers']} host buffers"
+            + (f", {reclaimed['reservations']} address reservations, {reclaimed['physical']} physical allocations"
+               if reclaimed["reservations"] or reclaimed["physical"] else ""))
 
     async def wait_turn(self, pid: int, uid: int) -> None:
         """Return when a client of `uid` may attach: at once, or once the other user's server has exited."""

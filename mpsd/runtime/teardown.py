@@ -37,7 +37,8 @@ class Teardown:
     def __init__(self, context: Context) -> None:
         self.context = context
         self.reclaimed = {"allocations": 0, "bytes": 0, "imports": 0, "streams": max(len(context.streams) - 1, 0),
-                          "events": len(context.events), "host_buffers": len(context.host)}
+                          "events": len(context.events), "host_buffers": len(context.host),
+                          "reservations": len(context.vmm.arena.allocs), "physical": 0}
         self._steps = self._run()
 
     def __iter__(self) -> Iterator[None]:
@@ -72,4 +73,5 @@ class Teardown:
         self.reclaimed["bytes"] += released
 
     def _freed(self, nbytes: int) -> None:
+        self.reclaimed["physical"] += 1
         self.reclaimed["bytes"] += nbytes
