@@ -1,14 +1,17 @@
 """Teardown latency: how long a bystander's calls wait while a client holding many objects goes away.
 
-    .venv/bin/python bench/teardown_latency.py [--small 300000] [--reservations 300000] [--kill] [--baseline 2]
+    .venv/bin/python bench/teardown_latency.py [--small 300000] [--reservations 300000] [--touched 0] [--kill]
+                                               [--baseline 2]
 
 A client process makes `--small` allocations of 512 bytes and `--reservations` VMM reservations of 2 MiB
-(mem_address_reserve: address space, no memory), then exits (or is SIGKILLed, with --kill). A bystander
-process calls mem_get_info in a loop all along, timing each call. Printed: the bystander's calls while the
-big client sat idle (the baseline, `--baseline` seconds of it just before the exit, in the same run) beside its
-calls that overlapped the teardown (from the exit until server.log says what was reclaimed): their count,
-median, p99 and worst; how long the teardown took; and what the daemon says it reclaimed. A teardown in one
-piece shows as a worst call as long as the teardown itself. Not in CI: making the objects takes a minute.
+(mem_address_reserve: address space, no memory), and one allocation of `--touched` GiB whose every page it
+writes (host RAM the daemon then holds, which the kernel frees at about 80 ms a GiB), then exits (or is
+SIGKILLed, with --kill). A bystander process calls mem_get_info in a loop all along, timing each call.
+Printed: the bystander's calls while the big client sat idle (the baseline, `--baseline` seconds of it just
+before the exit, in the same run) beside its calls that overlapped the teardown (from the exit until server.log
+says what was reclaimed): their count, median, p99 and worst; how long the teardown took; and what the daemon
+says it reclaimed. A teardown in one piece shows as a worst call as long as the teardown itself. Not in CI:
+making 300,000 of each takes most of a minute.
 """
 from __future__ import annotations
 
@@ -29,9 +32,13 @@ BIG = """
 import sys
 import mpsd_client
 ctx = mpsd_client.connect()
-small, reservations = int(sys.argv[1]), int(sys.argv[2])
+small, reservations, touched = int(sys.argv[1]), int(sys.argv[2]), int(float(sys.argv[3]) * (1 << 30))
 kept = [ctx.malloc(512) for _ in range(small)]
 kept += [ctx.mem_address_reserve(2 << 20) for _ in range(reservations)]
+if touched:
+    kept.append(ctx.malloc(touched))
+    ctx.memset(kept[-1], 7, touched)
+    ctx.synchronize()
 print("ready", flush=True)
 sys.stdin.readline()  # exits when told (or is killed first)
 """
@@ -64,13 +71,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", type=int, default=300_000, help="512-byte allocations of the big client")
     parser.add_argument("--reservations", type=int, default=300_000, help="its 2 MiB VMM reservations")
+    parser.add_argument("--touched", type=float, default=0.0, help="GiB of one allocation it writes every page of")
     parser.add_argument("--kill", action="store_true", help="SIGKILL the big client rather than let it exit")
     parser.add_argument("--baseline", type=float, default=2.0, help="seconds of bystander calls before the exit")
     options = parser.parse_args()
     daemon = start_daemon()
     try:
         started = time.monotonic()
-        big = spawn_worker(BIG, daemon.pipe_dir, str(options.small), str(options.reservations))
+        big = spawn_worker(BIG, daemon.pipe_dir, str(options.small), str(options.reservations), str(options.touched))
         assert big.stdout is not None and big.stdin is not None
         if big.stdout.readline() != "ready\n":
             print(f"the big client failed: {big.communicate()[1]}")
@@ -100,8 +108,9 @@ def main() -> int:
         during = (starts + latencies >= gone) & (starts <= done)
     finally:
         code = daemon.stop()
-    print(f"big client: {options.small} small allocations and {options.reservations} VMM reservations, made in "
-          f"{made:.1f} s; {'killed' if options.kill else 'exited'}")
+    print(f"big client: {options.small} small allocations, {options.reservations} VMM reservations"
+          + (f" and {options.touched:g} GiB written" if options.touched else "")
+          + f", made in {made:.1f} s; {'killed' if options.kill else 'exited'}")
     print(f"teardown: {done - gone:.3f} s from its exit to the daemon's line: reclaimed {line.group(1)}")
     print(f"bystander, baseline ({options.baseline:g} s before):  {summary(latencies[before])}")
     print(f"bystander, during the teardown:        {summary(latencies[during])}")

@@ -167,3 +167,27 @@ async def test_under_the_virtual_clock_a_teardown_is_one_instant():
                     while seen[-1] != base:
                         seen.append(await _free(bystander))
             assert len(set(seen)) == 2, f"part of the memory was seen back: {sorted(set(seen))}"
+
+
+async def test_a_large_touched_allocation_is_given_back_in_pieces(served):
+    """The pages of a large allocation the client wrote go back to the host a few MiB a step (the kernel frees
+    them at about 80 ms a GiB): another client is answered while they go, before the allocation's memory is
+    uncharged (on the old code it was all one step)."""
+    device = served.daemon.devices[0]
+    async with served.connect() as bystander:
+        answered = 0
+
+        async def watch(dying) -> None:
+            nonlocal answered
+            with trio.fail_after(60):
+                while dying.id in device.contexts:
+                    await _free(bystander)
+                    answered += dying.closed and dying.account.reserved > 0
+
+        async with trio.open_nursery() as nursery:
+            async with served.connect() as big:
+                p = await big.malloc(512 * MiB)
+                await big.memset(p, 7, 512 * MiB)  # every page written: the host holds them all
+                await big.synchronize()
+                nursery.start_soon(watch, max(device.contexts.values(), key=lambda context: context.id))
+        assert answered

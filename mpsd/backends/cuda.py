@@ -59,7 +59,7 @@ import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import trio
 
@@ -127,6 +127,10 @@ class CudaMemory:
             for callback in self.on_release:
                 callback()
             self._backend.bury(self)
+
+    def give_back(self) -> Iterator[None]:
+        """Nothing to give back first: the driver frees device memory, later (bury), off the daemon's thread."""
+        return iter(())
 
     def free(self) -> None:
         """Give the memory back to the driver (the GPU touches it no more: see CudaBackend.bury)."""

@@ -194,7 +194,9 @@ class IpcRegistry:
         imports = ctx.imports
         while imports:
             _, export = imports.popitem()  # the last: taking the first again and again costs time quadratic in them
-            self._unmap(ctx, export).release()  # its work was cancelled already: nothing touches the bytes
+            segment = self._unmap(ctx, export)  # its work was cancelled already: nothing touches the bytes
+            yield from segment.give_back()  # (where this mapping was the last)
+            segment.release()
             yield
 
     def event_closed(self, ctx: Context, cell: EventCell) -> None:

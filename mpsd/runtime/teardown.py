@@ -60,7 +60,9 @@ class Teardown:
             yield
         host = ctx.host
         while host:
-            ctx._unmap_host(host.popitem()[1])
+            buffer = host.popitem()[1]
+            yield from buffer.give_back()
+            ctx._unmap_host(buffer)
             yield
         yield from emptied(ctx.streams)
         ctx._orphans.clear()

@@ -290,6 +290,7 @@ class VirtualMemoryCalls:
                 physical = mapping.physical
                 physical.mappings -= 1
                 if physical.released and not physical.mappings:
+                    yield from physical.memory.give_back()
                     freed(physical.size)
                     self._free_physical(physical)
                 yield
@@ -298,6 +299,7 @@ class VirtualMemoryCalls:
             yield from emptied(pages)
         for physical in physicals.values():
             physical.released = True
+            yield from physical.memory.give_back()
             freed(physical.size)
             self._free_physical(physical)
             yield
