@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Iterator
 
-from mpsd.runtime.memory import emptied
+from mpsd.runtime.memory import BATCH, emptied
 
 if TYPE_CHECKING:
     from mpsd.runtime.context import Context
@@ -51,6 +51,12 @@ class Teardown:
         for _ in ctx.ipc.context_closing(ctx):
             reclaimed["imports"] += 1
             yield
+        for reservation in ctx.reservations.values():  # a pool's: what it holds in use stays counted till it goes
+            yield from emptied(reservation.live)
+            starts = reservation.starts
+            while starts:
+                del starts[-BATCH:]
+                yield
         yield from ctx.memory.drain(self._drop)
         yield from ctx.drain_virtual_memory(self._freed)
         ctx.device.ledger.move(None, -ctx.backend.context_memory, partition=ctx.partition)
