@@ -40,12 +40,12 @@ def read_until_closed(sock: socket.socket) -> list[object]:
             messages.append(event)
 
 
-def wait_for_log(daemon, text: str, timeout: float = 20.0) -> str:
-    """The server log once it contains `text` (the daemon writes whole lines, flushed)."""
+def wait_for_log(daemon, text: str, timeout: float = 20.0, count: int = 1) -> str:
+    """The server log once it contains `text` (`count` times; the daemon writes whole lines, flushed)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         log = daemon.server_log()
-        if text in log:
+        if log.count(text) >= count:
             return log
         time.sleep(0.02)
     raise AssertionError(f"{text!r} never appeared in server.log:\n{daemon.server_log()}")

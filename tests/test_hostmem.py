@@ -11,6 +11,7 @@ import pytest
 
 import mpsd_client
 from daemons import start_daemon
+from test_daemon import wait_for_log
 from mpsd.backends.hostmem import PAGE, HostMemory
 from mpsd.backends.memfd import Segment
 from mpsd.tools.smi import query, render
@@ -21,6 +22,12 @@ MiB = 1 << 20
 
 def _host(daemon) -> dict:
     return query(daemon.pipe_dir)["host_memory"]
+
+
+def _gone(daemon, clients: int) -> None:
+    """Once `clients` clients have left and been reclaimed (a reclaim may take several turns of the daemon's
+    loop, with other calls answered between them: mpsd.runtime.teardown)."""
+    wait_for_log(daemon, "disconnected; reclaimed", count=clients)
 
 
 def test_touching_past_the_budget_fails_that_call_and_zeros_cost_nothing(daemon_factory):
@@ -65,6 +72,7 @@ def test_touching_past_the_budget_fails_that_call_and_zeros_cost_nothing(daemon_
         assert "Host RAM holding simulated device memory: 3" in render(query(daemon.pipe_dir))
         a.free(p)
         assert _host(daemon)["resident"] <= 2 * MiB  # b's chunk
+    _gone(daemon, 2)
     assert _host(daemon)["resident"] == 0
 
 
@@ -165,6 +173,7 @@ def test_pinned_buffers_the_daemon_maps_count_against_the_budget(daemon_factory)
         finally:
             os.close(fd)
         assert _host(daemon)["pinned"] == 32 * MiB
+    _gone(daemon, 1)
     assert _host(daemon)["pinned"] == 0  # a client's buffers are unmapped and uncounted as it goes
 
 

@@ -169,9 +169,10 @@ async def test_a_client_that_goes_gives_back_its_physical_memory(served):
             await ctx.mem_release(mapped)
             assert (await watcher.mem_get_info())[0] < free0 - 2 * PAGE
             del loose
-        with trio.fail_after(10):  # the daemon reclaims once it has read the client's EOF
-            while (await watcher.mem_get_info())[0] != free0:
+        with trio.fail_after(10):  # the daemon reclaims once it has read the client's EOF, and then logs it
+            while (await watcher.mem_get_info())[0] != free0 or "disconnected" not in served.server_log():
                 await trio.sleep(0.01)
+    assert "1 address reservations, 2 physical allocations" in served.server_log()
 
 
 async def test_a_client_may_reserve_eight_device_memories_of_address_space(actx):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Protocol
+from typing import Any, Callable, Iterable, Iterator, Protocol
 
 import trio
 
@@ -43,6 +43,12 @@ class DeviceMemory(Protocol):
     on_release: list[Callable[[], None]]
 
     def release(self) -> None: ...
+
+    def give_back(self) -> Iterator[None]:
+        """Where this reference is the last (`release` is next), give what freeing costs time per byte of back
+        a piece at a time, a step per piece, so that a client's teardown never spends long in one step
+        (mpsd.runtime.teardown); nothing where another reference remains."""
+        ...
 
 
 class Client(Protocol):

@@ -68,7 +68,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import trio
 
@@ -144,6 +144,10 @@ class CudaMemory:
             for callback in self.on_release:
                 callback()
             self._backend.bury(self)
+
+    def give_back(self) -> Iterator[None]:
+        """Nothing to give back first: the driver frees device memory, later (bury), off the daemon's thread."""
+        return iter(())
 
     def free(self) -> None:
         """Give the memory back to the driver (the GPU touches it no more: see CudaBackend.bury)."""

@@ -237,6 +237,14 @@ class VirtualEngine(Engine):
         host.since = clock.current_time() if clock is not None else trio.current_time()
         self._wake.set()
 
+    def leaving(self, host: Host) -> None:
+        """`host`'s client is being torn down (in pieces, between which other tasks run): it holds the clock at
+        the device's now, however long that takes in wall time, until it leaves the clock. No call stamped
+        later is applied before the teardown is over, so in simulated time it is one instant, as it was when
+        it was one step of the daemon's; at that instant, calls of clients with lower ids go first, as ties go."""
+        self.clock.hold(host, self.device_clock.now)
+        host.since = math.inf  # never counted idle
+
     def _finish_all(self, ops: list[Op]) -> None:
         for op in ops:
             self._finish(op)

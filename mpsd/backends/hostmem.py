@@ -17,7 +17,6 @@
 # every page, as a real driver does) until the daemon unmaps it.
 from __future__ import annotations
 
-import ctypes
 import errno
 import mmap
 import os
@@ -25,15 +24,11 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from mpsd.backends.memfd import Segment
+from mpsd.backends.memfd import Segment, punch
 from mpsd_protocol import OutOfMemoryError, format_size  # type: ignore[attr-defined]
 
 PAGE = mmap.PAGESIZE
 DEFAULT_SHARE = 0.5  # of the host's RAM, when no budget is given: room for the daemon, its clients and the rest
-
-_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
 
 
 def default_budget() -> int:
@@ -110,8 +105,8 @@ class HostMemory:
         first, last = -(-start // PAGE) * PAGE, end // PAGE * PAGE
         if first >= last:
             first = last = end  # no whole page inside: write it all
-        elif _libc.fallocate(segment.fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, first, last - first) != 0:
-            raise OSError(ctypes.get_errno(), "cannot punch a hole in device memory")
+        else:
+            punch(segment.fd, first, last - first)
         for a, b in ((start, first), (last, end)):
             if a < b and self._holes(segment, a, b - a) < PAGE:  # a page that is a hole already reads as zeros
                 segment.map[a:b] = bytes(b - a)

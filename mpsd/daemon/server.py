@@ -17,6 +17,7 @@ import resource
 import signal
 import socket
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,9 @@ from mpsd_protocol import (  # type: ignore[attr-defined]
 
 log = logging.getLogger("mpsd")
 SHUTDOWN_GRACE = 5.0  # seconds that in-flight replies get to finish
+# Wall seconds of a departed client's teardown between two turns of the other tasks: another client's call
+# waits about this long, or two of it, however much the departed one held (mpsd.runtime.teardown).
+TEARDOWN_PIECE = 1e-3
 
 
 class DaemonError(Exception):
@@ -410,10 +414,19 @@ class Daemon:
         matches = [d.index for d in devices if d.properties["uuid"].startswith(entry)]
         return (matches[0], None) if len(matches) == 1 else None
 
-    def detach(self, context: Context) -> None:
-        """The client is gone (closed, exited or killed): reclaim everything it held."""
+    async def detach(self, context: Context) -> None:
+        """The client is gone (closed, exited or killed): reclaim everything it held, in pieces of about
+        TEARDOWN_PIECE seconds with every other task's turn between them. The caller shields it from
+        cancellation, so that a shutdown waits for it to end."""
         self.control.client_leaving(context)
-        reclaimed = context.close()
+        teardown = context.teardown()
+        clock = time.perf_counter  # the wall's: a test's mock clock does not move while this works
+        due = clock() + TEARDOWN_PIECE
+        for _ in teardown:
+            if clock() >= due:
+                await trio.lowlevel.checkpoint()
+                due = clock() + TEARDOWN_PIECE
+        reclaimed = teardown.reclaimed
         context.device.contexts.pop(context.id, None)
         context.device.backend.forget(context.id)
         context.device.faulted.discard(context.id)
@@ -422,7 +435,9 @@ class Daemon:
         self.log.server(
             f"Client {context.pid} disconnected; reclaimed {reclaimed['allocations']} allocations "
             f"({format_size(reclaimed['bytes'])}), {reclaimed['imports']} IPC imports, {reclaimed['streams']} "
-            f"streams, {reclaimed['events']} events, {reclaimed['host_buffers']} host buffers")
+            f"streams, {reclaimed['events']} events, {reclaimed['host_buffers']} host buffers"
+            + (f", {reclaimed['reservations']} address reservations, {reclaimed['physical']} physical allocations"
+               if reclaimed["reservations"] or reclaimed["physical"] else ""))
 
     async def wait_turn(self, pid: int, uid: int) -> None:
         """Return when a client of `uid` may attach: at once, or once the other user's server has exited."""

@@ -161,12 +161,19 @@ class Session:
             self._watched.clear()
             self.conn.close_fds()
             self.channel.close()
-            if self.host is not None:  # it holds the clock no longer; its calls still queued come to nothing
-                engine = self._virtual
-                engine.clock.leave(self.host.client)
-                engine.heard(self.host)
-            if self.context is not None:
-                self.daemon.detach(self.context)
+            try:
+                if self.context is not None:
+                    if self.host is not None:
+                        # Under the virtual clock the client holds the clock until its teardown, which goes in
+                        # pieces, is over: every call stamped after it sees it all gone, as if it were one step.
+                        self._virtual.leaving(self.host)
+                    with trio.CancelScope(shield=True):  # a shutdown waits for it
+                        await self.daemon.detach(self.context)
+            finally:
+                if self.host is not None:  # it holds the clock no longer; its calls still queued come to nothing
+                    engine = self._virtual
+                    engine.clock.leave(self.host.client)
+                    engine.heard(self.host)
 
     async def _read_loop(self) -> None:
         served = 0

@@ -44,6 +44,7 @@ from mpsd.runtime.graphs import CAPTURED, GraphCalls
 from mpsd.runtime.kernels import KERNELS
 from mpsd.runtime.limits import refused
 from mpsd.runtime.memory import CHUNK, AddressSpace, Allocation, HostBuffer
+from mpsd.runtime.teardown import Teardown
 from mpsd.runtime.vmm import VMM_BASE, MappedPiece, VirtualMemory, VirtualMemoryCalls
 
 if TYPE_CHECKING:
@@ -322,11 +323,11 @@ class Context(VirtualMemoryCalls, CaptureCalls, GraphCalls):
         ledger = self.device.ledger
         if in_use is None:
             in_use = self.reservations.pop(alloc.addr).in_use if alloc.pool else alloc.size
-        ledger.move(self.account, 0, -in_use)
         if alloc.segment.refs > 1:
+            ledger.move(self.account, 0, -in_use)
             alloc.segment.on_release.append(functools.partial(ledger.move, self.account, -released))
         else:
-            ledger.move(self.account, -released)
+            ledger.move(self.account, -released, -in_use)
         alloc.segment.release()
 
     def host_register(self, fd: int, nbytes: int) -> int:
@@ -800,32 +801,14 @@ class Context(VirtualMemoryCalls, CaptureCalls, GraphCalls):
         return [op for op in tails if not op.done]
 
     # -- teardown --------------------------------------------------------------------------------------
+    def teardown(self) -> Teardown:
+        """Release everything the client holds (it exited or was killed), a unit of work per step of the
+        iteration (mpsd.runtime.teardown); what was reclaimed is in its `reclaimed` once it ends."""
+        return Teardown(self)
+
     def close(self) -> dict[str, int]:
-        """Release everything the client holds (it exited or was killed). Returns what was reclaimed."""
-        self.closed = True
-        self.backend.cancel(self.id)
-        imports = len({id(export) for export in self.imports.values()})
-        self.ipc.context_closed(self)
-        allocations = list(self.memory)
-        reclaimed_bytes = 0
-        for alloc in allocations:
-            _, released = self.memory.remove(alloc.addr)
-            self._drop(alloc, released)
-            reclaimed_bytes += released
-        reclaimed_bytes += self.close_virtual_memory()
-        self.device.ledger.move(None, -self.backend.context_memory, partition=self.partition)
-        for event in self.events.values():
-            self.ipc.event_destroyed(event.cell)
-        reclaimed = {"allocations": len(allocations), "bytes": reclaimed_bytes, "imports": imports,
-                     "streams": len(self.streams) - 1, "events": len(self.events), "host_buffers": len(self.host)}
-        for buffer in self.host.values():
-            self._unmap_host(buffer)
-        self.host.clear()
-        self.streams.clear()
-        self.events.clear()
-        self.capturing.clear()
-        self.graphs.clear()
-        self.execs.clear()
-        self._orphans.clear()
-        self.last_op = None
-        return reclaimed
+        """The whole teardown at once. Returns what was reclaimed."""
+        teardown = Teardown(self)
+        for _ in teardown:
+            pass
+        return teardown.reclaimed

@@ -14,7 +14,7 @@ import hmac
 import itertools
 import secrets
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from mpsd.runtime.memory import CHUNK, Allocation
 from mpsd_protocol import (  # type: ignore[attr-defined]
@@ -55,7 +55,7 @@ class Export:
     cell: EventCell | None = None  # event exports
     importers: dict[int, tuple[Context, Allocation]] = field(default_factory=dict)  # context id -> it, its mapping
     counts: dict[int, int] = field(default_factory=dict)  # context id -> opens not yet closed
-    exporter: int | None = None  # the id of the context whose event it is (event exports)
+    exporter: int | None = None  # the id of the context that exported it
 
     def handle(self) -> bytes:
         return IpcHandle(self.kind, self.device, self.id, self.secret).to_bytes()
@@ -72,6 +72,7 @@ class IpcRegistry:
         self._ids = itertools.count(1)
         self._exports: dict[int, Export] = {}
         self._by_allocation: dict[Allocation, Export] = {}
+        self._closing: set[int] = set()  # contexts being torn down: their exports open no more
 
     # -- memory ----------------------------------------------------------------------------------------
     def export_memory(self, ctx: Context, ptr: int) -> bytes:
@@ -87,7 +88,7 @@ class IpcRegistry:
             raise InvalidValueError(f"{brief(ptr, 20)} is memory of a stream-ordered pool, which has no IPC handle")
         export = self._by_allocation.get(alloc)
         if export is None:
-            export = self._new(ctx, MEMORY, allocation=alloc)
+            export = self._new(ctx, MEMORY, allocation=alloc, exporter=ctx.id)
             self._by_allocation[alloc] = export
         return export.handle()
 
@@ -147,7 +148,7 @@ class IpcRegistry:
         """Take `export`'s mapping out of `ctx`; its segment, for the caller to release."""
         del export.counts[ctx.id]
         _, mapping = export.importers.pop(ctx.id)
-        del ctx.imports[mapping.addr]
+        ctx.imports.pop(mapping.addr, None)  # (a departing client's teardown has taken it out already)
         ctx.memory.remove(mapping.addr)
         ctx.account.imported -= _charge(mapping.size)
         if export.allocation is None and not export.importers:
@@ -186,16 +187,30 @@ class IpcRegistry:
             self._exports.pop(cell.export.id, None)
 
     # -- clients ---------------------------------------------------------------------------------------
+    def context_closing(self, ctx: Context) -> Iterator[None]:
+        """A client is being torn down (mpsd.runtime.teardown): from now on its exports open no more, as if
+        all its memory were freed at once, though the teardown frees it in pieces; then everything it imported
+        is closed, a unit of work per mapping, yielded between. Its own exports end with its allocations and
+        its events (`event_closed`): what others opened of them goes on, but a handle to one no longer opens."""
+        self._closing.add(ctx.id)
+        imports = ctx.imports
+        while imports:
+            _, export = imports.popitem()  # the last: taking the first again and again costs time quadratic in them
+            segment = self._unmap(ctx, export)  # its work was cancelled already: nothing touches the bytes
+            yield from segment.give_back()  # (where this mapping was the last)
+            segment.release()
+            yield
+
+    def event_closed(self, ctx: Context, cell: EventCell) -> None:
+        """An event of a departing client goes: its export, if the client made it, opens no more."""
+        export = cell.export
+        if export is not None and export.exporter == ctx.id:
+            self._exports.pop(export.id, None)
+        self.event_destroyed(cell)
+
     def context_closed(self, ctx: Context) -> None:
-        """Close everything a departing client imported; its own exports end with its allocations, and with it
-        those of its events: what others opened of them goes on, as a memory import does, but a handle to one
-        no longer opens (as its memory's handle does not once it is freed)."""
-        for export in {id(e): e for e in ctx.imports.values()}.values():
-            self._unmap(ctx, export).release()  # its work was cancelled already: nothing touches the bytes
-        for event in ctx.events.values():
-            export = event.cell.export
-            if export is not None and export.exporter == ctx.id:
-                self._exports.pop(export.id, None)
+        """The client's teardown is over: what it exported is gone (freed, or ended with its events)."""
+        self._closing.discard(ctx.id)
 
     # -- shared ----------------------------------------------------------------------------------------
     def _new(self, ctx: Context, kind: int, **what: object) -> Export:
@@ -208,7 +223,7 @@ class IpcRegistry:
         parsed = IpcHandle.from_bytes(handle, kind)
         export = self._exports.get(parsed.export_id)
         if export is None or not hmac.compare_digest(export.secret, parsed.secret) or (
-                kind == MEMORY and export.allocation is None):
+                kind == MEMORY and export.allocation is None) or export.exporter in self._closing:
             raise InvalidResourceHandleError("no such IPC export (the handle is stale or forged)")
         if parsed.device != ctx.device.index:
             if kind != MEMORY:

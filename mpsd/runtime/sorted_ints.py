@@ -30,6 +30,16 @@ class SortedInts:
         for block in self._blocks:
             yield from block
 
+    def emptied(self) -> Iterator[None]:
+        """Let go of every int, a block at a time, yielding after each (for an index no longer used, whose ints
+        would all be freed at once otherwise)."""
+        blocks = self._blocks
+        self._firsts.clear()
+        self._len = 0
+        while blocks:
+            blocks.pop()
+            yield
+
     def first(self) -> int | None:
         """The smallest, or None when empty."""
         return self._firsts[0] if self._firsts else None
