@@ -870,10 +870,7 @@ class CudaBackend:
         Raises:
             OSError: it cannot be written.
         """
-        if self.recorder is None:
-            return None
-        self.recorder.write(*self.timeline(index))  # type: ignore[misc]
-        return self.recorder.path
+        return None if self.recorder is None else self.recorder.written(self, index)
 
     def timeline(self, index: int) -> tuple[Timeline, dict[str, Any]] | None:
         """The device's timeline, once the work it was given has run (it waits for it), from what the traced

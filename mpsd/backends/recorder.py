@@ -106,6 +106,15 @@ class Recorder:
                 os.unlink(tmp)
             raise
 
+    def written(self, backend: Any, index: int) -> Path:
+        """`write` what the backend's `timeline` gives for device `index`; where it went.
+
+        Raises:
+            OSError: the file cannot be written.
+        """
+        self.write(*backend.timeline(index))
+        return self.path
+
     def meta(self, index: int, origin: float, time_scale: float, max_lag: float) -> dict[str, Any]:
         """What maps the timeline onto the clients' clock and names (a trace's otherData["mpsd"]): `origin`
         is time.monotonic() at the device's time 0 (NaN under the virtual clock), `time_scale` the device's

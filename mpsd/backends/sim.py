@@ -428,10 +428,7 @@ class SimBackend:
         Raises:
             OSError: it cannot be written.
         """
-        if self.recorder is None:
-            return None
-        self.recorder.write(*self.timeline(index))  # type: ignore[misc]
-        return self.recorder.path
+        return None if self.recorder is None else self.recorder.written(self, index)
 
     def timeline(self, index: int) -> tuple[Timeline, dict[str, Any]] | None:
         if self.recorder is None:

@@ -342,10 +342,11 @@ class Dispatcher:
         fill the device (which have room exactly when everything running has ended): its pick then goes at
         once, waiting on the device for all that runs (a stream wait on each), so that it starts as they end
         rather than once the daemon has learnt of it and launched it (125 to 200 us a kernel on the H200,
-        bench/fidelity/h200_dec03/summary.txt, runs 8 and 10). It holds no SM until then. One kernel at a time waits so, so that
-        whatever comes next is still the policy's to choose; a smaller kernel, which may find room before all
-        has ended, waits in the daemon (behind everything, capped trainers sharing the device went in turn:
-        inference_training's under round-robin lost a sixth of their throughput on the model)."""
+        bench/fidelity/h200_dec03/summary.txt, runs 8 and 10). It holds no SM until then. One kernel at a
+        time waits so, so that whatever comes next is still the policy's to choose; a smaller kernel, which
+        may find room before all has ended, waits in the daemon (behind everything, capped trainers sharing
+        the device went in turn: inference_training's under round-robin lost a sixth of their throughput on
+        the model)."""
         rule, bound = self.rule, self.in_flight
         ready, unbounded = [], set()
         for t in self.tenants.values():
