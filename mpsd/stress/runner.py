@@ -293,7 +293,11 @@ class _Daemon:
 
 
 def _start_daemon(args: list[str]) -> _Daemon:
-    proc = subprocess.Popen([sys.executable, "-m", "mpsd", *args], stdin=subprocess.DEVNULL,
+    # For finding where the daemon's time goes, not for figures: MPSD_STRESS_PROFILE=DIR runs each daemon under
+    # cProfile, its profile written to DIR when it exits (as SIGTERM ends it).
+    profile = os.environ.get("MPSD_STRESS_PROFILE")
+    wrapper = ["-m", "cProfile", "-o", str(Path(profile) / f"daemon-{time.monotonic_ns()}.prof")] if profile else []
+    proc = subprocess.Popen([sys.executable, *wrapper, "-m", "mpsd", *args], stdin=subprocess.DEVNULL,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 30
     assert proc.stderr is not None
