@@ -119,10 +119,18 @@ class Tenant:
     running: dict[int, int] = field(default_factory=dict, repr=False)
     # per stream, its released work not yet seen to end, oldest first (a stream's work ends in its order)
     flights: dict[tuple[int, int], deque[_Flight]] = field(default_factory=dict, repr=False)
+    # The dispatcher whose version says when `head` must look again (a decision asks for it some 36 times), and
+    # the head as of the version seen.
+    owner: Dispatcher | None = field(default=None, repr=False)
+    _seen: int = field(default=-1, repr=False)
+    _head: _Item | None = field(default=None, repr=False)
 
     def head(self) -> _Item | None:
         """The item it would release next: among its streams' heads whose dependencies are released, the most
         urgent stream's (lowest CUDA priority), then the oldest."""
+        owner = self.owner
+        if owner is not None and owner.version == self._seen:
+            return self._head
         best: _Item | None = None
         for queue in self.queues.values():
             if queue:
@@ -130,6 +138,8 @@ class Tenant:
                 if all(a.handle is not None for a in item.work.after) and (
                         best is None or (item.stream_priority, item.seq) < (best.stream_priority, best.seq)):
                     best = item
+        if owner is not None:
+            self._seen, self._head = owner.version, best
         return best
 
     @property
@@ -232,7 +242,7 @@ class Dispatcher:
     def _tenant(self, client: int) -> Tenant:
         tenant = self.tenants.get(client)
         if tenant is None:
-            tenant = self.tenants[client] = Tenant(client)
+            tenant = self.tenants[client] = Tenant(client, owner=self)
             self.rule.joined(tenant, self)
         return tenant
 
@@ -412,6 +422,7 @@ class Dispatcher:
             self.inner.submit(part, n)
         except CudaError as error:
             part.handle = DROPPED
+            self.version += 1  # whoever waited on it may go now
             self._tell_held(part)
             if item is raising:
                 raise
@@ -428,6 +439,7 @@ class Dispatcher:
             flights = tenant.flights[part.stream] = deque()
         flights.append(_Flight(part, n, item.stream_priority, sms, self.inner.now()))
         self._occupy(tenant, sms)
+        self.version += 1  # its handle is set: work that waited on it may be a head now
         self._tell_held(part)
 
     def _tell_held(self, work: Work) -> None:
