@@ -2,7 +2,9 @@
 # the wheels carried in .whl/ (trio, outcome, sniffio, pytest-trio, rich, setproctitle), puts the checkout on the path (the
 # compiled core, mpsd/_core.abi3.so, must be carried: the machine has no Rust), and keeps NVLink multicast off
 # as the machine asks.
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || return 1
+# (.whl/ may hold a compiled wheel for several Pythons: pip takes the one this Python can use.)
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    --find-links .whl $(ls .whl | sed 's/-.*//' | sort -u) || return 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-out}; mkdir -p "$OUT"

@@ -119,17 +119,20 @@ class Tenant:
     running: dict[int, int] = field(default_factory=dict, repr=False)
     # per stream, its released work not yet seen to end, oldest first (a stream's work ends in its order)
     flights: dict[tuple[int, int], deque[_Flight]] = field(default_factory=dict, repr=False)
-    # The dispatcher whose version says when `head` must look again (a decision asks for it some 36 times), and
-    # the head as of the version seen.
+    # Counts every change of its own queues, running work and settings, so that what is computed from them (its
+    # head, a policy's view of it) is computed once for each (a decision asks for its head some 36 times).
+    stamp: int = 0
+    # The dispatcher, whose count of handles given says when a head held for a dependency must look again.
     owner: Dispatcher | None = field(default=None, repr=False)
-    _seen: int = field(default=-1, repr=False)
+    _seen: tuple[int, int] = field(default=(-1, -1), repr=False)
     _head: _Item | None = field(default=None, repr=False)
 
     def head(self) -> _Item | None:
         """The item it would release next: among its streams' heads whose dependencies are released, the most
         urgent stream's (lowest CUDA priority), then the oldest."""
         owner = self.owner
-        if owner is not None and owner.version == self._seen:
+        seen = (self.stamp, owner.handles if owner is not None else -1)
+        if owner is not None and seen == self._seen:
             return self._head
         best: _Item | None = None
         for queue in self.queues.values():
@@ -139,7 +142,7 @@ class Tenant:
                         best is None or (item.stream_priority, item.seq) < (best.stream_priority, best.seq)):
                     best = item
         if owner is not None:
-            self._seen, self._head = owner.version, best
+            self._seen, self._head = seen, best
         return best
 
     @property
@@ -154,9 +157,14 @@ class Tenant:
     def urgency(self) -> tuple[int, int]:
         """(client priority, most urgent stream priority among its held and running work, or the most urgent
         it has used while it has none): lower goes first."""
-        streams = [q[0].stream_priority for q in self.queues.values() if q]
-        streams += [p for p, n in self.running.items() if n]
-        return self.priority, min(streams) if streams else min(self.running, default=0)
+        most = math.inf
+        for q in self.queues.values():
+            if q and q[0].stream_priority < most:
+                most = q[0].stream_priority
+        for p, n in self.running.items():
+            if n and p < most:
+                most = p
+        return self.priority, int(most) if most != math.inf else min(self.running, default=0)
 
 
 class Dispatcher:
@@ -186,6 +194,7 @@ class Dispatcher:
         # Counts every change of what a policy reads (queues, heads, work released or ended, clients), so that a
         # policy may compute what it needs once per state rather than at each of a decision's questions.
         self.version = 0
+        self.handles = 0  # handles given to released or dropped work: a head held for one may be free now
         # The kernel released to wait on the device behind everything running (`_choose`), and what it waits for;
         # while any of that runs, no other is released so.
         self._behind: tuple[Work, ...] = ()
@@ -221,6 +230,7 @@ class Dispatcher:
                sms: tuple[int, int] | None = None) -> None:
         tenant = self._tenant(client.id)
         tenant.priority, tenant.weight, tenant.sm_cap = priority, weight, sm_cap
+        tenant.stamp += 1
         self.version += 1
         self.inner.attach(client, sm_cap=sm_cap, priority=priority, weight=weight, instance=instance, sms=sms)
         self._pump()
@@ -258,6 +268,8 @@ class Dispatcher:
                     told()
         tenant.queues.clear()
         tenant.queued = 0
+        tenant.stamp += 1
+        self.handles += 1
         self.version += 1
 
     # -- work ----------------------------------------------------------------------------------------------
@@ -268,6 +280,7 @@ class Dispatcher:
         item = _Item(next(self._seq), work, count, work.priority, self.inner.now())
         tenant.queues.setdefault(work.stream, deque()).append(item)
         tenant.queued += 1
+        tenant.stamp += 1
         self.version += 1
         self._pump(item)
 
@@ -402,6 +415,7 @@ class Dispatcher:
         item = item or tenant.head()
         assert item is not None
         work = item.work
+        tenant.stamp += 1
         self.version += 1
         # One kernel a pick, a run's too, so that each is the policy's choice; an unbounded client's run goes
         # whole (as without a dispatcher).
@@ -422,7 +436,8 @@ class Dispatcher:
             self.inner.submit(part, n)
         except CudaError as error:
             part.handle = DROPPED
-            self.version += 1  # whoever waited on it may go now
+            self.handles += 1  # whoever waited on it may go now
+            self.version += 1
             self._tell_held(part)
             if item is raising:
                 raise
@@ -439,7 +454,8 @@ class Dispatcher:
             flights = tenant.flights[part.stream] = deque()
         flights.append(_Flight(part, n, item.stream_priority, sms, self.inner.now()))
         self._occupy(tenant, sms)
-        self.version += 1  # its handle is set: work that waited on it may be a head now
+        self.handles += 1  # its handle is set: work that waited on it may be a head now
+        self.version += 1
         self._tell_held(part)
 
     def _tell_held(self, work: Work) -> None:
@@ -476,6 +492,7 @@ class Dispatcher:
 
     def _ended(self, tenant: Tenant, flight: _Flight) -> None:
         n, work = flight.count, flight.work
+        tenant.stamp += 1
         self.version += 1
         tenant.in_flight -= n
         tenant.running[flight.stream_priority] -= n
