@@ -550,6 +550,76 @@ def test_a_client_whose_window_changes_moves_and_its_queued_work_keeps_its_order
         assert (out == 14.0).all()  # the doubling ran after the fill, on the other stream
 
 
+def _spin(client: int, blocks: int, cycles: int, priority: int = 0):
+    from mpsd.backends.ops import Launch, Plan
+
+    return Launch(client=client, stream=(client, 0), priority=priority,
+                  plan=Plan("spin", (blocks, 1, 1), (1024, 1, 1), 0, (cycles,)))
+
+
+def _poll_until_done(gpu, work) -> None:
+    deadline = time.monotonic() + 30
+    while not all(w.done for w in work) and time.monotonic() < deadline:
+        gpu._poll()
+        time.sleep(0.0002)
+    assert all(w.done and not w.cancelled for w in work)
+
+
+@pytest.mark.skipif(cuda_device_count() == 0, reason="no GPU here (cuda-python and a driver are needed)")
+def test_work_at_a_closed_gate_waits_until_it_opens():
+    """A kernel given with a closed gate does not run, however long; opened, it runs and ends."""
+    from types import SimpleNamespace
+
+    from mpsd.backends.cuda import CudaBackend
+
+    gpu = CudaBackend(0)
+    gpu.attach(SimpleNamespace(id=1), sm_cap=gpu.sm_cap(100), priority=0, weight=1.0, instance=None)
+    gate = gpu.gate()
+    assert gate is not None
+    gate.set(True)
+    work = _spin(1, 1, 1000)
+    gpu.submit(work, gate=gate)
+    for _ in range(100):  # 100 ms: the kernel alone would take microseconds
+        gpu._poll()
+        time.sleep(0.001)
+    assert not work.done
+    gate.set(False)
+    _poll_until_done(gpu, [work])
+    gate.free()
+
+
+@pytest.mark.skipif(cuda_device_count() == 0, reason="no GPU here (cuda-python and a driver are needed)")
+def test_priority_releases_best_effort_work_ahead_and_holds_it_at_its_gate_for_urgent_work():
+    """Under priority on a real GPU, a best-effort kernel that fills the device goes to the GPU while another
+    runs, to wait behind it (so that it starts as that one ends, not once the daemon has heard of the end); when
+    urgent work comes meanwhile, it waits at its gate until the urgent work has ended, as it would have waited
+    in the daemon: the urgent request's second kernel finds no best-effort block before it."""
+    from types import SimpleNamespace
+
+    from mpsd.backends.cuda import CudaBackend
+    from mpsd.runtime.dispatch import Dispatcher
+    from mpsd.runtime.dispatch_policies import Priority
+
+    gpu = CudaBackend(0)
+    dispatcher = Dispatcher(gpu, Priority())
+    for client, priority in ((1, 1), (2, 1), (3, 0)):
+        dispatcher.attach(SimpleNamespace(id=client), sm_cap=gpu.sm_cap(100), priority=priority, weight=1.0,
+                          instance=None)
+    per_ms = gpu.properties(0)["clock_rate_khz"]  # cycles a millisecond
+    # Two best-effort kernels of 5 ms, one block an SM (as priority spreads them); two urgent ones of 10 ms, two
+    # blocks an SM. Released at once, the second best-effort kernel would start when the first urgent one's
+    # first blocks end (10 ms), where the second urgent one is not yet eligible, and end before it.
+    first, ahead = _spin(1, 132, 5 * per_ms), _spin(2, 132, 5 * per_ms)
+    dispatcher.submit(first)
+    dispatcher.submit(ahead)
+    assert ahead.handle is not None, "released ahead, to wait behind the first on the device"
+    urgent = [_spin(3, 264, 10 * per_ms, -5) for _ in range(2)]
+    for work in urgent:
+        dispatcher.submit(work)
+    _poll_until_done(gpu, [first, ahead, *urgent])
+    assert first.ended < urgent[0].ended < urgent[1].ended < ahead.ended
+
+
 TRACED = """
 import mpsd_client
 ctx = mpsd_client.connect()

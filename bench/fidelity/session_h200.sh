@@ -5,7 +5,7 @@
 #   bash bench/fidelity/session_h200.sh
 set -u
 source bench/fidelity/device_env.sh || exit 1
-timeout 240 python3 -m pytest -q -p no:cacheprovider -ra tests/test_backends.py tests/test_cuda_trace.py -k "cuda or trace" \
+timeout 240 python3 -m pytest -q -p no:cacheprovider -ra tests/test_backends.py tests/test_cuda_trace.py -k "cuda or trace or gate" \
     > "$OUT/test_backends.log" 2>&1
 grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/test_backends.log"
 bash bench/fidelity/trace_h200.sh 2>&1 | grep -v "^NVIDIA\|passed\|failed"

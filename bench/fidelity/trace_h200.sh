@@ -12,10 +12,11 @@ grep -E "^(FAILED|ERROR)|passed|failed|Error" "$OUT/test_trace.log"
 for workload in disb_c inference_training; do
     echo "== $workload"
     timeout 150 python3 -m mpsd.stress.cli examples/workloads/$workload.toml --devices cuda:0 --quiet \
-        --compare-policies mps,priority --duration 2 --no-solo --json "$OUT/trace_$workload.json" \
+        --compare-policies mps,priority --duration 2 --json "$OUT/trace_$workload.json" \
         --report "/tmp/report_$workload" > "/tmp/trace_$workload.txt" 2>&1 || { echo "(failed)"; tail -5 "/tmp/trace_$workload.txt"; }
     sed -n '/policies compared/,/└/p' "/tmp/trace_$workload.txt" | sed -n 4,30p
     python3 bench/fidelity/trace_gaps.py /tmp/report_$workload/trace_*.json
+    python3 bench/fidelity/trace_reaction.py /tmp/report_$workload/trace_*.json
     for trace in /tmp/report_$workload/trace_*.json; do  # what comes back: 8 files at most, 16 MiB each
         gzip -c "$trace" > "$OUT/${workload}_$(basename "$trace").gz"
         [ "$(stat -c %s "$OUT/${workload}_$(basename "$trace").gz")" -lt 15000000 ] || rm "$OUT/${workload}_$(basename "$trace").gz"

@@ -15,7 +15,7 @@ import trio
 from mpsd.backends.ops import Work
 from mpsd_protocol import CudaError
 
-__all__ = ["Backend", "Client", "DeviceMemory", "Instance", "HOST_VIEW", "VIRTUAL_MEMORY", "when_all"]
+__all__ = ["Backend", "Client", "DeviceMemory", "Gate", "Instance", "HOST_VIEW", "VIRTUAL_MEMORY", "when_all"]
 
 # Capabilities a backend may have.
 HOST_VIEW = "host_view"  # device memory is host memory the daemon can hand a client to map (a memfd)
@@ -30,6 +30,17 @@ class Instance:
     name: str
     sm_count: int
     memory: int
+
+
+class Gate(Protocol):
+    """A flag work given with it waits at on the device, once what it waits for has ended, until it is open
+    (Dispatcher: work released ahead that the policy may still hold back). Open when made."""
+
+    def set(self, closed: bool) -> None:
+        """Close it, or open it: work already past it runs on."""
+
+    def free(self) -> None:
+        """Give it back, open: nothing waits at it any more."""
 
 
 class DeviceMemory(Protocol):
@@ -114,17 +125,23 @@ class Backend(Protocol):
         """The calls served next were read from their client's socket at trio time `at`: work they queue
         arrived then, however long the daemon took to get to it."""
 
-    def submit(self, work: Work, count: int = 1) -> None:
+    def submit(self, work: Work, count: int = 1, gate: Gate | None = None) -> None:
         """Queue `work` after the work it names in `after` and the work before it on its stream: the one way
         work reaches a backend. A Launch may come `count` times over (a client's loop launching one plan again
         and again): the launches go one after another on its stream, the first after what `after` names, and
         `work` stands for the last of them, its record saying when all have ended. Only a launch that touches
-        no memory (no `extents`) comes more than once.
+        no memory (no `extents`) comes more than once. With `gate` (one of this backend's), it waits at the gate
+        too, once what it waits for has ended.
 
         Raises:
             OutOfMemoryError: the backend cannot hold what the work would touch (the call fails; nothing is
                 queued).
         """
+
+    def gate(self) -> Gate | None:
+        """A new gate, or None where a backend needs none: it hears of work's end the instant it happens (the
+        simulator, whose clock stands still while the daemon decides), so nothing need be released ahead."""
+        return None
 
     def when_done(self, work: Iterable[Work | None], callback: Callable[[], None]) -> None:
         """Call `callback` (now, if they are) once all of `work` has completed or was cancelled."""

@@ -72,7 +72,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import trio
 
-from mpsd.backends.base import VIRTUAL_MEMORY, Client, when_all
+from mpsd.backends.base import VIRTUAL_MEMORY, Client, Gate, when_all
 from mpsd.backends.cuda_driver import CudaFailure, _bindings, _check, cuda_device_count
 from mpsd.backends.cuda_kernels import compile_kernels
 from mpsd.backends.cuda_trace import RECORD, BlockTrace
@@ -101,6 +101,8 @@ _UNASKED = object()  # no event asked about yet (None is work not marked yet, wh
 # says how): a traced kernel counts as queued from its stream's turn, this much later, until its last block starts.
 KERNEL_OVERHEAD = 2e-6
 PORTABLE = 0x1  # CU_MEMHOSTALLOC_PORTABLE, CU_MEMHOSTREGISTER_PORTABLE: pinned for every context, green ones too
+DEVICEMAP = 0x2  # CU_MEMHOSTALLOC_DEVICEMAP: mapped into the device's address space
+WAIT_VALUE_EQ = 0x1  # CU_STREAM_WAIT_VALUE_EQ
 VMM_PAGE = 2 << 20  # the page the runtime reserves, makes and maps memory in (mpsd.runtime.vmm.GRANULARITY)
 
 @dataclass(frozen=True, slots=True)
@@ -206,6 +208,30 @@ class CudaRange:
         self._backend.defer(lambda: cu.cuMemAddressFree(dptr, size), None)
 
 
+class CudaGate:
+    """A word of pinned host memory the GPU reads (`Gate`): 0 open, 1 closed. Work given with it waits behind a
+    stream wait on the word (cuStreamWaitValue32), queued after its other waits, so the word is read once what
+    the work waits for has ended; the daemon writes it from the host, with no call into the driver."""
+
+    __slots__ = ("_word", "address", "_slots", "_index")
+
+    def __init__(self, slots: list[int], index: int, host: int, device: int) -> None:
+        self._slots, self._index = slots, index
+        self._word = ctypes.c_uint32.from_address(host + 4 * index)
+        self._word.value = 0
+        self.address = device + 4 * index
+
+    def set(self, closed: bool) -> None:
+        self._word.value = 1 if closed else 0
+
+    def free(self) -> None:
+        self._word.value = 0
+        self._slots.append(self._index)
+
+
+GATES = 1024  # words of the gates' pinned page: one a client, given back when it leaves
+
+
 @dataclass(eq=False, slots=True)
 class _Context:
     """A CUDA context work runs in (the primary one, or a green one of some SMs), and the event that dates it:
@@ -305,6 +331,7 @@ class CudaBackend:
         # (streams retire in order), in the order it was put off.
         self._graves: list[tuple[Callable[[], None], list[_Pending], tuple[CudaRange, int, int] | None]] = []
         self._host: dict[int, tuple[Any, int]] = {}  # id(HostBuffer) -> (the buffer, its registered address)
+        self._gates: tuple[list[int], int, int] | None = None  # free words, the page's host and device address
         self._wake = trio.Event()
         self._watchers = 0  # when_done callbacks not yet called: while there are any, work is looked at often
         self._hurry = trio.Event()  # someone began to wait
@@ -545,11 +572,25 @@ class CudaBackend:
     def received(self, at: float) -> None:
         """A real GPU runs work when it is given, not when its call arrived."""
 
-    def submit(self, work: Work, count: int = 1) -> None:
+    def gate(self) -> CudaGate | None:
+        """A gate in the gates' page (made the first time, mapped for every context); None once all its words
+        are taken, or where the driver gives no mapped page."""
+        cu = self.cu
+        if self._gates is None:
+            try:
+                host = _check(cu.cuMemHostAlloc(4 * GATES, PORTABLE | DEVICEMAP))
+                device = _check(cu.cuMemHostGetDevicePointer(host, 0))
+            except (CudaFailure, OutOfMemoryError):
+                return None
+            self._gates = (list(range(GATES - 1, -1, -1)), int(host), int(device))
+        slots, host, device = self._gates
+        return CudaGate(slots, slots.pop(), host, device) if slots else None
+
+    def submit(self, work: Work, count: int = 1, gate: Gate | None = None) -> None:
         """`count` launches where `work` is a Launch: one record marks them all, as it marks all the work of a
-        stream until its next event (_flush)."""
+        stream until its next event (_flush). With `gate`, they wait at it after their other waits."""
         if type(work) is GraphLaunch:
-            self._replay(work)
+            self._replay(work, gate)
             return
         cu = self.cu
         key = work.stream
@@ -561,6 +602,9 @@ class CudaBackend:
                     self._flush(handle.stream)
                 if handle.event is not _SYNCED:  # else it has run already
                     _check(cu.cuStreamWaitEvent(stream, handle.event, 0))
+        if gate is not None:
+            assert isinstance(gate, CudaGate)
+            _check(cu.cuStreamWaitValue32(stream, gate.address, 0, WAIT_VALUE_EQ))
         self._use(context)
         pending = _Pending(key, context)
         if isinstance(work, Launch):
@@ -586,7 +630,7 @@ class CudaBackend:
             self._flush(key)  # an event record is timed where it stands
         self._wake.set()
 
-    def _replay(self, work: GraphLaunch) -> None:
+    def _replay(self, work: GraphLaunch, gate: Gate | None) -> None:
         """A graph launch, its nodes submitted in order on its stream (each node's dependencies come before it in
         `nodes`, so the stream's order keeps them), the first after what the launch waits for, and a record after
         them, which is the launch's record."""
@@ -594,7 +638,8 @@ class CudaBackend:
         for node in work.nodes:
             node.stream, node.priority, node.after = work.stream, work.priority, after
             after = ()
-            self.submit(node)
+            self.submit(node, gate=gate)
+            gate = None
         end = Record(client=work.client, stream=work.stream, priority=work.priority, sm_cap=work.sm_cap, after=after)
         self.submit(end)
         work.handle, work.after = end.handle, ()

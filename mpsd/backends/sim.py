@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 import trio
 
 from mpsd.backends import reference
-from mpsd.backends.base import HOST_VIEW, VIRTUAL_MEMORY, Client, Instance
+from mpsd.backends.base import HOST_VIEW, VIRTUAL_MEMORY, Client, Gate, Instance
 from mpsd.backends.engine import DEFAULT_IDLE_GRACE, Engine, VirtualEngine
 from mpsd.backends.hostmem import HostMemory, Reservation, default_budget
 from mpsd.backends.memfd import Segment
@@ -164,7 +164,8 @@ class SimBackend:
     def received(self, at: float) -> None:
         self.engine.arrival = at
 
-    def submit(self, work: Work, count: int = 1) -> None:
+    def submit(self, work: Work, count: int = 1, gate: Gate | None = None) -> None:
+        # (never given a gate: `gate()` makes none here)
         if type(work) is Launch and self._plain:
             # Most launches touch no memory (spin, work): they skip the host RAM budget altogether.
             touched = self.host_memory.reserve(touches) if work.extents and (touches := self._touches(work)) else None
@@ -256,6 +257,11 @@ class SimBackend:
                                                   plan.shared_mem, work.priority, work.sm_cap, count)
         work.after = ()  # as _op does: no chain of finished work stays reachable from a stream's tail
         return handle
+
+    def gate(self) -> None:
+        """None: the simulator's completions reach the daemon at the instant they happen (its clock stands still
+        while the daemon decides), so what the dispatcher releases then starts when it would have, ahead or not."""
+        return None
 
     def when_done(self, work: Iterable[Work | None], callback: Callable[[], None]) -> None:
         self.engine.when_done([w.handle for w in work if w is not None], callback)

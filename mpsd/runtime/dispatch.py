@@ -37,7 +37,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
-from mpsd.backends.base import Backend, Client, when_all
+from mpsd.backends.base import Backend, Client, Gate, when_all
 from mpsd.backends.ops import GraphLaunch, Launch, Record, Work
 from mpsd_protocol import CudaError
 
@@ -122,6 +122,7 @@ class Tenant:
     # Counts every change of its own queues, running work and settings, so that what is computed from them (its
     # head, a policy's view of it) is computed once for each (a decision asks for its head some 36 times).
     stamp: int = 0
+    gate: Gate | None = field(default=None, repr=False)  # the backend's gate its work released ahead waits at
     # The dispatcher, whose count of handles given says when a head held for a dependency must look again.
     owner: Dispatcher | None = field(default=None, repr=False)
     _seen: tuple[int, int] = field(default=(-1, -1), repr=False)
@@ -199,6 +200,8 @@ class Dispatcher:
         # while any of that runs, no other is released so.
         self._behind: tuple[Work, ...] = ()
         self._ahead = False  # room_for answers as if the work running had ended (while a policy looks ahead)
+        self._gated: list[tuple[Tenant, Work]] = []  # work released ahead at its tenant's gate, not yet ended
+        self._gating: bool | None = None  # whether the backend gives gates (asked the first time one is needed)
         self._pumping = False
         self._again = False
         # Work the backend refused when it was released, after its call had returned: (client, error)
@@ -246,6 +249,8 @@ class Dispatcher:
         self.version += 1
         if tenant is not None:  # what it left on the device no longer counts (the backend let it go)
             self.busy -= tenant.occupied
+            if tenant.gate is not None:
+                tenant.gate.free()
         self.inner.forget(client)
         self._pump()
 
@@ -261,6 +266,9 @@ class Dispatcher:
         tenant = self.tenants.get(client)
         if tenant is None:
             return
+        if tenant.gate is not None:  # what waits at its gate runs out (a GPU cannot take it back)
+            tenant.gate.set(False)
+            self._gated = [(t, w) for t, w in self._gated if t is not tenant]
         for queue in tenant.queues.values():
             for item in queue:
                 item.work.handle = DROPPED
@@ -346,18 +354,20 @@ class Dispatcher:
                         self._release(tenant, raising, whole=True)
                     chosen = None
                 else:
-                    chosen, whole, behind = self._choose()
+                    chosen, whole, behind, gate = self._choose()
                 if chosen is None:
                     if self._again:
                         continue
                     break
-                self._release(chosen, raising, whole=whole, behind=behind)
-            if any(t.queued for t in self.tenants.values()):
+                self._release(chosen, raising, whole=whole, behind=behind, gate=gate)
+            if self._gated:
+                self._set_gates()
+            if self._gated or any(t.queued for t in self.tenants.values()):
                 self._watch()
         finally:
             self._pumping = False
 
-    def _choose(self) -> tuple[Tenant | None, bool, tuple[Work, ...]]:
+    def _choose(self) -> tuple[Tenant | None, bool, tuple[Work, ...], Gate | None]:
         """The policy's pick among the clients with releasable work and room under their bound, whether the
         pick is unbounded (its runs then go whole), and the work it is to wait behind on the device.
 
@@ -369,7 +379,8 @@ class Dispatcher:
         time waits so, so that whatever comes next is still the policy's to choose; a smaller kernel, which
         may find room before all has ended, waits in the daemon (behind everything, capped trainers sharing
         the device went in turn: inference_training's under round-robin lost a sixth of their throughput on
-        the model)."""
+        the model). Where the policy's pick may change with what comes meanwhile (`KernelPolicy.gate`), the
+        kernel waits at its client's gate too, which the dispatcher closes while the policy `holds` it back."""
         rule, bound = self.rule, self.in_flight
         ready, unbounded = [], set()
         for t in self.tenants.values():
@@ -381,9 +392,10 @@ class Dispatcher:
                 if not bounded:
                     unbounded.add(t.id)
         if not ready:
-            return None, False, ()
+            return None, False, (), None
         chosen = rule.pick(self, ready)
         behind: tuple[Work, ...] = ()
+        gate: Gate | None = None
         if chosen is None:
             running = tuple(f.work for t in self.tenants.values() for flights in t.flights.values()
                             for f in flights if f.count and not f.work.done)
@@ -391,15 +403,36 @@ class Dispatcher:
                 # Never idle while work could go: what a policy holds may be what the work it favours waits for
                 # (an event recorded on a held stream).
                 chosen = min(ready, key=lambda t: t.head().seq)  # type: ignore[union-attr]
-            elif rule.ahead and all(w.done for w in self._behind):
+            elif rule.ahead and all(w.done for w in self._behind) and (not rule.gate or self._gates()):
                 self._ahead = True
                 try:
                     chosen = rule.pick(self, ready)
                 finally:
                     self._ahead = False
+                if chosen is not None and rule.gate:
+                    if chosen.gate is None:
+                        chosen.gate = self.inner.gate()
+                    gate = chosen.gate
+                    if gate is None:  # the backend has no more
+                        return None, False, (), None
                 if chosen is not None:
                     behind = self._behind = running
-        return chosen, chosen is not None and chosen.id in unbounded, behind
+        return chosen, chosen is not None and chosen.id in unbounded, behind, gate
+
+    def _gates(self) -> bool:
+        """Whether the backend gives gates (it is asked once)."""
+        if self._gating is None:
+            probe = self.inner.gate()
+            self._gating = probe is not None
+            if probe is not None:
+                probe.free()
+        return self._gating
+
+    def _set_gates(self) -> None:
+        """Each gate with work at it closed while the policy holds its client back, else open."""
+        self._gated = gated = [(t, w) for t, w in self._gated if not w.done]
+        for tenant, _ in gated:
+            tenant.gate.set(self.rule.holds(tenant, self))  # type: ignore[union-attr]
 
     def _release_records(self, raising: _Item | None) -> None:
         """Event records and waits at a stream's head go at once, outside the policy and the bound: they take
@@ -411,7 +444,7 @@ class Dispatcher:
                     self._release(tenant, raising, queue[0])
 
     def _release(self, tenant: Tenant, raising: _Item | None, item: _Item | None = None,
-                 whole: bool = False, behind: tuple[Work, ...] = ()) -> None:
+                 whole: bool = False, behind: tuple[Work, ...] = (), gate: Gate | None = None) -> None:
         item = item or tenant.head()
         assert item is not None
         work = item.work
@@ -433,7 +466,12 @@ class Dispatcher:
             # (dropped work, say, holds nothing back)
             part.after = tuple(a for a in (*part.after, *behind) if not a.done)
         try:
-            self.inner.submit(part, n)
+            if gate is None:
+                self.inner.submit(part, n)
+            else:
+                gate.set(self.rule.holds(tenant, self))
+                self.inner.submit(part, n, gate=gate)
+                self._gated.append((tenant, part))
         except CudaError as error:
             part.handle = DROPPED
             self.handles += 1  # whoever waited on it may go now

@@ -32,6 +32,10 @@ class KernelPolicy:
     # dispatcher may release it early, to wait on the device behind them (Dispatcher._choose). Not where the
     # choice depends on what the running kernels will have taken (fair's device time).
     ahead = True
+    # Whether such work waits on the device at a gate too (Backend.gate), closed while `holds` says the policy
+    # would hold it back: where what comes meanwhile may change the pick. Without a gate from the backend (the
+    # simulator needs none) the policy does not look ahead.
+    gate = False
 
     def __init__(self, **options: Any) -> None:
         if options:
@@ -53,6 +57,10 @@ class KernelPolicy:
         released at one block to an SM, so that none of its blocks runs at half speed beside another."""
         return False
 
+    def holds(self, tenant: Tenant, dispatcher: Dispatcher) -> bool:
+        """Whether `tenant`'s work released ahead behind a gate is to wait at it now (with `gate`)."""
+        return False
+
     def pick(self, dispatcher: Dispatcher, ready: list[Tenant]) -> Tenant | None:
         """The client whose head goes next, from `ready` (never empty), or None to hold all of them."""
         first = min(ready, key=lambda t: t.head().seq)  # type: ignore[union-attr]
@@ -71,10 +79,11 @@ class Priority(KernelPolicy):
     """
 
     name = "priority"
-    # Not ahead: a kernel released to wait behind less urgent work would start in the gap between two kernels of
-    # an urgent stream that came meanwhile (its next is not yet eligible when the first ends), as it does on a
-    # GPU, where the one held in the daemon waits for the urgent work to end.
-    ahead = False
+    # Ahead behind a gate: less urgent work released to wait on the device would otherwise start in the gap
+    # between two kernels of urgent work that came meanwhile (the next is not yet eligible when the first ends),
+    # where the daemon would have held it until the urgent work had ended.
+    ahead = True
+    gate = True
 
     def __init__(self, aging: float | None = None, **options: Any) -> None:
         super().__init__(**options)
@@ -123,6 +132,15 @@ class Priority(KernelPolicy):
         """Less urgent work goes one block to an SM: urgent work that comes waits for the blocks on the device,
         and two blocks sharing an SM each take about twice as long as one alone."""
         return self.bounded(tenant, dispatcher)
+
+    def holds(self, tenant: Tenant, dispatcher: Dispatcher) -> bool:
+        """While more urgent work is held or on the device: it then starts once that has ended, as it would
+        have, held in the daemon."""
+        if self._seen != dispatcher.version:
+            self._update(dispatcher)
+        levels = self._levels
+        mine = levels[tenant.id][1]
+        return any(levels[t.id][1] < mine and (t.queued or t.in_flight) for t in dispatcher.tenants.values())
 
     def pick(self, dispatcher: Dispatcher, ready: list[Tenant]) -> Tenant | None:
         if self._seen != dispatcher.version:
