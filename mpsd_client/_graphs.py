@@ -28,7 +28,7 @@ from mpsd_protocol import (  # type: ignore[attr-defined]
 
 if TYPE_CHECKING:
     from ._api import ContextBase
-    from ._objects import Stream
+    from ._objects import Event, Stream
 
 __all__ = ["CaptureInfo", "Graph", "GraphExec", "GraphNode"]
 
@@ -41,8 +41,10 @@ Op = Generator[Any, Any, Any]
 
 @dataclass(frozen=True, slots=True)
 class GraphNode:
-    """A node of a graph: `type` is "kernel", "memset", "memcpy" or "empty"; `deps` the ids of the nodes it runs
-    after; `params` the arguments of the call it stands for. Where a node is asked for, its id does too."""
+    """A node of a graph: `type` is "kernel", "memset", "memcpy", "empty", "event_record", "event_wait" or "graph"
+    (a child graph); `deps` the ids of the nodes it runs after; `params` the arguments of the call it stands for
+    (an event node's event handle; a child graph node's source graph and its copy's nodes). Where a node is asked
+    for, its id does too."""
 
     id: int
     type: str
@@ -107,6 +109,25 @@ class Graph:
         """``cudaGraphAddEmptyNode``: nothing, after `deps` (a point to join branches at)."""
         return self._add("empty", deps, {})
 
+    def add_event_record_node(self, event: Event, deps: Iterable[GraphNode | int] = ()) -> Any:
+        """``cudaGraphAddEventRecordNode``: record `event` when the graph reaches this node, at each launch (its
+        latest record, for queries, synchronisations and waits, is the launch's).
+
+        Raises:
+            InvalidResourceHandleError: not an event of this context.
+        """
+        return self._add("event_record", deps, {"event": event.handle})
+
+    def add_event_wait_node(self, event: Event, deps: Iterable[GraphNode | int] = ()) -> Any:
+        """``cudaGraphAddEventWaitNode``: the nodes after this one wait for `event`'s latest record as of each
+        launch, as a stream's wait_event at the launch would."""
+        return self._add("event_wait", deps, {"event": event.handle})
+
+    def add_child_graph_node(self, graph: Graph, deps: Iterable[GraphNode | int] = ()) -> Any:
+        """``cudaGraphAddChildGraphNode``: all of `graph` (copied now: later changes to it are not seen) after
+        `deps`; the nodes after this one run after all of the child's. The node's params show the copy's nodes."""
+        return self._add("graph", deps, {"graph": graph.handle})
+
     def _add(self, type: str, deps: Iterable[GraphNode | int], params: dict[str, Any]) -> Any:
         params = {key: _plain(value) for key, value in params.items()}
         return self.ctx._drive(_add_node(self, type, [_node_id(d) for d in deps], params))
@@ -157,6 +178,20 @@ class GraphExec:
             core.last_error = exc
             raise
         return self.ctx._post(note)
+
+    def set_kernel_params(self, node: GraphNode | int, name: str, grid: Any, block: Any, args: Iterable[Any] = (),
+                          shared_mem: int = 0) -> Any:
+        """``cudaGraphExecKernelNodeSetParams``: this executable graph's copy of kernel node `node` (of the graph it
+        was instantiated from) launches `name` with this grid, block and arguments from the next launch on; the
+        graph is unchanged.
+
+        Raises:
+            InvalidValueError: `node` is no kernel node of that graph; a launch's errors for the new arguments.
+        """
+        params = {key: _plain(value) for key, value in (("name", name), ("grid", _dims(grid)), ("block", _dims(block)),
+                                                         ("args", list(args)), ("shared_mem", shared_mem))}
+        return self.ctx._drive(self.ctx._core.invoke(Calls.graph_exec_kernel_node_set_params, self.handle,
+                                                     _node_id(node), params))
 
     def update(self, graph: Graph) -> Any:
         """``cudaGraphExecUpdate``: take `graph`'s nodes' arguments (kernels, grids, blocks, arguments, memory),
@@ -278,6 +313,10 @@ def _label(node: GraphNode) -> str:
     elif node.type == "memcpy":
         rows = [p.get("kind", "?").upper()] + [f"{k} {v:#x}" if k in ("dst", "src") else f"{k} {v}"
                                                for k, v in p.items() if k != "kind"]
+    elif node.type in ("event_record", "event_wait"):
+        rows = [f"event {p['event']}"]
+    elif node.type == "graph":
+        rows = [f"graph {p['graph']}", f"{len(p.get('nodes', []))} nodes"]
     else:
         rows = []
     return "\\n".join([f"{node.id}", node.type.upper(), *rows])

@@ -83,6 +83,7 @@ SYNC_STREAM, QUERY_STREAM, SYNC_EVENT, QUERY_EVENT = "sync_stream", "query_strea
 # cudaStreamCaptureMode and cudaStreamCaptureStatus, by CUDA's values.
 CAPTURE_GLOBAL, CAPTURE_THREAD_LOCAL, CAPTURE_RELAXED = 0, 1, 2
 CAPTURE_NONE, CAPTURE_ACTIVE, CAPTURE_INVALIDATED = 0, 1, 2
+EVENT_EXTERNAL = 0x1  # cudaEventRecordExternal, cudaEventWaitExternal
 
 # The operations of mem_pool_ops, each a list: [POOL_ALLOC, ptr, nbytes, stream, [streams it waits for]] (a
 # malloc_async; the streams: memory freed there reused without an event between, the pool's internal dependency),
@@ -235,11 +236,13 @@ class Calls:
     destroy_stream = Call((Arg("stream", STREAM_HANDLE),))
     stream_synchronize = Call(_STREAM, waits=True, cost=(SYNC, None), capture=SYNC_STREAM)
     stream_query = Call(_STREAM, reply=BOOL, capture=QUERY_STREAM)
-    stream_wait_event = Call((*_STREAM, *_EVENT), notify=True, cost=(LAUNCH, None))
+    # `flags`: cudaEventWaitExternal and cudaEventRecordExternal (EVENT_EXTERNAL), which only a capture heeds: the
+    # wait or the record becomes an event node of the graph (mpsd.runtime.capture) instead of an edge of it.
+    stream_wait_event = Call((*_STREAM, *_EVENT, Arg("flags", INT, 0)), notify=True, cost=(LAUNCH, None))
     create_event = Call((Arg("disable_timing", BOOL, False), Arg("interprocess", BOOL, False)),
                         reply=EVENT_HANDLE)
     destroy_event = Call(_EVENT)
-    event_record = Call((*_EVENT, *_STREAM), notify=True, cost=(LAUNCH, None))
+    event_record = Call((*_EVENT, *_STREAM, Arg("flags", INT, 0)), notify=True, cost=(LAUNCH, None))
     event_synchronize = Call(_EVENT, waits=True, cost=(SYNC, None), capture=SYNC_EVENT)
     event_query = Call(_EVENT, reply=BOOL, capture=QUERY_EVENT)
     event_elapsed = Call((Arg("start", EVENT_HANDLE), Arg("end", EVENT_HANDLE)), reply=FLOAT)
@@ -274,6 +277,9 @@ class Calls:
     graph_destroy = Call((Arg("graph", INT),))
     graph_instantiate = Call((Arg("graph", INT),), reply=INT)
     graph_exec_update = Call((Arg("exec", INT), Arg("graph", INT)), reply=MAP)  # result, node (cudaGraphExecUpdate)
+    # cudaGraphExecKernelNodeSetParams: `node` a kernel node of the graph the executable graph was made from, `params`
+    # a launch's arguments without the stream, as graph_add_node's.
+    graph_exec_kernel_node_set_params = Call((Arg("exec", INT), Arg("node", INT), Arg("params", MAP)))
     graph_exec_destroy = Call((Arg("exec", INT),))
     # One notification for the whole graph, however many nodes it has, priced as a fraction of a kernel launch's
     # call under the virtual clock (DeviceSpec.graph_launch_call): where a graph saves the host its launches.

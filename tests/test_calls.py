@@ -135,6 +135,7 @@ def test_every_row_is_reachable_from_the_client_and_nothing_else_is(daemon, virt
         clone = graph.clone()
         executable = clone.instantiate()
         executable.update(graph)
+        executable.set_kernel_params(clone.nodes()[0], "fill_f32", 1, 256, [p, 3.0, 256])
         executable.launch(stream)
         executable.destroy()
         clone.destroy()

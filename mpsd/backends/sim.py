@@ -217,7 +217,8 @@ class SimBackend:
         sinks = set(range(len(work.nodes)))
         for node, deps, lane in zip(work.nodes, work.deps, lanes):
             node.stream = lane
-            node.after = tuple(work.nodes[d] for d in deps) if deps else (entry,)
+            # (an event wait node's own `after`, the record it waits for, stays beside its dependencies)
+            node.after = (tuple(work.nodes[d] for d in deps) if deps else (entry,)) + node.after
             sinks.difference_update(deps)
             if type(node) is Launch and self._plain:
                 self.submit(node)
