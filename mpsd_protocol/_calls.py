@@ -88,7 +88,9 @@ EVENT_EXTERNAL = 0x1  # cudaEventRecordExternal, cudaEventWaitExternal
 # The operations of mem_pool_ops, each a list: [POOL_ALLOC, ptr, nbytes, stream, [streams it waits for]] (a
 # malloc_async; the streams: memory freed there reused without an event between, the pool's internal dependency),
 # [POOL_FREE, ptr, stream] (a free_async), [POOL_RELEASE, ptr] (a reservation the pool gives back).
-POOL_ALLOC, POOL_FREE, POOL_RELEASE = 0, 1, 2
+# [POOL_GRAPH_FREE, ptr, stream]: a free_async (or cudaFree) of a graph's allocation (mpsd.runtime.graph_memory):
+# a memory free node where the stream captures, a free in stream order where it does not.
+POOL_ALLOC, POOL_FREE, POOL_RELEASE, POOL_GRAPH_FREE = 0, 1, 2, 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -275,7 +277,11 @@ class Calls:
     graph_get_nodes = Call((Arg("graph", INT),), reply=LIST)  # each node's id, type, deps and params, in order
     graph_clone = Call((Arg("graph", INT),), reply=INT)
     graph_destroy = Call((Arg("graph", INT),))
-    graph_instantiate = Call((Arg("graph", INT),), reply=INT)
+    graph_instantiate = Call((Arg("graph", INT), Arg("flags", INT, 0)), reply=INT)  # 1: AutoFreeOnLaunch
+    # cudaMallocAsync on a capturing stream (a capture's memory alloc node): the allocation's address, fixed for the
+    # graph's life; 0 where the stream captures nothing (the client's own pool serves it then). Frees of graph
+    # allocations go with the pool's operations (POOL_GRAPH_FREE).
+    graph_mem_alloc = Call((Arg("nbytes", COUNT), *_STREAM), reply=PTR, cost=(CALL, "alloc"))
     graph_exec_update = Call((Arg("exec", INT), Arg("graph", INT)), reply=MAP)  # result, node (cudaGraphExecUpdate)
     # cudaGraphExecKernelNodeSetParams: `node` a kernel node of the graph the executable graph was made from, `params`
     # a launch's arguments without the stream, as graph_add_node's.

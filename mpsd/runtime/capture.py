@@ -137,9 +137,11 @@ class CaptureCalls:
         if cap.mode == CAPTURE_THREAD_LOCAL and thread != cap.thread:
             raise StreamCaptureWrongThreadError(f"the thread-local capture on stream {s.id} began in another thread")
         self._end(cap)
+        unjoined = [] if cap.invalidated else self._unjoined(cap)
+        if (cap.invalidated or unjoined) and cap.graph.memory:
+            self._memory_gone(cap.graph)  # type: ignore[attr-defined]  (no graph: its allocations go)
         if cap.invalidated:
             raise StreamCaptureInvalidatedError(f"the capture on stream {s.id} was invalidated")
-        unjoined = self._unjoined(cap)
         if unjoined:
             raise StreamCaptureUnjoinedError(f"stream{'s' if len(unjoined) > 1 else ''} "
                                              f"{', '.join(map(str, unjoined))} forked from stream {s.id} "

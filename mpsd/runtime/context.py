@@ -24,6 +24,7 @@ from mpsd_protocol import (  # type: ignore[attr-defined]
     EVENT_EXTERNAL,
     POOL_ALLOC,
     POOL_FREE,
+    POOL_GRAPH_FREE,
     POOL_RELEASE,
     CudaError,
     InvalidDeviceFunctionError,
@@ -41,6 +42,7 @@ from mpsd_protocol import (  # type: ignore[attr-defined]
 from mpsd.backends.base import HOST_VIEW, DeviceMemory
 from mpsd.backends.ops import Copy, Extent, Launch, Memset, Plan, Record, Work, stage
 from mpsd.runtime.capture import CaptureCalls
+from mpsd.runtime.graph_memory import GraphMemoryCalls
 from mpsd.runtime.graphs import CAPTURED, EVENT_RECORD, EVENT_WAIT, GraphCalls
 from mpsd.runtime.kernels import KERNELS
 from mpsd.runtime.limits import refused
@@ -148,7 +150,7 @@ class Counters:
     bytes_copied_peer: int = 0
 
 
-class Context(VirtualMemoryCalls, CaptureCalls, GraphCalls):
+class Context(VirtualMemoryCalls, CaptureCalls, GraphMemoryCalls, GraphCalls):
     """One client's sub-context on one device."""
 
     def __init__(self, device: Device, client_id: int, pid: int, uid: int, gid: int, quotas: Quotas,
@@ -188,6 +190,7 @@ class Context(VirtualMemoryCalls, CaptureCalls, GraphCalls):
         self.counters = Counters()
         self._next_handle = 1
         self._init_graphs()  # graphs and executable graphs (mpsd.runtime.graphs)
+        self._init_graph_memory()  # their memory nodes' allocations (mpsd.runtime.graph_memory)
         self._init_capture()  # the captures under way (mpsd.runtime.capture)
         self.closed = False
 
@@ -313,6 +316,8 @@ class Context(VirtualMemoryCalls, CaptureCalls, GraphCalls):
             raise InvalidValueError(f"{addr:#x} was opened from an IPC handle: close it with ipc_close_mem_handle")
         if alloc.pool:
             raise InvalidValueError(f"{addr:#x} is a memory pool's reservation: its allocations go with free_async")
+        if addr in self.graph_allocs:
+            raise InvalidValueError(f"{addr:#x} is a graph's allocation: free it with free_async")
 
     def free(self, addr: int) -> None:
         """Free an allocation; the caller has already waited for the context's work (cudaFree synchronises)."""
@@ -423,6 +428,8 @@ class Context(VirtualMemoryCalls, CaptureCalls, GraphCalls):
                     in_use -= self._pool_free(*op[1:])  # type: ignore[index]
                 elif kind == POOL_RELEASE and len(op) == 2:  # type: ignore[arg-type]
                     self._pool_release(op[1])  # type: ignore[index]
+                elif kind == POOL_GRAPH_FREE and len(op) == 3:  # type: ignore[arg-type]
+                    self._graph_free(*op[1:])  # type: ignore[index]
                 else:
                     raise InvalidValueError(f"mem_pool_ops: {brief(op, 40)} is no pool operation")
             except CudaError as exc:

@@ -29,14 +29,16 @@ from mpsd_protocol import Calls, InvalidValueError, brief  # type: ignore[attr-d
 if TYPE_CHECKING:
     from mpsd.runtime.context import Stream
 
-__all__ = ["CAPTURED", "CHILD", "EMPTY", "EVENT_RECORD", "EVENT_WAIT", "KERNEL", "MEMCPY", "MEMSET", "Graph",
-           "GraphCalls", "GraphExec", "Node"]
+__all__ = ["CAPTURED", "CHILD", "EMPTY", "EVENT_RECORD", "EVENT_WAIT", "KERNEL", "MEMCPY", "MEMSET", "MEM_ALLOC",
+           "MEM_FREE", "Graph", "GraphCalls", "GraphExec", "Node"]
 
 KERNEL, MEMSET, MEMCPY, EMPTY = "kernel", "memset", "memcpy", "empty"
 # cudaGraphNodeTypeEventRecord, cudaGraphNodeTypeWaitEvent, cudaGraphNodeTypeGraph
 EVENT_RECORD, EVENT_WAIT, CHILD = "event_record", "event_wait", "graph"
+MEM_ALLOC, MEM_FREE = "mem_alloc", "mem_free"  # cudaGraphNodeTypeMemAlloc, MemFree (mpsd.runtime.graph_memory)
 # cudaGraphExecUpdateResult
-UPDATE_SUCCESS, UPDATE_TOPOLOGY_CHANGED, UPDATE_NODE_TYPE_CHANGED = 0, 2, 3
+UPDATE_SUCCESS, UPDATE_TOPOLOGY_CHANGED, UPDATE_NODE_TYPE_CHANGED, UPDATE_NOT_SUPPORTED = 0, 2, 3, 6
+INSTANTIATE_AUTO_FREE_ON_LAUNCH = 0x1  # cudaGraphInstantiateFlagAutoFreeOnLaunch
 _COPY_CALLS = {"d2d": Calls.memcpy_dtod, "h2d": Calls.memcpy_htod, "d2h": Calls.memcpy_dtoh}
 
 
@@ -91,6 +93,8 @@ class Graph:
 
     id: int
     nodes: dict[int, Node] = field(default_factory=dict)
+    memory: bool = False  # it has memory nodes (mpsd.runtime.graph_memory's rules apply)
+    execs: int = 0  # executable graphs made from it that live
 
     def add(self, node: Node) -> Node:
         self.nodes[node.id] = node
@@ -114,6 +118,8 @@ class GraphExec:
     kernels: int
     index: dict[int, int] = field(default_factory=dict)
     last: Work | None = None
+    graph: Graph | None = None  # the graph it was made from, where that has memory nodes
+    auto_free: bool = False  # cudaGraphInstantiateFlagAutoFreeOnLaunch
 
 
 class GraphCalls:
@@ -174,6 +180,8 @@ class GraphCalls:
                 raise InvalidValueError(f"an {type} node needs an event, not {brief(event, 20)}")
             e = self._event(event)  # type: ignore[attr-defined]
             return g.add(Node(self._handle(), type, after, {"event": e.id}, event=e)).id  # type: ignore[attr-defined]
+        if type in (MEM_ALLOC, MEM_FREE):
+            return g.add(self._memory_node(g, type, after, params)).id  # type: ignore[attr-defined]
         if type == CHILD:
             source = params.get("graph")
             if _type(source) is not int:
@@ -255,17 +263,31 @@ class GraphCalls:
 
     def graph_destroy(self, graph: int) -> None:
         """``cudaGraphDestroy``: executable graphs made from it stay."""
-        self._graph(graph)
+        g = self._graph(graph)
         del self.graphs[graph]
+        if g.memory:
+            self._memory_gone(g)  # type: ignore[attr-defined]
 
     # -- executable graphs -------------------------------------------------------------------------------
-    def graph_instantiate(self, graph: int) -> int:
-        """``cudaGraphInstantiate``: an executable graph of the graph's nodes as they are now."""
+    def graph_instantiate(self, graph: int, flags: int = 0) -> int:
+        """``cudaGraphInstantiateWithFlags``: an executable graph of the graph's nodes as they are now. `flags`:
+        INSTANTIATE_AUTO_FREE_ON_LAUNCH (a relaunch frees what the last launch allocated and nobody freed).
+
+        Raises:
+            InvalidValueError: other flags. NotSupportedError: the graph has memory nodes and an executable
+                graph already (one at a time).
+        """
         g = self._graph(graph)
+        if flags & ~INSTANTIATE_AUTO_FREE_ON_LAUNCH:
+            raise InvalidValueError(f"graph_instantiate: bad flags {flags:#x}")
+        if g.memory:
+            self._check_instantiate(g)  # type: ignore[attr-defined]
         nodes = tuple(self._flatten(g.nodes.values()))
         index = {node.id: i for i, node in enumerate(nodes)}
         graph_exec = GraphExec(self._handle(), nodes, tuple(tuple(index[d] for d in n.deps) for n in nodes),  # type: ignore[attr-defined]
-                               sum(node.type == KERNEL for node in nodes), index)
+                               sum(node.type == KERNEL for node in nodes), index, graph=g if g.memory else None,
+                               auto_free=bool(flags & INSTANTIATE_AUTO_FREE_ON_LAUNCH))
+        g.execs += 1
         self.execs[graph_exec.id] = graph_exec
         return graph_exec.id
 
@@ -283,6 +305,8 @@ class GraphCalls:
         for old, new in zip(ex.nodes, nodes):
             if old.type != new.type:
                 return {"result": UPDATE_NODE_TYPE_CHANGED, "node": new.id}
+            if old.type in (MEM_ALLOC, MEM_FREE) and old.params != new.params:  # its memory is the graph's own
+                return {"result": UPDATE_NOT_SUPPORTED, "node": new.id}
         ex.nodes, ex.deps = nodes, tuple(tuple(index[d] for d in n.deps) for n in nodes)
         return {"result": UPDATE_SUCCESS, "node": None}
 
@@ -306,8 +330,11 @@ class GraphCalls:
 
     def graph_exec_destroy(self, graph_exec: int) -> None:
         """``cudaGraphExecDestroy``: launches already queued still run."""
-        self._exec(graph_exec)
+        ex = self._exec(graph_exec)
         del self.execs[graph_exec]
+        if ex.graph is not None:
+            ex.graph.execs -= 1
+            self._memory_gone(ex.graph)  # type: ignore[attr-defined]
 
     def graph_launch(self, graph_exec: int, stream: int | None) -> Work:
         """``cudaGraphLaunch``: the graph's nodes, as one unit of work on `stream`, after the stream's earlier work
@@ -320,6 +347,8 @@ class GraphCalls:
         """
         ex = self._exec(graph_exec)
         s: Stream = self._stream(stream)  # type: ignore[attr-defined]
+        if ex.graph is not None or any(node.type == MEM_FREE for node in ex.nodes):
+            self._launching(ex, s)  # type: ignore[attr-defined]
         on = self._on(s)  # type: ignore[attr-defined]
         work = GraphLaunch(**on, nodes=tuple(self._node_work(node, on) for node in ex.nodes), deps=ex.deps, graph=ex)
         if ex.last is not None and not ex.last.done:
