@@ -13,7 +13,8 @@ from mpsd_client import GraphExecUpdateFailureError, IllegalAddressError, Invali
 
 N = 4096
 ONE_MS = int(1e-3 * 1.98e9)  # spin cycles for 1 ms at the H200's 1.98 GHz
-UNIT = 1 + H200.kernel_overhead * 1e3  # ms: one 1-ms kernel and the model's launch overhead
+# ms: one 1-ms kernel node of a graph and the model's launch overhead of a graph's node (not a lone launch's)
+UNIT = 1 + H200.graph_node_overhead * 1e3
 QUARTER = 66  # blocks of 1024 threads: a quarter of a wave, so two fit side by side
 
 
@@ -373,3 +374,25 @@ async def test_set_kernel_params_changes_the_executable_graphs_copy_only(actx, a
         await executable.set_kernel_params(clear, "fill_f32", 16, 256, [p, 9.0, N])
     with pytest.raises(Exception, match="no kernel named"):
         await executable.set_kernel_params(fill, "nope", 1, 1)
+
+
+async def test_a_graphs_kernel_nodes_pay_the_graph_node_overhead_not_a_launchs(actx, autojump_clock):
+    """Ten 1-ms kernels back to back take ten kernel launch overheads one by one and ten graph node overheads as a
+    graph (DeviceSpec.graph_node_overhead: the H200's 0.69 us a node, with the model's least block time): the
+    device saves by a graph too, not only the host."""
+    s = await actx.create_stream()
+    await actx.launch("spin", 1, 32, [int(20 * 1.98e9)], stream=s)  # a blocker: what follows is queued first
+    start, middle, end = [await actx.create_event() for _ in range(3)]
+    await s.begin_capture()
+    for _ in range(10):
+        await actx.launch("spin", 264, 1024, [ONE_MS], stream=s)
+    executable = await (await s.end_capture()).instantiate()
+    await start.record(s)
+    for _ in range(10):
+        await actx.launch("spin", 264, 1024, [ONE_MS], stream=s)
+    await middle.record(s)
+    await executable.launch(s)
+    await end.record(s)
+    await s.synchronize()
+    assert await start.elapsed_ms(middle) == pytest.approx(10 * (1 + H200.kernel_overhead * 1e3), abs=1e-6)
+    assert await middle.elapsed_ms(end) == pytest.approx(10 * UNIT, abs=1e-6)
