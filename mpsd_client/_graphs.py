@@ -223,7 +223,8 @@ class GraphExec:
 
         Raises:
             GraphExecUpdateFailureError: it has not; its ``result`` is "TOPOLOGY_CHANGED" (a node or an edge more
-                or less) or "NODE_TYPE_CHANGED" (``node`` the id of the node that changed), and nothing changed.
+                or less), "NODE_TYPE_CHANGED" or "NOT_SUPPORTED" (a memory node's allocation differs; ``node`` the
+                id of the node), and nothing changed.
         """
         return self.ctx._drive(_update(self, graph))
 

@@ -62,7 +62,7 @@ class Node:
 
     Attributes:
         id: its handle, unique in the context.
-        type: KERNEL, MEMSET, MEMCPY, EMPTY, EVENT_RECORD, EVENT_WAIT or CHILD.
+        type: KERNEL, MEMSET, MEMCPY, EMPTY, EVENT_RECORD, EVENT_WAIT, CHILD, MEM_ALLOC or MEM_FREE.
         deps: the ids of the nodes of its graph it runs after.
         params: the arguments of the call it stands for (no stream), as nodes() shows them.
         plan: a kernel node's launch, checked.
@@ -156,12 +156,16 @@ class GraphCalls:
         return graph.id
 
     def graph_add_node(self, graph: int, type: str, deps: list[Any], params: dict[str, Any]) -> int:
-        """``cudaGraphAdd{Kernel,Memset,Memcpy,Empty}Node``: a node of `type` after the nodes `deps`, its
-        arguments those of the call it stands for, checked as that call checks them; its id.
+        """``cudaGraphAdd{Kernel,Memset,Memcpy,Empty,EventRecord,EventWait,ChildGraph,MemAlloc,MemFree}Node``: a
+        node of `type` after the nodes `deps`, its arguments those of the call it stands for, checked as that call
+        checks them (an event node's `event`, a child graph node's `graph`, an allocation node's `nbytes`, a free
+        node's `ptr`); its id.
 
         Raises:
             InvalidValueError: an unknown type, a dependency that is no node of the graph, or what the call
                 would refuse (a range outside live memory, a pageable copy); the call's own errors otherwise.
+            InvalidResourceHandleError: an event node's event is not this context's.
+            NotSupportedError: a child graph with memory nodes (mpsd.runtime.graph_memory).
         """
         g = self._graph(graph)
         if not all(type_ is int for type_ in map(_type, deps)) or any(d not in g.nodes for d in deps) or (
@@ -220,7 +224,11 @@ class GraphCalls:
         return [node.describe() for node in self._graph(graph).nodes.values()]
 
     def graph_clone(self, graph: int) -> int:
-        """``cudaGraphClone``: a graph of the same nodes and edges, its nodes ids of their own."""
+        """``cudaGraphClone``: a graph of the same nodes and edges, its nodes ids of their own.
+
+        Raises:
+            NotSupportedError: the graph has memory nodes.
+        """
         source = self._graph(graph)
         self._check_clone(source)
         clone = Graph(self._handle())  # type: ignore[attr-defined]
@@ -294,8 +302,9 @@ class GraphCalls:
     def graph_exec_update(self, graph_exec: int, graph: int) -> dict[str, Any]:
         """``cudaGraphExecUpdate``: the executable graph takes the graph's nodes' arguments (kernels' functions,
         grids, blocks, arguments; memsets' and copies' memory), where the graph has its shape. The result is
-        cudaGraphExecUpdateResult's: 0 (updated), 2 (TOPOLOGY_CHANGED: a node or an edge more or less) or 3
-        (NODE_TYPE_CHANGED), with the node that differs, if one does; on a failure nothing changes."""
+        cudaGraphExecUpdateResult's: 0 (updated), 2 (TOPOLOGY_CHANGED: a node or an edge more or less), 3
+        (NODE_TYPE_CHANGED) or 6 (NOT_SUPPORTED: a memory node's allocation changed), with the node that differs,
+        if one does; on a failure nothing changes. Child graphs are compared flattened."""
         ex, g = self._exec(graph_exec), self._graph(graph)
         nodes = tuple(self._flatten(g.nodes.values()))
         index = {node.id: i for i, node in enumerate(nodes)}
