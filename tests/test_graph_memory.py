@@ -127,3 +127,20 @@ async def test_another_graphs_free_node_frees_a_live_allocation(actx, autojump_c
     await free.launch()
     with pytest.raises(InvalidValueError):
         await actx.synchronize()
+
+
+async def test_an_update_may_not_change_a_memory_node(actx, autojump_clock):
+    """cudaGraphExecUpdate from the graph itself succeeds; from another graph of the same shape, whose allocation
+    node has an address of its own, it is cudaGraphExecUpdateErrorNotSupported, and nothing changes."""
+    from mpsd_client import GraphExecUpdateFailureError
+
+    first, second = await actx.graph_create(), await actx.graph_create()
+    for graph in (first, second):
+        await graph.add_mem_alloc_node(4096)
+    executable = await first.instantiate(auto_free_on_launch=True)
+    await executable.update(first)
+    with pytest.raises(GraphExecUpdateFailureError) as failed:
+        await executable.update(second)
+    assert failed.value.result == "NOT_SUPPORTED"
+    await executable.launch()
+    await actx.synchronize()
