@@ -277,7 +277,8 @@ class Calls:
     graph_get_nodes = Call((Arg("graph", INT),), reply=LIST)  # each node's id, type, deps and params, in order
     graph_clone = Call((Arg("graph", INT),), reply=INT)
     graph_destroy = Call((Arg("graph", INT),))
-    graph_instantiate = Call((Arg("graph", INT), Arg("flags", INT, 0)), reply=INT)  # 1: AutoFreeOnLaunch
+    # flags 1: AutoFreeOnLaunch. Priced as DeviceSpec.graph_instantiate_call under the virtual clock.
+    graph_instantiate = Call((Arg("graph", INT), Arg("flags", INT, 0)), reply=INT, cost=(CALL, "instantiate"))
     # cudaMallocAsync on a capturing stream (a capture's memory alloc node): the allocation's address, fixed for the
     # graph's life; 0 where the stream captures nothing (the client's own pool serves it then). Frees of graph
     # allocations go with the pool's operations (POOL_GRAPH_FREE).

@@ -92,6 +92,8 @@ class DeviceSpec:
     # The device's launch overhead of a kernel node of a launched graph, in place of ``kernel_overhead``: a graph's
     # work is handed to the device whole, so its nodes do not pay a launch each. None: the same as alone.
     graph_node_overhead: float | None = None
+    # A cudaGraphInstantiate call's host time (0: call_latency's), whatever the graph's size.
+    graph_instantiate_call: float = 0.0
     # A copy between this device and a peer over NVLink: its bytes/s each way (0: the device has no NVLink)
     # and its fixed cost. Between devices that are not peers a copy is staged through host memory at
     # ``pcie_bandwidth`` (simcore/src/copies.rs says how).
@@ -162,6 +164,9 @@ H200 = DeviceSpec(
     # 53 us between events there, and 264-block kernels of 10 us 1090 us (bench/graph_launch.py sets the model's
     # figures beside them): one figure cannot give both, and this one sits between.
     graph_node_overhead=0.59e-6,
+    # Instantiating that 100-node graph took about 155 us (439 us the first time in the process, which the model
+    # does not keep apart); one graph's figure, as graph_launch_call's is.
+    graph_instantiate_call=155e-6,
     # NVLink 4 as NVIDIA's H200 datasheet gives it: 900 GB/s a GPU, both directions together (18 links), so
     # 450 GB/s each way. A nominal figure, not a measurement (no two-GPU H200 has been lent to measure one):
     # copies a real one makes will reach less. Its latency is taken as the PCIe engines' (copy_latency).
