@@ -410,3 +410,26 @@ async def test_an_instantiation_costs_the_host_what_the_h200s_did(autojump_clock
         before = await actx.clock()
         await graph.instantiate()
         assert await actx.clock() - before == pytest.approx(H200.graph_instantiate_call, rel=0.05)
+
+
+async def test_an_event_wait_node_holds_under_the_kernel_dispatcher(autojump_clock):
+    """Under --dispatch kernel, a graph whose wait node waits for a record the dispatcher still holds (a less urgent
+    client's, behind an urgent client's work) runs its fill after the other stream's: the launch waits for that
+    record to be released, which a backend could not wait for unreleased."""
+    async with in_process_daemon("--policy", "priority", "--dispatch", "kernel") as d, d.connect() as urgent, \
+            d.connect(CUDA_MPS_CLIENT_PRIORITY="1") as actx:
+        await urgent.launch("spin", 264, 1024, [20 * ONE_MS])
+        s, t = await actx.create_stream(non_blocking=True), await actx.create_stream(non_blocking=True)
+        p = await actx.malloc(4 * N)
+        e = await actx.create_event(disable_timing=True)
+        graph = await actx.graph_create()
+        wait = await graph.add_event_wait_node(e)
+        await graph.add_kernel_node("fill_f32", 16, 256, [p, 2.0, N], deps=[wait])
+        executable = await graph.instantiate()
+        for _ in range(3):
+            await actx.launch("spin", 264, 1024, [5 * ONE_MS], stream=t)
+        await actx.launch("fill_f32", 16, 256, [p, 1.0, N], stream=t)
+        await e.record(t)
+        await executable.launch(s)
+        await actx.synchronize()
+        assert (await floats(actx, p) == 2.0).all()

@@ -362,6 +362,12 @@ class GraphCalls:
         work = GraphLaunch(**on, nodes=tuple(self._node_work(node, on) for node in ex.nodes), deps=ex.deps, graph=ex)
         if ex.last is not None and not ex.last.done:
             work.after = (ex.last,)
+        # A wait node's record that no backend has yet (the kernel dispatcher holds it) is the whole launch's
+        # dependency too: the dispatcher looks only at a work's own `after` before it releases it, and a
+        # backend cannot wait for a record it has never been given.
+        held = tuple(r for node in work.nodes for r in node.after if r.handle is None)
+        if held:
+            work.after += held
         self._enqueue(s, work)  # type: ignore[attr-defined]
         if work.handle is not CAPTURED:
             ex.last = work
