@@ -128,7 +128,7 @@ class Daemon:
 @contextlib.contextmanager
 def daemon(time_scale: float, profile_dir: Path | None = None, py_spy_dir: Path | None = None,
            cpu: int | None = None, devices: str | None = None, policy: str | None = None,
-           dispatch: str | None = None) -> Iterator[Daemon]:
+           dispatch: str | None = None, clock: str | None = None) -> Iterator[Daemon]:
     """A private `python -m mpsd` on a short temp pipe directory; stopped with SIGTERM, which must give 0."""
     pipe_dir = Path(tempfile.mkdtemp(prefix="mpsdb-", dir="/tmp"))  # socket paths are limited to 107 bytes
     cmd = [sys.executable]
@@ -141,6 +141,8 @@ def daemon(time_scale: float, profile_dir: Path | None = None, py_spy_dir: Path 
         cmd += ["--policy", policy]
     if dispatch is not None:
         cmd += ["--dispatch", dispatch]
+    if clock is not None:
+        cmd += ["--clock", clock]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
     spy = None
     try:

@@ -20,6 +20,8 @@ from mpsd_protocol import (  # noqa: F401  (the error classes are part of the cl
 
 from ._api import ContextBase
 from ._caching import CachingAllocator, caching_allocator
+from ._cuda_graph import CUDAGraph, graph
+from ._graph_pools import graph_pool_handle
 from ._graphs import CaptureInfo, Graph, GraphExec, GraphNode
 from ._objects import DevicePointer, Event, HostBuffer, Stream
 from ._pools import MemPool, PoolStatistics
@@ -40,8 +42,9 @@ def __getattr__(name: str):
 __all__ = [
     "DEVICE_LMEM_RESIZE_TO_MAX", "DEVICE_MAP_HOST", "DEVICE_SCHEDULE_AUTO", "DEVICE_SCHEDULE_BLOCKING_SYNC",
     "DEVICE_SCHEDULE_MASK", "DEVICE_SCHEDULE_SPIN", "DEVICE_SCHEDULE_YIELD", "DEVICE_SYNC_MEMOPS",
-    "AsyncContext", "CachingAllocator", "CaptureInfo", "Context", "ContextBase", "CudaError", "DevicePointer", "Event",
-    "HostBuffer",
+    "AsyncContext", "CUDAGraph", "CachingAllocator", "CaptureInfo", "Context", "ContextBase", "CudaError",
+    "DevicePointer", "Event", "HostBuffer",
     "Graph", "GraphExec", "GraphNode", "MemPool", "PoolStatistics", "Stream",
-    "caching_allocator", "connect", "error_name", "error_string", "format_size", "open_context", "parse_size",
+    "caching_allocator", "connect", "error_name", "error_string", "format_size", "graph", "graph_pool_handle",
+    "open_context", "parse_size",
 ] + [cls.__name__ for cls in ERROR_CLASSES.values()]

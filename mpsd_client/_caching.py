@@ -30,6 +30,7 @@ from ._caching_report import History, summary
 from ._figures import (LARGE_BUFFER, MIN_BLOCK, POOLS, SMALL_BUFFER, SMALL_SIZE, STATS, UNLIMITED, _allocation_size,
                        _Figures, _oom_message, _power2_division, _Stat, _stream, fragmentation)
 from ._expandable import ExpandableRules, ExpandableSegment, Unmapped, expandable_size
+from ._graph_pools import SHARED, GraphPools
 from ._stream_uses import PendingFrees
 
 __all__ = ["CachingAllocator", "caching_allocator"]
@@ -53,6 +54,7 @@ class _Block:
     frames: list[dict[str, Any]] = field(default_factory=list)  # its allocation's stack, when history is on
     mapped: bool = True  # False: a range of an expandable segment with no memory behind it yet
     segment: ExpandableSegment | None = None  # the expandable segment it is part of, if any
+    pool_id: tuple[int, int] = SHARED  # the graphs' private pool its segment belongs to, if any (_graph_pools)
 
     @property
     def key(self) -> tuple[int, int, int]:
@@ -111,7 +113,7 @@ def _config(text: str) -> dict[str, float]:
     return out
 
 
-class CachingAllocator(ExpandableRules, _Figures):
+class CachingAllocator(ExpandableRules, GraphPools, _Figures):
     """PyTorch's CUDA caching allocator over a context's device memory.
 
     Args:
@@ -156,6 +158,7 @@ class CachingAllocator(ExpandableRules, _Figures):
         self._reserved_total = 0  # bytes of every segment held: what the fraction caps
         self._gc_calls = {True: 0, False: 0}  # best-fit searches per pool while garbage collection is on
         self._pools = {True: _Pool(True), False: _Pool(False)}
+        self._init_graph_pools(_Pool)  # graphs' private pools (mpsd_client._graph_pools)
         self._active: dict[int, _Block] = {}  # address of each allocated block
         self._segments: dict[int, _Block] = {}  # base address of each segment -> its first block
         self._stats = {name: {pool: _Stat() for pool in POOLS} for name in STATS}
@@ -180,14 +183,17 @@ class CachingAllocator(ExpandableRules, _Figures):
         size = self._round(nbytes)
         small = size <= SMALL_SIZE
         stream_key = _stream(stream)
-        block = self._free_block(small, stream_key, size)
-        if block is None:
+        pool_id, pools = self._target(stream) if self._to_pool else (SHARED, self._pools)
+        block = self._free_block(small, stream_key, size, pools[small])
+        if block is None and pool_id != SHARED:
+            block = self._new_segment(small, stream_key, size, False, pool_id)
+        elif block is None:
             if self.allowed is not None and self.gc_threshold > 0:
                 self._collect_garbage()
             block = self._alloc_block(small, stream_key, stream, size, retry=False)
             if block is None and self._release_available(small, stream_key, size):
                 block = self._alloc_block(small, stream_key, stream, size, retry=False)
-            if block is None:
+            if block is None and not self._capturing:  # emptying the cache synchronises: no capture allows it
                 self._release_cached()
                 block = self._alloc_block(small, stream_key, stream, size, retry=True)
             if block is None:
@@ -228,7 +234,9 @@ class CachingAllocator(ExpandableRules, _Figures):
             self._oversize["oversize_allocations"].down(1)
         if self._history is not None:
             self._history.add("free_requested", block.ptr, block.requested, block.stream)
-        if block.stream_uses:
+        if block.stream_uses and self._capturing:
+            self._deferred.append(block)  # its events are recorded once no capture is under way
+        elif block.stream_uses:
             self._pending.hold(block, block.stream_uses)
             block.stream_uses = {}
         else:
@@ -246,7 +254,7 @@ class CachingAllocator(ExpandableRules, _Figures):
             if merged:
                 blocks_change -= 1
                 bytes_change -= merged
-        self._pools[block.small].insert(block, self._gc_calls[block.small])
+        self._home(block).insert(block, self._gc_calls[block.small])
         if block.is_split():
             blocks_change += 1
             bytes_change += block.size
@@ -264,13 +272,29 @@ class CachingAllocator(ExpandableRules, _Figures):
         self.allowed = int(fraction * self.ctx.mem_get_info()[1])
 
     def _process_events(self) -> None:
-        """Blocks whose streams' events have all completed go back to their pools (at each malloc)."""
+        """Blocks whose streams' events have all completed go back to their pools (at each malloc); blocks freed
+        during a capture under record_stream have their events recorded, once no capture is under way."""
+        self._hold_deferred()
         self._pending.process(self._return_block)
+
+    def _hold_deferred(self) -> None:
+        if self._deferred and not self._capturing:
+            for block in self._deferred:
+                self._pending.hold(block, block.stream_uses)
+                block.stream_uses = {}
+            self._deferred = []
 
     def empty_cache(self) -> None:
         """Give every whole, free segment back to the device (after waiting for the device's work, as PyTorch
         synchronises before it frees); with expandable segments, unmap every whole free page, and give back each
-        segment's range once nothing of it is mapped."""
+        segment's range once nothing of it is mapped. The private pools of graphs all reset are emptied too; those
+        of live graphs keep their memory.
+
+        Raises:
+            RuntimeError: a capture is under way (the synchronisation would invalidate it).
+        """
+        if self._capturing:
+            raise RuntimeError("empty_cache synchronises the device: not while a graph is being captured")
         self._release_cached()
 
     # -- statistics, as torch.cuda has them ------------------------------------------------------------------
@@ -307,7 +331,8 @@ class CachingAllocator(ExpandableRules, _Figures):
                         "active_size": active, "requested_size": sum(b["requested_size"] for b in blocks),
                         "stream": first.stream if first is not None else 0,
                         "segment_type": "small" if first is not None and first.small else "large",
-                        "segment_pool_id": (0, 0), "is_expandable": expandable,
+                        "segment_pool_id": first.pool_id if first is not None else SHARED,
+                        "is_expandable": expandable,
                         "frames": self._segment_frames.get(base, []), "blocks": blocks})
         return out
 
@@ -350,8 +375,7 @@ class CachingAllocator(ExpandableRules, _Figures):
             return _power2_division(nbytes, divisions)
         return -(-nbytes // MIN_BLOCK) * MIN_BLOCK
 
-    def _free_block(self, small: bool, stream: int, size: int) -> _Block | None:
-        pool = self._pools[small]
+    def _free_block(self, small: bool, stream: int, size: int, pool: _Pool) -> _Block | None:
         if self.allowed is not None and self.gc_threshold > 0:
             self._gc_calls[small] += 1  # a cached block's age counts these searches
         block = pool.best_fit(stream, size)
@@ -394,18 +418,28 @@ class CachingAllocator(ExpandableRules, _Figures):
             if up and ptr not in self._segment_frames:
                 self._segment_frames[ptr] = frames
 
-    def _new_segment(self, small: bool, stream: int, size: int, retry: bool) -> _Block | None:
+    def _new_segment(self, small: bool, stream: int, size: int, retry: bool,
+                     pool_id: tuple[int, int] = SHARED) -> _Block | None:
+        # (A private pool's segments are never expandable: each is a cudaMalloc of its own.)
         nbytes = SMALL_BUFFER if small else _allocation_size(size)
         if retry:
             self._counts["num_alloc_retries"] += 1
         if self.allowed is not None and self._reserved_total + nbytes > self.allowed:
             return None  # past the process's fraction: as if the device had no room
         try:
-            ptr = int(self.ctx.malloc(nbytes))
+            if self._capturing:  # PyTorch's cudaMallocMaybeCapturing: relaxed, so the capture goes on
+                before = self.ctx.thread_exchange_stream_capture_mode("relaxed")
+                try:
+                    ptr = int(self.ctx.malloc(nbytes))
+                finally:
+                    self.ctx.thread_exchange_stream_capture_mode(before)
+            else:
+                ptr = int(self.ctx.malloc(nbytes))
         except OutOfMemoryError:
             return None
         self._reserved_total += nbytes
-        block = _Block(stream, nbytes, ptr, small)
+        block = _Block(stream, nbytes, ptr, small, pool_id=pool_id)
+        self._new_private_segment(pool_id, ptr)
         self._segments[ptr] = block
         if self._history is not None:
             self._segment_frames[ptr] = self._history.add("segment_alloc", ptr, nbytes, stream)
@@ -427,9 +461,9 @@ class CachingAllocator(ExpandableRules, _Figures):
             split = size < self.max_split_size and remaining > SMALL_SIZE
         if split:
             rest = _Block(block.stream, remaining, block.ptr + size, block.small, prev=None, next=block.next,
-                          segment=block.segment)
+                          segment=block.segment, pool_id=block.pool_id)
             front = _Block(block.stream, size, block.ptr, block.small, prev=block.prev, next=rest,
-                           segment=block.segment)
+                           segment=block.segment, pool_id=block.pool_id)
             rest.prev = front
             if front.prev is not None:
                 front.prev.next = front
@@ -437,7 +471,7 @@ class CachingAllocator(ExpandableRules, _Figures):
                 self._set_head(front)
             if rest.next is not None:
                 rest.next.prev = rest
-            self._pools[block.small].insert(rest, self._gc_calls[block.small])
+            self._home(block).insert(rest, self._gc_calls[block.small])
             if block.segment is not None:
                 pass  # expandable segments are left out of inactive_split, as in PyTorch
             elif was_split:
@@ -465,7 +499,7 @@ class CachingAllocator(ExpandableRules, _Figures):
         if other is None or other.allocated or other.event_count or other.mapped != block.mapped:
             return 0  # in use, waiting for a stream's event, or mapped where the block is not (or not where it is)
         if other.mapped:
-            self._pools[block.small].remove(other)
+            self._home(block).remove(other)
         else:
             self._pools[block.small].unmapped.remove(other)
         if block.prev is other:
@@ -538,11 +572,11 @@ class CachingAllocator(ExpandableRules, _Figures):
                     self._release(block)
 
     def _release_cached(self) -> None:
+        self._hold_deferred()
         self._pending.synchronize(self._return_block)
         self.ctx.synchronize()
         self._counts["num_sync_all_streams"] += 1
-        for small in (False, True):
-            pool = self._pools[small]
+        for pool in [self._pools[False], self._pools[True], *self._freeable_private()]:
             growing = []  # an expandable segment's free blocks: their whole pages are unmapped after the rest
             for key in list(pool.keys):
                 block = pool.blocks[key]
@@ -552,10 +586,12 @@ class CachingAllocator(ExpandableRules, _Figures):
                     self._release(block)
             for block in growing:
                 self._unmap_block(block)
+        self._forget_empty_pools()
 
     def _release(self, block: _Block) -> None:
         """Give a whole free segment back to the device."""
-        self._pools[block.small].remove(block)
+        self._home(block).remove(block)
+        self._segment_gone(block)
         del self._segments[block.ptr]
         self._segment_frames.pop(block.ptr, None)
         if self._history is not None:

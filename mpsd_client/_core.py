@@ -25,6 +25,7 @@ from mpsd_protocol import (  # type: ignore[attr-defined]
     IPC_FREED,
     POOL_ALLOC,
     POOL_FREE,
+    POOL_GRAPH_FREE,
     POOL_RELEASE,
     PROTOCOL_ERROR,
     PROTOCOL_VERSION,
@@ -84,11 +85,13 @@ class _Capture:
     thread that set one (cudaThreadExchangeStreamCaptureMode; the others' is global). While a capture is under
     way every call carries its thread, for the daemon's rules of the thread-local and relaxed modes."""
 
-    __slots__ = ("streams", "modes")
+    __slots__ = ("streams", "modes", "allocs")
 
     def __init__(self) -> None:
         self.streams: set[int] = set()
         self.modes: dict[int, int] = {}
+        # Addresses that graphs' allocation nodes gave (mpsd.runtime.graph_memory): their frees go to the daemon.
+        self.allocs: set[int] = set()
 
     def tag(self, args: dict[str, Any]) -> dict[str, Any]:
         thread = threading.get_ident()
@@ -316,7 +319,8 @@ class Core:
         return DevicePointer(addr, nbytes, ctx)
 
     def free(self, ptr: int) -> Op:
-        if int(ptr) in self._pool_live:  # cudaFree of stream-ordered memory: freed in order, then synchronised
+        if int(ptr) in self._pool_live or int(ptr) in self.capture.allocs:
+            # cudaFree of stream-ordered memory (a pool's or a graph's): freed in order, then synchronised
             self.free_async(ptr, None)
             yield from self.invoke(Calls.synchronize)
             return
@@ -380,14 +384,21 @@ class Core:
 
     def malloc_async_now(self, ctx: Any, nbytes: int, stream: Stream | None, pool: Any) -> DevicePointer | None:
         """The blocking shell's fast path: `malloc_async` where it needs no message (None: it does)."""
-        if len(self._ops) >= MAX_OPS:
+        if len(self._ops) >= MAX_OPS or (self.capture.streams and stream is not None):
             return None
         pool, key = self._pool_request(ctx, nbytes, stream, pool)
         return DevicePointer(0, 0, ctx) if nbytes == 0 else self._hand_out(ctx, pool, key, nbytes)
 
     def malloc_async(self, ctx: Any, nbytes: int, stream: Stream | None, pool: Any) -> Op:
-        """``cudaMallocFromPoolAsync``: an address from the pool's reservations; a round trip only to grow it."""
+        """``cudaMallocFromPoolAsync``: an address from the pool's reservations; a round trip only to grow it.
+        While a capture of this context is under way, the daemon is asked first whether the stream captures: then
+        the allocation is a memory node of the capture's graph, its address the graph's (not the pool's)."""
         pool, key = self._pool_request(ctx, nbytes, stream, pool)
+        if self.capture.streams and stream is not None and nbytes:
+            addr = yield from self.invoke(Calls.graph_mem_alloc, nbytes, stream)
+            if addr:
+                self.capture.allocs.add(addr)
+                return DevicePointer(addr, nbytes, ctx)
         if nbytes == 0:
             return DevicePointer(0, 0, ctx)
         ptr = self._hand_out(ctx, pool, key, nbytes)
@@ -410,6 +421,9 @@ class Core:
         if addr == 0:
             return
         found = self._pool_live.pop(addr, None)
+        if found is None and addr in self.capture.allocs:  # a graph's: the daemon has its rules
+            self._ops.append([POOL_GRAPH_FREE, addr, key])
+            return
         if found is None:
             raise InvalidValueError(f"{addr:#x} is not a live stream-ordered allocation of this context (freed "
                                     "already, or from malloc)")

@@ -28,7 +28,7 @@ from mpsd_protocol import (  # type: ignore[attr-defined]
 
 if TYPE_CHECKING:
     from ._api import ContextBase
-    from ._objects import Stream
+    from ._objects import Event, Stream
 
 __all__ = ["CaptureInfo", "Graph", "GraphExec", "GraphNode"]
 
@@ -41,8 +41,10 @@ Op = Generator[Any, Any, Any]
 
 @dataclass(frozen=True, slots=True)
 class GraphNode:
-    """A node of a graph: `type` is "kernel", "memset", "memcpy" or "empty"; `deps` the ids of the nodes it runs
-    after; `params` the arguments of the call it stands for. Where a node is asked for, its id does too."""
+    """A node of a graph: `type` is "kernel", "memset", "memcpy", "empty", "event_record", "event_wait", "graph"
+    (a child graph), "mem_alloc" or "mem_free"; `deps` the ids of the nodes it runs after; `params` the arguments
+    of the call it stands for (an event node's event handle; a child graph node's source graph and its copy's
+    nodes; an allocation node's bytes and address). Where a node is asked for, its id does too."""
 
     id: int
     type: str
@@ -107,6 +109,43 @@ class Graph:
         """``cudaGraphAddEmptyNode``: nothing, after `deps` (a point to join branches at)."""
         return self._add("empty", deps, {})
 
+    def add_event_record_node(self, event: Event, deps: Iterable[GraphNode | int] = ()) -> Any:
+        """``cudaGraphAddEventRecordNode``: record `event` when the graph reaches this node, at each launch (its
+        latest record, for queries, synchronisations and waits, is the launch's).
+
+        Raises:
+            InvalidResourceHandleError: not an event of this context.
+        """
+        return self._add("event_record", deps, {"event": event.handle})
+
+    def add_event_wait_node(self, event: Event, deps: Iterable[GraphNode | int] = ()) -> Any:
+        """``cudaGraphAddEventWaitNode``: the nodes after this one wait for `event`'s latest record as of each
+        launch, as a stream's wait_event at the launch would."""
+        return self._add("event_wait", deps, {"event": event.handle})
+
+    def add_mem_alloc_node(self, nbytes: int, deps: Iterable[GraphNode | int] = ()) -> Any:
+        """``cudaGraphAddMemAllocNode``: `nbytes` of device memory the graph allocates when it reaches this node;
+        the node's ``params["ptr"]`` is the address, the same at every launch. Free it with a free node of this
+        graph, or after a launch with free_async (mpsd.runtime.graph_memory has CUDA's rules).
+
+        Raises:
+            InvalidValueError: no bytes. OutOfMemoryError: as malloc's.
+        """
+        return self.ctx._drive(_add_memory_node(self, nbytes, deps))
+
+    def add_mem_free_node(self, ptr: Any, deps: Iterable[GraphNode | int] = ()) -> Any:
+        """``cudaGraphAddMemFreeNode``: free the graph allocation at `ptr` when the graph reaches this node.
+
+        Raises:
+            InvalidValueError: `ptr` is no allocation node's address, or this graph frees it already.
+        """
+        return self._add("mem_free", deps, {"ptr": ptr})
+
+    def add_child_graph_node(self, graph: Graph, deps: Iterable[GraphNode | int] = ()) -> Any:
+        """``cudaGraphAddChildGraphNode``: all of `graph` (copied now: later changes to it are not seen) after
+        `deps`; the nodes after this one run after all of the child's. The node's params show the copy's nodes."""
+        return self._add("graph", deps, {"graph": graph.handle})
+
     def _add(self, type: str, deps: Iterable[GraphNode | int], params: dict[str, Any]) -> Any:
         params = {key: _plain(value) for key, value in params.items()}
         return self.ctx._drive(_add_node(self, type, [_node_id(d) for d in deps], params))
@@ -119,9 +158,15 @@ class Graph:
         """``cudaGraphClone``: a copy with the same nodes and edges (nodes of its own)."""
         return self.ctx._drive(_graph_of(self.ctx, self.ctx._core.invoke(Calls.graph_clone, self.handle)))
 
-    def instantiate(self) -> Any:
-        """``cudaGraphInstantiate``: an executable graph of the nodes as they are now (one request)."""
-        return self.ctx._drive(_instantiate(self))
+    def instantiate(self, auto_free_on_launch: bool = False) -> Any:
+        """``cudaGraphInstantiate``: an executable graph of the nodes as they are now (one request). With
+        `auto_free_on_launch` (cudaGraphInstantiateFlagAutoFreeOnLaunch), a launch frees what the previous one
+        allocated and nobody freed, instead of failing.
+
+        Raises:
+            NotSupportedError: the graph has memory nodes and an executable graph already.
+        """
+        return self.ctx._drive(_instantiate(self, 1 if auto_free_on_launch else 0))
 
     def to_dot(self, path: str | os.PathLike[str]) -> Any:
         """Write the graph in Graphviz's dot language, as ``cudaGraphDebugDotPrint`` does: a cluster for the
@@ -158,13 +203,28 @@ class GraphExec:
             raise
         return self.ctx._post(note)
 
+    def set_kernel_params(self, node: GraphNode | int, name: str, grid: Any, block: Any, args: Iterable[Any] = (),
+                          shared_mem: int = 0) -> Any:
+        """``cudaGraphExecKernelNodeSetParams``: this executable graph's copy of kernel node `node` (of the graph it
+        was instantiated from) launches `name` with this grid, block and arguments from the next launch on; the
+        graph is unchanged.
+
+        Raises:
+            InvalidValueError: `node` is no kernel node of that graph; a launch's errors for the new arguments.
+        """
+        params = {key: _plain(value) for key, value in (("name", name), ("grid", _dims(grid)), ("block", _dims(block)),
+                                                         ("args", list(args)), ("shared_mem", shared_mem))}
+        return self.ctx._drive(self.ctx._core.invoke(Calls.graph_exec_kernel_node_set_params, self.handle,
+                                                     _node_id(node), params))
+
     def update(self, graph: Graph) -> Any:
         """``cudaGraphExecUpdate``: take `graph`'s nodes' arguments (kernels, grids, blocks, arguments, memory),
         where it has this graph's shape.
 
         Raises:
             GraphExecUpdateFailureError: it has not; its ``result`` is "TOPOLOGY_CHANGED" (a node or an edge more
-                or less) or "NODE_TYPE_CHANGED" (``node`` the id of the node that changed), and nothing changed.
+                or less), "NODE_TYPE_CHANGED" or "NOT_SUPPORTED" (a memory node's allocation differs; ``node`` the
+                id of the node), and nothing changed.
         """
         return self.ctx._drive(_update(self, graph))
 
@@ -241,8 +301,17 @@ def _nodes(graph: Graph) -> Op:
     return [GraphNode(n["id"], n["type"], tuple(n["deps"]), n["params"]) for n in found]
 
 
-def _instantiate(graph: Graph) -> Op:
-    return GraphExec(graph.ctx, (yield from graph.ctx._core.invoke(Calls.graph_instantiate, graph.handle)))
+def _instantiate(graph: Graph, flags: int = 0) -> Op:
+    return GraphExec(graph.ctx, (yield from graph.ctx._core.invoke(Calls.graph_instantiate, graph.handle, flags)))
+
+
+def _add_memory_node(graph: Graph, nbytes: int, deps: Iterable[GraphNode | int]) -> Op:
+    core = graph.ctx._core
+    ids = [_node_id(d) for d in deps]
+    node = yield from core.invoke(Calls.graph_add_node, graph.handle, "mem_alloc", ids, {"nbytes": _plain(nbytes)})
+    made = next(n for n in (yield from _nodes(graph)) if n.id == node)
+    core.capture.allocs.add(made.params["ptr"])
+    return made
 
 
 def _update(graph_exec: GraphExec, graph: Graph) -> Op:
@@ -278,6 +347,14 @@ def _label(node: GraphNode) -> str:
     elif node.type == "memcpy":
         rows = [p.get("kind", "?").upper()] + [f"{k} {v:#x}" if k in ("dst", "src") else f"{k} {v}"
                                                for k, v in p.items() if k != "kind"]
+    elif node.type in ("event_record", "event_wait"):
+        rows = [f"event {p['event']}"]
+    elif node.type == "mem_alloc":
+        rows = [f"ptr {p['ptr']:#x}", f"bytes {p['nbytes']}"]
+    elif node.type == "mem_free":
+        rows = [f"ptr {p['ptr']:#x}"]
+    elif node.type == "graph":
+        rows = [f"graph {p['graph']}", f"{len(p.get('nodes', []))} nodes"]
     else:
         rows = []
     return "\\n".join([f"{node.id}", node.type.upper(), *rows])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import mmap
 from typing import TYPE_CHECKING, Any
 
-from mpsd_protocol import Calls
+from mpsd_protocol import EVENT_EXTERNAL, Calls
 
 from . import _graphs
 
@@ -99,9 +99,12 @@ class Stream:
         """True if all work queued on this stream has completed (``cudaStreamQuery``)."""
         return self.ctx._drive(self.ctx._core.invoke(Calls.stream_query, self))
 
-    def wait_event(self, event: Event) -> Any:
-        """Make later work on this stream wait for `event`'s latest record (``cudaStreamWaitEvent``)."""
-        return self.ctx._drive(self.ctx._core.invoke(Calls.stream_wait_event, self, event))
+    def wait_event(self, event: Event, external: bool = False) -> Any:
+        """Make later work on this stream wait for `event`'s latest record (``cudaStreamWaitEvent``). With
+        `external` (cudaEventWaitExternal), a capture makes the wait an event wait node of its graph, which may wait
+        on an event recorded outside the capture; outside a capture it changes nothing."""
+        return self.ctx._drive(self.ctx._core.invoke(Calls.stream_wait_event, self, event,
+                                                     EVENT_EXTERNAL if external else 0))
 
     def destroy(self) -> Any:
         """Destroy the stream; work already queued on it still runs (``cudaStreamDestroy``). A capture it is in is
@@ -152,9 +155,12 @@ class Event:
         self.disable_timing = disable_timing
         self.interprocess = interprocess
 
-    def record(self, stream: Stream | None = None) -> Any:
-        """Record the event in `stream` (the default stream if None) (``cudaEventRecord``)."""
-        return self.ctx._drive(self.ctx._core.invoke(Calls.event_record, self, stream))
+    def record(self, stream: Stream | None = None, external: bool = False) -> Any:
+        """Record the event in `stream` (the default stream if None) (``cudaEventRecord``). With `external`
+        (cudaEventRecordExternal), a capture makes the record an event record node of its graph, which records the
+        event each time the graph runs; outside a capture it changes nothing."""
+        return self.ctx._drive(self.ctx._core.invoke(Calls.event_record, self, stream,
+                                                     EVENT_EXTERNAL if external else 0))
 
     def synchronize(self) -> Any:
         """Wait until the event's latest record has completed (``cudaEventSynchronize``)."""

@@ -83,11 +83,14 @@ SYNC_STREAM, QUERY_STREAM, SYNC_EVENT, QUERY_EVENT = "sync_stream", "query_strea
 # cudaStreamCaptureMode and cudaStreamCaptureStatus, by CUDA's values.
 CAPTURE_GLOBAL, CAPTURE_THREAD_LOCAL, CAPTURE_RELAXED = 0, 1, 2
 CAPTURE_NONE, CAPTURE_ACTIVE, CAPTURE_INVALIDATED = 0, 1, 2
+EVENT_EXTERNAL = 0x1  # cudaEventRecordExternal, cudaEventWaitExternal
 
 # The operations of mem_pool_ops, each a list: [POOL_ALLOC, ptr, nbytes, stream, [streams it waits for]] (a
 # malloc_async; the streams: memory freed there reused without an event between, the pool's internal dependency),
 # [POOL_FREE, ptr, stream] (a free_async), [POOL_RELEASE, ptr] (a reservation the pool gives back).
-POOL_ALLOC, POOL_FREE, POOL_RELEASE = 0, 1, 2
+# [POOL_GRAPH_FREE, ptr, stream]: a free_async (or cudaFree) of a graph's allocation (mpsd.runtime.graph_memory):
+# a memory free node where the stream captures, a free in stream order where it does not.
+POOL_ALLOC, POOL_FREE, POOL_RELEASE, POOL_GRAPH_FREE = 0, 1, 2, 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,11 +238,13 @@ class Calls:
     destroy_stream = Call((Arg("stream", STREAM_HANDLE),))
     stream_synchronize = Call(_STREAM, waits=True, cost=(SYNC, None), capture=SYNC_STREAM)
     stream_query = Call(_STREAM, reply=BOOL, capture=QUERY_STREAM)
-    stream_wait_event = Call((*_STREAM, *_EVENT), notify=True, cost=(LAUNCH, None))
+    # `flags`: cudaEventWaitExternal and cudaEventRecordExternal (EVENT_EXTERNAL), which only a capture heeds: the
+    # wait or the record becomes an event node of the graph (mpsd.runtime.capture) instead of an edge of it.
+    stream_wait_event = Call((*_STREAM, *_EVENT, Arg("flags", INT, 0)), notify=True, cost=(LAUNCH, None))
     create_event = Call((Arg("disable_timing", BOOL, False), Arg("interprocess", BOOL, False)),
                         reply=EVENT_HANDLE)
     destroy_event = Call(_EVENT)
-    event_record = Call((*_EVENT, *_STREAM), notify=True, cost=(LAUNCH, None))
+    event_record = Call((*_EVENT, *_STREAM, Arg("flags", INT, 0)), notify=True, cost=(LAUNCH, None))
     event_synchronize = Call(_EVENT, waits=True, cost=(SYNC, None), capture=SYNC_EVENT)
     event_query = Call(_EVENT, reply=BOOL, capture=QUERY_EVENT)
     event_elapsed = Call((Arg("start", EVENT_HANDLE), Arg("end", EVENT_HANDLE)), reply=FLOAT)
@@ -272,8 +277,16 @@ class Calls:
     graph_get_nodes = Call((Arg("graph", INT),), reply=LIST)  # each node's id, type, deps and params, in order
     graph_clone = Call((Arg("graph", INT),), reply=INT)
     graph_destroy = Call((Arg("graph", INT),))
-    graph_instantiate = Call((Arg("graph", INT),), reply=INT)
+    # flags 1: AutoFreeOnLaunch. Priced as DeviceSpec.graph_instantiate_call under the virtual clock.
+    graph_instantiate = Call((Arg("graph", INT), Arg("flags", INT, 0)), reply=INT, cost=(CALL, "instantiate"))
+    # cudaMallocAsync on a capturing stream (a capture's memory alloc node): the allocation's address, fixed for the
+    # graph's life; 0 where the stream captures nothing (the client's own pool serves it then). Frees of graph
+    # allocations go with the pool's operations (POOL_GRAPH_FREE).
+    graph_mem_alloc = Call((Arg("nbytes", COUNT), *_STREAM), reply=PTR, cost=(CALL, "alloc"))
     graph_exec_update = Call((Arg("exec", INT), Arg("graph", INT)), reply=MAP)  # result, node (cudaGraphExecUpdate)
+    # cudaGraphExecKernelNodeSetParams: `node` a kernel node of the graph the executable graph was made from, `params`
+    # a launch's arguments without the stream, as graph_add_node's.
+    graph_exec_kernel_node_set_params = Call((Arg("exec", INT), Arg("node", INT), Arg("params", MAP)))
     graph_exec_destroy = Call((Arg("exec", INT),))
     # One notification for the whole graph, however many nodes it has, priced as a fraction of a kernel launch's
     # call under the virtual clock (DeviceSpec.graph_launch_call): where a graph saves the host its launches.

@@ -692,3 +692,149 @@ def test_a_captured_graph_with_a_fork_computes_on_every_backend(backend_daemon):
             executable.launch(s)
         s.synchronize()
         assert (_floats(ctx, a) == 4.0).all() and (_floats(ctx, c) == 3.0).all()
+
+
+def _simple_cuda_graphs_by_hand(ctx, x, partial, result, host_in, host_out, n):
+    """The seed's simpleCudaGraphs graph made by hand: copy in, memset, two reduces, memset, reduce the partial
+    sums, copy out."""
+    graph = ctx.graph_create()
+    copy_in = graph.add_memcpy_node(x, host_in)
+    clear = graph.add_memset_node(partial, 0, 8)
+    halves = [graph.add_kernel_node("reduce_sum_f32", 512, 512, [x + 4 * i * (n // 2), partial + 4 * i, n // 2],
+                                    deps=[copy_in, clear]) for i in range(2)]
+    zero = graph.add_memset_node(result, 0, 4)
+    final = graph.add_kernel_node("reduce_sum_f32", 1, 512, [partial, result, 2], deps=[*halves, zero])
+    graph.add_memcpy_node(host_out, result, deps=[final])
+    return graph
+
+
+def test_the_seeds_simple_cuda_graphs_on_every_backend(backend_daemon):
+    """simpleCudaGraphs: the graph by hand launched three times and its clone once, then the same work captured with
+    a fork and a join across three streams, launched three times and cloned: each launch copies out the input's
+    sum. On a real GPU the nodes are replayed on the launch's stream; the simulator runs them by their edges."""
+    n = 1 << 16
+    values = (np.arange(n, dtype=np.float32) % 7)
+    with mpsd_client.connect(backend_daemon.pipe_dir) as ctx:
+        host_in, host_out = ctx.host_alloc(4 * n), ctx.host_alloc(4)
+        np.frombuffer(host_in, np.float32)[:] = values
+        x, partial, result = ctx.malloc(4 * n), ctx.malloc(8), ctx.malloc(4)
+        s = ctx.create_stream()
+
+        def launches(executable, times=3):
+            for _ in range(times):
+                np.frombuffer(host_out, np.float32)[0] = -1
+                executable.launch(s)
+                s.synchronize()
+                assert np.frombuffer(host_out, np.float32)[0] == values.sum()
+
+        graph = _simple_cuda_graphs_by_hand(ctx, x, partial, result, host_in, host_out, n)
+        launches(graph.instantiate())
+        launches(graph.clone().instantiate(), 1)
+        t, u = ctx.create_stream(non_blocking=True), ctx.create_stream(non_blocking=True)
+        forked, done_t, done_u = (ctx.create_event(disable_timing=True) for _ in range(3))
+        s.begin_capture()
+        ctx.memcpy_htod(x, host_in, s)
+        ctx.memset(partial, 0, 8, s)
+        forked.record(s)
+        for i, (branch, done) in enumerate(((t, done_t), (u, done_u))):
+            branch.wait_event(forked)
+            ctx.launch("reduce_sum_f32", 512, 512, [x + 4 * i * (n // 2), partial + 4 * i, n // 2], stream=branch)
+            done.record(branch)
+            s.wait_event(done)
+        ctx.memset(result, 0, 4, s)
+        ctx.launch("reduce_sum_f32", 1, 512, [partial, result, 2], stream=s)
+        ctx.memcpy_dtoh(host_out, result, s)
+        captured = s.end_capture()
+        assert [n.type for n in captured.nodes()] == ["memcpy", "memset", "kernel", "kernel", "memset", "kernel",
+                                                      "memcpy"]
+        launches(captured.instantiate())
+        launches(captured.clone().instantiate(), 1)
+
+
+def test_graph_memory_event_and_child_nodes_on_every_backend(backend_daemon):
+    """A graph that allocates a buffer (an allocation node), waits on an event recorded on another stream, runs a
+    captured child graph on the buffer (whose external event record records `finished`) and frees the buffer:
+    three launches, the same address each time; then malloc_async and free_async captured on a stream, launched
+    three times."""
+    with mpsd_client.connect(backend_daemon.pipe_dir) as ctx:
+        out = ctx.malloc(4 * N)
+        s, t = ctx.create_stream(), ctx.create_stream(non_blocking=True)
+        ready, finished = ctx.create_event(disable_timing=True), ctx.create_event(disable_timing=True)
+        parent = ctx.graph_create()
+        alloc = parent.add_mem_alloc_node(4 * N)
+        tmp = alloc.params["ptr"]
+        s.begin_capture()
+        ctx.launch("fill_f32", 64, 256, [tmp, 2.0, N], stream=s)
+        ctx.launch("vector_add_f32", 128, 256, [tmp, out, out, N], stream=s)
+        finished.record(s, external=True)
+        child = s.end_capture()
+        assert [n.type for n in child.nodes()] == ["kernel", "kernel", "event_record"]
+        wait = parent.add_event_wait_node(ready)
+        inner = parent.add_child_graph_node(child, deps=[alloc, wait])
+        parent.add_mem_free_node(tmp, deps=[inner])
+        executable = parent.instantiate()
+        ctx.memset(out, 0, 4 * N)
+        ctx.synchronize()
+        for _ in range(3):
+            ctx.launch("spin", 1, 32, [0], stream=t)
+            ready.record(t)
+            executable.launch(s)
+            finished.synchronize()
+        assert (_floats(ctx, out) == 6.0).all()
+        assert parent.nodes()[0].params["ptr"] == tmp
+
+        s.begin_capture()
+        buffer = ctx.malloc_async(4 * N, s)
+        ctx.launch("fill_f32", 64, 256, [buffer, 1.0, N], stream=s)
+        ctx.launch("vector_add_f32", 128, 256, [buffer, out, out, N], stream=s)
+        ctx.free_async(buffer, s)
+        captured = s.end_capture().instantiate()
+        for _ in range(3):
+            captured.launch(s)
+        s.synchronize()
+        assert (_floats(ctx, out) == 9.0).all()
+
+
+def test_the_torch_pattern_with_the_caching_allocator_on_every_backend(backend_daemon):
+    """The seed's warm-up-then-capture pattern (mpsd_client.CUDAGraph, graph()) with the caching allocator's
+    private pool, replayed for three batches: on a real GPU the pool's segments are real device memory."""
+    with mpsd_client.connect(backend_daemon.pipe_dir) as ctx:
+        allocator = mpsd_client.caching_allocator(ctx)
+        static_input = allocator.malloc(4 * N)
+        s = ctx.create_stream()
+
+        def model(x):
+            hidden = allocator.malloc(4 * N, s)
+            ctx.memset(hidden, 0, 4 * N, s)
+            ctx.launch("saxpy_f32", 128, 256, [2.0, x, hidden, N], stream=s)
+            out = allocator.malloc(4 * N, s)
+            ctx.launch("vector_add_f32", 128, 256, [hidden, x, out, N], stream=s)
+            allocator.free(hidden)
+            return out
+
+        allocator.free(model(static_input))
+        ctx.synchronize()
+        g = mpsd_client.CUDAGraph(ctx)
+        with mpsd_client.graph(g, stream=s):
+            static_output = model(static_input)
+        for batch in (1.0, 2.0, 3.0):
+            ctx.memcpy_htod(static_input, np.full(N, batch, np.float32))
+            g.replay()
+            ctx.synchronize()
+            assert (_floats(ctx, static_output) == 3 * batch).all()
+
+
+def test_a_failed_graph_node_surfaces_at_the_next_synchronise_on_every_backend(backend_daemon):
+    """A kernel node on memory freed after the graph was instantiated: the launch returns, and the illegal address
+    is the next synchronising call's error, sticky, as a launch's is."""
+    with mpsd_client.connect(backend_daemon.pipe_dir) as ctx:
+        p = ctx.malloc(4 * N)
+        graph = ctx.graph_create()
+        graph.add_kernel_node("fill_f32", 64, 256, [p, 1.0, N])
+        executable = graph.instantiate()
+        ctx.free(p)
+        executable.launch()
+        with pytest.raises(IllegalAddressError):
+            ctx.synchronize()
+        with pytest.raises(IllegalAddressError):
+            ctx.synchronize()

@@ -13,7 +13,8 @@ from mpsd_client import GraphExecUpdateFailureError, IllegalAddressError, Invali
 
 N = 4096
 ONE_MS = int(1e-3 * 1.98e9)  # spin cycles for 1 ms at the H200's 1.98 GHz
-UNIT = 1 + H200.kernel_overhead * 1e3  # ms: one 1-ms kernel and the model's launch overhead
+# ms: one 1-ms kernel node of a graph and the model's launch overhead of a graph's node (not a lone launch's)
+UNIT = 1 + H200.graph_node_overhead * 1e3
 QUARTER = 66  # blocks of 1024 threads: a quarter of a wave, so two fit side by side
 
 
@@ -264,3 +265,171 @@ async def test_the_kernel_dispatcher_releases_a_graph_launch_whole(autojump_cloc
         assert (await floats(actx, p) == 3.0).all()
         tenants = d.daemon.devices[0].backend.tenants
         assert [t.released for t in tenants.values()] == [1]
+
+
+async def test_an_event_record_node_records_where_it_stands_in_the_graph_at_each_launch(actx, autojump_clock):
+    """spin 1 ms -> record(e) -> spin 1 ms: e completes one kernel into the launch, not at its end; a second launch
+    records e again (its latest record is the new launch's)."""
+    s = await actx.create_stream()
+    e, start, end = [await actx.create_event() for _ in range(3)]
+    graph = await actx.graph_create()
+    first = await graph.add_kernel_node("spin", 264, 1024, [ONE_MS])
+    mark = await graph.add_event_record_node(e, deps=[first])
+    await graph.add_kernel_node("spin", 264, 1024, [ONE_MS], deps=[mark])
+    executable = await graph.instantiate()
+    for _ in range(2):
+        await start.record(s)
+        await executable.launch(s)
+        await end.record(s)
+        await s.synchronize()
+        assert await start.elapsed_ms(e) == pytest.approx(UNIT, abs=1e-6)
+        assert await start.elapsed_ms(end) == pytest.approx(2 * UNIT, abs=1e-6)
+    assert [n.type for n in await graph.nodes()] == ["kernel", "event_record", "kernel"]
+
+
+async def test_an_event_wait_node_waits_for_the_events_record_as_of_the_launch(actx, autojump_clock):
+    """Stream t spins 5 ms, fills p with 1.0 and records e; a graph whose fill of 2.0 comes after a wait node on e,
+    launched on s meanwhile, fills after t's fill: p ends 2.0 (without the wait, t's fill would come last)."""
+    s, t = await actx.create_stream(non_blocking=True), await actx.create_stream(non_blocking=True)
+    p = await actx.malloc(4 * N)
+    e = await actx.create_event(disable_timing=True)
+    graph = await actx.graph_create()
+    wait = await graph.add_event_wait_node(e)
+    await graph.add_kernel_node("fill_f32", 16, 256, [p, 2.0, N], deps=[wait])
+    executable = await graph.instantiate()
+    await actx.launch("spin", 1, 32, [5 * ONE_MS], stream=t)
+    await actx.launch("fill_f32", 16, 256, [p, 1.0, N], stream=t)
+    await e.record(t)
+    await executable.launch(s)
+    await actx.synchronize()
+    assert (await floats(actx, p) == 2.0).all()
+    assert (await graph.nodes())[0].params == {"event": e.handle}
+
+
+async def test_a_child_graph_node_runs_its_copy_between_its_dependencies_and_dependents(actx, autojump_clock):
+    """spin -> child{two 1-ms quarter-wave spins side by side} -> spin takes three kernels' time, and a fill after
+    the child sees what the child's kernels wrote; the child was copied when the node was made (a node added to it
+    later is not in the parent)."""
+    p = await actx.malloc(4 * N)
+    child = await actx.graph_create()
+    await child.add_kernel_node("spin", QUARTER, 1024, [ONE_MS])
+    await child.add_kernel_node("spin", QUARTER, 1024, [ONE_MS])
+    await child.add_kernel_node("fill_f32", 16, 256, [p, 3.0, N])
+    parent = await actx.graph_create()
+    before = await parent.add_kernel_node("spin", QUARTER, 1024, [ONE_MS])
+    inner = await parent.add_child_graph_node(child, deps=[before])
+    await parent.add_kernel_node("saxpy_f32", 16, 256, [1.0, p, p, N], deps=[inner])
+    await parent.add_kernel_node("spin", QUARTER, 1024, [ONE_MS], deps=[inner])
+    await child.add_kernel_node("fill_f32", 16, 256, [p, 100.0, N])  # not seen by the parent
+    nodes = await parent.nodes()
+    assert nodes[1].type == "graph" and len(nodes[1].params["nodes"]) == 3
+    s = await actx.create_stream()
+    start, end = await actx.create_event(), await actx.create_event()
+    await start.record(s)
+    await (await parent.instantiate()).launch(s)
+    await end.record(s)
+    await s.synchronize()
+    assert await start.elapsed_ms(end) == pytest.approx(3 * UNIT, abs=1e-6)
+    assert (await floats(actx, p) == 6.0).all()
+
+
+async def test_external_records_and_waits_in_a_capture_become_event_nodes(actx, autojump_clock):
+    """record(s, external=True) and wait_event(e, external=True) on a capturing stream are event record and wait
+    nodes, in stream order; an external wait may name an event recorded outside the capture (a plain one is
+    cudaErrorStreamCaptureIsolation)."""
+    s, t = await actx.create_stream(), await actx.create_stream()
+    p = await actx.malloc(4 * N)
+    outside, mark = await actx.create_event(disable_timing=True), await actx.create_event(disable_timing=True)
+    await outside.record(t)
+    await s.begin_capture()
+    await s.wait_event(outside, external=True)
+    await actx.launch("fill_f32", 16, 256, [p, 4.0, N], stream=s)
+    await mark.record(s, external=True)
+    graph = await s.end_capture()
+    nodes = await graph.nodes()
+    assert [(n.type, n.deps) for n in nodes] == [("event_wait", ()), ("kernel", (nodes[0].id,)),
+                                                 ("event_record", (nodes[1].id,))]
+    await (await graph.instantiate()).launch(s)
+    await mark.synchronize()
+    assert (await floats(actx, p) == 4.0).all()
+
+
+async def test_set_kernel_params_changes_the_executable_graphs_copy_only(actx, autojump_clock):
+    """exec.set_kernel_params(node, ...): the next launch fills 9.0 where the graph said 1.0; the graph is unchanged
+    (a new instantiation fills 1.0), and a node that is no kernel node, or a kernel that does not exist, is
+    refused."""
+    p = await actx.malloc(4 * N)
+    graph = await actx.graph_create()
+    clear = await graph.add_memset_node(p, 0, 4 * N)
+    fill = await graph.add_kernel_node("fill_f32", 16, 256, [p, 1.0, N], deps=[clear])
+    executable = await graph.instantiate()
+    await executable.set_kernel_params(fill, "fill_f32", 16, 256, [p, 9.0, N])
+    await executable.launch()
+    await actx.synchronize()
+    assert (await floats(actx, p) == 9.0).all()
+    await (await graph.instantiate()).launch()
+    await actx.synchronize()
+    assert (await floats(actx, p) == 1.0).all()
+    with pytest.raises(InvalidValueError):
+        await executable.set_kernel_params(clear, "fill_f32", 16, 256, [p, 9.0, N])
+    with pytest.raises(Exception, match="no kernel named"):
+        await executable.set_kernel_params(fill, "nope", 1, 1)
+
+
+async def test_a_graphs_kernel_nodes_pay_the_graph_node_overhead_not_a_launchs(actx, autojump_clock):
+    """Ten 1-ms kernels back to back take ten kernel launch overheads one by one and ten graph node overheads as a
+    graph (DeviceSpec.graph_node_overhead: the H200's 0.69 us a node, with the model's least block time): the
+    device saves by a graph too, not only the host."""
+    s = await actx.create_stream()
+    await actx.launch("spin", 1, 32, [int(20 * 1.98e9)], stream=s)  # a blocker: what follows is queued first
+    start, middle, end = [await actx.create_event() for _ in range(3)]
+    await s.begin_capture()
+    for _ in range(10):
+        await actx.launch("spin", 264, 1024, [ONE_MS], stream=s)
+    executable = await (await s.end_capture()).instantiate()
+    await start.record(s)
+    for _ in range(10):
+        await actx.launch("spin", 264, 1024, [ONE_MS], stream=s)
+    await middle.record(s)
+    await executable.launch(s)
+    await end.record(s)
+    await s.synchronize()
+    assert await start.elapsed_ms(middle) == pytest.approx(10 * (1 + H200.kernel_overhead * 1e3), abs=1e-6)
+    assert await middle.elapsed_ms(end) == pytest.approx(10 * UNIT, abs=1e-6)
+
+
+async def test_an_instantiation_costs_the_host_what_the_h200s_did(autojump_clock):
+    """Under the virtual clock, cudaGraphInstantiate of a 100-kernel graph costs the host about 155 us, the H200's
+    figure (DeviceSpec.graph_instantiate_call), where another call costs a warm launch call's 6.39 us."""
+    async with in_process_daemon("--clock", "virtual") as d, d.connect() as actx:
+        s = await actx.create_stream()
+        await s.begin_capture()
+        for _ in range(100):
+            await actx.launch("spin", 1, 32, [0], stream=s)
+        graph = await s.end_capture()
+        before = await actx.clock()
+        await graph.instantiate()
+        assert await actx.clock() - before == pytest.approx(H200.graph_instantiate_call, rel=0.05)
+
+
+async def test_an_event_wait_node_holds_under_the_kernel_dispatcher(autojump_clock):
+    """Under --dispatch kernel, a graph whose wait node waits for a record the dispatcher still holds (a less urgent
+    client's, behind an urgent client's work) runs its fill after the other stream's: the launch waits for that
+    record to be released, which a backend could not wait for unreleased."""
+    async with in_process_daemon("--policy", "priority", "--dispatch", "kernel") as d, d.connect() as urgent, \
+            d.connect(CUDA_MPS_CLIENT_PRIORITY="1") as actx:
+        await urgent.launch("spin", 264, 1024, [20 * ONE_MS])
+        s, t = await actx.create_stream(non_blocking=True), await actx.create_stream(non_blocking=True)
+        p = await actx.malloc(4 * N)
+        e = await actx.create_event(disable_timing=True)
+        graph = await actx.graph_create()
+        wait = await graph.add_event_wait_node(e)
+        await graph.add_kernel_node("fill_f32", 16, 256, [p, 2.0, N], deps=[wait])
+        executable = await graph.instantiate()
+        for _ in range(3):
+            await actx.launch("spin", 264, 1024, [5 * ONE_MS], stream=t)
+        await actx.launch("fill_f32", 16, 256, [p, 1.0, N], stream=t)
+        await e.record(t)
+        await executable.launch(s)
+        await actx.synchronize()
+        assert (await floats(actx, p) == 2.0).all()

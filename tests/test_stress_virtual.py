@@ -53,6 +53,7 @@ def test_shipped_workloads_parse(path):
     ({"tenant": [{"name": "a", "kernel": [{"name": "memset", "bytes": 4, "grid": 2}]}]}, "unknown setting(s) grid"),
     ({"tenant": [{"name": "a", "requests": 0, "kernel": [spin(1)]}]}, "tenant a: requests must be"),
     ({"tenant": [{"name": "a", "start": -1, "kernel": [spin(1)]}]}, "tenant a: start must be"),
+    ({"tenant": [{"name": "a", "graph": "yes", "kernel": [spin(1)]}]}, "tenant a: graph must be true or false"),
 ])
 def test_a_bad_workload_says_what_is_wrong(data, message):
     with pytest.raises(WorkloadError) as info:
@@ -145,6 +146,20 @@ def test_a_requests_launch_calls_follow_one_another():
     assert first.latency == pytest.approx(expected)
     starts = sorted(k.started for k in timeline.kernels)[:3]
     assert starts[1] - starts[0] == pytest.approx(H200.launch_latency_busy)
+
+
+def test_a_graph_tenant_launches_its_request_as_one_graph():
+    """graph = true: the request's ten empty kernels are captured once and each request is one graph launch, so a
+    warm request is one graph launch call, ten graph nodes on the device and a synchronise, and the run fits many
+    more requests than the same tenant's ten launch calls a request; every request still runs its ten kernels."""
+    empty = {"name": "spin", "grid": 1, "block": 32, "cycles": 0, "repeat": 10}
+    plain, graph = (run_virtual(workload({"name": "a", "graph": g, "kernel": [empty]}, duration=1e-3), "mps", {})
+                    for g in (False, True))
+    node = H200.graph_node_overhead + H200.min_block_time
+    assert graph.requests[1].latency == pytest.approx(H200.graph_launch_call * H200.launch_latency_busy + 10 * node
+                                                      + H200.sync_latency_busy)
+    assert len(graph.requests) > 4 * len(plain.requests)
+    assert len(graph.kernels) == 10 * len(graph.requests) and len(plain.kernels) == 10 * len(plain.requests)
 
 
 def test_open_loop_requests_queue_in_the_tenant():

@@ -635,8 +635,8 @@ class CudaBackend:
         `nodes`, so the stream's order keeps them), the first after what the launch waits for, and a record after
         them, which is the launch's record."""
         after = work.after
-        for node in work.nodes:
-            node.stream, node.priority, node.after = work.stream, work.priority, after
+        for node in work.nodes:  # (an event wait node's own `after` is the record it waits for: kept)
+            node.stream, node.priority, node.after = work.stream, work.priority, after + node.after
             after = ()
             self.submit(node, gate=gate)
             gate = None

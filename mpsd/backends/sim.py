@@ -189,11 +189,13 @@ class SimBackend:
             self._submit_op(each)
         self._submit_op(work)
 
-    def _submit_op(self, work: Work) -> None:
+    def _submit_op(self, work: Work, overhead: float | None = None) -> None:
         # Most launches touch no memory (spin, work): they skip the host RAM budget altogether.
         touches = self._touches(work) if type(work) is not Launch or work.extents else None
         touched = self.host_memory.reserve(touches) if touches else None
         op = self._op(work)
+        if overhead is not None:  # a graph's kernel node (_submit_graph)
+            op.launch_overhead = overhead  # type: ignore[attr-defined]
         try:
             self.engine.submit(op)
         except BaseException:
@@ -209,18 +211,23 @@ class SimBackend:
         work and what `after` names), its nodes on streams of the graph's own, one a chain of it (branches run
         side by side, each node after its dependencies), and a marker on its stream after the last nodes, which
         is the launch's record and what the stream's next work waits for. The nodes cost what the same work
-        launched one by one costs the device (each kernel its launch overhead): only the host's call is cheaper.
-        If the backend refuses a node (host RAM), the nodes submitted before it still run."""
+        launched one by one costs the device, but for each kernel's launch overhead, which is the spec's
+        graph_node_overhead (the device is handed the graph whole). If the backend refuses a node (host RAM), the
+        nodes submitted before it still run."""
         client, stream = work.client, work.stream
         entry = Record(client=client, stream=stream, priority=work.priority, sm_cap=work.sm_cap, after=work.after)
         self._submit_op(entry)
         lanes = self._lanes(work)
+        overhead = self.spec.graph_node_overhead
         sinks = set(range(len(work.nodes)))
         for node, deps, lane in zip(work.nodes, work.deps, lanes):
             node.stream = lane
-            node.after = tuple(work.nodes[d] for d in deps) if deps else (entry,)
+            # (an event wait node's own `after`, the record it waits for, stays beside its dependencies)
+            node.after = (tuple(work.nodes[d] for d in deps) if deps else (entry,)) + node.after
             sinks.difference_update(deps)
-            if type(node) is Launch and self._plain:
+            if type(node) is Launch and overhead is not None:
+                self._submit_op(node, overhead)
+            elif type(node) is Launch and self._plain:
                 self.submit(node)
             else:
                 self._submit_op(node)

@@ -37,7 +37,8 @@ HOLDING, WAITING, IDLE = "holding", "waiting", "idle"
 # (DeviceSpec.copy_calls), or "graph", a graph launch's (DeviceSpec.graph_launch_call); a launch that must wait
 # (a synchronous copy) then returns a synchronise's latency after the work ends. SYNC: waits for the device, then
 # a synchronise's latency. CALL: `what` "alloc" costs
-# DeviceSpec.alloc_call_latency, anything else call_latency, after any wait for the device. Event records and
+# DeviceSpec.alloc_call_latency, "instantiate" (cudaGraphInstantiate) DeviceSpec.graph_instantiate_call where the
+# spec has one, anything else call_latency, after any wait for the device. Event records and
 # stream waits were not measured apart from launches: they cost what a kernel launch call does.
 LAUNCH, SYNC, CALL = "launch", "sync", "call"
 
@@ -129,7 +130,11 @@ class VirtualClock:
                      ) if what else 1.0
             host.clock = host.thread.launch(start, scale)
             return Timing(kind, 0.0, host.clock)
-        return Timing(kind, spec.alloc_call_latency if what == "alloc" else spec.call_latency, start)
+        if what == "alloc":
+            return Timing(kind, spec.alloc_call_latency, start)
+        if what == "instantiate" and spec.graph_instantiate_call:
+            return Timing(kind, spec.graph_instantiate_call, start)
+        return Timing(kind, spec.call_latency, start)
 
     def returned(self, host: Host, timing: Timing, waited: bool) -> float:
         """The call `timing` returns at the device's now, after waiting for the device if `waited`: when it

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from mpsd.backends.ops import Copy, Memset, Record, Work
-from mpsd.runtime.graphs import CAPTURED, Graph
+from mpsd.runtime.graphs import CAPTURED, Graph, Node
 from mpsd_protocol import (  # type: ignore[attr-defined]
     CAPTURE_ACTIVE,
     CAPTURE_GLOBAL,
@@ -137,9 +137,11 @@ class CaptureCalls:
         if cap.mode == CAPTURE_THREAD_LOCAL and thread != cap.thread:
             raise StreamCaptureWrongThreadError(f"the thread-local capture on stream {s.id} began in another thread")
         self._end(cap)
+        unjoined = [] if cap.invalidated else self._unjoined(cap)
+        if (cap.invalidated or unjoined) and cap.graph.memory:
+            self._memory_gone(cap.graph)  # type: ignore[attr-defined]  (no graph: its allocations go)
         if cap.invalidated:
             raise StreamCaptureInvalidatedError(f"the capture on stream {s.id} was invalidated")
-        unjoined = self._unjoined(cap)
         if unjoined:
             raise StreamCaptureUnjoinedError(f"stream{'s' if len(unjoined) > 1 else ''} "
                                              f"{', '.join(map(str, unjoined))} forked from stream {s.id} "
@@ -286,6 +288,19 @@ class CaptureCalls:
         if not isinstance(work, Record):  # (a Record here is a pool's wait: no node)
             cap.deps[stream.id] = self._add_nodes(cap.graph, work, cap.deps[stream.id], count)  # type: ignore[attr-defined]
         work.handle = CAPTURED
+        return True
+
+    def _capture_event_node(self, stream: Stream, event: Event, type: str) -> bool:
+        """cudaEventRecordExternal or cudaEventWaitExternal on a capturing stream: an event record (wait) node of
+        the capture's graph, after the stream's nodes so far, which the stream's next work runs after. Where the
+        record or the wait is no edge of the capture, it may name an event outside it (no isolation error)."""
+        cap = self.capturing.get(stream.id)
+        if cap is None:
+            return False
+        if cap.invalidated:
+            raise StreamCaptureInvalidatedError(f"the capture on stream {cap.origin} was invalidated")
+        node = cap.graph.add(Node(self._handle(), type, cap.deps[stream.id], {"event": event.id}, event=event))  # type: ignore[attr-defined]
+        cap.deps[stream.id] = (node.id,)
         return True
 
     def _capture_record(self, event: Event, stream: Stream) -> bool:

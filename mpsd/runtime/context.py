@@ -21,8 +21,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 from mpsd_protocol import (  # type: ignore[attr-defined]
+    EVENT_EXTERNAL,
     POOL_ALLOC,
     POOL_FREE,
+    POOL_GRAPH_FREE,
     POOL_RELEASE,
     CudaError,
     InvalidDeviceFunctionError,
@@ -40,7 +42,8 @@ from mpsd_protocol import (  # type: ignore[attr-defined]
 from mpsd.backends.base import HOST_VIEW, DeviceMemory
 from mpsd.backends.ops import Copy, Extent, Launch, Memset, Plan, Record, Work, stage
 from mpsd.runtime.capture import CaptureCalls
-from mpsd.runtime.graphs import CAPTURED, GraphCalls
+from mpsd.runtime.graph_memory import GraphMemoryCalls
+from mpsd.runtime.graphs import CAPTURED, EVENT_RECORD, EVENT_WAIT, GraphCalls
 from mpsd.runtime.kernels import KERNELS
 from mpsd.runtime.limits import refused
 from mpsd.runtime.memory import CHUNK, AddressSpace, Allocation, HostBuffer
@@ -55,6 +58,13 @@ STREAM_PRIORITY_GREATEST, STREAM_PRIORITY_LEAST = -5, 0  # cudaDeviceGetStreamPr
 NON_BLOCKING = 0x1  # cudaStreamNonBlocking
 MAX_STAGED_COPY = 64 << 20  # the client stages pageable copies in pieces of 8 MiB
 _MAX_PLANS = 1024  # plans kept, by kernel, shape and arguments
+
+
+def _event_flags(flags: int, call: str) -> bool:
+    """Whether a record's or a wait's flags are cudaEvent{Record,Wait}External, the one flag either takes."""
+    if flags & ~EVENT_EXTERNAL:
+        raise InvalidValueError(f"{call}: bad flags {flags:#x}")
+    return bool(flags)
 
 
 def _deaf(op: str, args: dict[str, Any]) -> None:
@@ -140,7 +150,7 @@ class Counters:
     bytes_copied_peer: int = 0
 
 
-class Context(VirtualMemoryCalls, CaptureCalls, GraphCalls):
+class Context(VirtualMemoryCalls, CaptureCalls, GraphMemoryCalls, GraphCalls):
     """One client's sub-context on one device."""
 
     def __init__(self, device: Device, client_id: int, pid: int, uid: int, gid: int, quotas: Quotas,
@@ -180,6 +190,7 @@ class Context(VirtualMemoryCalls, CaptureCalls, GraphCalls):
         self.counters = Counters()
         self._next_handle = 1
         self._init_graphs()  # graphs and executable graphs (mpsd.runtime.graphs)
+        self._init_graph_memory()  # their memory nodes' allocations (mpsd.runtime.graph_memory)
         self._init_capture()  # the captures under way (mpsd.runtime.capture)
         self.closed = False
 
@@ -305,6 +316,8 @@ class Context(VirtualMemoryCalls, CaptureCalls, GraphCalls):
             raise InvalidValueError(f"{addr:#x} was opened from an IPC handle: close it with ipc_close_mem_handle")
         if alloc.pool:
             raise InvalidValueError(f"{addr:#x} is a memory pool's reservation: its allocations go with free_async")
+        if addr in self.graph_allocs:
+            raise InvalidValueError(f"{addr:#x} is a graph's allocation: free it with free_async")
 
     def free(self, addr: int) -> None:
         """Free an allocation; the caller has already waited for the context's work (cudaFree synchronises)."""
@@ -415,6 +428,8 @@ class Context(VirtualMemoryCalls, CaptureCalls, GraphCalls):
                     in_use -= self._pool_free(*op[1:])  # type: ignore[index]
                 elif kind == POOL_RELEASE and len(op) == 2:  # type: ignore[arg-type]
                     self._pool_release(op[1])  # type: ignore[index]
+                elif kind == POOL_GRAPH_FREE and len(op) == 3:  # type: ignore[arg-type]
+                    self._graph_free(*op[1:])  # type: ignore[index]
                 else:
                     raise InvalidValueError(f"mem_pool_ops: {brief(op, 40)} is no pool operation")
             except CudaError as exc:
@@ -706,8 +721,11 @@ class Context(VirtualMemoryCalls, CaptureCalls, GraphCalls):
         tail = self._stream(stream).tail
         return tail is None or tail.done
 
-    def stream_wait_event(self, stream: int | None, event: int) -> None:
+    def stream_wait_event(self, stream: int | None, event: int, flags: int = 0) -> None:
         s, e = self._stream(stream), self._event(event)
+        external = _event_flags(flags, "stream_wait_event")
+        if self.capturing and external and self._capture_event_node(s, e, EVENT_WAIT):
+            return
         if (self.capturing or e.captured is not None) and self._capture_wait(s, e):
             return
         if e.record is not None and not e.record.done:
@@ -736,8 +754,11 @@ class Context(VirtualMemoryCalls, CaptureCalls, GraphCalls):
         self.ipc.event_destroyed(self._event(event).cell)
         del self.events[event]
 
-    def record_event(self, event: int, stream: int | None) -> None:
+    def record_event(self, event: int, stream: int | None, flags: int = 0) -> None:
         e, s = self._event(event), self._stream(stream)
+        external = _event_flags(flags, "event_record")
+        if self.capturing and external and self._capture_event_node(s, e, EVENT_RECORD):
+            return
         if self.capturing and self._capture_record(e, s):
             return
         record = self._enqueue(s, Record(**self._on(s)))

@@ -9,6 +9,12 @@
 # the same rules, and handed whole to the backend, which runs its nodes in dependency order (the simulator on
 # streams of their own, so that branches run side by side; the kernel dispatcher holds and releases it whole).
 # Launches of one executable graph run one after another, whatever their streams, as CUDA orders them.
+#
+# An event record node records its event when the graph runs, and an event wait node waits for the event's latest
+# record as of the graph's launch, as cudaEventRecord and cudaStreamWaitEvent called at the launch would. A child
+# graph node holds a copy of its graph, made when the node was (cudaGraphAddChildGraphNode clones it); instantiating
+# flattens it into the executable graph: its roots after the node's dependencies, and the node itself an empty node
+# after its sinks, which its dependents wait for, so a backend sees only plain nodes.
 """Graphs, executable graphs and graph launches of a context."""
 
 from __future__ import annotations
@@ -23,11 +29,16 @@ from mpsd_protocol import Calls, InvalidValueError, brief  # type: ignore[attr-d
 if TYPE_CHECKING:
     from mpsd.runtime.context import Stream
 
-__all__ = ["CAPTURED", "EMPTY", "KERNEL", "MEMCPY", "MEMSET", "Graph", "GraphCalls", "GraphExec", "Node"]
+__all__ = ["CAPTURED", "CHILD", "EMPTY", "EVENT_RECORD", "EVENT_WAIT", "KERNEL", "MEMCPY", "MEMSET", "MEM_ALLOC",
+           "MEM_FREE", "Graph", "GraphCalls", "GraphExec", "Node"]
 
 KERNEL, MEMSET, MEMCPY, EMPTY = "kernel", "memset", "memcpy", "empty"
+# cudaGraphNodeTypeEventRecord, cudaGraphNodeTypeWaitEvent, cudaGraphNodeTypeGraph
+EVENT_RECORD, EVENT_WAIT, CHILD = "event_record", "event_wait", "graph"
+MEM_ALLOC, MEM_FREE = "mem_alloc", "mem_free"  # cudaGraphNodeTypeMemAlloc, MemFree (mpsd.runtime.graph_memory)
 # cudaGraphExecUpdateResult
-UPDATE_SUCCESS, UPDATE_TOPOLOGY_CHANGED, UPDATE_NODE_TYPE_CHANGED = 0, 2, 3
+UPDATE_SUCCESS, UPDATE_TOPOLOGY_CHANGED, UPDATE_NODE_TYPE_CHANGED, UPDATE_NOT_SUPPORTED = 0, 2, 3, 6
+INSTANTIATE_AUTO_FREE_ON_LAUNCH = 0x1  # cudaGraphInstantiateFlagAutoFreeOnLaunch
 _COPY_CALLS = {"d2d": Calls.memcpy_dtod, "h2d": Calls.memcpy_htod, "d2h": Calls.memcpy_dtoh}
 
 
@@ -51,11 +62,13 @@ class Node:
 
     Attributes:
         id: its handle, unique in the context.
-        type: KERNEL, MEMSET, MEMCPY or EMPTY.
+        type: KERNEL, MEMSET, MEMCPY, EMPTY, EVENT_RECORD, EVENT_WAIT, CHILD, MEM_ALLOC or MEM_FREE.
         deps: the ids of the nodes of its graph it runs after.
         params: the arguments of the call it stands for (no stream), as nodes() shows them.
         plan: a kernel node's launch, checked.
         template: a memset's or a copy's work as the call built it; each launch runs a fresh copy of it.
+        event: an event node's event (the context's Event).
+        child: a child graph node's copy of its graph's nodes.
     """
 
     id: int
@@ -64,9 +77,14 @@ class Node:
     params: dict[str, Any]
     plan: Plan | None = None
     template: Work | None = field(default=None, repr=False)
+    event: Any = field(default=None, repr=False)
+    child: tuple[Node, ...] = field(default=(), repr=False)
 
     def describe(self) -> dict[str, Any]:
-        return {"id": self.id, "type": self.type, "deps": list(self.deps), "params": dict(self.params)}
+        params = dict(self.params)
+        if self.type == CHILD:
+            params["nodes"] = [node.describe() for node in self.child]
+        return {"id": self.id, "type": self.type, "deps": list(self.deps), "params": params}
 
 
 @dataclass(eq=False)
@@ -75,6 +93,8 @@ class Graph:
 
     id: int
     nodes: dict[int, Node] = field(default_factory=dict)
+    memory: bool = False  # it has memory nodes (mpsd.runtime.graph_memory's rules apply)
+    execs: int = 0  # executable graphs made from it that live
 
     def add(self, node: Node) -> Node:
         self.nodes[node.id] = node
@@ -88,14 +108,18 @@ class Graph:
 
 @dataclass(eq=False)
 class GraphExec:
-    """An instantiated graph: its nodes fixed (until an update), the indices each depends on, and its last
-    launch, which the next waits for."""
+    """An instantiated graph: its nodes fixed (until an update), child graphs flattened, the indices each depends
+    on, where each node of the graph it was made from is among them (for set_kernel_params), and its last launch,
+    which the next waits for."""
 
     id: int
     nodes: tuple[Node, ...]
     deps: tuple[tuple[int, ...], ...]
     kernels: int
+    index: dict[int, int] = field(default_factory=dict)
     last: Work | None = None
+    graph: Graph | None = None  # the graph it was made from, where that has memory nodes
+    auto_free: bool = False  # cudaGraphInstantiateFlagAutoFreeOnLaunch
 
 
 class GraphCalls:
@@ -132,12 +156,16 @@ class GraphCalls:
         return graph.id
 
     def graph_add_node(self, graph: int, type: str, deps: list[Any], params: dict[str, Any]) -> int:
-        """``cudaGraphAdd{Kernel,Memset,Memcpy,Empty}Node``: a node of `type` after the nodes `deps`, its
-        arguments those of the call it stands for, checked as that call checks them; its id.
+        """``cudaGraphAdd{Kernel,Memset,Memcpy,Empty,EventRecord,EventWait,ChildGraph,MemAlloc,MemFree}Node``: a
+        node of `type` after the nodes `deps`, its arguments those of the call it stands for, checked as that call
+        checks them (an event node's `event`, a child graph node's `graph`, an allocation node's `nbytes`, a free
+        node's `ptr`); its id.
 
         Raises:
             InvalidValueError: an unknown type, a dependency that is no node of the graph, or what the call
                 would refuse (a range outside live memory, a pageable copy); the call's own errors otherwise.
+            InvalidResourceHandleError: an event node's event is not this context's.
+            NotSupportedError: a child graph with memory nodes (mpsd.runtime.graph_memory).
         """
         g = self._graph(graph)
         if not all(type_ is int for type_ in map(_type, deps)) or any(d not in g.nodes for d in deps) or (
@@ -150,6 +178,24 @@ class GraphCalls:
             return g.add(self._kernel_node(plan, after)).id
         if type == EMPTY:
             return g.add(Node(self._handle(), EMPTY, after, {})).id  # type: ignore[attr-defined]
+        if type in (EVENT_RECORD, EVENT_WAIT):
+            event = params.get("event")
+            if _type(event) is not int:
+                raise InvalidValueError(f"an {type} node needs an event, not {brief(event, 20)}")
+            e = self._event(event)  # type: ignore[attr-defined]
+            return g.add(Node(self._handle(), type, after, {"event": e.id}, event=e)).id  # type: ignore[attr-defined]
+        if type in (MEM_ALLOC, MEM_FREE):
+            return g.add(self._memory_node(g, type, after, params)).id  # type: ignore[attr-defined]
+        if type == CHILD:
+            source = params.get("graph")
+            if _type(source) is not int:
+                raise InvalidValueError(f"a child graph node needs a graph, not {brief(source, 20)}")
+            child = self._graph(source)
+            if child is g:
+                raise InvalidValueError("a graph cannot be its own child")
+            self._check_child(child)
+            nodes = self._copy_nodes(child.nodes.values())
+            return g.add(Node(self._handle(), CHILD, after, {"graph": child.id}, child=nodes)).id  # type: ignore[attr-defined]
         kind = params.get("kind") if type == MEMCPY else None
         call = Calls.memset if type == MEMSET else _COPY_CALLS.get(kind) if type == MEMCPY else None  # type: ignore[arg-type]
         if call is None:
@@ -178,39 +224,89 @@ class GraphCalls:
         return [node.describe() for node in self._graph(graph).nodes.values()]
 
     def graph_clone(self, graph: int) -> int:
-        """``cudaGraphClone``: a graph of the same nodes and edges, its nodes ids of their own."""
+        """``cudaGraphClone``: a graph of the same nodes and edges, its nodes ids of their own.
+
+        Raises:
+            NotSupportedError: the graph has memory nodes.
+        """
         source = self._graph(graph)
+        self._check_clone(source)
         clone = Graph(self._handle())  # type: ignore[attr-defined]
-        ids: dict[int, int] = {}
-        for node in source.nodes.values():
-            ids[node.id] = self._handle()  # type: ignore[attr-defined]
-            clone.add(dataclasses.replace(node, id=ids[node.id], deps=tuple(ids[d] for d in node.deps)))
+        for node in self._copy_nodes(source.nodes.values()):
+            clone.add(node)
         self.graphs[clone.id] = clone
         return clone.id
 
+    def _copy_nodes(self, nodes: Any) -> tuple[Node, ...]:
+        """The nodes again, with ids of their own and the same edges."""
+        ids: dict[int, int] = {}
+        out = []
+        for node in nodes:
+            ids[node.id] = self._handle()  # type: ignore[attr-defined]
+            out.append(dataclasses.replace(node, id=ids[node.id], deps=tuple(ids[d] for d in node.deps)))
+        return tuple(out)
+
+    def _flatten(self, nodes: Any) -> list[Node]:
+        """The nodes with each child graph node's graph spliced in (module comment): its nodes get fresh ids, its
+        roots run after the child node's dependencies, and the child node is an empty node after its sinks."""
+        out: list[Node] = []
+        for node in nodes:
+            if node.type != CHILD:
+                out.append(node)
+                continue
+            inner = self._flatten(node.child)
+            ids = {n.id: self._handle() for n in inner}  # type: ignore[attr-defined]
+            out += [dataclasses.replace(n, id=ids[n.id], deps=tuple(ids[d] for d in n.deps) or node.deps)
+                    for n in inner]
+            needed = {d for n in inner for d in n.deps}
+            sinks = tuple(ids[n.id] for n in inner if n.id not in needed)
+            out.append(Node(node.id, EMPTY, sinks or node.deps, {"graph": node.params["graph"]}))
+        return out
+
+    def _check_child(self, child: Graph) -> None:
+        """Hook for the rules of what may be a child graph (memory nodes may not: mpsd.runtime.graph_memory)."""
+
+    def _check_clone(self, graph: Graph) -> None:
+        """Hook for the rules of what may be cloned (a graph with memory nodes may not)."""
+
     def graph_destroy(self, graph: int) -> None:
         """``cudaGraphDestroy``: executable graphs made from it stay."""
-        self._graph(graph)
+        g = self._graph(graph)
         del self.graphs[graph]
+        if g.memory:
+            self._memory_gone(g)  # type: ignore[attr-defined]
 
     # -- executable graphs -------------------------------------------------------------------------------
-    def graph_instantiate(self, graph: int) -> int:
-        """``cudaGraphInstantiate``: an executable graph of the graph's nodes as they are now."""
+    def graph_instantiate(self, graph: int, flags: int = 0) -> int:
+        """``cudaGraphInstantiateWithFlags``: an executable graph of the graph's nodes as they are now. `flags`:
+        INSTANTIATE_AUTO_FREE_ON_LAUNCH (a relaunch frees what the last launch allocated and nobody freed).
+
+        Raises:
+            InvalidValueError: other flags. NotSupportedError: the graph has memory nodes and an executable
+                graph already (one at a time).
+        """
         g = self._graph(graph)
-        nodes = tuple(g.nodes.values())
+        if flags & ~INSTANTIATE_AUTO_FREE_ON_LAUNCH:
+            raise InvalidValueError(f"graph_instantiate: bad flags {flags:#x}")
+        if g.memory:
+            self._check_instantiate(g)  # type: ignore[attr-defined]
+        nodes = tuple(self._flatten(g.nodes.values()))
         index = {node.id: i for i, node in enumerate(nodes)}
         graph_exec = GraphExec(self._handle(), nodes, tuple(tuple(index[d] for d in n.deps) for n in nodes),  # type: ignore[attr-defined]
-                               sum(node.type == KERNEL for node in nodes))
+                               sum(node.type == KERNEL for node in nodes), index, graph=g if g.memory else None,
+                               auto_free=bool(flags & INSTANTIATE_AUTO_FREE_ON_LAUNCH))
+        g.execs += 1
         self.execs[graph_exec.id] = graph_exec
         return graph_exec.id
 
     def graph_exec_update(self, graph_exec: int, graph: int) -> dict[str, Any]:
         """``cudaGraphExecUpdate``: the executable graph takes the graph's nodes' arguments (kernels' functions,
         grids, blocks, arguments; memsets' and copies' memory), where the graph has its shape. The result is
-        cudaGraphExecUpdateResult's: 0 (updated), 2 (TOPOLOGY_CHANGED: a node or an edge more or less) or 3
-        (NODE_TYPE_CHANGED), with the node that differs, if one does; on a failure nothing changes."""
+        cudaGraphExecUpdateResult's: 0 (updated), 2 (TOPOLOGY_CHANGED: a node or an edge more or less), 3
+        (NODE_TYPE_CHANGED) or 6 (NOT_SUPPORTED: a memory node's allocation changed), with the node that differs,
+        if one does; on a failure nothing changes. Child graphs are compared flattened."""
         ex, g = self._exec(graph_exec), self._graph(graph)
-        nodes = tuple(g.nodes.values())
+        nodes = tuple(self._flatten(g.nodes.values()))
         index = {node.id: i for i, node in enumerate(nodes)}
         deps = tuple(tuple(sorted(index[d] for d in n.deps)) for n in nodes)
         if len(nodes) != len(ex.nodes) or deps != tuple(tuple(sorted(d)) for d in ex.deps):
@@ -218,13 +314,36 @@ class GraphCalls:
         for old, new in zip(ex.nodes, nodes):
             if old.type != new.type:
                 return {"result": UPDATE_NODE_TYPE_CHANGED, "node": new.id}
+            if old.type in (MEM_ALLOC, MEM_FREE) and old.params != new.params:  # its memory is the graph's own
+                return {"result": UPDATE_NOT_SUPPORTED, "node": new.id}
         ex.nodes, ex.deps = nodes, tuple(tuple(index[d] for d in n.deps) for n in nodes)
         return {"result": UPDATE_SUCCESS, "node": None}
 
+    def graph_exec_kernel_node_set_params(self, graph_exec: int, node: int, params: dict[str, Any]) -> None:
+        """``cudaGraphExecKernelNodeSetParams``: the executable graph's copy of kernel node `node` (a node of the
+        graph it was instantiated from) takes new arguments: function, grid, block, arguments, shared memory,
+        checked as a launch's are; the graph itself is unchanged. Launches already made keep what they had.
+
+        Raises:
+            InvalidValueError: `node` is no kernel node of the graph it was made from; a launch's errors otherwise.
+        """
+        ex = self._exec(graph_exec)
+        at = ex.index.get(node) if _type(node) is int else None
+        if at is None or ex.nodes[at].type != KERNEL:
+            raise InvalidValueError(f"node {brief(node, 20)} is no kernel node of executable graph {graph_exec}")
+        name, grid, block, args, shared_mem, _ = Calls.launch.check(params)
+        plan = self.plan(name, grid, block, args, shared_mem)  # type: ignore[attr-defined]
+        nodes = list(ex.nodes)
+        nodes[at] = dataclasses.replace(self._kernel_node(plan, nodes[at].deps), id=nodes[at].id)
+        ex.nodes = tuple(nodes)
+
     def graph_exec_destroy(self, graph_exec: int) -> None:
         """``cudaGraphExecDestroy``: launches already queued still run."""
-        self._exec(graph_exec)
+        ex = self._exec(graph_exec)
         del self.execs[graph_exec]
+        if ex.graph is not None:
+            ex.graph.execs -= 1
+            self._memory_gone(ex.graph)  # type: ignore[attr-defined]
 
     def graph_launch(self, graph_exec: int, stream: int | None) -> Work:
         """``cudaGraphLaunch``: the graph's nodes, as one unit of work on `stream`, after the stream's earlier work
@@ -237,14 +356,23 @@ class GraphCalls:
         """
         ex = self._exec(graph_exec)
         s: Stream = self._stream(stream)  # type: ignore[attr-defined]
+        if ex.graph is not None or any(node.type == MEM_FREE for node in ex.nodes):
+            self._launching(ex, s)  # type: ignore[attr-defined]
         on = self._on(s)  # type: ignore[attr-defined]
         work = GraphLaunch(**on, nodes=tuple(self._node_work(node, on) for node in ex.nodes), deps=ex.deps, graph=ex)
         if ex.last is not None and not ex.last.done:
             work.after = (ex.last,)
+        # A wait node's record that no backend has yet (the kernel dispatcher holds it) is the whole launch's
+        # dependency too: the dispatcher looks only at a work's own `after` before it releases it, and a
+        # backend cannot wait for a record it has never been given.
+        held = tuple(r for node in work.nodes for r in node.after if r.handle is None)
+        if held:
+            work.after += held
         self._enqueue(s, work)  # type: ignore[attr-defined]
         if work.handle is not CAPTURED:
             ex.last = work
             self.counters.launches += ex.kernels  # type: ignore[attr-defined]
+            self._records(ex, work)
         return work
 
     # -- nodes -------------------------------------------------------------------------------------------
@@ -292,7 +420,17 @@ class GraphCalls:
             return Launch.of(on["client"], on["stream"], on["priority"], on["sm_cap"], plan, extents)
         if node.template is not None:
             return dataclasses.replace(node.template, **on, after=(), handle=None)  # type: ignore[type-var]
-        return Record(**on)
+        if node.type == EVENT_WAIT:  # the record it waits for is the event's latest as of this launch
+            record = node.event.record
+            return Record(**on, after=(record,) if record is not None and not record.done else ())
+        return Record(**on)  # an empty node, or an event record node (graph_launch makes it the event's record)
+
+    def _records(self, ex: GraphExec, work: GraphLaunch) -> None:
+        """A launch's event record nodes are their events' latest records (in node order, as they were made)."""
+        for node, node_work in zip(ex.nodes, work.nodes):
+            if node.type == EVENT_RECORD:
+                node.event.cell.record = node_work
+                node.event.captured = None
 
 
 def _type(value: Any) -> type:

@@ -76,6 +76,7 @@ class Kernel(Op):
     smem: int = 0
     priority: int = 0
     sm_cap: int | None = None
+    launch_overhead: float | None = None  # the device's overhead before it, if not the spec's (a graph's node)
 
     @classmethod
     def of(cls, client: int, stream: Hashable, after: tuple, blocks: int, threads: int, cost: BlockCost, smem: int,
@@ -89,7 +90,7 @@ class Kernel(Op):
         op.done = op.cancelled = False
         op.seq = -1
         op.blocks, op.threads, op.cost, op.regs_per_thread = blocks, threads, cost, 32
-        op.smem, op.priority, op.sm_cap = smem, priority, sm_cap
+        op.smem, op.priority, op.sm_cap, op.launch_overhead = smem, priority, sm_cap, None
         return op
 
 

@@ -129,7 +129,7 @@ class Simulator:
             raise ValueError("op already submitted")
         if isinstance(op, Kernel):
             self.launch(op.client, op.stream, op.after, op.blocks, op.threads, op.cost, op.smem, op.priority,
-                        op.sm_cap, op.regs_per_thread, op)
+                        op.sm_cap, op.regs_per_thread, op, overhead=op.launch_overhead)
         elif isinstance(op, Copy):
             if op.engine not in ENGINES:
                 raise ValueError(f"unknown copy engine {op.engine!r}; known: {ENGINES}")
@@ -153,11 +153,12 @@ class Simulator:
 
     def launch(self, client: int, stream: Hashable, after: tuple, blocks: int, threads: int, cost: BlockCost,
                smem: int = 0, priority: int = 0, sm_cap: int | None = None, regs_per_thread: int = 32,
-               _kernel: Kernel | None = None, count: int = 1) -> Any:
+               _kernel: Kernel | None = None, count: int = 1, overhead: float | None = None) -> Any:
         """Submit, at the current time, the kernel ``Kernel(client=client, stream=stream, ...)`` would be, with
         no Kernel made: what a daemon does for a launch whose only outcome it reads is when it ended. (``submit``
         hands a Kernel's own fields here with the Kernel as ``_kernel``: the checks and numbers are in one place,
-        and a launch pays for no call more.)
+        and a launch pays for no call more.) ``overhead``, if given, is the device's launch overhead before it in
+        place of the spec's ``kernel_overhead`` (a graph's node: ``DeviceSpec.graph_node_overhead``).
 
         Returns:
             Its record: ``client``, ``seq``, ``submitted``, ``eligible``, ``started``, ``ended``, ``done`` and
@@ -168,7 +169,8 @@ class Simulator:
             (``advance`` and ``cancel`` return nothing for them; the stream's order says when they end).
 
         Raises:
-            ValueError: as ``submit`` for such a Kernel; ``handles`` is false; or ``count`` is below 1.
+            ValueError: as ``submit`` for such a Kernel; ``handles`` is false; ``count`` is below 1; or
+                ``overhead`` is negative or not finite.
         """
         if blocks < 1:
             raise ValueError(f"kernel needs at least one block, got {blocks}")
@@ -181,13 +183,16 @@ class Simulator:
                                              launch.sm_share)
         if sm_cap is not None and sm_cap < 1:
             raise ValueError(f"sm_cap must be >= 1, got {sm_cap}")
+        if overhead is not None and not 0 <= overhead < float("inf"):
+            raise ValueError(f"a launch overhead is a finite time >= 0, not {overhead}")
         seconds = cost.seconds
         number = self._streams.get((client, stream))  # _stream, inlined: every launch comes here
         if number is None:
             number = self._stream(client, stream)
         return self._core.submit_kernel(_kernel, client, number, after, blocks, threads, priority, sm_cap,
                                         (seconds, cost.shared, cost.clocked, cost.dram, cost.weight), numbers,
-                                        self._min_block if self._min_block > seconds else seconds, count)
+                                        self._min_block if self._min_block > seconds else seconds, count,
+                                        overhead)
 
     def _stream(self, client: int, stream: Hashable) -> int:
         key = (client, stream)

@@ -89,6 +89,11 @@ class DeviceSpec:
     # A graph launch call's host time (cudaGraphLaunch), whatever the graph's size, as a fraction of a kernel
     # launch call's, as ``copy_calls`` are.
     graph_launch_call: float = 1.0
+    # The device's launch overhead of a kernel node of a launched graph, in place of ``kernel_overhead``: a graph's
+    # work is handed to the device whole, so its nodes do not pay a launch each. None: the same as alone.
+    graph_node_overhead: float | None = None
+    # A cudaGraphInstantiate call's host time (0: call_latency's), whatever the graph's size.
+    graph_instantiate_call: float = 0.0
     # A copy between this device and a peer over NVLink: its bytes/s each way (0: the device has no NVLink)
     # and its fixed cost. Between devices that are not peers a copy is staged through host memory at
     # ``pcie_bandwidth`` (simcore/src/copies.rs says how).
@@ -154,6 +159,14 @@ H200 = DeviceSpec(
     # (h200-runtime-measurements.md, CUDA graphs): a graph launch is 2.0 / 4.83 of one launch call. One graph's
     # figure only: how the call grows with the graph's nodes was not measured, so it does not grow here.
     graph_launch_call=2.0 / 4.83,
+    # 0.69 us a node in a graph of empty kernels on the H200 (h200-runtime-measurements.md, issue 30: 0.79 us under
+    # MPS, which the model does not tell apart), less the model's 0.1 us least block time. The same 100 nodes took
+    # 53 us between events there, and 264-block kernels of 10 us 1090 us (bench/graph_launch.py sets the model's
+    # figures beside them): one figure cannot give both, and this one sits between.
+    graph_node_overhead=0.59e-6,
+    # Instantiating that 100-node graph took about 155 us (439 us the first time in the process, which the model
+    # does not keep apart); one graph's figure, as graph_launch_call's is.
+    graph_instantiate_call=155e-6,
     # NVLink 4 as NVIDIA's H200 datasheet gives it: 900 GB/s a GPU, both directions together (18 links), so
     # 450 GB/s each way. A nominal figure, not a measurement (no two-GPU H200 has been lent to measure one):
     # copies a real one makes will reach less. Its latency is taken as the PCIe engines' (copy_latency).

@@ -76,6 +76,7 @@ class Tenant:
         self.pointers: dict[int, tuple[int, ...]] = {}
         self.copies: dict[str, tuple[Any, Any]] = {}  # "input" / "output" -> (device buffer, pinned host buffer)
         self.churn: Churn | None = None
+        self.graph: Any = None  # the request's device work as an executable graph (spec.graph)
 
     async def set_up(self, ipc_handle: str | None) -> None:
         """Its stream and memory; a refusal is recorded (the run goes on, as a service's would not)."""
@@ -84,6 +85,10 @@ class Tenant:
             if self.spec.allocator is not None:  # the allocator's device: what the tenant has left free now
                 capacity = (await self.ctx.mem_get_info())[0]
                 self.churn = Churn(self.ctx, self.spec.allocator, self.spec.churn, capacity)
+            if self.spec.graph:  # captured once, as a service captures its decode step; launched per request
+                await self.stream.begin_capture()
+                await self._device_work()
+                self.graph = await (await self.stream.end_capture()).instantiate()
         except CudaError as exc:
             self.errors.append(exc.name)
 
@@ -91,7 +96,9 @@ class Tenant:
         spec, ctx = self.spec, self.ctx
         # Copies go on a stream of their own making, so the request stays one asynchronous chain, as a
         # service's cudaMemcpyAsync and launches would (copies on no stream are synchronous).
-        if spec.stream_priority or spec.input or spec.output or any(k.name in COPIES for k in spec.kernels):
+        # (A capture needs a stream of its own too: the legacy stream cannot be captured.)
+        if (spec.stream_priority or spec.input or spec.output or spec.graph
+                or any(k.name in COPIES for k in spec.kernels)):
             self.stream = await ctx.create_stream(priority=spec.stream_priority)
         if spec.memory:
             self.held.append(await ctx.malloc(spec.memory))
@@ -129,21 +136,10 @@ class Tenant:
             await self.churn.step()
         scratch = await ctx.malloc(spec.churn) if spec.churn and self.churn is None else None
         try:
-            if "input" in self.copies:
-                device, host = self.copies["input"]
-                await ctx.memcpy_htod(device, host, stream=stream)
-            if self.shared is not None:
-                n = spec.ipc_size // 4
-                if spec.ipc == "producer":
-                    await ctx.launch("fill_f32", 132, 256, [self.shared, 1.0, n], stream=stream)
-                else:
-                    await ctx.launch("reduce_sum_f32", 132, 256, [self.shared, self.sum_out, n], stream=stream)
-            for i, k in enumerate(spec.kernels):
-                for _ in range(k.repeat):
-                    await self._call(i, k)
-            if "output" in self.copies:
-                device, host = self.copies["output"]
-                await ctx.memcpy_dtoh(host, device, stream=stream)
+            if self.graph is not None:
+                await self.graph.launch(stream)
+            else:
+                await self._device_work()
             issued = await ctx.clock()
             if stream is not None:
                 await stream.synchronize()
@@ -153,6 +149,25 @@ class Tenant:
         finally:
             if scratch is not None:
                 await ctx.free(scratch)
+
+    async def _device_work(self) -> None:
+        """A request's copies and kernels, queued on the tenant's stream (or captured there: spec.graph)."""
+        ctx, spec, stream = self.ctx, self.spec, self.stream
+        if "input" in self.copies:
+            device, host = self.copies["input"]
+            await ctx.memcpy_htod(device, host, stream=stream)
+        if self.shared is not None:
+            n = spec.ipc_size // 4
+            if spec.ipc == "producer":
+                await ctx.launch("fill_f32", 132, 256, [self.shared, 1.0, n], stream=stream)
+            else:
+                await ctx.launch("reduce_sum_f32", 132, 256, [self.shared, self.sum_out, n], stream=stream)
+        for i, k in enumerate(spec.kernels):
+            for _ in range(k.repeat):
+                await self._call(i, k)
+        if "output" in self.copies:
+            device, host = self.copies["output"]
+            await ctx.memcpy_dtoh(host, device, stream=stream)
 
     async def _call(self, i: int, k: KernelSpec) -> None:
         ctx, stream = self.ctx, self.stream

@@ -22,7 +22,9 @@
 #                arrival = "closed" | "uniform" | "poisson" | "bursty" | "trace", rate, burst, trace, think_ms,
 #                start (s into the run when the tenant begins; a uniform tenant's first arrival),
 #                requests (at most this many; without it, as many as the duration holds),
-#                ipc = "producer" | "consumer", ipc_size, ipc_peer
+#                ipc = "producer" | "consumer", ipc_size, ipc_peer,
+#                graph (bool: the request's device work, copies and kernels, is captured once as a CUDA graph
+#                and each request launches it: one launch call instead of one per kernel and copy)
 #   [[tenant.kernel]]  a request's calls in order: name, grid, block, repeat, and per kernel: duration_ms or
 #                cycles (spin), iterations (work), elements (fill_f32, vector_add_f32, saxpy_f32,
 #                reduce_sum_f32); or a copy: name = memcpy_htod | memcpy_dtoh | memcpy_dtod | memset, bytes,
@@ -118,6 +120,7 @@ class TenantSpec:
     output: int = 0
     start: float | None = None
     requests: int | None = None
+    graph: bool = False
     kernels: tuple[KernelSpec, ...] = ()
 
     @property
@@ -258,7 +261,7 @@ def arrival_times(tenant: TenantSpec, duration: float, seed: int, copy: int = 0)
 _TENANT_KEYS = {"name", "device", "count", "active_thread_percentage", "pinned_mem_limit", "priority", "weight",
                 "partition", "deadline_ms", "memory", "churn", "allocator", "stream_priority", "arrival", "rate",
                 "burst", "trace", "think_ms", "ipc", "ipc_size", "ipc_peer", "input", "output", "start", "requests",
-                "kernel"}
+                "graph", "kernel"}
 _KERNEL_KEYS = {"name", "grid", "block", "repeat", "duration_ms", "cycles", "iterations", "elements"}
 _COPY_KEYS = {"name", "bytes", "repeat"}
 
@@ -301,6 +304,9 @@ def _tenant(entry: Any, index: int, base: Path) -> TenantSpec:
         raise WorkloadError(f"{where}: allocator must be one of {', '.join(ALLOCATORS)}")
     if allocator is not None and not entry.get("churn"):
         raise WorkloadError(f"{where}: allocator needs churn (the largest size it allocates)")
+    graph = entry.get("graph", False)
+    if not isinstance(graph, bool):
+        raise WorkloadError(f"{where}: graph must be true or false")
     return TenantSpec(
         name=name, device=_integer(entry, "device", where, 0, low=0), count=count, active_thread_percentage=percentage,
         pinned_mem_limit=None if limit is None else _size(entry, "pinned_mem_limit", where),
@@ -314,7 +320,7 @@ def _tenant(entry: Any, index: int, base: Path) -> TenantSpec:
         ipc=ipc, ipc_size=_size(entry, "ipc_size", where, 4 << 20), ipc_peer=entry.get("ipc_peer"),
         input=_size(entry, "input", where), output=_size(entry, "output", where),
         start=_number(entry, "start", where, 0.0, low=0.0) if "start" in entry else None,
-        requests=None if requests is None else _integer(entry, "requests", where, 1, low=1),
+        requests=None if requests is None else _integer(entry, "requests", where, 1, low=1), graph=graph,
         kernels=tuple(_kernel(k, j, where) for j, k in enumerate(kernels)),
     )
 

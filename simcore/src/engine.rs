@@ -125,6 +125,8 @@ pub struct KernelArgs {
     pub demand: f64,
     pub sm_share: f64,
     pub blocks: i64,
+    /// Its own launch overhead, or NaN for the spec's kernel_overhead.
+    pub overhead: f64,
 }
 
 impl Core {
@@ -249,6 +251,7 @@ impl Core {
         op.seconds = a.seconds;
         op.demand = a.demand;
         op.sm_share = a.sm_share;
+        op.overhead = a.overhead;
         op.has_run = true;
         op.unplaced = a.blocks;
         let h = self.fill(into, op);
@@ -308,8 +311,10 @@ impl Core {
                     let o = self.ops.at_mut(h);
                     o.run_eligible = now;
                     o.ready_pending = true;
+                    let own = o.overhead;
                     pol.eligible(self, h);
-                    self.ev.push(now + self.spec.kernel_overhead, READY, h, 0);
+                    let overhead = if own.is_nan() { self.spec.kernel_overhead } else { own };
+                    self.ev.push(now + overhead, READY, h, 0);
                 }
                 _ => {
                     let o = self.ops.at(h);

@@ -57,6 +57,8 @@ pub struct Op {
     pub seconds: f64,
     pub demand: f64,
     pub sm_share: f64,
+    /// Its own launch overhead (a graph's node pays less than a kernel launched alone); NaN: the spec's.
+    pub overhead: f64,
     pub has_run: bool,
     pub run_eligible: f64,
     pub unplaced: i64,
@@ -102,6 +104,7 @@ impl Op {
             seconds: 0.0,
             demand: 1.0,
             sm_share: 1.0,
+            overhead: f64::NAN,
             has_run: false,
             run_eligible: 0.0,
             unplaced: 0,

@@ -385,12 +385,14 @@ impl Engine {
     /// None, a kernel of these values alone, whose `Handle` this returns (None otherwise). With `op` None,
     /// `count` such kernels go one after another on the stream (after `after`, the first): only the last has
     /// a handle, the others no record at all (nothing returns them; the stream's order says when they end).
+    /// `overhead`: its launch overhead where it is not the spec's kernel_overhead (a graph's node).
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (op, client, stream, after, blocks, threads, priority, sm_cap, cost, shape, seconds, count=1))]
+    #[pyo3(signature = (op, client, stream, after, blocks, threads, priority, sm_cap, cost, shape, seconds, count=1,
+                        overhead=None))]
     fn submit_kernel(&mut self, py: Python<'_>, op: Option<&Bound<'_, PyAny>>, client: i64, stream: u64,
                      after: &Bound<'_, PyAny>, blocks: i64, threads: u32, priority: i64, sm_cap: Option<i64>,
                      cost: (f64, bool, bool, bool, f64), shape: (u32, i64, i64, i64, f64, f64), seconds: f64,
-                     count: u64) -> PyResult<PyObject> {
+                     count: u64, overhead: Option<f64>) -> PyResult<PyObject> {
         if op.is_none() && !self.handles {
             return Err(PyValueError::new_err(
                 "a recorded run and a policy written in Python need Kernel objects: submit a Kernel"));
@@ -405,6 +407,7 @@ impl Engine {
             cost: Cost { seconds: cost.0, shared: cost.1, clocked: cost.2, dram: cost.3, weight: cost.4 },
             need: Need { warps: shape.1, regs: shape.2, smem: shape.3 },
             shape: shape.0, seconds, demand: shape.4, sm_share: shape.5, blocks,
+            overhead: overhead.unwrap_or(f64::NAN),
         };
         for _ in 1..count {
             self.core.submit_kernel(&mut *self.policy, None, KernelArgs { after, ..args.clone() });
