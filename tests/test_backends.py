@@ -566,24 +566,33 @@ def _poll_until_done(gpu, work) -> None:
 
 
 @pytest.mark.skipif(cuda_device_count() == 0, reason="no GPU here (cuda-python and a driver are needed)")
-def test_work_at_a_closed_gate_waits_until_it_opens():
-    """A kernel given with a closed gate does not run, however long; opened, it runs and ends."""
+def test_work_at_a_closed_gate_waits_until_it_opens_or_the_gate_expires():
+    """A kernel given with a closed gate does not run while the gate is closed; opened, it runs. A gate left
+    closed opens by itself after GATE_LIMIT (work behind it in a shared hardware queue could be what it waits
+    for), and closing it again does nothing until it has been opened."""
     from types import SimpleNamespace
 
-    from mpsd.backends.cuda import CudaBackend
+    from mpsd.backends.cuda import GATE_LIMIT, CudaBackend
 
     gpu = CudaBackend(0)
     gpu.attach(SimpleNamespace(id=1), sm_cap=gpu.sm_cap(100), priority=0, weight=1.0, instance=None)
     gate = gpu.gate()
     assert gate is not None
-    gate.set(True)
+    for opened_by_hand in (True, False):
+        gate.set(True)
+        work = _spin(1, 1, 1000)
+        gpu.submit(work, gate=gate)
+        closed = time.monotonic()
+        while time.monotonic() - closed < GATE_LIMIT / 2:  # the kernel alone takes microseconds
+            gpu._poll()
+        assert not work.done
+        if opened_by_hand:
+            gate.set(False)
+        _poll_until_done(gpu, [work])
+        assert gate.expired is not opened_by_hand
+    gate.set(True)  # expired: stays open until opened
     work = _spin(1, 1, 1000)
     gpu.submit(work, gate=gate)
-    for _ in range(100):  # 100 ms: the kernel alone would take microseconds
-        gpu._poll()
-        time.sleep(0.001)
-    assert not work.done
-    gate.set(False)
     _poll_until_done(gpu, [work])
     gate.free()
 
@@ -606,14 +615,15 @@ def test_priority_releases_best_effort_work_ahead_and_holds_it_at_its_gate_for_u
         dispatcher.attach(SimpleNamespace(id=client), sm_cap=gpu.sm_cap(100), priority=priority, weight=1.0,
                           instance=None)
     per_ms = gpu.properties(0)["clock_rate_khz"]  # cycles a millisecond
-    # Two best-effort kernels of 5 ms, one block an SM (as priority spreads them); two urgent ones of 10 ms, two
-    # blocks an SM. Released at once, the second best-effort kernel would start when the first urgent one's
-    # first blocks end (10 ms), where the second urgent one is not yet eligible, and end before it.
-    first, ahead = _spin(1, 132, 5 * per_ms), _spin(2, 132, 5 * per_ms)
+    # Two best-effort kernels of 0.5 ms, one block an SM (as priority spreads them); two urgent ones of 0.75 ms,
+    # two blocks an SM. Released at once, the second best-effort kernel would start when the first urgent one's
+    # first blocks end (0.75 ms), where the second urgent one is not yet eligible, and end before it (1.25 ms
+    # against 2). The gate is closed for about 2 ms, well within CudaGate's limit.
+    first, ahead = _spin(1, 132, per_ms // 2), _spin(2, 132, per_ms // 2)
     dispatcher.submit(first)
     dispatcher.submit(ahead)
     assert ahead.handle is not None, "released ahead, to wait behind the first on the device"
-    urgent = [_spin(3, 264, 10 * per_ms, -5) for _ in range(2)]
+    urgent = [_spin(3, 264, 3 * per_ms // 4, -5) for _ in range(2)]
     for work in urgent:
         dispatcher.submit(work)
     _poll_until_done(gpu, [first, ahead, *urgent])

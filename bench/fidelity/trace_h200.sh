@@ -9,7 +9,7 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 [ -n "${NO_TESTS:-}" ] || timeout 120 python3 -m pytest -q -p no:cacheprovider -ra tests/test_cuda_trace.py tests/test_backends.py \
     -k "trace" > "$OUT/test_trace.log" 2>&1
 grep -E "^(FAILED|ERROR)|passed|failed|Error" "$OUT/test_trace.log"
-for workload in disb_c inference_training; do
+for workload in ${WORKLOADS:-disb_c inference_training}; do
     echo "== $workload"
     timeout 150 python3 -m mpsd.stress.cli examples/workloads/$workload.toml --devices cuda:0 --quiet \
         --compare-policies mps,priority --duration 2 --json "$OUT/trace_$workload.json" \

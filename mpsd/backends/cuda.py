@@ -211,25 +211,52 @@ class CudaRange:
 class CudaGate:
     """A word of pinned host memory the GPU reads (`Gate`): 0 open, 1 closed. Work given with it waits behind a
     stream wait on the word (cuStreamWaitValue32), queued after its other waits, so the word is read once what
-    the work waits for has ended; the daemon writes it from the host, with no call into the driver."""
+    the work waits for has ended; the daemon writes it from the host, with no call into the driver.
 
-    __slots__ = ("_word", "address", "_slots", "_index")
+    A stream waiting at a gate holds up the GPU's hardware queue it shares with other streams (a context has
+    CUDA_DEVICE_MAX_CONNECTIONS of them: the backend asks for 32), and the work the gate waits for may be behind
+    it there: so a gate closed GATE_LIMIT opens by itself (`expire`), and stays open until it is opened again.
+    """
+
+    __slots__ = ("_word", "address", "_slots", "_index", "closed_at", "expired", "freed")
 
     def __init__(self, slots: list[int], index: int, host: int, device: int) -> None:
         self._slots, self._index = slots, index
         self._word = ctypes.c_uint32.from_address(host + 4 * index)
         self._word.value = 0
         self.address = device + 4 * index
+        self.closed_at: float | None = None  # monotonic time it was closed, while it is
+        self.expired = self.freed = False
 
     def set(self, closed: bool) -> None:
-        self._word.value = 1 if closed else 0
+        if not closed:
+            self.expired = False
+            self.closed_at = None
+            self._word.value = 0
+        elif not self.expired and self.closed_at is None:
+            self.closed_at = time.monotonic()
+            self._word.value = 1
+
+    def expire(self, now: float) -> bool:
+        """Open it if it has been closed GATE_LIMIT; whether it is still closed."""
+        if self.closed_at is None:
+            return False
+        if now - self.closed_at < GATE_LIMIT:
+            return True
+        self._word.value = 0
+        self.closed_at, self.expired = None, True
+        return False
 
     def free(self) -> None:
-        self._word.value = 0
+        self.set(False)
+        self.freed = True
         self._slots.append(self._index)
 
 
 GATES = 1024  # words of the gates' pinned page: one a client, given back when it leaves
+# The longest a gate stays closed (CudaGate): past the time urgent work usually holds best-effort work back
+# (DISB-C's requests of two 0.5-ms kernels), short beside a deadlock's forever.
+GATE_LIMIT = 5e-3
 
 
 @dataclass(eq=False, slots=True)
@@ -332,6 +359,7 @@ class CudaBackend:
         self._graves: list[tuple[Callable[[], None], list[_Pending], tuple[CudaRange, int, int] | None]] = []
         self._host: dict[int, tuple[Any, int]] = {}  # id(HostBuffer) -> (the buffer, its registered address)
         self._gates: tuple[list[int], int, int] | None = None  # free words, the page's host and device address
+        self._closed: list[CudaGate] = []  # gates given out, which _poll opens once closed GATE_LIMIT
         self._wake = trio.Event()
         self._watchers = 0  # when_done callbacks not yet called: while there are any, work is looked at often
         self._hurry = trio.Event()  # someone began to wait
@@ -584,7 +612,11 @@ class CudaBackend:
                 return None
             self._gates = (list(range(GATES - 1, -1, -1)), int(host), int(device))
         slots, host, device = self._gates
-        return CudaGate(slots, slots.pop(), host, device) if slots else None
+        if not slots:
+            return None
+        gate = CudaGate(slots, slots.pop(), host, device)
+        self._closed.append(gate)
+        return gate
 
     def submit(self, work: Work, count: int = 1, gate: Gate | None = None) -> None:
         """`count` launches where `work` is a Launch: one record marks them all, as it marks all the work of a
@@ -774,6 +806,11 @@ class CudaBackend:
         memory nothing may touch any more; whether any work or memory is still waiting."""
         for key in list(self._open):
             self._flush(key)
+        if self._closed:
+            now = time.monotonic()
+            self._closed = [gate for gate in self._closed if not gate.freed]
+            for gate in self._closed:
+                gate.expire(now)
         busy = self._retire()
         self._draining = [queue for queue in self._draining if queue]
         if self._graves:

@@ -15,7 +15,13 @@ __all__ = ["CudaFailure", "cuda_device_count"]
 @functools.cache
 def _bindings() -> tuple[Any, Any]:
     """cuda-python's driver and NVRTC modules, imported the first time a real GPU is asked for (CI has
-    neither); cached, as every driver call's status goes through here."""
+    neither); cached, as every driver call's status goes through here. Before the driver starts, the daemon
+    asks for the most hardware queues a context may have (CUDA_DEVICE_MAX_CONNECTIONS, 8 by default, unless
+    its environment says otherwise): streams beyond that share them, and a stream waiting at a gate
+    (cuda.CudaGate) holds up every stream that shares its queue."""
+    import os
+
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
     from cuda.bindings import driver, nvrtc
 
     return driver, nvrtc
