@@ -558,7 +558,7 @@ def _spin(client: int, blocks: int, cycles: int, priority: int = 0):
 
 
 def _poll_until_done(gpu, work) -> None:
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 10
     while not all(w.done for w in work) and time.monotonic() < deadline:
         gpu._poll()
         time.sleep(0.0002)

@@ -5,7 +5,7 @@
 #   bash bench/fidelity/hang_h200.sh "gate or cuda-priority" 60
 set -u
 source bench/fidelity/device_env.sh || exit 1
-python3 -m pytest -q -p no:cacheprovider -x -ra tests/test_backends.py -k "$1" > "$OUT/hang.log" 2>&1 &
+python3 -m pytest -v --tb=short -p no:cacheprovider -ra tests/test_backends.py -k "$1" > "$OUT/hang.log" 2>&1 &
 runner=$!
 for _ in $(seq "${2:-60}"); do
     sleep 1
@@ -18,4 +18,4 @@ if kill -0 $runner 2>/dev/null; then
     done
     pkill -P $runner; kill $runner
 fi
-tail -30 "$OUT/hang.log"
+grep -vE "^(tests|$)" "$OUT/hang.log" | tail -60; grep -E "PASSED|FAILED" "$OUT/hang.log"
