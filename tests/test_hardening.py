@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 import mpsd_client
 import mpsd_protocol
 from daemons import DaemonProcess, short_tempdir, start_daemon
+from fuzzing import COMMANDS, command_lines, control_packets, ends_nothing
 from test_daemon import raw_socket, read_until_closed
 from test_ipc import _as_user, _second_user
 
@@ -116,43 +117,6 @@ def test_hostile_control_packets_are_answered_and_the_daemon_stays_up(ctx, daemo
     assert bytes(ctx.host_view(q)[-4:]) == b"\x01" * 4
 
 
-# Each command the fuzz sends, with the number of arguments it takes (quit, shutdown_server and terminate_client
-# would end what is being fuzzed; shutdown_server is among the hostile packets above).
-COMMANDS = {
-    "get_server_list": 0, "get_server_status": 1, "start_server": 2, "get_client_list": 1,
-    "get_device_client_list": 1, "ps": 2, "get_default_active_thread_percentage": 0,
-    "set_default_active_thread_percentage": 1, "get_active_thread_percentage": 1,
-    "set_active_thread_percentage": 2, "get_default_device_pinned_mem_limit": 1,
-    "set_default_device_pinned_mem_limit": 2, "get_device_pinned_mem_limit": 2, "set_device_pinned_mem_limit": 3,
-    "get_default_client_priority": 0, "set_default_client_priority": 1, "set_client_priority": 2,
-    "get_client_priority": 1, "set_client_weight": 2, "get_client_weight": 1, "mpsd_status": 0,
-    "no_such_command": 1,
-}
-ARGUMENTS = st.one_of(
-    st.sampled_from(["-t", "-f", "-uid", "-p", "uid:", "0", "1", "-1", "50", "0.5", "1e400", "nan", "inf", "1_0",
-                     "9" * 5000, "1.5G", "0x10", " 5 ", "'", '"', "\\", "\0"]),
-    st.text(alphabet="0123456789²³①⑨٥٠०۵𝟘½uid:-.G", min_size=1, max_size=4),  # digits and their lookalikes
-    st.text(alphabet=st.characters(whitelist_categories=("Nd", "No", "Nl")), min_size=1, max_size=4),
-    st.integers(-10**12, 10**12).map(str),
-    st.text(max_size=8),
-)
-
-
-def _ends_nothing(packet: bytes) -> bool:
-    """Random bytes that are no quit or shutdown_server (which would end what is being fuzzed: a quit with a
-    client gets no answer until the daemon has gone, as MPS's does)."""
-    return not any(line.split()[:1] in ([b"quit"], [b"shutdown_server"]) for line in packet.split(b"\n"))
-
-
-def _command_lines(pid: str) -> st.SearchStrategy[bytes]:
-    """A command with as many arguments as it takes (or any number), each one hostile, plausible or our pid."""
-    argument = st.one_of(ARGUMENTS, st.just(pid))
-    return st.sampled_from(sorted(COMMANDS.items())).flatmap(lambda command: st.tuples(
-        st.just(command[0]),
-        st.lists(argument, min_size=command[1], max_size=command[1]) | st.lists(argument, max_size=3),
-    )).map(lambda line: " ".join([line[0], *line[1]]).encode())
-
-
 def test_a_number_of_thousands_of_digits_gets_an_answer_not_an_internal_error(ctx, daemon):
     """Python converts no more than 4,300 digits to an int: every argument of every command, given 4,301 of them,
     is read as MPS reads it (a number too large, or no number), and no answer is the daemon's internal error."""
@@ -173,7 +137,7 @@ def test_fuzzed_control_packets_all_get_a_reply(ctx, daemon):
     sock = _control_socket(daemon)
 
     @settings(max_examples=200, deadline=None)
-    @given(_command_lines(pid) | st.binary(min_size=1, max_size=64).filter(_ends_nothing))
+    @given(command_lines(pid) | st.binary(min_size=1, max_size=64).filter(ends_nothing))
     def one_packet(packet: bytes) -> None:
         sock.send(packet)
         reply = sock.recv(PACKET)
@@ -184,6 +148,29 @@ def test_fuzzed_control_packets_all_get_a_reply(ctx, daemon):
         one_packet()
         assert _ask(sock, b"get_server_list") == pid
     assert ctx.malloc(64) > 0
+
+
+def test_fuzzed_v3_and_long_control_packets_all_get_a_reply(daemon_factory):
+    """On a protocol 3 daemon, which takes both languages: random v3 module-verb lines, legacy lines, random bytes
+    and lines of up to 70,000 bytes (more than a packet the daemon reads) each get their whole answer, none an
+    internal error, and the daemon stays up and serves a new client."""
+    d = start_daemon("--protocol", "3", "--time-scale", "100")
+    daemon_factory.append(d)
+    sock = _control_socket(d)
+
+    @settings(max_examples=200, deadline=None)
+    @given(control_packets(str(d.proc.pid)))
+    def one_packet(packet: bytes) -> None:
+        sock.send(packet)
+        answer = mpsd_protocol.read_control_answer(lambda: sock.recv(PACKET))
+        assert answer is not None, f"no reply to {packet[:80]!r}"
+        assert not answer[0].startswith(b"Internal error"), (packet[:80], answer)
+        assert d.proc.poll() is None, f"{packet[:80]!r} ended the daemon"
+
+    with sock:
+        one_packet()
+    with mpsd_client.connect(d.pipe_dir) as ctx:
+        assert ctx.malloc(64) > 0
 
 
 def test_control_log_states_the_true_exit_status(base):
