@@ -28,7 +28,6 @@ import signal
 import socket
 import struct
 import sys
-import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -37,7 +36,7 @@ import msgpack
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import mpsd_client  # noqa: E402
-from daemons import DaemonProcess, as_user, second_user, spawn_worker, start_daemon  # noqa: E402
+from daemons import DaemonProcess, as_user, drain_stderr, second_user, spawn_worker, start_daemon  # noqa: E402
 from fuzzing import GARBAGE, HELLO, MESSAGES, control_packets, examples, frame  # noqa: E402
 from mpsd_protocol import CONTROL_PACKET, PROTOCOL_ERROR, read_control_answer  # noqa: E402
 
@@ -187,18 +186,6 @@ def well_behaved(daemon: DaemonProcess) -> str:
         return f"{type(exc).__name__}: {exc}"
 
 
-def drain(daemon: DaemonProcess) -> threading.Thread:
-    """Read the daemon's stderr all along (a full pipe would stall it), keeping the lines."""
-    def read() -> None:
-        assert daemon.proc.stderr is not None
-        for line in daemon.proc.stderr:
-            daemon.stderr_lines.append(line.rstrip("\n"))
-
-    thread = threading.Thread(target=read, daemon=True)
-    thread.start()
-    return thread
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=60.0, help="how long to attack (default 60)")
@@ -207,7 +194,7 @@ def main() -> int:
     options = parser.parse_args()
     rng = random.Random(options.seed)
     daemon = start_daemon("--protocol", "3", "--multiuser", "--time-scale", "100")
-    reader = drain(daemon)
+    reader = drain_stderr(daemon)
     for path in (daemon.pipe_dir.parent, daemon.pipe_dir):
         os.chmod(path, 0o755)  # let the second user reach the control socket at all
     other = second_user()

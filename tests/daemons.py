@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -51,6 +52,19 @@ class DaemonProcess:
             self.stderr_lines.extend(self.proc.stderr.read().splitlines())
             self.proc.stderr.close()
         return self.proc.returncode
+
+
+def drain_stderr(daemon: DaemonProcess) -> threading.Thread:
+    """Read `daemon`'s stderr into its stderr_lines all along, for a run long enough that what the daemon says
+    could fill the pipe and stall it; join the thread once the daemon has exited, before `stop`."""
+    def read() -> None:
+        assert daemon.proc.stderr is not None
+        for line in daemon.proc.stderr:
+            daemon.stderr_lines.append(line.rstrip("\n"))
+
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    return thread
 
 
 def short_tempdir() -> Path:
