@@ -33,6 +33,7 @@ from collections import Counter
 from pathlib import Path
 
 import msgpack
+import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import mpsd_client  # noqa: E402
@@ -186,6 +187,12 @@ def well_behaved(daemon: DaemonProcess) -> str:
         return f"{type(exc).__name__}: {exc}"
 
 
+def held(proc: psutil.Process) -> tuple[int, int]:
+    """The daemon's open fds and RSS, once the connections just closed have left its fd table."""
+    time.sleep(0.5)
+    return proc.num_fds(), proc.memory_info().rss
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=60.0, help="how long to attack (default 60)")
@@ -206,6 +213,8 @@ def main() -> int:
     frames: Counter[str] = Counter()
     lines = {"owner": Counter[str](), "other uid": Counter[str]()}
     pid, control = str(daemon.proc.pid), daemon.pipe_dir / "control"
+    proc = psutil.Process(daemon.proc.pid)
+    baseline = (0, 0)
     started = time.monotonic()
     items, round_ = 0, 0
     while (time.monotonic() - started < options.seconds and (options.items is None or items < options.items)
@@ -220,8 +229,11 @@ def main() -> int:
             lines["other uid"].update(json.loads(as_user(other, lambda p=packets: send_control(control, p))))
             items += len(packets)
         round_ += 1
+        if round_ == 1:  # what the daemon holds once every kind of attack has been met once
+            baseline = held(proc)
     elapsed = time.monotonic() - started
     alive = daemon.proc.poll() is None
+    end = held(proc) if alive else (0, 0)
     served = well_behaved(daemon) if alive else "the daemon is gone"
     tenant_out, tenant_err = tenant.communicate("stop\n", timeout=60)
     if alive:
@@ -248,6 +260,9 @@ def main() -> int:
               f"worst {float(rounds[2]):.2f} ms")
     else:
         print(f"healthy tenant FAILED (exit {tenant.returncode}): {tenant_err.strip()[-500:]}")
+    if round_ and alive:
+        print(f"daemon fds: {baseline[0]} after the first round, {end[0]} at the end; RSS {baseline[1] / 2**20:.0f} "
+              f"MiB, then {end[1] / 2**20:.0f} MiB")
     print(f"daemon crashes: {0 if alive else 1}; exit after SIGTERM {code}; tracebacks on its stderr: {tracebacks}")
     print(f"a new well-behaved client at the end: {served or 'connected, allocated, wrote and read back'}")
     bad = (not alive or code != 0 or tracebacks or served or frames["hang"] or frames["not accepted"]
