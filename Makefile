@@ -47,13 +47,12 @@ bench: $(STAMP)
 # The reliability suite (issue 29), a few minutes on two cores, so in neither `make test` nor `make bench`; each part
 # prints its counts and exits 1 on what it exists to catch (make stops there; `make -k soak` runs the rest): a fuzz
 # campaign of frames and control lines, SIGKILLed clients, one client taking all it may of each limited object, and
-# a bystander's latency while a large client tears down. The reservations stay below what vm.max_map_count's default
-# (65,530) lets one client map: half of it less the daemon's reserve, 28,669.
+# a bystander's latency while a large client tears down.
 soak: $(STAMP)
 	$(BIN)/python bench/fuzz.py --seconds 60
 	$(BIN)/python bench/soak.py --kills 1000 --minutes 3
 	$(BIN)/python bench/exhaust.py
-	$(BIN)/python bench/teardown_latency.py --small 300000 --reservations 25000
+	$(BIN)/python bench/teardown_latency.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info simcore/target mpsd/_core*.so
