@@ -519,6 +519,53 @@ def test_other_users_connect_while_one_floods_the_handshake(daemon_factory):
         sock.close()
 
 
+def test_another_users_idle_control_connections_cannot_take_the_daemons_fds(daemon_factory):
+    """Another uid that opens 1,000 control connections and sends nothing keeps at most 64 of them (each new one
+    past that closes its oldest), so that on a daemon whose fd limit is 400 above what it holds a new client still
+    connects and allocates, and the newest connection is answered (every one was kept without bound: the fd table
+    filled, and no client of any user could connect)."""
+    user = _needs_second_user()
+    d = start_daemon("--time-scale", "100", "--multiuser")
+    daemon_factory.append(d)
+    for path in (d.pipe_dir.parent, d.pipe_dir):
+        os.chmod(path, 0o755)
+    process = psutil.Process(d.proc.pid)
+    before = process.num_fds()
+    process.rlimit(psutil.RLIMIT_NOFILE, (before + 400, before + 400))
+
+    def flood() -> str:
+        held = []
+        deadline = time.monotonic() + 30
+        while len(held) < 1000:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            sock.settimeout(5)
+            try:
+                sock.connect(str(d.pipe_dir / "control"))
+            except BlockingIOError:  # the listen queue is full: the daemon is not accepting (it cannot, before)
+                sock.close()
+                if time.monotonic() > deadline:
+                    return f"the daemon stopped accepting after {len(held)}"
+                time.sleep(0.01)
+                continue
+            held.append(sock)
+        try:
+            first = held[0].recv(PACKET)  # closed by the daemon for a newer one
+        except OSError as exc:
+            first = repr(exc).encode()
+        newest = _ask(held[-1], b"get_default_active_thread_percentage")
+        with mpsd_client.connect(d.pipe_dir, timeout=5) as ctx:
+            allocated = ctx.malloc(4 << 20) > 0
+        return repr((first, newest, allocated))
+
+    assert _as_user(user, flood) == repr((b"", "100.0", True))
+    deadline = time.monotonic() + 20
+    while process.num_fds() != before and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert process.num_fds() == before
+    assert f"User {user.pw_uid} has 64 control connections open; closing the oldest" in (
+        d.log_dir / "control.log").read_text()
+
+
 def test_another_users_denied_commands_cannot_flood_control_log(daemon_factory):
     """Another uid's control.log lines are rate-limited (a burst, then a hundred a second, and a count of what
     was left out); the owner's commands are all logged, as MPS logs them."""
