@@ -4,7 +4,8 @@
 
 For each object a client can make the daemon hold (streams, events, calls waiting for the device, allocations,
 VMM reservations, pinned host buffers, the daemon's fds, host memory), a greedy client process forked from this
-one makes them until the daemon refuses. While it holds all it got, a second well-behaved client connects,
+one makes them until the daemon refuses; and it opens 2,000 client or control connections that say nothing, of
+which the daemon keeps 64 (closing the oldest). While it holds all it got, a second well-behaved client connects,
 allocates 4 MiB (two of the daemon's fds), writes and reads back a page. Then the greedy client exits, and once
 the daemon says what it reclaimed, its open fds, RSS, device memory and pinned host memory are compared with
 what they were before the greedy client came. Printed for each: how many it got, the CUDA error at the limit,
@@ -21,8 +22,10 @@ import argparse
 import json
 import os
 import re
+import resource
 import select
 import shutil
+import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -73,7 +76,13 @@ TAKERS: dict[str, tuple[str, Callable[[Any], Callable[[], Any]]]] = {
     "fds": ("malloc(4 MiB), two fds each", lambda ctx: lambda: ctx.malloc(4 * MiB)),
     "host memory": (f"memset of {CHUNK // MiB} MiB not yet touched", _touch),
 }
-KINDS = ["streams", "events", "pending waits", "allocations", "reservations", "host buffers", "fds", "host memory"]
+# Connections a client opens and keeps without a word: each costs the daemon an fd, and none is refused, but the
+# daemon keeps at most 64 of one uid (closing the oldest for a newer one).
+SOCKETS = {"silent connections": ("mpsd.sock", socket.SOCK_STREAM), "control connections": ("control",
+                                                                                           socket.SOCK_SEQPACKET)}
+OPENED = 2000
+KINDS = ["streams", "events", "pending waits", "allocations", "reservations", "host buffers", "fds", "host memory",
+         *SOCKETS]
 
 
 async def _take_waits(pipe_dir: Path, hold: Callable[[int, mpsd_client.CudaError], None]) -> None:
@@ -99,6 +108,33 @@ async def _take_waits(pipe_dir: Path, hold: Callable[[int, mpsd_client.CudaError
         await trio.to_thread.run_sync(hold, started - len(refusals), refusals[0])
 
 
+def _open_sockets(kind: str, pipe_dir: Path, held: list[socket.socket]) -> dict[str, int]:
+    """OPENED connections of `kind` into `held`, none saying anything; how many the daemon has closed after half a
+    second."""
+    name, type_ = SOCKETS[kind]
+    resource.setrlimit(resource.RLIMIT_NOFILE, (resource.getrlimit(resource.RLIMIT_NOFILE)[1],) * 2)
+    while len(held) < OPENED:
+        sock = socket.socket(socket.AF_UNIX, type_)
+        sock.setblocking(False)
+        try:
+            sock.connect(str(pipe_dir / name))
+        except BlockingIOError:  # the listen queue is full for now
+            sock.close()
+            time.sleep(0.01)
+            continue
+        held.append(sock)
+    time.sleep(0.5)
+    closed = sum(_closed(sock) for sock in held)
+    return {"got": len(held) - closed, "opened": len(held), "closed": closed}
+
+
+def _closed(sock: socket.socket) -> bool:
+    try:
+        return sock.recv(1) == b""
+    except BlockingIOError:
+        return False
+
+
 def greedy(kind: str, pipe_dir: Path, report: int, go: int) -> None:
     """The greedy client's life (in a forked child): take all it may, report, hold it until told, exit."""
     def hold(got: int, exc: mpsd_client.CudaError) -> None:
@@ -109,6 +145,11 @@ def greedy(kind: str, pipe_dir: Path, report: int, go: int) -> None:
     try:
         if kind == "pending waits":
             trio.run(_take_waits, pipe_dir, hold)
+        elif kind in SOCKETS:
+            held: list[socket.socket] = []  # (open until this process exits)
+            os.write(report, json.dumps(_open_sockets(kind, pipe_dir, held)).encode())
+            os.read(go, 1)
+            os._exit(0)
         else:
             hold(*_until_refused(TAKERS[kind][1](mpsd_client.connect(pipe_dir))))
     except BaseException as exc:  # say what went wrong: the sweep prints it
@@ -221,7 +262,7 @@ def sweep(kind: str, daemon: DaemonProcess, proc: psutil.Process, options: argpa
     connected, touched, seen = bystander(daemon.pipe_dir)
     os.write(go_w, b"x")
     os.waitpid(pid, 0)
-    reclaimed = _reclaimed(daemon, pid)
+    reclaimed = "(nothing to reclaim: it never said hello)" if kind in SOCKETS else _reclaimed(daemon, pid)
     proc.rlimit(psutil.RLIMIT_NOFILE, rlimit)
     after = sample(daemon, proc)
     deadline = time.monotonic() + 10  # (RSS and fds a moment behind the log line, if ever)
@@ -231,9 +272,13 @@ def sweep(kind: str, daemon: DaemonProcess, proc: psutil.Process, options: argpa
     for fd in (report_r, go_w):
         os.close(fd)
 
-    what = "its pending calls" if kind == "pending waits" else TAKERS[kind][0]
+    what = ("its pending calls" if kind == "pending waits" else "saying nothing" if kind in SOCKETS
+            else TAKERS[kind][0])
     if "failed" in got:
         print(f"{kind} ({what}): the greedy client FAILED: {got['failed']}")
+    elif kind in SOCKETS:
+        print(f"{kind} ({what}): opened {got['opened']}; the daemon closed the oldest {got['closed']} and kept "
+              f"{got['got']} open")
     else:
         print(f"{kind} ({what}): got {got['got']}, then {got['name']} ({got['code']}): {got['message']}")
     shared = kind == "host memory"  # the budget is the daemon's, not a client's: a full one refuses every first touch
@@ -279,8 +324,8 @@ def main() -> int:
         shutil.rmtree(daemon.pipe_dir.parent, ignore_errors=True)
     tracebacks = sum("Traceback" in line for line in daemon.stderr_lines)
     failed = [kind for kind, ok in results.items() if not ok]
-    print(f"exhaust: {len(results) - len(failed)} of {len(results)} kinds refused at their limit with the "
-          f"bystander served and all reclaimed" + (f"; FAILED: {', '.join(failed)}" if failed else "")
+    print(f"exhaust: {len(results) - len(failed)} of {len(results)} kinds held at their limit with the "
+          f"bystander served and all given back" + (f"; FAILED: {', '.join(failed)}" if failed else "")
           + f"; daemon exit {code}, tracebacks {tracebacks}")
     return 0 if not failed and code == 0 and not tracebacks else 1
 
