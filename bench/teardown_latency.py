@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import shutil
 import signal
 import statistics
 import sys
@@ -115,6 +116,7 @@ def main() -> int:
         during = (starts + latencies >= gone) & (starts <= done)
     finally:
         code = daemon.stop()
+        shutil.rmtree(daemon.pipe_dir.parent, ignore_errors=True)
     print(f"big client: {options.small} small allocations, {options.reservations} VMM reservations"
           + (f" and {options.touched:g} GiB written" if options.touched else "")
           + f", made in {made:.1f} s; {'killed' if options.kill else 'exited'}")
