@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench soak clean
 
 # The crate in simcore/ is built by maturin, the package's build backend, into mpsd/ (an editable install
 # does not rebuild it by itself, so a change to the crate reinstalls).
@@ -43,6 +43,16 @@ bench: $(STAMP)
 	$(BIN)/python bench/sim_rate.py --scenario grids
 	$(BIN)/python bench/clock_rate.py
 	$(BIN)/python bench/daemon_instructions.py
+
+# The reliability suite (issue 29), a few minutes on two cores, so in neither `make test` nor `make bench`; each part
+# prints its counts and exits 1 on what it exists to catch (make stops there; `make -k soak` runs the rest): a fuzz
+# campaign of frames and control lines, SIGKILLed clients, one client taking all it may of each limited object, and
+# a bystander's latency while a large client tears down.
+soak: $(STAMP)
+	$(BIN)/python bench/fuzz.py --seconds 60
+	$(BIN)/python bench/soak.py --kills 1000 --minutes 3
+	$(BIN)/python bench/exhaust.py
+	$(BIN)/python bench/teardown_latency.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info simcore/target mpsd/_core*.so

@@ -16,6 +16,7 @@ import argparse
 import math
 import os
 import random
+import shutil
 import signal
 import statistics
 import sys
@@ -147,6 +148,7 @@ def main() -> int:
     hung = tenant.is_alive()
     fds, rss, used, left = settled()
     code = daemon.stop()
+    shutil.rmtree(base, ignore_errors=True)  # the pipe and log directories and the handles file
     print(f"kills: {kills} in {options.minutes:g} min at most, {options.concurrent} clients at a time")
     print(f"crashes: {0 if code == 0 else 1} (daemon exit {code}); hangs: {int(hung)}; clients left: {left}")
     print(f"healthy tenant round trips: {len(round_trips)}, median {statistics.median(round_trips) * 1e3:.2f} ms, "

@@ -5,13 +5,17 @@
 from __future__ import annotations
 
 import os
+import pwd
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 READY_TIMEOUT = 30.0
 
@@ -48,6 +52,19 @@ class DaemonProcess:
             self.stderr_lines.extend(self.proc.stderr.read().splitlines())
             self.proc.stderr.close()
         return self.proc.returncode
+
+
+def drain_stderr(daemon: DaemonProcess) -> threading.Thread:
+    """Read `daemon`'s stderr into its stderr_lines all along, for a run long enough that what the daemon says
+    could fill the pipe and stall it; join the thread once the daemon has exited, before `stop`."""
+    def read() -> None:
+        assert daemon.proc.stderr is not None
+        for line in daemon.proc.stderr:
+            daemon.stderr_lines.append(line.rstrip("\n"))
+
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    return thread
 
 
 def short_tempdir() -> Path:
@@ -93,3 +110,48 @@ def spawn_worker(code: str, pipe_dir: Path, *args: str, env: dict[str, str] | No
         env={**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(pipe_dir), **(env or {})},
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
+
+
+SECOND_USER = "mpsd-ipc-test"
+
+
+def second_user() -> pwd.struct_passwd | None:
+    """A real second user, created when we are root; None (where a test is then skipped) otherwise."""
+    if os.geteuid() != 0:
+        return None
+    try:
+        return pwd.getpwnam(SECOND_USER)
+    except KeyError:
+        pass
+    if shutil.which("useradd") is None:
+        return None
+    subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", SECOND_USER],
+                   check=True, capture_output=True)
+    return pwd.getpwnam(SECOND_USER)
+
+
+def as_user(user: pwd.struct_passwd, work: Callable[[], str]) -> str:
+    """Run `work` in a forked child that has become `user` (the interpreter is already loaded, so the child
+    needs no access to where Python lives), and return what it returned."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into the caller
+        status = 1
+        try:
+            os.close(read)
+            os.setgroups([])
+            os.setgid(user.pw_gid)
+            os.setuid(user.pw_uid)
+            os.write(write, work().encode())
+            status = 0
+        except BaseException as exc:  # say what went wrong: the caller's error shows it
+            os.write(write, repr(exc).encode())
+        finally:
+            os._exit(status)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        answer = pipe.read()
+    _, status = os.waitpid(pid, 0)
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise AssertionError(answer)
+    return answer

@@ -5,28 +5,13 @@
 from __future__ import annotations
 
 import socket
-import struct
 
-import msgpack
 import psutil
 import pytest
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from daemons import spawn_worker, start_daemon
-from mpsd_protocol import CALLS as TABLE, PROTOCOL_VERSION
-
-HELLO = [0, 1, "hello", {"version": PROTOCOL_VERSION, "pid": 1, "device": 0, "visible": None, "limits": {}}]
-VALUES = st.recursive(
-    st.none() | st.booleans() | st.integers(-2**64, 2**64 - 1).filter(lambda n: -2**63 <= n < 2**64)
-    | st.floats(allow_nan=True) | st.text(max_size=20) | st.binary(max_size=20),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
-    max_leaves=12)
-CALLS = [*TABLE, "hello", "no_such_call"]
-KEYS = sorted({arg.name for call in TABLE.values() for arg in call.args})
-ARGS = st.dictionaries(st.sampled_from(KEYS), VALUES | st.integers(0, 2**47), max_size=6) | VALUES
-MESSAGES = st.lists(st.tuples(st.sampled_from([0, 2]), st.integers(0, 2**32 - 1), st.sampled_from(CALLS), ARGS),
-                    min_size=1, max_size=5)
+from fuzzing import GARBAGE, HELLO, MESSAGES, frame
 
 HEALTHY = """
 import sys, mpsd_client
@@ -44,11 +29,6 @@ with mpsd_client.connect() as ctx:
         if rounds == 100000:
             break
 """
-
-
-def _frame(message) -> bytes:
-    body = msgpack.packb(message, use_bin_type=True)
-    return struct.pack("<II", len(body), 0) + body
 
 
 def _attack(path, data: bytes) -> None:
@@ -96,7 +76,7 @@ def test_random_calls_after_hello(target):
     @FUZZ
     @given(MESSAGES)
     def one_connection(messages) -> None:
-        _attack(daemon.socket_path, _frame(HELLO) + b"".join(_frame(list(m)) for m in messages))
+        _attack(daemon.socket_path, frame(HELLO) + b"".join(frame(list(m)) for m in messages))
         assert daemon.proc.poll() is None
 
     one_connection()
@@ -106,11 +86,9 @@ def test_random_calls_after_hello(target):
 def test_garbage_and_cut_frames(target):
     """Random bytes, random headers, frames cut short or claiming fds they lack: the same."""
     daemon, healthy, _ = target
-    header = st.builds(lambda n, f: struct.pack("<II", n, f), st.integers(0, 2**32 - 1), st.integers(0, 300))
 
     @FUZZ
-    @given(st.binary(max_size=200) | st.tuples(header, st.binary(max_size=64)).map(lambda t: t[0] + t[1])
-           | st.lists(MESSAGES, max_size=1).map(lambda m: _frame(HELLO) + _frame(list(m[0][0]))[:-3] if m else b""))
+    @given(GARBAGE)
     def one_connection(data: bytes) -> None:
         _attack(daemon.socket_path, data)
         assert daemon.proc.poll() is None
@@ -125,7 +103,7 @@ def test_fds_and_rss_come_back_after_the_fuzz(target):
     daemon, healthy, proc = target
     fds, rss = proc.num_fds(), proc.memory_info().rss
     for i in range(1000):
-        _attack(daemon.socket_path, _frame(HELLO) + _frame([0, 2, "malloc", {"nbytes": 512}]) + bytes([i % 256]) * 9)
+        _attack(daemon.socket_path, frame(HELLO) + frame([0, 2, "malloc", {"nbytes": 512}]) + bytes([i % 256]) * 9)
     assert proc.num_fds() <= fds + 2
     assert proc.memory_info().rss - rss < 32 << 20
     _healthy_goes_on(healthy)

@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 import mpsd_client
 import mpsd_protocol
 from daemons import DaemonProcess, short_tempdir, start_daemon
+from fuzzing import COMMANDS, command_lines, control_packets, ends_nothing
 from test_daemon import raw_socket, read_until_closed
 from test_ipc import _as_user, _second_user
 
@@ -116,43 +117,6 @@ def test_hostile_control_packets_are_answered_and_the_daemon_stays_up(ctx, daemo
     assert bytes(ctx.host_view(q)[-4:]) == b"\x01" * 4
 
 
-# Each command the fuzz sends, with the number of arguments it takes (quit, shutdown_server and terminate_client
-# would end what is being fuzzed; shutdown_server is among the hostile packets above).
-COMMANDS = {
-    "get_server_list": 0, "get_server_status": 1, "start_server": 2, "get_client_list": 1,
-    "get_device_client_list": 1, "ps": 2, "get_default_active_thread_percentage": 0,
-    "set_default_active_thread_percentage": 1, "get_active_thread_percentage": 1,
-    "set_active_thread_percentage": 2, "get_default_device_pinned_mem_limit": 1,
-    "set_default_device_pinned_mem_limit": 2, "get_device_pinned_mem_limit": 2, "set_device_pinned_mem_limit": 3,
-    "get_default_client_priority": 0, "set_default_client_priority": 1, "set_client_priority": 2,
-    "get_client_priority": 1, "set_client_weight": 2, "get_client_weight": 1, "mpsd_status": 0,
-    "no_such_command": 1,
-}
-ARGUMENTS = st.one_of(
-    st.sampled_from(["-t", "-f", "-uid", "-p", "uid:", "0", "1", "-1", "50", "0.5", "1e400", "nan", "inf", "1_0",
-                     "9" * 5000, "1.5G", "0x10", " 5 ", "'", '"', "\\", "\0"]),
-    st.text(alphabet="0123456789²³①⑨٥٠०۵𝟘½uid:-.G", min_size=1, max_size=4),  # digits and their lookalikes
-    st.text(alphabet=st.characters(whitelist_categories=("Nd", "No", "Nl")), min_size=1, max_size=4),
-    st.integers(-10**12, 10**12).map(str),
-    st.text(max_size=8),
-)
-
-
-def _ends_nothing(packet: bytes) -> bool:
-    """Random bytes that are no quit or shutdown_server (which would end what is being fuzzed: a quit with a
-    client gets no answer until the daemon has gone, as MPS's does)."""
-    return not any(line.split()[:1] in ([b"quit"], [b"shutdown_server"]) for line in packet.split(b"\n"))
-
-
-def _command_lines(pid: str) -> st.SearchStrategy[bytes]:
-    """A command with as many arguments as it takes (or any number), each one hostile, plausible or our pid."""
-    argument = st.one_of(ARGUMENTS, st.just(pid))
-    return st.sampled_from(sorted(COMMANDS.items())).flatmap(lambda command: st.tuples(
-        st.just(command[0]),
-        st.lists(argument, min_size=command[1], max_size=command[1]) | st.lists(argument, max_size=3),
-    )).map(lambda line: " ".join([line[0], *line[1]]).encode())
-
-
 def test_a_number_of_thousands_of_digits_gets_an_answer_not_an_internal_error(ctx, daemon):
     """Python converts no more than 4,300 digits to an int: every argument of every command, given 4,301 of them,
     is read as MPS reads it (a number too large, or no number), and no answer is the daemon's internal error."""
@@ -173,7 +137,7 @@ def test_fuzzed_control_packets_all_get_a_reply(ctx, daemon):
     sock = _control_socket(daemon)
 
     @settings(max_examples=200, deadline=None)
-    @given(_command_lines(pid) | st.binary(min_size=1, max_size=64).filter(_ends_nothing))
+    @given(command_lines(pid) | st.binary(min_size=1, max_size=64).filter(ends_nothing))
     def one_packet(packet: bytes) -> None:
         sock.send(packet)
         reply = sock.recv(PACKET)
@@ -184,6 +148,29 @@ def test_fuzzed_control_packets_all_get_a_reply(ctx, daemon):
         one_packet()
         assert _ask(sock, b"get_server_list") == pid
     assert ctx.malloc(64) > 0
+
+
+def test_fuzzed_v3_and_long_control_packets_all_get_a_reply(daemon_factory):
+    """On a protocol 3 daemon, which takes both languages: random v3 module-verb lines, legacy lines, random bytes
+    and lines of up to 70,000 bytes (more than a packet the daemon reads) each get their whole answer, none an
+    internal error, and the daemon stays up and serves a new client."""
+    d = start_daemon("--protocol", "3", "--time-scale", "100")
+    daemon_factory.append(d)
+    sock = _control_socket(d)
+
+    @settings(max_examples=200, deadline=None)
+    @given(control_packets(str(d.proc.pid)))
+    def one_packet(packet: bytes) -> None:
+        sock.send(packet)
+        answer = mpsd_protocol.read_control_answer(lambda: sock.recv(PACKET))
+        assert answer is not None, f"no reply to {packet[:80]!r}"
+        assert not answer[0].startswith(b"Internal error"), (packet[:80], answer)
+        assert d.proc.poll() is None, f"{packet[:80]!r} ended the daemon"
+
+    with sock:
+        one_packet()
+    with mpsd_client.connect(d.pipe_dir) as ctx:
+        assert ctx.malloc(64) > 0
 
 
 def test_control_log_states_the_true_exit_status(base):
@@ -530,6 +517,53 @@ def test_other_users_connect_while_one_floods_the_handshake(daemon_factory):
     assert _as_user(user, connect) == "True"
     for sock in silent:
         sock.close()
+
+
+def test_another_users_idle_control_connections_cannot_take_the_daemons_fds(daemon_factory):
+    """Another uid that opens 1,000 control connections and sends nothing keeps at most 64 of them (each new one
+    past that closes its oldest), so that on a daemon whose fd limit is 400 above what it holds a new client still
+    connects and allocates, and the newest connection is answered (every one was kept without bound: the fd table
+    filled, and no client of any user could connect)."""
+    user = _needs_second_user()
+    d = start_daemon("--time-scale", "100", "--multiuser")
+    daemon_factory.append(d)
+    for path in (d.pipe_dir.parent, d.pipe_dir):
+        os.chmod(path, 0o755)
+    process = psutil.Process(d.proc.pid)
+    before = process.num_fds()
+    process.rlimit(psutil.RLIMIT_NOFILE, (before + 400, before + 400))
+
+    def flood() -> str:
+        held = []
+        deadline = time.monotonic() + 30
+        while len(held) < 1000:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            sock.settimeout(5)
+            try:
+                sock.connect(str(d.pipe_dir / "control"))
+            except BlockingIOError:  # the listen queue is full: the daemon is not accepting (it cannot, before)
+                sock.close()
+                if time.monotonic() > deadline:
+                    return f"the daemon stopped accepting after {len(held)}"
+                time.sleep(0.01)
+                continue
+            held.append(sock)
+        try:
+            first = held[0].recv(PACKET)  # closed by the daemon for a newer one
+        except OSError as exc:
+            first = repr(exc).encode()
+        newest = _ask(held[-1], b"get_default_active_thread_percentage")
+        with mpsd_client.connect(d.pipe_dir, timeout=5) as ctx:
+            allocated = ctx.malloc(4 << 20) > 0
+        return repr((first, newest, allocated))
+
+    assert _as_user(user, flood) == repr((b"", "100.0", True))
+    deadline = time.monotonic() + 20
+    while process.num_fds() != before and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert process.num_fds() == before
+    assert f"User {user.pw_uid} has 64 control connections open; closing the oldest" in (
+        d.log_dir / "control.log").read_text()
 
 
 def test_another_users_denied_commands_cannot_flood_control_log(daemon_factory):

@@ -6,8 +6,6 @@ from __future__ import annotations
 import gc
 import json
 import os
-import pwd
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +14,7 @@ import numpy as np
 import pytest
 
 import mpsd_client
-from daemons import spawn_worker, start_daemon
+from daemons import as_user as _as_user, second_user as _second_user, spawn_worker, start_daemon
 from mpsd.sim import H200
 from mpsd_client import (
     DeviceUninitializedError,
@@ -448,56 +446,12 @@ def test_no_fd_leaks_over_thousands_of_cycles(daemon):
     finish(worker)
 
 
-SECOND_USER = "mpsd-ipc-test"
-
-
-def _second_user() -> pwd.struct_passwd | None:
-    """A real second user, created when we are root; None (with the test skipped) otherwise."""
-    if os.geteuid() != 0:
-        return None
-    try:
-        return pwd.getpwnam(SECOND_USER)
-    except KeyError:
-        pass
-    if shutil.which("useradd") is None:
-        return None
-    subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", SECOND_USER],
-                   check=True, capture_output=True)
-    return pwd.getpwnam(SECOND_USER)
-
-
 def _try_open(pipe_dir, handle: bytes) -> str:
     with mpsd_client.connect(pipe_dir) as ctx:
         try:
             return f"opened {ctx.ipc_open_mem_handle(handle).host_view()[3]}"
         except mpsd_client.CudaError as exc:
             return exc.name
-
-
-def _as_user(user: pwd.struct_passwd, work) -> str:
-    """Run `work` in a forked child that has become `user` (the interpreter is already loaded, so the child
-    needs no access to where Python lives), and return what it returned."""
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: never returns into pytest
-        status = 1
-        try:
-            os.close(read)
-            os.setgroups([])
-            os.setgid(user.pw_gid)
-            os.setuid(user.pw_uid)
-            os.write(write, work().encode())
-            status = 0
-        except BaseException as exc:  # say what went wrong: the parent's assertion shows it
-            os.write(write, repr(exc).encode())
-        finally:
-            os._exit(status)
-    os.close(write)
-    with os.fdopen(read) as pipe:
-        answer = pipe.read()
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0, answer
-    return answer
 
 
 @pytest.mark.parametrize("access,allowed", [("uid", False), ("group", False), ("any", True)])

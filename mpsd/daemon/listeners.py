@@ -11,7 +11,9 @@
 # A connection costs the daemon an fd before it has said who it is, so connections that have not said hello
 # are counted per uid and bounded (Greetings), and each has the handshake timeout to say it; the timeout
 # runs in a task beside the session, which looks at the socket before closing it, so that hello the daemon
-# was too busy to read is never held against the client.
+# was too busy to read is never held against the client. A control connection costs an fd too, for as long as its
+# peer keeps it open, and on a --multiuser daemon every user may open one: they are bounded per uid the same way
+# (ControlConnections), so that no user can fill the daemon's fd table with idle ones.
 from __future__ import annotations
 
 import array
@@ -21,10 +23,10 @@ import socket
 import stat
 import tempfile
 import termios
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import AsyncIterator, Hashable, Mapping
+from typing import AsyncIterator, Hashable, Iterator, Mapping
 
 import trio
 
@@ -33,6 +35,7 @@ from mpsd_protocol import PROTOCOL_FILE
 
 SD_LISTEN_FDS_START = 3
 MAX_UNGREETED = 64  # connections of one uid that may be waiting to say hello at once
+MAX_CONTROL = 64  # control connections of one uid that may be open at once (a tool holds one while it runs)
 
 PID_FILE = "nvidia-cuda-mps-control.pid"  # as MPS names it, in the pipe directory
 
@@ -289,6 +292,43 @@ class Greetings:
             while _unread(sock):  # the daemon, not the client, was slow: hello may be in there
                 await trio.sleep(0.05)
             scope.cancel()
+
+
+class ControlConnections:
+    """Control connections open now, by uid: at most `limit` of a uid. One that comes while its uid has `limit`
+    open closes the oldest of them (as Greetings does, so that a process leaking connections costs its own uid only
+    its oldest, never the command of a tool run now).
+
+    Args:
+        limit: control connections of one uid that may be open at once.
+    """
+
+    def __init__(self, limit: int = MAX_CONTROL) -> None:
+        self.limit = limit
+        self._open: dict[int, dict[trio.CancelScope, None]] = {}  # uid -> its connections' scopes, oldest first
+        self._evicting: dict[int, int] = {}  # uid -> its oldest closed for newer ones since it was under its limit
+
+    @contextmanager
+    def holding(self, uid: int, scope: trio.CancelScope) -> Iterator[int]:
+        """Count the connection served inside `scope` for `uid` while the block runs; `scope` is cancelled if a
+        newer connection of `uid` needs its place. Yields 0 where there was room, else how many of the uid's
+        oldest have been closed for newer ones in a row (1 for the first, the one worth a log line)."""
+        opened = self._open.setdefault(uid, {})
+        evicted = 0
+        if len(opened) >= self.limit:
+            oldest = next(iter(opened))
+            del opened[oldest]
+            oldest.cancel()
+            evicted = self._evicting[uid] = self._evicting.get(uid, 0) + 1
+        opened[scope] = None
+        try:
+            yield evicted
+        finally:
+            opened.pop(scope, None)
+            if len(opened) < self.limit - 1:
+                self._evicting.pop(uid, None)
+            if not opened:
+                self._open.pop(uid, None)
 
 
 def _unread(sock: socket.socket) -> int:

@@ -30,7 +30,8 @@ from mpsd.backends.sim import SimBackend
 from mpsd.daemon.channel import Spin
 from mpsd.daemon.config import Config
 from mpsd.daemon.control import MPS_VERSION, Control, Settings
-from mpsd.daemon.listeners import Greetings, Listeners, ListenError, open_listeners, write_protocol_file
+from mpsd.daemon.listeners import (ControlConnections, Greetings, Listeners, ListenError, open_listeners,
+                                   write_protocol_file)
 from mpsd.daemon.ownership import UnsafePathError
 from mpsd.daemon.routes import Route, RouteSockets, open_route
 from mpsd.daemon.servlog import ServerLog
@@ -143,6 +144,7 @@ class Daemon:
         self.sessions: set[Session] = set()
         self.spin = Spin(config.spin, self.sessions.__len__)  # how long a session reads an emptied socket on
         self.greetings = Greetings(config.handshake_timeout)
+        self.controls = ControlConnections()
         self._next_client = 1
         self._stop = trio.Event()
         self._retry_wakeup = trio.Event()
@@ -841,14 +843,19 @@ class Daemon:
                 self.log.control("Accepting connection...")
                 self.log.control("NEW UI")
             try:
-                while packet := await sock.recv(CONTROL_PACKET):
-                    with self.log.limiting(limited):
-                        reply = self._control_reply(packet, uid, route)
-                    if self.control.quitting:
-                        await self._stop.wait()  # the daemon is on its way out: the tool sees it go
-                        return
-                    for part in control_packets(reply, failed=self.control.failed):
-                        await sock.send(part)
+                with trio.CancelScope() as scope, self.controls.holding(uid, scope) as evicting:
+                    if evicting == 1:
+                        with self.log.limiting(limited):
+                            self.log.control(f"User {uid} has {self.controls.limit} control connections open; "
+                                             "closing the oldest")
+                    while packet := await sock.recv(CONTROL_PACKET):
+                        with self.log.limiting(limited):
+                            reply = self._control_reply(packet, uid, route)
+                        if self.control.quitting:
+                            await self._stop.wait()  # the daemon is on its way out: the tool sees it go
+                            return
+                        for part in control_packets(reply, failed=self.control.failed):
+                            await sock.send(part)
             except OSError:
                 pass  # the control client went away
             with self.log.limiting(limited):
