@@ -142,7 +142,7 @@ def direct(ordinal: int) -> tuple[Callable[[int, int], float], Callable[[int, in
     for _ in range(NODES):
         _check(cu.cuLaunchKernel(spin, 1, 1, 1, 32, 1, 1, 0, stream, address, 0))
     graph = _check(cu.cuStreamEndCapture(stream))
-    executable = _check(cu.cuGraphInstantiateWithFlags(graph, 0))
+    executable = _check(cu.cuGraphInstantiate(graph, 0))  # (cuda-python 12 on: the flags form, as WithFlags was)
 
     def launches(n: int, warmup: int, keep: tuple[Any, ...] = (cycles, params)) -> float:
         # `keep` holds the argument buffer alive: the launches read it through its bare address.

@@ -119,3 +119,21 @@ def test_a_policy_written_in_python_is_named_module_colon_class(tmp_path):
     assert config.policy == "examples.sjf_policy:ShortestJobFirst"
     with pytest.raises(ConfigError, match="no_such_module"):
         _config(tmp_path, "", "--policy", "no_such_module:Policy")
+
+
+def test_look_ahead_reaches_the_priority_policy_and_is_off_by_default():
+    """`--look-ahead on` gives the kernel-level priority policy `ahead`; without it, or off, it has none; a value
+    that is not a truth is refused by the policy itself."""
+    from mpsd.runtime.dispatch_policies import Priority, kernel_policy
+
+    def policy(*argv: str) -> Priority:
+        config = load_config(["--policy", "priority", "--dispatch", "kernel", *argv], environ={})
+        made = kernel_policy(config.policy, config.policy_options)
+        assert isinstance(made, Priority)
+        return made
+
+    assert policy("--look-ahead", "on").ahead is True
+    assert policy("--look-ahead", "off").ahead is False
+    assert policy().ahead is False
+    with pytest.raises(ValueError, match="ahead must be true or false"):
+        Priority(ahead="yes")  # type: ignore[arg-type]

@@ -22,6 +22,9 @@ def _bindings() -> tuple[Any, Any]:
     import os
 
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+    # And every kernel loaded with its module: a kernel loaded at its first launch (CUDA's lazy loading, the
+    # default) waits for the context's running work, which may be work waiting at a closed gate.
+    os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
     from cuda.bindings import driver, nvrtc
 
     return driver, nvrtc

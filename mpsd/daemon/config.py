@@ -170,6 +170,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "up to 69 us more for contexts that hold many warps)")
     parser.add_argument("--aging", type=float, metavar="SECONDS",
                         help="priority policy: wait after which a low-priority kernel is served first")
+    parser.add_argument("--look-ahead", choices=("on", "off", "True", "False"), metavar="on|off",
+                        help="priority policy with --dispatch kernel on a real GPU: less urgent work that fills the "
+                             "device goes to the GPU ahead, behind a gate the daemon closes while urgent work is "
+                             "there (off by default: experimental, see the README)")
     parser.add_argument("--mig-partitions", metavar="PROFILES",
                         help="mig policy: GPU instances, e.g. 3g.71gb,2g.35gb,1g.18gb (default two 3g.71gb)")
     parser.add_argument("--clock", choices=CLOCKS,
@@ -324,6 +328,9 @@ def load_config(argv: Sequence[str] | None = None, environ: dict[str, str] | Non
             if not float(value) >= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be a non-negative number of seconds")
             policy_options[key] = float(value)
+    look_ahead = pick("look_ahead")
+    if look_ahead is not None:
+        policy_options["ahead"] = str(look_ahead) in ("on", "True", "true")
     partitions = pick("mig_partitions")
     if partitions:
         policy_options["partitions"] = _partitions(partitions)
