@@ -9,14 +9,18 @@
 `Context` blocks; `open_context()` gives an `AsyncContext` for trio with the same calls, awaited.
 Errors are `CudaError` subclasses carrying `.code` and `.name`, one per CUDA error code.
 """
-from mpsd_protocol import (  # noqa: F401  (the error classes are part of the client's API)
-    ERROR_CLASSES,
+from typing import TYPE_CHECKING, Any
+
+from mpsd_protocol import (
+    ERROR_CLASSES,  # noqa: F401  (the table, reachable from the client as it always was)
     CudaError,
+    _errors,
     error_name,
     error_string,
     format_size,
     parse_size,
 )
+from mpsd_protocol._errors import *  # noqa: F403  (the error classes are part of the client's API)
 
 from ._api import ContextBase
 from ._caching import CachingAllocator, caching_allocator
@@ -29,10 +33,12 @@ from ._sync import Context, connect
 from ._wait import (DEVICE_LMEM_RESIZE_TO_MAX, DEVICE_MAP_HOST, DEVICE_SCHEDULE_AUTO, DEVICE_SCHEDULE_BLOCKING_SYNC,
                     DEVICE_SCHEDULE_MASK, DEVICE_SCHEDULE_SPIN, DEVICE_SCHEDULE_YIELD, DEVICE_SYNC_MEMOPS)
 
-globals().update({cls.__name__: cls for cls in ERROR_CLASSES.values()})
+
+if TYPE_CHECKING:  # what __getattr__ below gives, for a type checker
+    from ._async import AsyncContext, open_context
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     # The trio shell is imported on first use: a blocking client never loads trio (10 MiB of a process).
     if name in ("AsyncContext", "open_context"):
         from . import _async
@@ -47,4 +53,5 @@ __all__ = [
     "Graph", "GraphExec", "GraphNode", "MemPool", "PoolStatistics", "Stream",
     "caching_allocator", "connect", "error_name", "error_string", "format_size", "graph", "graph_pool_handle",
     "open_context", "parse_size",
-] + [cls.__name__ for cls in ERROR_CLASSES.values()]
+]
+__all__ += _errors.__all__  # one exception class per error code, as mpsd_protocol has them

@@ -15,7 +15,7 @@ from typing import Any, AsyncIterator, Mapping
 
 import trio
 
-from mpsd_protocol import (  # type: ignore[attr-defined]
+from mpsd_protocol import (
     ANCILLARY_SIZE,
     CLOSED,
     NEED_DATA,

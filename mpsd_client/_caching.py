@@ -24,7 +24,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-from mpsd_protocol import OutOfMemoryError  # type: ignore[attr-defined]
+from mpsd_protocol import OutOfMemoryError
 
 from ._caching_report import History, summary
 from ._figures import (LARGE_BUFFER, MIN_BLOCK, POOLS, SMALL_BUFFER, SMALL_SIZE, STATS, UNLIMITED, _allocation_size,

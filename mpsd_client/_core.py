@@ -20,7 +20,7 @@ import time
 from typing import Any, Generator
 
 
-from mpsd_protocol import (  # type: ignore[attr-defined]
+from mpsd_protocol import (
     EVENT_HANDLE,
     IPC_FREED,
     POOL_ALLOC,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from typing import Any, Mapping
 
-from mpsd_protocol import (  # type: ignore[attr-defined]
+from mpsd_protocol import (
     InvalidDeviceError,
     InvalidValueError,
     brief,

@@ -19,7 +19,7 @@ from __future__ import annotations
 import bisect
 from typing import Any
 
-from mpsd_protocol import OutOfMemoryError  # type: ignore[attr-defined]
+from mpsd_protocol import OutOfMemoryError
 
 from ._figures import LARGE_BUFFER, SMALL_BUFFER  # the pools' buffers are its segments' page sizes
 

@@ -12,7 +12,7 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generator, Iterable
 
-from mpsd_protocol import (  # type: ignore[attr-defined]
+from mpsd_protocol import (
     CAPTURE_GLOBAL,
     CAPTURE_NONE,
     CAPTURE_RELAXED,

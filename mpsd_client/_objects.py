@@ -37,7 +37,7 @@ class DevicePointer(int):
             InvalidValueError: the pointer was not made by a context (build one with ``ctx.host_view(p)``).
         """
         if self.ctx is None:
-            from mpsd_protocol import InvalidValueError  # type: ignore[attr-defined]
+            from mpsd_protocol import InvalidValueError
 
             raise InvalidValueError("this pointer belongs to no context: use ctx.host_view(ptr)")
         return self.ctx.host_view(self)

@@ -29,7 +29,7 @@ import operator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from mpsd_protocol import Call, Calls, InvalidValueError  # type: ignore[attr-defined]
+from mpsd_protocol import Call, Calls, InvalidValueError
 
 if TYPE_CHECKING:
     from ._api import ContextBase

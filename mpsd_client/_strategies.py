@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from mpsd_protocol import OutOfMemoryError  # type: ignore[attr-defined]
+from mpsd_protocol import OutOfMemoryError
 
 from ._figures import (MIN_BLOCK, POOLS, SMALL_BUFFER, SMALL_SIZE, STATS, _Figures, _oom_message, _power2_division,
                        _Stat, _stream, fragmentation)

@@ -9,7 +9,7 @@ import threading
 import time
 from typing import Any, Iterator
 
-from mpsd_protocol import (  # type: ignore[attr-defined]
+from mpsd_protocol import (
     CLOSED,
     NEED_DATA,
     Connection,

@@ -16,7 +16,7 @@ import os
 import socket
 import time
 
-from mpsd_protocol import ANCILLARY_SIZE, RECV_FLAGS, InvalidValueError, SpinOdds, brief  # type: ignore[attr-defined]
+from mpsd_protocol import ANCILLARY_SIZE, RECV_FLAGS, InvalidValueError, SpinOdds, brief
 
 # cudaDeviceFlags: one scheduling choice, and bits that have no effect here. As the H200's runtime does
 # (bench/fidelity/device_flags_h200.txt), cudaSetDeviceFlags takes any bits of the low byte with at most one

@@ -40,6 +40,7 @@ from ._calls import (
 )
 from ._control import (CONTROL_PACKET, PROTOCOL_FILE, V3_MODULES, control_packets, read_control_answer,
                        read_control_reply)
+from . import _errors
 from ._dirs import (
     DEFAULT_LOG_DIRECTORY,
     DEFAULT_PIPE_DIRECTORY,
@@ -59,6 +60,7 @@ from ._errors import (
     error_string,
     make_error,
 )
+from ._errors import *  # noqa: F403  (the table's classes, InvalidValueError, ...: _errors.__all__ lists them)
 from ._fds import ANCILLARY_SIZE, RECV_FLAGS, close_fds, pack_fds, unpack_fds
 from ._ipc import EVENT, IPC_HANDLE_SIZE, MEMORY, IpcHandle
 from ._launch import PARAM_KINDS, check_args, check_shape, dims
@@ -76,9 +78,6 @@ from ._messages import (
 from ._peer import check_server, peer_credentials
 from ._spin import SpinOdds
 from ._units import format_size, parse_decimal, parse_integer, parse_mem_limits, parse_percentage, parse_size
-
-# One exception class per error code, built from the table: InvalidValueError, IllegalAddressError, ...
-globals().update({cls.__name__: cls for cls in ERROR_CLASSES.values()})
 
 __all__ = [
     "brief", "CALL", "CAPTURE_ACTIVE", "CAPTURE_GLOBAL", "CAPTURE_INVALIDATED", "CAPTURE_NONE", "CAPTURE_RELAXED",
@@ -99,4 +98,5 @@ __all__ = [
     "RemoteProtocolError", "Reply", "Request",
     "check_server", "peer_credentials", "SpinOdds",
     "format_size", "parse_decimal", "parse_integer", "parse_percentage", "parse_mem_limits", "parse_size",
-] + [cls.__name__ for cls in ERROR_CLASSES.values()]
+]
+__all__ += _errors.__all__  # one exception class per error code (a form type checkers read as the names it adds)

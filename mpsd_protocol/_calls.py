@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from ._brief import brief
-from ._errors import InvalidValueError  # type: ignore[attr-defined]
+from ._errors import InvalidValueError
 
 # Host-cost kinds, as mpsd.clock prices them (the clock imports nothing from here; a test pins that
 # the two agree). LAUNCH: queues work and returns; SYNC: waits for the device; CALL: anything else; CLOCK:

@@ -40,95 +40,379 @@ class CudaError(Exception):
         return {"code": self.code, "name": self.name, "message": self.detail or ""}
 
 
-# (code, name, runtime message, class name, built-in base, sticky)
-_TABLE: list[tuple[int, str, str, str, type[BaseException] | None, bool]] = [
-    (1, "cudaErrorInvalidValue", "invalid argument", "InvalidValueError", ValueError, False),
-    (2, "cudaErrorMemoryAllocation", "out of memory", "OutOfMemoryError", MemoryError, False),
-    (3, "cudaErrorInitializationError", "initialization error", "InitializationError", None, False),
-    (4, "cudaErrorCudartUnloading", "driver shutting down", "CudartUnloadingError", None, False),
-    (9, "cudaErrorInvalidConfiguration", "invalid configuration argument", "InvalidConfigurationError",
-     ValueError, False),
-    (17, "cudaErrorInvalidDevicePointer", "invalid device pointer", "InvalidDevicePointerError", ValueError,
-     False),
-    (46, "cudaErrorDevicesUnavailable", "CUDA-capable device(s) is/are busy or unavailable",
-     "DevicesUnavailableError", None, False),
-    (98, "cudaErrorInvalidDeviceFunction", "invalid device function", "InvalidDeviceFunctionError", None, False),
-    (100, "cudaErrorNoDevice", "no CUDA-capable device is detected", "NoDeviceError", None, False),
-    (101, "cudaErrorInvalidDevice", "invalid device ordinal", "InvalidDeviceError", ValueError, False),
-    (201, "cudaErrorDeviceUninitialized", "invalid device context", "DeviceUninitializedError", None, False),
-    (217, "cudaErrorPeerAccessUnsupported", "peer access is not supported between these two devices",
-     "PeerAccessUnsupportedError", None, False),
-    (400, "cudaErrorInvalidResourceHandle", "invalid resource handle", "InvalidResourceHandleError", ValueError,
-     False),
-    (401, "cudaErrorIllegalState", "the operation cannot be performed in the present state", "IllegalStateError",
-     None, False),
-    (500, "cudaErrorNotFound", "named symbol not found", "NotFoundError", None, False),
-    (600, "cudaErrorNotReady", "device not ready", "NotReadyError", None, False),
-    (700, "cudaErrorIllegalAddress", "an illegal memory access was encountered", "IllegalAddressError", None,
-     True),
-    (701, "cudaErrorLaunchOutOfResources", "too many resources requested for launch",
-     "LaunchOutOfResourcesError", None, False),
-    (702, "cudaErrorLaunchTimeout", "the launch timed out and was terminated", "LaunchTimeoutError", None, True),
-    (709, "cudaErrorContextIsDestroyed", "context is destroyed", "ContextIsDestroyedError", None, False),
-    (710, "cudaErrorAssert", "device-side assert triggered", "DeviceAssertError", None, True),
-    (719, "cudaErrorLaunchFailure", "unspecified launch failure", "LaunchFailureError", None, True),
-    (800, "cudaErrorNotPermitted", "operation not permitted", "NotPermittedError", PermissionError, False),
-    (801, "cudaErrorNotSupported", "operation not supported", "NotSupportedError", None, False),
-    (805, "cudaErrorMpsConnectionFailed",
-     "MPS client failed to connect to the MPS control daemon or the MPS server", "MpsConnectionError",
-     ConnectionError, False),
-    (806, "cudaErrorMpsRpcFailure", "the remote procedural call between the MPS server and the MPS client failed",
-     "MpsRpcFailureError", ConnectionError, False),
-    (807, "cudaErrorMpsServerNotReady", "MPS server is not ready to accept new MPS client requests",
-     "MpsServerNotReadyError", None, False),
-    (808, "cudaErrorMpsMaxClientsReached",
-     "the hardware resources required to create MPS client have been exhausted", "MpsMaxClientsReachedError",
-     None, False),
-    (809, "cudaErrorMpsMaxConnectionsReached",
-     "the hardware resources required to support device connections have been exhausted",
-     "MpsMaxConnectionsReachedError", None, False),
-    (810, "cudaErrorMpsClientTerminated", "the MPS client has been terminated by the server",
-     "MpsClientTerminatedError", None, True),
-    (900, "cudaErrorStreamCaptureUnsupported", "operation not permitted when stream is capturing",
-     "StreamCaptureUnsupportedError", None, False),
-    (901, "cudaErrorStreamCaptureInvalidated", "operation failed due to a previous error during capture",
-     "StreamCaptureInvalidatedError", None, False),
-    (902, "cudaErrorStreamCaptureMerge", "operation would result in a merge of separate capture sequences",
-     "StreamCaptureMergeError", None, False),
-    (903, "cudaErrorStreamCaptureUnmatched", "capture was not ended in the same stream as it began",
-     "StreamCaptureUnmatchedError", None, False),
-    (904, "cudaErrorStreamCaptureUnjoined", "capturing stream has unjoined work", "StreamCaptureUnjoinedError",
-     None, False),
-    (905, "cudaErrorStreamCaptureIsolation",
-     "dependency created on uncaptured work in another stream", "StreamCaptureIsolationError", None, False),
-    (906, "cudaErrorStreamCaptureImplicit",
-     "operation would make the legacy stream depend on a capturing blocking stream",
-     "StreamCaptureImplicitError", None, False),
-    (907, "cudaErrorCapturedEvent", "operation not permitted on an event last recorded in a capturing stream",
-     "CapturedEventError", None, False),
-    (908, "cudaErrorStreamCaptureWrongThread",
-     "attempt to terminate a thread-local capture sequence from another thread",
-     "StreamCaptureWrongThreadError", None, False),
-    (910, "cudaErrorGraphExecUpdateFailure", "the graph update was not performed because it included changes "
-     "which violated constraints specific to instantiated graph update", "GraphExecUpdateFailureError", None,
-     False),
-    (999, "cudaErrorUnknown", "unknown error", "UnknownError", None, False),
+# One class per code, written out so that a type checker and a reader see each. A class's attributes are its
+# row of the table; ERROR_CLASSES below lists each once, in code order. `__all__` is these classes, which
+# mpsd_protocol and mpsd_client re-export (`from ._errors import *`); the module's other names are imported by
+# name. (`__module__` is the package's, where they are imported from, as when they were built from a table.)
+__all__ = [
+    "InvalidValueError", "OutOfMemoryError", "InitializationError", "CudartUnloadingError", "InvalidConfigurationError",
+    "InvalidDevicePointerError", "DevicesUnavailableError", "InvalidDeviceFunctionError", "NoDeviceError",
+    "InvalidDeviceError", "DeviceUninitializedError", "PeerAccessUnsupportedError", "InvalidResourceHandleError",
+    "IllegalStateError", "NotFoundError", "NotReadyError", "IllegalAddressError", "LaunchOutOfResourcesError",
+    "LaunchTimeoutError", "ContextIsDestroyedError", "DeviceAssertError", "LaunchFailureError", "NotPermittedError",
+    "NotSupportedError", "MpsConnectionError", "MpsRpcFailureError", "MpsServerNotReadyError",
+    "MpsMaxClientsReachedError", "MpsMaxConnectionsReachedError", "MpsClientTerminatedError",
+    "StreamCaptureUnsupportedError", "StreamCaptureInvalidatedError", "StreamCaptureMergeError",
+    "StreamCaptureUnmatchedError", "StreamCaptureUnjoinedError", "StreamCaptureIsolationError",
+    "StreamCaptureImplicitError", "CapturedEventError", "StreamCaptureWrongThreadError", "GraphExecUpdateFailureError",
+    "UnknownError",
 ]
 
-_ROWS: dict[int, tuple[str, str, str, bool]] = {
-    code: (name, message, cls_name, sticky) for code, name, message, cls_name, _base, sticky in _TABLE
-}
-ERROR_CLASSES: dict[int, type[CudaError]] = {}
-for _code, _name, _message, _cls_name, _base, _sticky in _TABLE:
-    _bases = (CudaError, _base) if _base else (CudaError,)
-    ERROR_CLASSES[_code] = type(_cls_name, _bases, {
-        "code": _code, "name": _name, "description": _message, "sticky": _sticky,
-        "__module__": "mpsd_protocol", "__doc__": f"{_name} ({_code}): {_message}.",
-    })
-CODES_BY_NAME: dict[str, int] = {row[0]: code for code, row in _ROWS.items()}
 
-# Module-level names for the classes, so `from mpsd_protocol import IllegalAddressError` works.
-globals().update({cls.__name__: cls for cls in ERROR_CLASSES.values()})
+class InvalidValueError(CudaError, ValueError):
+    """cudaErrorInvalidValue (1): invalid argument."""
+
+    code = 1
+    name = "cudaErrorInvalidValue"
+    description = "invalid argument"
+
+
+class OutOfMemoryError(CudaError, MemoryError):
+    """cudaErrorMemoryAllocation (2): out of memory."""
+
+    code = 2
+    name = "cudaErrorMemoryAllocation"
+    description = "out of memory"
+
+
+class InitializationError(CudaError):
+    """cudaErrorInitializationError (3): initialization error."""
+
+    code = 3
+    name = "cudaErrorInitializationError"
+    description = "initialization error"
+
+
+class CudartUnloadingError(CudaError):
+    """cudaErrorCudartUnloading (4): driver shutting down."""
+
+    code = 4
+    name = "cudaErrorCudartUnloading"
+    description = "driver shutting down"
+
+
+class InvalidConfigurationError(CudaError, ValueError):
+    """cudaErrorInvalidConfiguration (9): invalid configuration argument."""
+
+    code = 9
+    name = "cudaErrorInvalidConfiguration"
+    description = "invalid configuration argument"
+
+
+class InvalidDevicePointerError(CudaError, ValueError):
+    """cudaErrorInvalidDevicePointer (17): invalid device pointer."""
+
+    code = 17
+    name = "cudaErrorInvalidDevicePointer"
+    description = "invalid device pointer"
+
+
+class DevicesUnavailableError(CudaError):
+    """cudaErrorDevicesUnavailable (46): CUDA-capable device(s) is/are busy or unavailable."""
+
+    code = 46
+    name = "cudaErrorDevicesUnavailable"
+    description = "CUDA-capable device(s) is/are busy or unavailable"
+
+
+class InvalidDeviceFunctionError(CudaError):
+    """cudaErrorInvalidDeviceFunction (98): invalid device function."""
+
+    code = 98
+    name = "cudaErrorInvalidDeviceFunction"
+    description = "invalid device function"
+
+
+class NoDeviceError(CudaError):
+    """cudaErrorNoDevice (100): no CUDA-capable device is detected."""
+
+    code = 100
+    name = "cudaErrorNoDevice"
+    description = "no CUDA-capable device is detected"
+
+
+class InvalidDeviceError(CudaError, ValueError):
+    """cudaErrorInvalidDevice (101): invalid device ordinal."""
+
+    code = 101
+    name = "cudaErrorInvalidDevice"
+    description = "invalid device ordinal"
+
+
+class DeviceUninitializedError(CudaError):
+    """cudaErrorDeviceUninitialized (201): invalid device context."""
+
+    code = 201
+    name = "cudaErrorDeviceUninitialized"
+    description = "invalid device context"
+
+
+class PeerAccessUnsupportedError(CudaError):
+    """cudaErrorPeerAccessUnsupported (217): peer access is not supported between these two devices."""
+
+    code = 217
+    name = "cudaErrorPeerAccessUnsupported"
+    description = "peer access is not supported between these two devices"
+
+
+class InvalidResourceHandleError(CudaError, ValueError):
+    """cudaErrorInvalidResourceHandle (400): invalid resource handle."""
+
+    code = 400
+    name = "cudaErrorInvalidResourceHandle"
+    description = "invalid resource handle"
+
+
+class IllegalStateError(CudaError):
+    """cudaErrorIllegalState (401): the operation cannot be performed in the present state."""
+
+    code = 401
+    name = "cudaErrorIllegalState"
+    description = "the operation cannot be performed in the present state"
+
+
+class NotFoundError(CudaError):
+    """cudaErrorNotFound (500): named symbol not found."""
+
+    code = 500
+    name = "cudaErrorNotFound"
+    description = "named symbol not found"
+
+
+class NotReadyError(CudaError):
+    """cudaErrorNotReady (600): device not ready."""
+
+    code = 600
+    name = "cudaErrorNotReady"
+    description = "device not ready"
+
+
+class IllegalAddressError(CudaError):
+    """cudaErrorIllegalAddress (700): an illegal memory access was encountered."""
+
+    code = 700
+    name = "cudaErrorIllegalAddress"
+    description = "an illegal memory access was encountered"
+    sticky = True
+
+
+class LaunchOutOfResourcesError(CudaError):
+    """cudaErrorLaunchOutOfResources (701): too many resources requested for launch."""
+
+    code = 701
+    name = "cudaErrorLaunchOutOfResources"
+    description = "too many resources requested for launch"
+
+
+class LaunchTimeoutError(CudaError):
+    """cudaErrorLaunchTimeout (702): the launch timed out and was terminated."""
+
+    code = 702
+    name = "cudaErrorLaunchTimeout"
+    description = "the launch timed out and was terminated"
+    sticky = True
+
+
+class ContextIsDestroyedError(CudaError):
+    """cudaErrorContextIsDestroyed (709): context is destroyed."""
+
+    code = 709
+    name = "cudaErrorContextIsDestroyed"
+    description = "context is destroyed"
+
+
+class DeviceAssertError(CudaError):
+    """cudaErrorAssert (710): device-side assert triggered."""
+
+    code = 710
+    name = "cudaErrorAssert"
+    description = "device-side assert triggered"
+    sticky = True
+
+
+class LaunchFailureError(CudaError):
+    """cudaErrorLaunchFailure (719): unspecified launch failure."""
+
+    code = 719
+    name = "cudaErrorLaunchFailure"
+    description = "unspecified launch failure"
+    sticky = True
+
+
+class NotPermittedError(CudaError, PermissionError):
+    """cudaErrorNotPermitted (800): operation not permitted."""
+
+    code = 800
+    name = "cudaErrorNotPermitted"
+    description = "operation not permitted"
+
+
+class NotSupportedError(CudaError):
+    """cudaErrorNotSupported (801): operation not supported."""
+
+    code = 801
+    name = "cudaErrorNotSupported"
+    description = "operation not supported"
+
+
+class MpsConnectionError(CudaError, ConnectionError):
+    """cudaErrorMpsConnectionFailed (805): MPS client failed to connect to the MPS control daemon or the MPS server."""
+
+    code = 805
+    name = "cudaErrorMpsConnectionFailed"
+    description = "MPS client failed to connect to the MPS control daemon or the MPS server"
+
+
+class MpsRpcFailureError(CudaError, ConnectionError):
+    """cudaErrorMpsRpcFailure (806): the remote procedural call between the MPS server and the MPS client failed."""
+
+    code = 806
+    name = "cudaErrorMpsRpcFailure"
+    description = "the remote procedural call between the MPS server and the MPS client failed"
+
+
+class MpsServerNotReadyError(CudaError):
+    """cudaErrorMpsServerNotReady (807): MPS server is not ready to accept new MPS client requests."""
+
+    code = 807
+    name = "cudaErrorMpsServerNotReady"
+    description = "MPS server is not ready to accept new MPS client requests"
+
+
+class MpsMaxClientsReachedError(CudaError):
+    """cudaErrorMpsMaxClientsReached (808): the hardware resources required to create MPS client have been exhausted."""
+
+    code = 808
+    name = "cudaErrorMpsMaxClientsReached"
+    description = "the hardware resources required to create MPS client have been exhausted"
+
+
+class MpsMaxConnectionsReachedError(CudaError):
+    """cudaErrorMpsMaxConnectionsReached (809): the hardware resources required to support device connections have
+    been exhausted."""
+
+    code = 809
+    name = "cudaErrorMpsMaxConnectionsReached"
+    description = "the hardware resources required to support device connections have been exhausted"
+
+
+class MpsClientTerminatedError(CudaError):
+    """cudaErrorMpsClientTerminated (810): the MPS client has been terminated by the server."""
+
+    code = 810
+    name = "cudaErrorMpsClientTerminated"
+    description = "the MPS client has been terminated by the server"
+    sticky = True
+
+
+class StreamCaptureUnsupportedError(CudaError):
+    """cudaErrorStreamCaptureUnsupported (900): operation not permitted when stream is capturing."""
+
+    code = 900
+    name = "cudaErrorStreamCaptureUnsupported"
+    description = "operation not permitted when stream is capturing"
+
+
+class StreamCaptureInvalidatedError(CudaError):
+    """cudaErrorStreamCaptureInvalidated (901): operation failed due to a previous error during capture."""
+
+    code = 901
+    name = "cudaErrorStreamCaptureInvalidated"
+    description = "operation failed due to a previous error during capture"
+
+
+class StreamCaptureMergeError(CudaError):
+    """cudaErrorStreamCaptureMerge (902): operation would result in a merge of separate capture sequences."""
+
+    code = 902
+    name = "cudaErrorStreamCaptureMerge"
+    description = "operation would result in a merge of separate capture sequences"
+
+
+class StreamCaptureUnmatchedError(CudaError):
+    """cudaErrorStreamCaptureUnmatched (903): capture was not ended in the same stream as it began."""
+
+    code = 903
+    name = "cudaErrorStreamCaptureUnmatched"
+    description = "capture was not ended in the same stream as it began"
+
+
+class StreamCaptureUnjoinedError(CudaError):
+    """cudaErrorStreamCaptureUnjoined (904): capturing stream has unjoined work."""
+
+    code = 904
+    name = "cudaErrorStreamCaptureUnjoined"
+    description = "capturing stream has unjoined work"
+
+
+class StreamCaptureIsolationError(CudaError):
+    """cudaErrorStreamCaptureIsolation (905): dependency created on uncaptured work in another stream."""
+
+    code = 905
+    name = "cudaErrorStreamCaptureIsolation"
+    description = "dependency created on uncaptured work in another stream"
+
+
+class StreamCaptureImplicitError(CudaError):
+    """cudaErrorStreamCaptureImplicit (906): operation would make the legacy stream depend on a capturing blocking
+    stream."""
+
+    code = 906
+    name = "cudaErrorStreamCaptureImplicit"
+    description = "operation would make the legacy stream depend on a capturing blocking stream"
+
+
+class CapturedEventError(CudaError):
+    """cudaErrorCapturedEvent (907): operation not permitted on an event last recorded in a capturing stream."""
+
+    code = 907
+    name = "cudaErrorCapturedEvent"
+    description = "operation not permitted on an event last recorded in a capturing stream"
+
+
+class StreamCaptureWrongThreadError(CudaError):
+    """cudaErrorStreamCaptureWrongThread (908): attempt to terminate a thread-local capture sequence from another
+    thread."""
+
+    code = 908
+    name = "cudaErrorStreamCaptureWrongThread"
+    description = "attempt to terminate a thread-local capture sequence from another thread"
+
+
+class GraphExecUpdateFailureError(CudaError):
+    """cudaErrorGraphExecUpdateFailure (910): the graph update was not performed because it included changes which
+    violated constraints specific to instantiated graph update."""
+
+    code = 910
+    name = "cudaErrorGraphExecUpdateFailure"
+    description = ("the graph update was not performed because it included changes which violated constraints "
+                   "specific to instantiated graph update")
+
+class UnknownError(CudaError):
+    """cudaErrorUnknown (999): unknown error."""
+
+    code = 999
+    name = "cudaErrorUnknown"
+    description = "unknown error"
+
+
+ERROR_CLASSES: dict[int, type[CudaError]] = {cls.code: cls for cls in (
+    InvalidValueError, OutOfMemoryError, InitializationError, CudartUnloadingError, InvalidConfigurationError,
+    InvalidDevicePointerError, DevicesUnavailableError, InvalidDeviceFunctionError, NoDeviceError, InvalidDeviceError,
+    DeviceUninitializedError, PeerAccessUnsupportedError, InvalidResourceHandleError, IllegalStateError, NotFoundError,
+    NotReadyError, IllegalAddressError, LaunchOutOfResourcesError, LaunchTimeoutError, ContextIsDestroyedError,
+    DeviceAssertError, LaunchFailureError, NotPermittedError, NotSupportedError, MpsConnectionError, MpsRpcFailureError,
+    MpsServerNotReadyError, MpsMaxClientsReachedError, MpsMaxConnectionsReachedError, MpsClientTerminatedError,
+    StreamCaptureUnsupportedError, StreamCaptureInvalidatedError, StreamCaptureMergeError, StreamCaptureUnmatchedError,
+    StreamCaptureUnjoinedError, StreamCaptureIsolationError, StreamCaptureImplicitError, CapturedEventError,
+    StreamCaptureWrongThreadError, GraphExecUpdateFailureError, UnknownError,
+)}
+for _cls in ERROR_CLASSES.values():
+    _cls.__module__ = "mpsd_protocol"
+_ROWS: dict[int, tuple[str, str, str, bool]] = {
+    code: (cls.name, cls.description, cls.__name__, cls.sticky) for code, cls in ERROR_CLASSES.items()
+}
+CODES_BY_NAME: dict[str, int] = {row[0]: code for code, row in _ROWS.items()}
 
 
 def error_class(code: int) -> type[CudaError]:

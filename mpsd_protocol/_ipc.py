@@ -6,7 +6,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-from ._errors import InvalidValueError  # type: ignore[attr-defined]
+from ._errors import InvalidValueError
 
 IPC_HANDLE_SIZE = 64
 MEMORY, EVENT = 1, 2

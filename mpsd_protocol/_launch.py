@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from ._brief import brief
-from ._errors import InvalidConfigurationError, InvalidValueError  # type: ignore[attr-defined]
+from ._errors import InvalidConfigurationError, InvalidValueError
 
 PARAM_KINDS = frozenset({"ptr", "i64", "f32"})
 _I64 = (-(2**63), 2**63 - 1)

@@ -79,7 +79,7 @@ from mpsd.backends.cuda_trace import RECORD, BlockTrace
 from mpsd.backends.ops import Copy, Extent, GraphLaunch, Launch, Memset, Record, Work
 from mpsd.backends.recorder import Recorder
 from mpsd.backends.smgroups import place
-from mpsd_protocol import CudaError, IllegalAddressError, OutOfMemoryError  # type: ignore[attr-defined]
+from mpsd_protocol import CudaError, IllegalAddressError, OutOfMemoryError
 
 if TYPE_CHECKING:
     from mpsd.stress.timeline import Timeline

@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from mpsd_protocol import OutOfMemoryError  # type: ignore[attr-defined]
+from mpsd_protocol import OutOfMemoryError
 
 __all__ = ["CudaFailure", "cuda_device_count"]
 

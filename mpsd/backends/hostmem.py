@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import psutil
 
 from mpsd.backends.memfd import Segment, punch
-from mpsd_protocol import OutOfMemoryError, format_size  # type: ignore[attr-defined]
+from mpsd_protocol import OutOfMemoryError, format_size
 
 PAGE = mmap.PAGESIZE
 DEFAULT_SHARE = 0.5  # of the host's RAM, when no budget is given: room for the daemon, its clients and the rest

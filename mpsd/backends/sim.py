@@ -28,7 +28,7 @@ from mpsd.backends.vrange import VirtualRange
 from mpsd.clock import DeviceClock, Host
 from mpsd.sim import COPY_KINDS, BlockCost, DeviceSpec, Kernel, Marker, Op, Simulator, copy_kernel, kernel_cost, sm_cap
 from mpsd.sim import Copy as SimCopy
-from mpsd_protocol import CudaError, IllegalAddressError  # type: ignore[attr-defined]
+from mpsd_protocol import CudaError, IllegalAddressError
 
 if TYPE_CHECKING:
     from mpsd.stress.timeline import Timeline

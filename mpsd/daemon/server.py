@@ -45,7 +45,7 @@ from mpsd.runtime.dispatch_policies import kernel_policy
 from mpsd.runtime.ipc import IpcRegistry
 from mpsd.runtime.limits import FDS, MAPS, ProcessBudget, fd_limit, map_limit
 from mpsd.runtime.memory import CHUNK
-from mpsd_protocol import (  # type: ignore[attr-defined]
+from mpsd_protocol import (
     CONTROL_PACKET,
     DevicesUnavailableError,
     InvalidDeviceError,

@@ -39,7 +39,7 @@ from mpsd.daemon.channel import Channel
 from mpsd.runtime.context import Context
 from mpsd.runtime.kernels import signatures
 from mpsd.runtime.limits import refused
-from mpsd_protocol import (  # type: ignore[attr-defined]
+from mpsd_protocol import (
     CALL,
     CALLS,
     CLOCK,

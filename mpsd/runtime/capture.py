@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from mpsd.backends.ops import Copy, Memset, Record, Work
 from mpsd.runtime.graphs import CAPTURED, Graph, Node
-from mpsd_protocol import (  # type: ignore[attr-defined]
+from mpsd_protocol import (
     CAPTURE_ACTIVE,
     CAPTURE_GLOBAL,
     CAPTURE_INVALIDATED,

@@ -20,7 +20,7 @@ import mmap
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
-from mpsd_protocol import (  # type: ignore[attr-defined]
+from mpsd_protocol import (
     EVENT_EXTERNAL,
     POOL_ALLOC,
     POOL_FREE,

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from mpsd.runtime.graphs import MEM_ALLOC, MEM_FREE, Graph, GraphExec, Node
-from mpsd_protocol import (  # type: ignore[attr-defined]
+from mpsd_protocol import (
     InvalidValueError,
     NotSupportedError,
     StreamCaptureInvalidatedError,

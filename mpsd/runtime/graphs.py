@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from mpsd.backends.ops import Copy, GraphLaunch, Launch, Memset, Plan, Record, Work
-from mpsd_protocol import Calls, InvalidValueError, brief  # type: ignore[attr-defined]
+from mpsd_protocol import Calls, InvalidValueError, brief
 
 if TYPE_CHECKING:
     from mpsd.runtime.context import Stream

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterator
 
 from mpsd.runtime.memory import CHUNK, Allocation
-from mpsd_protocol import (  # type: ignore[attr-defined]
+from mpsd_protocol import (
     EVENT,
     IPC_FREED,
     MEMORY,

@@ -26,7 +26,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Callable
 
-from mpsd_protocol import OutOfMemoryError  # type: ignore[attr-defined]
+from mpsd_protocol import OutOfMemoryError
 
 __all__ = ["ClientLimits", "FDS", "LIMIT_SETTINGS", "MAPS", "ProcessBudget", "Resource", "fd_limit", "map_limit",
            "refused"]

@@ -19,7 +19,7 @@ from mpsd.backends.base import DeviceMemory
 from mpsd.backends.memfd import GIVE_BACK, close_map
 from mpsd.backends.ops import Extent
 from mpsd.runtime.sorted_ints import SortedInts
-from mpsd_protocol import InvalidValueError  # type: ignore[attr-defined]
+from mpsd_protocol import InvalidValueError
 
 CHUNK = 2 << 20  # the driver's page: device memory is charged in 2 MiB steps
 SMALL_MAX = 1 << 20  # allocations up to 1 MiB are packed into shared 2 MiB chunks at 512-byte granularity

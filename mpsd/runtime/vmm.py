@@ -22,7 +22,7 @@ from mpsd.backends.base import VIRTUAL_MEMORY, DeviceMemory
 from mpsd.backends.ops import Extent
 from mpsd.runtime.limits import refused
 from mpsd.runtime.memory import CHUNK, _Arena, emptied
-from mpsd_protocol import (  # type: ignore[attr-defined]
+from mpsd_protocol import (
     InvalidValueError, NotSupportedError, OutOfMemoryError, brief, format_size)
 
 if TYPE_CHECKING:

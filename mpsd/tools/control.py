@@ -30,7 +30,7 @@ import tempfile
 from pathlib import Path
 from typing import BinaryIO, Sequence, TextIO
 
-from mpsd_protocol import (  # type: ignore[attr-defined]
+from mpsd_protocol import (
     CONTROL_PACKET,
     PROTOCOL_FILE,
     V3_MODULES,

@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 from mpsd.tools.smi_query import APP_FIELDS, GPU_FIELDS, QueryError, csv, list_gpus
 from mpsd.tools.smi_views import DISPLAY_SECTIONS, NoDevices, query_report, select, table
-from mpsd_protocol import (  # type: ignore[attr-defined]
+from mpsd_protocol import (
     CONTROL_PACKET,
     MpsConnectionError,
     check_server,
