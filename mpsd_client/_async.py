@@ -23,6 +23,7 @@ from mpsd_protocol import (
     Connection,
     CudaError,
     MpsConnectionError,
+    Message,
     Notification,
     ProtocolError,
     Reply,
@@ -197,8 +198,9 @@ class AsyncContext(ContextBase):
         for waiter in list(self._waiting.values()):
             waiter.give(error)
 
-    def _route(self, event: Reply | Notification) -> str | None:
-        """Give a reply to the task that waits for it, or act on a notice; why the connection ends, if it does."""
+    def _route(self, event: Message) -> str | None:
+        """Give a reply to the task that waits for it, or act on a notice; why the connection ends, if it does.
+        (A request, which a daemon never sends, is read as a notice of its op.)"""
         if isinstance(event, Reply):
             waiter = self._waiting.get(event.id)
             if waiter is None:

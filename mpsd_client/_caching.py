@@ -196,11 +196,11 @@ class CachingAllocator(ExpandableRules, GraphPools, _Figures):
             if block is None and not self._capturing:  # emptying the cache synchronises: no capture allows it
                 self._release_cached()
                 block = self._alloc_block(small, stream_key, stream, size, retry=True)
-            if block is None:
-                self._counts["num_ooms"] += 1
-                if self._history is not None:
-                    self._history.add("oom", 0, size, stream_key, device_free=self.ctx.mem_get_info()[0])
-                raise OutOfMemoryError(self._oom_message(_allocation_size(size)))
+        if block is None:  # (a private pool's new segment, too, when the device has no room for it)
+            self._counts["num_ooms"] += 1
+            if self._history is not None:
+                self._history.add("oom", 0, size, stream_key, device_free=self.ctx.mem_get_info()[0])
+            raise OutOfMemoryError(self._oom_message(_allocation_size(size)))
         block = self._hand_out(block, size, nbytes)
         if self._history is not None:
             block.frames = self._history.add("alloc", block.ptr, nbytes, stream_key)
@@ -316,7 +316,7 @@ class CachingAllocator(ExpandableRules, GraphPools, _Figures):
         for base, head, expandable in sorted(heads, key=lambda h: h[0]):
             block: _Block | None = head
             first = block
-            blocks = []
+            blocks: list[dict[str, Any]] = []
             while block is not None and block.mapped:
                 state = ("active_allocated" if block.allocated else "active_pending_free" if block.event_count
                          else "inactive")
@@ -406,7 +406,8 @@ class CachingAllocator(ExpandableRules, GraphPools, _Figures):
         nbytes = SMALL_BUFFER if small else _allocation_size(size)
         if self.allowed is not None and self._reserved_total + nbytes > self.allowed:
             return None
-        return self._grow(small, stream, stream_object, size)
+        grown: _Block | None = self._grow(small, stream, stream_object, size)
+        return grown
 
     def _mapped(self, small: bool, stream: int, ptr: int, nbytes: int, up: bool) -> None:
         """An expandable segment mapped (or unmapped) `nbytes` at `ptr`: reserved bytes, device calls, history."""

@@ -43,8 +43,9 @@ def _count(value: int, scale_by: int) -> str:
     return f"{value:7d} {unit} "
 
 
-def summary(stats: dict[str, int], device: int = 0, abbreviated: bool = False) -> str:
-    """torch.cuda.memory_summary()'s table for `stats` (memory_stats()'s keys)."""
+def summary(stats: dict[str, float], device: int = 0, abbreviated: bool = False) -> str:
+    """torch.cuda.memory_summary()'s table for `stats` (memory_stats()'s keys; the figures it shows are
+    ints, in a dict that holds the fragmentation fractions too)."""
     rule, double = "-" * WIDTH, "=" * WIDTH
     lines = [double, f" {'':16} PyTorch CUDA memory summary, device ID {device:<17d} ", rule,
              f"  {'':9} CUDA OOMs: {stats['num_ooms']:<12d} | {'':6} cudaMalloc retries: "
@@ -54,14 +55,14 @@ def summary(stats: dict[str, int], device: int = 0, abbreviated: bool = False) -
     for key, name, in_bytes in ROWS:
         lines.append(rule)
         form = _size if in_bytes else _count
-        first = [stats[f"{key}.all.{field}"] for field in FIELDS]  # every row of a statistic scales by the first
+        first = [int(stats[f"{key}.all.{field}"]) for field in FIELDS]  # every row of a statistic scales by the first
         for pool, label in pools[:1] if abbreviated else pools:
-            values = [stats[f"{key}.{pool}.{field}"] for field in FIELDS]
+            values = [int(stats[f"{key}.{pool}.{field}"]) for field in FIELDS]
             cells = " | ".join(form(v, scale) for v, scale in zip(values, first))
             lines.append(f" {label or name:<21} | {cells} ")
     for key, name in OVERSIZE:
         lines.append(rule)
-        cells = " | ".join(_count(v, v) for v in (stats[f"{key}.{field}"] for field in FIELDS))
+        cells = " | ".join(_count(v, v) for v in (int(stats[f"{key}.{field}"]) for field in FIELDS))
         lines.append(f" {name:<21} | {cells} ")
     lines.append(double)
     return "|" + "|\n|".join(lines) + "|\n"

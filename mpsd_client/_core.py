@@ -17,7 +17,7 @@ import mmap
 import os
 import threading
 import time
-from typing import Any, Generator
+from typing import Any, Generator, overload
 
 
 from mpsd_protocol import (
@@ -219,7 +219,7 @@ class Core:
     def _release(self, bases: list[int]) -> None:
         self._ops.extend([POOL_RELEASE, base] for base in bases)
 
-    def notification_received(self, note: Notification) -> None:
+    def notification_received(self, note: Notification | Request) -> None:
         """The daemon told us something unasked: that an IPC mapping's exporter let go of it, or that it is
         closing us for a protocol error."""
         if note.op == IPC_FREED:
@@ -235,6 +235,10 @@ class Core:
         self.broken = self.broken or MpsRpcFailureError(why)
         return self.broken
 
+    @overload
+    def _stream(self, ctx_stream: None) -> None: ...
+    @overload
+    def _stream(self, ctx_stream: Stream) -> int: ...
     def _stream(self, ctx_stream: Stream | None) -> int | None:
         if ctx_stream is None:
             return None
@@ -565,7 +569,8 @@ class Core:
         return buffer
 
     def free_host(self, buffer: HostBuffer) -> Op:
-        if not isinstance(buffer, HostBuffer) or self._pinned.get(getattr(buffer, "id", None)) is not buffer:
+        number: int | None = getattr(buffer, "id", None)  # (a mapping not made by host_alloc has none)
+        if not isinstance(buffer, HostBuffer) or number is None or self._pinned.get(number) is not buffer:
             raise InvalidValueError(f"{brief(buffer, 40)} is not a host buffer of this context")
         del self._pinned[buffer.id]
         yield from self.invoke(Calls.host_unregister, buffer.id)

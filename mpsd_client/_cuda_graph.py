@@ -183,7 +183,7 @@ def _member_of(origin: Stream, capture_id: Any) -> Any:
             return False
         if stream.handle == origin.handle:
             return True
-        info = stream.capture_info()
+        info: _graphs.CaptureInfo = stream.capture_info()
         return info.status != "none" and info.id == capture_id
     return belongs
 

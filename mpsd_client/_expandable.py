@@ -103,7 +103,8 @@ def expandable_size(block: Any) -> int:
     """What a free block could hold for best fit: its size and the unmapped block after it (PyTorch counts a
     segment's growing end as that large, so best fit prefers blocks that cannot grow)."""
     following = block.next
-    return block.size + (following.size if following is not None and not following.mapped else 0)
+    size: int = block.size + (following.size if following is not None and not following.mapped else 0)
+    return size
 
 
 class ExpandableRules:
@@ -224,8 +225,9 @@ class ExpandableRules:
     def _expandable_runs(self) -> list[list[Any]]:
         """Each segment's runs of mapped blocks: what memory_snapshot shows as one segment each."""
         runs: list[list[Any]] = []
+        run: list[Any] | None
         for segment in self._expandables:
-            block, run = segment.head, None
+            block, run = segment.head, None  # (run: the run being built, or None between runs)
             while block is not None:
                 if block.mapped:
                     if run is None:

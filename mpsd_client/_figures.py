@@ -88,7 +88,7 @@ def _oom_message(ctx: Any, nbytes: int, allocated: int, reserved: int, allowed_b
             "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.")
 
 
-def fragmentation(free_blocks: list[int], requested: int, allocated: int) -> dict[str, float]:
+def fragmentation(free_blocks: list[int], requested: float, allocated: float) -> dict[str, float]:
     """mpsd's fragmentation figures, which PyTorch has no keys for, over the memory an allocator has reserved:
 
     - ``fragmentation.free_bytes``: the cached blocks no allocation holds (reserved less active, pending

@@ -199,13 +199,14 @@ class _SegmentAllocator(_Figures):
 
     def memory_summary(self, device: int = 0, abbreviated: bool = False) -> str:
         """torch.cuda.memory_summary()'s table of memory_stats()."""
-        return summary(self.memory_stats(), device, abbreviated)  # type: ignore[arg-type]
+        return summary(self.memory_stats(), device, abbreviated)
 
     def memory_snapshot(self) -> list[dict[str, Any]]:
         """The segments and their blocks, in address order, in torch.cuda.memory_snapshot()'s shape."""
         out = []
         for base in sorted(self._segments):
             segment = self._segments[base]
+            blocks: list[dict[str, Any]]
             blocks = sorted([{"address": base + offset, "size": segment.sizes[offset], "requested_size": asked,
                               "state": "active_allocated", "frames": []} for offset, asked in segment.live.items()]
                             + [{"address": base + offset, "size": held.size, "requested_size": held.requested,

@@ -139,7 +139,7 @@ class Context(ContextBase):
                 elif isinstance(event, Reply) and event.id == request_id:
                     return event
                 else:
-                    close_fds(event.fds)  # type: ignore[union-attr]
+                    close_fds(event.fds)
                     raise self._core.connection_lost(f"unexpected message from the daemon: {brief(event, 80)}")
         except ProtocolError as exc:
             raise self._core.connection_lost(f"protocol error: {exc}") from None

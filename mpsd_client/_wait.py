@@ -12,6 +12,8 @@
 # Spin and Yield spin until the reply comes, as CUDA's do; BlockingSync blocks at once.
 from __future__ import annotations
 
+from typing import Any
+
 import os
 import socket
 import time
@@ -32,6 +34,8 @@ AUTO_WINDOW = 200e-6  # seconds that cudaDeviceScheduleAuto spins for a reply, a
 
 READ_SIZE = 1 << 16
 _NOW = RECV_FLAGS | socket.MSG_DONTWAIT
+# What socket.recvmsg gives: the bytes, the ancillary data (level, type, data), the flags, the address.
+_Received = tuple[bytes, list[tuple[int, int, bytes]], int, Any]
 
 
 def check_flags(flags: object) -> int:
@@ -56,7 +60,7 @@ class ReplyWait:
         self.sock = sock
         self.odds = SpinOdds()
 
-    def read(self, schedule: int) -> tuple[bytes, list, int, object]:
+    def read(self, schedule: int) -> _Received:
         """The next bytes (and ancillary data) from the socket, waited for as `schedule` (a
         DEVICE_SCHEDULE_* choice) says; b"" at end of file."""
         if schedule != DEVICE_SCHEDULE_BLOCKING_SYNC and (schedule != DEVICE_SCHEDULE_AUTO or self.odds.worth()):
@@ -65,7 +69,7 @@ class ReplyWait:
                 return got
         return self.sock.recvmsg(READ_SIZE, ANCILLARY_SIZE, RECV_FLAGS)
 
-    def now(self) -> tuple[bytes, list, int, object]:
+    def now(self) -> _Received:
         """What the socket has now.
 
         Raises:
@@ -73,7 +77,7 @@ class ReplyWait:
         """
         return self.sock.recvmsg(READ_SIZE, ANCILLARY_SIZE, _NOW)
 
-    def _spun(self, schedule: int) -> tuple[bytes, list, int, object] | None:
+    def _spun(self, schedule: int) -> _Received | None:
         """What the socket gave while the thread kept reading it; None if Auto's window ended first."""
         recvmsg, clock = self.sock.recvmsg, time.perf_counter
         end = clock() + AUTO_WINDOW if schedule == DEVICE_SCHEDULE_AUTO else float("inf")

@@ -25,7 +25,8 @@ from __future__ import annotations
 import struct
 from collections import deque
 from enum import Enum
-from typing import Iterable
+from collections.abc import Collection
+from typing import Final
 
 from mpsd._core import Codec, Frames
 
@@ -61,18 +62,19 @@ class Role(Enum):
     SERVER = "server"
 
 
-class _Sentinel:
-    __slots__ = ("_name",)
-
-    def __init__(self, name: str) -> None:
-        self._name = name
+class _Sentinel(Enum):
+    # Members of an enum, so that `event is NEED_DATA` narrows the type of what next_event returned.
+    NEED_DATA = "NEED_DATA"
+    CLOSED = "CLOSED"
 
     def __repr__(self) -> str:
-        return self._name
+        return self.value
+
+    __str__ = __repr__
 
 
-NEED_DATA = _Sentinel("NEED_DATA")  # feed more bytes with receive_data
-CLOSED = _Sentinel("CLOSED")  # the peer closed its end cleanly, between frames
+NEED_DATA: Final = _Sentinel.NEED_DATA  # feed more bytes with receive_data
+CLOSED: Final = _Sentinel.CLOSED  # the peer closed its end cleanly, between frames
 
 
 class Connection:
@@ -96,7 +98,7 @@ class Connection:
         self._received_first = False
 
     # -- incoming ---------------------------------------------------------------------------------------
-    def receive_data(self, data: bytes, fds: Iterable[int] = ()) -> None:
+    def receive_data(self, data: bytes, fds: Collection[int] = ()) -> None:
         """Feed bytes read from the socket (b"" for end of file) and the fds that came with them.
 
         The connection owns the fds from here on: they end up in a message or are closed. Fds beyond what
@@ -135,10 +137,11 @@ class Connection:
         if self._error is not None:
             raise self._error
         try:  # (one Python frame, not two: this runs for every message either end receives)
-            message = self._frames.next(self.max_frame_size, self._batches)
+            # A message, None, or a frame (first, end, fds) whose fds must be claimed before it is decoded.
+            message: Message | tuple[int, int, int] | None = self._frames.next(self.max_frame_size, self._batches)
             if message is None:
                 return self._no_frame()
-            if type(message) is tuple:
+            if isinstance(message, tuple):  # (the messages are dataclasses, never tuples)
                 message = self._take(*message)
             if not self._received_first:
                 self._check_incoming(message)
@@ -181,7 +184,8 @@ class Connection:
         fds wait: its fds are claimed here, in order, before its body is decoded."""
         fds = self._claim(first, end, nfds)
         try:
-            return self._frames.take(fds, self.max_frame_size)
+            message: Message = self._frames.take(fds, self.max_frame_size)
+            return message
         except RemoteProtocolError:
             _close_all(fds)
             raise

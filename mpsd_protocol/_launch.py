@@ -32,7 +32,7 @@ def dims(value: Any, maximum: Sequence[int], what: str) -> tuple[int, int, int]:
     for size, limit in zip(triple, maximum):
         if not isinstance(size, int) or isinstance(size, bool) or not 1 <= size <= limit:
             raise InvalidConfigurationError(f"{what} {brief(value, 60)} is outside 1..{tuple(maximum)}")
-    return triple  # type: ignore[return-value]
+    return triple
 
 
 def check_shape(name: str, grid: Any, block: Any, shared_mem: Any,
