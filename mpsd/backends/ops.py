@@ -16,9 +16,9 @@ from __future__ import annotations
 import math
 import mmap
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
-__all__ = ["Copy", "Extent", "GraphLaunch", "Launch", "Memset", "Plan", "Record", "Work", "stage"]
+__all__ = ["Copy", "Extent", "GraphLaunch", "Launch", "Memset", "OnStream", "Plan", "Record", "Work", "stage"]
 _new = object.__new__
 
 
@@ -30,6 +30,15 @@ class Extent:
     memory: Any
     offset: int
     nbytes: int
+
+
+class OnStream(TypedDict):
+    """The fields every piece of work queued on one stream shares (`Work`'s first four), as keywords."""
+
+    client: int
+    stream: tuple[int, int]
+    priority: int
+    sm_cap: int | None
 
 
 @dataclass(eq=False, slots=True, kw_only=True)

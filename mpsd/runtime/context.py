@@ -40,7 +40,7 @@ from mpsd_protocol import (
     format_size,
 )
 from mpsd.backends.base import HOST_VIEW, DeviceMemory
-from mpsd.backends.ops import Copy, Extent, Launch, Memset, Plan, Record, Work, stage
+from mpsd.backends.ops import Copy, Extent, Launch, Memset, OnStream, Plan, Record, Work, stage
 from mpsd.runtime.capture import CaptureCalls
 from mpsd.runtime.graph_memory import GraphMemoryCalls
 from mpsd.runtime.graphs import CAPTURED, EVENT_RECORD, EVENT_WAIT, GraphCalls
@@ -421,15 +421,16 @@ class Context(VirtualMemoryCalls, CaptureCalls, GraphMemoryCalls, GraphCalls):
         in_use = 0
         for op in ops:
             try:
-                kind = op[0] if isinstance(op, list) and op else None  # type: ignore[index]
-                if kind == POOL_ALLOC and len(op) == 5:  # type: ignore[arg-type]
-                    in_use += self._pool_alloc(*op[1:])  # type: ignore[index]
-                elif kind == POOL_FREE and len(op) == 3:  # type: ignore[arg-type]
-                    in_use -= self._pool_free(*op[1:])  # type: ignore[index]
-                elif kind == POOL_RELEASE and len(op) == 2:  # type: ignore[arg-type]
-                    self._pool_release(op[1])  # type: ignore[index]
-                elif kind == POOL_GRAPH_FREE and len(op) == 3:  # type: ignore[arg-type]
-                    self._graph_free(*op[1:])  # type: ignore[index]
+                fields: list[Any] = op if isinstance(op, list) else []  # (anything else is no operation)
+                kind = fields[0] if fields else None
+                if kind == POOL_ALLOC and len(fields) == 5:
+                    in_use += self._pool_alloc(*fields[1:])
+                elif kind == POOL_FREE and len(fields) == 3:
+                    in_use -= self._pool_free(*fields[1:])
+                elif kind == POOL_RELEASE and len(fields) == 2:
+                    self._pool_release(fields[1])
+                elif kind == POOL_GRAPH_FREE and len(fields) == 3:
+                    self._graph_free(*fields[1:])
                 else:
                     raise InvalidValueError(f"mem_pool_ops: {brief(op, 40)} is no pool operation")
             except CudaError as exc:
@@ -577,7 +578,7 @@ class Context(VirtualMemoryCalls, CaptureCalls, GraphMemoryCalls, GraphCalls):
             counters.bytes_copied_peer += work.dst.nbytes
         return work
 
-    def _on(self, stream: Stream) -> dict[str, object]:
+    def _on(self, stream: Stream) -> OnStream:
         """What every piece of work queued on `stream` carries: whose it is, where, and the quotas it runs under."""
         return {"client": self.id, "stream": stream.key, "priority": stream.priority, "sm_cap": self.quotas.sm_cap}
 
@@ -647,7 +648,7 @@ class Context(VirtualMemoryCalls, CaptureCalls, GraphMemoryCalls, GraphCalls):
         """
         s = self._stream(stream)
         touches = plan.touches
-        extents = tuple((index, self.memory.extent(int(plan.args[index]), nbytes))  # type: ignore[arg-type]
+        extents = tuple((index, self.memory.extent(int(plan.args[index]), nbytes))
                         for index, nbytes in touches) if touches else ()
         work = Launch.of(self.id, s.key, s.priority, self.quotas.sm_cap, plan, extents)
         if count == 1 and len(self.streams) == 1 and not self._orphans:
@@ -677,14 +678,14 @@ class Context(VirtualMemoryCalls, CaptureCalls, GraphMemoryCalls, GraphCalls):
         """
         if (self.capturing or self._into is not None) and self._captured(stream, work, count):
             return work  # taken as nodes of a graph: nothing queued
+        deps: list[Work | None] = []  # the tails of the streams it waits for (None: a stream with no work yet)
         if stream.id == 0:
             # (A context with the default stream alone, most of them, has nothing for it to wait for.)
-            deps = ([s.tail for s in self.streams.values() if s.blocking and s.id != 0] + self._orphans
-                    if len(self.streams) > 1 or self._orphans else [])
+            if len(self.streams) > 1 or self._orphans:
+                deps = [s.tail for s in self.streams.values() if s.blocking and s.id != 0]
+                deps += self._orphans
         elif stream.blocking:
             deps = [self.streams[0].tail]
-        else:
-            deps = []
         if deps or type(work.after) is not tuple:
             work.after = tuple(d for d in deps if d is not None and not d.done) + tuple(work.after)
         self.backend.submit(work, count)

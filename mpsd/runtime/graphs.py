@@ -19,12 +19,17 @@
 
 from __future__ import annotations
 
+import builtins
 import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from mpsd.backends.ops import Copy, GraphLaunch, Launch, Memset, Plan, Record, Work
+from mpsd.backends.ops import Copy, GraphLaunch, Launch, Memset, OnStream, Plan, Record, Work
 from mpsd_protocol import Calls, InvalidValueError, brief
+
+# type(), under a name of its own: methods here take a parameter called `type` (a node's). An alias, not a
+# function, so that `_type(x) is int` narrows x as `type(x) is int` does.
+_type = builtins.type
 
 if TYPE_CHECKING:
     from mpsd.runtime.context import Stream
@@ -409,17 +414,17 @@ class GraphCalls:
             deps = (graph.add(self._node_of(work, deps)).id,)
         return deps
 
-    def _node_work(self, node: Node, on: dict[str, Any]) -> Work:
+    def _node_work(self, node: Node, on: OnStream) -> Work:
         """A node's work for one launch, on the launch's stream with its quotas."""
         if node.type == KERNEL:
             plan = node.plan
             assert plan is not None
             memory = self.memory  # type: ignore[attr-defined]
-            extents = tuple((index, memory.extent(int(plan.args[index]), nbytes))  # type: ignore[arg-type]
+            extents = tuple((index, memory.extent(int(plan.args[index]), nbytes))
                             for index, nbytes in plan.touches)
             return Launch.of(on["client"], on["stream"], on["priority"], on["sm_cap"], plan, extents)
         if node.template is not None:
-            return dataclasses.replace(node.template, **on, after=(), handle=None)  # type: ignore[type-var]
+            return dataclasses.replace(node.template, **on, after=(), handle=None)
         if node.type == EVENT_WAIT:  # the record it waits for is the event's latest as of this launch
             record = node.event.record
             return Record(**on, after=(record,) if record is not None and not record.done else ())
@@ -431,10 +436,6 @@ class GraphCalls:
             if node.type == EVENT_RECORD:
                 node.event.cell.record = node_work
                 node.event.captured = None
-
-
-def _type(value: Any) -> type:
-    return type(value)
 
 
 def _params(call: Any, values: tuple[Any, ...], kind: str | None) -> dict[str, Any]:
