@@ -72,7 +72,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import trio
 
-from mpsd.backends.base import VIRTUAL_MEMORY, Client, Gate, when_all
+from mpsd.backends.base import VIRTUAL_MEMORY, Client, Gate, Instance, when_all
 from mpsd.backends.cuda_driver import CudaFailure, _bindings, _check, cuda_device_count
 from mpsd.backends.cuda_kernels import compile_kernels
 from mpsd.backends.cuda_trace import RECORD, BlockTrace
@@ -301,7 +301,7 @@ class CudaBackend:
 
     capabilities: frozenset[str]  # VIRTUAL_MEMORY where the driver's granularity fits the runtime's pages; no
     # HOST_VIEW: device memory is not host memory
-    instances = ()
+    instances: tuple[Instance, ...] = ()
     policy = "mps"
     virtual = None
     server_memory, context_memory = SERVER_MEMORY, CONTEXT_MEMORY
@@ -465,6 +465,8 @@ class CudaBackend:
         if client.id in self._placed:
             return  # a priority or weight change: nothing of it is modelled here
         if self.recorder is not None:
+            # (The recorder reads a Context's quotas and account, more than Client promises: the runtime's
+            # clients are Contexts.)
             self.recorder.attached(client)  # type: ignore[arg-type]
         self._placed[client.id] = self._primary
         if sm_cap < self._attrs["sm_count"]:

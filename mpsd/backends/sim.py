@@ -145,7 +145,9 @@ class SimBackend:
         self.engine.catch_up()  # what happened until now happened under the old settings
         self.sim.configure_client(client.id, priority=priority, weight=weight, partition=instance, sms=sms)
         if self.recorder is not None:
-            self.recorder.attached(client)
+            # (The recorder reads a Context's quotas and account, more than Client promises: the runtime's
+            # clients are Contexts.)
+            self.recorder.attached(client)  # type: ignore[arg-type]
 
     def cancel(self, client: int) -> None:
         self.engine.cancel(client)

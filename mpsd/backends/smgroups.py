@@ -149,7 +149,7 @@ def _exact(sizes: Sequence[int], tenants: Sequence[tuple[tuple[int, ...] | None,
         for row, window in enumerate(found):
             incidence[row, list(window)] = 1
         combos = np.array(list(itertools.combinations_with_replacement(range(len(found)), len(members))))
-        held = Counter(found.index(tenants[i][0]) for i in members if tenants[i][0] in found)
+        held = Counter(found.index(w) for i in members if (w := tenants[i][0]) is not None and w in found)
         counts = np.stack([(combos == row).sum(1) for row in range(len(found))], axis=1)
         stays = sum(np.minimum(counts[:, row], k) for row, k in held.items()) if held else np.zeros(len(combos))
         past = (incidence @ size - cap)[combos].sum(1)

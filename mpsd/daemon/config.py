@@ -116,8 +116,8 @@ def parse_devices(text: str) -> tuple[DeviceDescription, ...]:
     """``h200:2`` (two simulated H200s), ``h200``, ``h200,h200``; ``cuda:0`` or ``cuda:0,cuda:1`` (real GPUs by
     driver ordinal); ``auto`` (every real GPU there is, else one simulated H200)."""
     if text.strip().lower() == "auto":
-        count = cuda_device_count()
-        return tuple(CudaDevice(i) for i in range(count)) if count else (DEFAULT_DEVICE,)
+        found = cuda_device_count()
+        return tuple(CudaDevice(i) for i in range(found)) if found else (DEFAULT_DEVICE,)
     devices: list[DeviceDescription] = []
     for part in filter(None, (p.strip().lower() for p in text.split(","))):
         model, _, count = part.partition(":")

@@ -536,9 +536,10 @@ class Control:
 
     def cmd_lspart(self, args: list[str]) -> str:
         partitions = self._partitions()
-        rows = [(p.id, self.daemon.devices[p.device].properties["uuid"], p.chunks, p.sm_count, p.first_sm,
-                 self.sm_partition_clients(p))
-                for p in partitions.partitions.values()]
+        rows: list[tuple[object, ...]] = [
+            (p.id, self.daemon.devices[p.device].properties["uuid"], p.chunks, p.sm_count, p.first_sm,
+             self.sm_partition_clients(p))
+            for p in partitions.partitions.values()]
         if not rows:
             return ""
         rows.insert(0, ("ID", "DEVICE", "CHUNKS", "SMS", "FIRST_SM", "CLIENTS"))

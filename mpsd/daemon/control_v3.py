@@ -440,7 +440,7 @@ class V3:
             for key in control.namespaces:
                 known.setdefault(key, None)
             servers = list(known.items())
-        rows = []
+        rows: list[tuple[object, ...]] = []
         for key, name in servers:
             for space in [DEFAULT, *control.namespaces.get(key, {})]:
                 rows.append((name or "-", "-" if key is None else key, space, self._clients_in(key, space)))
@@ -535,10 +535,12 @@ class V3:
     def partition_list(self, options: dict[str, str | None], uid: int) -> str:
         control = self.control
         device = None if options.get("device") is None else self._device(options["device"] or "")
+        partitions = control.daemon.sm_partitions
+        assert partitions is not None  # (the partition module answers only under static partitioning: _run)
         rows: list[tuple[object, ...]] = [
             (p.id, p.name or "-", control.daemon.devices[p.device].properties["uuid"], p.chunks, p.sm_count,
              p.first_sm, p.server or "-", control.sm_partition_clients(p))
-            for p in control.daemon.sm_partitions.partitions.values() if device in (None, p.device)]
+            for p in partitions.partitions.values() if device in (None, p.device)]
         if not rows:
             return ""
         rows.insert(0, ("ID", "NAME", "DEVICE", "CHUNKS", "SMS", "FIRST_SM", "SERVER", "CLIENTS"))

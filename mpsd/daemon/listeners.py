@@ -94,7 +94,7 @@ async def open_listeners(pipe_dir: Path, environ: Mapping[str, str] = os.environ
             (s for s in inherited.values() if s.type == socket.SOCK_STREAM), None)
         if clients is None:
             raise ListenError("socket activation passed no stream socket for clients")
-        control = inherited.pop("control", None)
+        control: socket.socket | trio.socket.SocketType | None = inherited.pop("control", None)
         bound: list[Path] = []
         if control is None:
             control_path = Path(clients.getsockname()).parent / "control"

@@ -27,7 +27,7 @@ import select
 import socket
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence, cast
 
 import trio
 
@@ -93,7 +93,7 @@ MAX_HOST_TIME = 3600.0  # seconds of its own code a client may report for one ga
 class Deferred:
     """A reply that must wait: for `ops` to complete, then `then()` gives the result."""
 
-    ops: list[Work | None]
+    ops: Sequence[Work | None]
     then: Callable[[], Any] = lambda: None
 
     def ready(self) -> bool:
@@ -219,7 +219,7 @@ class Session:
                         return  # the client hung up while its call was held
                     continue
             else:
-                close_fds(event.fds)  # type: ignore[union-attr]
+                close_fds(event.fds)
                 self._protocol_error("a client does not send replies")
                 return
             if (served := served + 1) % FAIR_MESSAGES == 0:
@@ -373,7 +373,8 @@ class Session:
                 self._serve(message, call, True, staged, None)
                 return
         else:
-            engine, host = self._engine, self.host  # (set together, by _attach)
+            engine, host = self._engine, self.host
+            assert engine is not None  # (set together with host, by _attach)
             charged = self._charged(message.args)
             engine.heard(host)
             if call is not None and call.cost[0] == CLOCK and isinstance(message, Request):
@@ -420,7 +421,8 @@ class Session:
         if (ctx.sticky is not None or room <= 0 or ctx.capturing  # (a capture's rules are the row's way)
                 or (taken := self.conn.repeats(min(most, room))) is None):
             return 0
-        (plan, stream), count = taken  # type: ignore[misc]
+        token, count = taken
+        plan, stream = cast("tuple[Plan, int | None]", token)  # the tokens this session remembers (_launch)
         self._launched(ctx, plan, stream, count)
         return count
 
@@ -475,8 +477,9 @@ class Session:
             self._serve(message, call, counted, staged, None)
             return
         engine, host = self._engine, self.host
-        timing = engine.clock.call(host, call.cost if call is not None else (CALL, None), charged)  # type: ignore
-        engine.clock.post(host, timing.at,  # type: ignore[union-attr]
+        assert engine is not None  # (set together with host, by _attach)
+        timing = engine.clock.call(host, call.cost if call is not None else (CALL, None), charged)
+        engine.clock.post(host, timing.at,
                           functools.partial(self._apply, message, call, counted, staged, timing))
 
     def _serve(self, message: Request | Notification, call: Call | None, counted: bool, staged: int,
@@ -541,10 +544,12 @@ class Session:
         """Simulated seconds of the client's own code since its last call: what it measured (its thread's
         CPU time) times the daemon's factor, if the daemon charges it at all."""
         factor = self.daemon.config.host_time
-        measured = args.get("host_time") if factor is not None and isinstance(args, dict) else None
+        if factor is None or not isinstance(args, dict):
+            return 0.0
+        measured = args.get("host_time")
         if isinstance(measured, bool) or not isinstance(measured, (int, float)) or not 0 <= measured <= MAX_HOST_TIME:
             return 0.0
-        return float(measured) * factor  # type: ignore[operator]
+        return float(measured) * factor
 
     def _apply(self, message: Request | Notification, call: Call | None, counted: bool, staged: int,
                timing: Timing) -> None:
@@ -559,8 +564,9 @@ class Session:
         clock moves to when a real host's call would return, and it holds the clock from there."""
         if timing is not None:
             engine, host = self._engine, self.host
-            engine.clock.returned(host, timing, waited)  # type: ignore[union-attr,arg-type]
-            engine.heard(host)  # type: ignore[union-attr,arg-type]
+            assert engine is not None and host is not None  # (a call is stamped only under the virtual clock)
+            engine.clock.returned(host, timing, waited)
+            engine.heard(host)
 
     def _notification(self, note: Notification, call: Call | None) -> None:
         if note.fds:
@@ -809,6 +815,7 @@ def _failed(ctx: Context, exc: Exception) -> None:
 def _unexpected(exc: Exception) -> CudaError:
     """The CUDA error for what a handler raised that is no CUDA error (called while handling `exc`): what
     malformed arguments cause is an invalid value; anything else is a bug of ours, logged, and unknown."""
+    error: CudaError
     if isinstance(exc, (KeyError, TypeError, ValueError, OverflowError)):
         error = InvalidValueError(f"malformed arguments: {type(exc).__name__}: {exc}"[:200])
         error.__cause__, error.__suppress_context__ = None, True  # as `raise ... from None`

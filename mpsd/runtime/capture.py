@@ -139,7 +139,7 @@ class CaptureCalls:
         self._end(cap)
         unjoined = [] if cap.invalidated else self._unjoined(cap)
         if (cap.invalidated or unjoined) and cap.graph.memory:
-            self._memory_gone(cap.graph)  # type: ignore[attr-defined]  (no graph: its allocations go)
+            self._memory_gone(cap.graph)  # type: ignore[attr-defined]  # (no graph: its allocations go)
         if cap.invalidated:
             raise StreamCaptureInvalidatedError(f"the capture on stream {s.id} was invalidated")
         if unjoined:
@@ -327,7 +327,7 @@ class CaptureCalls:
         """
         joined, at = self._event_capture(event), self.capturing.get(stream.id)
         if joined is not None:
-            marked = event.captured[1]  # type: ignore[index]
+            marked = event.captured[1]
             if at is None:
                 if stream.id == 0:
                     self._refuse([joined], StreamCaptureUnsupportedError(

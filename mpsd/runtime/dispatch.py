@@ -453,6 +453,7 @@ class Dispatcher:
         # One kernel a pick, a run's too, so that each is the policy's choice; an unbounded client's run goes
         # whole (as without a dispatcher).
         n = item.count if whole else 1
+        part: Work
         if n < item.count:  # part of a run goes: a copy of the launch (only launches make runs) stands for it
             assert isinstance(work, Launch)
             part = Launch.of(work.client, work.stream, work.priority, work.sm_cap, work.plan, work.extents)
@@ -542,7 +543,7 @@ class Dispatcher:
             tenant.last_end = max(tenant.last_end, ended)
         self.rule.ended(tenant, self)
 
-    def dispatch_statistics(self) -> dict[str, Any]:
+    def dispatch_statistics(self) -> dict[int, dict[str, Any]]:
         """Per client: work held (a run counts its kernels), kernels in flight and released, device seconds."""
         self._reap()
         return {t.id: {"queued": sum(item.count for q in t.queues.values() for item in q), "in_flight": t.in_flight,

@@ -33,7 +33,8 @@ from mpsd_protocol import (
 )
 
 if TYPE_CHECKING:
-    from mpsd.backends.memfd import Segment
+    from mpsd.backends.base import DeviceMemory
+    from mpsd.runtime.memory import Slice
     from mpsd.daemon.servlog import ServerLog
     from mpsd.runtime.context import Context, EventCell
 
@@ -130,7 +131,7 @@ class IpcRegistry:
         export.counts[ctx.id] = export.counts.get(ctx.id, 0) + 1
         return mapping
 
-    def close_memory(self, ctx: Context, ptr: int) -> Segment | None:
+    def close_memory(self, ctx: Context, ptr: int) -> DeviceMemory | Slice | None:
         """``cudaIpcCloseMemHandle``: one reference less. With the last, the pointer leaves `ctx`'s address
         space now, and the mapping's segment comes back to the caller, to release once the work queued before
         the close has run (that work may still touch the bytes).
@@ -144,7 +145,7 @@ class IpcRegistry:
         export.counts[ctx.id] -= 1
         return self._unmap(ctx, export) if export.counts[ctx.id] == 0 else None
 
-    def _unmap(self, ctx: Context, export: Export) -> Segment:
+    def _unmap(self, ctx: Context, export: Export) -> DeviceMemory | Slice:
         """Take `export`'s mapping out of `ctx`; its segment, for the caller to release."""
         del export.counts[ctx.id]
         _, mapping = export.importers.pop(ctx.id)

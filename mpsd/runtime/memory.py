@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import fcntl
+import functools
 import mmap
 import os
 from dataclasses import dataclass, field
@@ -61,7 +62,9 @@ class Slice:
 
     @property
     def map(self) -> mmap.mmap:
-        return self.chunk.map
+        # Read only where the backend has HOST_VIEW, whose memory is mapped in the daemon (a memfd's map);
+        # DeviceMemory promises no map, as a real GPU's memory has none.
+        return self.chunk.map  # type: ignore[attr-defined]
 
     def release(self) -> None:
         self.refs -= 1
@@ -338,7 +341,7 @@ class AddressSpace:
                 if alloc.segment.refs > 1:
                     self._held[addr] = alloc
                     chunk.held.add(addr)
-                    alloc.segment.on_release.append(lambda: self._let_go(chunk, alloc))
+                    alloc.segment.on_release.append(functools.partial(self._let_go, chunk, alloc))
                 else:
                     self._small.remove(addr)
                 return alloc, 0

@@ -130,6 +130,6 @@ class BlockGroup(NamedTuple):
 
     op: Kernel
     sm: int
-    count: int
+    count: int  # type: ignore[assignment]  # (a field, as the trace names it: it hides tuple.count)
     start: float
     end: float

@@ -92,7 +92,7 @@ class Churn:
         self.device = LedgerDevice(capacity)
         expandable = strategy == "pytorch-expandable"
         self.allocator = CachingAllocator(self.device, strategy="pytorch" if expandable else strategy,
-                                          **({"expandable_segments": True} if expandable else {}))
+                                          expandable_segments=True if expandable else None)
         self.strategy = strategy
         self.churn = churn
         # Seeded by churn alone: the same sizes on every run, and for tenants that differ only in strategy, which

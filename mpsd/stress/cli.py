@@ -18,6 +18,7 @@ from typing import Any, Callable, Sequence
 
 from mpsd.runtime.dispatch_policies import kernel_policy
 from mpsd.sim import H200, POLICIES, Simulator
+from mpsd.sim.policies.mig import MigPolicy
 from mpsd.stress.metrics import latency_summary, summarize
 from mpsd.stress.runner import Progress, RunError, device_policies, run_real, run_virtual
 from mpsd.stress.timeline import Timeline
@@ -201,7 +202,9 @@ def _place_in_partitions(tenants: tuple[TenantSpec, ...],
         if policy != "mig":
             out.append(dataclasses.replace(t, partition=None))
             continue
-        count = len(Simulator(H200, policy="mig", policy_options=options).policy.partitions)
+        mig = Simulator(H200, policy="mig", policy_options=options).policy
+        assert isinstance(mig, MigPolicy)
+        count = len(mig.partitions)
         out.append(t if t.partition is not None else dataclasses.replace(t, partition=dealt[t.device] % count))
         dealt[t.device] += 1
     return out

@@ -118,7 +118,7 @@ def summarize(timeline: Timeline, solo_p99: dict[str, float] | None = None) -> d
             latencies[i].append(r.latency)
             if r.latency > 0:
                 host_shares[i].append(r.host / r.latency)
-            if deadlines[i] is not None and r.latency <= deadlines[i]:
+            if (deadline := deadlines[i]) is not None and r.latency <= deadline:
                 on_time[i] += 1
 
     spans = _span_arrays(timeline, index)
@@ -138,7 +138,7 @@ def summarize(timeline: Timeline, solo_p99: dict[str, float] | None = None) -> d
         first_block = k.started if math.isfinite(k.started) else max(duration, k.ready)
         longest_wait[i] = max(longest_wait[i], first_block - (k.ready + timeline.launch_overhead))
 
-    rows = []
+    rows: list[dict[str, Any]] = []
     for i, t in enumerate(timeline.tenants):
         completed = len(latencies[i])
         lat = latency_summary(latencies[i])

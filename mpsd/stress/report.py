@@ -108,8 +108,8 @@ def _latencies_ms(timeline: Timeline, key: dict[str, str]) -> dict[str, list[flo
 def _latency_cdf(fig: Figure, policy: str, timeline: Timeline, summary: dict[str, Any]) -> None:
     kind, key = _series(timeline)
     ax = fig.add_subplot()
-    for label, ms in _latencies_ms(timeline, key).items():
-        ms = np.sort([x for x in ms if x > 0])  # a log axis has no place for 0
+    for label, latencies in _latencies_ms(timeline, key).items():
+        ms = np.sort([x for x in latencies if x > 0])  # a log axis has no place for 0
         if len(ms):
             ax.step(ms, np.arange(1, len(ms) + 1) / len(ms), where="post", label=f"{label} ({len(ms)})")
     ax.set_xscale("log")

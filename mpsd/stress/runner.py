@@ -260,7 +260,7 @@ def run_real(workload: Workload, policy: str, policy_options: dict[str, Any], te
             ready: dict[str, dict[str, Any]] = {}
             handles: dict[str, str | None] = {}
             for spec, _, name in plan.order:
-                handle = handles.get(spec.ipc_peer) if spec.ipc == "consumer" else None
+                handle = handles.get(spec.ipc_peer) if spec.ipc == "consumer" and spec.ipc_peer else None
                 procs[name].send(f"CONNECT {handle or '-'}")
                 ready[name] = _await_ready(procs, lines, name, progress, on_progress)
                 if spec.ipc == "producer":
@@ -537,7 +537,7 @@ async def _in_process(config: Any, plan: _Plan, work: Path, progress: Progress,
             handles: dict[str, str | None] = {}
             for spec, _, name in plan.order:
                 link = links[name]
-                link.handle = handles.get(spec.ipc_peer) if spec.ipc == "consumer" else None
+                link.handle = handles.get(spec.ipc_peer) if spec.ipc == "consumer" and spec.ipc_peer else None
                 link.cued.set()
                 await link.said_ready.wait()
                 if spec.ipc == "producer":
@@ -568,12 +568,14 @@ async def _in_process(config: Any, plan: _Plan, work: Path, progress: Progress,
     if not device_trace:
         out.append((ready, done, t0, None))
         return
-    if not traces or any(trace is None for trace in traces):
+    kept = [trace for trace in traces if trace is not None]
+    if not traces or len(kept) < len(traces):
         raise RunError("the daemon kept no trace of its devices")
+    del traces  # (kept holds them, to let each go in turn)
     # As drawn in a trace file and read back: the figures a run of real processes gets, to the bit.
     drawn = []
-    while traces:
-        timeline, meta = traces.pop(0)
+    while kept:
+        timeline, meta = kept.pop(0)
         drawn.append((as_drawn(timeline), meta))
         del timeline  # its spans, a copy of the drawn ones' size, go now rather than with this frame
     out.append((ready, done, t0, drawn))
@@ -604,11 +606,13 @@ def _timeline(workload: Workload, policy: str, plan: _Plan, ready: dict[str, dic
               t0: float, clock: str) -> Timeline:
     """Tenants' requests and the daemon's device, on one clock: simulated seconds from t0. Without a trace (none
     asked for), the tenants' requests alone, on an H200's SMs."""
+    meta: dict[str, Any] = {"clients": {}, "clock": clock}
     device, meta = trace if trace is not None else (Timeline(
-        policy=policy, sm_count=H200.sm_count, duration=0.0, launch_overhead=H200.kernel_overhead),
-        {"clients": {}, "clock": clock})
+        policy=policy, sm_count=H200.sm_count, duration=0.0, launch_overhead=H200.kernel_overhead), meta)
     by_client = {info["client"]: name for name, info in ready.items() if info.get("client") is not None}
-    rename = {client: by_client.get(info["client"]) for client, info in meta["clients"].items()}
+    # (A client of no tenant's is left out: its spans and kernels are dropped.)
+    rename = {client: name for client, info in meta["clients"].items()
+              if (name := by_client.get(info["client"])) is not None}
     seen_as = {name: t for t in device.tenants if (name := rename.get(t.name))}  # instance -> daemon's view
     entitlement = entitlements(plan.specs)
     tenants, requests = [], []

@@ -73,7 +73,7 @@ class Tenant:
         self.held: list[Any] = []
         self.shared = None  # the IPC buffer: ours to export, or the producer's, opened
         self.stream: Any = None
-        self.pointers: dict[int, tuple[int, ...]] = {}
+        self.pointers: dict[int, tuple[Any, ...]] = {}  # kernel -> its buffers (a copy's host one or None)
         self.copies: dict[str, tuple[Any, Any]] = {}  # "input" / "output" -> (device buffer, pinned host buffer)
         self.churn: Churn | None = None
         self.graph: Any = None  # the request's device work as an executable graph (spec.graph)

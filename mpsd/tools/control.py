@@ -192,8 +192,9 @@ def start_background(daemon_args: list[str], pipe_dir: Path | None = None) -> in
                 env={**os.environ, "NOTIFY_SOCKET": address})
             # Wait for READY=1 or for the child to exit (its pidfd becomes readable), whichever comes first.
             with os.fdopen(os.pidfd_open(child.pid), "rb", buffering=0) as exited:
+                watched: list[socket.socket | io.FileIO] = [notify, exited]
                 while True:
-                    ready, _, _ = select.select([notify, exited], [], [], READY_TIMEOUT)
+                    ready, _, _ = select.select(watched, [], [], READY_TIMEOUT)
                     if notify in ready and "READY=1" in notify.recv(4096).decode().splitlines():
                         return 0
                     if not ready or exited in ready:

@@ -73,8 +73,8 @@ def to_workload(scenario: dict[str, Any]) -> dict[str, Any]:
         raise WorkloadError("the scenario launches no kernels")
     if idle:
         raise WorkloadError(f"tenant {idle[0]}: launches nothing (leave it out)")
-    last = [_last_due(t) for t in tenants]
-    run["duration"] = CLOSED_DURATION if None in last else math.floor(max(last)) + 1.0
+    last = [due for t in tenants if (due := _last_due(t)) is not None]
+    run["duration"] = CLOSED_DURATION if len(last) < len(tenants) else math.floor(max(last)) + 1.0
     return {"run": run, "tenant": tenants}
 
 
@@ -124,6 +124,7 @@ def _tenant(tenant: Any, index: int) -> dict[str, Any]:
     if sleep is not None:
         out.update(think_ms=sleep * 1e3, requests=repeat)
     elif period:
+        assert repeat is not None  # (paced by a period, it loops: its count is kept)
         out.update(start=at, requests=repeat)
         if 1.0 / (1.0 / period) == period:
             out.update(arrival="uniform", rate=1.0 / period)
@@ -138,7 +139,7 @@ def _tenant(tenant: Any, index: int) -> dict[str, Any]:
 def _call(kind: str, entry: dict[str, Any], where: str, looped: bool) -> dict[str, Any]:
     out: dict[str, Any] = {} if looped else {"repeat": entry.get("repeat", 1)}
     if kind == "copy":
-        name = _COPIES.get(entry.get("kind"))
+        name = _COPIES.get(entry.get("kind", ""))  # ("" is no kind, as a missing one is not)
         if name is None:
             raise WorkloadError(f"{where}: copy {entry.get('kind')!r}: kind must be one of {', '.join(_COPIES)}")
         return {"name": name, "bytes": entry.get("bytes"), **out}

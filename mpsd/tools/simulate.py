@@ -118,7 +118,8 @@ def run_workload(workload: Workload) -> dict[str, Any]:
     posted: set[int] = set()  # the tenants with a call posted
     launched: dict[int, tuple[float, float]] = {}  # id(op) -> (when its request was due, the call's warmth)
     following: dict[int, _Loop] = {}  # closed loops waiting for their request's last op to end, by id(op)
-    scales = dict(spec.copy_calls)  # a copy call's host time against a launch's, by kind (the ops' tag)
+    scales: dict[object, float] = dict(spec.copy_calls)  # a copy call's host time against a launch's, by kind
+    # (the ops' tag)
 
     def call_next(client: int) -> None:
         if calls[client] and client not in posted:

@@ -73,7 +73,7 @@ def set_compute_mode(pipe_dir: Path, status: dict[str, Any], mode: str) -> tuple
     if wanted is None:
         return (f'ERROR: Invalid compute mode "{mode}". Valid modes are DEFAULT (0), PROHIBITED (2) and '
                 "EXCLUSIVE_PROCESS (3).", 2)
-    lines = []
+    lines: list[str] = []
     for device in status["devices"]:
         refused = command(pipe_dir, f"mpsd_compute_mode {device['index']} {wanted}")
         if refused:

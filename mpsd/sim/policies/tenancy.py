@@ -81,14 +81,16 @@ class TimeslicePolicy(BuiltinPolicy):
     @property
     def switches(self) -> int:
         """Context switches so far (the compiled engine counts them)."""
-        return self.sim._core.policy_counter("switches")
+        switches = self.sim._core.policy_counter("switches")
+        assert switches is not None  # (the time-slicing engine keeps this counter)
+        return switches
 
     def engine_args(self) -> object:
         """(timeslice, switch, state points, warp slots of the device)."""
         return (self._slice, self._switch, self._state, self._warp_slots)
 
     @staticmethod
-    def _state_points(points: object, timeslice: float) -> list[tuple[float, float, float]]:
+    def _state_points(points: Any, timeslice: float) -> list[tuple[float, float, float]]:
         try:
             out = [(float(h), float(extra), float(loss)) for h, extra, loss in points]
         except (TypeError, ValueError):
