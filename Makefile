@@ -28,6 +28,7 @@ demo: $(STAMP)
 # cores take about two thirds of the time one does.
 test: $(STAMP)
 	$(BIN)/ruff check --quiet .
+	$(BIN)/mypy
 	cargo test --quiet --manifest-path simcore/Cargo.toml
 	$(BIN)/python -m pytest -q -p no:cacheprovider -n auto
 
