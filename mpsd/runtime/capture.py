@@ -93,6 +93,15 @@ class CaptureCalls:
     last_error: CudaError | None
     _node_params: dict[str, Any] | None
 
+    if TYPE_CHECKING:  # what the Context they are mixed into has, for the type checker (the real ones are there)
+        graphs: dict[int, Graph]  # (GraphCalls')
+        _into: tuple[Graph, tuple[int, ...]] | None
+
+        def _handle(self) -> int: ...
+        def _stream(self, stream: int | None) -> Stream: ...
+        def _add_nodes(self, graph: Graph, work: Work, deps: tuple[int, ...], count: int = 1) -> tuple[int, ...]: ...
+        def _memory_gone(self, graph: Graph) -> None: ...  # (GraphMemoryCalls')
+
     def _init_capture(self) -> None:
         self.capturing = {}
 
@@ -110,12 +119,12 @@ class CaptureCalls:
         """
         if mode not in MODE_NAMES:
             raise InvalidValueError(f"no capture mode {brief(mode, 20)} (0 global, 1 thread-local, 2 relaxed)")
-        s = self._stream(stream)  # type: ignore[attr-defined]
+        s = self._stream(stream)
         if s.id == 0:
             raise StreamCaptureUnsupportedError("the legacy default stream cannot be captured")
         if s.id in self.capturing:
             raise IllegalStateError(f"stream {s.id} is capturing already")
-        self.capturing[s.id] = Capture(self._handle(), s.id, mode, thread, Graph(self._handle()), {s.id: ()})  # type: ignore[attr-defined]
+        self.capturing[s.id] = Capture(self._handle(), s.id, mode, thread, Graph(self._handle()), {s.id: ()})
 
     def stream_end_capture(self, stream: int | None, thread: int) -> int:
         """``cudaStreamEndCapture``: the capture ends, and its graph is the context's; its handle.
@@ -127,7 +136,7 @@ class CaptureCalls:
                 forbidden call invalidated it. StreamCaptureUnjoinedError: a stream forked from it has work the
                 origin did not wait for. Either of the last two ends it without a graph.
         """
-        s = self._stream(stream)  # type: ignore[attr-defined]
+        s = self._stream(stream)
         cap = self.capturing.get(s.id)
         if cap is None:
             raise IllegalStateError(f"stream {s.id} is not capturing")
@@ -139,25 +148,25 @@ class CaptureCalls:
         self._end(cap)
         unjoined = [] if cap.invalidated else self._unjoined(cap)
         if (cap.invalidated or unjoined) and cap.graph.memory:
-            self._memory_gone(cap.graph)  # type: ignore[attr-defined]  # (no graph: its allocations go)
+            self._memory_gone(cap.graph)  # (no graph: its allocations go)
         if cap.invalidated:
             raise StreamCaptureInvalidatedError(f"the capture on stream {s.id} was invalidated")
         if unjoined:
             raise StreamCaptureUnjoinedError(f"stream{'s' if len(unjoined) > 1 else ''} "
                                              f"{', '.join(map(str, unjoined))} forked from stream {s.id} "
                                              "did not join it again")
-        self.graphs[cap.graph.id] = cap.graph  # type: ignore[attr-defined]
+        self.graphs[cap.graph.id] = cap.graph
         return cap.graph.id
 
     def stream_is_capturing(self, stream: int | None) -> int:
         """``cudaStreamIsCapturing``: CAPTURE_NONE, CAPTURE_ACTIVE or CAPTURE_INVALIDATED."""
-        cap = self.capturing.get(self._stream(stream).id)  # type: ignore[attr-defined]
+        cap = self.capturing.get(self._stream(stream).id)
         return CAPTURE_NONE if cap is None else CAPTURE_INVALIDATED if cap.invalidated else CAPTURE_ACTIVE
 
     def stream_get_capture_info(self, stream: int | None) -> dict[str, Any]:
         """``cudaStreamGetCaptureInfo``: the status, and while it captures its capture's id, the graph it builds
         and the nodes the stream's next work would depend on."""
-        s = self._stream(stream)  # type: ignore[attr-defined]
+        s = self._stream(stream)
         cap = self.capturing.get(s.id)
         if cap is None:
             return {"status": CAPTURE_NONE}
@@ -267,9 +276,9 @@ class CaptureCalls:
             StreamCaptureImplicitError: work on the legacy default stream, which would wait for a capturing
                 blocking stream (the captures invalidated).
         """
-        into = self._into  # type: ignore[attr-defined]
+        into = self._into
         if into is not None:
-            self._add_nodes(into[0], work, into[1], count)  # type: ignore[attr-defined]
+            self._add_nodes(into[0], work, into[1], count)
             work.handle = CAPTURED
             return True
         if isinstance(work, (Copy, Memset)) and work.dst.nbytes == 0:
@@ -286,7 +295,7 @@ class CaptureCalls:
         if cap.invalidated:
             raise StreamCaptureInvalidatedError(f"the capture on stream {cap.origin} was invalidated")
         if not isinstance(work, Record):  # (a Record here is a pool's wait: no node)
-            cap.deps[stream.id] = self._add_nodes(cap.graph, work, cap.deps[stream.id], count)  # type: ignore[attr-defined]
+            cap.deps[stream.id] = self._add_nodes(cap.graph, work, cap.deps[stream.id], count)
         work.handle = CAPTURED
         return True
 
@@ -299,7 +308,7 @@ class CaptureCalls:
             return False
         if cap.invalidated:
             raise StreamCaptureInvalidatedError(f"the capture on stream {cap.origin} was invalidated")
-        node = cap.graph.add(Node(self._handle(), type, cap.deps[stream.id], {"event": event.id}, event=event))  # type: ignore[attr-defined]
+        node = cap.graph.add(Node(self._handle(), type, cap.deps[stream.id], {"event": event.id}, event=event))
         cap.deps[stream.id] = (node.id,)
         return True
 

@@ -21,6 +21,7 @@
 
 from __future__ import annotations
 
+import builtins
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -33,9 +34,17 @@ from mpsd_protocol import (
 )
 
 if TYPE_CHECKING:
+    from mpsd.backends.base import Backend
+    from mpsd.backends.ops import Work
+    from mpsd.runtime.capture import Capture
     from mpsd.runtime.context import Stream
+    from mpsd.runtime.memory import AddressSpace, Allocation
 
 __all__ = ["GraphAllocation", "GraphMemoryCalls"]
+
+# type(), under a name of its own: methods here take a parameter called `type` (a node's). An alias, not a
+# function, so that `type_of(x) is int` narrows x as `type(x) is int` does.
+type_of = builtins.type
 
 
 @dataclass(eq=False)
@@ -61,6 +70,19 @@ class GraphMemoryCalls:
 
     graph_allocs: dict[int, GraphAllocation]
 
+    if TYPE_CHECKING:  # what the Context they are mixed into has, for the type checker (the real ones are there)
+        memory: AddressSpace
+        backend: Backend
+        capturing: dict[int, Capture]  # (CaptureCalls')
+        graphs: dict[int, Graph]  # (GraphCalls')
+
+        def _handle(self) -> int: ...
+        def _stream(self, stream: int | None) -> Stream: ...
+        def _pool_stream(self, stream: object) -> Stream: ...
+        def _map_new(self, nbytes: int, pool: bool) -> int: ...
+        def _drop(self, alloc: Allocation, released: int, in_use: int | None = None) -> None: ...
+        def tails(self) -> list[Work]: ...
+
     def _init_graph_memory(self) -> None:
         self.graph_allocs = {}
 
@@ -73,8 +95,8 @@ class GraphMemoryCalls:
             InvalidValueError: no bytes. OutOfMemoryError: as cudaMalloc's. StreamCaptureInvalidatedError: the
                 capture was invalidated.
         """
-        s = self._stream(stream)  # type: ignore[attr-defined]
-        cap = self.capturing.get(s.id)  # type: ignore[attr-defined]
+        s = self._stream(stream)
+        cap = self.capturing.get(s.id)
         if cap is None:
             return 0
         if cap.invalidated:
@@ -94,8 +116,8 @@ class GraphMemoryCalls:
         alloc = self.graph_allocs.get(ptr) if type(ptr) is int else None
         if alloc is None:
             raise InvalidValueError(f"{brief(ptr, 20)} is no graph allocation of this context")
-        s = self._pool_stream(stream)  # type: ignore[attr-defined]
-        cap = self.capturing.get(s.id)  # type: ignore[attr-defined]
+        s = self._pool_stream(stream)
+        cap = self.capturing.get(s.id)
         if cap is not None:
             if cap.invalidated:
                 raise StreamCaptureInvalidatedError(f"the capture on stream {cap.origin} was invalidated")
@@ -118,14 +140,14 @@ class GraphMemoryCalls:
         """
         if type == MEM_ALLOC:
             nbytes = params.get("nbytes")
-            if type_of(nbytes) is not int or nbytes <= 0:  # type: ignore[operator]
+            if type_of(nbytes) is not int or nbytes <= 0:
                 raise InvalidValueError(f"an allocation node needs a byte count above 0, not {brief(nbytes, 20)}")
-            addr = self._map_new(nbytes, pool=False)  # type: ignore[attr-defined]
-            self.graph_allocs[addr] = GraphAllocation(addr, nbytes, graph)  # type: ignore[arg-type]
+            addr = self._map_new(nbytes, pool=False)
+            self.graph_allocs[addr] = GraphAllocation(addr, nbytes, graph)
             graph.memory = True
-            return Node(self._handle(), MEM_ALLOC, deps, {"nbytes": nbytes, "ptr": addr})  # type: ignore[attr-defined]
+            return Node(self._handle(), MEM_ALLOC, deps, {"nbytes": nbytes, "ptr": addr})
         ptr = params.get("ptr")
-        alloc = self.graph_allocs.get(ptr) if type_of(ptr) is int else None  # type: ignore[arg-type]
+        alloc = self.graph_allocs.get(ptr) if type_of(ptr) is int else None
         if alloc is None:
             raise InvalidValueError(f"a free node frees an allocation node's address, not {brief(ptr, 20)}")
         if alloc.graph is graph:
@@ -133,7 +155,7 @@ class GraphMemoryCalls:
                 raise InvalidValueError(f"{ptr:#x} is freed twice in graph {graph.id}")
             alloc.freed_in_graph = True
         graph.memory = True
-        return Node(self._handle(), MEM_FREE, deps, {"ptr": ptr})  # type: ignore[attr-defined]
+        return Node(self._handle(), MEM_FREE, deps, {"ptr": ptr})
 
     # -- the rules (GraphCalls' hooks) ---------------------------------------------------------------------
     def _check_child(self, child: Graph) -> None:
@@ -158,7 +180,7 @@ class GraphMemoryCalls:
             InvalidValueError: an allocation of the last launch is still live, or a free node's allocation is not.
             NotSupportedError: it would be captured into another graph.
         """
-        if self.capturing.get(stream.id) is not None:  # type: ignore[attr-defined]
+        if self.capturing.get(stream.id) is not None:
             raise NotSupportedError("a graph with memory nodes cannot be launched into a capture")
         allocs = [self.graph_allocs[n.params["ptr"]] for n in ex.nodes if n.type == MEM_ALLOC]
         frees = [self.graph_allocs.get(n.params["ptr"]) for n in ex.nodes if n.type == MEM_FREE]
@@ -183,13 +205,10 @@ class GraphMemoryCalls:
 
     def _release_if_unused(self, alloc: GraphAllocation) -> None:
         graph = alloc.graph
-        if alloc.live or graph.execs or self.graphs.get(graph.id) is graph:  # type: ignore[attr-defined]
+        if alloc.live or graph.execs or self.graphs.get(graph.id) is graph:
             return
         del self.graph_allocs[alloc.addr]
         # After the work queued so far, which may still use it, as a pool's memory goes (Context._pool_release).
-        memory, released = self.memory.remove(alloc.addr)  # type: ignore[attr-defined]
-        self.backend.when_done(self.tails(), lambda: self._drop(memory, released))  # type: ignore[attr-defined]
+        memory, released = self.memory.remove(alloc.addr)
+        self.backend.when_done(self.tails(), lambda: self._drop(memory, released))
 
-
-def type_of(value: Any) -> type:
-    return type(value)

@@ -32,7 +32,8 @@ from mpsd_protocol import Calls, InvalidValueError, brief
 _type = builtins.type
 
 if TYPE_CHECKING:
-    from mpsd.runtime.context import Stream
+    from mpsd.runtime.context import Counters, Event, Stream
+    from mpsd.runtime.memory import AddressSpace
 
 __all__ = ["CAPTURED", "CHILD", "EMPTY", "EVENT_RECORD", "EVENT_WAIT", "KERNEL", "MEMCPY", "MEMSET", "MEM_ALLOC",
            "MEM_FREE", "Graph", "GraphCalls", "GraphExec", "Node"]
@@ -137,6 +138,27 @@ class GraphCalls:
     _into: tuple[Graph, tuple[int, ...]] | None
     _node_params: dict[str, Any] | None
 
+    if TYPE_CHECKING:  # what the Context they are mixed into has, for the type checker (the real ones are there)
+        memory: AddressSpace
+        counters: Counters
+
+        def _handle(self) -> int: ...
+        def _stream(self, stream: int | None) -> Stream: ...
+        def _event(self, event: int) -> Event: ...
+        def _on(self, stream: Stream) -> OnStream: ...
+        def _enqueue(self, stream: Stream, work: Work, count: int = 1) -> Work: ...
+        def plan(self, name: str, grid: object, block: object, args: object, shared_mem: object) -> Plan: ...
+        def memset(self, ptr: int, value: int, nbytes: int, stream: int | None) -> Work: ...
+        def memcpy_dtod(self, dst: int, src: int, nbytes: int, stream: int | None) -> Work: ...
+        def memcpy_htod(self, dst: int, host: int, offset: int, nbytes: int, stream: int | None,
+                        staged: bool) -> Work: ...
+        def memcpy_dtoh(self, host: int, offset: int, src: int, nbytes: int, stream: int | None) -> Work: ...
+        # (GraphMemoryCalls')
+        def _memory_node(self, graph: Graph, type: str, deps: tuple[int, ...], params: dict[str, Any]) -> Node: ...
+        def _check_instantiate(self, graph: Graph) -> None: ...
+        def _launching(self, ex: GraphExec, stream: Stream) -> None: ...
+        def _memory_gone(self, graph: Graph) -> None: ...
+
     def _init_graphs(self) -> None:
         self.graphs, self.execs = {}, {}
         self._into = self._node_params = None
@@ -156,7 +178,7 @@ class GraphCalls:
     # -- graphs ----------------------------------------------------------------------------------------
     def graph_create(self) -> int:
         """``cudaGraphCreate``: an empty graph."""
-        graph = Graph(self._handle())  # type: ignore[attr-defined]
+        graph = Graph(self._handle())
         self.graphs[graph.id] = graph
         return graph.id
 
@@ -179,18 +201,18 @@ class GraphCalls:
         after = tuple(deps)
         if type == KERNEL:
             name, grid, block, args, shared_mem, _ = Calls.launch.check(params)
-            plan = self.plan(name, grid, block, args, shared_mem)  # type: ignore[attr-defined]
+            plan = self.plan(name, grid, block, args, shared_mem)
             return g.add(self._kernel_node(plan, after)).id
         if type == EMPTY:
-            return g.add(Node(self._handle(), EMPTY, after, {})).id  # type: ignore[attr-defined]
+            return g.add(Node(self._handle(), EMPTY, after, {})).id
         if type in (EVENT_RECORD, EVENT_WAIT):
             event = params.get("event")
             if _type(event) is not int:
                 raise InvalidValueError(f"an {type} node needs an event, not {brief(event, 20)}")
-            e = self._event(event)  # type: ignore[attr-defined]
-            return g.add(Node(self._handle(), type, after, {"event": e.id}, event=e)).id  # type: ignore[attr-defined]
+            e = self._event(event)
+            return g.add(Node(self._handle(), type, after, {"event": e.id}, event=e)).id
         if type in (MEM_ALLOC, MEM_FREE):
-            return g.add(self._memory_node(g, type, after, params)).id  # type: ignore[attr-defined]
+            return g.add(self._memory_node(g, type, after, params)).id
         if type == CHILD:
             source = params.get("graph")
             if _type(source) is not int:
@@ -200,8 +222,9 @@ class GraphCalls:
                 raise InvalidValueError("a graph cannot be its own child")
             self._check_child(child)
             nodes = self._copy_nodes(child.nodes.values())
-            return g.add(Node(self._handle(), CHILD, after, {"graph": child.id}, child=nodes)).id  # type: ignore[attr-defined]
+            return g.add(Node(self._handle(), CHILD, after, {"graph": child.id}, child=nodes)).id
         kind = params.get("kind") if type == MEMCPY else None
+        # (kind is what the client sent: a str, or anything, which finds no call)
         call = Calls.memset if type == MEMSET else _COPY_CALLS.get(kind) if type == MEMCPY else None  # type: ignore[arg-type]
         if call is None:
             raise InvalidValueError(f"no node of type {brief(type, 20)}"
@@ -213,13 +236,13 @@ class GraphCalls:
         self._into = (g, after)
         try:  # the call's own method builds the work, with its checks; _enqueue takes it into the graph
             if call is Calls.memset:
-                self.memset(*values[:3], None)  # type: ignore[attr-defined]
+                self.memset(values[0], values[1], values[2], None)
             elif call is Calls.memcpy_dtod:
-                self.memcpy_dtod(*values[:3], None)  # type: ignore[attr-defined]
+                self.memcpy_dtod(values[0], values[1], values[2], None)
             elif call is Calls.memcpy_htod:
-                self.memcpy_htod(*values[:4], None, False)  # type: ignore[attr-defined]
+                self.memcpy_htod(values[0], values[1], values[2], values[3], None, False)
             else:
-                self.memcpy_dtoh(*values[:4], None)  # type: ignore[attr-defined]
+                self.memcpy_dtoh(values[0], values[1], values[2], values[3], None)
         finally:
             self._into = self._node_params = None
         return next(reversed(g.nodes))
@@ -236,7 +259,7 @@ class GraphCalls:
         """
         source = self._graph(graph)
         self._check_clone(source)
-        clone = Graph(self._handle())  # type: ignore[attr-defined]
+        clone = Graph(self._handle())
         for node in self._copy_nodes(source.nodes.values()):
             clone.add(node)
         self.graphs[clone.id] = clone
@@ -247,7 +270,7 @@ class GraphCalls:
         ids: dict[int, int] = {}
         out = []
         for node in nodes:
-            ids[node.id] = self._handle()  # type: ignore[attr-defined]
+            ids[node.id] = self._handle()
             out.append(dataclasses.replace(node, id=ids[node.id], deps=tuple(ids[d] for d in node.deps)))
         return tuple(out)
 
@@ -260,7 +283,7 @@ class GraphCalls:
                 out.append(node)
                 continue
             inner = self._flatten(node.child)
-            ids = {n.id: self._handle() for n in inner}  # type: ignore[attr-defined]
+            ids = {n.id: self._handle() for n in inner}
             out += [dataclasses.replace(n, id=ids[n.id], deps=tuple(ids[d] for d in n.deps) or node.deps)
                     for n in inner]
             needed = {d for n in inner for d in n.deps}
@@ -279,7 +302,7 @@ class GraphCalls:
         g = self._graph(graph)
         del self.graphs[graph]
         if g.memory:
-            self._memory_gone(g)  # type: ignore[attr-defined]
+            self._memory_gone(g)
 
     # -- executable graphs -------------------------------------------------------------------------------
     def graph_instantiate(self, graph: int, flags: int = 0) -> int:
@@ -294,10 +317,10 @@ class GraphCalls:
         if flags & ~INSTANTIATE_AUTO_FREE_ON_LAUNCH:
             raise InvalidValueError(f"graph_instantiate: bad flags {flags:#x}")
         if g.memory:
-            self._check_instantiate(g)  # type: ignore[attr-defined]
+            self._check_instantiate(g)
         nodes = tuple(self._flatten(g.nodes.values()))
         index = {node.id: i for i, node in enumerate(nodes)}
-        graph_exec = GraphExec(self._handle(), nodes, tuple(tuple(index[d] for d in n.deps) for n in nodes),  # type: ignore[attr-defined]
+        graph_exec = GraphExec(self._handle(), nodes, tuple(tuple(index[d] for d in n.deps) for n in nodes),
                                sum(node.type == KERNEL for node in nodes), index, graph=g if g.memory else None,
                                auto_free=bool(flags & INSTANTIATE_AUTO_FREE_ON_LAUNCH))
         g.execs += 1
@@ -337,7 +360,7 @@ class GraphCalls:
         if at is None or ex.nodes[at].type != KERNEL:
             raise InvalidValueError(f"node {brief(node, 20)} is no kernel node of executable graph {graph_exec}")
         name, grid, block, args, shared_mem, _ = Calls.launch.check(params)
-        plan = self.plan(name, grid, block, args, shared_mem)  # type: ignore[attr-defined]
+        plan = self.plan(name, grid, block, args, shared_mem)
         nodes = list(ex.nodes)
         nodes[at] = dataclasses.replace(self._kernel_node(plan, nodes[at].deps), id=nodes[at].id)
         ex.nodes = tuple(nodes)
@@ -348,7 +371,7 @@ class GraphCalls:
         del self.execs[graph_exec]
         if ex.graph is not None:
             ex.graph.execs -= 1
-            self._memory_gone(ex.graph)  # type: ignore[attr-defined]
+            self._memory_gone(ex.graph)
 
     def graph_launch(self, graph_exec: int, stream: int | None) -> Work:
         """``cudaGraphLaunch``: the graph's nodes, as one unit of work on `stream`, after the stream's earlier work
@@ -360,10 +383,10 @@ class GraphCalls:
             OutOfMemoryError: the backend cannot hold what its nodes would touch.
         """
         ex = self._exec(graph_exec)
-        s: Stream = self._stream(stream)  # type: ignore[attr-defined]
+        s: Stream = self._stream(stream)
         if ex.graph is not None or any(node.type == MEM_FREE for node in ex.nodes):
-            self._launching(ex, s)  # type: ignore[attr-defined]
-        on = self._on(s)  # type: ignore[attr-defined]
+            self._launching(ex, s)
+        on = self._on(s)
         work = GraphLaunch(**on, nodes=tuple(self._node_work(node, on) for node in ex.nodes), deps=ex.deps, graph=ex)
         if ex.last is not None and not ex.last.done:
             work.after = (ex.last,)
@@ -373,16 +396,16 @@ class GraphCalls:
         held = tuple(r for node in work.nodes for r in node.after if r.handle is None)
         if held:
             work.after += held
-        self._enqueue(s, work)  # type: ignore[attr-defined]
+        self._enqueue(s, work)
         if work.handle is not CAPTURED:
             ex.last = work
-            self.counters.launches += ex.kernels  # type: ignore[attr-defined]
+            self.counters.launches += ex.kernels
             self._records(ex, work)
         return work
 
     # -- nodes -------------------------------------------------------------------------------------------
     def _kernel_node(self, plan: Plan, deps: tuple[int, ...]) -> Node:
-        return Node(self._handle(), KERNEL, deps, {  # type: ignore[attr-defined]
+        return Node(self._handle(), KERNEL, deps, {
             "name": plan.kernel, "grid": list(plan.grid), "block": list(plan.block), "args": list(plan.args),
             "shared_mem": plan.shared_mem}, plan=plan)
 
@@ -393,10 +416,10 @@ class GraphCalls:
         params = dict(self._node_params or {})
         if isinstance(work, Copy):
             params.setdefault("kind", work.kind)
-            return Node(self._handle(), MEMCPY, deps, params, template=work)  # type: ignore[attr-defined]
+            return Node(self._handle(), MEMCPY, deps, params, template=work)
         if isinstance(work, Memset):
-            return Node(self._handle(), MEMSET, deps, params, template=work)  # type: ignore[attr-defined]
-        return Node(self._handle(), EMPTY, deps, {})  # type: ignore[attr-defined]
+            return Node(self._handle(), MEMSET, deps, params, template=work)
+        return Node(self._handle(), EMPTY, deps, {})
 
     def _add_nodes(self, graph: Graph, work: Work, deps: tuple[int, ...], count: int = 1) -> tuple[int, ...]:
         """Take `work` (`count` launches of it) into `graph` after `deps`, as nodes; the nodes that work after it
@@ -406,7 +429,7 @@ class GraphCalls:
             ex: GraphExec = work.graph
             ids: list[int] = []
             for node, node_deps in zip(ex.nodes, ex.deps):
-                ids.append(self._handle())  # type: ignore[attr-defined]
+                ids.append(self._handle())
                 graph.add(dataclasses.replace(node, id=ids[-1], deps=tuple(ids[d] for d in node_deps) or deps))
             needed = {d for node_deps in ex.deps for d in node_deps}
             return tuple(ids[i] for i in range(len(ids)) if i not in needed) or deps
@@ -419,7 +442,7 @@ class GraphCalls:
         if node.type == KERNEL:
             plan = node.plan
             assert plan is not None
-            memory = self.memory  # type: ignore[attr-defined]
+            memory = self.memory
             extents = tuple((index, memory.extent(int(plan.args[index]), nbytes))
                             for index, nbytes in plan.touches)
             return Launch.of(on["client"], on["stream"], on["priority"], on["sm_cap"], plan, extents)
