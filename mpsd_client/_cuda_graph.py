@@ -138,6 +138,7 @@ class CUDAGraph:
                 stream = _SIDE_STREAMS[ctx] = yield from ctx._core.create_stream(ctx, 0, False)
         yield from _graphs.begin_capture(stream, mode)
         self._stream, self._capturing = stream, True
+        # (tuple(): a caller may give graph_pool_handle()'s pair as a list, which mypy cannot count the length of)
         self._pool = tuple(pool) if pool is not None else graph_pool_of_capture()  # type: ignore[assignment]
         self._allocator = _allocator(ctx)
         if self._allocator is not None:

@@ -321,7 +321,7 @@ def _update(graph_exec: GraphExec, graph: Graph) -> Op:
         name = UPDATE_RESULTS.get(result, str(result))
         error = GraphExecUpdateFailureError(f"cudaGraphExecUpdateResult{name.title().replace('_', '')}"
                                             + (f" at node {found['node']}" if found.get("node") is not None else ""))
-        error.result, error.node = name, found.get("node")  # type: ignore[attr-defined]
+        error.result, error.node = name, found.get("node")
         raise error
 
 

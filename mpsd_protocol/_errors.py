@@ -387,6 +387,9 @@ class GraphExecUpdateFailureError(CudaError):
     name = "cudaErrorGraphExecUpdateFailure"
     description = ("the graph update was not performed because it included changes which violated constraints "
                    "specific to instantiated graph update")
+    # What the client's GraphExec.update sets on it: cudaGraphExecUpdateResult's name, and the node at fault.
+    result: str
+    node: int | None
 
 class UnknownError(CudaError):
     """cudaErrorUnknown (999): unknown error."""

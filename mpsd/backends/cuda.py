@@ -763,6 +763,7 @@ class CudaBackend:
                 pending.cleanup.append(lambda: cu.cuMemFreeHost(staging))
                 source = int(staging)
             else:
+                # (an h2d copy's unstaged source is an Extent of pinned memory)
                 source = self._host_pointer(work.src)  # type: ignore[arg-type]
             _check(cu.cuMemcpyHtoDAsync(self._device_pointer(work.dst), source, n, stream))
         elif work.kind == "d2h":

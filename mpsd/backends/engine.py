@@ -110,6 +110,7 @@ class Engine:
             arrived = now = before
         else:
             # trio.current_time(), less two calls
+            # (an origin comes with the clock)
             wall = (self._clock.current_time() - origin) * self.time_scale  # type: ignore[union-attr]
             now = wall if wall > before else before
             arrived = now if self.arrival is None else min(now, (self.arrival - origin) * self.time_scale)
@@ -145,6 +146,7 @@ class Engine:
         self.sim.forget_client(client)
 
     def _finish(self, op: Op) -> None:
+        # (the engine's ops are tagged with their callbacks)
         callback: Callable[[Op], None] | None = op.tag  # type: ignore[assignment]
         if callback is not None:
             op.tag = None  # an effect applies once; what it holds (a staged copy's bytes) goes now

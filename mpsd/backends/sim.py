@@ -137,7 +137,7 @@ class SimBackend:
         return sm_cap(self.spec, active_thread_percentage)
 
     def _went_idle(self, host: Host) -> None:
-        self.on_idle(host.client, host.clock, self.engine.idle_grace)  # type: ignore[attr-defined]
+        self.on_idle(host.client, host.clock, self.engine.idle_grace)  # type: ignore[attr-defined]  # (only a VirtualEngine calls it)
 
     # -- clients -----------------------------------------------------------------------------------------
     def attach(self, client: Client, *, sm_cap: int, priority: int, weight: float, instance: int | None,
@@ -186,6 +186,7 @@ class SimBackend:
             self._submit_graph(work)
             return
         for _ in range(count - 1):  # each kernel needs its own Kernel object: the same plan, launched again
+            # (only a Launch comes more than once)
             each = Launch.of(work.client, work.stream, work.priority, work.sm_cap, work.plan, ())  # type: ignore[attr-defined]
             each.after, work.after = work.after, ()  # the first waits for what the run waits for
             self._submit_op(each)
@@ -197,7 +198,7 @@ class SimBackend:
         touched = self.host_memory.reserve(touches) if touches else None
         op = self._op(work)
         if overhead is not None:  # a graph's kernel node (_submit_graph)
-            op.launch_overhead = overhead  # type: ignore[attr-defined]
+            op.launch_overhead = overhead  # type: ignore[attr-defined]  # (a graph's kernel node: its op is a Kernel)
         try:
             self.engine.submit(op)
         except BaseException:

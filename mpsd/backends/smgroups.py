@@ -183,4 +183,4 @@ def _exact(sizes: Sequence[int], tenants: Sequence[tuple[tuple[int, ...] | None,
         for i in members:
             if chosen[i] is None:
                 chosen[i] = rest.pop(0)
-    return chosen  # type: ignore[return-value]
+    return chosen  # type: ignore[return-value]  # (every tenant has its window by now)

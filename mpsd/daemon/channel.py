@@ -95,7 +95,8 @@ class Channel:
                 # A short read emptied the socket: wait first rather than spend a syscall on EAGAIN.
                 self._drained = False
                 self._eager_reads = 0
-                got = await self._spun(window) if self._spin is not None and (window := self._spins()) else None
+                spin = self._spin
+                got = await self._spun(window) if spin is not None and (window := self._spins(spin)) else None
                 if got is None:
                     await trio.lowlevel.wait_readable(self.sock)
             else:
@@ -112,10 +113,10 @@ class Channel:
                 await trio.lowlevel.checkpoint()
             return data, unpack_fds(ancdata, flags)
 
-    def _spins(self) -> float:
-        """Seconds this channel spins for the next call this time: its Spin's, unless its client's calls have
-        lately come too late (see the top of this file)."""
-        return self._spin.now() if self._odds.worth() else 0.0  # type: ignore[union-attr]
+    def _spins(self, spin: Spin) -> float:
+        """Seconds this channel spins for the next call this time: its Spin's (`spin`), unless its client's calls
+        have lately come too late (see the top of this file)."""
+        return spin.now() if self._odds.worth() else 0.0
 
     async def _spun(self, window: float) -> tuple | None:
         """What the socket gave while this channel kept reading it for `window` seconds, letting every other task

@@ -47,7 +47,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         trio.run(serve)
     except* DaemonError as group:  # raised inside the nursery, so it arrives in a group
-        failure = group.exceptions[0]  # type: ignore[assignment]
+        failure = group.exceptions[0]  # type: ignore[assignment]  # (trio raises it in one group, unnested)
     if failure is not None:
         print(f"mpsd: {failure}", file=sys.stderr)
         return 1

@@ -50,7 +50,7 @@
 #     (mpsd.daemon.sm_partitions), so a partition made by one is seen, used and removed by the other
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, TypedDict
 
 from mpsd.daemon.control import limit_text
 from mpsd.daemon.listeners import ListenError
@@ -152,6 +152,15 @@ def _number(text: str, what: str) -> int:
         return parse_integer(text)
     except ValueError:
         raise Failure(f'Invalid {what} "{_brief(text)}"') from None
+
+
+class _Settings(TypedDict, total=False):
+    """A namespace's settings given in a command, as Namespace's fields (each one given or left out)."""
+
+    active_thread_percentage: float
+    pinned_memory_limit: int | None
+    client_priority: int
+    cgroup: str
 
 
 def _percentage(text: str) -> float:
@@ -413,9 +422,9 @@ class V3:
                     if control.server_key(ctx.uid) == key and ctx.namespace == name})
 
     @staticmethod
-    def _settings(options: dict[str, str | None]) -> dict[str, object]:
+    def _settings(options: dict[str, str | None]) -> _Settings:
         """The settings given, checked (a command that fails changes nothing); a limit of 0 is none."""
-        out: dict[str, object] = {}
+        out: _Settings = {}
         if "active-thread-percentage" in options:
             out["active_thread_percentage"] = _percentage(options["active-thread-percentage"] or "")
         if "pinned-memory-limit" in options:
@@ -461,7 +470,7 @@ class V3:
         spaces = self.control.namespaces.setdefault(key, {})
         if name in spaces:
             raise Failure(f'Namespace "{name}" already exists')
-        namespace = Namespace(name, **self._settings(options))  # type: ignore[arg-type]
+        namespace = Namespace(name, **self._settings(options))
         if server is not None:  # a named server's namespace has its sockets: $PIPE/<server>/<namespace>/
             try:
                 self.control.daemon.add_route(Route(server, key, name))

@@ -10,7 +10,6 @@ import dataclasses
 import errno
 import functools
 import gc
-import itertools
 import logging
 import os
 import resource
@@ -206,6 +205,8 @@ class Daemon:
         except GpuUnavailableError as exc:
             raise DaemonError(str(exc)) from None
         if config.kernel_dispatch:
+            # (A Dispatcher's submit takes no gate: it gives its own to the backend under it, and nothing above it
+            # has one to give. Otherwise it is a Backend.)
             return Dispatcher(backend, kernel_policy(config.policy, config.policy_options),  # type: ignore[return-value]
                               config.kernels_in_flight)
         return backend
@@ -382,8 +383,11 @@ class Daemon:
         elif isinstance(visible, list) and all(type(v) is int or (type(v) is str and len(v) <= 64) for v in visible):
             # As in CUDA, an entry that names no device (an index we do not have, a UUID prefix that matches
             # none or several) ends the list.
-            found = (self._visible_index(v, base) for v in visible)
-            indices = list(itertools.takewhile(lambda i: i is not None, found))  # type: ignore[arg-type]
+            indices = []
+            for v in visible:
+                if (index := self._visible_index(v, base)) is None:
+                    break
+                indices.append(index)
             if not indices:
                 raise NoDeviceError(f"CUDA_VISIBLE_DEVICES names none of the {count} device(s) "
                                     + ("the daemon has" if seen is None else "the client's namespace sees"))

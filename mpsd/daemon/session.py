@@ -289,11 +289,13 @@ class Session:
             self._reply(request.id, result)
         elif isinstance(result, Deferred):
             self._complete(request.id, result)  # nothing to wait for: answer now, in order
-        elif call.reply_fds:  # type: ignore[union-attr]
+        elif call.reply_fds:  # type: ignore[union-attr]  # (no call: an unknown op, whose result is the error above)
             self._reply(request.id, None, *result)
         else:  # a row that answers nothing answers None, whatever its context method gave (an op it queued)
             # (_reply and _send, inlined: most replies are these)
+            # (as above)
             reply = Reply(request.id, None, None if call.reply is NOTHING else result)  # type: ignore[union-attr]
+            # (_nursery is set while the session serves)
             self.channel.send_nowait(self.conn.send(reply), (), self._nursery)  # type: ignore[arg-type]
 
     def _dispatch(self, call: Call, args: dict[str, Any], fds: tuple[int, ...]) -> Any:

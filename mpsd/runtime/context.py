@@ -447,6 +447,7 @@ class Context(VirtualMemoryCalls, CaptureCalls, GraphMemoryCalls, GraphCalls):
                 and 0 <= nbytes and ptr + nbytes <= last.base + last.size and self.reservations.get(last.base) is last):
             return last
         alloc = self.memory.find(ptr) if isinstance(ptr, int) and isinstance(nbytes, int) and nbytes >= 0 else None
+        # (alloc is looked up only for int ptr and nbytes)
         if alloc is None or not alloc.pool or ptr + nbytes > alloc.end:  # type: ignore[operator]
             raise InvalidValueError(f"[{brief(ptr, 20)}, +{brief(nbytes, 20)}) is not inside one of this context's "
                                     "memory pools")
@@ -613,9 +614,11 @@ class Context(VirtualMemoryCalls, CaptureCalls, GraphMemoryCalls, GraphCalls):
         grid3, block3 = check_shape(name, grid, block, shared_mem, self.device.properties)
         values = check_args(name, kernel.params, args)
         threads = block3[0] * block3[1] * block3[2]
+        # (check_shape has made sure shared_mem is an int)
         if not self.backend.fits(threads, shared_mem):  # type: ignore[arg-type]
             raise LaunchOutOfResourcesError(f"a block of {threads} threads and {shared_mem} bytes of shared "
                                             "memory does not fit on one SM")
+        # (shared_mem: an int, as above)
         made = Plan(name, grid3, block3, shared_mem, tuple(values), tuple(kernel.extents(values)))  # type: ignore[arg-type]
         if key is not None and float not in key:
             if len(self._plans) >= _MAX_PLANS:  # pointer arguments make new keys
@@ -762,9 +765,10 @@ class Context(VirtualMemoryCalls, CaptureCalls, GraphMemoryCalls, GraphCalls):
             return
         if self.capturing and self._capture_record(e, s):
             return
-        record = self._enqueue(s, Record(**self._on(s)))
+        record = Record(**self._on(s))
+        self._enqueue(s, record)  # (it returns the work it was given)
         e.captured = None
-        e.cell.record = record  # type: ignore[assignment]
+        e.cell.record = record
 
     # -- IPC -------------------------------------------------------------------------------------------
     def ipc_get_event_handle(self, event: int) -> bytes:

@@ -402,6 +402,7 @@ class Dispatcher:
             if not running:
                 # Never idle while work could go: what a policy holds may be what the work it favours waits for
                 # (an event recorded on a held stream).
+                # (a ready tenant has a head)
                 chosen = min(ready, key=lambda t: t.head().seq)  # type: ignore[union-attr]
             elif rule.ahead and all(w.done for w in self._behind) and (not rule.gate or self._gates()):
                 self._ahead = True
@@ -432,6 +433,7 @@ class Dispatcher:
         """Each gate with work at it closed while the policy holds its client back, else open."""
         self._gated = gated = [(t, w) for t, w in self._gated if not w.done]
         for tenant, _ in gated:
+            # (a tenant in _gated has its gate)
             tenant.gate.set(self.rule.holds(tenant, self))  # type: ignore[union-attr]
 
     def _release_records(self, raising: _Item | None) -> None:

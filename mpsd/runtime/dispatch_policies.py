@@ -63,7 +63,7 @@ class KernelPolicy:
 
     def pick(self, dispatcher: Dispatcher, ready: list[Tenant]) -> Tenant | None:
         """The client whose head goes next, from `ready` (never empty), or None to hold all of them."""
-        first = min(ready, key=lambda t: t.head().seq)  # type: ignore[union-attr]
+        first = min(ready, key=lambda t: t.head().seq)  # type: ignore[union-attr]  # (a ready tenant has a head)
         return first if dispatcher.room_for(first) else None
 
 
@@ -153,6 +153,7 @@ class Priority(KernelPolicy):
         if self._seen != dispatcher.version:
             self._update(dispatcher)
         levels = self._levels
+        # (a ready tenant has a head)
         order = sorted(ready, key=lambda t: (levels[t.id][1], t.head().seq))  # type: ignore[union-attr]
         urgency = levels[order[0].id][1]
         if urgency <= self._most:
@@ -201,6 +202,7 @@ class Fair(KernelPolicy):
         tenant.gpu_ns = round(min(others) * tenant.weight) if others else 0
 
     def pick(self, dispatcher: Dispatcher, ready: list[Tenant]) -> Tenant | None:
+        # (a ready tenant has a head)
         least = min(ready, key=lambda t: (t.gpu_ns / max(t.weight, 1e-9), t.head().seq))  # type: ignore[union-attr]
         return least if dispatcher.room_for(least) else None
 

@@ -14,7 +14,7 @@ import hmac
 import itertools
 import secrets
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from mpsd.runtime.memory import CHUNK, Allocation
 from mpsd_protocol import (
@@ -214,9 +214,9 @@ class IpcRegistry:
         self._closing.discard(ctx.id)
 
     # -- shared ----------------------------------------------------------------------------------------
-    def _new(self, ctx: Context, kind: int, **what: object) -> Export:
+    def _new(self, ctx: Context, kind: int, **what: Any) -> Export:  # (what: the kind's own Export fields)
         export = Export(next(self._ids), kind, secrets.token_bytes(16), ctx.device.index, ctx.pid, ctx.process,
-                        ctx.uid, ctx.gid, **what)  # type: ignore[arg-type]
+                        ctx.uid, ctx.gid, **what)
         self._exports[export.id] = export
         return export
 

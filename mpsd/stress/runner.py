@@ -343,7 +343,9 @@ def _read_traces(workload: Workload, path: Path, daemon: _Daemon | None) -> list
     from mpsd.daemon.config import Config
 
     config = Config(path.parent, path.parent, trace=path)
-    traces = [_read_trace(config.trace_path(index), daemon) for index in range(workload.devices)]  # type: ignore
+    # (A config with a trace names a file for every device.)
+    traces = [_read_trace(found, daemon) for index in range(workload.devices)
+              if (found := config.trace_path(index)) is not None]
     return [(read_chrome_trace(trace), trace["otherData"]["mpsd"]) for trace in traces]
 
 
