@@ -14,7 +14,7 @@ import functools
 import mmap
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Generic, Iterator, Protocol, TypeVar
 
 from mpsd.backends.base import DeviceMemory
 from mpsd.backends.memfd import GIVE_BACK, close_map
@@ -94,7 +94,22 @@ class Allocation:
         return self.addr + self.size
 
 
-class _Arena:
+class _Ranged(Protocol):
+    """What an arena holds: a range of address space from `addr`, `span` bytes of it taken, `end` the first
+    address past what may be addressed in it."""
+
+    @property
+    def addr(self) -> int: ...
+    @property
+    def span(self) -> int: ...
+    @property
+    def end(self) -> int: ...
+
+
+_Entry = TypeVar("_Entry", bound=_Ranged)
+
+
+class _Arena(Generic[_Entry]):
     """Allocations in one address range, by address, and the free gaps between them, for first-fit placement
     in O(log n): a malloc must not cost time linear in how many allocations its client has.
 
@@ -111,7 +126,7 @@ class _Arena:
     def __init__(self, base: int, limit: int, unit: int, within: int = 0) -> None:
         self.base, self.limit, self.unit, self.within = base, limit, unit, within
         self.starts = SortedInts()
-        self.allocs: dict[int, Allocation] = {}
+        self.allocs: dict[int, _Entry] = {}
         self._gaps: dict[int, int] = {}  # start -> end of every gap but the tail
         self._gap_ends: dict[int, int] = {}  # end -> start, to merge a freed range with the gap below it
         self._tail = base  # [_tail, limit) is free, and nothing is allocated above it
@@ -121,7 +136,7 @@ class _Arena:
         self._leaves = 1 << ((within or limit - base) // unit).bit_length()
         self._tree: dict[int, int] = {}
 
-    def fresh(self) -> _Arena:
+    def fresh(self) -> _Arena[_Entry]:
         """An empty arena over the same range."""
         return _Arena(self.base, self.limit, self.unit, self.within)
 
@@ -163,14 +178,14 @@ class _Arena:
             raise MemoryError("device address space exhausted")
         return addr
 
-    def find(self, ptr: int) -> Allocation | None:
+    def find(self, ptr: int) -> _Entry | None:
         start = self.starts.floor(ptr)
         if start is None:
             return None
         alloc = self.allocs[start]
         return alloc if ptr < alloc.end else None
 
-    def insert(self, alloc: Allocation) -> None:
+    def insert(self, alloc: _Entry) -> None:
         """Map `alloc` at the address `place` gave for its span."""
         start, end = alloc.addr, alloc.addr + alloc.span
         if start >= self._tail:
@@ -184,7 +199,7 @@ class _Arena:
         self.starts.add(alloc.addr)
         self.allocs[alloc.addr] = alloc
 
-    def remove(self, addr: int) -> Allocation | None:
+    def remove(self, addr: int) -> _Entry | None:
         alloc = self.allocs.pop(addr, None)
         if alloc is None:
             return None
@@ -265,8 +280,8 @@ class AddressSpace:
     def __init__(self, allocate: Callable[[int], DeviceMemory], reserved: Any = None) -> None:
         self._allocate = allocate  # the backend's: device memory of a given size
         self._reserved = reserved  # the context's reserved ranges (mpsd.runtime.vmm), above LARGE_LIMIT
-        self._small = _Arena(SMALL_BASE, SMALL_LIMIT, SMALL_ALIGN, within=CHUNK)
-        self._large = _Arena(LARGE_BASE, LARGE_LIMIT, CHUNK)
+        self._small: _Arena[Allocation] = _Arena(SMALL_BASE, SMALL_LIMIT, SMALL_ALIGN, within=CHUNK)
+        self._large: _Arena[Allocation] = _Arena(LARGE_BASE, LARGE_LIMIT, CHUNK)
         self._chunks: dict[int, _Chunk] = {}  # chunk index -> its segment and how many live in it
         # Freed small allocations an importer still maps: in _small, so their ranges stay taken, but not live.
         self._held: dict[int, Allocation] = {}

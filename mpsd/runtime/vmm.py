@@ -26,7 +26,10 @@ from mpsd_protocol import (
     InvalidValueError, NotSupportedError, OutOfMemoryError, brief, format_size)
 
 if TYPE_CHECKING:
-    from mpsd.runtime.context import Context
+    from mpsd.backends.base import Backend, DeviceMemory
+    from mpsd.runtime.device import Device
+    from mpsd.runtime.ledger import Account
+    from mpsd.runtime.limits import ClientLimits
 
 GRANULARITY = CHUNK  # cuMemGetAllocationGranularity's answer on the H200, minimum and recommended alike: 2 MiB
 VMM_BASE, VMM_LIMIT = 0x8000_0000_0000, 0x10_0000_0000_0000  # above cudaMalloc's range: room for many 159 GiB
@@ -96,14 +99,14 @@ class VirtualMemory:
     """One context's reservations and physical allocations."""
 
     def __init__(self) -> None:
-        self.arena = _Arena(VMM_BASE, VMM_LIMIT, GRANULARITY)
+        self.arena: _Arena[Reserved] = _Arena(VMM_BASE, VMM_LIMIT, GRANULARITY)
         self.physical: dict[int, Physical] = {}
         self.reserved_bytes = 0  # address space held in reservations
         self.maps = 0  # the daemon's memory mappings its ranges and the pieces mapped into them hold (host_maps)
         self._next_handle = 1
 
     def reserved(self, ptr: int) -> Reserved | None:
-        return self.arena.find(ptr)  # type: ignore[return-value]
+        return self.arena.find(ptr)
 
     def extent(self, ptr: int, nbytes: int) -> Extent | None:
         """Where [ptr, ptr + nbytes) is, if every page of it is mapped in one reservation; else None."""
@@ -121,17 +124,30 @@ class VirtualMemoryCalls:
 
     vmm: VirtualMemory
 
-    def _vmm(self: Context) -> VirtualMemory:  # type: ignore[misc]
+    if TYPE_CHECKING:  # what the Context they are mixed into has, for the type checker (the real ones are there)
+        device: Device
+        backend: Backend
+        account: Account
+        limits: ClientLimits
+        partition: int | None
+
+        def _allocate(self, nbytes: int) -> DeviceMemory: ...
+        def check_allocations(self) -> None: ...
+        def take_host(self, fds: int, maps: int) -> None: ...
+        def give_host(self, fds: int, maps: int) -> None: ...
+        def mem_get_info(self) -> tuple[int, int]: ...
+
+    def _vmm(self) -> VirtualMemory:
         if VIRTUAL_MEMORY not in self.backend.capabilities:
             raise NotSupportedError(f"the driver's virtual memory calls need the {VIRTUAL_MEMORY} capability, "
                                     f"which {self.device.name}'s backend does not have in mpsd")
         return self.vmm
 
-    def mem_get_allocation_granularity(self: Context) -> int:  # type: ignore[misc]
+    def mem_get_allocation_granularity(self) -> int:
         self._vmm()
         return GRANULARITY
 
-    def mem_address_reserve(self: Context, size: int, alignment: int) -> int:  # type: ignore[misc]
+    def mem_address_reserve(self, size: int, alignment: int) -> int:
         """cuMemAddressReserve: `size` bytes of address space (a multiple of the granularity), no memory.
 
         Raises:
@@ -161,12 +177,12 @@ class VirtualMemoryCalls:
         except OSError as exc:
             self.give_host(0, maps)
             raise OutOfMemoryError(f"the daemon could not reserve {format_size(size)}: {exc.strerror}") from None
-        vmm.arena.insert(Reserved(addr, size, view))  # type: ignore[arg-type]
+        vmm.arena.insert(Reserved(addr, size, view))
         vmm.reserved_bytes += size
         vmm.maps += maps
         return addr
 
-    def mem_address_free(self: Context, ptr: int, size: int) -> None:  # type: ignore[misc]
+    def mem_address_free(self, ptr: int, size: int) -> None:
         """cuMemAddressFree: the whole reservation `ptr` gave, with nothing mapped in it any more.
 
         Raises:
@@ -184,7 +200,7 @@ class VirtualMemoryCalls:
         vmm.maps -= self.backend.host_maps
         self.give_host(0, self.backend.host_maps)
 
-    def mem_create(self: Context, size: int) -> int:  # type: ignore[misc]
+    def mem_create(self, size: int) -> int:
         """cuMemCreate: `size` bytes of device memory (whole pages), charged as cudaMalloc's; its handle.
 
         Raises:
@@ -208,7 +224,7 @@ class VirtualMemoryCalls:
         self.device.ledger.move(self.account, size, size)
         return handle
 
-    def mem_release(self: Context, handle: int) -> None:  # type: ignore[misc]
+    def mem_release(self, handle: int) -> None:
         """cuMemRelease: the handle goes now; the memory once nothing maps it.
 
         Raises:
@@ -220,7 +236,7 @@ class VirtualMemoryCalls:
         if not physical.mappings:
             self._free_physical(physical)
 
-    def mem_map(self: Context, ptr: int, size: int, offset: int, handle: int) -> None:  # type: ignore[misc]
+    def mem_map(self, ptr: int, size: int, offset: int, handle: int) -> None:
         """cuMemMap, with cuMemSetAccess's read-write access for this device folded in: [ptr, ptr + size) of a
         reservation shows [offset, offset + size) of the handle's memory.
 
@@ -254,7 +270,7 @@ class VirtualMemoryCalls:
             found.pages[page] = mapping
         physical.mappings += 1
 
-    def mem_unmap(self: Context, ptr: int, size: int) -> None:  # type: ignore[misc]
+    def mem_unmap(self, ptr: int, size: int) -> None:
         """cuMemUnmap: [ptr, ptr + size) must be whole mappings. It does not wait for queued work: on the
         simulated device work that touches the range when it runs is an illegal address (PyTorch synchronises
         its stream first); the CUDA backend puts the driver's unmapping off until that work has run instead.
@@ -285,7 +301,7 @@ class VirtualMemoryCalls:
             if mapping.physical.released and not mapping.physical.mappings:
                 self._free_physical(mapping.physical)
 
-    def mapped_piece(self: Context, ptr: int) -> MappedPiece | None:  # type: ignore[misc]
+    def mapped_piece(self, ptr: int) -> MappedPiece | None:
         """The mapping that holds `ptr`, as host_view's mem_fd sends it (its bytes end where the mapping does)."""
         found = self.vmm.reserved(ptr)
         mapping = found.pages.get((ptr - found.addr) // GRANULARITY) if found is not None else None
@@ -294,7 +310,7 @@ class VirtualMemoryCalls:
         return MappedPiece(mapping.addr, mapping.size,
                            Window(mapping.physical.memory.fd, mapping.physical.memory.offset + mapping.offset))
 
-    def drain_virtual_memory(self: Context, freed: Callable[[int], None]) -> Iterator[None]:  # type: ignore[misc]
+    def drain_virtual_memory(self, freed: Callable[[int], None]) -> Iterator[None]:
         """Unmap, release and free everything (the client went), each physical allocation's bytes told to
         `freed` as they are given back; a unit of work per mapping, per reservation and per physical allocation,
         and per batch of index entries let go, yielded between (mpsd.runtime.teardown paces them). As with
@@ -306,7 +322,7 @@ class VirtualMemoryCalls:
         reservations = arena.allocs
         for addr, found in reservations.items():
             reservations[addr] = None  # type: ignore[assignment]  # (a new value is no change of size)
-            pages = found.pages  # type: ignore[attr-defined]
+            pages = found.pages
             for page, mapping in pages.items():
                 if mapping.addr != addr + page * GRANULARITY:
                     continue  # a page after a mapping's first: the first stood for it
@@ -317,7 +333,7 @@ class VirtualMemoryCalls:
                     freed(physical.size)
                     self._free_physical(physical)
                 yield
-            found.view.close()  # type: ignore[attr-defined]
+            found.view.close()
             yield
             yield from emptied(pages)
         for physical in physicals.values():
@@ -331,13 +347,13 @@ class VirtualMemoryCalls:
         self.give_host(0, vmm.maps)  # the mappings its ranges and pieces held, closed above
         vmm.maps = 0
 
-    def _physical(self: Context, handle: int) -> Physical:  # type: ignore[misc]
+    def _physical(self, handle: int) -> Physical:
         physical = self._vmm().physical.get(handle) if isinstance(handle, int) else None
         if physical is None:
             raise InvalidValueError(f"{brief(handle, 20)} is not a live memory handle of this context")
         return physical
 
-    def _free_physical(self: Context, physical: Physical) -> None:  # type: ignore[misc]
+    def _free_physical(self, physical: Physical) -> None:
         self.device.ledger.move(self.account, -physical.size, -physical.size)
         physical.memory.release()
 
