@@ -12,6 +12,7 @@ import functools
 import gc
 import itertools
 import logging
+import math
 import os
 import resource
 import signal
@@ -716,6 +717,8 @@ class Daemon:
             sessions.cancel_scope.deadline = trio.current_time() + self._grace
 
     async def _accept(self, listener: trio.socket.SocketType, nursery: trio.Nursery, serve: Any) -> None:
+        failed = 0  # accepts refused in a row: said once when it begins, then once a minute with the count
+        said = -math.inf
         while True:
             try:
                 sock, _ = await listener.accept()
@@ -723,10 +726,17 @@ class Daemon:
                 return  # a namespace's socket, closed by namespace delete
             except OSError as exc:
                 if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                    log.warning("accept failed (%s); waiting before the next", exc)
+                    failed += 1
+                    if trio.current_time() - said >= 60:  # (it is tried ten times a second)
+                        log.warning("accept failed (%s), %d time%s in a row; trying again every 0.1 s", exc,
+                                    failed, "" if failed == 1 else "s")
+                        said = trio.current_time()
                     await trio.sleep(0.1)
                     continue
                 raise
+            if failed:
+                log.warning("accepting again after %d failed accept%s", failed, "" if failed == 1 else "s")
+                failed, said = 0, -math.inf
             nursery.start_soon(serve, sock)
 
     # -- the servers' processes (--mps-names) ---------------------------------------------------------------

@@ -115,7 +115,7 @@ class CaptureCalls:
             raise StreamCaptureUnsupportedError("the legacy default stream cannot be captured")
         if s.id in self.capturing:
             raise IllegalStateError(f"stream {s.id} is capturing already")
-        self.capturing[s.id] = Capture(self._handle(), s.id, mode, thread, Graph(self._handle()), {s.id: ()})  # type: ignore[attr-defined]
+        self.capturing[s.id] = Capture(self._handle(), s.id, mode, thread, self._new_graph(), {s.id: ()})  # type: ignore[attr-defined]
 
     def stream_end_capture(self, stream: int | None, thread: int) -> int:
         """``cudaStreamEndCapture``: the capture ends, and its graph is the context's; its handle.
@@ -138,8 +138,10 @@ class CaptureCalls:
             raise StreamCaptureWrongThreadError(f"the thread-local capture on stream {s.id} began in another thread")
         self._end(cap)
         unjoined = [] if cap.invalidated else self._unjoined(cap)
-        if (cap.invalidated or unjoined) and cap.graph.memory:
-            self._memory_gone(cap.graph)  # type: ignore[attr-defined]  (no graph: its allocations go)
+        if cap.invalidated or unjoined:  # no graph: its nodes and allocations go
+            self._nodes.give(cap.graph.size)  # type: ignore[attr-defined]
+            if cap.graph.memory:
+                self._memory_gone(cap.graph)  # type: ignore[attr-defined]
         if cap.invalidated:
             raise StreamCaptureInvalidatedError(f"the capture on stream {s.id} was invalidated")
         if unjoined:
@@ -358,3 +360,4 @@ class CaptureCalls:
             cap.invalidated = True
             if cap.origin == stream:
                 self._end(cap)
+                self._nodes.give(cap.graph.size)  # type: ignore[attr-defined]
