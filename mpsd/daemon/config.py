@@ -79,6 +79,7 @@ class Config:
     # daemon's dispatcher in front of the device (mpsd.runtime.dispatch; a real GPU's only choice).
     dispatch: str = "block"
     kernels_in_flight: int = DEFAULT_IN_FLIGHT  # kernel dispatch: a client's kernels on the device at once
+    dispatch_reaction: float = 0.0  # kernel dispatch on a simulated device: the daemon's modelled reaction (s)
     client_limits: ClientLimits = ClientLimits()  # what one client may make the daemon hold (mpsd.runtime.limits)
 
     @property
@@ -162,6 +163,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--kernels-in-flight", type=int, metavar="N",
                         help=f"kernel dispatch: most kernels of one client on the device at once "
                              f"(default {DEFAULT_IN_FLIGHT})")
+    parser.add_argument("--dispatch-reaction", type=float, metavar="SECONDS",
+                        help="kernel dispatch on simulated devices: the time the daemon takes on a real GPU from a "
+                             "kernel's end to the launch it decides on then, added to such launches (default 0, an "
+                             "ideal daemon; 0.0001 is mpsd's on an H200), so that the model predicts the GPU")
     parser.add_argument("--timeslice", type=float, metavar="SECONDS",
                         help="timeslice policy: length of a slice (default 0.0020854, measured on an H200 without MPS; "
                              "shorter by up to 38 us for contexts that hold many warps)")
@@ -342,6 +347,12 @@ def load_config(argv: Sequence[str] | None = None, environ: dict[str, str] | Non
     in_flight = int(pick("kernels_in_flight", DEFAULT_IN_FLIGHT))
     if not 1 <= in_flight <= 1024:
         raise ConfigError(f"--kernels-in-flight must be between 1 and 1024, not {in_flight}")
+    reaction = float(pick("dispatch_reaction", 0.0))
+    if not 0 <= reaction <= 1:
+        raise ConfigError(f"--dispatch-reaction must be between 0 and 1 second, not {reaction}")
+    if reaction and (real or dispatch != "kernel"):
+        raise ConfigError("--dispatch-reaction models the daemon's reaction for --dispatch kernel on simulated "
+                          "devices (on a real GPU the daemon takes it by itself)")
     if real and (dispatch == "block" and policy != "mps" or clock == "virtual" or file_settings.get("device")):
         raise ConfigError("a real GPU (cuda:N) places blocks as its hardware does, on the wall clock: a policy acts "
                           "there by kernel (--dispatch kernel), and [mpsd.device.N] and --clock virtual need "
@@ -398,6 +409,7 @@ def load_config(argv: Sequence[str] | None = None, environ: dict[str, str] | Non
                   static_partitioning=bool(pick("static_partitioning", False)),
                   control_log_stdout=bool(pick("control_log_stdout", False)),
                   device_policies=device_policies, dispatch=dispatch, kernels_in_flight=in_flight,
+                  dispatch_reaction=reaction,
                   client_limits=_limits(pick),
                   trace=Path(trace) if (trace := pick("trace")) else None)
 

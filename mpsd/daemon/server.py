@@ -208,7 +208,7 @@ class Daemon:
             raise DaemonError(str(exc)) from None
         if config.kernel_dispatch:
             return Dispatcher(backend, kernel_policy(config.policy, config.policy_options),  # type: ignore[return-value]
-                              config.kernels_in_flight)
+                              config.kernels_in_flight, config.dispatch_reaction)
         return backend
 
     def peers(self, exporter: int, importer: int) -> bool:

@@ -26,7 +26,8 @@ from mpsd_protocol import format_size
 
 __all__ = ["main"]
 
-DISPATCH_KEYS = ("dispatch", "kernels_in_flight")  # settings for the daemon's dispatcher, not for a policy
+# settings for the daemon's dispatcher, not for a policy
+DISPATCH_KEYS = ("dispatch", "kernels_in_flight", "dispatch_reaction")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="where the policy acts on the simulated H200: block (its block scheduler, the default) "
                              "or kernel (the daemon's dispatcher in front of MPS's blocks, as on a real GPU, where "
                              "a policy other than mps always acts by kernel)")
+    parser.add_argument("--dispatch-reaction", type=float, metavar="SECONDS",
+                        help="with --dispatch kernel: the daemon's reaction on a real GPU, modelled (the daemon's "
+                             "--dispatch-reaction; 0.0001 is mpsd's on an H200), so that the figures predict the GPU's")
     parser.add_argument("--duration", type=float, metavar="SECONDS", help="override [run] duration")
     parser.add_argument("--time-scale", type=float, default=1.0, metavar="S",
                         help="with --clock wall: run the daemon's GPU at S x real speed (0.25: 4x slower), so that "
@@ -170,6 +174,10 @@ def _policies(workload: Workload, options: argparse.Namespace) -> dict[str, dict
             except ValueError as exc:
                 raise WorkloadError(f"--dispatch kernel: [run.policy_options.{name}]: {exc}") from None
             settings = {**settings, "dispatch": "kernel"}
+            if options.dispatch_reaction is not None:
+                if options.devices is not None:
+                    raise WorkloadError("--dispatch-reaction models a real GPU's daemon: not with --devices")
+                settings["dispatch_reaction"] = options.dispatch_reaction
         else:
             try:
                 Simulator(H200, policy=name, policy_options={k: v for k, v in settings.items()

@@ -43,7 +43,8 @@ READY_TIMEOUT = 120.0  # 64 tenants importing numpy on 2 cores take a while
 SILENCE_TIMEOUT = 120.0  # wall seconds without a word from any tenant after which the run is given up
 IDLE_GRACE = 30.0  # the daemon's idle grace: a tenant is never blocked outside mpsd once the run has begun
 OPTION_FLAGS = {"timeslice": "--timeslice", "switch": "--context-switch", "aging": "--aging", "ahead": "--look-ahead",
-                "dispatch": "--dispatch", "kernels_in_flight": "--kernels-in-flight"}
+                "dispatch": "--dispatch", "kernels_in_flight": "--kernels-in-flight",
+                "dispatch_reaction": "--dispatch-reaction"}
 LIMIT_VARIABLES = ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "CUDA_MPS_CLIENT_PRIORITY",
                    "MPSD_MIG_PARTITION", "CUDA_VISIBLE_DEVICES")
 
