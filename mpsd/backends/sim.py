@@ -202,7 +202,7 @@ class SimBackend:
         touches = self._touches(work) if type(work) is not Launch or work.extents else None
         touched = self.host_memory.reserve(touches) if touches else None
         op = self._op(work)
-        if overhead is not None:  # a graph's kernel node (_submit_graph)
+        if overhead is not None:  # a graph's kernel node (_submit_graph), or a launch late by the daemon's reaction
             op.launch_overhead = overhead  # type: ignore[attr-defined]
         try:
             self.engine.submit(op)
