@@ -140,3 +140,17 @@ repeat = 2
     heavy, light = json.loads(done.stdout)["runs"]["fair"]["tenants"]
     assert heavy["entitlement"] == 0.75 and light["entitlement"] == 0.25
     assert heavy["sm_share"] > 1.5 * light["sm_share"]
+
+
+def test_a_run_started_beside_another_mpsd_package_uses_the_installed_one(tmp_path):
+    """From a directory holding an mpsd/ of its own (a clone not built, say), mpsd-stress's daemon and tenants
+    still import the installed mpsd: `python -m` would put the directory first on their path."""
+    (tmp_path / "mpsd").mkdir()
+    (tmp_path / "mpsd" / "__init__.py").write_text("raise ImportError('not the installed mpsd')\n")
+    (tmp_path / "mpsd_client").mkdir()
+    (tmp_path / "mpsd_client" / "__init__.py").write_text("raise ImportError('not the installed mpsd_client')\n")
+    (tmp_path / "mix.toml").write_text(MIX)
+    cli = subprocess.run([sys.executable, "-P", "-m", "mpsd.stress.cli", "mix.toml", "--duration", "0.05",
+                          "--no-solo", "--json", "-"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert cli.returncode == 0, cli.stderr
+    assert json.loads(cli.stdout)["runs"]["mps"]["errors"] == 0

@@ -49,6 +49,12 @@ LIMIT_VARIABLES = ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "CUDA_MPS_PINNED_DEVICE_
                    "MPSD_MIG_PARTITION", "CUDA_VISIBLE_DEVICES")
 
 
+# `python -m` puts the working directory first on the path: started from a clone's directory, the daemon and the
+# tenants would import its unbuilt mpsd/ ("No module named 'mpsd._core'") rather than the installed one. -P
+# (Python 3.11 on) leaves the path as installed.
+ISOLATED = ("-P",)
+
+
 class RunError(Exception):
     """The run could not be carried out (daemon would not start, a tenant died); the message says why."""
 
@@ -298,7 +304,7 @@ def _start_daemon(args: list[str]) -> _Daemon:
     # cProfile, its profile written to DIR when it exits (as SIGTERM ends it).
     profile = os.environ.get("MPSD_STRESS_PROFILE")
     wrapper = ["-m", "cProfile", "-o", str(Path(profile) / f"daemon-{time.monotonic_ns()}.prof")] if profile else []
-    proc = subprocess.Popen([sys.executable, *wrapper, "-m", "mpsd", *args], stdin=subprocess.DEVNULL,
+    proc = subprocess.Popen([sys.executable, *ISOLATED, *wrapper, "-m", "mpsd", *args], stdin=subprocess.DEVNULL,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 30
     assert proc.stderr is not None
@@ -365,7 +371,7 @@ class _TenantProcess:
         env = {k: v for k, v in os.environ.items() if k not in LIMIT_VARIABLES}
         env.update(setup["environ"], CUDA_MPS_PIPE_DIRECTORY=str(work))
         self.stderr = open(work / f"{name}.stderr", "w+")  # noqa: SIM115 - closed in kill()
-        self.proc = subprocess.Popen([sys.executable, "-m", "mpsd.stress.tenant"], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, *ISOLATED, "-m", "mpsd.stress.tenant"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self.stderr, text=True, env=env)
         self.send(json.dumps(dict(setup, environ=None)))
         threading.Thread(target=self._read, args=(lines,), daemon=True).start()
