@@ -73,6 +73,10 @@ def test_a_small_mix_with_real_processes(tmp_path):
             assert batch["kernels"] >= batch["completed"] and batch["sm_seconds"] > 0
         assert sum(t["sm_share"] for t in tenants.values()) == pytest.approx(1.0)
     assert "policies compared" in done.stderr and "latency p99 ms" in done.stderr
+    # stderr is no terminal here: progress comes as lines, each run's phases (on the virtual clock, with no
+    # time left: how long simulated time takes is not known)
+    assert "mpsd-stress: timeslice: running latency " in done.stderr
+    assert "mpsd-stress: mps: finished latency 10 done, batch " in done.stderr
     report = tmp_path / "report"
     assert {p.name for p in report.iterdir()} == {"latency_cdf_mps.png", "occupancy_mps.png", "trace_mps.json",
                                                   "latency_cdf_timeslice.png", "occupancy_timeslice.png",

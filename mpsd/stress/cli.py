@@ -12,7 +12,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -351,15 +353,21 @@ def _console(options: argparse.Namespace) -> Any:
 
 
 class _live:
-    """The live display of a real run: tenants' progress as they report it."""
+    """The live display of a real run: tenants' progress as they report it; where stderr is no terminal (a log,
+    CI), a line at each change of phase and every LINE_EVERY seconds while it runs, with what is left."""
+
+    LINE_EVERY = 5.0
 
     def __init__(self, console: Any, quiet: bool) -> None:
         self.console, self.quiet = console, quiet
         self.live: Any = None
+        self._said: tuple[str, float] = ("", -math.inf)  # the phase last said, and when
 
     def __enter__(self) -> Callable[[Progress], None]:
-        if self.quiet or not self.console.is_terminal:
+        if self.quiet:
             return lambda progress: None
+        if not self.console.is_terminal:
+            return self._line
         from rich.live import Live
 
         self.live = Live(console=self.console, refresh_per_second=8, transient=True)
@@ -369,6 +377,20 @@ class _live:
     def __exit__(self, *exc: object) -> None:
         if self.live is not None:
             self.live.__exit__(*exc)
+
+    def _line(self, progress: Progress) -> None:
+        now = time.monotonic()
+        phase, at = self._said
+        if progress.phase == phase and now - at < self.LINE_EVERY:
+            return
+        self._said = (progress.phase, now)
+        done = ", ".join(f"{group} {sum(progress.completed.get(n, 0) for n in names)} done"
+                         for group, names in progress.groups.items())
+        clock = ""
+        if progress.phase == "running" and progress.wall:
+            elapsed = min(progress.elapsed(), progress.duration)
+            clock = f" {elapsed:.1f} / {progress.duration:.1f} s, about {progress.duration - elapsed:.1f} s left;"
+        print(f"mpsd-stress: {progress.policy}: {progress.phase}{clock} {done}", file=sys.stderr, flush=True)
 
 
 def _progress_table(progress: Progress) -> Any:

@@ -70,6 +70,7 @@ class Progress:
     started: float | None = None  # monotonic time of the run's start
     completed: dict[str, int] = field(default_factory=dict)
     failed: dict[str, int] = field(default_factory=dict)
+    wall: bool = False  # `duration` is wall seconds (under the virtual clock, how long it takes is not known)
 
     def elapsed(self) -> float:
         return 0.0 if self.started is None else max(0.0, time.monotonic() - self.started)
@@ -252,7 +253,7 @@ def run_real(workload: Workload, policy: str, policy_options: dict[str, Any], te
     """
     plan = _plan(workload, tenants, clock)
     progress = Progress(label or policy, workload.duration / (time_scale if clock == "wall" else 1.0),
-                        {t.label: [t.instance(c) for c in range(t.count)] for t in plan.specs})
+                        {t.label: [t.instance(c) for c in range(t.count)] for t in plan.specs}, wall=clock == "wall")
     work = Path(tempfile.mkdtemp(prefix="mpsd-stress-", dir="/tmp"))  # socket paths are limited to 107 bytes
     try:
         trace_path = work / "trace.json" if device_trace else None
