@@ -108,7 +108,8 @@ def test_scrapes_show_what_real_clients_did(metrics_daemon):
     url = metrics_url(metrics_daemon.server_log())
     assert url.startswith("http://127.0.0.1:")
     tight = spawn_worker(WORKER, metrics_daemon.pipe_dir, str(8 * MIB), "10", "0",
-                         env={"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": f"0={LIMIT_MIB}M", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "50"})
+                         env={"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": f"0={LIMIT_MIB}M",
+                              "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "50"})
     loose = spawn_worker(WORKER, metrics_daemon.pipe_dir, str(2 * MIB), "4", str(MIB))
     try:
         pids = [said(w)["pid"] for w in (tight, loose)]
@@ -125,8 +126,8 @@ def test_scrapes_show_what_real_clients_did(metrics_daemon):
 
         me = {"uid": str(os.getuid()), "namespace": "default", "gpu": "0"}
         a, b = ({**me, "pid": str(pid)} for pid in pids)
-        assert {s[0]["server"] for s in first["mpsd_client_launches_total"]} == {s[0]["server"] for s in
-                                                                                first["mpsd_client_sm_quota"]}
+        # the server's pid: the daemon's own, where the server has no process of its own (--mps-names)
+        assert {labels["server"] for labels, _ in first["mpsd_client_launches_total"]} == {str(metrics_daemon.proc.pid)}
         assert value(first, "mpsd_client_launches_total", **a) == 10
         assert value(first, "mpsd_client_launches_total", **b) == 4
         assert value(first, "mpsd_client_kernels_completed_total", **a) == 10
@@ -170,12 +171,14 @@ def test_kernel_dispatch_serves_queue_depth():
     try:
         url = metrics_url(d.server_log())
         worker = spawn_worker(WORKER, d.pipe_dir, str(MIB), "3", "0")
-        pid = said(worker)["pid"]
-        samples = scrape(url)
-        assert value(samples, "mpsd_client_queued_kernels", pid=str(pid)) == 0  # it synchronized: none held
-        assert value(samples, "mpsd_client_kernels_in_flight", pid=str(pid)) == 0
-        assert value(samples, "mpsd_client_launches_total", pid=str(pid)) == 3
-        assert finish(worker) == 0
+        try:
+            pid = said(worker)["pid"]
+            samples = scrape(url)
+            assert value(samples, "mpsd_client_queued_kernels", pid=str(pid)) == 0  # it synchronized: none held
+            assert value(samples, "mpsd_client_kernels_in_flight", pid=str(pid)) == 0
+            assert value(samples, "mpsd_client_launches_total", pid=str(pid)) == 3
+        finally:
+            assert finish(worker) == 0
     finally:
         assert d.stop() == 0, d.stderr_lines
         shutil.rmtree(d.pipe_dir.parent, ignore_errors=True)
@@ -251,8 +254,8 @@ def test_a_port_in_use_is_a_clean_start_failure():
 
 # -- the Grafana dashboard shipped beside the units ----------------------------------------------------------------
 def test_dashboard_is_json_naming_only_served_series():
-    """systemd/mpsd-grafana-dashboard.json loads, every panel has a query, and every series a query names is one
-    the exporter serves."""
+    """systemd/mpsd-grafana-dashboard.json loads, every panel has a query, and every series a query (or a
+    variable's) names is one the exporter serves."""
     dashboard = json.loads(DASHBOARD.read_text())
     panels = [p for p in dashboard["panels"] if p.get("type") != "row"]
     assert len(panels) >= 6
@@ -263,6 +266,8 @@ def test_dashboard_is_json_naming_only_served_series():
         assert exprs, f"panel {panel.get('title')} has no query"
         for expr in exprs:
             named |= set(re.findall(r"\b(?:DCGM_FI_[A-Z_]+|mpsd_[a-z_]+)\b", expr))
+    for variable in dashboard["templating"]["list"]:  # the variables' queries too
+        named |= set(re.findall(r"\b(?:DCGM_FI_[A-Z_]+|mpsd_[a-z_]+)\b", variable.get("definition", "")))
     assert named and named <= served, named - served
     assert {"DCGM_FI_DEV_GPU_UTIL", "DCGM_FI_DEV_FB_USED", "mpsd_client_launches_total",
             "mpsd_client_memory_in_use_bytes", "mpsd_client_sync_call_seconds_bucket"} <= named
