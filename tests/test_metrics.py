@@ -165,20 +165,41 @@ def test_scrapes_show_what_real_clients_did(metrics_daemon):
             finish(w)
 
 
-def test_kernel_dispatch_serves_queue_depth():
-    """Under the kernel dispatcher the client's held kernels and those in flight are served too."""
-    d = start_daemon("--time-scale", "100", "--dispatch", "kernel", "--policy", "fair", "--metrics", "0")
+# A client whose kernel writes past its allocation, and stays connected with its sticky error.
+FAULTING = """
+    import json, sys, mpsd_client
+    with mpsd_client.connect() as ctx:
+        p = ctx.malloc(4096)
+        ctx.launch("fill_f32", 4, 256, [p, 1.0, 1025])  # one float too many
+        try:
+            ctx.synchronize()
+        except mpsd_client.IllegalAddressError:
+            pass
+        print(json.dumps({"pid": ctx.statistics()["pid"]}), flush=True)
+        sys.stdin.read()
+"""
+
+
+def test_kernel_dispatch_serves_queue_depth_and_a_sticky_error_its_code():
+    """Under the kernel dispatcher the client's held kernels and those in flight are served too; a client's
+    sticky error is served as its CUDA code (contained to it here), a bystander's as 0."""
+    d = start_daemon("--time-scale", "100", "--dispatch", "kernel", "--policy", "fair", "--metrics", "0",
+                     "--fault-containment", "client")
     try:
         url = metrics_url(d.server_log())
         worker = spawn_worker(WORKER, d.pipe_dir, str(MIB), "3", "0")
+        faulting = spawn_worker(FAULTING, d.pipe_dir)
         try:
-            pid = said(worker)["pid"]
+            pid, culprit = said(worker)["pid"], said(faulting)["pid"]
             samples = scrape(url)
             assert value(samples, "mpsd_client_queued_kernels", pid=str(pid)) == 0  # it synchronized: none held
             assert value(samples, "mpsd_client_kernels_in_flight", pid=str(pid)) == 0
             assert value(samples, "mpsd_client_launches_total", pid=str(pid)) == 3
+            assert value(samples, "mpsd_client_sticky_error", pid=str(culprit)) == 700  # cudaErrorIllegalAddress
+            assert value(samples, "mpsd_client_sticky_error", pid=str(pid)) == 0
         finally:
             assert finish(worker) == 0
+            finish(faulting)
     finally:
         assert d.stop() == 0, d.stderr_lines
         shutil.rmtree(d.pipe_dir.parent, ignore_errors=True)
