@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import math
 import os
 import tomllib
@@ -81,6 +82,11 @@ class Config:
     kernels_in_flight: int = DEFAULT_IN_FLIGHT  # kernel dispatch: a client's kernels on the device at once
     dispatch_reaction: float = 0.0  # kernel dispatch on a simulated device: the daemon's modelled reaction (s)
     client_limits: ClientLimits = ClientLimits()  # what one client may make the daemon hold (mpsd.runtime.limits)
+    # Where Prometheus scrapes the daemon (mpsd.daemon.metrics): (host, port), or None (off, the default). A host
+    # that is not a loopback address is taken only with metrics_remote (--metrics-allow-remote): the series name
+    # every client's pid and uid, which other hosts need not see unless the operator says so twice.
+    metrics: tuple[str, int] | None = None
+    metrics_remote: bool = False
 
     @property
     def kernel_dispatch(self) -> bool:
@@ -237,8 +243,44 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--peer-access", choices=PEER_ACCESS,
                         help="simulated devices: all (default) map each other's memory, as NVLink peers; none "
                              "(an IPC handle opened on another device is cudaErrorPeerAccessUnsupported)")
+    parser.add_argument("--metrics", metavar="HOST:PORT",
+                        help="serve Prometheus metrics over HTTP there (off by default): DCGM-exporter's series per "
+                             "device and mpsd_* series per client; a bare PORT is 127.0.0.1:PORT, port 0 picks a free "
+                             "one (server.log says which); a host that is not loopback needs --metrics-allow-remote")
+    parser.add_argument("--metrics-allow-remote", action="store_true", default=None,
+                        help="let --metrics listen on an address other hosts can reach (0.0.0.0, a LAN address): "
+                             "its series show every client's pid and uid; server.log says it listens so")
     _add_limits(parser)
     return parser
+
+
+def parse_metrics_address(text: str, allow_remote: bool) -> tuple[str, int]:
+    """``HOST:PORT``, ``[V6]:PORT`` or a bare ``PORT`` (on 127.0.0.1) for --metrics, as (host, port).
+
+    The rule: a literal loopback address (127.0.0.0/8, ::1) or ``localhost`` is taken as it is; any other host,
+    a name included (it may resolve to anything), only with `allow_remote`, the operator's explicit word.
+
+    Raises:
+        ConfigError: it is malformed, or names a host that is not loopback without `allow_remote`.
+    """
+    text = str(text).strip()
+    host, colon, port_text = text.rpartition(":")
+    if not colon:
+        host, port_text = "127.0.0.1", text
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    port = _index(port_text)
+    if not host or port is None or port > 65535:
+        raise ConfigError(f"--metrics must be HOST:PORT, [IPV6]:PORT or PORT (0 to 65535), not {text[:64]!r}")
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback and not allow_remote:
+        raise ConfigError(f"--metrics {text[:64]}: {host} is not a loopback address; the metrics name every "
+                          "client's pid and uid, so listening where other hosts can reach them needs "
+                          "--metrics-allow-remote as well")
+    return host, port
 
 
 def _add_limits(parser: argparse.ArgumentParser) -> None:
@@ -388,6 +430,9 @@ def load_config(argv: Sequence[str] | None = None, environ: dict[str, str] | Non
     if str(protocol) not in ("2", "3"):
         raise ConfigError(f"the MPS control protocol must be 2 or 3, not {str(protocol)[:24]!r}")
     apply = Path(pick("apply")) if pick("apply") else None
+    metrics_remote = bool(pick("metrics_allow_remote", False))
+    metrics = pick("metrics")
+    metrics_address = parse_metrics_address(metrics, metrics_remote) if metrics is not None else None
     servers: tuple[NamedServer, ...] = ()
     if apply is not None:
         if str(protocol) != "3":
@@ -410,7 +455,7 @@ def load_config(argv: Sequence[str] | None = None, environ: dict[str, str] | Non
                   control_log_stdout=bool(pick("control_log_stdout", False)),
                   device_policies=device_policies, dispatch=dispatch, kernels_in_flight=in_flight,
                   dispatch_reaction=reaction,
-                  client_limits=_limits(pick),
+                  client_limits=_limits(pick), metrics=metrics_address, metrics_remote=metrics_remote,
                   trace=Path(trace) if (trace := pick("trace")) else None)
 
 

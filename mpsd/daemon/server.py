@@ -152,6 +152,7 @@ class Daemon:
         self.routes: dict[Route, RouteSockets] = {}  # MPS v3's per-server and per-namespace sockets
         self._front: trio.Nursery | None = None  # where accept loops run while the daemon takes clients
         self._sessions: trio.Nursery | None = None
+        self.exporter: Any = None  # the Prometheus exporter (mpsd.daemon.metrics) while --metrics serves
 
     def _set_up_partitions_and_named_servers(self) -> None:
         """Static SM partitioning (-S, or the -a file's partitions), the control plane, and the -a file's
@@ -612,6 +613,15 @@ class Daemon:
             listeners.close()
             self.log.close()  # the daemon never served: nothing below will close its logs
             raise DaemonError(str(exc)) from None
+        if self.config.metrics is not None:
+            try:
+                self.exporter = _open_exporter(self, *self.config.metrics)
+            except OSError as exc:
+                self.close_routes()
+                listeners.close()
+                self.log.close()
+                where = ":".join(map(str, self.config.metrics))
+                raise DaemonError(f"cannot serve --metrics on {where}: {exc.strerror or exc}") from None
         control_path = self.config.pipe_dir / "control"
         self.log.control(f"Starting control daemon using socket {control_path}"
                          + (" (sockets from systemd)" if listeners.activated else ""))
@@ -638,6 +648,10 @@ class Daemon:
         self.log.server(f"Memory map limit {maps} (vm.max_map_count), {self.maps.kept(maps)} of them kept from "
                         "clients (--map-reserve)" + (f"; the devices' memory in 2 MiB allocations would need {needed}, "
                                                      "so raise it (sysctl)" if maps < needed else ""))
+        if self.exporter is not None:
+            self.log.server(f"Metrics for Prometheus at {self.exporter.url}" + (
+                ": reachable from other hosts (--metrics-allow-remote), and they show every client's pid and uid"
+                if self.exporter.remote else ""))
         received = (trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) if handle_signals
                     else contextlib.nullcontext(None))
         failure: BaseException | None = None
@@ -697,6 +711,8 @@ class Daemon:
                 for sockets in self.routes.values():
                     front.start_soon(self._accept_route, sockets)
                 front.start_soon(self._shutdown_retries)
+                if self.exporter is not None:  # scrapes are answered from here until shutdown begins
+                    await front.start(self.exporter.run)
                 if signals is not None:
                     front.start_soon(self._watch_signals, signals)
                 watchdog = _watchdog_interval()
@@ -889,6 +905,18 @@ class Daemon:
             self.log.server(f"Received {signal.Signals(signum).name}")
             self.stop()
             return
+
+
+def _open_exporter(daemon: Daemon, host: str, port: int) -> Any:
+    """The Prometheus exporter, bound to HOST:PORT; imported only when asked for, as prometheus-client's HTTP
+    server costs every other start about 50 ms to import.
+
+    Raises:
+        OSError: the address cannot be bound.
+    """
+    from mpsd.daemon.metrics import Exporter
+
+    return Exporter(daemon, host, port)
 
 
 def _exit_status(failure: BaseException | None) -> int:
