@@ -396,6 +396,8 @@ def test_socket_activation_serves_the_first_client():
             ctx.synchronize()
             assert bytes(ctx.host_view(p)[:4]) == b"\x07" * 4
             assert "control daemon" in wait_for_log_dir(pipe, "sockets from systemd")
+            pid = int((pipe / "nvidia-cuda-mps-control.pid").read_text())  # MPS's pid file, as without systemd
+            assert "mpsd" in Path(f"/proc/{pid}/cmdline").read_text()
         activator.send_signal(signal.SIGTERM)
         assert activator.wait(30) == 0
         states = []
@@ -404,6 +406,7 @@ def test_socket_activation_serves_the_first_client():
         assert states == ["STATUS=1 clients", "STATUS=0 clients", "STOPPING=1"]
         assert (pipe / "mpsd.sock").exists()  # systemd's socket, not ours to remove
         assert not (pipe / "control").exists()  # ours: bound beside it, and removed
+        assert not (pipe / "nvidia-cuda-mps-control.pid").exists()
     finally:
         if activator.poll() is None:
             activator.kill()
