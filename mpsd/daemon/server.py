@@ -525,6 +525,7 @@ class Daemon:
                 "sm_utilization": sampled if (sampled := device.backend.utilization()) is not None else
                 min(1.0, (busy - last_busy) / span) if span > 0 else 0.0,
                 "sms_busy": device.backend.busy_sms(),
+                "clock_sm_mhz": device.properties["clock_rate_khz"] // 1000,
                 "policy": device.backend.policy, "clients": len(device.contexts), "sim_time": now,
             })
             dispatched = device.backend.dispatch_statistics() if isinstance(device.backend, Dispatcher) else {}
