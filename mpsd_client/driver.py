@@ -45,6 +45,7 @@ from mpsd_protocol import (  # type: ignore[attr-defined]
 from ._contexts import DriverContext, _state, check_flags
 from ._objects import DevicePointer, Event, Stream
 from ._sync import Context
+from ._wait import check_flags as check_device_flags
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -155,9 +156,11 @@ def ctx_create(flags: int, dev: int) -> DriverContext:
     thread's stack. `flags` are CU_CTX_SCHED_* and the others of the low byte, as cudaSetDeviceFlags takes them.
 
     Raises:
-        InvalidValueError: bad flags. InvalidDeviceError: no such device. OutOfMemoryError: no room for a context.
+        InvalidValueError: bad flags (a bit above the low byte, two scheduling choices).
+        InvalidDeviceError: no such device. OutOfMemoryError: no room for another context.
     """
     check_flags(flags, CU_CTX_FLAGS, "cuCtxCreate")
+    check_device_flags(flags)  # one scheduling choice at most, before a connection is opened for it
     return _state.create(flags, _state.check_device(dev))
 
 

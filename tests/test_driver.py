@@ -254,6 +254,9 @@ def test_work_runs_in_the_current_context(two_gpus: DaemonProcess) -> None:
     raises_cu("CUDA_ERROR_INVALID_VALUE", 1, driver.stream_create, 2)
     raises_cu("CUDA_ERROR_INVALID_VALUE", 1, driver.event_create, driver.CU_EVENT_INTERPROCESS)
     raises_cu("CUDA_ERROR_INVALID_VALUE", 1, driver.ctx_create, 0x100, 0)
+    raises_cu("CUDA_ERROR_INVALID_VALUE", 1, driver.ctx_create, 0x3, 0)  # CU_CTX_SCHED_SPIN | _YIELD
+    blocking = driver.ctx_create(0x4, 0)  # CU_CTX_SCHED_BLOCKING_SYNC: how its calls wait
+    assert blocking.runtime.get_device_flags() & 0x7 == 0x4
 
 
 def test_primary_context_is_reference_counted(two_gpus: DaemonProcess) -> None:
