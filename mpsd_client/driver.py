@@ -33,6 +33,8 @@ from typing import Any, Callable, TypeVar
 
 from mpsd_protocol import (  # type: ignore[attr-defined]
     DRIVER_ALIASES,
+    ERROR_CLASSES,
+    Calls,
     CudaError,
     InvalidResourceHandleError,
     InvalidValueError,
@@ -80,7 +82,10 @@ _ATTRIBUTES: dict[int, tuple[str, Callable[[dict[str, Any]], int]]] = {
     106: ("MAX_BLOCKS_PER_MULTIPROCESSOR", lambda p: p["max_blocks_per_multiprocessor"]),
 }
 globals().update({f"CU_DEVICE_ATTRIBUTE_{name}": number for number, (name, _) in _ATTRIBUTES.items()})
-globals().update(DRIVER_ALIASES)  # InvalidContextError, NotInitializedError, InvalidHandleError, ...
+# Every error class, under the runtime's names and, where they differ, the driver's (InvalidContextError,
+# NotInitializedError, InvalidHandleError, ...), so that ``except driver.InvalidContextError`` reads as CUDA does.
+globals().update({cls.__name__: cls for cls in ERROR_CLASSES.values()})
+globals().update(DRIVER_ALIASES)
 
 
 def _driver(initialized: bool = True) -> Callable[[F], F]:
@@ -386,13 +391,18 @@ def _live_stream(stream: object) -> Stream:
 
 
 @_driver()
-def stream_synchronize(stream: Stream) -> None:
-    """``cuStreamSynchronize``: wait for the work queued on `stream` (from any thread, whatever is current).
+def stream_synchronize(stream: Stream | int | None) -> None:
+    """``cuStreamSynchronize``: wait for the work queued on `stream`, from any thread whatever is current to it;
+    None (or 0), the current context's NULL stream.
 
     Raises:
-        InvalidHandleError: not a stream of a live context.
+        InvalidHandleError: not a stream of a live context. InvalidContextError: None with no current context.
     """
-    _live_stream(stream).synchronize()
+    if stream is None or (type(stream) is int and stream == 0):
+        connection = _current()
+        connection._drive(connection._core.invoke(Calls.stream_synchronize, None))
+    else:
+        _live_stream(stream).synchronize()
 
 
 @_driver()
@@ -493,7 +503,7 @@ def get_error_string(error: int) -> str:
 
 __all__ = [
     "CU_CTX_FLAGS", "CU_EVENT_BLOCKING_SYNC", "CU_EVENT_DEFAULT", "CU_EVENT_DISABLE_TIMING", "CU_EVENT_INTERPROCESS",
-    "CU_STREAM_DEFAULT", "CU_STREAM_NON_BLOCKING", "DriverContext",
+    "CU_STREAM_DEFAULT", "CU_STREAM_NON_BLOCKING", "CudaError", "DriverContext",
     "ctx_create", "ctx_destroy", "ctx_get_current", "ctx_get_device", "ctx_pop_current", "ctx_push_current",
     "ctx_set_current", "ctx_synchronize", "device_get", "device_get_attribute", "device_get_count",
     "device_get_name", "device_primary_ctx_get_state", "device_primary_ctx_release", "device_primary_ctx_reset",
@@ -501,4 +511,5 @@ __all__ = [
     "event_synchronize", "get_error_name", "get_error_string", "init", "launch_kernel", "mem_alloc", "mem_free",
     "mem_get_info", "memcpy_dtod", "memcpy_dtoh", "memcpy_dtoh_async", "memcpy_htod", "memcpy_htod_async",
     "memset_d8", "stream_create", "stream_destroy", "stream_synchronize",
-] + [f"CU_DEVICE_ATTRIBUTE_{name}" for name, _ in _ATTRIBUTES.values()] + list(DRIVER_ALIASES)
+] + [f"CU_DEVICE_ATTRIBUTE_{name}" for name, _ in _ATTRIBUTES.values()] + list(DRIVER_ALIASES) + [
+    cls.__name__ for cls in ERROR_CLASSES.values()]

@@ -205,6 +205,7 @@ def test_contexts_keep_their_own_memory_streams_and_events(two_gpus: DaemonProce
     raises_cu("CUDA_ERROR_INVALID_HANDLE", 400, driver.event_elapsed_time, event0, event1)
     raises_cu("CUDA_ERROR_INVALID_HANDLE", 400, driver.event_record, event1, stream0)
     driver.stream_synchronize(stream0)  # a stream is waited for from any context
+    driver.stream_synchronize(None)  # and None is the current context's NULL stream
     driver.ctx_push_current(ctx0)
     driver.mem_free(ptr0)  # in its own context it frees
 
@@ -275,8 +276,10 @@ def test_primary_context_is_reference_counted(two_gpus: DaemonProcess) -> None:
     assert driver.device_primary_ctx_get_state(0) == (0, False)
     raises_cu("CUDA_ERROR_INVALID_CONTEXT", 201, driver.mem_alloc, 4096)  # still on the stack, but released
     raises_cu("CUDA_ERROR_INVALID_CONTEXT", 201, driver.device_primary_ctx_release, 0)
+    raises_cu("CUDA_ERROR_INVALID_CONTEXT", 201, driver.ctx_destroy, primary)  # released, never destroyed
     assert driver.device_primary_ctx_retain(0) is primary
     raises_cu("CUDA_ERROR_INVALID_VALUE", 1, driver.mem_free, ptr)  # the old allocation went with the release
+    raises_cu("CUDA_ERROR_INVALID_CONTEXT", 201, driver.ctx_destroy, primary)
 
 
 def test_primary_reset_frees_but_keeps_references(two_gpus: DaemonProcess) -> None:
@@ -338,3 +341,20 @@ def test_driver_names_come_from_the_one_table() -> None:
     assert driver.get_error_name(9) == "CUDA_ERROR_INVALID_VALUE"
     assert driver.get_error_string(201) == "invalid device context"
     assert driver.InvalidContextError.code == 201 and driver.InvalidHandleError.code == 400
+
+
+def test_device_count_follows_cuda_visible_devices(two_gpus: DaemonProcess) -> None:
+    """cuDeviceGetCount counts what CUDA_VISIBLE_DEVICES leaves, renumbered from 0, as the daemon applies it."""
+    code = """
+from mpsd_client import driver
+driver.init(0)
+ctx = driver.ctx_create(0, driver.device_get(0))
+print(driver.device_get_count(), ctx.runtime.device_properties()["index"])
+try:
+    driver.device_get(1)
+except driver.InvalidDeviceError as exc:
+    print(exc.name)
+"""
+    result = run_worker(code, two_gpus.pipe_dir, env={"CUDA_VISIBLE_DEVICES": "1"})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["1", "1", "CUDA_ERROR_INVALID_DEVICE"]
