@@ -242,7 +242,7 @@ class Daemon:
         # A namespace with devices shows its clients those only, in its order (mpsd.daemon.namespaces).
         seen = None if namespace is None or not namespace.devices else [
             next(d.index for d in self.devices if d.properties["uuid"] == spec.uuid) for spec in namespace.devices]
-        index, instance = self._device_index(hello.get("device", 0), hello.get("visible"), seen)
+        index, instance, count = self._device_index(hello.get("device", 0), hello.get("visible"), seen)
         device = self.devices[index]
         if device.compute_mode == "PROHIBITED":
             raise DevicesUnavailableError(f"device {index}'s compute mode is PROHIBITED (nvidia-smi -c)")
@@ -301,6 +301,7 @@ class Daemon:
         context = Context(device, self._next_client, session.pid, session.uid, session.gid, quotas, self.ipc,
                           partition, requested_priority, "default" if namespace is None else namespace.name)
         context.sm_partition = sm_partition
+        context.visible_count = count
         device.backend.attach(context, sm_cap=cap, priority=priority, weight=weight, instance=partition,
                               sms=None if sm_partition is None else sm_partition.sms)
         device.ledger.move(None, context_memory, partition=partition)
@@ -368,9 +369,11 @@ class Daemon:
                                       sms=None if context.sm_partition is None else context.sm_partition.sms)
         self.log.server(f"Client {context.pid}: priority {priority}, weight {weight:g}")
 
-    def _device_index(self, ordinal: Any, visible: Any, seen: list[int] | None = None) -> tuple[int, int | None]:
+    def _device_index(self, ordinal: Any, visible: Any,
+                      seen: list[int] | None = None) -> tuple[int, int | None, int]:
         """Our index of the client's device `ordinal`, through its CUDA_VISIBLE_DEVICES list (None: unset),
-        and the MIG instance it names where the entry is a MIG device's (else None). `seen`: the only devices
+        the MIG instance it names where the entry is a MIG device's (else None), and how many devices the
+        list leaves the client (its cuDeviceGetCount). `seen`: the only devices
         the client sees (its namespace's), in order, as if they were all there is; its list picks among them.
 
         Raises:
@@ -393,7 +396,7 @@ class Daemon:
             raise InvalidValueError("hello: visible must be a list of device indices and UUIDs")
         if type(ordinal) is not int or not 0 <= ordinal < len(indices):
             raise InvalidDeviceError(f"device {brief(ordinal, 20)} does not exist ({len(indices)} visible)")
-        return indices[ordinal]
+        return (*indices[ordinal], len(indices))
 
     def _visible_index(self, entry: int | str, base: list[int]) -> tuple[int, int | None] | None:
         """Our (device index, MIG instance or None) for one CUDA_VISIBLE_DEVICES entry among the devices

@@ -635,6 +635,7 @@ class Session:
             "version": PROTOCOL_VERSION,
             "clock": clock,
             "client_id": ctx.id,
+            "device_count": ctx.visible_count,
             "server_pid": self.daemon.control.server.pid,
             "properties": self.daemon.device_of(ctx).client_properties(ctx),
             "kernels": signatures(),
