@@ -688,22 +688,31 @@ class Daemon:
         # Drawing a trace makes millions of objects, none of them in cycles, so the collector's scans of the whole
         # heap while it draws found nothing; they took up to a second each (a DISB-C run of 2 s spent 3.6 s of
         # its daemon's exit in them). No collection runs meanwhile.
+        if self.keep_traces:
+            self.traces = [device.backend.timeline(device.index) for device in self.devices]
+            return
+        self.write_traces()
+
+    def write_traces(self) -> list[str]:
+        """Write each traced device's timeline so far where --trace says (at exit, or when an operator asks:
+        mpsd-control's mpsd_trace); what was written, as server.log says it."""
+        said = []
         collecting = gc.isenabled()
-        gc.disable()
+        gc.disable()  # (see _write_traces)
         try:
-            if self.keep_traces:
-                self.traces = [device.backend.timeline(device.index) for device in self.devices]
-                return
             for device in self.devices:
                 try:
                     path = device.backend.write_trace(device.index)
                     if path is not None:
-                        self.log.server(f"Trace of device {device.index} written to {path}")
+                        said.append(f"Trace of device {device.index} written to {path}")
                 except OSError as exc:
-                    self.log.server(f"Cannot write the trace of device {device.index}: {exc}")
+                    said.append(f"Cannot write the trace of device {device.index}: {exc}")
         finally:
             if collecting:
                 gc.enable()
+        for line in said:
+            self.log.server(line)
+        return said
 
     async def _serve_clients(self, listeners: Listeners, signals: Any,
                              task_status: trio.TaskStatus[Path]) -> None:
