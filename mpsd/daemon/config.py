@@ -348,14 +348,26 @@ def load_config(argv: Sequence[str] | None = None, environ: dict[str, str] | Non
     spin = float(pick("spin", DEFAULT_SPIN))
     if not 0 <= spin <= MAX_SPIN:
         raise ConfigError(f"--spin must be 0 to {MAX_SPIN} seconds, not {spin}")
-    percentage = float(pick("active_thread_percentage", 100.0))
+    # As real MPS takes them from its control daemon's environment: the defaults for its servers' clients (an
+    # option or the file, where given, wins).
+    atp_variable, limit_variable = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"
+    given = pick("active_thread_percentage")
+    try:
+        percentage = float(given if given is not None else environ.get(atp_variable, 100.0))
+    except ValueError:
+        raise ConfigError(f"{atp_variable} in the daemon's environment must be a number, not "
+                          f"{environ[atp_variable][:40]!r}") from None
     if not 0 < percentage <= 100:
-        raise ConfigError(f"--active-thread-percentage must be in (0, 100], not {percentage}")
+        where = "--active-thread-percentage" if given is not None else atp_variable
+        raise ConfigError(f"{where} must be in (0, 100], not {percentage}")
     limits_text = pick("pinned_mem_limit")
+    where = "--pinned-mem-limit"
+    if limits_text is None and environ.get(limit_variable):
+        limits_text, where = environ[limit_variable], limit_variable
     try:
         limits = parse_mem_limits(str(limits_text)) if limits_text else {}
     except ValueError as exc:
-        raise ConfigError(f"--pinned-mem-limit: {exc}") from None
+        raise ConfigError(f"{where}: {exc}") from None
     policy = pick("policy", "mps")
     containment = pick("fault_containment", "device")
     if policy not in POLICIES and ":" not in str(policy):
