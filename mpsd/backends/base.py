@@ -1,6 +1,6 @@
 # What the runtime asks of a device, whatever runs it: the seam between CUDA's semantics (mpsd.runtime: contexts,
 # streams, events, memory accounting, IPC) and what actually does the work (mpsd.backends.sim, the calibrated
-# simulated H200, today; a real GPU through the driver API next). The runtime speaks only this protocol and the
+# simulated H200; mpsd.backends.cuda, a real GPU through the driver API). The runtime speaks only this protocol and the
 # vocabulary of mpsd.backends.ops; it imports nothing from the simulator.
 """The backend protocol."""
 
