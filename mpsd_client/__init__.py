@@ -8,6 +8,8 @@
 
 `Context` blocks; `open_context()` gives an `AsyncContext` for trio with the same calls, awaited.
 Errors are `CudaError` subclasses carrying `.code` and `.name`, one per CUDA error code.
+`mpsd_client.driver` is the driver API's flavour (cuInit, cuCtxCreate, push and pop of current contexts),
+`mpsd_client.runtime` the runtime's as a thin layer over it (primary contexts, cudaSetDevice, cudaDeviceReset).
 """
 from typing import TYPE_CHECKING, Any
 

@@ -146,7 +146,8 @@ class CachingAllocator(ExpandableRules, GraphPools, _Figures):
     def __init__(self, ctx: Any, config: str | None = None, strategy: str = "pytorch",
                  expandable_segments: bool | None = None) -> None:
         self.ctx = ctx
-        options = _config(os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") if config is None else config)
+        self.config = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") if config is None else config
+        options = _config(self.config)
         self.expandable = bool(options.get("expandable_segments", 0.0)) if expandable_segments is None \
             else expandable_segments
         self._expandables: list[ExpandableSegment] = []
@@ -358,7 +359,16 @@ class CachingAllocator(ExpandableRules, GraphPools, _Figures):
     def _snapshot(self) -> dict[str, Any]:
         """torch.cuda.memory._snapshot(): the segments and the recorded events (one device's list)."""
         return {"segments": self.memory_snapshot(),
-                "device_traces": [list(self._history.entries) if self._history is not None else []]}
+                "device_traces": [list(self._history.entries) if self._history is not None else []],
+                "allocator_settings": self.allocator_settings()}
+
+    def allocator_settings(self) -> dict[str, Any]:
+        """The settings the snapshot records under "allocator_settings", as PyTorch's do (its configuration
+        text, and the options this allocator honours)."""
+        return {"PYTORCH_CUDA_ALLOC_CONF": self.config,
+                "max_split_size": -1 if self.max_split_size == UNLIMITED else self.max_split_size,
+                "garbage_collection_threshold": self.gc_threshold, "expandable_segments": self.expandable,
+                "roundup_power2_divisions": self.divisions}
 
     def _dump_snapshot(self, filename: str = "dump_snapshot.pickle") -> None:
         """torch.cuda.memory._dump_snapshot: pickle _snapshot() to `filename`, which pytorch.org/memory_viz

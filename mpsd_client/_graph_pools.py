@@ -54,20 +54,23 @@ class GraphPools:
     def _init_graph_pools(self, make_pool: Callable[[bool], Any]) -> None:
         self._make_pool = make_pool
         self._private: dict[tuple[int, int], _PrivatePool] = {}
-        # The captures allocating to a private pool now: (pool id, whether a stream belongs to that capture).
-        self._to_pool: list[tuple[tuple[int, int], Callable[[Any], bool]]] = []
+        # What allocates to a private pool now, a capture or a MemPool in use (use_mem_pool): (pool id, whether
+        # a stream's allocations go there, whether it is a capture's).
+        self._to_pool: list[tuple[tuple[int, int], Callable[[Any], bool], bool]] = []
         self._deferred: list[Any] = []  # blocks freed during a capture while other streams used them
 
     # -- what CUDAGraph calls ------------------------------------------------------------------------------
-    def _begin_allocate_to_pool(self, pool_id: tuple[int, int], belongs: Callable[[Any], bool]) -> None:
-        """From now on, allocations for a stream `belongs` says is in the capture come from pool `pool_id` (made
-        here, or used by one more graph when it exists: a shared pool)."""
+    def _begin_allocate_to_pool(self, pool_id: tuple[int, int], belongs: Callable[[Any], bool],
+                                capture: bool = True) -> None:
+        """From now on, allocations for a stream `belongs` says is in the capture (or, for a MemPool in use, any
+        stream: `capture` False) come from pool `pool_id` (made here, or used by one more graph or MemPool when it
+        exists: a shared pool)."""
         private = self._private.get(pool_id)
         if private is None:
             self._private[pool_id] = _PrivatePool({True: self._make_pool(True), False: self._make_pool(False)})
         else:
             private.use_count += 1
-        self._to_pool.append((pool_id, belongs))
+        self._to_pool.append((pool_id, belongs, capture))
 
     def _end_allocate_to_pool(self, pool_id: tuple[int, int]) -> None:
         """The capture that allocated to `pool_id` is over (its graph, if one was made, still uses the pool)."""
@@ -83,12 +86,12 @@ class GraphPools:
     # -- inside the allocator ------------------------------------------------------------------------------
     @property
     def _capturing(self) -> bool:
-        return bool(self._to_pool)
+        return any(capture for _, _, capture in self._to_pool)
 
     def _target(self, stream: Any) -> tuple[tuple[int, int], dict[bool, Any]]:
         """The pool an allocation for `stream` comes from: the private pool of the capture it belongs to, else
         the shared cache."""
-        for pool_id, belongs in reversed(self._to_pool):
+        for pool_id, belongs, _ in reversed(self._to_pool):
             if belongs(stream):
                 return pool_id, self._private[pool_id].pools
         return SHARED, self._pools

@@ -192,6 +192,12 @@ def connect(pipe_dir: str | os.PathLike[str] | None = None, device: int = 0, tim
         NoDeviceError, InvalidDeviceError: the device is hidden or does not exist.
         InvalidValueError: a CUDA_MPS_* variable is malformed.
     """
+    return open_connection(pipe_dir, device, timeout)[0]
+
+
+def open_connection(pipe_dir: str | os.PathLike[str] | None, device: int,
+                    timeout: float) -> tuple[Context, dict[str, Any]]:
+    """`connect`, and the daemon's answer to the handshake (the driver flavour reads its device count)."""
     core = Core(check_ordinal(device), visible_devices(), requested_limits(device))
     path = pipe_directory(pipe_dir) / "mpsd.sock"
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
@@ -208,11 +214,11 @@ def connect(pipe_dir: str | os.PathLike[str] | None = None, device: int = 0, tim
         raise
     ctx = Context(sock, core)
     try:
-        ctx._drive(core.hello())
+        hello = ctx._drive(core.hello())
     except CudaError as exc:
         ctx.close()
         if isinstance(exc, (TimeoutError,)) or exc.code == 806:
             raise MpsConnectionError(f"the daemon at {path} did not complete the handshake: {exc.detail}") from None
         raise
     sock.settimeout(None)  # from here a call waits as long as the GPU work it waits for
-    return ctx
+    return ctx, hello

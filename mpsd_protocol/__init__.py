@@ -52,8 +52,13 @@ from ._dirs import (
 from ._connection import CLOSED, HEADER, HELLO, IPC_FREED, NEED_DATA, PROTOCOL_ERROR, Connection, Role
 from ._errors import (
     CODES_BY_NAME,
+    DRIVER_ALIASES,
+    DRIVER_CODES_BY_NAME,
     ERROR_CLASSES,
     CudaError,
+    driver_error,
+    driver_error_name,
+    driver_error_string,
     error_class,
     error_from_wire,
     error_name,
@@ -89,7 +94,8 @@ __all__ = [
     "DEFAULT_LOG_DIRECTORY", "DEFAULT_PIPE_DIRECTORY", "LOG_VARIABLES", "PIPE_VARIABLES", "log_directory",
     "pipe_directory",
     "CLOSED", "HEADER", "HELLO", "IPC_FREED", "NEED_DATA", "PROTOCOL_ERROR", "Connection", "Role",
-    "CODES_BY_NAME", "ERROR_CLASSES", "CudaError", "error_class", "error_from_wire", "error_name",
+    "CODES_BY_NAME", "DRIVER_ALIASES", "DRIVER_CODES_BY_NAME", "ERROR_CLASSES", "CudaError", "driver_error",
+    "driver_error_name", "driver_error_string", "error_class", "error_from_wire", "error_name",
     "error_string", "make_error",
     "ANCILLARY_SIZE", "RECV_FLAGS", "close_fds", "pack_fds", "unpack_fds",
     "EVENT", "IPC_HANDLE_SIZE", "MEMORY", "IpcHandle",

@@ -416,6 +416,69 @@ _ROWS: dict[int, tuple[str, str, str, bool]] = {
     code: (cls.name, cls.description, cls.__name__, cls.sticky) for code, cls in ERROR_CLASSES.items()
 }
 CODES_BY_NAME: dict[str, int] = {row[0]: code for code, row in _ROWS.items()}
+# The driver API's CUresult shares the runtime's numbers wherever both have the error (CUDA_ERROR_INVALID_CONTEXT
+# is 201 as cudaErrorDeviceUninitialized is), so each code has its CUresult enumerator here, or, for a runtime-only
+# code, the code the driver reports instead (it has no invalid-configuration error: a bad launch is
+# CUDA_ERROR_INVALID_VALUE; a bad function is CUDA_ERROR_INVALID_HANDLE). One entry a class, in code order.
+_DRIVER: dict[int, str | int] = {
+    1: "CUDA_ERROR_INVALID_VALUE",
+    2: "CUDA_ERROR_OUT_OF_MEMORY",
+    3: "CUDA_ERROR_NOT_INITIALIZED",
+    4: "CUDA_ERROR_DEINITIALIZED",
+    9: 1,
+    17: 1,
+    46: "CUDA_ERROR_DEVICE_UNAVAILABLE",
+    98: 400,
+    100: "CUDA_ERROR_NO_DEVICE",
+    101: "CUDA_ERROR_INVALID_DEVICE",
+    201: "CUDA_ERROR_INVALID_CONTEXT",
+    217: "CUDA_ERROR_PEER_ACCESS_UNSUPPORTED",
+    400: "CUDA_ERROR_INVALID_HANDLE",
+    401: "CUDA_ERROR_ILLEGAL_STATE",
+    500: "CUDA_ERROR_NOT_FOUND",
+    600: "CUDA_ERROR_NOT_READY",
+    700: "CUDA_ERROR_ILLEGAL_ADDRESS",
+    701: "CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES",
+    702: "CUDA_ERROR_LAUNCH_TIMEOUT",
+    709: "CUDA_ERROR_CONTEXT_IS_DESTROYED",
+    710: "CUDA_ERROR_ASSERT",
+    719: "CUDA_ERROR_LAUNCH_FAILED",
+    800: "CUDA_ERROR_NOT_PERMITTED",
+    801: "CUDA_ERROR_NOT_SUPPORTED",
+    805: "CUDA_ERROR_MPS_CONNECTION_FAILED",
+    806: "CUDA_ERROR_MPS_RPC_FAILURE",
+    807: "CUDA_ERROR_MPS_SERVER_NOT_READY",
+    808: "CUDA_ERROR_MPS_MAX_CLIENTS_REACHED",
+    809: "CUDA_ERROR_MPS_MAX_CONNECTIONS_REACHED",
+    810: "CUDA_ERROR_MPS_CLIENT_TERMINATED",
+    900: "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED",
+    901: "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED",
+    902: "CUDA_ERROR_STREAM_CAPTURE_MERGE",
+    903: "CUDA_ERROR_STREAM_CAPTURE_UNMATCHED",
+    904: "CUDA_ERROR_STREAM_CAPTURE_UNJOINED",
+    905: "CUDA_ERROR_STREAM_CAPTURE_ISOLATION",
+    906: "CUDA_ERROR_STREAM_CAPTURE_IMPLICIT",
+    907: "CUDA_ERROR_CAPTURED_EVENT",
+    908: "CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD",
+    910: "CUDA_ERROR_GRAPH_EXEC_UPDATE_FAILURE",
+    999: "CUDA_ERROR_UNKNOWN",
+}
+# The driver's side: each CUresult name's code, and where a code is runtime-only, the driver's code.
+DRIVER_CODES_BY_NAME: dict[str, int] = {name: code for code, name in _DRIVER.items() if isinstance(name, str)}
+_DRIVER_NAMES: dict[int, str] = {code: name for name, code in DRIVER_CODES_BY_NAME.items()}
+_DRIVER_INSTEAD: dict[int, int] = {code: other for code, other in _DRIVER.items() if isinstance(other, int)}
+
+
+def _driver_class_name(name: str) -> str:
+    return "".join(word.capitalize() for word in name.removeprefix("CUDA_ERROR_").split("_")) + "Error"
+
+
+# The classes under the driver's names where those differ from the runtime's (InvalidContextError is
+# DeviceUninitializedError: one code, one class, so `except` catches it whichever flavour raised it).
+DRIVER_ALIASES: dict[str, type[CudaError]] = {
+    _driver_class_name(name): ERROR_CLASSES[code] for name, code in DRIVER_CODES_BY_NAME.items()
+    if _driver_class_name(name) != ERROR_CLASSES[code].__name__
+}
 
 
 def error_class(code: int) -> type[CudaError]:
@@ -445,3 +508,25 @@ def error_name(code: int) -> str:
 def error_string(code: int) -> str:
     """``cudaGetErrorString``: the runtime's message for `code`."""
     return "no error" if code == 0 else make_error(code).description
+
+
+def driver_error(error: CudaError) -> CudaError:
+    """`error` as the driver API reports it: its CUresult code (the driver's own where the runtime's code has no
+    driver twin), a `CudaError` of that code's class whose ``name`` is the ``CUDA_ERROR_*`` enumerator."""
+    code = _DRIVER_INSTEAD.get(error.code, error.code)
+    converted = make_error(code, error.detail)
+    converted.name = driver_error_name(code)
+    converted.args = (f"{converted.name}: {converted.message}",)
+    return converted
+
+
+def driver_error_name(code: int) -> str:
+    """``cuGetErrorName``: the CUresult enumerator's name for `code`."""
+    if code == 0:
+        return "CUDA_SUCCESS"
+    return _DRIVER_NAMES.get(_DRIVER_INSTEAD.get(code, code), f"CUDA_ERROR_{code}")
+
+
+def driver_error_string(code: int) -> str:
+    """``cuGetErrorString``: the driver's message for `code` (the runtime's text: the two agree)."""
+    return "no error" if code == 0 else make_error(_DRIVER_INSTEAD.get(code, code)).description

@@ -124,7 +124,10 @@ def test_dump_snapshot_pickles_segments_and_the_recorded_events_with_their_stack
     path = tmp_path / "snapshot.pickle"
     allocator._dump_snapshot(str(path))
     snapshot = pickle.loads(path.read_bytes())
-    assert set(snapshot) == {"segments", "device_traces"} and len(snapshot["device_traces"]) == 1
+    assert set(snapshot) == {"segments", "device_traces", "allocator_settings"} and len(snapshot["device_traces"]) == 1
+    assert snapshot["allocator_settings"] == {"PYTORCH_CUDA_ALLOC_CONF": "", "max_split_size": -1,
+                                              "garbage_collection_threshold": 0.0, "expandable_segments": False,
+                                              "roundup_power2_divisions": 0}
     events = snapshot["device_traces"][0]
     assert [(e["action"], e["size"]) for e in events] == [
         ("segment_alloc", 20 << 20), ("alloc", 3 << 20), ("free_requested", 3 << 20), ("free_completed", 3 << 20),

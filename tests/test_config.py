@@ -137,3 +137,21 @@ def test_look_ahead_reaches_the_priority_policy_and_is_off_by_default():
     assert policy().ahead is False
     with pytest.raises(ValueError, match="ahead must be true or false"):
         Priority(ahead="yes")  # type: ignore[arg-type]
+
+
+def test_mps_variables_in_the_daemons_environment_are_its_clients_defaults():
+    """CUDA_MPS_ACTIVE_THREAD_PERCENTAGE and CUDA_MPS_PINNED_DEVICE_MEM_LIMIT in the control daemon's environment
+    are the defaults for its clients, as real MPS takes them; the daemon's own options win; a bad value names
+    the variable."""
+    environ = {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "25", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=2G"}
+    config = load_config([], environ=environ)
+    assert config.active_thread_percentage == 25.0 and config.pinned_mem_limit(0) == 2 << 30
+    config = load_config(["--active-thread-percentage", "50", "--pinned-mem-limit", "1G"], environ=environ)
+    assert config.active_thread_percentage == 50.0 and config.pinned_mem_limit(0) == 1 << 30
+    assert load_config([], environ={}).active_thread_percentage == 100.0
+    with pytest.raises(ConfigError, match="CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"):
+        load_config([], environ={"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "lots"})
+    with pytest.raises(ConfigError, match="CUDA_MPS_ACTIVE_THREAD_PERCENTAGE must be in"):
+        load_config([], environ={"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "0"})
+    with pytest.raises(ConfigError, match="CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"):
+        load_config([], environ={"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=lots"})

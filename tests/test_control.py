@@ -360,6 +360,26 @@ def test_smi_shows_devices_and_processes(daemon):
     assert missing.returncode == 1 and missing.stderr.startswith("mpsd-smi: no mpsd daemon answers")
 
 
+def test_mpsd_trace_writes_the_trace_so_far_while_the_daemon_runs(daemon, daemon_factory, tmp_path):
+    """mpsd_trace writes each traced device's timeline so far where --trace says, and the daemon serves on; a
+    daemon without --trace says it has none."""
+    from mpsd.stress.trace import load_trace
+
+    path = tmp_path / "trace.json"
+    traced = start_daemon("--time-scale", "100", "--trace", str(path))
+    daemon_factory.append(traced)
+    with mpsd_client.connect(traced.pipe_dir) as ctx:
+        ctx.launch("spin", 264, 1024, [1_000_000])
+        ctx.synchronize()
+        done = control(traced, "mpsd_trace\n")
+        assert done.stdout == f"Trace of device 0 written to {path}\n"
+        (kernel,) = load_trace(path).kernels
+        assert kernel.blocks == 264
+        ctx.launch("spin", 1, 32, [1000])  # served on
+        ctx.synchronize()
+    assert control(daemon, "mpsd_trace\n").stdout == "No trace: the daemon was started without --trace\n"
+
+
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
 def test_socket_unit_verifies_without_a_word(tmp_path):
     """systemd-analyze verify accepts mpsd.socket with its service, with nothing on stderr."""
@@ -396,6 +416,8 @@ def test_socket_activation_serves_the_first_client():
             ctx.synchronize()
             assert bytes(ctx.host_view(p)[:4]) == b"\x07" * 4
             assert "control daemon" in wait_for_log_dir(pipe, "sockets from systemd")
+            pid = int((pipe / "nvidia-cuda-mps-control.pid").read_text())  # MPS's pid file, as without systemd
+            assert "mpsd" in Path(f"/proc/{pid}/cmdline").read_text()
         activator.send_signal(signal.SIGTERM)
         assert activator.wait(30) == 0
         states = []
@@ -404,6 +426,7 @@ def test_socket_activation_serves_the_first_client():
         assert states == ["STATUS=1 clients", "STATUS=0 clients", "STOPPING=1"]
         assert (pipe / "mpsd.sock").exists()  # systemd's socket, not ours to remove
         assert not (pipe / "control").exists()  # ours: bound beside it, and removed
+        assert not (pipe / "nvidia-cuda-mps-control.pid").exists()
     finally:
         if activator.poll() is None:
             activator.kill()

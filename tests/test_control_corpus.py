@@ -450,12 +450,15 @@ def test_ps_rows_are_mps_columns_byte_for_byte():
 
 def test_device_query_is_mps_table_byte_for_byte():
     """device_query's table, both layouts, from the recorded device's ordinal, PCI id, UUID and name."""
+    layouts = set()
     for record in CORPUS:
         if record.get("stdin") in ("device_query\n", "device_query --csv\n") and record["stdout"].startswith("Default"):
             rows = record["stdout"].split("\n")
             ordinal, pci, uuid = rows[2].replace(",", " ").split()[:3]
             table = device_table([(int(ordinal), pci, uuid, "NVIDIA H200")], "--csv" in record["stdin"])
             assert rows[1:3] == table
+            layouts.add(record["stdin"])
+    assert layouts == {"device_query\n", "device_query --csv\n"}  # both were recorded, and compared
 
 
 def test_memory_limits_parse_and_print_as_mps():

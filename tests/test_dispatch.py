@@ -185,6 +185,24 @@ async def test_the_next_kernel_waits_on_the_device_behind_the_one_running(autoju
             (4 * UNIT, 6 * UNIT), abs=0.05)
 
 
+async def test_a_modelled_reaction_delays_what_goes_on_an_end(autojump_clock):
+    """With --dispatch-reaction R, each kernel the dispatcher releases on another's end starts R later, as the
+    daemon launches it on a real GPU: beside an idle urgent client, two best-effort clients' three full-device
+    kernels each go one at a time (a1 a2 a3 b1 b2 b3), two of a's and all of b's on an end."""
+    async def run(reaction_ms: float) -> tuple[float, float]:
+        async with served("priority", "--dispatch-reaction", str(reaction_ms / 1e3), shared_process=True) as d, \
+                d.connect(), d.connect(**BEST_EFFORT) as a, d.connect(**BEST_EFFORT) as b:
+            sa, sb = await a.create_stream(), await b.create_stream()
+            a_start, a_end = await full_kernels(a, sa, 3)
+            b_start, b_end = await full_kernels(b, sb, 3)
+            await together(a.synchronize, b.synchronize)
+            return await a_start.elapsed_ms(a_end), await b_start.elapsed_ms(b_end)
+
+    (a0, b0), (a1, b1) = await run(0.0), await run(0.5)
+    assert a0 == pytest.approx(3 * UNIT, abs=0.02)
+    assert (a1 - a0, b1 - b0) == pytest.approx((2 * 0.5, 5 * 0.5), abs=0.005)
+
+
 @pytest.mark.parametrize("policy", ["exclusive", "timeslice"])
 async def test_what_a_client_alone_released_is_its_slice_when_another_comes(policy, autojump_clock):
     """A client alone goes without a policy, all its kernels on the device at once; when another client's work
@@ -357,6 +375,8 @@ async def test_a_python_kernel_policy_decides(autojump_clock):
     (["--dispatch", "kernel", "--policy", "nope"], "unknown policy 'nope'"),
     (["--dispatch", "kernel", "--policy", "mpsd.sim:Policy"], "is not a KernelPolicy"),
     (["--dispatch", "kernel", "--kernels-in-flight", "0"], "between 1 and 1024"),
+    (["--dispatch", "kernel", "--dispatch-reaction", "-0.1"], "between 0 and 1 second"),
+    (["--policy", "priority", "--dispatch-reaction", "0.0001"], "for --dispatch kernel on simulated devices"),
 ])
 def test_bad_dispatch_settings_are_usage_errors(args, message, tmp_path, capsys):
     with pytest.raises((ConfigError, SystemExit)) as info:

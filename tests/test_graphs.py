@@ -287,16 +287,21 @@ async def test_an_event_record_node_records_where_it_stands_in_the_graph_at_each
     assert [n.type for n in await graph.nodes()] == ["kernel", "event_record", "kernel"]
 
 
-async def test_an_event_wait_node_waits_for_the_events_record_as_of_the_launch(actx, autojump_clock):
-    """Stream t spins 5 ms, fills p with 1.0 and records e; a graph whose fill of 2.0 comes after a wait node on e,
-    launched on s meanwhile, fills after t's fill: p ends 2.0 (without the wait, t's fill would come last)."""
+async def _fill_after_a_wait(actx):
+    """Two streams, a buffer p, an event e, and a graph that fills p with 2.0 after a wait node on e, instantiated."""
     s, t = await actx.create_stream(non_blocking=True), await actx.create_stream(non_blocking=True)
     p = await actx.malloc(4 * N)
     e = await actx.create_event(disable_timing=True)
     graph = await actx.graph_create()
     wait = await graph.add_event_wait_node(e)
     await graph.add_kernel_node("fill_f32", 16, 256, [p, 2.0, N], deps=[wait])
-    executable = await graph.instantiate()
+    return s, t, p, e, graph, await graph.instantiate()
+
+
+async def test_an_event_wait_node_waits_for_the_events_record_as_of_the_launch(actx, autojump_clock):
+    """Stream t spins 5 ms, fills p with 1.0 and records e; a graph whose fill of 2.0 comes after a wait node on e,
+    launched on s meanwhile, fills after t's fill: p ends 2.0 (without the wait, t's fill would come last)."""
+    s, t, p, e, graph, executable = await _fill_after_a_wait(actx)
     await actx.launch("spin", 1, 32, [5 * ONE_MS], stream=t)
     await actx.launch("fill_f32", 16, 256, [p, 1.0, N], stream=t)
     await e.record(t)
@@ -419,13 +424,7 @@ async def test_an_event_wait_node_holds_under_the_kernel_dispatcher(autojump_clo
     async with in_process_daemon("--policy", "priority", "--dispatch", "kernel") as d, d.connect() as urgent, \
             d.connect(CUDA_MPS_CLIENT_PRIORITY="1") as actx:
         await urgent.launch("spin", 264, 1024, [20 * ONE_MS])
-        s, t = await actx.create_stream(non_blocking=True), await actx.create_stream(non_blocking=True)
-        p = await actx.malloc(4 * N)
-        e = await actx.create_event(disable_timing=True)
-        graph = await actx.graph_create()
-        wait = await graph.add_event_wait_node(e)
-        await graph.add_kernel_node("fill_f32", 16, 256, [p, 2.0, N], deps=[wait])
-        executable = await graph.instantiate()
+        s, t, p, e, _, executable = await _fill_after_a_wait(actx)
         for _ in range(3):
             await actx.launch("spin", 264, 1024, [5 * ONE_MS], stream=t)
         await actx.launch("fill_f32", 16, 256, [p, 1.0, N], stream=t)

@@ -89,3 +89,39 @@ def test_the_clock_is_pure(module):
     names = imported(source(module), module, typing=False)
     assert within(names, "mpsd") <= within(names, "mpsd.clock")
     assert not {"trio", "socket", "time", "asyncio", "threading"} & {name.split(".")[0] for name in names}
+
+
+LAYERS = ("mpsd.daemon", "mpsd.runtime", "mpsd.backends", "mpsd.clock", "mpsd.sim", "mpsd.stress", "mpsd.tools",
+          "mpsd_client", "mpsd_protocol")
+ARCHITECTURE = Path(__file__).parent.parent / "docs" / "architecture.md"
+
+
+def _layer(name: str) -> str | None:
+    return next((layer for layer in sorted(LAYERS, key=len, reverse=True)
+                 if name == layer or name.startswith(layer + ".")), None)
+
+
+def test_the_architecture_names_every_module_and_every_edge_between_the_layers():
+    """docs/architecture.md names each module of the three packages (its file name), and its list of the edges
+    between the layers is the code's, as it runs: a module or an edge added, or gone, without the page fails."""
+    doc = ARCHITECTURE.read_text()
+    base = ROOT.parent
+    files = [p for package in ("mpsd", "mpsd_client", "mpsd_protocol") for p in sorted((base / package).rglob("*.py"))
+             if p.name not in ("__init__.py", "__main__.py")]
+    assert [str(p.relative_to(base)) for p in files if p.name not in doc] == []
+    listed = {}
+    for line in doc.splitlines():
+        if line.startswith("- mpsd") and " imports: " in line:
+            layer, _, targets = line[2:].partition(" imports: ")
+            listed[layer] = set() if targets == "nothing" else set(targets.split(", "))
+    found: dict[str, set[str]] = {layer: set() for layer in LAYERS}
+    for path in files:
+        module = ".".join(path.relative_to(base).with_suffix("").parts)
+        layer = _layer(module)
+        if layer is None:
+            continue
+        for name in imported(path.read_text(), module, typing=False):
+            target = _layer(name)
+            if target is not None and target != layer:
+                found[layer].add(target)
+    assert listed == found

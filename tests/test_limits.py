@@ -249,3 +249,36 @@ def test_the_limits_are_settings_of_the_daemon(tmp_path):
     config.write_text("[mpsd]\nmax-fds = true\n")
     with pytest.raises(ConfigError, match="--max-fds"):
         load_config(["--pipe-dir", str(tmp_path), "--config", str(config)], environ={})
+
+
+async def test_graphs_and_their_nodes_are_limited_and_given_back():
+    """Under --max-graphs 3 --max-graph-nodes 6: a fourth graph (made, cloned, captured or instantiated) is
+    refused, and a seventh node, by hand, by a clone or by an executable graph's copy of its graph's; what is
+    destroyed makes room again; another client has its own."""
+    async with in_process_daemon("--max-graphs", "3", "--max-graph-nodes", "6") as d, d.connect() as a, \
+            d.connect() as b:
+        graphs = [await a.graph_create() for _ in range(2)]
+        for _ in range(3):
+            await graphs[0].add_empty_node()
+        executable = await graphs[0].instantiate()  # the third graph, with a copy of the three nodes
+        with pytest.raises(OutOfMemoryError, match=r"holds 3 graphs and executable graphs.*--max-graphs") as no:
+            await a.graph_create()
+        _code_2(no)
+        s = await a.create_stream()
+        with pytest.raises(OutOfMemoryError, match="--max-graphs"):
+            await s.begin_capture()
+        assert len([await b.graph_create() for _ in range(3)]) == 3
+        await executable.destroy()  # a graph and three nodes back
+        for _ in range(3):
+            await graphs[1].add_empty_node()
+        with pytest.raises(OutOfMemoryError, match=r"holds 6 graph nodes.*--max-graph-nodes") as no:
+            await graphs[1].add_empty_node()
+        _code_2(no)
+        with pytest.raises(OutOfMemoryError, match="--max-graph-nodes"):
+            await graphs[0].clone()
+        await graphs[0].destroy()
+        clone = await graphs[1].clone()  # nothing of the refused clone was kept
+        assert len(await clone.nodes()) == 3
+        await a.graph_create()
+        with pytest.raises(OutOfMemoryError, match="--max-graphs"):
+            await a.graph_create()

@@ -61,6 +61,12 @@ def test_nvidia_smi_lists_and_queries(daemon_factory):
         assert apps.stdout.splitlines() == ["pid, process_name, used_gpu_memory [MiB], gpu_uuid",
                                             f"{server}, {uuid}",
                                             f"{os.getpid()}, {psutil.Process().name()}, 256 MiB, {uuid}"]
+        # the fields scripts read first: a value where the model has one, nvidia-smi's [N/A] (no unit) where not
+        more = _smi(daemon, "--query-gpu=driver_version,temperature.gpu,power.draw,utilization.memory,"
+                    "memory.reserved,mig.mode.current,clocks.sm", "--format=csv").stdout.splitlines()
+        assert more[0] == ("driver_version, temperature.gpu, power.draw [W], utilization.memory [%], "
+                           "memory.reserved [MiB], mig.mode.current, clocks.current.sm [MHz]")
+        assert more[1] == "580.159.04, [N/A], [N/A], [N/A], [N/A], Disabled, 1980 MHz"
     wrong = _smi(daemon, "--query-gpu=bogus")
     assert (wrong.returncode, wrong.stdout) == (2, 'Field "bogus" is not a valid field to query.\n\n')
 

@@ -86,3 +86,36 @@ def no_figures_left_open():
 
     yield
     assert plt.get_fignums() == []
+
+
+def test_the_cdf_marks_deadlines_and_tells_equal_tenants_apart_and_slivers_of_the_device_show():
+    """The latency CDF draws each tenant's deadline at its value, in its line's colour; two tenants with the very
+    same latencies differ in dash and marker; on the occupancy plot each band is edged (a tenant holding a
+    sliver of the device is still a line) and the legend gives each its mean SMs."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    from mpsd.stress.report import _latency_cdf, _occupancy
+
+    run = small_run("mps", seed=1)
+    twin = [r for r in run.requests if r.tenant == "train#1"]
+    run.requests = [r for r in run.requests if r.tenant != "train#0"]
+    run.requests += [Request("train#0", r.submitted, r.completed, error=r.error) for r in twin]
+    fig = Figure()
+    _latency_cdf(fig, "mps", run, summarize(run))
+    (ax,) = fig.axes
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    deadline = lines["infer#0 deadline 5 ms"]
+    assert list(deadline.get_xdata()) == [5.0, 5.0]
+    assert deadline.get_color() == lines["infer#0 (20)"].get_color()
+    a, b = lines["train#0 (20)"], lines["train#1 (20)"]
+    assert list(a.get_xdata()) == list(b.get_xdata())  # the same figures...
+    assert (a.get_linestyle(), a.get_marker()) != (b.get_linestyle(), b.get_marker())  # ...told apart
+    fig = Figure()
+    _occupancy(fig, "mps", run, summarize(run))
+    (ax,) = fig.axes
+    labels = ax.get_legend_handles_labels()[1]
+    assert any(label.startswith("infer#0 (") and label.endswith(" SMs)") for label in labels)
+    assert all(band.get_linewidth()[0] > 0 for band in ax.collections)

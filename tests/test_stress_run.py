@@ -73,6 +73,10 @@ def test_a_small_mix_with_real_processes(tmp_path):
             assert batch["kernels"] >= batch["completed"] and batch["sm_seconds"] > 0
         assert sum(t["sm_share"] for t in tenants.values()) == pytest.approx(1.0)
     assert "policies compared" in done.stderr and "latency p99 ms" in done.stderr
+    # stderr is no terminal here: progress comes as lines, each run's phases (on the virtual clock, with no
+    # time left: how long simulated time takes is not known)
+    assert "mpsd-stress: timeslice: running latency " in done.stderr
+    assert "mpsd-stress: mps: finished latency 10 done, batch " in done.stderr
     report = tmp_path / "report"
     assert {p.name for p in report.iterdir()} == {"latency_cdf_mps.png", "occupancy_mps.png", "trace_mps.json",
                                                   "latency_cdf_timeslice.png", "occupancy_timeslice.png",
@@ -140,3 +144,17 @@ repeat = 2
     heavy, light = json.loads(done.stdout)["runs"]["fair"]["tenants"]
     assert heavy["entitlement"] == 0.75 and light["entitlement"] == 0.25
     assert heavy["sm_share"] > 1.5 * light["sm_share"]
+
+
+def test_a_run_started_beside_another_mpsd_package_uses_the_installed_one(tmp_path):
+    """From a directory holding an mpsd/ of its own (a clone not built, say), mpsd-stress's daemon and tenants
+    still import the installed mpsd: `python -m` would put the directory first on their path."""
+    (tmp_path / "mpsd").mkdir()
+    (tmp_path / "mpsd" / "__init__.py").write_text("raise ImportError('not the installed mpsd')\n")
+    (tmp_path / "mpsd_client").mkdir()
+    (tmp_path / "mpsd_client" / "__init__.py").write_text("raise ImportError('not the installed mpsd_client')\n")
+    (tmp_path / "mix.toml").write_text(MIX)
+    cli = subprocess.run([sys.executable, "-P", "-m", "mpsd.stress.cli", "mix.toml", "--duration", "0.05",
+                          "--no-solo", "--json", "-"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert cli.returncode == 0, cli.stderr
+    assert json.loads(cli.stdout)["runs"]["mps"]["errors"] == 0

@@ -57,3 +57,15 @@ def test_watchdog_and_status_notifications(daemon_factory):
     listener.close()
     shutil.rmtree(path.parent)
     shutil.rmtree(d.pipe_dir.parent)
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
+def test_the_service_is_sandboxed_to_an_exposure_of_two_or_less(tmp_path):
+    """systemd-analyze security rates the unit as shipped at 2.0 or below ("OK"): its --threshold is in tenths."""
+    unit = tmp_path / "mpsd.service"
+    unit.write_text(UNIT.read_text())
+    result = subprocess.run(["systemd-analyze", "security", "--offline=yes", "--threshold=20", str(unit)],
+                            capture_output=True, text=True, timeout=60)
+    level = result.stdout.strip().splitlines()[-1]
+    assert result.returncode == 0, level
+    assert "Overall exposure level for mpsd.service: " in level and float(level.split(": ")[1].split()[0]) <= 2.0

@@ -1,6 +1,6 @@
 # What the runtime asks of a device, whatever runs it: the seam between CUDA's semantics (mpsd.runtime: contexts,
 # streams, events, memory accounting, IPC) and what actually does the work (mpsd.backends.sim, the calibrated
-# simulated H200, today; a real GPU through the driver API next). The runtime speaks only this protocol and the
+# simulated H200; mpsd.backends.cuda, a real GPU through the driver API). The runtime speaks only this protocol and the
 # vocabulary of mpsd.backends.ops; it imports nothing from the simulator.
 """The backend protocol."""
 
@@ -125,13 +125,15 @@ class Backend(Protocol):
         """The calls served next were read from their client's socket at trio time `at`: work they queue
         arrived then, however long the daemon took to get to it."""
 
-    def submit(self, work: Work, count: int = 1, gate: Gate | None = None) -> None:
+    def submit(self, work: Work, count: int = 1, gate: Gate | None = None, late: float = 0.0) -> None:
         """Queue `work` after the work it names in `after` and the work before it on its stream: the one way
         work reaches a backend. A Launch may come `count` times over (a client's loop launching one plan again
         and again): the launches go one after another on its stream, the first after what `after` names, and
         `work` stands for the last of them, its record saying when all have ended. Only a launch that touches
         no memory (no `extents`) comes more than once. With `gate` (one of this backend's), it waits at the gate
-        too, once what it waits for has ended.
+        too, once what it waits for has ended. `late`: seconds a model is to add before a kernel may start, once
+        it could (the daemon's reaction to the end it was released on, Dispatcher's `reaction`); a real GPU
+        takes that time by itself, and ignores it.
 
         Raises:
             OutOfMemoryError: the backend cannot hold what the work would touch (the call fails; nothing is

@@ -620,7 +620,7 @@ class CudaBackend:
         self._closed.append(gate)
         return gate
 
-    def submit(self, work: Work, count: int = 1, gate: Gate | None = None) -> None:
+    def submit(self, work: Work, count: int = 1, gate: Gate | None = None, late: float = 0.0) -> None:
         """`count` launches where `work` is a Launch: one record marks them all, as it marks all the work of a
         stream until its next event (_flush). With `gate`, they wait at it after their other waits."""
         if type(work) is GraphLaunch:

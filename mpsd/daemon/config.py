@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import math
 import os
 import tomllib
@@ -79,7 +80,13 @@ class Config:
     # daemon's dispatcher in front of the device (mpsd.runtime.dispatch; a real GPU's only choice).
     dispatch: str = "block"
     kernels_in_flight: int = DEFAULT_IN_FLIGHT  # kernel dispatch: a client's kernels on the device at once
+    dispatch_reaction: float = 0.0  # kernel dispatch on a simulated device: the daemon's modelled reaction (s)
     client_limits: ClientLimits = ClientLimits()  # what one client may make the daemon hold (mpsd.runtime.limits)
+    # Where Prometheus scrapes the daemon (mpsd.daemon.metrics): (host, port), or None (off, the default). A host
+    # that is not a loopback address is taken only with metrics_remote (--metrics-allow-remote): the series name
+    # every client's pid and uid, which other hosts need not see unless the operator says so twice.
+    metrics: tuple[str, int] | None = None
+    metrics_remote: bool = False
 
     @property
     def kernel_dispatch(self) -> bool:
@@ -162,6 +169,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--kernels-in-flight", type=int, metavar="N",
                         help=f"kernel dispatch: most kernels of one client on the device at once "
                              f"(default {DEFAULT_IN_FLIGHT})")
+    parser.add_argument("--dispatch-reaction", type=float, metavar="SECONDS",
+                        help="kernel dispatch on simulated devices: the time the daemon takes on a real GPU from a "
+                             "kernel's end to the launch it decides on then, added to such launches (default 0, an "
+                             "ideal daemon; 0.0001 is mpsd's on an H200), so that the model predicts the GPU")
     parser.add_argument("--timeslice", type=float, metavar="SECONDS",
                         help="timeslice policy: length of a slice (default 0.0020854, measured on an H200 without MPS; "
                              "shorter by up to 38 us for contexts that hold many warps)")
@@ -232,8 +243,44 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--peer-access", choices=PEER_ACCESS,
                         help="simulated devices: all (default) map each other's memory, as NVLink peers; none "
                              "(an IPC handle opened on another device is cudaErrorPeerAccessUnsupported)")
+    parser.add_argument("--metrics", metavar="HOST:PORT",
+                        help="serve Prometheus metrics over HTTP there (off by default): DCGM-exporter's series per "
+                             "device and mpsd_* series per client; a bare PORT is 127.0.0.1:PORT, port 0 picks a free "
+                             "one (server.log says which); a host that is not loopback needs --metrics-allow-remote")
+    parser.add_argument("--metrics-allow-remote", action="store_true", default=None,
+                        help="let --metrics listen on an address other hosts can reach (0.0.0.0, a LAN address): "
+                             "its series show every client's pid and uid; server.log says it listens so")
     _add_limits(parser)
     return parser
+
+
+def parse_metrics_address(text: str, allow_remote: bool) -> tuple[str, int]:
+    """``HOST:PORT``, ``[V6]:PORT`` or a bare ``PORT`` (on 127.0.0.1) for --metrics, as (host, port).
+
+    The rule: a literal loopback address (127.0.0.0/8, ::1) or ``localhost`` is taken as it is; any other host,
+    a name included (it may resolve to anything), only with `allow_remote`, the operator's explicit word.
+
+    Raises:
+        ConfigError: it is malformed, or names a host that is not loopback without `allow_remote`.
+    """
+    text = str(text).strip()
+    host, colon, port_text = text.rpartition(":")
+    if not colon:
+        host, port_text = "127.0.0.1", text
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    port = _index(port_text)
+    if not host or port is None or port > 65535:
+        raise ConfigError(f"--metrics must be HOST:PORT, [IPV6]:PORT or PORT (0 to 65535), not {text[:64]!r}")
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback and not allow_remote:
+        raise ConfigError(f"--metrics {text[:64]}: {host} is not a loopback address; the metrics name every "
+                          "client's pid and uid, so listening where other hosts can reach them needs "
+                          "--metrics-allow-remote as well")
+    return host, port
 
 
 def _add_limits(parser: argparse.ArgumentParser) -> None:
@@ -301,14 +348,26 @@ def load_config(argv: Sequence[str] | None = None, environ: dict[str, str] | Non
     spin = float(pick("spin", DEFAULT_SPIN))
     if not 0 <= spin <= MAX_SPIN:
         raise ConfigError(f"--spin must be 0 to {MAX_SPIN} seconds, not {spin}")
-    percentage = float(pick("active_thread_percentage", 100.0))
+    # As real MPS takes them from its control daemon's environment: the defaults for its servers' clients (an
+    # option or the file, where given, wins).
+    atp_variable, limit_variable = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"
+    given = pick("active_thread_percentage")
+    try:
+        percentage = float(given if given is not None else environ.get(atp_variable, 100.0))
+    except ValueError:
+        raise ConfigError(f"{atp_variable} in the daemon's environment must be a number, not "
+                          f"{environ[atp_variable][:40]!r}") from None
     if not 0 < percentage <= 100:
-        raise ConfigError(f"--active-thread-percentage must be in (0, 100], not {percentage}")
+        where = "--active-thread-percentage" if given is not None else atp_variable
+        raise ConfigError(f"{where} must be in (0, 100], not {percentage}")
     limits_text = pick("pinned_mem_limit")
+    where = "--pinned-mem-limit"
+    if limits_text is None and environ.get(limit_variable):
+        limits_text, where = environ[limit_variable], limit_variable
     try:
         limits = parse_mem_limits(str(limits_text)) if limits_text else {}
     except ValueError as exc:
-        raise ConfigError(f"--pinned-mem-limit: {exc}") from None
+        raise ConfigError(f"{where}: {exc}") from None
     policy = pick("policy", "mps")
     containment = pick("fault_containment", "device")
     if policy not in POLICIES and ":" not in str(policy):
@@ -342,6 +401,12 @@ def load_config(argv: Sequence[str] | None = None, environ: dict[str, str] | Non
     in_flight = int(pick("kernels_in_flight", DEFAULT_IN_FLIGHT))
     if not 1 <= in_flight <= 1024:
         raise ConfigError(f"--kernels-in-flight must be between 1 and 1024, not {in_flight}")
+    reaction = float(pick("dispatch_reaction", 0.0))
+    if not 0 <= reaction <= 1:
+        raise ConfigError(f"--dispatch-reaction must be between 0 and 1 second, not {reaction}")
+    if reaction and (real or dispatch != "kernel"):
+        raise ConfigError("--dispatch-reaction models the daemon's reaction for --dispatch kernel on simulated "
+                          "devices (on a real GPU the daemon takes it by itself)")
     if real and (dispatch == "block" and policy != "mps" or clock == "virtual" or file_settings.get("device")):
         raise ConfigError("a real GPU (cuda:N) places blocks as its hardware does, on the wall clock: a policy acts "
                           "there by kernel (--dispatch kernel), and [mpsd.device.N] and --clock virtual need "
@@ -377,6 +442,9 @@ def load_config(argv: Sequence[str] | None = None, environ: dict[str, str] | Non
     if str(protocol) not in ("2", "3"):
         raise ConfigError(f"the MPS control protocol must be 2 or 3, not {str(protocol)[:24]!r}")
     apply = Path(pick("apply")) if pick("apply") else None
+    metrics_remote = bool(pick("metrics_allow_remote", False))
+    metrics = pick("metrics")
+    metrics_address = parse_metrics_address(metrics, metrics_remote) if metrics is not None else None
     servers: tuple[NamedServer, ...] = ()
     if apply is not None:
         if str(protocol) != "3":
@@ -398,7 +466,8 @@ def load_config(argv: Sequence[str] | None = None, environ: dict[str, str] | Non
                   static_partitioning=bool(pick("static_partitioning", False)),
                   control_log_stdout=bool(pick("control_log_stdout", False)),
                   device_policies=device_policies, dispatch=dispatch, kernels_in_flight=in_flight,
-                  client_limits=_limits(pick),
+                  dispatch_reaction=reaction,
+                  client_limits=_limits(pick), metrics=metrics_address, metrics_remote=metrics_remote,
                   trace=Path(trace) if (trace := pick("trace")) else None)
 
 

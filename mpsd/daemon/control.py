@@ -691,6 +691,14 @@ class Control:
         """Not MPS's: the state mpsd-smi shows, as JSON."""
         return json.dumps(self.daemon.status())
 
+    def cmd_mpsd_trace(self, args: list[str]) -> str:
+        """Not MPS's: write each traced device's timeline so far where --trace says, while the daemon runs (it
+        pauses while a trace is drawn: about a second for a busy 2-s run); the files written."""
+        self._args(args, 0, "mpsd_trace")
+        if self.daemon.config.trace is None:
+            raise CommandError("No trace: the daemon was started without --trace")
+        return "\n".join(self.daemon.write_traces())
+
     def cmd_mpsd_compute_mode(self, args: list[str]) -> str:
         """Not MPS's: a device's compute mode, as nvidia-smi -c sets it (mpsd-smi -c sends this)."""
         usage = f"mpsd_compute_mode <device> <{'|'.join(COMPUTE_MODES)}>"

@@ -95,12 +95,13 @@ async def open_listeners(pipe_dir: Path, environ: Mapping[str, str] = os.environ
         if clients is None:
             raise ListenError("socket activation passed no stream socket for clients")
         control: socket.socket | trio.socket.SocketType | None = inherited.pop("control", None)
+        directory = Path(clients.getsockname()).parent
+        check_directory(directory)
         bound: list[Path] = []
         if control is None:
-            control_path = Path(clients.getsockname()).parent / "control"
-            check_directory(control_path.parent)
-            control = bind_socket(control_path, socket.SOCK_SEQPACKET)
-            bound.append(control_path)
+            control = bind_socket(directory / "control", socket.SOCK_SEQPACKET)
+            bound.append(directory / "control")
+        bound.append(_pid_file(directory))  # launch scripts wait for it, socket activation or not
         for unused in inherited.values():
             unused.close()
         return Listeners(trio.socket.from_stdlib_socket(clients), _trio(control), True, bound)

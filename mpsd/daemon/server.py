@@ -11,6 +11,7 @@ import errno
 import functools
 import gc
 import logging
+import math
 import os
 import resource
 import signal
@@ -150,6 +151,7 @@ class Daemon:
         self.routes: dict[Route, RouteSockets] = {}  # MPS v3's per-server and per-namespace sockets
         self._front: trio.Nursery | None = None  # where accept loops run while the daemon takes clients
         self._sessions: trio.Nursery | None = None
+        self.exporter: Any = None  # the Prometheus exporter (mpsd.daemon.metrics) while --metrics serves
 
     def _set_up_partitions_and_named_servers(self) -> None:
         """Static SM partitioning (-S, or the -a file's partitions), the control plane, and the -a file's
@@ -208,7 +210,7 @@ class Daemon:
             # (A Dispatcher's submit takes no gate: it gives its own to the backend under it, and nothing above it
             # has one to give. Otherwise it is a Backend.)
             return Dispatcher(backend, kernel_policy(config.policy, config.policy_options),  # type: ignore[return-value]
-                              config.kernels_in_flight)
+                              config.kernels_in_flight, config.dispatch_reaction)
         return backend
 
     def peers(self, exporter: int, importer: int) -> bool:
@@ -241,7 +243,7 @@ class Daemon:
         # A namespace with devices shows its clients those only, in its order (mpsd.daemon.namespaces).
         seen = None if namespace is None or not namespace.devices else [
             next(d.index for d in self.devices if d.properties["uuid"] == spec.uuid) for spec in namespace.devices]
-        index, instance = self._device_index(hello.get("device", 0), hello.get("visible"), seen)
+        index, instance, count = self._device_index(hello.get("device", 0), hello.get("visible"), seen)
         device = self.devices[index]
         if device.compute_mode == "PROHIBITED":
             raise DevicesUnavailableError(f"device {index}'s compute mode is PROHIBITED (nvidia-smi -c)")
@@ -300,6 +302,7 @@ class Daemon:
         context = Context(device, self._next_client, session.pid, session.uid, session.gid, quotas, self.ipc,
                           partition, requested_priority, "default" if namespace is None else namespace.name)
         context.sm_partition = sm_partition
+        context.visible_count = count
         device.backend.attach(context, sm_cap=cap, priority=priority, weight=weight, instance=partition,
                               sms=None if sm_partition is None else sm_partition.sms)
         device.ledger.move(None, context_memory, partition=partition)
@@ -367,9 +370,11 @@ class Daemon:
                                       sms=None if context.sm_partition is None else context.sm_partition.sms)
         self.log.server(f"Client {context.pid}: priority {priority}, weight {weight:g}")
 
-    def _device_index(self, ordinal: Any, visible: Any, seen: list[int] | None = None) -> tuple[int, int | None]:
+    def _device_index(self, ordinal: Any, visible: Any,
+                      seen: list[int] | None = None) -> tuple[int, int | None, int]:
         """Our index of the client's device `ordinal`, through its CUDA_VISIBLE_DEVICES list (None: unset),
-        and the MIG instance it names where the entry is a MIG device's (else None). `seen`: the only devices
+        the MIG instance it names where the entry is a MIG device's (else None), and how many devices the
+        list leaves the client (its cuDeviceGetCount). `seen`: the only devices
         the client sees (its namespace's), in order, as if they were all there is; its list picks among them.
 
         Raises:
@@ -395,7 +400,7 @@ class Daemon:
             raise InvalidValueError("hello: visible must be a list of device indices and UUIDs")
         if type(ordinal) is not int or not 0 <= ordinal < len(indices):
             raise InvalidDeviceError(f"device {brief(ordinal, 20)} does not exist ({len(indices)} visible)")
-        return indices[ordinal]
+        return (*indices[ordinal], len(indices))
 
     def _visible_index(self, entry: int | str, base: list[int]) -> tuple[int, int | None] | None:
         """Our (device index, MIG instance or None) for one CUDA_VISIBLE_DEVICES entry among the devices
@@ -527,6 +532,7 @@ class Daemon:
                 "sm_utilization": sampled if (sampled := device.backend.utilization()) is not None else
                 min(1.0, (busy - last_busy) / span) if span > 0 else 0.0,
                 "sms_busy": device.backend.busy_sms(),
+                "clock_sm_mhz": device.properties["clock_rate_khz"] // 1000,
                 "policy": device.backend.policy, "clients": len(device.contexts), "sim_time": now,
             })
             dispatched = device.backend.dispatch_statistics() if isinstance(device.backend, Dispatcher) else {}
@@ -615,6 +621,15 @@ class Daemon:
             listeners.close()
             self.log.close()  # the daemon never served: nothing below will close its logs
             raise DaemonError(str(exc)) from None
+        if self.config.metrics is not None:
+            try:
+                self.exporter = _open_exporter(self, *self.config.metrics)
+            except OSError as exc:
+                self.close_routes()
+                listeners.close()
+                self.log.close()
+                where = ":".join(map(str, self.config.metrics))
+                raise DaemonError(f"cannot serve --metrics on {where}: {exc.strerror or exc}") from None
         control_path = self.config.pipe_dir / "control"
         self.log.control(f"Starting control daemon using socket {control_path}"
                          + (" (sockets from systemd)" if listeners.activated else ""))
@@ -641,6 +656,10 @@ class Daemon:
         self.log.server(f"Memory map limit {maps} (vm.max_map_count), {self.maps.kept(maps)} of them kept from "
                         "clients (--map-reserve)" + (f"; the devices' memory in 2 MiB allocations would need {needed}, "
                                                      "so raise it (sysctl)" if maps < needed else ""))
+        if self.exporter is not None:
+            self.log.server(f"Metrics for Prometheus at {self.exporter.url}" + (
+                ": reachable from other hosts (--metrics-allow-remote), and they show every client's pid and uid"
+                if self.exporter.remote else ""))
         received = (trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) if handle_signals
                     else contextlib.nullcontext(None))
         failure: BaseException | None = None
@@ -673,22 +692,31 @@ class Daemon:
         # Drawing a trace makes millions of objects, none of them in cycles, so the collector's scans of the whole
         # heap while it draws found nothing; they took up to a second each (a DISB-C run of 2 s spent 3.6 s of
         # its daemon's exit in them). No collection runs meanwhile.
+        if self.keep_traces:
+            self.traces = [device.backend.timeline(device.index) for device in self.devices]
+            return
+        self.write_traces()
+
+    def write_traces(self) -> list[str]:
+        """Write each traced device's timeline so far where --trace says (at exit, or when an operator asks:
+        mpsd-control's mpsd_trace); what was written, as server.log says it."""
+        said = []
         collecting = gc.isenabled()
-        gc.disable()
+        gc.disable()  # (see _write_traces)
         try:
-            if self.keep_traces:
-                self.traces = [device.backend.timeline(device.index) for device in self.devices]
-                return
             for device in self.devices:
                 try:
                     path = device.backend.write_trace(device.index)
                     if path is not None:
-                        self.log.server(f"Trace of device {device.index} written to {path}")
+                        said.append(f"Trace of device {device.index} written to {path}")
                 except OSError as exc:
-                    self.log.server(f"Cannot write the trace of device {device.index}: {exc}")
+                    said.append(f"Cannot write the trace of device {device.index}: {exc}")
         finally:
             if collecting:
                 gc.enable()
+        for line in said:
+            self.log.server(line)
+        return said
 
     async def _serve_clients(self, listeners: Listeners, signals: Any,
                              task_status: trio.TaskStatus[Path]) -> None:
@@ -700,6 +728,8 @@ class Daemon:
                 for sockets in self.routes.values():
                     front.start_soon(self._accept_route, sockets)
                 front.start_soon(self._shutdown_retries)
+                if self.exporter is not None:  # scrapes are answered from here until shutdown begins
+                    await front.start(self.exporter.run)
                 if signals is not None:
                     front.start_soon(self._watch_signals, signals)
                 watchdog = _watchdog_interval()
@@ -720,6 +750,8 @@ class Daemon:
             sessions.cancel_scope.deadline = trio.current_time() + self._grace
 
     async def _accept(self, listener: trio.socket.SocketType, nursery: trio.Nursery, serve: Any) -> None:
+        failed = 0  # accepts refused in a row: said once when it begins, then once a minute with the count
+        said = -math.inf
         while True:
             try:
                 sock, _ = await listener.accept()
@@ -727,10 +759,17 @@ class Daemon:
                 return  # a namespace's socket, closed by namespace delete
             except OSError as exc:
                 if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                    log.warning("accept failed (%s); waiting before the next", exc)
+                    failed += 1
+                    if trio.current_time() - said >= 60:  # (it is tried ten times a second)
+                        log.warning("accept failed (%s), %d time%s in a row; trying again every 0.1 s", exc,
+                                    failed, "" if failed == 1 else "s")
+                        said = trio.current_time()
                     await trio.sleep(0.1)
                     continue
                 raise
+            if failed:
+                log.warning("accepting again after %d failed accept%s", failed, "" if failed == 1 else "s")
+                failed, said = 0, -math.inf
             nursery.start_soon(serve, sock)
 
     # -- the servers' processes (--mps-names) ---------------------------------------------------------------
@@ -883,6 +922,18 @@ class Daemon:
             self.log.server(f"Received {signal.Signals(signum).name}")
             self.stop()
             return
+
+
+def _open_exporter(daemon: Daemon, host: str, port: int) -> Any:
+    """The Prometheus exporter, bound to HOST:PORT; imported only when asked for, as prometheus-client's HTTP
+    server costs every other start about 50 ms to import.
+
+    Raises:
+        OSError: the address cannot be bound.
+    """
+    from mpsd.daemon.metrics import Exporter
+
+    return Exporter(daemon, host, port)
 
 
 def _exit_status(failure: BaseException | None) -> int:

@@ -25,6 +25,7 @@ import logging
 import os
 import select
 import socket
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Sequence, cast
@@ -36,6 +37,7 @@ from mpsd.backends.engine import VirtualEngine
 from mpsd.backends.ops import Plan, Work
 from mpsd.clock import Host, Timing
 from mpsd.daemon.channel import Channel
+from mpsd.daemon.sync_latency import SyncLatency
 from mpsd.runtime.context import Context
 from mpsd.runtime.kernels import signatures
 from mpsd.runtime.limits import refused
@@ -135,6 +137,8 @@ class Session:
         # Whether the connection remembers launch notifications (`_launch`), each as its plan and stream: the
         # read loop serves their repeats as one call of many launches.
         self._repeating = False
+        # Only while --metrics is on: how long its synchronous calls took (mpsd.daemon.sync_latency).
+        self.sync_latency = SyncLatency() if daemon.config.metrics is not None else None
 
     @property
     def _ctx(self) -> Context:
@@ -277,8 +281,9 @@ class Session:
                 if timing is not None:
                     self._virtual.clock.wait(self._host)
                 self._deferred += 1
+                began = time.perf_counter() if self.sync_latency is not None else 0.0
                 self.daemon.device_of(self._ctx).backend.when_done(
-                    result.ops, functools.partial(self._finish, request.id, result, timing))
+                    result.ops, functools.partial(self._finish, request.id, result, timing, began))
                 return
             # Past the client's limit (mpsd.runtime.limits): a synchronize or a free has done nothing yet; a copy
             # that waits was refused before it was queued (_room_to_wait), so none comes here.
@@ -288,6 +293,8 @@ class Session:
         if isinstance(result, CudaError):
             self._reply(request.id, result)
         elif isinstance(result, Deferred):
+            if self.sync_latency is not None:  # a synchronous call with nothing to wait for
+                self.sync_latency.observe(0.0)
             self._complete(request.id, result)  # nothing to wait for: answer now, in order
         elif call.reply_fds:  # type: ignore[union-attr]  # (no call: an unknown op, whose result is the error above)
             self._reply(request.id, None, *result)
@@ -319,7 +326,9 @@ class Session:
         except Exception as exc:
             raise _unexpected(exc)  # which sets the cause as _call does
 
-    def _finish(self, request_id: int, deferred: Deferred, timing: Timing | None) -> None:
+    def _finish(self, request_id: int, deferred: Deferred, timing: Timing | None, began: float) -> None:
+        if self.sync_latency is not None:  # from its handler's return to the device's completion
+            self.sync_latency.observe(time.perf_counter() - began)
         self._deferred -= 1
         if not self._deferred:
             self._answered.set()
@@ -634,6 +643,7 @@ class Session:
             "version": PROTOCOL_VERSION,
             "clock": clock,
             "client_id": ctx.id,
+            "device_count": ctx.visible_count,
             "server_pid": self.daemon.control.server.pid,
             "properties": self.daemon.device_of(ctx).client_properties(ctx),
             "kernels": signatures(),

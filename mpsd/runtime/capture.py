@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from mpsd.backends.ops import Copy, Memset, Record, Work
-from mpsd.runtime.graphs import CAPTURED, Graph, Node
+from mpsd.runtime.graphs import CAPTURED, Graph, Node, NodeBudget
 from mpsd_protocol import (
     CAPTURE_ACTIVE,
     CAPTURE_GLOBAL,
@@ -99,7 +99,9 @@ class CaptureCalls:
 
         def _handle(self) -> int: ...
         def _stream(self, stream: int | None) -> Stream: ...
+        _nodes: NodeBudget
         def _add_nodes(self, graph: Graph, work: Work, deps: tuple[int, ...], count: int = 1) -> tuple[int, ...]: ...
+        def _new_graph(self) -> Graph: ...
         def _memory_gone(self, graph: Graph) -> None: ...  # (GraphMemoryCalls')
 
     def _init_capture(self) -> None:
@@ -124,7 +126,7 @@ class CaptureCalls:
             raise StreamCaptureUnsupportedError("the legacy default stream cannot be captured")
         if s.id in self.capturing:
             raise IllegalStateError(f"stream {s.id} is capturing already")
-        self.capturing[s.id] = Capture(self._handle(), s.id, mode, thread, Graph(self._handle()), {s.id: ()})
+        self.capturing[s.id] = Capture(self._handle(), s.id, mode, thread, self._new_graph(), {s.id: ()})
 
     def stream_end_capture(self, stream: int | None, thread: int) -> int:
         """``cudaStreamEndCapture``: the capture ends, and its graph is the context's; its handle.
@@ -147,8 +149,10 @@ class CaptureCalls:
             raise StreamCaptureWrongThreadError(f"the thread-local capture on stream {s.id} began in another thread")
         self._end(cap)
         unjoined = [] if cap.invalidated else self._unjoined(cap)
-        if (cap.invalidated or unjoined) and cap.graph.memory:
-            self._memory_gone(cap.graph)  # (no graph: its allocations go)
+        if cap.invalidated or unjoined:  # no graph: its nodes and allocations go
+            self._nodes.give(cap.graph.size)
+            if cap.graph.memory:
+                self._memory_gone(cap.graph)
         if cap.invalidated:
             raise StreamCaptureInvalidatedError(f"the capture on stream {s.id} was invalidated")
         if unjoined:
@@ -367,3 +371,4 @@ class CaptureCalls:
             cap.invalidated = True
             if cap.origin == stream:
                 self._end(cap)
+                self._nodes.give(cap.graph.size)

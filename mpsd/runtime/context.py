@@ -159,6 +159,7 @@ class Context(VirtualMemoryCalls, CaptureCalls, GraphMemoryCalls, GraphCalls):
         self.device = device
         self.namespace = namespace  # the MPS v3 namespace of its server it was placed in
         self.sm_partition: Any = None  # the static SM partition (-S) it is pinned to, if any
+        self.visible_count = 0  # the devices its process sees (cuDeviceGetCount), set when it attaches
         self.partition = partition  # the MIG instance it is bound to (None: no MIG)
         self.requested_priority = requested_priority  # CUDA_MPS_CLIENT_PRIORITY, which daemon levels only tighten
         self.ipc = ipc

@@ -177,13 +177,19 @@ class Dispatcher:
         in_flight: the bound on each client's released, unfinished kernels (at least 1).
     """
 
-    def __init__(self, backend: Backend, policy: KernelPolicy, in_flight: int = DEFAULT_IN_FLIGHT) -> None:
+    def __init__(self, backend: Backend, policy: KernelPolicy, in_flight: int = DEFAULT_IN_FLIGHT,
+                 reaction: float = 0.0) -> None:
         if in_flight < 1:
             raise ValueError("in_flight must be at least 1")
         self.inner = backend
         self.rule = policy
         self.policy = policy.name
         self.in_flight = in_flight
+        # Seconds the daemon takes, on a real GPU, from a kernel's end to the launch it decides on then (about
+        # 100 us on the H200: bench/fidelity/h200_dec04/summary.txt, run 1): a model's backend adds it to what is
+        # released on an end (`late`), so that it predicts what the policy does on a GPU. 0: an ideal daemon.
+        self.reaction = reaction
+        self._late = 0.0  # while a pump runs on an end: what its launches are late by
         self.tenants: dict[int, Tenant] = {}
         self._seq = itertools.count()
         self._waiters: dict[Work, list[Callable[[], None]]] = {}  # held work -> told once it is done
@@ -468,8 +474,12 @@ class Dispatcher:
         if part.after or behind:
             # (dropped work, say, holds nothing back)
             part.after = tuple(a for a in (*part.after, *behind) if not a.done)
+        # (Work released ahead waits behind what runs: the reaction passes meanwhile, as on a GPU.)
+        late = self._late if isinstance(part, Launch) and not behind else 0.0
         try:
-            if gate is None:
+            if late:
+                self.inner.submit(part, n, late=late)
+            elif gate is None:
                 self.inner.submit(part, n)
             else:
                 gate.set(self.rule.holds(tenant, self))
@@ -529,7 +539,15 @@ class Dispatcher:
             for flights in tenant.flights.values():
                 if flights and not flights[0].watched:
                     flights[0].watched = True
-                    self.inner.when_done((flights[0].work,), self._pump)
+                    self.inner.when_done((flights[0].work,), self._react)
+
+    def _react(self) -> None:
+        """A watched kernel ended: decide again, what goes now late by the daemon's reaction."""
+        self._late = self.reaction
+        try:
+            self._pump()
+        finally:
+            self._late = 0.0
 
     def _ended(self, tenant: Tenant, flight: _Flight) -> None:
         n, work = flight.count, flight.work

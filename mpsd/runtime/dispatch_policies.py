@@ -113,9 +113,8 @@ class Priority(KernelPolicy):
         levels, aging = self._levels, self.aging
         now = dispatcher.inner.now() if aging is not None else 0.0
         tenants = dispatcher.tenants
-        if len(levels) > len(tenants):
-            for gone in [c for c in levels if c not in tenants]:
-                del levels[gone]
+        for gone in [c for c in levels if c not in tenants]:  # (a client that left, another come meanwhile)
+            del levels[gone]
         for t in tenants.values():
             cached = levels.get(t.id)
             if cached is not None and cached[0] == t.stamp and (aging is None or now - cached[2] < aging):

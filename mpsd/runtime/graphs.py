@@ -22,9 +22,10 @@ from __future__ import annotations
 import builtins
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterable
 
 from mpsd.backends.ops import Copy, GraphLaunch, Launch, Memset, OnStream, Plan, Record, Work
+from mpsd.runtime.limits import refused
 from mpsd_protocol import Calls, InvalidValueError, brief
 
 # type(), under a name of its own: methods here take a parameter called `type` (a node's). An alias, not a
@@ -32,7 +33,9 @@ from mpsd_protocol import Calls, InvalidValueError, brief
 _type = builtins.type
 
 if TYPE_CHECKING:
+    from mpsd.runtime.capture import Capture
     from mpsd.runtime.context import Counters, Event, Stream
+    from mpsd.runtime.limits import ClientLimits
     from mpsd.runtime.memory import AddressSpace
 
 __all__ = ["CAPTURED", "CHILD", "EMPTY", "EVENT_RECORD", "EVENT_WAIT", "KERNEL", "MEMCPY", "MEMSET", "MEM_ALLOC",
@@ -95,16 +98,46 @@ class Node:
 
 @dataclass(eq=False)
 class Graph:
-    """A graph's nodes by id, in the order they were added: each after the nodes it depends on."""
+    """A graph's nodes by id, in the order they were added: each after the nodes it depends on; `budget`, its
+    context's count of graph nodes, which each node taken takes from."""
 
     id: int
     nodes: dict[int, Node] = field(default_factory=dict)
     memory: bool = False  # it has memory nodes (mpsd.runtime.graph_memory's rules apply)
     execs: int = 0  # executable graphs made from it that live
+    budget: NodeBudget | None = None
 
     def add(self, node: Node) -> Node:
+        if self.budget is not None:
+            self.budget.take(_size((node,)))
         self.nodes[node.id] = node
         return node
+
+    @property
+    def size(self) -> int:
+        """Its nodes, a child graph's counted with its node."""
+        return _size(self.nodes.values())
+
+
+class NodeBudget:
+    """The graph nodes a context holds, in its graphs and executable graphs, within the client's limit."""
+
+    __slots__ = ("held", "limit")
+
+    def __init__(self, limit: int) -> None:
+        self.held, self.limit = 0, limit
+
+    def take(self, count: int) -> None:
+        if self.held + count > self.limit:
+            raise refused("graph_nodes", self.limit, self.held)
+        self.held += count
+
+    def give(self, count: int) -> None:
+        self.held -= count
+
+
+def _size(nodes: Iterable[Node]) -> int:
+    return sum(1 + (_size(node.child) if node.child else 0) for node in nodes)
 
     def sinks(self) -> tuple[int, ...]:
         """The nodes no other node depends on."""
@@ -137,10 +170,13 @@ class GraphCalls:
     # taken there by _enqueue, as a capture's is); and the arguments of the call a node is being made of.
     _into: tuple[Graph, tuple[int, ...]] | None
     _node_params: dict[str, Any] | None
+    _nodes: NodeBudget  # the nodes its graphs may still hold, of its client's limit
 
     if TYPE_CHECKING:  # what the Context they are mixed into has, for the type checker (the real ones are there)
         memory: AddressSpace
         counters: Counters
+        limits: ClientLimits
+        capturing: dict[int, Capture]  # (CaptureCalls')
 
         def _handle(self) -> int: ...
         def _stream(self, stream: int | None) -> Stream: ...
@@ -162,6 +198,19 @@ class GraphCalls:
     def _init_graphs(self) -> None:
         self.graphs, self.execs = {}, {}
         self._into = self._node_params = None
+        self._nodes = NodeBudget(self.limits.graph_nodes)
+
+    def _graphs_held(self) -> int:
+        """Its graphs, executable graphs and captures under way (each builds a graph)."""
+        return len(self.graphs) + len(self.execs) + len({id(c) for c in self.capturing.values()})
+
+    def _new_graph(self) -> Graph:
+        """An empty graph of this context's, within its client's limit on graphs."""
+        held = self._graphs_held()
+        limit = self.limits.graphs
+        if held >= limit:
+            raise refused("graphs", limit, held)
+        return Graph(self._handle(), budget=self._nodes)
 
     def _graph(self, graph: int) -> Graph:
         found = self.graphs.get(graph)
@@ -178,7 +227,7 @@ class GraphCalls:
     # -- graphs ----------------------------------------------------------------------------------------
     def graph_create(self) -> int:
         """``cudaGraphCreate``: an empty graph."""
-        graph = Graph(self._handle())
+        graph = self._new_graph()
         self.graphs[graph.id] = graph
         return graph.id
 
@@ -259,9 +308,12 @@ class GraphCalls:
         """
         source = self._graph(graph)
         self._check_clone(source)
-        clone = Graph(self._handle())
+        clone = self._new_graph()
+        clone.budget = None  # its nodes are taken at once, so that a refusal leaves nothing taken
         for node in self._copy_nodes(source.nodes.values()):
             clone.add(node)
+        self._nodes.take(clone.size)
+        clone.budget = self._nodes
         self.graphs[clone.id] = clone
         return clone.id
 
@@ -301,6 +353,7 @@ class GraphCalls:
         """``cudaGraphDestroy``: executable graphs made from it stay."""
         g = self._graph(graph)
         del self.graphs[graph]
+        self._nodes.give(g.size)
         if g.memory:
             self._memory_gone(g)
 
@@ -318,7 +371,11 @@ class GraphCalls:
             raise InvalidValueError(f"graph_instantiate: bad flags {flags:#x}")
         if g.memory:
             self._check_instantiate(g)
+        held = self._graphs_held()
+        if held >= self.limits.graphs:
+            raise refused("graphs", self.limits.graphs, held)
         nodes = tuple(self._flatten(g.nodes.values()))
+        self._nodes.take(len(nodes))
         index = {node.id: i for i, node in enumerate(nodes)}
         graph_exec = GraphExec(self._handle(), nodes, tuple(tuple(index[d] for d in n.deps) for n in nodes),
                                sum(node.type == KERNEL for node in nodes), index, graph=g if g.memory else None,
@@ -369,6 +426,7 @@ class GraphCalls:
         """``cudaGraphExecDestroy``: launches already queued still run."""
         ex = self._exec(graph_exec)
         del self.execs[graph_exec]
+        self._nodes.give(len(ex.nodes))
         if ex.graph is not None:
             ex.graph.execs -= 1
             self._memory_gone(ex.graph)

@@ -42,6 +42,8 @@ class ClientLimits:
     allocations: int = 1_048_576  # malloc's, pool reservations, mem_create's handles and IPC imports
     reservations: int = 65_536  # mem_address_reserve's ranges
     host_buffers: int = 65_536  # host_alloc's and host_register's buffers
+    graphs: int = 16_384  # graphs and executable graphs (an inference server captures dozens to hundreds)
+    graph_nodes: int = 1_048_576  # the nodes of all of them (a decode step's graph has some thousands)
     # Two fds per 2 MiB segment on the simulated device (its memfd and its mapping's), one per host buffer: enough
     # to fill an H200's 150 GB with 2 MiB allocations (143,156 fds) beside thousands of host buffers.
     fds: int = 150_000
@@ -66,6 +68,10 @@ LIMIT_SETTINGS: tuple[tuple[str, str, str, str], ...] = (
      "address ranges one client may hold reserved (mem_address_reserve)"),
     ("host_buffers", "--max-host-buffers", "pinned host buffers",
      "pinned host buffers one client may hold (host_alloc, host_register)"),
+    ("graphs", "--max-graphs", "graphs and executable graphs",
+     "CUDA graphs one client may hold: its graphs (made, cloned or captured) and executable graphs"),
+    ("graph_nodes", "--max-graph-nodes", "graph nodes",
+     "nodes of one client's graphs and executable graphs together (a child graph's count with its node)"),
     ("fds", "--max-fds", "file descriptors of the daemon",
      "file descriptors the daemon may hold for one client: two per 2 MiB segment of simulated memory, one per "
      "pinned host buffer; never more than half of what the fd limit leaves clients"),

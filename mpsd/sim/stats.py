@@ -1,4 +1,4 @@
-# Counters the engine bumps as work ends, and the frozen snapshots `Simulator.statistics()` hands out
+# The frozen snapshots `Simulator.statistics()` hands out of what the engine (simcore) counts as work ends
 # (trio's convention: objects with counters expose statistics() returning a frozen dataclass).
 """Simulator statistics."""
 
@@ -50,22 +50,3 @@ class SimStatistics:
     copies_completed: int
     per_client: dict[int, ClientStatistics] = field(default_factory=dict)
     sm_seconds: float = 0.0
-
-
-@dataclass(slots=True)
-class Counters:
-    """Mutable per-client counters (internal)."""
-
-    kernels: int = 0
-    blocks: int = 0
-    block_seconds: float = 0.0
-    sm_seconds: float = 0.0
-    copies: int = 0
-    bytes_copied: int = 0
-    max_sms: int = 0
-
-    def freeze(self) -> ClientStatistics:
-        """A frozen snapshot."""
-        return ClientStatistics(
-            self.kernels, self.blocks, self.block_seconds, self.sm_seconds, self.copies, self.bytes_copied, self.max_sms
-        )

@@ -12,7 +12,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -27,7 +29,8 @@ from mpsd_protocol import format_size
 
 __all__ = ["main"]
 
-DISPATCH_KEYS = ("dispatch", "kernels_in_flight")  # settings for the daemon's dispatcher, not for a policy
+# settings for the daemon's dispatcher, not for a policy
+DISPATCH_KEYS = ("dispatch", "kernels_in_flight", "dispatch_reaction")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="where the policy acts on the simulated H200: block (its block scheduler, the default) "
                              "or kernel (the daemon's dispatcher in front of MPS's blocks, as on a real GPU, where "
                              "a policy other than mps always acts by kernel)")
+    parser.add_argument("--dispatch-reaction", type=float, metavar="SECONDS",
+                        help="with --dispatch kernel: the daemon's reaction on a real GPU, modelled (the daemon's "
+                             "--dispatch-reaction; 0.0001 is mpsd's on an H200), so that the figures predict the GPU's")
     parser.add_argument("--duration", type=float, metavar="SECONDS", help="override [run] duration")
     parser.add_argument("--time-scale", type=float, default=1.0, metavar="S",
                         help="with --clock wall: run the daemon's GPU at S x real speed (0.25: 4x slower), so that "
@@ -171,6 +177,10 @@ def _policies(workload: Workload, options: argparse.Namespace) -> dict[str, dict
             except ValueError as exc:
                 raise WorkloadError(f"--dispatch kernel: [run.policy_options.{name}]: {exc}") from None
             settings = {**settings, "dispatch": "kernel"}
+            if options.dispatch_reaction is not None:
+                if options.devices is not None:
+                    raise WorkloadError("--dispatch-reaction models a real GPU's daemon: not with --devices")
+                settings["dispatch_reaction"] = options.dispatch_reaction
         else:
             try:
                 Simulator(H200, policy=name, policy_options={k: v for k, v in settings.items()
@@ -346,15 +356,21 @@ def _console(options: argparse.Namespace) -> Any:
 
 
 class _live:
-    """The live display of a real run: tenants' progress as they report it."""
+    """The live display of a real run: tenants' progress as they report it; where stderr is no terminal (a log,
+    CI), a line at each change of phase and every LINE_EVERY seconds while it runs, with what is left."""
+
+    LINE_EVERY = 5.0
 
     def __init__(self, console: Any, quiet: bool) -> None:
         self.console, self.quiet = console, quiet
         self.live: Any = None
+        self._said: tuple[str, float] = ("", -math.inf)  # the phase last said, and when
 
     def __enter__(self) -> Callable[[Progress], None]:
-        if self.quiet or not self.console.is_terminal:
+        if self.quiet:
             return lambda progress: None
+        if not self.console.is_terminal:
+            return self._line
         from rich.live import Live
 
         self.live = Live(console=self.console, refresh_per_second=8, transient=True)
@@ -364,6 +380,20 @@ class _live:
     def __exit__(self, *exc: object) -> None:
         if self.live is not None:
             self.live.__exit__(*exc)
+
+    def _line(self, progress: Progress) -> None:
+        now = time.monotonic()
+        phase, at = self._said
+        if progress.phase == phase and now - at < self.LINE_EVERY:
+            return
+        self._said = (progress.phase, now)
+        done = ", ".join(f"{group} {sum(progress.completed.get(n, 0) for n in names)} done"
+                         for group, names in progress.groups.items())
+        clock = ""
+        if progress.phase == "running" and progress.wall:
+            elapsed = min(progress.elapsed(), progress.duration)
+            clock = f" {elapsed:.1f} / {progress.duration:.1f} s, about {progress.duration - elapsed:.1f} s left;"
+        print(f"mpsd-stress: {progress.policy}: {progress.phase}{clock} {done}", file=sys.stderr, flush=True)
 
 
 def _progress_table(progress: Progress) -> Any:

@@ -105,13 +105,27 @@ def _latencies_ms(timeline: Timeline, key: dict[str, str]) -> dict[str, list[flo
     return by
 
 
+# Lines of equal figures would hide each other: each series its own dash pattern and markers as well as colour.
+STYLES = ("-", "--", "-.", ":")
+MARKERS = ("o", "s", "^", "D", "v", "P")
+
+
 def _latency_cdf(fig: Figure, policy: str, timeline: Timeline, summary: dict[str, Any]) -> None:
     kind, key = _series(timeline)
     ax = fig.add_subplot()
-    for label, latencies in _latencies_ms(timeline, key).items():
+    deadlines: dict[str, float] = {}
+    for t in timeline.tenants:
+        if t.deadline is not None and t.name in key:
+            deadlines.setdefault(key[t.name], t.deadline * 1e3)
+    for i, (label, latencies) in enumerate(_latencies_ms(timeline, key).items()):
         ms = np.sort([x for x in latencies if x > 0])  # a log axis has no place for 0
         if len(ms):
-            ax.step(ms, np.arange(1, len(ms) + 1) / len(ms), where="post", label=f"{label} ({len(ms)})")
+            line, = ax.step(ms, np.arange(1, len(ms) + 1) / len(ms), where="post", label=f"{label} ({len(ms)})",
+                            linestyle=STYLES[i % len(STYLES)], marker=MARKERS[i % len(MARKERS)],
+                            markevery=max(1, len(ms) // 8), markersize=4)
+            if label in deadlines:  # the objective its requests are held to
+                ax.axvline(deadlines[label], color=line.get_color(), linestyle=":", linewidth=1,
+                           label=f"{label} deadline {deadlines[label]:.3g} ms")
     ax.set_xscale("log")
     ax.set_xlabel("launch-to-completion latency (ms)")
     ax.set_ylabel("fraction of requests completed within")
@@ -137,7 +151,12 @@ def _occupancy(fig: Figure, policy: str, timeline: Timeline, summary: dict[str, 
     # Each bin's mean held flat across the bin: edges[:-1] and edges[1:] interleaved.
     x = np.repeat(edges, 2)[1:-1]
     if bands:
-        ax.stackplot(x, *[np.repeat(v, 2) for v in bands.values()], labels=list(bands), alpha=0.85)
+        # Each band edged in its colour, so that a tenant holding a sliver of the device still shows as a line;
+        # its mean SMs in the legend.
+        labels = [f"{name} ({np.mean(v):.3g} SMs)" for name, v in bands.items()]
+        for band in ax.stackplot(x, *[np.repeat(v, 2) for v in bands.values()], labels=labels, alpha=0.85):
+            band.set_edgecolor(band.get_facecolor())
+            band.set_linewidth(1.2)
     ax.axhline(timeline.sm_count, color="black", linestyle="--", linewidth=1,
                label=f"device: {timeline.sm_count} SMs")
     ax.set_xlim(edges[0], edges[-1] if edges[-1] > edges[0] else 1.0)

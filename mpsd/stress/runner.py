@@ -43,9 +43,16 @@ READY_TIMEOUT = 120.0  # 64 tenants importing numpy on 2 cores take a while
 SILENCE_TIMEOUT = 120.0  # wall seconds without a word from any tenant after which the run is given up
 IDLE_GRACE = 30.0  # the daemon's idle grace: a tenant is never blocked outside mpsd once the run has begun
 OPTION_FLAGS = {"timeslice": "--timeslice", "switch": "--context-switch", "aging": "--aging", "ahead": "--look-ahead",
-                "dispatch": "--dispatch", "kernels_in_flight": "--kernels-in-flight"}
+                "dispatch": "--dispatch", "kernels_in_flight": "--kernels-in-flight",
+                "dispatch_reaction": "--dispatch-reaction"}
 LIMIT_VARIABLES = ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "CUDA_MPS_CLIENT_PRIORITY",
                    "MPSD_MIG_PARTITION", "CUDA_VISIBLE_DEVICES")
+
+
+# `python -m` puts the working directory first on the path: started from a clone's directory, the daemon and the
+# tenants would import its unbuilt mpsd/ ("No module named 'mpsd._core'") rather than the installed one. -P
+# (Python 3.11 on) leaves the path as installed.
+ISOLATED = ("-P",)
 
 
 class RunError(Exception):
@@ -63,6 +70,7 @@ class Progress:
     started: float | None = None  # monotonic time of the run's start
     completed: dict[str, int] = field(default_factory=dict)
     failed: dict[str, int] = field(default_factory=dict)
+    wall: bool = False  # `duration` is wall seconds (under the virtual clock, how long it takes is not known)
 
     def elapsed(self) -> float:
         return 0.0 if self.started is None else max(0.0, time.monotonic() - self.started)
@@ -245,7 +253,7 @@ def run_real(workload: Workload, policy: str, policy_options: dict[str, Any], te
     """
     plan = _plan(workload, tenants, clock)
     progress = Progress(label or policy, workload.duration / (time_scale if clock == "wall" else 1.0),
-                        {t.label: [t.instance(c) for c in range(t.count)] for t in plan.specs})
+                        {t.label: [t.instance(c) for c in range(t.count)] for t in plan.specs}, wall=clock == "wall")
     work = Path(tempfile.mkdtemp(prefix="mpsd-stress-", dir="/tmp"))  # socket paths are limited to 107 bytes
     try:
         trace_path = work / "trace.json" if device_trace else None
@@ -297,7 +305,7 @@ def _start_daemon(args: list[str]) -> _Daemon:
     # cProfile, its profile written to DIR when it exits (as SIGTERM ends it).
     profile = os.environ.get("MPSD_STRESS_PROFILE")
     wrapper = ["-m", "cProfile", "-o", str(Path(profile) / f"daemon-{time.monotonic_ns()}.prof")] if profile else []
-    proc = subprocess.Popen([sys.executable, *wrapper, "-m", "mpsd", *args], stdin=subprocess.DEVNULL,
+    proc = subprocess.Popen([sys.executable, *ISOLATED, *wrapper, "-m", "mpsd", *args], stdin=subprocess.DEVNULL,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 30
     assert proc.stderr is not None
@@ -366,7 +374,7 @@ class _TenantProcess:
         env = {k: v for k, v in os.environ.items() if k not in LIMIT_VARIABLES}
         env.update(setup["environ"], CUDA_MPS_PIPE_DIRECTORY=str(work))
         self.stderr = open(work / f"{name}.stderr", "w+")  # noqa: SIM115 - closed in kill()
-        self.proc = subprocess.Popen([sys.executable, "-m", "mpsd.stress.tenant"], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, *ISOLATED, "-m", "mpsd.stress.tenant"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self.stderr, text=True, env=env)
         self.send(json.dumps(dict(setup, environ=None)))
         threading.Thread(target=self._read, args=(lines,), daemon=True).start()

@@ -186,8 +186,10 @@ def start_background(daemon_args: list[str], pipe_dir: Path | None = None) -> in
         address = os.path.join(scratch, "notify")
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as notify:
             notify.bind(address)
+            # -P: `python -m` would put the working directory first on the path, and from a clone's directory
+            # import its unbuilt mpsd/ ("No module named 'mpsd._core'") rather than the installed one.
             child = subprocess.Popen(
-                [sys.executable, "-m", "mpsd", *daemon_args], start_new_session=True,
+                [sys.executable, "-P", "-m", "mpsd", *daemon_args], start_new_session=True,
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=errors,
                 env={**os.environ, "NOTIFY_SOCKET": address})
             # Wait for READY=1 or for the child to exit (its pidfd becomes readable), whichever comes first.
@@ -320,7 +322,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if options.d:
         return start_background(daemon_args, pipe_dir)
     if options.f:  # MPS's -f prints control.log's lines as it goes
-        os.execv(sys.executable, [sys.executable, "-m", "mpsd", "--control-log-stdout", *daemon_args])
+        os.execv(sys.executable, [sys.executable, "-P", "-m", "mpsd", "--control-log-stdout", *daemon_args])
     if rest:  # MPS prints the NUL where the option's name would go
         sys.stdout.write("Unrecognized option \0\n" + help_text)
         return 0

@@ -30,6 +30,11 @@ def process_name(pid: int) -> str:
         return "[Not Found]"
 
 
+# The driver the simulated H200 was measured with (bench/fidelity/nvidia_smi_q_h200.txt): what a script that
+# reads driver_version, to check what it may use, is told of a device calibrated against it.
+DRIVER_VERSION = "580.159.04"
+NA = "[N/A]"  # nvidia-smi's answer for a figure the device does not report (no unit after it)
+
 # field -> (its header, its unit, its value from a device or process of the status)
 Field = tuple[str, str, Callable[[dict[str, Any], dict[str, Any]], Any]]
 GPU_FIELDS: dict[str, Field] = {
@@ -43,6 +48,16 @@ GPU_FIELDS: dict[str, Field] = {
     "pci.bus_id": ("pci.bus_id", "", lambda d, s: d.get("pci_bus_id", "[N/A]")),
     "compute_mode": ("compute_mode", "", lambda d, s: d.get("compute_mode", "Default")),
     "count": ("count", "", lambda d, s: len(s["devices"])),
+    "driver_version": ("driver_version", "", lambda d, s: d.get("driver_version", DRIVER_VERSION)),
+    # A model with no thermals, power or memory-controller counters, and no driver reserve of its own: what
+    # nvidia-smi prints for a figure a device does not give.
+    "temperature.gpu": ("temperature.gpu", "", lambda d, s: NA),
+    "power.draw": ("power.draw", "W", lambda d, s: NA),
+    "utilization.memory": ("utilization.memory", "%", lambda d, s: NA),
+    "memory.reserved": ("memory.reserved", "MiB", lambda d, s: NA),
+    "mig.mode.current": ("mig.mode.current", "", lambda d, s: "Enabled" if d.get("mig") else "Disabled"),
+    "clocks.sm": ("clocks.current.sm", "MHz", lambda d, s: d.get("clock_sm_mhz", NA)),
+    "clocks.current.sm": ("clocks.current.sm", "MHz", lambda d, s: d.get("clock_sm_mhz", NA)),
 }
 APP_FIELDS: dict[str, Field] = {
     "pid": ("pid", "", lambda p, s: p["pid"]),
@@ -100,6 +115,6 @@ def csv(status: dict[str, Any], kind: str, fields: str, options: str) -> str:
         for name in names:
             _, unit, value = table[name]
             shown = value(row, status)
-            values.append(f"{shown} {unit}" if unit and units else str(shown))
+            values.append(f"{shown} {unit}" if unit and units and shown != NA else str(shown))
         lines.append(", ".join(values))
     return "\n".join(lines)
