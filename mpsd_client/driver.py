@@ -56,36 +56,67 @@ CU_STREAM_DEFAULT, CU_STREAM_NON_BLOCKING = 0x0, 0x1
 CU_EVENT_DEFAULT, CU_EVENT_BLOCKING_SYNC, CU_EVENT_DISABLE_TIMING, CU_EVENT_INTERPROCESS = 0x0, 0x1, 0x2, 0x4
 
 # cuDeviceGetAttribute's attributes that the daemon's device properties answer (CUdevice_attribute's numbers).
-_ATTRIBUTES: dict[int, tuple[str, Callable[[dict[str, Any]], int]]] = {
-    1: ("MAX_THREADS_PER_BLOCK", lambda p: p["max_threads_per_block"]),
-    2: ("MAX_BLOCK_DIM_X", lambda p: p["max_block_dims"][0]),
-    3: ("MAX_BLOCK_DIM_Y", lambda p: p["max_block_dims"][1]),
-    4: ("MAX_BLOCK_DIM_Z", lambda p: p["max_block_dims"][2]),
-    5: ("MAX_GRID_DIM_X", lambda p: p["max_grid_dims"][0]),
-    6: ("MAX_GRID_DIM_Y", lambda p: p["max_grid_dims"][1]),
-    7: ("MAX_GRID_DIM_Z", lambda p: p["max_grid_dims"][2]),
-    8: ("MAX_SHARED_MEMORY_PER_BLOCK", lambda p: p["shared_memory_per_block"]),
-    10: ("WARP_SIZE", lambda p: p["warp_size"]),
-    12: ("MAX_REGISTERS_PER_BLOCK", lambda p: p["regs_per_block"]),
-    13: ("CLOCK_RATE", lambda p: p["clock_rate_khz"]),
-    16: ("MULTIPROCESSOR_COUNT", lambda p: p["multiprocessor_count"]),
-    33: ("PCI_BUS_ID", lambda p: p["pci_bus_id"]),
-    34: ("PCI_DEVICE_ID", lambda p: p["pci_device_id"]),
-    39: ("MAX_THREADS_PER_MULTIPROCESSOR", lambda p: p["max_threads_per_multiprocessor"]),
-    41: ("UNIFIED_ADDRESSING", lambda p: 1),
-    50: ("PCI_DOMAIN_ID", lambda p: p["pci_domain_id"]),
-    75: ("COMPUTE_CAPABILITY_MAJOR", lambda p: p["major"]),
-    76: ("COMPUTE_CAPABILITY_MINOR", lambda p: p["minor"]),
-    81: ("MAX_SHARED_MEMORY_PER_MULTIPROCESSOR", lambda p: p["shared_memory_per_multiprocessor"]),
-    82: ("MAX_REGISTERS_PER_MULTIPROCESSOR", lambda p: p["regs_per_multiprocessor"]),
-    97: ("MAX_SHARED_MEMORY_PER_BLOCK_OPTIN", lambda p: p["shared_memory_per_block_optin"]),
-    106: ("MAX_BLOCKS_PER_MULTIPROCESSOR", lambda p: p["max_blocks_per_multiprocessor"]),
+CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK = 1
+CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_X = 2
+CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Y = 3
+CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Z = 4
+CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_X = 5
+CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Y = 6
+CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Z = 7
+CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK = 8
+CU_DEVICE_ATTRIBUTE_WARP_SIZE = 10
+CU_DEVICE_ATTRIBUTE_MAX_REGISTERS_PER_BLOCK = 12
+CU_DEVICE_ATTRIBUTE_CLOCK_RATE = 13
+CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT = 16
+CU_DEVICE_ATTRIBUTE_PCI_BUS_ID = 33
+CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID = 34
+CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR = 39
+CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING = 41
+CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID = 50
+CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR = 75
+CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR = 76
+CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR = 81
+CU_DEVICE_ATTRIBUTE_MAX_REGISTERS_PER_MULTIPROCESSOR = 82
+CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN = 97
+CU_DEVICE_ATTRIBUTE_MAX_BLOCKS_PER_MULTIPROCESSOR = 106
+_ATTRIBUTES: dict[int, Callable[[dict[str, Any]], int]] = {
+    CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK: lambda p: p["max_threads_per_block"],
+    CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_X: lambda p: p["max_block_dims"][0],
+    CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Y: lambda p: p["max_block_dims"][1],
+    CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Z: lambda p: p["max_block_dims"][2],
+    CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_X: lambda p: p["max_grid_dims"][0],
+    CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Y: lambda p: p["max_grid_dims"][1],
+    CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Z: lambda p: p["max_grid_dims"][2],
+    CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK: lambda p: p["shared_memory_per_block"],
+    CU_DEVICE_ATTRIBUTE_WARP_SIZE: lambda p: p["warp_size"],
+    CU_DEVICE_ATTRIBUTE_MAX_REGISTERS_PER_BLOCK: lambda p: p["regs_per_block"],
+    CU_DEVICE_ATTRIBUTE_CLOCK_RATE: lambda p: p["clock_rate_khz"],
+    CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT: lambda p: p["multiprocessor_count"],
+    CU_DEVICE_ATTRIBUTE_PCI_BUS_ID: lambda p: p["pci_bus_id"],
+    CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID: lambda p: p["pci_device_id"],
+    CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR: lambda p: p["max_threads_per_multiprocessor"],
+    CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING: lambda p: 1,
+    CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID: lambda p: p["pci_domain_id"],
+    CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: lambda p: p["major"],
+    CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: lambda p: p["minor"],
+    CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR: lambda p: p["shared_memory_per_multiprocessor"],
+    CU_DEVICE_ATTRIBUTE_MAX_REGISTERS_PER_MULTIPROCESSOR: lambda p: p["regs_per_multiprocessor"],
+    CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN: lambda p: p["shared_memory_per_block_optin"],
+    CU_DEVICE_ATTRIBUTE_MAX_BLOCKS_PER_MULTIPROCESSOR: lambda p: p["max_blocks_per_multiprocessor"],
 }
-globals().update({f"CU_DEVICE_ATTRIBUTE_{name}": number for number, (name, _) in _ATTRIBUTES.items()})
-# Every error class, under the runtime's names and, where they differ, the driver's (InvalidContextError,
-# NotInitializedError, InvalidHandleError, ...), so that ``except driver.InvalidContextError`` reads as CUDA does.
-globals().update({cls.__name__: cls for cls in ERROR_CLASSES.values()})
-globals().update(DRIVER_ALIASES)
+
+
+def __getattr__(name: str) -> type[CudaError]:
+    """Every error class, under the runtime's name and, where it differs, the driver's (InvalidContextError,
+    NotInitializedError, InvalidHandleError, ...), so that ``except driver.InvalidContextError`` reads as CUDA
+    does (PEP 562: looked up when asked for, from the one error table)."""
+    found = DRIVER_ALIASES.get(name) or _ERRORS_BY_NAME.get(name)
+    if found is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return found
+
+
+_ERRORS_BY_NAME = {cls.__name__: cls for cls in ERROR_CLASSES.values()}
 
 
 def _driver(initialized: bool = True) -> Callable[[F], F]:
@@ -151,7 +182,7 @@ def device_get_attribute(attrib: int, dev: int) -> int:
     entry = _ATTRIBUTES.get(attrib) if type(attrib) is int else None
     if entry is None:
         raise InvalidValueError(f"device attribute {brief(attrib, 20)} is not one mpsd reports")
-    return int(entry[1](properties))
+    return int(entry(properties))
 
 
 # -- contexts ---------------------------------------------------------------------------------------------
@@ -511,5 +542,5 @@ __all__ = [
     "event_synchronize", "get_error_name", "get_error_string", "init", "launch_kernel", "mem_alloc", "mem_free",
     "mem_get_info", "memcpy_dtod", "memcpy_dtoh", "memcpy_dtoh_async", "memcpy_htod", "memcpy_htod_async",
     "memset_d8", "stream_create", "stream_destroy", "stream_synchronize",
-] + [f"CU_DEVICE_ATTRIBUTE_{name}" for name, _ in _ATTRIBUTES.values()] + list(DRIVER_ALIASES) + [
+] + [name for name in globals() if name.startswith("CU_DEVICE_ATTRIBUTE_")] + list(DRIVER_ALIASES) + [
     cls.__name__ for cls in ERROR_CLASSES.values()]
