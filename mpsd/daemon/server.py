@@ -207,9 +207,7 @@ class Daemon:
         except GpuUnavailableError as exc:
             raise DaemonError(str(exc)) from None
         if config.kernel_dispatch:
-            # (A Dispatcher's submit takes no gate: it gives its own to the backend under it, and nothing above it
-            # has one to give. Otherwise it is a Backend.)
-            return Dispatcher(backend, kernel_policy(config.policy, config.policy_options),  # type: ignore[return-value]
+            return Dispatcher(backend, kernel_policy(config.policy, config.policy_options),
                               config.kernels_in_flight, config.dispatch_reaction)
         return backend
 

@@ -287,9 +287,11 @@ class Dispatcher:
         self.version += 1
 
     # -- work ----------------------------------------------------------------------------------------------
-    def submit(self, work: Work, count: int = 1) -> None:
+    def submit(self, work: Work, count: int = 1, gate: Gate | None = None, late: float = 0.0) -> None:
         """Queue `work` and release what the policy lets go. Where `work` itself is released now and the
-        backend refuses it, the call fails as it would without the dispatcher, and nothing stays queued."""
+        backend refuses it, the call fails as it would without the dispatcher, and nothing stays queued. (A gate
+        and a lateness are the dispatcher's own to give the backend under it: nothing above it has either.)"""
+        assert gate is None and not late, "the runtime gives the dispatcher no gate and no lateness"
         tenant = self._tenant(work.client)
         item = _Item(next(self._seq), work, count, work.priority, self.inner.now())
         tenant.queues.setdefault(work.stream, deque()).append(item)
