@@ -106,7 +106,7 @@ def parse_sweep(data: dict[str, Any], base: Path = Path(".")) -> Sweep:
     out = Sweep(workload, base, points)
     for point in points:
         try:
-            parse_workload(out.document(point), base)
+            _policy(parse_workload(out.document(point), base))
         except WorkloadError as exc:
             raise WorkloadError(f"point {describe(point)}: {exc}") from None
     return out
@@ -224,16 +224,27 @@ def _model(workload: Workload) -> list[dict[str, Any]]:
             for group, t in zip(groups, result["tenants"])]
 
 
+def _policy(workload: Workload) -> tuple[str, dict[str, Any]]:
+    """The workload's policy and its options, checked as mpsd-stress checks them.
+
+    Raises:
+        WorkloadError: an unknown policy, or options it refuses.
+    """
+    from mpsd.stress.cli import _policies
+
+    options = argparse.Namespace(compare_policies=None, policy=None, dispatch="block", devices=None,
+                                 dispatch_reaction=None)
+    return next(iter(_policies(workload, options).items()))
+
+
 def _daemon(workload: Workload) -> list[dict[str, Any]]:
     """Each instance's figures from a run of tenant tasks beside a daemon in this process, placed and
     configured as mpsd-stress places them (without the runs alone: isolation is not among a sweep's figures,
     nor the device's trace)."""
-    from mpsd.stress.cli import _place_in_partitions, _policies
+    from mpsd.stress.cli import _place_in_partitions
     from mpsd.stress.runner import device_policies, run_virtual
 
-    options = argparse.Namespace(compare_policies=None, policy=None, dispatch="block", devices=None,
-                                 dispatch_reaction=None)
-    policy, settings = next(iter(_policies(workload, options).items()))
+    policy, settings = _policy(workload)
     tenants = _place_in_partitions(workload.tenants, device_policies(workload, policy, settings))
     played = run_virtual(workload, policy, settings, tenants, by_device=workload.devices > 1, device_trace=False)
     out = []

@@ -172,7 +172,8 @@ def _flat(row: dict[str, Any]) -> dict[str, Any]:
 def to_csv(rows: list[dict[str, Any]]) -> str:
     """The table as CSV: a column per axis, then key, path, run.<figure> and <group>.<figure>; None empty."""
     flat = [_flat(row) for row in rows]
-    columns = list(dict.fromkeys(column for row in flat for column in row))
+    axes = [axis for row in rows for axis in row["axes"]]  # every axis first, though not every point names it
+    columns = list(dict.fromkeys([*axes, *(column for row in flat for column in row)]))
     out = io.StringIO()
     writer = csv.DictWriter(out, columns, lineterminator="\n")
     writer.writeheader()
