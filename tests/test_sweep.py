@@ -1,7 +1,7 @@
 # `mpsd-stress sweep`: the grammar of a sweep file, the two paths a point runs on (the model alone, the
-# in-process daemon) giving the same figures, and the same bytes whatever order or number of workers ran the
-# points, with a results directory that a rerun resumes. Tiny workloads (50 simulated ms, three tenants), so
-# that the whole file stays within a few seconds on two cores.
+# in-process daemon) giving the same figures where both serve a point, and the same bytes whatever order or
+# number of workers ran the points, with a results directory that a rerun resumes. Tiny workloads (50
+# simulated ms, three tenants), so that the whole file stays within a few seconds on two cores.
 from __future__ import annotations
 
 import json
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from mpsd.stress.sweep import load_sweep, model_serves, parse_sweep, point_key, run_point
+from mpsd.stress.sweep import load_sweep, model_serves, parse_sweep, pick_path, point_key, run_point
 from mpsd.stress.sweep_cli import main
 from mpsd.stress.workload import WorkloadError, parse_workload
 
@@ -80,6 +80,7 @@ def test_points_are_listed_and_a_workload_may_be_a_file(tmp_path):
     # The key is the point's workload document's: the same run under either spelling of an axis.
     assert point_key(sweep.document({"seed": 3})) == point_key(sweep.document({"run.seed": 3}))
     assert point_key(sweep.document({"seed": 3})) != point_key(sweep.document({"seed": 4}))
+    assert point_key(sweep.document({"seed": 3})) != point_key(sweep.document({"seed": 3}), "model")
 
 
 @pytest.mark.parametrize(("table", "message"), [
@@ -108,8 +109,9 @@ def test_a_wrong_sweep_is_an_error_naming_the_key(table, message):
 
 
 def test_the_model_and_the_daemon_give_the_same_figures():
-    """Where the model alone serves a point it gives the in-process daemon's figures, to rounding (the daemon's
-    run starts at a simulated second); a deadline, which the model does not keep, sends a point to the daemon."""
+    """Where the model alone serves a point (and the SMs have room) it gives the in-process daemon's figures, to
+    rounding (the daemon's run starts at a simulated second); a deadline, which the model does not keep, sends
+    a point to the daemon even where the model is asked for."""
     doc = parse_sweep({**workload(), "sweep": {"point": [{"tenant.inference.count": 2}]}}).document(
         {"tenant.inference.count": 2})
     assert model_serves(parse_workload(doc))
@@ -121,7 +123,7 @@ def test_the_model_and_the_daemon_give_the_same_figures():
         for name, value in mine.items():
             assert value == (None if theirs[name] is None else pytest.approx(theirs[name], rel=1e-9)), name
     doc["tenant"][0]["deadline_ms"] = 0.2
-    assert not model_serves(parse_workload(doc))
+    assert not model_serves(parse_workload(doc)) and pick_path(doc, Path("."), "model") == "daemon"
     assert run_point(doc)["groups"]["inference"]["slo"] is not None
 
 
@@ -132,12 +134,13 @@ def test_same_bytes_in_any_order_and_any_jobs_and_a_rerun_resumes(tmp_path, caps
     forward.write_text(sweep_text(POINTS))
     backward.write_text(sweep_text(POINTS[::-1]))
     one, two = tmp_path / "one", tmp_path / "two"
-    assert main([str(forward), "--jobs", "2", "--results", str(two), "--json", str(tmp_path / "f.json"),
-                 "--csv", str(tmp_path / "f.csv")]) == 0
+    assert main([str(forward), "--path", "model", "--jobs", "2", "--results", str(two),
+                 "--json", str(tmp_path / "f.json"), "--csv", str(tmp_path / "f.csv")]) == 0
     err = capsys.readouterr().err.splitlines()
     assert len(err) == len(POINTS) and err[-1].startswith(f"mpsd-stress sweep: {len(POINTS)}/{len(POINTS)} ")
     assert "s left" in err[0]
-    assert main([str(backward), "--jobs", "1", "--results", str(one), "--json", str(tmp_path / "b.json")]) == 0
+    assert main([str(backward), "--path", "model", "--jobs", "1", "--results", str(one),
+                 "--json", str(tmp_path / "b.json")]) == 0
     files = sorted(p.name for p in two.iterdir())
     assert len(files) == len(POINTS) and files == sorted(p.name for p in one.iterdir())
     assert all((one / name).read_bytes() == (two / name).read_bytes() for name in files)
@@ -151,10 +154,10 @@ def test_same_bytes_in_any_order_and_any_jobs_and_a_rerun_resumes(tmp_path, caps
     capsys.readouterr()
 
     before = {name: (two / name).read_bytes() for name in files}
-    assert main([str(forward), "--results", str(two)]) == 0
+    assert main([str(forward), "--path", "model", "--results", str(two)]) == 0
     assert capsys.readouterr().err == f"mpsd-stress sweep: 4 of 4 points already in {two}/, 0 to run\n"
     (two / files[0]).unlink()
-    assert main([str(forward), "--results", str(two)]) == 0
+    assert main([str(forward), "--path", "model", "--results", str(two)]) == 0
     err = capsys.readouterr().err.splitlines()
     assert err[0] == f"mpsd-stress sweep: 3 of 4 points already in {two}/, 1 to run" and len(err) == 2
     assert {name: (two / name).read_bytes() for name in files} == before
@@ -169,7 +172,7 @@ def test_the_command_runs_a_sweep_and_says_what_is_wrong(tmp_path):
     assert done.returncode == 0 and done.stderr == ""
     header, *rows = done.stdout.splitlines()
     assert header.split()[:3] == ["tenant.inference.active_thread_percentage", "path", "inference"]
-    assert [row.split()[:2] for row in rows] == [["25", "model"], ["100", "model"]]
+    assert [row.split()[:2] for row in rows] == [["25", "daemon"], ["100", "daemon"]]
     wrong = subprocess.run([STRESS, "sweep", str(bad)], capture_output=True, text=True, timeout=60)
     assert wrong.returncode == 2 and wrong.stdout == ""
     assert wrong.stderr.startswith("mpsd-stress sweep: [sweep] unknown axis 'tenant.inference.rat' (known: ")

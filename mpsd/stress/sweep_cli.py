@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from mpsd.stress.runner import RunError
-from mpsd.stress.sweep import Sweep, describe, load_sweep, point_key, run_point
+from mpsd.stress.sweep import Sweep, describe, load_sweep, pick_path, point_key, run_point
 from mpsd.stress.workload import WorkloadError
 
 __all__ = ["main"]
@@ -44,6 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="one JSON file per point, named by its key; a rerun skips the points done")
     parser.add_argument("--json", type=Path, metavar="FILE", help="write the table as JSON ('-' for stdout)")
     parser.add_argument("--csv", type=Path, metavar="FILE", help="write the table as CSV ('-' for stdout)")
+    parser.add_argument("--path", choices=("daemon", "model"), default="daemon",
+                        help="daemon (default): each point beside a daemon in a worker, mpsd-stress --virtual-time's "
+                             "figures; model: the model alone (mpsd simulate) where it serves the point, 20-100x "
+                             "faster, the same figures to rounding while the SMs have room, not once blocks queue")
     parser.add_argument("--executor", choices=("local",), default="local",
                         help="where points run: local worker processes (Ray is not built in yet)")
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
@@ -56,12 +60,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if options.jobs < 1:
             raise WorkloadError("--jobs must be at least 1")
         sweep = load_sweep(options.sweep)
+        points = plan(sweep, options.path)
     except WorkloadError as exc:
         print(f"mpsd-stress sweep: {exc}", file=sys.stderr)
         return 2
     say = (lambda line: None) if options.quiet else (lambda line: print(line, file=sys.stderr, flush=True))
     try:
-        results = run_sweep(sweep, options.jobs, options.results, say)
+        results = run_sweep(sweep, points, options.jobs, options.results, say)
     except (RunError, WorkloadError) as exc:
         print(f"mpsd-stress sweep: {exc}", file=sys.stderr)
         return 1
@@ -69,7 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("mpsd-stress sweep: interrupted" + (f"; the points done are in {options.results}/, and a rerun "
                                                   "resumes" if options.results else ""), file=sys.stderr)
         return 130
-    rows = table(sweep, results)
+    rows = table(points, results)
     print(render(rows))
     for target, text in ((options.json, lambda: json.dumps(rows, indent=1, allow_nan=False) + "\n"),
                          (options.csv, lambda: to_csv(rows))):
@@ -83,7 +88,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def run_sweep(sweep: Sweep, jobs: int, results: Path | None, say: Any) -> dict[str, dict[str, Any]]:
+def plan(sweep: Sweep, wanted: str) -> list[tuple[dict[str, Any], dict[str, Any], str, str]]:
+    """Each point, in the file's order: (its axes, its workload document, its path, its key).
+
+    Raises:
+        WorkloadError: a point's workload is wrong.
+    """
+    out = []
+    for point in sweep.points:
+        document = sweep.document(point)
+        path = pick_path(document, sweep.base, wanted)
+        out.append((point, document, path, point_key(document, path)))
+    return out
+
+
+def run_sweep(sweep: Sweep, points: list[tuple[dict[str, Any], dict[str, Any], str, str]], jobs: int,
+              results: Path | None, say: Any) -> dict[str, dict[str, Any]]:
     """Every point's figures, by key: read from ``results`` where a file holds them, else run (at most ``jobs``
     at once) and, with ``results``, written there as each finishes.
 
@@ -91,7 +111,7 @@ def run_sweep(sweep: Sweep, jobs: int, results: Path | None, say: Any) -> dict[s
         RunError: a point's run failed (the others already done are kept).
         WorkloadError: a point's workload was refused by the model or the daemon.
     """
-    documents = {point_key(sweep.document(p)): (p, sweep.document(p)) for p in sweep.points}
+    documents = {key: (point, document, path) for point, document, path, key in points}
     done: dict[str, dict[str, Any]] = {}
     if results is not None:
         results.mkdir(parents=True, exist_ok=True)
@@ -108,7 +128,7 @@ def run_sweep(sweep: Sweep, jobs: int, results: Path | None, say: Any) -> dict[s
     started = time.monotonic()
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(min(jobs, len(todo)), mp_context=context) as pool:
-        futures = {pool.submit(run_point, documents[key][1], sweep.base): key for key in todo}
+        futures = {pool.submit(run_point, documents[key][1], sweep.base, documents[key][2]): key for key in todo}
         try:
             for finished, future in enumerate(concurrent.futures.as_completed(futures), 1):
                 key = futures[future]
@@ -150,13 +170,14 @@ def _write(path: Path, result: dict[str, Any]) -> None:
 
 # -- the table --------------------------------------------------------------------------------------------
 
-def table(sweep: Sweep, results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+def table(points: list[tuple[dict[str, Any], dict[str, Any], str, str]],
+          results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per point, in the file's order: its axes (as this file names them), key, path, the run's
     figures and each tenant group's."""
     rows = []
-    for point in sweep.points:
-        result = results[point_key(sweep.document(point))]
-        rows.append({"axes": point, "key": result["key"], "path": result["path"], "run": result["run"],
+    for point, _document, _path, key in points:
+        result = results[key]
+        rows.append({"axes": point, "key": key, "path": result["path"], "run": result["run"],
                      "groups": result["groups"]})
     return rows
 
