@@ -36,7 +36,8 @@ DISPATCH_KEYS = ("dispatch", "kernels_in_flight", "dispatch_reaction")
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mpsd-stress", description="Run a multi-tenant workload on mpsd's GPU under one or more scheduling "
-                                        "policies and report latency, throughput, fairness and isolation.")
+                                        "policies and report latency, throughput, fairness and isolation. "
+                                        "`mpsd-stress sweep SWEEP.toml` runs it at many points of settings.")
     parser.add_argument("workload", type=Path, help="a workload TOML file (see examples/workloads/)")
     parser.add_argument("--policy", help=f"the policy: {', '.join(POLICIES)}, or one written in Python as "
                                          "module:Class (mpsd.sim.Policy) (default: the workload's, or mps)")
@@ -74,7 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    options = build_parser().parse_args(argv)
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["sweep"]:  # `mpsd-stress sweep SWEEP.toml`: many runs of one workload (sweep_cli.py)
+        from mpsd.stress.sweep_cli import main as sweep
+
+        return sweep(args[1:])
+    options = build_parser().parse_args(args)
     try:
         workload = _adjust(load_workload(options.workload), options)
         policies = _policies(workload, options)

@@ -73,8 +73,10 @@ def run_scenario(scenario: dict[str, Any]) -> dict[str, Any]:
     return run_workload(parse_workload(to_workload(scenario), source="the scenario"))
 
 
-def run_workload(workload: Workload) -> dict[str, Any]:
-    """Simulate a workload on the model alone; returns per-tenant results and the device's figures.
+def run_workload(workload: Workload, latencies: bool = False) -> dict[str, Any]:
+    """Simulate a workload on the model alone; returns per-tenant results and the device's figures (with
+    ``latencies``, each tenant's every latency in seconds too, in the order its calls ended, as
+    ``latencies_s``: what a sweep needs to pool a group's instances).
 
     Raises:
         WorkloadError: a setting the model refuses (a policy option, a partition, a block too large).
@@ -168,12 +170,13 @@ def run_workload(workload: Workload) -> dict[str, Any]:
         result.last_end = max(result.last_end, returned)
     stats = sim.statistics()
     total = sum(c.sm_seconds for c in stats.per_client.values())
-    return {
-        "policy": workload.policy, "simulated_seconds": stats.now,
-        "blocks": stats.blocks_completed, "kernels": stats.kernels_completed,
-        "tenants": [r.summary(stats.per_client[c].sm_seconds if c in stats.per_client else 0.0, total)
-                    for c, r in results.items()],
-    }
+    tenants = [r.summary(stats.per_client[c].sm_seconds if c in stats.per_client else 0.0, total)
+               for c, r in results.items()]
+    if latencies:
+        for row, r in zip(tenants, results.values()):
+            row["latencies_s"] = list(r.latencies)
+    return {"policy": workload.policy, "simulated_seconds": stats.now,
+            "blocks": stats.blocks_completed, "kernels": stats.kernels_completed, "tenants": tenants}
 
 
 def _requests(spec: DeviceSpec, client: int, tenant: TenantSpec) -> Callable[[], list[Op]]:
