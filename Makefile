@@ -46,6 +46,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/sim_rate.py --scenario grids
 	$(BIN)/python bench/clock_rate.py
 	$(BIN)/python bench/daemon_instructions.py
+	$(BIN)/python bench/sweep_rate.py
 
 # The reliability suite (issue 29), a few minutes on two cores, so in neither `make test` nor `make bench`; each part
 # prints its counts and exits 1 on what it exists to catch (make stops there; `make -k soak` runs the rest): a fuzz
