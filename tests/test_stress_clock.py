@@ -121,8 +121,11 @@ def test_traces_are_on_one_clock_without_negative_times(tmp_path):
 
 
 def test_the_wall_clock_says_when_host_time_colours_the_figures(tmp_path):
-    """Under --clock wall at full speed, Python's time to issue a request of short kernels is a large part of
-    its latency: the table and the JSON say so and name --clock virtual."""
+    """Under --clock wall, Python's time to issue a request of short kernels is recorded, and the table and the
+    JSON warn, naming --clock virtual, exactly when it passes a tenth of the median latency. How large the share
+    is depends on this host's load (idle here, about 13%; with the other test workers busy it fell to 1%, as the
+    daemon's waits for a core swell every latency), so the threshold itself is checked on a timeline built by
+    hand in test_stress_metrics.py."""
     (tmp_path / "short.toml").write_text("""
 [run]
 duration = 0.1
@@ -138,8 +141,12 @@ repeat = 4
     done = stress(str(tmp_path / "short.toml"), "--no-solo", "--clock", "wall", "--json", "-")
     assert done.returncode == 0, done.stderr
     run = json.loads(done.stdout)["runs"]["mps"]
-    assert run["tenants"][0]["host_share"] > 0.1
-    assert "--clock virtual" in run["host_time_warning"] and "--clock virtual" in done.stderr
+    share = run["tenants"][0]["host_share"]
+    assert share > 0
+    if share > 0.1:
+        assert "--clock virtual" in run["host_time_warning"] and "--clock virtual" in done.stderr
+    else:
+        assert run["host_time_warning"] is None and "--clock virtual" not in done.stderr
     # Under the virtual clock the host's time is the model's, never a warning, though the share is as large:
     # a tenth of the run shows it (the whole run served 3,000 requests of real calls for the same answer).
     virtual = json.loads(stress(str(tmp_path / "short.toml"), "--no-solo", "--duration", "0.01", "--json", "-")

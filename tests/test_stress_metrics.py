@@ -138,6 +138,23 @@ def test_summary_per_tenant():
     assert (c["max_sms"], c["memory_high_water"], c["longest_wait_ms"], c["kernels"], c["blocks"]) == (0, 0, 0, 0, 0)
 
 
+def test_host_time_warns_past_a_tenth_of_the_median_latency_on_the_wall_clock_only():
+    """A tenant whose median request spent more than 10% of its latency being issued is named in the warning,
+    which points at --clock virtual; one at 10% or below is not; under the virtual clock nothing warns."""
+    tenants = [TenantInfo("slow", "slow"), TenantInfo("edge", "edge"), TenantInfo("quick", "quick")]
+    requests = [Request("slow", 0.0, 1.0, host=0.4), Request("slow", 1.0, 2.0, host=0.2),
+                Request("slow", 2.0, 3.0, host=0.0),  # median share 0.2
+                Request("edge", 0.0, 1.0, host=0.1),  # exactly the threshold: no warning
+                Request("quick", 0.0, 1.0, host=0.01)]
+    wall = Timeline("mps", sm_count=1, duration=3.0, tenants=tenants, requests=requests, traced=False)
+    s = summarize(wall)
+    assert [t["host_share"] for t in s["tenants"]] == pytest.approx([0.2, 0.1, 0.01])
+    assert "of slow:" in s["host_time_warning"] and "--clock virtual" in s["host_time_warning"]
+    assert "edge" not in s["host_time_warning"] and "quick" not in s["host_time_warning"]
+    assert summarize(replace(wall, virtual=True))["host_time_warning"] is None
+    assert summarize(replace(wall, requests=requests[3:]))["host_time_warning"] is None
+
+
 def test_summary_is_plain_json_with_the_documented_keys():
     s = summarize(hand_timeline())
     assert json.loads(json.dumps(s, allow_nan=False)) == s
