@@ -3,7 +3,8 @@
 # CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, CUDA_MPS_PINNED_DEVICE_MEM_LIMIT and CUDA_MPS_CLIENT_PRIORITY ask for
 # tighter quotas (the daemon never lets them loosen its own: a smaller share, a smaller limit, a less urgent
 # priority than the daemon's level, whose finer levels only the control plane sets), MPSD_MIG_PARTITION picks
-# a MIG instance, CUDA_MPS_SM_PARTITION a static SM partition (-S), CUDA_MPS_PIPE_DIRECTORY (or
+# a MIG instance, CUDA_MPS_SM_PARTITION a static SM partition (-S), CUDA_DEVICE_MAX_CONNECTIONS the hardware
+# work queues its streams share (1 to 32, 8 by default, as CUDA documents it), CUDA_MPS_PIPE_DIRECTORY (or
 # MPSD_PIPE_DIRECTORY) says where the daemon is. Only the daemon applies the rules; this module only reads and
 # checks the variables.
 from __future__ import annotations
@@ -12,6 +13,7 @@ import os
 from typing import Any, Mapping
 
 from mpsd_protocol import (
+    MAX_CONNECTIONS,
     InvalidDeviceError,
     InvalidValueError,
     brief,
@@ -90,6 +92,14 @@ def requested_limits(device: int, environ: Mapping[str, str] = os.environ) -> di
         if not text.strip().isascii() or not text.strip().isprintable() or len(text.strip()) > 64:
             raise InvalidValueError(f"CUDA_MPS_SM_PARTITION={brief(text, 40)} is not a partition id")
         limits["sm_partition"] = text.strip()
+    text = environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
+    if text:
+        try:
+            connections = parse_integer(text.strip())
+        except ValueError:
+            raise InvalidValueError(f"CUDA_DEVICE_MAX_CONNECTIONS={brief(text, 40)} is not a number") from None
+        # CUDA's driver takes what it can of a request ("the number actually allocated may differ"): 1 to 32
+        limits["connections"] = min(max(connections, 1), MAX_CONNECTIONS)
     text = environ.get("CUDA_MPS_CLIENT_PRIORITY")
     if text:
         if text.strip() not in ("0", "1"):

@@ -82,7 +82,8 @@ from ._messages import (
 )
 from ._peer import check_server, peer_credentials
 from ._spin import SpinOdds
-from ._units import format_size, parse_decimal, parse_integer, parse_mem_limits, parse_percentage, parse_size
+from ._units import (DEFAULT_CONNECTIONS, MAX_CONNECTIONS, format_size, parse_decimal, parse_integer, parse_mem_limits,
+                     parse_percentage, parse_size)
 
 __all__ = [
     "brief", "CALL", "CAPTURE_ACTIVE", "CAPTURE_GLOBAL", "CAPTURE_INVALIDATED", "CAPTURE_NONE", "CAPTURE_RELAXED",
@@ -103,6 +104,7 @@ __all__ = [
     "MAX_FDS_PER_FRAME", "PROTOCOL_VERSION", "LocalProtocolError", "Message", "Notification", "ProtocolError",
     "RemoteProtocolError", "Reply", "Request",
     "check_server", "peer_credentials", "SpinOdds",
-    "format_size", "parse_decimal", "parse_integer", "parse_percentage", "parse_mem_limits", "parse_size",
+    "DEFAULT_CONNECTIONS", "MAX_CONNECTIONS", "format_size", "parse_decimal", "parse_integer", "parse_percentage",
+    "parse_mem_limits", "parse_size",
 ]
 __all__ += _errors.__all__  # one exception class per error code (a form type checkers read as the names it adds)

@@ -15,6 +15,8 @@ _DECIMAL = re.compile(r"(?P<int>[0-9]+)(?:\.(?P<frac>[0-9]+))?(?:[eE](?P<exp>[-+
 _SIZE = re.compile(r"\s*([0-9]{1,20}(?:\.[0-9]{1,20})?)\s*([KMGT]?)(?:i?B)?\s*", re.ASCII | re.IGNORECASE)
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 MAX_SIZE = (1 << 63) - 1  # bytes: what a signed 64-bit count (and msgpack) can carry
+# CUDA_DEVICE_MAX_CONNECTIONS: the hardware work queues a context's streams are aliased onto, 1 to 32, 8 unset
+DEFAULT_CONNECTIONS, MAX_CONNECTIONS = 8, 32
 
 
 def parse_integer(text: str, *, signed: bool = False, max_digits: int = MAX_DIGITS) -> int:

@@ -325,3 +325,53 @@ def test_submit_stamps_time_and_rejects_resubmission():
         sim.submit(k)
     with pytest.raises(ValueError):
         sim.submit(Copy(client=1, stream=0, engine="p2p", nbytes=1))
+
+
+def test_a_shared_hardware_queue_keeps_its_order_of_dispatch_not_of_completion():
+    """With one connection, a kernel on stream 1 submitted after stream 0's second waits until that second one's
+    turn (stream 0's first ends), then runs beside it; a marker (an event's record) waits in the queue too, and
+    a copy, on its engine's own queue, does not. Without connections the kernel starts at once."""
+    for connections, start in ((None, OVERHEAD), (1, MS + 2 * OVERHEAD)):
+        sim = Simulator()
+        sim.configure_client(1, connections=connections)
+        a1, a2, b = submit(sim, kernel(stream=0), kernel(stream=0), kernel(stream=1))
+        mark, other = Marker(client=1, stream=2), Copy(client=1, stream=3, engine="h2d", nbytes=1 << 20)
+        submit(sim, mark, other)
+        sim.run()
+        assert b.started == pytest.approx(start) and a2.started == pytest.approx(MS + 2 * OVERHEAD)
+        assert mark.ended == pytest.approx(0.0 if connections is None else a2.eligible)
+        assert other.started == pytest.approx(0.0, abs=1e-5)
+
+
+def test_streams_go_round_robin_onto_a_clients_queues_and_another_client_has_its_own():
+    """Two connections: streams 0 and 2 share one (the third stream falsely waits for the first's second
+    kernel), stream 1 has the other; another client's stream is on queues of its own."""
+    sim = Simulator()
+    sim.configure_client(1, connections=2)
+    sim.configure_client(2, connections=1)
+    a1, a2 = submit(sim, kernel(stream=0), kernel(stream=0))
+    b, c, d = submit(sim, kernel(stream=1), kernel(stream=2), kernel(client=2, stream=0))
+    sim.run()
+    assert b.started == d.started == pytest.approx(OVERHEAD)
+    assert c.started == pytest.approx(a2.started)
+
+
+def test_cancelling_a_client_with_work_waiting_in_its_queue_frees_the_others():
+    """A client's kernels parked behind its queue's head go with cancel(); another client's work, and its own
+    later work, run as if they had never been."""
+    sim = Simulator()
+    sim.configure_client(1, connections=1)
+    submit(sim, kernel(stream=0), kernel(stream=0), kernel(stream=1))
+    sim.advance(0.5 * MS)
+    dropped = sim.cancel(1)
+    assert len(dropped) == 2  # the second of stream 0 and the one parked behind it; the first had started
+    other, again = submit(sim, kernel(client=2), kernel(stream=1))
+    sim.run()
+    assert other.started == pytest.approx(0.5 * MS + OVERHEAD)
+    assert again.started == pytest.approx(0.5 * MS + OVERHEAD)
+
+
+def test_connections_must_be_a_positive_int():
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="connections"):
+            Simulator().configure_client(1, connections=bad)

@@ -235,3 +235,45 @@ async def test_calls_read_together_reach_the_device_together(tmp_path):
     # Each read from the socket holds many launches; every launch of one read has one submission time.
     assert len(set(submitted)) < len(submitted) / 4
     assert backend.engine.max_lag > 0
+
+
+async def _false_dependency_ms(actx, between: int) -> float:
+    """Streams a and b, with `between` streams first used between them: 1 ms and 1 ms of quarter waves on a
+    (one after the other), 2 ms on b; ms from their common start to b's end. 2 ms (plus overheads) if b runs
+    beside a; 3 if b's work is queued behind a's second kernel, which waits for a's first to end."""
+    streams = [await actx.create_stream(non_blocking=True) for _ in range(between + 3)]
+    first, a, *others, b = streams
+    start, end = await actx.create_event(), await actx.create_event()
+    await blocker(actx, first)  # the streams are first used in this order, after it: their work is queued
+    await start.record(first)
+    for s in (a, *others, b):
+        await s.wait_event(start)
+    await actx.launch("spin", QUARTER, 1024, [ONE_MS], stream=a)
+    await actx.launch("spin", QUARTER, 1024, [ONE_MS], stream=a)
+    await actx.launch("spin", QUARTER, 1024, [2 * ONE_MS], stream=b)
+    await end.record(b)
+    await end.synchronize()
+    return await start.elapsed_ms(end)
+
+
+@pytest.mark.parametrize(("connections", "between", "serial"), [
+    (None, 0, False), ("1", 0, True),  # streams on queues of their own; one queue for all
+    (None, 7, True), ("9", 7, False),  # the ninth stream after a shares its queue under CUDA's default of 8
+    ("0", 0, True), ("100", 7, False),  # the driver takes what it can: 1 to 32
+])
+async def test_streams_sharing_a_hardware_queue_falsely_depend_on_each_other(autojump_clock, connections, between,
+                                                                             serial):
+    """CUDA_DEVICE_MAX_CONNECTIONS hardware work queues (8 unset) carry a client's streams, round robin: work on a
+    stream that shares a's queue waits behind a's second kernel until that kernel's turn comes (a's first ends),
+    then runs beside it: the order of the queue, not of the streams."""
+    environ = {} if connections is None else {"CUDA_DEVICE_MAX_CONNECTIONS": connections}
+    async with in_process_daemon() as d, d.connect(**environ) as actx:
+        elapsed = await _false_dependency_ms(actx, between)
+    assert elapsed == pytest.approx((3 if serial else 2) + OVERHEAD_MS, abs=2 * OVERHEAD_MS)
+
+
+async def test_a_malformed_connection_count_is_refused_naming_it(autojump_clock):
+    async with in_process_daemon() as d:
+        with pytest.raises(mpsd_client.InvalidValueError, match="CUDA_DEVICE_MAX_CONNECTIONS"):
+            async with d.connect(CUDA_DEVICE_MAX_CONNECTIONS="eight"):
+                pass

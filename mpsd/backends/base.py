@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterable, Iterator, Protocol
 import trio
 
 from mpsd.backends.ops import Work
-from mpsd_protocol import CudaError
+from mpsd_protocol import DEFAULT_CONNECTIONS, CudaError
 
 __all__ = ["Backend", "Client", "DeviceMemory", "Gate", "Instance", "HOST_VIEW", "VIRTUAL_MEMORY", "when_all"]
 
@@ -114,9 +114,10 @@ class Backend(Protocol):
         """SMs a client at that active thread percentage may hold at once."""
 
     def attach(self, client: Client, *, sm_cap: int, priority: int, weight: float, instance: int | None,
-               sms: tuple[int, int] | None = None) -> None:
+               sms: tuple[int, int] | None = None, connections: int = DEFAULT_CONNECTIONS) -> None:
         """A client arrived, or its scheduling settings changed (from its next placement on); `sms` is the
-        static SM partition (MPS's -S) it is pinned to, as (first SM, SM count)."""
+        static SM partition (MPS's -S) it is pinned to, as (first SM, SM count); `connections` the hardware
+        work queues its streams share (CUDA_DEVICE_MAX_CONNECTIONS), for streams made from now on."""
 
     def release_host(self, buffer: Any) -> None:
         """A client's pinned host buffer is about to be unmapped (a GPU must unregister it first)."""

@@ -79,7 +79,7 @@ from mpsd.backends.cuda_trace import RECORD, BlockTrace
 from mpsd.backends.ops import Copy, Extent, GraphLaunch, Launch, Memset, Record, Work
 from mpsd.backends.recorder import Recorder
 from mpsd.backends.smgroups import place
-from mpsd_protocol import CudaError, IllegalAddressError, OutOfMemoryError
+from mpsd_protocol import DEFAULT_CONNECTIONS, CudaError, IllegalAddressError, OutOfMemoryError
 
 if TYPE_CHECKING:
     from mpsd.stress.timeline import Timeline
@@ -457,7 +457,7 @@ class CudaBackend:
 
     # -- clients -----------------------------------------------------------------------------------------
     def attach(self, client: Client, *, sm_cap: int, priority: int, weight: float, instance: int | None,
-               sms: tuple[int, int] | None = None) -> None:
+               sms: tuple[int, int] | None = None, connections: int = DEFAULT_CONNECTIONS) -> None:
         """Place a client: in the primary context, or in the green context of a window of at least its SM cap
         (its streams are made there as its work arrives), the capped clients' windows all chosen again (which
         may move some of them). Static SM partitions (`sms`) are the simulator's only: the daemon refuses -S

@@ -28,7 +28,7 @@ from mpsd.backends.vrange import VirtualRange
 from mpsd.clock import DeviceClock, Host
 from mpsd.sim import COPY_KINDS, BlockCost, DeviceSpec, Kernel, Marker, Op, Simulator, copy_kernel, kernel_cost, sm_cap
 from mpsd.sim import Copy as SimCopy
-from mpsd_protocol import CudaError, IllegalAddressError
+from mpsd_protocol import DEFAULT_CONNECTIONS, CudaError, IllegalAddressError
 
 if TYPE_CHECKING:
     from mpsd.stress.timeline import Timeline
@@ -141,9 +141,10 @@ class SimBackend:
 
     # -- clients -----------------------------------------------------------------------------------------
     def attach(self, client: Client, *, sm_cap: int, priority: int, weight: float, instance: int | None,
-               sms: tuple[int, int] | None = None) -> None:
+               sms: tuple[int, int] | None = None, connections: int = DEFAULT_CONNECTIONS) -> None:
         self.engine.catch_up()  # what happened until now happened under the old settings
-        self.sim.configure_client(client.id, priority=priority, weight=weight, partition=instance, sms=sms)
+        self.sim.configure_client(client.id, priority=priority, weight=weight, partition=instance, sms=sms,
+                                  connections=connections)
         if self.recorder is not None:
             # (The recorder reads a Context's quotas and account, more than Client promises: the runtime's
             # clients are Contexts.)

@@ -47,6 +47,8 @@ from mpsd.runtime.limits import FDS, MAPS, ProcessBudget, fd_limit, map_limit
 from mpsd.runtime.memory import CHUNK
 from mpsd_protocol import (
     CONTROL_PACKET,
+    DEFAULT_CONNECTIONS,
+    MAX_CONNECTIONS,
     DevicesUnavailableError,
     InvalidDeviceError,
     InvalidValueError,
@@ -288,10 +290,14 @@ class Daemon:
         priority = self.settings.priority_for(session.pid, session.uid)
         priority = _tighter(priority if namespace is None else namespace.priority(priority), requested_priority)
         weight = self.settings.weight_for(session.pid, session.uid)
+        connections = limits.get("connections", DEFAULT_CONNECTIONS)
+        if type(connections) is not int or not 1 <= connections <= MAX_CONNECTIONS:
+            raise InvalidValueError(f"CUDA_DEVICE_MAX_CONNECTIONS {brief(connections, 20)} is outside 1 to "
+                                    f"{MAX_CONNECTIONS}")
         cap = min(device.backend.sm_cap(percentage), device.partition_sms(partition))
         if sm_partition is not None:  # the percentage applies inside the partition's SMs
             cap = min(cap, sm_partition.sm_count)
-        quotas = Quotas(percentage, cap, memory, priority, weight)
+        quotas = Quotas(percentage, cap, memory, priority, weight, connections)
         context_memory = device.backend.context_memory
         if device.memory_free(partition) < context_memory:
             raise OutOfMemoryError(f"device {index} has no room for another context "
@@ -302,7 +308,7 @@ class Daemon:
         context.sm_partition = sm_partition
         context.visible_count = count
         device.backend.attach(context, sm_cap=cap, priority=priority, weight=weight, instance=partition,
-                              sms=None if sm_partition is None else sm_partition.sms)
+                              sms=None if sm_partition is None else sm_partition.sms, connections=connections)
         device.ledger.move(None, context_memory, partition=partition)
         self._next_client += 1
         device.contexts[context.id] = context
@@ -365,7 +371,8 @@ class Daemon:
         context.quotas = dataclasses.replace(context.quotas, priority=priority, weight=weight)
         context.device.backend.attach(context, sm_cap=context.quotas.sm_cap, priority=priority, weight=weight,
                                       instance=context.partition,
-                                      sms=None if context.sm_partition is None else context.sm_partition.sms)
+                                      sms=None if context.sm_partition is None else context.sm_partition.sms,
+                                      connections=context.quotas.connections)
         self.log.server(f"Client {context.pid}: priority {priority}, weight {weight:g}")
 
     def _device_index(self, ordinal: Any, visible: Any,

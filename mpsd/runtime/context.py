@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 from mpsd_protocol import (
+    DEFAULT_CONNECTIONS,
     EVENT_EXTERNAL,
     POOL_ALLOC,
     POOL_FREE,
@@ -80,6 +81,7 @@ class Quotas:
     pinned_mem_limit: int  # bytes
     priority: int  # CUDA_MPS_CLIENT_PRIORITY: 0 normal, 1 below normal; other levels set by the daemon only
     weight: float = 1.0  # share of SM-time under the fair policy, set by the daemon only
+    connections: int = DEFAULT_CONNECTIONS  # hardware work queues its streams share (CUDA_DEVICE_MAX_CONNECTIONS)
 
 
 @dataclass(eq=False, slots=True)

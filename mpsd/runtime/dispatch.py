@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from mpsd.backends.base import Backend, Client, Gate, when_all
 from mpsd.backends.ops import GraphLaunch, Launch, Record, Work
-from mpsd_protocol import CudaError
+from mpsd_protocol import DEFAULT_CONNECTIONS, CudaError
 
 if TYPE_CHECKING:
     from mpsd.runtime.dispatch_policies import KernelPolicy
@@ -236,12 +236,13 @@ class Dispatcher:
 
     # -- clients -------------------------------------------------------------------------------------------
     def attach(self, client: Client, *, sm_cap: int, priority: int, weight: float, instance: int | None,
-               sms: tuple[int, int] | None = None) -> None:
+               sms: tuple[int, int] | None = None, connections: int = DEFAULT_CONNECTIONS) -> None:
         tenant = self._tenant(client.id)
         tenant.priority, tenant.weight, tenant.sm_cap = priority, weight, sm_cap
         tenant.stamp += 1
         self.version += 1
-        self.inner.attach(client, sm_cap=sm_cap, priority=priority, weight=weight, instance=instance, sms=sms)
+        self.inner.attach(client, sm_cap=sm_cap, priority=priority, weight=weight, instance=instance, sms=sms,
+                          connections=connections)
         self._pump()
 
     def cancel(self, client: int) -> None:

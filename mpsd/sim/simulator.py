@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
 from typing import Any
 
 import numpy as np
@@ -69,6 +69,10 @@ class Simulator:
         self._launch: dict[tuple[int, int, int], tuple] = {}  # (threads, regs, smem) -> the engine's numbers
         self._streams: dict[tuple, int] = {}  # (client, stream) -> the engine's number for it
         self._stream_numbers = itertools.count()  # never reused: a forgotten client's numbers stay retired
+        # client -> (the engine's numbers of its hardware work queues, a count of its streams), for clients
+        # configured with connections (CUDA_DEVICE_MAX_CONNECTIONS)
+        self._queues: dict[int, tuple[list[int], Iterator[int]]] = {}
+        self._queue_numbers = itertools.count()
         self._min_block = spec.min_block_time
         if isinstance(policy, str) and ":" in policy:
             policy = load_policy(policy, policy_options)
@@ -199,6 +203,10 @@ class Simulator:
         n = self._streams.get(key)
         if n is None:
             n = self._streams[key] = next(self._stream_numbers)
+            queues = self._queues.get(client)
+            if queues is not None:  # round robin, as CUDA aliases a context's streams onto its connections
+                numbers, made = queues
+                self._core.stream_queue(n, client, numbers[next(made) % len(numbers)])
         return n
 
     def block_need(self, threads: int, regs_per_thread: int = 32, smem: int = 0) -> BlockNeed | None:
@@ -207,7 +215,8 @@ class Simulator:
         return self._shapes.block_need(threads, regs_per_thread, smem)
 
     def configure_client(self, client: int, *, priority: int = 0, weight: float = 1.0,
-                         partition: str | int | None = None, sms: tuple[int, int] | None = None) -> None:
+                         partition: str | int | None = None, sms: tuple[int, int] | None = None,
+                         connections: int | None = None) -> None:
         """Set how the policy treats ``client`` (call when it attaches; unconfigured clients get the defaults).
 
         Takes effect for blocks placed from now on; blocks already resident stay where they are.
@@ -221,11 +230,22 @@ class Simulator:
                 (used by "mig").
             sms: a static SM partition (MPS's -S), as (first SM, SM count): the client's blocks go only on
                 those SMs (used by "mps"; copy engines and DRAM stay shared). None: any SM.
+            connections: the hardware work queues its streams are aliased onto, round robin in the order the
+                simulator first meets them (CUDA_DEVICE_MAX_CONNECTIONS; CUDA's default is 8): a kernel or
+                marker then also waits until the earlier ones of its queue have become eligible, so streams
+                sharing a queue falsely depend on each other. For streams met from now on. None: a queue per
+                stream.
 
         Raises:
             ValueError: a non-integer priority, a weight that is not positive and finite, a partition
-                the MIG layout does not have, or SMs the device does not have or a policy other than "mps".
+                the MIG layout does not have, SMs the device does not have or a policy other than "mps", or
+                connections below 1.
         """
+        if connections is not None:
+            if type(connections) is not int or connections < 1:
+                raise ValueError(f"connections must be an int >= 1, got {connections!r}")
+            if len(self._queues.get(client, ((),))[0]) != connections:
+                self._queues[client] = ([next(self._queue_numbers) for _ in range(connections)], itertools.count())
         config = ClientConfig(priority, weight, partition, sms)
         if sms is not None and self._policy.name != "mps":
             raise ValueError(f"a static SM partition needs the mps policy, not {self._policy.name}")
@@ -242,6 +262,7 @@ class Simulator:
         self._core.forget_client(client)
         self._policy.forget(client)
         self._clients.pop(client, None)
+        self._queues.pop(client, None)
         for key in [key for key in self._streams if key[0] == client]:  # a daemon meets clients without end
             del self._streams[key]
         return None

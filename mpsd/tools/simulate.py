@@ -32,6 +32,7 @@ from mpsd.clock import DeviceClock, VirtualClock
 from mpsd.sim import COPY_KINDS, H200, Copy, DeviceSpec, Kernel, Op, Simulator, copy_kernel, kernel_cost
 from mpsd.stress.workload import COPIES, TenantSpec, Workload, WorkloadError, arrival_times, parse_workload
 from mpsd.tools.scenario import is_scenario, to_toml, to_workload
+from mpsd_protocol import DEFAULT_CONNECTIONS
 
 
 @dataclass
@@ -106,7 +107,7 @@ def run_workload(workload: Workload, latencies: bool = False) -> dict[str, Any]:
             results[client], calls[client] = TenantResult(tenant.instance(copy), client), []
             try:
                 sim.configure_client(client, priority=tenant.priority, weight=tenant.weight,
-                                     partition=tenant.partition)
+                                     partition=tenant.partition, connections=DEFAULT_CONNECTIONS)
             except ValueError as exc:
                 raise WorkloadError(f"tenant {tenant.name}: {exc}") from None
             make = _requests(spec, client, tenant)

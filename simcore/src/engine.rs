@@ -625,6 +625,7 @@ impl Core {
 
     pub fn forget_client(&mut self, pol: &mut dyn Policy, client: i64) -> Vec<u64> {
         let dropped = self.cancel(pol, client);
+        self.streams.forget_client(client);
         pol.forget(client);
         if let Some(ci) = self.client_of(client) {
             if let Some(c) = self.cl[ci].counters.take() {

@@ -494,6 +494,12 @@ impl Engine {
         Ok(out)
     }
 
+    /// Alias stream number `stream` of `client` onto hardware work queue `queue` (any integer naming it), for
+    /// the kernels and markers submitted to it from now on: see streams.rs.
+    fn stream_queue(&mut self, stream: u64, client: i64, queue: u64) {
+        self.core.streams.set_queue(stream, client, queue);
+    }
+
     fn forget_client(&mut self, py: Python<'_>, client: i64) -> PyResult<()> {
         self.core.forget_client(&mut *self.policy, client);
         self.sync(py)
