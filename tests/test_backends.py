@@ -658,7 +658,7 @@ def test_the_trace_shows_where_and_when_each_block_ran(backend, tmp_path, daemon
     blocks on no more SMs than its window holds (32: four of the driver's 8-SM groups, or 36 with the
     12-SM one); the trace names both clients and their kernels."""
     from mpsd.stress.metrics import summarize
-    from mpsd.stress.trace import read_chrome_trace
+    from mpsd.record.trace import read_chrome_trace
 
     path = tmp_path / "trace.json"
     daemon = start_daemon(*backend, "--trace", str(path))

@@ -363,7 +363,7 @@ def test_smi_shows_devices_and_processes(daemon):
 def test_mpsd_trace_writes_the_trace_so_far_while_the_daemon_runs(daemon, daemon_factory, tmp_path):
     """mpsd_trace writes each traced device's timeline so far where --trace says, and the daemon serves on; a
     daemon without --trace says it has none."""
-    from mpsd.stress.trace import load_trace
+    from mpsd.record.trace import load_trace
 
     path = tmp_path / "trace.json"
     traced = start_daemon("--time-scale", "100", "--trace", str(path))

@@ -91,8 +91,8 @@ def test_the_clock_is_pure(module):
     assert not {"trio", "socket", "time", "asyncio", "threading"} & {name.split(".")[0] for name in names}
 
 
-LAYERS = ("mpsd.daemon", "mpsd.runtime", "mpsd.backends", "mpsd.clock", "mpsd.sim", "mpsd.stress", "mpsd.tools",
-          "mpsd_client", "mpsd_protocol")
+LAYERS = ("mpsd.daemon", "mpsd.runtime", "mpsd.backends", "mpsd.clock", "mpsd.record", "mpsd.sim", "mpsd.stress",
+          "mpsd.tools", "mpsd_client", "mpsd_protocol")
 ARCHITECTURE = Path(__file__).parent.parent / "docs" / "architecture.md"
 
 

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mpsd.stress.metrics import jain_index, latency_summary, occupancy, percentile, summarize
-from mpsd.stress.timeline import KernelRecord, Request, Span, Spans, TenantInfo, Timeline
+from mpsd.record.timeline import KernelRecord, Request, Span, Spans, TenantInfo, Timeline
 
 
 def hand_timeline() -> Timeline:

@@ -7,8 +7,8 @@ import pytest
 
 from mpsd.stress.metrics import summarize
 from mpsd.stress.report import write_report
-from mpsd.stress.timeline import KernelRecord, Request, Span, Spans, TenantInfo, Timeline
-from mpsd.stress.trace import load_trace
+from mpsd.record.timeline import KernelRecord, Request, Span, Spans, TenantInfo, Timeline
+from mpsd.record.trace import load_trace
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

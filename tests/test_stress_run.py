@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from mpsd.stress.trace import load_trace
+from mpsd.record.trace import load_trace
 
 MIX = """
 [run]

@@ -8,8 +8,8 @@ import pytest
 
 from mpsd.sim import BlockCost, Kernel, Simulator
 from mpsd.stress.metrics import occupancy, summarize
-from mpsd.stress.timeline import Span, Spans, TenantInfo, Timeline, spans_of
-from mpsd.stress.trace import as_drawn, chrome_trace, load_trace, read_chrome_trace, write_trace
+from mpsd.record.timeline import Span, Spans, TenantInfo, Timeline, spans_of
+from mpsd.record.trace import as_drawn, chrome_trace, load_trace, read_chrome_trace, write_trace
 
 ROWS = [
     Span("b", 7, 3, 2, 0.5, 0.25, 0.5),

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mpsd.stress.timeline import KernelRecord, Request, Span, Spans, TenantInfo, Timeline
-from mpsd.stress.trace import as_drawn, chrome_trace, load_trace, read_chrome_trace, write_trace
+from mpsd.record.timeline import KernelRecord, Request, Span, Spans, TenantInfo, Timeline
+from mpsd.record.trace import as_drawn, chrome_trace, load_trace, read_chrome_trace, write_trace
 
 
 def rich_timeline() -> Timeline:

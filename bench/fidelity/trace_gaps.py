@@ -18,7 +18,7 @@ import sys
 import numpy as np
 
 from mpsd.stress.metrics import summarize
-from mpsd.stress.trace import read_chrome_trace
+from mpsd.record.trace import read_chrome_trace
 
 
 def group(tenant: str) -> str:

@@ -13,7 +13,7 @@ import sys
 
 import numpy as np
 
-from mpsd.stress.trace import read_chrome_trace
+from mpsd.record.trace import read_chrome_trace
 
 
 def main(paths: list[str]) -> None:

@@ -183,7 +183,7 @@ class Backend(Protocol):
 
     def timeline(self, index: int) -> tuple[Any, dict[str, Any]] | None:
         """What `write_trace` writes, as data, for a caller in the daemon's own process, which then needs no
-        file: the device's timeline (mpsd.stress.timeline.Timeline) and what maps it onto the clients (a
+        file: the device's timeline (mpsd.record.timeline.Timeline) and what maps it onto the clients (a
         trace's otherData["mpsd"]); None where the device keeps none."""
 
 

@@ -82,7 +82,7 @@ from mpsd.backends.smgroups import place
 from mpsd_protocol import DEFAULT_CONNECTIONS, CudaError, IllegalAddressError, OutOfMemoryError
 
 if TYPE_CHECKING:
-    from mpsd.stress.timeline import Timeline
+    from mpsd.record.timeline import Timeline
 
 __all__ = ["CudaBackend", "CudaDevice", "CudaFailure", "cuda_device_count"]
 

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from mpsd.backends.cuda_driver import _check
-from mpsd.stress.timeline import KernelRecord, Spans
+from mpsd.record.timeline import KernelRecord, Spans
 
 __all__ = ["BlockTrace", "CHUNK_RECORDS", "MAX_RECORDS"]
 

@@ -1,5 +1,5 @@
 # The daemon's timeline, kept on request (`mpsd --trace FILE`) and written when the daemon exits, as a
-# Chrome/Perfetto trace (mpsd.stress.trace): one row per SM, every block group a slice named after its client. The
+# Chrome/Perfetto trace (mpsd.record.trace): one row per SM, every block group a slice named after its client. The
 # simulator records block groups when asked, a real GPU's traced kernels their blocks (mpsd.backends.cuda_trace);
 # this adds what only the daemon knows (which client is which process, its quotas, the kernel's name, how much
 # memory it held) and the clock that maps the device's time onto the host's monotonic clock, so a stress run can
@@ -16,8 +16,8 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mpsd.stress.timeline import KernelRecord, TenantInfo, Timeline, partitions_of, spans_of
-from mpsd.stress.trace import chrome_trace
+from mpsd.record.timeline import KernelRecord, TenantInfo, Timeline, partitions_of, spans_of
+from mpsd.record.trace import chrome_trace
 
 if TYPE_CHECKING:
     from mpsd.sim import Kernel

@@ -31,7 +31,7 @@ from mpsd.sim import Copy as SimCopy
 from mpsd_protocol import DEFAULT_CONNECTIONS, CudaError, IllegalAddressError
 
 if TYPE_CHECKING:
-    from mpsd.stress.timeline import Timeline
+    from mpsd.record.timeline import Timeline
 
 __all__ = ["SimBackend", "device_properties"]
 

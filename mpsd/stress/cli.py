@@ -23,7 +23,7 @@ from mpsd.sim import H200, POLICIES, Simulator
 from mpsd.sim.policies.mig import MigPolicy
 from mpsd.stress.metrics import latency_summary, summarize
 from mpsd.stress.runner import Progress, RunError, device_policies, run_real, run_virtual
-from mpsd.stress.timeline import Timeline
+from mpsd.record.timeline import Timeline
 from mpsd.stress.workload import TenantSpec, Workload, WorkloadError, load_workload
 from mpsd_protocol import format_size
 

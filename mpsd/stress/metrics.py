@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from mpsd.stress.timeline import Timeline
+from mpsd.record.timeline import Timeline
 
 __all__ = ["jain_index", "latency_summary", "occupancy", "percentile", "summarize"]
 

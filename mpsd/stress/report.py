@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from mpsd.stress.metrics import occupancy, percentile
-from mpsd.stress.timeline import Timeline
-from mpsd.stress.trace import write_trace
+from mpsd.record.timeline import Timeline
+from mpsd.record.trace import write_trace
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -35,7 +35,7 @@ def write_report(directory: str | PathLike[str], runs: dict[str, Timeline],
 
     Per policy P: ``latency_cdf_P.png`` (a latency CDF per tenant, log latency axis), ``occupancy_P.png``
     (SMs occupied over time, stacked by tenant, under the device's SM count) and ``trace_P.json`` (see
-    mpsd.stress.trace); with two policies or more also ``compare.png`` (p99 latency per tenant group, bars grouped
+    mpsd.record.trace); with two policies or more also ``compare.png`` (p99 latency per tenant group, bars grouped
     by policy); ``segments_P.png`` (each caching allocator tenant's reserved and allocated bytes and its
     segments over time) when a tenant has one. Characters of P that do not belong in a file name become "_".
 

@@ -31,8 +31,8 @@ from typing import Any, Callable, Iterator
 import trio
 
 from mpsd.sim import H200
-from mpsd.stress.timeline import KernelRecord, Request, TenantInfo, Timeline
-from mpsd.stress.trace import as_drawn, read_chrome_trace
+from mpsd.record.timeline import KernelRecord, Request, TenantInfo, Timeline
+from mpsd.record.trace import as_drawn, read_chrome_trace
 from mpsd.stress.workload import TenantSpec, Workload, arrival_times, entitlements
 
 __all__ = ["RunError", "Progress", "device_policies", "run_real", "run_virtual"]

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from mpsd.stress.timeline import KernelRecord, Request, Spans, TenantInfo, Timeline
+from mpsd.record.timeline import KernelRecord, Request, Spans, TenantInfo, Timeline
 
 __all__ = ["as_drawn", "chrome_trace", "load_trace", "read_chrome_trace", "write_trace"]
 
