@@ -2,7 +2,9 @@
 # client held. Everything runs over the real socket of a real `python -m mpsd`.
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import socket
 import stat
@@ -12,10 +14,12 @@ import time
 
 import msgpack
 import pytest
+import trio
 
 import mpsd_client
 import mpsd_protocol as p
-from daemons import short_tempdir, spawn_worker, start_daemon
+from daemons import as_user, second_user, short_tempdir, spawn_worker, start_daemon
+from mpsd.daemon.listeners import open_listeners
 
 
 def raw_socket(daemon) -> socket.socket:
@@ -118,19 +122,54 @@ def test_second_daemon_on_the_same_pipe_directory_is_refused(daemon):
         assert ctx.mem_get_info()[1] > 0
 
 
-def test_stale_socket_file_is_replaced_and_pipe_dir_is_private(daemon_factory):
-    """A socket file left by a dead daemon is replaced; the pipe directory is created 0700."""
+def test_stale_socket_file_is_replaced_and_pipe_dir_is_as_mps_makes_it(daemon_factory):
+    """A socket file left by a dead daemon is replaced. Root's daemon makes its pipe directory 0755 and its
+    sockets 0666, as real MPS's control daemon does (the H200's recorded listing: control 0666), since it serves
+    every user's clients, one user at a time; a user's own daemon makes it 0700 (the next test)."""
+    assert os.geteuid() == 0 or pytest.skip("the tests' daemons run as root here, as MPS's does")
     pipe = short_tempdir() / "pipe"
-    pipe.mkdir(mode=0o755)
+    pipe.mkdir(mode=0o700)
     stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     stale.bind(str(pipe / "mpsd.sock"))
     stale.close()
     d = start_daemon(pipe_dir=pipe)
     daemon_factory.append(d)
-    assert stat.S_IMODE(os.stat(pipe).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(pipe).st_mode) == 0o755
+    assert [stat.S_IMODE(os.stat(pipe / name).st_mode) for name in ("mpsd.sock", "control")] == [0o666, 0o666]
     with mpsd_client.connect(pipe) as ctx:
         assert ctx.device_properties()["name"] == "NVIDIA H200"
 
+
+
+def test_a_users_own_daemon_keeps_its_pipe_dir_to_that_user():
+    """Listening as another user than root, without --multiuser, the daemon makes its pipe directory 0700 and
+    leaves its sockets as bound, with nothing for group or others: no other user reaches them. With --multiuser
+    they are 0755 and 0666, as a root daemon's."""
+    user = second_user() or pytest.skip("needs root to create a second user (useradd)")
+    base = short_tempdir()
+    os.chown(base, user.pw_uid, user.pw_gid)
+
+    def listen() -> str:
+        os.umask(0o077)
+        modes = []
+        for multiuser in (False, True):
+            pipe = base / f"pipe-{multiuser}"
+
+            async def open_and_close() -> None:
+                listeners = await open_listeners(pipe, environ={}, multiuser=multiuser)
+                listeners.clients.close()
+                listeners.control.close()
+
+            trio.run(open_and_close)
+            modes.append([stat.S_IMODE(os.stat(path).st_mode) for path in (pipe, pipe / "mpsd.sock", pipe / "control")])
+        return json.dumps(modes)
+
+    try:
+        private, multiuser = json.loads(as_user(user, listen))
+        assert private[0] == 0o700 and not any(mode & 0o077 for mode in private)
+        assert multiuser == [0o755, 0o666, 0o666]
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
 
 def test_unwritable_log_directory_is_one_line_and_exit_1(tmp_path):
     """A log directory that cannot be created stops the daemon at start with one line, exit 1."""

@@ -66,13 +66,15 @@ def config(tmp_path):
 
 
 async def test_a_files_namespaces_subdivide_their_server_and_have_their_own_sockets(config):
-    """Each namespace of the -a file has its directory with both sockets, private as the pipe directory; a
-    client that comes by one gets the namespace's values inside the server's, and client list shows it."""
+    """Each namespace of the -a file has its directory with both sockets, as reachable as the pipe directory (a
+    root daemon's, as real MPS's, 0755, for every user's clients); a client that comes by one gets the
+    namespace's values inside the server's, and client list shows it."""
     async with in_process_daemon("--protocol", "3", "--apply", str(config), "--time-scale", "100") as d:
         for directory in (d.pipe_dir / "train", d.pipe_dir / "train" / "small", d.pipe_dir / "train" / "big",
                           d.pipe_dir / "train" / "default"):
             mode = directory.lstat().st_mode
-            assert stat.S_ISDIR(mode) and stat.S_IMODE(mode) == 0o700
+            assert stat.S_ISDIR(mode) and stat.S_IMODE(mode) == stat.S_IMODE(d.pipe_dir.lstat().st_mode)
+            assert stat.S_IMODE(mode) == (0o755 if os.geteuid() == 0 else 0o700)
             assert stat.S_ISSOCK((directory / "control").lstat().st_mode)
             assert stat.S_ISSOCK((directory / "mpsd.sock").lstat().st_mode)
         async with mpsd_client.open_context(d.pipe_dir / "train" / "small", environ={}) as small, \

@@ -81,9 +81,9 @@ def inherited_sockets(environ: Mapping[str, str] = os.environ) -> dict[str, sock
 async def open_listeners(pipe_dir: Path, environ: Mapping[str, str] = os.environ,
                          multiuser: bool = False) -> Listeners:
     """The client and control sockets: inherited from systemd if it passed them, else bound in `pipe_dir`.
-    With `multiuser` every user's clients must reach them, as real MPS's pipe directory lets them: the
-    directory is 0755 and the sockets 0666 (the daemon still checks each peer's uid over SO_PEERCRED);
-    otherwise the directory is 0700, and reaching it is the operator's grant.
+    Where other users' clients are served (see `shared`), every user reaches them, as real MPS's pipe
+    directory lets them: the directory is 0755 and the sockets 0666 (the daemon still checks each peer's uid
+    over SO_PEERCRED); otherwise the directory is 0700, and reaching it is the operator's grant.
 
     Raises:
         ListenError: the pipe directory or a socket cannot be set up, or another daemon is listening there.
@@ -101,10 +101,13 @@ async def open_listeners(pipe_dir: Path, environ: Mapping[str, str] = os.environ
         if control is None:
             control = bind_socket(directory / "control", socket.SOCK_SEQPACKET)
             bound.append(directory / "control")
+            if shared(multiuser):  # as reachable as the clients' socket systemd made (mpsd.socket: 0666)
+                os.chmod(directory / "control", 0o666)
         bound.append(_pid_file(directory))  # launch scripts wait for it, socket activation or not
         for unused in inherited.values():
             unused.close()
         return Listeners(trio.socket.from_stdlib_socket(clients), _trio(control), True, bound)
+    multiuser = shared(multiuser)
     check_directory(pipe_dir, tighten=True, mode=0o755 if multiuser else 0o700)
     clients_path, control_path = pipe_dir / "mpsd.sock", pipe_dir / "control"
     clients_sock = bind_socket(clients_path, socket.SOCK_STREAM)
@@ -124,6 +127,14 @@ async def open_listeners(pipe_dir: Path, environ: Mapping[str, str] = os.environ
             raise
         raise ListenError(f"cannot set the mode of the sockets in {pipe_dir}: {exc.strerror}") from None
     return Listeners(clients_sock, control_sock, False, [clients_path, control_path, pid_path])
+
+
+def shared(multiuser: bool) -> bool:
+    """Whether other users' clients are to reach the daemon's sockets: on a --multiuser daemon, which serves
+    them all at once, and on root's, which serves one user's clients at a time and queues the others', as real
+    MPS's control daemon (run by root) does with its sockets 0666. A user's own daemon is that user's: its
+    directory stays 0700, and reaching it is the operator's grant."""
+    return multiuser or os.geteuid() == 0
 
 
 def _pid_file(pipe_dir: Path) -> Path:

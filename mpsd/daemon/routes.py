@@ -25,7 +25,7 @@ from pathlib import Path
 
 import trio
 
-from mpsd.daemon.listeners import bind_socket, check_directory, unlink
+from mpsd.daemon.listeners import bind_socket, check_directory, shared, unlink
 from mpsd.daemon.namespaces import DEFAULT
 
 
@@ -79,6 +79,7 @@ def open_route(pipe_dir: Path, route: Route, *, multiuser: bool = False) -> Rout
         ListenError: the directory is not safely ours, or a socket cannot be bound.
     """
     directory = route.directory(pipe_dir)
+    multiuser = shared(multiuser)  # as the daemon's own sockets
     mode = 0o755 if multiuser else 0o700
     check_directory(directory, tighten=True, mode=mode)
     clients = bind_socket(directory / "mpsd.sock", socket.SOCK_STREAM)
