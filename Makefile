@@ -6,14 +6,17 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test bench soak clean
 
-# The crate in simcore/ is built by maturin, the package's build backend, into mpsd/ (an editable install
-# does not rebuild it by itself, so a change to the crate reinstalls).
-CORE := simcore/Cargo.toml simcore/Cargo.lock $(wildcard simcore/src/*.rs simcore/src/*/*.rs)
+# Three distributions, one per layer: the protocol (protocol/, with its compiled codec), the client (client/, pure
+# Python) and the emulator (here, with the compiled engine in simcore/), installed editable in one pip command,
+# which finds the emulator's two dependencies among its arguments. maturin builds the crates (one Cargo
+# workspace) into mpsd_protocol/ and mpsd/; an editable install does not rebuild them by itself, so a change to
+# a crate reinstalls.
+CORE := Cargo.toml Cargo.lock simcore/Cargo.toml protocol/Cargo.toml $(wildcard simcore/src/*.rs protocol/src/*.rs)
 
-$(STAMP): pyproject.toml $(CORE)
+$(STAMP): pyproject.toml protocol/pyproject.toml client/pyproject.toml $(CORE)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet -e ./protocol -e ./client -e '.[test]'
 	touch $(STAMP)
 
 # The point of the project in under a minute: a latency-critical inference service beside two training jobs,
@@ -31,7 +34,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check --quiet .
 	$(BIN)/mypy
-	cargo test --quiet --manifest-path simcore/Cargo.toml
+	cargo test --quiet --workspace
 	$(BIN)/python -m pytest -q -p no:cacheprovider -n auto
 
 bench: $(STAMP)
@@ -59,4 +62,4 @@ soak: $(STAMP)
 	$(BIN)/python bench/teardown_latency.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info simcore/target mpsd/_core*.so
+	rm -rf $(VENV) build *.egg-info target mpsd/_core*.so protocol/mpsd_protocol/_wire*.so

@@ -9,8 +9,12 @@ from pathlib import Path
 import pytest
 
 import mpsd
+import mpsd_client
+import mpsd_protocol
 
 ROOT = Path(mpsd.__file__).parent
+# the three packages' folders (mpsd/, client/mpsd_client/, protocol/mpsd_protocol/: a distribution each)
+PACKAGES = {package.__name__: Path(package.__file__).parent for package in (mpsd, mpsd_client, mpsd_protocol)}
 
 
 def imported(source: str, module: str, *, typing: bool = True) -> set[str]:
@@ -105,18 +109,17 @@ def test_the_architecture_names_every_module_and_every_edge_between_the_layers()
     """docs/architecture.md names each module of the three packages (its file name), and its list of the edges
     between the layers is the code's, as it runs: a module or an edge added, or gone, without the page fails."""
     doc = ARCHITECTURE.read_text()
-    base = ROOT.parent
-    files = [p for package in ("mpsd", "mpsd_client", "mpsd_protocol") for p in sorted((base / package).rglob("*.py"))
+    files = [(p, ".".join(p.relative_to(folder.parent).with_suffix("").parts))
+             for folder in PACKAGES.values() for p in sorted(folder.rglob("*.py"))
              if p.name not in ("__init__.py", "__main__.py")]
-    assert [str(p.relative_to(base)) for p in files if p.name not in doc] == []
+    assert [module for p, module in files if p.name not in doc] == []
     listed = {}
     for line in doc.splitlines():
         if line.startswith("- mpsd") and " imports: " in line:
             layer, _, targets = line[2:].partition(" imports: ")
             listed[layer] = set() if targets == "nothing" else set(targets.split(", "))
     found: dict[str, set[str]] = {layer: set() for layer in LAYERS}
-    for path in files:
-        module = ".".join(path.relative_to(base).with_suffix("").parts)
+    for path, module in files:
         layer = _layer(module)
         if layer is None:
             continue
@@ -125,3 +128,43 @@ def test_the_architecture_names_every_module_and_every_edge_between_the_layers()
             if target is not None and target != layer:
                 found[layer].add(target)
     assert listed == found
+
+
+def _requirement_names(pyproject: Path) -> set[str]:
+    """The import names of a distribution's declared dependencies (mpsd-protocol==0.1.0 -> mpsd_protocol)."""
+    import re
+    import tomllib
+
+    declared = tomllib.loads(pyproject.read_text())["project"]["dependencies"]
+    return {re.split(r"[<>=!~\[; ]", name, maxsplit=1)[0].replace("-", "_") for name in declared}
+
+
+@pytest.mark.parametrize("package", ["mpsd_protocol", "mpsd_client"])
+def test_the_protocol_and_the_client_are_light_distributions(package):
+    """protocol/ and client/ are distributions of their own, for worker processes: every module of theirs imports
+    only the standard library, its own package and what its pyproject.toml declares (the protocol nothing, the
+    client the protocol and trio), so neither the emulator nor numpy, matplotlib or rich come with them."""
+    import sys
+
+    folder = PACKAGES[package]
+    allowed = _requirement_names(folder.parent / "pyproject.toml") | {package}
+    assert allowed == ({"mpsd_protocol"} if package == "mpsd_protocol" else {"mpsd_client", "mpsd_protocol", "trio"})
+    foreign = {}
+    for path in sorted(folder.rglob("*.py")):
+        module = ".".join(path.relative_to(folder.parent).with_suffix("").parts)  # __init__: its package
+        tops = {name.split(".")[0] for name in imported(path.read_text(), module)}
+        if extra := tops - allowed - set(sys.stdlib_module_names) - {"__future__"}:
+            foreign[module] = extra
+    assert foreign == {}
+
+
+def test_a_worker_that_imports_the_client_loads_nothing_of_the_emulator():
+    """Importing mpsd_client (and through it mpsd_protocol and its compiled codec) loads no module of mpsd, numpy,
+    matplotlib, rich or psutil: what a worker process pays for the client."""
+    import subprocess
+    import sys
+
+    code = ("import sys, mpsd_client; print(sorted({m.split('.')[0] for m in sys.modules} & "
+            "{'mpsd', 'numpy', 'matplotlib', 'rich', 'psutil', 'msgpack', 'mpsd_protocol'}))")
+    out = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["['mpsd_protocol']"]

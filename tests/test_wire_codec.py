@@ -1,4 +1,4 @@
-# The compiled wire codec (mpsd._core.Codec, simcore/src/wire.rs) against msgpack-python, the reference it
+# The compiled wire codec (mpsd_protocol._wire.Codec, protocol/src/wire.rs) against msgpack-python, the reference it
 # replaced: what we encode is the bytes msgpack-python's Packer(use_bin_type=True) makes, what we decode is the
 # message `from_wire(msgpack.unpackb(...))` made, and where msgpack-python refused a body (or a value), we do.
 from __future__ import annotations
@@ -16,7 +16,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import mpsd_protocol as p
-from mpsd import _core
+from mpsd_protocol import _wire
 from mpsd_protocol import (
     HEADER,
     Connection,
@@ -172,16 +172,16 @@ def test_any_value_agrees_inside_a_message(tail):
 
 def test_nesting_is_bounded_as_msgpack_pythons_stack_was():
     """MAX_DEPTH containers decode (and encode); one more is a protocol error (and cannot be sent)."""
-    assert _core.MAX_DEPTH == 1024
-    deepest = b"\x93\x02\xa1x\x81\xa1k" + b"\x91" * (_core.MAX_DEPTH - 3) + b"\x90"
+    assert _wire.MAX_DEPTH == 1024
+    deepest = b"\x93\x02\xa1x\x81\xa1k" + b"\x91" * (_wire.MAX_DEPTH - 3) + b"\x90"
     message = decode(deepest)
     assert _CODEC.encode(message, LIMIT)[8:] == deepest
     with pytest.raises(RemoteProtocolError, match="deeper than 1024"):
-        decode(b"\x93\x02\xa1x\x81\xa1k" + b"\x91" * (_core.MAX_DEPTH - 2) + b"\x90")
+        decode(b"\x93\x02\xa1x\x81\xa1k" + b"\x91" * (_wire.MAX_DEPTH - 2) + b"\x90")
     with pytest.raises(msgpack.StackError):
-        msgpack.unpackb(b"\x91" * _core.MAX_DEPTH + b"\x90")
+        msgpack.unpackb(b"\x91" * _wire.MAX_DEPTH + b"\x90")
     value: list = []
-    for _ in range(_core.MAX_DEPTH - 2):
+    for _ in range(_wire.MAX_DEPTH - 2):
         value = [value]
     with pytest.raises(LocalProtocolError, match="cannot encode Notification: containers nested deeper"):
         _CODEC.encode(Notification("x", {"k": value}), LIMIT)
@@ -291,7 +291,7 @@ def test_fds_that_the_dataclass_refuses_are_refused_as_from_wire_words_it():
 
 def test_the_codec_knows_every_field_of_the_messages():
     """The codec fills these slots by name, in this order, and checks what __post_init__ checks: a field added
-    to a message class must be added to simcore/src/python_wire.rs too."""
+    to a message class must be added to protocol/src/python_wire.rs too."""
     import dataclasses
 
     assert [f.name for f in dataclasses.fields(Request)] == ["id", "op", "args", "fds"]
@@ -299,11 +299,12 @@ def test_the_codec_knows_every_field_of_the_messages():
     assert [f.name for f in dataclasses.fields(Notification)] == ["op", "args", "fds"]
 
 
-def test_the_protocol_package_loads_neither_the_simulator_nor_msgpack():
-    """The client imports mpsd_protocol: the compiled module comes without mpsd.sim and without msgpack."""
-    code = "import sys, mpsd_protocol; print(sorted(m for m in sys.modules if m.startswith(('mpsd.', 'msgpack'))))"
+def test_the_protocol_package_loads_neither_the_emulator_nor_msgpack():
+    """The client imports mpsd_protocol: its compiled codec comes without anything of mpsd and without msgpack."""
+    code = ("import sys, mpsd_protocol; print(sorted(m for m in sys.modules if m.split('.')[0] in ('mpsd', 'msgpack') "
+            "or m.startswith('mpsd_protocol._')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert eval(out) == ["mpsd._core"]
+    assert "mpsd_protocol._wire" in eval(out) and not [m for m in eval(out) if not m.startswith("mpsd_protocol.")]
 
 
 def test_large_frames_with_fds_keep_their_stream_offsets_across_compaction():

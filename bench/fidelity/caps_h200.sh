@@ -1,5 +1,5 @@
 #!/bin/bash
-# On the H200 machine (the device tool; carry .whl and mpsd/_core.abi3.so): the cap tests on the GPU and the
+# On the H200 machine (the device tool; carry .whl, mpsd/_core.abi3.so and protocol/mpsd_protocol/_wire.abi3.so): the cap tests on the GPU and the
 # crosscheck's cap, overlap and latency scenarios (real MPS, mpsd on cuda:0, the model). In $OUT.
 #   bash bench/fidelity/caps_h200.sh
 set -u

@@ -1,5 +1,5 @@
 #!/bin/bash
-# On the H200 machine (the device tool; carry .whl and mpsd/_core.abi3.so): every crosscheck scenario under
+# On the H200 machine (the device tool; carry .whl, mpsd/_core.abi3.so and protocol/mpsd_protocol/_wire.abi3.so): every crosscheck scenario under
 # real MPS, through mpsd on cuda:0 and on the simulated H200 (issue 33, item 2). Results in $OUT.
 #   bash bench/fidelity/crosscheck_h200.sh
 set -u

@@ -1,5 +1,5 @@
 #!/bin/bash
-# On the H200 machine (the device tool; carry .whl and mpsd/_core.abi3.so): the kernel-level dispatcher on the
+# On the H200 machine (the device tool; carry .whl, mpsd/_core.abi3.so and protocol/mpsd_protocol/_wire.abi3.so): the kernel-level dispatcher on the
 # real GPU, beside DISB-C's shape run straight under real MPS. Everything lands in $OUT as dispatch_*.
 #   bash bench/fidelity/dispatch_h200.sh
 set -u

@@ -1,5 +1,5 @@
 #!/bin/bash
-# On the H200 machine (the device tool; carry .whl and mpsd/_core.abi3.so), in about five minutes: the backend
+# On the H200 machine (the device tool; carry .whl, mpsd/_core.abi3.so and protocol/mpsd_protocol/_wire.abi3.so), in about five minutes: the backend
 # tests of the policies, synchronize and caps on the GPU, the crosscheck's latency scenarios, DISB-C's shape straight under real MPS, DISB-C and
 # inference_training through mpsd on cuda:0 under mps, priority and fair, and the dispatcher's cost. In $OUT.
 #   bash bench/fidelity/dispatch_h200_quick.sh

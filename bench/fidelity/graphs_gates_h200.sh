@@ -1,5 +1,5 @@
 #!/bin/bash
-# On the H200 machine (the device tool; carry .whl, with py-spy's wheel, and mpsd/_core.abi3.so), in about four
+# On the H200 machine (the device tool; carry .whl, with py-spy's wheel, mpsd/_core.abi3.so and protocol/mpsd_protocol/_wire.abi3.so), in about four
 # minutes: the gates' GPU cases under a watchdog (hang_h200.sh), the graph benchmark on cuda:0 beside direct
 # cuda-python graph launches, the capture rules no run had answered (measure_graph_capture.py --more), and the
 # nvidia-smi views mpsd-smi lacks (record_smi_views.sh). In $OUT.

@@ -1,5 +1,5 @@
 #!/bin/bash
-# On the H200 machine (the device tool; carry .whl, with py-spy's wheel, and mpsd/_core.abi3.so): run the GPU
+# On the H200 machine (the device tool; carry .whl, with py-spy's wheel, mpsd/_core.abi3.so and protocol/mpsd_protocol/_wire.abi3.so): run the GPU
 # tests named by -k "$1" and, if they have not ended after $2 seconds (default 60), dump the Python stacks of
 # every process of the run with py-spy, then stop them: for finding where a test hangs on the GPU.
 #   bash bench/fidelity/hang_h200.sh "gate or cuda-priority" 60   (MPSD_TEST_GATES=1 for the gates' cases)

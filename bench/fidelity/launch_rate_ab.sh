@@ -3,7 +3,7 @@
 # earlier commit ('old'), with the same compiled core (hosts differ by a third in their direct launch time, so only
 # runs taken in turn on one host compare).
 #   here:        bash bench/fidelity/launch_rate_ab.sh prepare REV [FILE...]   (default: the files REV..HEAD changed)
-#   on the H200: bash bench/fidelity/launch_rate_ab.sh run [ROUNDS]            (carry .helper, .whl, mpsd/_core.abi3.so)
+#   on the H200: bash bench/fidelity/launch_rate_ab.sh run [ROUNDS]            (carry .helper, .whl, mpsd/_core.abi3.so, protocol/mpsd_protocol/_wire.abi3.so)
 set -u
 case ${1:-} in
 prepare)

@@ -1,5 +1,5 @@
 #!/bin/bash
-# On the H200 machine (the device tool; carry .whl and mpsd/_core.abi3.so): the backend tests on the GPU, every
+# On the H200 machine (the device tool; carry .whl, mpsd/_core.abi3.so and protocol/mpsd_protocol/_wire.abi3.so): the backend tests on the GPU, every
 # crosscheck scenario (real MPS, mpsd on cuda:0, the model), and a request's cost through mpsd under mps and
 # priority with the daemon and the client profiled (cProfile files, for where the time goes). In $OUT.
 #   bash bench/fidelity/measure_h200.sh [--no-profile]     # without: the tests and the crosscheck only

@@ -1,5 +1,5 @@
 #!/bin/bash
-# On the H200 machine (the device tool; carry .whl and mpsd/_core.abi3.so), in about a minute: DISB-C through
+# On the H200 machine (the device tool; carry .whl, mpsd/_core.abi3.so and protocol/mpsd_protocol/_wire.abi3.so), in about a minute: DISB-C through
 # mpsd on cuda:0 under priority with the daemon under cProfile (MPSD_STRESS_PROFILE), for where its time goes
 # between a kernel's end and the next launch; then bench/request_cost.py under mps, daemon and client profiled.
 # The profiles in $OUT.

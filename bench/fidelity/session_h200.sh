@@ -1,5 +1,5 @@
 #!/bin/bash
-# On the H200 machine (the device tool; carry .whl and mpsd/_core.abi3.so), in about four minutes: every GPU test
+# On the H200 machine (the device tool; carry .whl, mpsd/_core.abi3.so and protocol/mpsd_protocol/_wire.abi3.so), in about four minutes: every GPU test
 # of tests/test_backends.py, trace_h200.sh (DISB-C and inference_training traced, under mps and priority), and
 # the dispatcher's cost (launch_rate, request_cost under mps and priority). In $OUT.
 #   bash bench/fidelity/session_h200.sh

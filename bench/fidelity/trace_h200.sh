@@ -1,5 +1,5 @@
 #!/bin/bash
-# On the H200 machine (the device tool; carry .whl and mpsd/_core.abi3.so), in about three minutes: the traced
+# On the H200 machine (the device tool; carry .whl, mpsd/_core.abi3.so and protocol/mpsd_protocol/_wire.abi3.so), in about three minutes: the traced
 # CUDA backend's tests, then DISB-C and inference_training through mpsd on cuda:0 under mps and priority with
 # the device traced, each policy's trace summarised by trace_gaps.py. In $OUT.
 #   bash bench/fidelity/trace_h200.sh

@@ -17,11 +17,8 @@ pub mod sms;
 pub mod spread;
 pub mod streams;
 pub mod tenancy;
-pub mod wire;
 
 #[cfg(feature = "python")]
 mod python;
 #[cfg(feature = "python")]
 mod python_handle;
-#[cfg(feature = "python")]
-mod python_wire;

@@ -552,6 +552,5 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(compiled_policies, m)?)?;
     m.add_class::<Engine>()?;
     m.add_class::<Handle>()?;
-    crate::python_wire::register(m)?;
     Ok(())
 }

@@ -2,7 +2,7 @@
 # notification [2, op, args]. Messages are dataclasses checked when they are built, so a message that exists is a
 # message that can be sent; `from_wire` is the one place that judges what a peer sent. They are values, never
 # changed once built, but not frozen: a frozen dataclass costs twice the instructions to build, and every call
-# builds two or three (bench/daemon_instructions.py). The compiled codec (simcore/src/python_wire.rs) fills
+# builds two or three (bench/daemon_instructions.py). The compiled codec (protocol/src/python_wire.rs) fills
 # these dataclasses slot by slot for the common shapes, making the checks their __post_init__ makes: a field or
 # a check changed here is changed there too (tests/test_wire_codec.py holds the fields to it).
 from __future__ import annotations

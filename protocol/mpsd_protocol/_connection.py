@@ -2,11 +2,11 @@
 # bytes and file descriptors out. The daemon, the blocking client and the trio client are thin loops around it.
 #
 # Frames: an 8-byte header (body length, number of fds, both u32 little-endian) then a msgpack body. The
-# bytes and the codec are compiled (simcore/src/wire.rs, bound in python_wire.rs): mpsd._core.Frames holds what
-# was received, splits it into frames and decodes each body where it lies straight into the message it holds;
-# mpsd._core.Codec encodes a message into its whole frame. Both keep msgpack's rules as mpsd held
-# msgpack-python to them (str or bytes map keys, no extension types, nothing after the body, lengths within the
-# frame limit, nesting within mpsd._core.MAX_DEPTH containers, as msgpack-python's stack allowed); the fd
+# bytes and the codec are compiled (protocol/src/wire.rs, bound in python_wire.rs, as this package's _wire):
+# _wire.Frames holds what was received, splits it into frames and decodes each body where it lies straight into
+# the message it holds; _wire.Codec encodes a message into its whole frame. Both keep msgpack's rules as mpsd
+# held msgpack-python to them (str or bytes map keys, no extension types, nothing after the body, lengths within
+# the frame limit, nesting within _wire.MAX_DEPTH containers, as msgpack-python's stack allowed); the fd
 # FIFO, the handshake and every error a message's shape earns stay here and in _messages.py.
 # File descriptors arrive from SCM_RIGHTS attached to byte ranges, and reads coalesce frames, so received fds
 # go into a FIFO and each frame takes as many from its head as its header says. A sender attaches a frame's fds
@@ -28,7 +28,7 @@ from enum import Enum
 from collections.abc import Collection
 from typing import Final
 
-from mpsd._core import Codec, Frames
+from ._wire import Codec, Frames
 
 from ._fds import close_fds as _close_all
 

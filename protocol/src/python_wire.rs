@@ -1,4 +1,4 @@
-//! The Python face of the wire codec, `mpsd._core.Codec`: a frame body decoded straight into the message
+//! The Python face of the wire codec, `mpsd_protocol._wire.Codec`: a frame body decoded straight into the message
 //! objects `mpsd_protocol._messages.from_wire` makes (its dataclasses, filled slot by slot, with the checks
 //! their `__post_init__` makes done here), and a message encoded into its whole frame, header included.
 //! msgpack-python built ~25 Python objects per launch and a fresh str for every map key; here map keys, op
@@ -9,7 +9,7 @@
 //! fds that fail the dataclass's check) is decoded whole and handed to `from_wire`, so that every malformed
 //! message is judged, and its error worded, by the one Python function that does so today.
 
-use crate::hash::Map;
+use std::collections::HashMap;
 use crate::wire::{self, Builder, Error, Reader, Token, MAX_DEPTH};
 use pyo3::exceptions::{PyOverflowError, PyTypeError, PyValueError};
 use pyo3::ffi;
@@ -285,7 +285,7 @@ impl Class {
 }
 
 /// The codec `mpsd_protocol._connection` makes once, from its message classes and error types.
-#[pyclass(frozen, module = "mpsd._core")]
+#[pyclass(frozen, module = "mpsd_protocol._wire")]
 pub struct Codec {
     request: Class,
     reply: Class,
@@ -730,7 +730,7 @@ const HEADER: usize = 8;
 
 /// The bytes a connection received and has not yet taken as frames, and where they lie in the stream (the
 /// fds that came with them are claimed by stream offset, in Python: `Connection._claim`).
-#[pyclass(module = "mpsd._core")]
+#[pyclass(module = "mpsd_protocol._wire")]
 pub struct Frames {
     codec: Py<Codec>,
     max_fds: u32,
@@ -740,7 +740,7 @@ pub struct Frames {
     /// Stream offset of `buf[0]`.
     offset: u64,
     /// Bodies of frames the caller has seen before, each with its token (`remember`, `repeats`).
-    memo: Map<Box<[u8]>, PyObject>,
+    memo: HashMap<Box<[u8]>, PyObject>,  // keyed by a peer's bytes: std's hasher, which resists flooding
     /// The body of the frame `next` decoded last, if it may be remembered (no fds, at most MEMO_BODY bytes).
     last: Vec<u8>,
     has_last: bool,
@@ -811,7 +811,7 @@ impl Frames {
     #[new]
     fn new(codec: Py<Codec>) -> Self {
         let max_fds = codec.get().max_fds as u32;
-        Frames { codec, max_fds, buf: Vec::new(), start: 0, offset: 0, memo: Map::default(), last: Vec::new(),
+        Frames { codec, max_fds, buf: Vec::new(), start: 0, offset: 0, memo: HashMap::new(), last: Vec::new(),
                  has_last: false }
     }
 
