@@ -154,7 +154,8 @@ def test_the_report_draws_the_tables_figures(searched):
         for panel in plot["panels"]:
             for series in panel["series"]:
                 policy = json.loads(series["label"].removeprefix("policy="))
-                expected = sorted((n, r["groups"][panel["title"]][figure]) for (p, n), r in table.items() if p == policy)
+                expected = sorted((n, r["groups"][panel["title"]][figure])
+                                  for (p, n), r in table.items() if p == policy)
                 assert list(zip(series["x"], series["y"])) == expected
     frontier_plot = plots[2]
     timeslice = frontier_plot["panels"][0]["series"][1]
@@ -177,6 +178,6 @@ def test_parquet_holds_the_csvs_table(searched, tmp_path):
     with contextlib.redirect_stdout(io.StringIO()):
         assert main([*argv, "--parquet", str(target)]) == 0
     table = pq.read_table(target).to_pylist()
-    rows = list(csv.DictReader((where / "f.csv").open()))
+    rows = list(csv.DictReader(io.StringIO((where / "f.csv").read_text())))
     assert [list(r) for r in table] == [list(r) for r in rows]
     assert [{k: "" if v is None else str(v) for k, v in r.items()} for r in table] == rows
