@@ -131,9 +131,12 @@ def test_the_frontier_is_the_last_point_that_holds_and_the_next(searched):
     assert len(list((where / "results").glob("*.json"))) == len(found["runs"]) == 10
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        assert main([a for a in argv if a != "--quiet"]) == 0
-    assert out.getvalue() == printed and "to run" in err.getvalue() and " 0 to run" in err.getvalue()
-    assert all(line.endswith(" 0 to run") for line in err.getvalue().splitlines())
+        assert main([str(where / "s.toml"), "--path", "model", "--find", "max:tenant.inference.count", "--until", UNTIL,
+                     "--find-limit", "8", "--results", str(where / "results")]) == 0
+    assert out.getvalue() == printed
+    steps = enumerate([2] * 4 + [1] * 2, 1)  # both lines for 1, 2, 4, 8; then time-slicing's 6 and 5
+    assert err.getvalue().splitlines() == [f"mpsd-stress sweep: search step {n}: {lines} of {lines} points already in "
+                                           f"{where / 'results'}/, 0 to run" for n, lines in steps]
     assert (where / "f.csv").read_text().count("\n") == 11
 
 

@@ -1,8 +1,9 @@
 # A sweep is many virtual-time runs of one workload, each with a few settings changed (its axes). Rule 1: a
 # point is its workload document with the axes written in, nothing else, so that what a point gives depends
 # on that document alone: its key (the name of its results file) is a hash of it, and a point runs the same,
-# to the bit, in any process and in any order. This module is the grammar and one point's run; running many
-# (processes, the results directory, the table) is sweep_cli.py's.
+# to the bit, in any process and in any order. This module is the grammar and one point's run; running many is
+# the command's (sweep_cli.py: the results directory; sweep_executors.py: where they run; sweep_table.py: the table;
+# sweep_find.py: a capacity search's points).
 #
 # A point runs on the in-process daemon (run_virtual): mpsd-stress --virtual-time's figures. With path =
 # "model", a point the model alone can serve (every request one call of a closed loop, nothing the model leaves

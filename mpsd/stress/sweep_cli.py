@@ -41,7 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "executor's: Ray runs as many as its cluster has CPUs)")
     parser.add_argument("--results", type=Path, metavar="DIR",
                         help="one JSON file per point, named by its key; a rerun skips the points done")
-    parser.add_argument("--json", type=Path, metavar="FILE", help="write the table as JSON ('-' for stdout)")
+    parser.add_argument("--json", type=Path, metavar="FILE",
+                        help="write the table as JSON ('-' for stdout); with --find, {find, until, limit, frontier, "
+                             "runs}: each line's frontier, and the table of the runs probed")
     parser.add_argument("--csv", type=Path, metavar="FILE", help="write the table as CSV ('-' for stdout)")
     parser.add_argument("--parquet", type=Path, metavar="FILE",
                         help="write the table as Parquet, the CSV's columns (needs pyarrow, not a dependency)")
@@ -62,7 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
         "capacity search", "For each point of the sweep with KEY left out (each policy, say), the largest integer "
                            "KEY from 1 to the limit at which the --until condition holds, found by an exponential "
                            "probe upward (1, 2, 4, ...) and then bisection. It assumes the condition is monotone "
-                           "in KEY (holds up to some value, fails from the next on); a figure that is None fails.")
+                           "in KEY (holds up to some value, fails from the next on); a figure that is None fails. "
+                           "Values of KEY the sweep lists are the search's to choose, so left out. Each run goes "
+                           "through --results like a sweep's point, so that a rerun resumes.")
     search.add_argument("--find", metavar="max:KEY", help="the axis searched, e.g. max:tenant.inference.count")
     search.add_argument("--until", metavar="EXPR",
                         help='"FIGURE OP VALUE": FIGURE a column of the table (run.p99_ms, inference.p99_ms, '
@@ -80,6 +84,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise WorkloadError("--jobs must be at least 1")
         if options.address is not None and options.executor != "ray":
             raise WorkloadError("--address is the Ray cluster's: it needs --executor ray")
+        if options.find_limit < 1:
+            raise WorkloadError(f"--find-limit must be at least 1, not {options.find_limit}")
         if (options.find is None) != (options.until is None):
             raise WorkloadError("--find and --until go together: the axis searched and the condition")
         if options.executor == "ray":
@@ -131,7 +137,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if options.report is not None:
         from mpsd.stress.sweep_report import write_report
 
-        write_report(options.report, rows, found)
+        if len(write_report(options.report, rows, found)) == 1:
+            print(f"mpsd-stress sweep: --report: no axis takes two or more numbers, nothing to plot against; "
+                  f"{options.report}/report.json is empty", file=sys.stderr)
     return 0
 
 
@@ -165,10 +173,12 @@ def run_search(sweep: Sweep, key: str, until: Until, limit: int, executor: Execu
         WorkloadError: a point's workload is wrong, or was refused.
     """
     done: dict[str, dict[str, Any]] = {}
+    steps: list[int] = []
 
     def evaluate(points: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
         planned = plan(sweep, points, wanted)
-        figures = run_sweep(sweep, planned, executor, results, say)
+        steps.append(len(planned))
+        figures = run_sweep(sweep, planned, executor, results, say, f"search step {len(steps)}: ")
         out = []
         for point, _document, _path, point_key_ in planned:
             done[point_key_] = row(point, point_key_, figures[point_key_])
@@ -183,7 +193,7 @@ def run_search(sweep: Sweep, key: str, until: Until, limit: int, executor: Execu
 
 
 def run_sweep(sweep: Sweep, points: list[Planned], executor: Executor, results: Path | None,
-              say: Callable[[str], None]) -> dict[str, dict[str, Any]]:
+              say: Callable[[str], None], step: str = "") -> dict[str, dict[str, Any]]:
     """Every point's figures, by key: read from ``results`` where a file holds them, else run on the executor
     and, with ``results``, written there as each finishes.
 
@@ -202,7 +212,7 @@ def run_sweep(sweep: Sweep, points: list[Planned], executor: Executor, results: 
     todo = [key for key in documents if key not in done]
     total, resumed = len(documents), len(done)
     if resumed:
-        say(f"mpsd-stress sweep: {resumed} of {total} points already in {results}/, {len(todo)} to run")
+        say(f"mpsd-stress sweep: {step}{resumed} of {total} points already in {results}/, {len(todo)} to run")
     if not todo:
         return done
     started = time.monotonic()
@@ -219,7 +229,7 @@ def run_sweep(sweep: Sweep, points: list[Planned], executor: Executor, results: 
         finished += 1
         elapsed = time.monotonic() - started
         left = elapsed / finished * (len(todo) - finished)
-        say(f"mpsd-stress sweep: {resumed + finished}/{total} {describe(point)} ({outcome['path']}); "
+        say(f"mpsd-stress sweep: {step}{resumed + finished}/{total} {describe(point)} ({outcome['path']}); "
             f"{elapsed:.1f} s, about {left:.1f} s left")
     return done
 

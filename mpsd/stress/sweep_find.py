@@ -144,7 +144,7 @@ def search(sweep: Sweep, key: str, until: Until, limit: int,
         WorkloadError: ``limit`` is below 1; or what ``evaluate`` raises.
     """
     if limit < 1:
-        raise WorkloadError(f"--find-limit must be at least 1, not {limit}")
+        raise WorkloadError(f"--find-limit must be at least 1, not {limit}")  # (the command checks it first)
     lines = [Line(axes) for axes in lines_of(sweep, key)]
     while active := [line for line in lines if line.next is not None]:
         points = [{**line.axes, key: line.next} for line in active]
@@ -181,8 +181,16 @@ def render_frontier(lines: list[Line], key: str, until: Until, limit: int) -> st
         for value in sorted(line.probes):
             figure = line.figures[value]
             runs.append([cell(line.axes.get(axis)) for axis in axes]
-                        + [str(value), "-" if figure is None else f"{figure:.6g}",
+                        + [str(value), _figure_cell(figure, until, line.probes[value]),
                            "holds" if line.probes[value] else "fails", line.keys[value],
                            "decides" if value in (line.holds, line.fails) else ""])
     return "\n".join([head, columns([*axes, "holds", "fails", "runs"], summary, len(axes)), "",
                       columns([*axes, key, until.figure, "result", "key", "frontier"], runs, len(axes))])
+
+
+def _figure_cell(figure: Any, until: Until, held: bool) -> str:
+    # Six digits, unless they would contradict the result (a p99 of 1.0000000000000147 ms fails "<= 1"): then all.
+    if figure is None:
+        return "-"
+    short = f"{figure:.6g}"
+    return short if until.holds({until.figure: float(short)}) == held else repr(figure)
