@@ -37,10 +37,19 @@ class RayExecutor:
     """Points as Ray tasks, one CPU each, every task of a batch submitted at once and taken back as each ends."""
 
     def __init__(self, address: str | None) -> None:
+        """Connect to the cluster at ``address`` (None: Ray's own choice), unless Ray is connected already.
+
+        Raises:
+            WorkloadError: Ray is not installed.
+            RunError: no cluster Ray can join is there.
+        """
         self._ray = import_ray()
         self._started = not self._ray.is_initialized()
         if self._started:
-            self._ray.init(address=address, log_to_driver=False, configure_logging=False)
+            try:
+                self._ray.init(address=address, log_to_driver=False, configure_logging=False)
+            except (ConnectionError, RuntimeError, ValueError) as exc:  # no cluster there, or not one Ray can join
+                raise RunError(f"Ray: no cluster at {address or 'the address Ray looks for'}: {exc}") from None
         self._remote: Any = self._ray.remote(num_cpus=1)(run_point)
 
     def run(self, tasks: Sequence[Task]) -> Iterator[tuple[str, Outcome]]:
