@@ -26,26 +26,32 @@ STRESS = Path(sys.executable).with_name("mpsd-stress")
 UNTIL = "inference.p99_ms <= 1.5"  # time-slicing passes 1.5 ms between 5 and 6 replicas; MPS not below 8
 
 
-def made_up_search(edge: int, limit: int):
-    """A search over two lines whose figure is KEY itself (mps) or twice it (timeslice), holding while <= edge."""
-    sweep = parse_sweep({**workload(), "sweep": {"grid": {"policy": ["mps", "timeslice"]}}})
+def made_up_search(edge: int, limit: int, goal: str = "max"):
+    """A search over two lines whose figure is KEY itself (mps) or twice it (timeslice): for max, holding while
+    at most ``edge``; for min, while at least ``edge``."""
+    sweep = parse_sweep({**workload(), "sweep": {"grid": {"policy": ["mps", "timeslice"],
+                                                          "tenant.inference.count": [1, 2]}}})
     scale = {"mps": 1, "timeslice": 2}
+    sign = 1 if goal == "max" else -1
     asked: list[dict] = []
 
     def evaluate(points):
         asked.extend(points)
         return [(f"{p['policy']}-{p['tenant.inference.count']}",
-                 {"run.p99_ms": p["tenant.inference.count"] * scale[p["policy"]]}) for p in points]
+                 {"run.p99_ms": sign * p["tenant.inference.count"] * scale[p["policy"]]}) for p in points]
 
-    return search(sweep, "tenant.inference.count", Until("run.p99_ms", "<=", edge), limit, evaluate), asked
+    until = Until("run.p99_ms", "<=", sign * edge)
+    return search(sweep, "tenant.inference.count", until, limit, evaluate, goal), asked
 
 
 @pytest.mark.parametrize("edge", [0, 1, 2, 3, 5, 7, 8, 9, 31, 32, 33, 99, 100, 101, 1000])
 def test_the_search_finds_the_edge_of_a_monotone_figure(edge):
     """For every edge, the frontier is the largest value that holds and the next, which fails, found in at most
-    two probes per doubling; a first value that fails gives no largest, a limit that holds no smallest."""
+    two probes per doubling; a first value that fails gives no largest, a limit that holds no smallest. The
+    sweep's own values of the key are the search's to choose: its two counts make no more lines."""
     limit = 100
     lines, asked = made_up_search(edge, limit)
+    assert [line.axes for line in lines] == [{"policy": "mps"}, {"policy": "timeslice"}]
     for line, scale in zip(lines, (1, 2)):
         best = min(edge // scale, limit)
         assert line.holds == (best if best >= 1 else None)
@@ -56,6 +62,19 @@ def test_the_search_finds_the_edge_of_a_monotone_figure(edge):
     assert len(asked) == len({json.dumps(p, sort_keys=True) for p in asked}) == sum(len(line.probes) for line in lines)
     decided = frontier(lines)[0]["decided_by"]
     assert decided == [f"mps-{v}" for v in (lines[0].holds, lines[0].fails) if v is not None]
+
+
+@pytest.mark.parametrize("edge", [0, 1, 2, 3, 5, 8, 9, 64, 65, 100, 101])
+def test_a_min_search_finds_the_smallest_value_that_holds(edge):
+    """min:KEY is the opposite edge: the smallest value that holds (figure at least ``edge``) and the largest
+    that fails below it; where every value holds, 1 and none; where none up to the limit does, none and it."""
+    limit = 100
+    lines, _ = made_up_search(edge, limit, "min")
+    for line, scale in zip(lines, (1, 2)):
+        least = max(1, -(-edge // scale))  # the smallest v with v * scale >= edge
+        assert line.holds == (least if least <= limit else None)
+        assert line.fails == (least - 1 if 1 < least <= limit else limit if least > limit else None)
+        assert all(held == (v * scale >= edge) for v, held in line.probes.items())
 
 
 @pytest.mark.parametrize(("text", "message"), [
@@ -84,7 +103,8 @@ def test_a_wrong_search_is_one_line_and_exit_2(tmp_path):
     assert (wrong.returncode, wrong.stdout) == (2, "")
     assert wrong.stderr == "mpsd-stress sweep: --until: 'soon' is not a number\n"
     for argv, message in [(["--find", "max:policy", "--until", UNTIL], "--find: policy does not take integers"),
-                          (["--find", "least:seed", "--until", UNTIL], "--find 'least:seed': expected max:KEY"),
+                          (["--find", "least:seed", "--until", UNTIL],
+                           "--find 'least:seed': expected max:KEY or min:KEY"),
                           (["--find", "max:tenant.serving.count", "--until", UNTIL],
                            "--find: axis tenant.serving.count: no tenant named 'serving'"),
                           (["--until", UNTIL], "--find and --until go together")]:

@@ -42,8 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--results", type=Path, metavar="DIR",
                         help="one JSON file per point, named by its key; a rerun skips the points done")
     parser.add_argument("--json", type=Path, metavar="FILE",
-                        help="write the table as JSON ('-' for stdout); with --find, {find, until, limit, frontier, "
-                             "runs}: each line's frontier, and the table of the runs probed")
+                        help="write the table as JSON ('-' for stdout); with --find, {find, goal, until, limit, "
+                             "frontier, runs}: each line's frontier, and the table of the runs probed")
     parser.add_argument("--csv", type=Path, metavar="FILE", help="write the table as CSV ('-' for stdout)")
     parser.add_argument("--parquet", type=Path, metavar="FILE",
                         help="write the table as Parquet, the CSV's columns (needs pyarrow, not a dependency)")
@@ -62,12 +62,14 @@ def build_parser() -> argparse.ArgumentParser:
                              "cluster where none is running)")
     search = parser.add_argument_group(
         "capacity search", "For each point of the sweep with KEY left out (each policy, say), the largest integer "
-                           "KEY from 1 to the limit at which the --until condition holds, found by an exponential "
-                           "probe upward (1, 2, 4, ...) and then bisection. It assumes the condition is monotone "
-                           "in KEY (holds up to some value, fails from the next on); a figure that is None fails. "
+                           "KEY (max:) or the smallest (min:) from 1 to the limit at which the --until condition "
+                           "holds, found by an exponential probe upward (1, 2, 4, ...) and then bisection. It "
+                           "assumes the condition is monotone in KEY (for max, holds up to some value and fails "
+                           "from the next on; for min, the opposite); a figure that is None fails. "
                            "Values of KEY the sweep lists are the search's to choose, so left out. Each run goes "
                            "through --results like a sweep's point, so that a rerun resumes.")
-    search.add_argument("--find", metavar="max:KEY", help="the axis searched, e.g. max:tenant.inference.count")
+    search.add_argument("--find", metavar="max:KEY", help="the axis searched, e.g. max:tenant.inference.count or "
+                                                          "min:tenant.inference.active_thread_percentage")
     search.add_argument("--until", metavar="EXPR",
                         help='"FIGURE OP VALUE": FIGURE a column of the table (run.p99_ms, inference.p99_ms, '
                              'inference.slo, ...), OP one of <=, <, >=, >, ==; e.g. "inference.p99_ms <= 5"')
@@ -96,7 +98,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             import_pyarrow()  # before the runs, not after them
         sweep = load_sweep(options.sweep)
         if options.find is not None:
-            key = parse_find(options.find, sweep)
+            goal, key = parse_find(options.find, sweep)
             until = parse_until(options.until, figure_names(sweep.workload))
         else:
             points = plan(sweep, sweep.points, options.path)
@@ -108,8 +110,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with open_executor(options.executor, options.jobs, options.address) as executor:
             if options.find is not None:
-                found = run_search(sweep, key, until, options.find_limit, executor, options.path, options.results,
-                                   say)
+                found = run_search(sweep, goal, key, until, options.find_limit, executor, options.path,
+                                   options.results, say)
                 rows = found["runs"]
             else:
                 results = run_sweep(sweep, points, executor, options.results, say)
@@ -160,12 +162,12 @@ def plan(sweep: Sweep, points: Sequence[dict[str, Any]], wanted: str) -> list[Pl
     return out
 
 
-def run_search(sweep: Sweep, key: str, until: Until, limit: int, executor: Executor, wanted: str,
+def run_search(sweep: Sweep, goal: str, key: str, until: Until, limit: int, executor: Executor, wanted: str,
                results: Path | None, say: Callable[[str], None]) -> dict[str, Any]:
     """A capacity search, each step's points run as a sweep's (through ``results``, so that a rerun resumes).
 
     Returns:
-        ``{"find", "until", "limit", "frontier", "runs", "text"}``: the frontier per line (sweep_find.frontier),
+        ``{"find", "goal", "until", "limit", "frontier", "runs", "text"}``: the frontier per line (sweep_find.frontier),
         every run probed as a table row (each line's in the order of the key's value), and the terminal's text.
 
     Raises:
@@ -185,9 +187,10 @@ def run_search(sweep: Sweep, key: str, until: Until, limit: int, executor: Execu
             out.append((point_key_, flat(done[point_key_])))
         return out
 
-    lines = search(sweep, key, until, limit, evaluate)
+    lines = search(sweep, key, until, limit, evaluate, goal)
     runs = [done[line.keys[value]] for line in lines for value in sorted(line.probes)]
-    return {"find": key, "until": {"figure": until.figure, "op": until.op, "value": until.value, "text": str(until)},
+    return {"find": key, "goal": goal,
+            "until": {"figure": until.figure, "op": until.op, "value": until.value, "text": str(until)},
             "limit": limit, "frontier": frontier(lines), "runs": runs,
             "text": render_frontier(lines, key, until, limit)}
 

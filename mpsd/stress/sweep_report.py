@@ -6,7 +6,7 @@
 # Plots: each figure (p99, throughput, SLO attainment where there is one) against each numeric axis, a panel
 # per tenant group and a line per setting of the other axes (a line per policy, in a policy-by-count sweep);
 # and with --find, the frontier: the searched figure against the searched key per line, probes that held
-# filled, the threshold drawn, and the largest value that held per line.
+# filled, the threshold drawn, and the answer per line (the largest value that held, or for min:, the smallest).
 """The report of a sweep: plots of its table and of a capacity search's frontier."""
 
 from __future__ import annotations
@@ -73,7 +73,8 @@ def _frontier(found: dict[str, Any]) -> dict[str, Any]:
         bars.append({"label": label, "x": [label], "y": [line["holds"] or 0]})
     return {"file": "frontier.png", "title": f"{key} while {until['text']}", "x": key, "y": until["figure"],
             "threshold": until["value"], "panels": [{"title": until["figure"], "series": series},
-                       {"title": f"largest {key} that holds", "bars": True, "series": bars}]}
+                       {"title": f"{'largest' if found['goal'] == 'max' else 'smallest'} {key} that holds",
+                        "bars": True, "series": bars}]}
 
 
 def draw(plot: dict[str, Any]) -> Any:
