@@ -82,6 +82,7 @@ def test_a_min_search_finds_the_smallest_value_that_holds(edge):
     ("inference.p99_ms =< 1", "--until 'inference.p99_ms =< 1': expected \"FIGURE OP VALUE\" with OP one of "
                               "<=, <, >=, >, =="),
     ("inference.p99_ms <= fast", "--until: 'fast' is not a number"),
+    ("inference.p99_ms<=nan", "--until: 'nan' is not a number"),
     ("", "--until '': expected"),
 ])
 def test_a_wrong_until_names_what_is_wrong(text, message):

@@ -96,7 +96,7 @@ def parse_sweep(data: dict[str, Any], base: Path = Path(".")) -> Sweep:
         raise WorkloadError("[sweep] needs one of [sweep.grid] (every combination) or [[sweep.point]] (listed)")
     tenants = [t.get("name", f"tenant{i}") for i, t in enumerate(workload.get("tenant", []))]
     for axis in [*grid, *(a for p in listed for a in p)]:
-        _check_axis(axis, tenants)
+        check_axis(axis, tenants)
     if grid:
         for axis, values in grid.items():
             if not isinstance(values, list) or not values:
@@ -115,7 +115,12 @@ def parse_sweep(data: dict[str, Any], base: Path = Path(".")) -> Sweep:
     return out
 
 
-def _check_axis(axis: str, tenants: list[str]) -> None:
+def check_axis(axis: str, tenants: list[str]) -> None:
+    """Check an axis's name, given the workload's tenant names (the capacity search checks its key with it too).
+
+    Raises:
+        WorkloadError: an unknown axis (named, with the known ones) or a tenant no entry is named.
+    """
     known = (f"policy, seed, run.<{'|'.join(RUN_AXES)}>, tenant.<name>.<key> with name one of "
              f"{', '.join(tenants)} and key one of {', '.join(TENANT_AXES)}")
     parts = axis.split(".")

@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from mpsd.stress.sweep import Sweep, _check_axis
+from mpsd.stress.sweep import Sweep, check_axis
 from mpsd.stress.workload import WorkloadError
 
 __all__ = ["GOALS", "Line", "Until", "frontier", "parse_find", "parse_until", "render_frontier", "search"]
@@ -46,7 +46,7 @@ class Until:
         return got is not None and OPERATORS[self.op](got, self.value)
 
     def __str__(self) -> str:
-        return f"{self.figure} {self.op} {self.value:g}"
+        return f"{self.figure} {self.op} {self.value:.15g}"  # as written: 5 for 5.0, 0.1234567 in full
 
 
 def parse_until(text: str, figures: Sequence[str]) -> Until:
@@ -65,7 +65,9 @@ def parse_until(text: str, figures: Sequence[str]) -> Until:
     try:
         value = float(number)
     except ValueError:
-        raise WorkloadError(f"--until: {number!r} is not a number") from None
+        value = float("nan")
+    if value != value:  # (NaN, written or not a number at all: no figure compares to it)
+        raise WorkloadError(f"--until: {number!r} is not a number")
     return Until(figure, op, value)
 
 
@@ -84,7 +86,7 @@ def parse_find(text: str, sweep: Sweep) -> tuple[str, str]:
                             "(e.g. max:tenant.inference.count)")
     tenants = [t.get("name", f"tenant{i}") for i, t in enumerate(sweep.workload.get("tenant", []))]
     try:
-        _check_axis(key, tenants)
+        check_axis(key, tenants)
     except WorkloadError as exc:
         raise WorkloadError(f"--find: {str(exc).removeprefix('[sweep] ')}") from None
     if key in NOT_NUMBERS:
