@@ -1,8 +1,9 @@
 # A sweep is many virtual-time runs of one workload, each with a few settings changed (its axes). Rule 1: a
 # point is its workload document with the axes written in, nothing else, so that what a point gives depends
 # on that document alone: its key (the name of its results file) is a hash of it, and a point runs the same,
-# to the bit, in any process and in any order. This module is the grammar and one point's run; running many
-# (processes, the results directory, the table) is sweep_cli.py's.
+# to the bit, in any process and in any order. This module is the grammar and one point's run; running many is
+# the command's (sweep_cli.py: the results directory; sweep_executors.py: where they run; sweep_table.py: the table;
+# sweep_find.py: a capacity search's points).
 #
 # A point runs on the in-process daemon (run_virtual): mpsd-stress --virtual-time's figures. With path =
 # "model", a point the model alone can serve (every request one call of a closed loop, nothing the model leaves
@@ -95,7 +96,7 @@ def parse_sweep(data: dict[str, Any], base: Path = Path(".")) -> Sweep:
         raise WorkloadError("[sweep] needs one of [sweep.grid] (every combination) or [[sweep.point]] (listed)")
     tenants = [t.get("name", f"tenant{i}") for i, t in enumerate(workload.get("tenant", []))]
     for axis in [*grid, *(a for p in listed for a in p)]:
-        _check_axis(axis, tenants)
+        check_axis(axis, tenants)
     if grid:
         for axis, values in grid.items():
             if not isinstance(values, list) or not values:
@@ -114,7 +115,12 @@ def parse_sweep(data: dict[str, Any], base: Path = Path(".")) -> Sweep:
     return out
 
 
-def _check_axis(axis: str, tenants: list[str]) -> None:
+def check_axis(axis: str, tenants: list[str]) -> None:
+    """Check an axis's name, given the workload's tenant names (the capacity search checks its key with it too).
+
+    Raises:
+        WorkloadError: an unknown axis (named, with the known ones) or a tenant no entry is named.
+    """
     known = (f"policy, seed, run.<{'|'.join(RUN_AXES)}>, tenant.<name>.<key> with name one of "
              f"{', '.join(tenants)} and key one of {', '.join(TENANT_AXES)}")
     parts = axis.split(".")
