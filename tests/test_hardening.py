@@ -169,8 +169,11 @@ def test_fuzzed_v3_and_long_control_packets_all_get_a_reply(daemon_factory):
 
     with sock:
         one_packet()
+    # Served, under whatever settings the fuzzed lines left (a default pinned limit of 1 MiB, say, which a
+    # malloc would then rightly be refused under): a round trip the limits do not decide.
     with mpsd_client.connect(d.pipe_dir) as ctx:
-        assert ctx.malloc(64) > 0
+        free, total = ctx.mem_get_info()
+        assert 0 <= free <= total and total > 0
 
 
 def test_control_log_states_the_true_exit_status(base):
