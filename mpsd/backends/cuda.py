@@ -75,6 +75,7 @@ import trio
 from mpsd.backends.base import VIRTUAL_MEMORY, Client, Gate, Instance, when_all
 from mpsd.backends.cuda_driver import CudaFailure, _bindings, _check, cuda_device_count
 from mpsd.backends.cuda_kernels import compile_kernels
+from mpsd.backends.cuda_modules import load_module
 from mpsd.backends.cuda_trace import RECORD, BlockTrace
 from mpsd.backends.ops import Copy, Extent, GraphLaunch, Launch, Memset, Record, Work
 from mpsd.backends.recorder import Recorder
@@ -446,8 +447,23 @@ class CudaBackend:
         except (CudaFailure, OutOfMemoryError) as exc:
             raise OSError(12, f"cuMemAddressReserve refused {nbytes} bytes ({exc})") from None
 
-    def fits(self, threads: int, shared_mem: int) -> bool:
+    def fits(self, threads: int, shared_mem: int, regs: int = 32) -> bool:
+        # The declared registers are a module's word for its simulated twin; the driver refuses a launch its
+        # compiled kernel's registers do not allow (CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES), reported when it runs.
         return threads <= self._attrs["threads_per_block"] and shared_mem <= self._attrs["smem_optin"]
+
+    def occupancy(self, function: Any, threads: int, shared_mem: int) -> int:
+        """As the driver computes it for the compiled kernel (its real registers and static shared memory)."""
+        return self._occupancy(function.qualified, threads, shared_mem)
+
+    def load_module(self, module: Any) -> None:
+        """Compile the module's CUDA C twin with NVRTC (or load its PTX) with cuModuleLoadData, and keep each of
+        its kernels' CUfunction and argument buffer by its qualified name (mpsd.backends.cuda_modules).
+
+        Raises:
+            ValueError: it names no twin, or the twin does not compile, load or hold one of its kernels.
+        """
+        self._kernels.update(load_module(self.cu, self._nvrtc, module, self._attrs["major"], self._attrs["minor"]))
 
     def sm_cap(self, active_thread_percentage: float) -> int:
         """As MPS rounds it: whole TPCs (two SMs), at least one. A green context may round it again (the
@@ -719,7 +735,7 @@ class CudaBackend:
         launch, function, smem, address = self.cu.cuLaunchKernel, kernel.function, plan.shared_mem, kernel.address
         cap = self._caps.get(work.client)
         step = gx
-        if cap is not None and pending.context.sm_count > cap:
+        if cap is not None and pending.context.sm_count > cap and kernel.base is not None:
             # Its green context holds more SMs than its cap (the driver's groups are 8 SMs on an H200). Where that
             # would let its grid run in fewer waves than `cap` SMs take, the grid goes as launches in a row of the
             # blocks `cap` SMs hold at once, as MPS holds it to its cap. Only there: a launch waits for its slowest
@@ -730,7 +746,7 @@ class CudaBackend:
                 step = max(1, per_sm * cap // (gy * gz))
         if kernel.base is not None:
             kernel.total.value = gx
-        trace = self._trace
+        trace = self._trace if kernel.trace is not None else None  # (a module's kernels write no block records)
         for _ in range(count):
             if trace is not None:  # each launch its slots, a part of a grid its own of them
                 slots = trace.slots(work.client, work.stream, plan.kernel, gx * gy * gz, bx * by * bz, self.now())
