@@ -23,13 +23,14 @@ from mpsd_protocol import PARAM_KINDS, CudaError
 
 ONE_MS, OVERHEAD_MS = round(1e-3 * H200.clock_hz), H200.kernel_overhead * 1e3
 EXAMPLE = Path(__file__).parent.parent / "examples" / "modules" / "matmul.py"
+IMPORT = "from mpsd.modules import Cost, Kernel\n"
 BAD = {
     "syntax.py": "KERNELS = [\n",
     "raises.py": "raise RuntimeError('no GPU for you')\n",
     "exits.py": "import sys\nsys.exit(3)\n",
     "empty.py": "x = 1\n",
-    "kinds.py": "from mpsd.modules import Cost, Kernel\nKERNELS = [Kernel('k', ('ptr', 'u8'), lambda a, b, t: Cost())]\n",
-    "nobounds.py": "from mpsd.modules import Cost, Kernel\nKERNELS = [Kernel('k', ('ptr',), lambda a, b, t: Cost())]\n",
+    "kinds.py": f"{IMPORT}KERNELS = [Kernel('k', ('ptr', 'u8'), lambda a, b, t: Cost())]\n",
+    "nobounds.py": f"{IMPORT}KERNELS = [Kernel('k', ('ptr',), lambda a, b, t: Cost())]\n",
 }
 HEAVY = ("from mpsd.modules import Cost, Kernel\n"
          "KERNELS = [Kernel('fat', ('i64',), lambda a, b, t: Cost(cycles=a[0]), lambda a: [], registers=255)]\n")
@@ -98,7 +99,8 @@ async def test_matmul_computes_its_reference_and_loading_follows_the_path_rules(
                     await ctx.module_load(path)
             with pytest.raises(InvalidValueError, match="no module 'nothere' in the daemon's --module-path"):
                 await ctx.module_load("nothere")
-            reasons = {"syntax": "syntax.py, line 1: '\\[' was never closed", "raises": "RuntimeError: no GPU for you", "exits": "SystemExit",
+            reasons = {"syntax": "syntax.py, line 1: '\\[' was never closed", "raises": "RuntimeError: no GPU for you",
+                       "exits": "SystemExit",
                        "empty": "binds KERNELS", "kinds": "params must be", "nobounds": "needs extents"}
             for name, reason in reasons.items():
                 with pytest.raises(InvalidKernelImageError, match=reason):
