@@ -17,6 +17,9 @@ from mpsd.daemon.config import ConfigError, load_config
 from mpsd.modules import PARAM_KINDS as DECLARED_KINDS
 from mpsd.modules import read_module
 from mpsd.sim import H200, Kernel, Simulator, function_cost, sm_cap
+from mpsd.stress.runner import run_virtual
+from mpsd.stress.workload import WorkloadError, parse_workload
+from mpsd.tools.simulate import run_workload
 from mpsd_client import (Function, InvalidDeviceFunctionError, InvalidKernelImageError, InvalidValueError,
                          LaunchOutOfResourcesError, NotFoundError, _contexts, driver)
 from mpsd_protocol import PARAM_KINDS, CudaError
@@ -251,3 +254,28 @@ async def test_matmul_timing_under_an_sm_cap_is_the_models(modules: Path, autoju
     assert seen["25"] > 1.5 * seen["100"]
     cost = function_cost(H200, kernel, grid[0] * grid[1], tile * tile, args)
     assert (cost.dram, cost.shared) == ((True, False) if tile == 8 else (False, True))
+
+
+def _matmul_workload(modules: Path, **kernel: object) -> object:
+    return parse_workload({"run": {"duration": 0.002, "module_path": [modules.name]}, "tenant": [
+        {"name": "mm", "active_thread_percentage": 25, "kernel": [{
+            "name": "matmul.matmul_t32", "grid": [4, 4], "block": [32, 32],
+            "args": ["64K", "64K", "64K", 128, 128, 128], **kernel}]}]}, base=modules.parent)
+
+
+def test_a_workload_names_a_module_kernel_as_a_built_in(modules: Path):
+    """mpsd-stress runs a module's kernel from [run] module_path (the daemon's --module-path) with a buffer of the
+    size given for each pointer, and its requests are the model's alone (mpsd simulate) to the nanosecond; its
+    args are checked against the declaration."""
+    w = _matmul_workload(modules)
+    timeline = run_virtual(w, "mps", {})
+    model = run_workload(w)["tenants"][0]
+    assert len(timeline.requests) == model["kernels"] > 100
+    latencies = sorted(r.latency for r in timeline.requests)
+    assert latencies[len(latencies) // 2] * 1e3 == pytest.approx(model["latency_p50_ms"], abs=1e-9)
+    with pytest.raises(WorkloadError, match=r"args must list its 6 arguments \(ptr, ptr, ptr, i64, i64, i64\)"):
+        _matmul_workload(modules, args=[1, 2])
+    with pytest.raises(WorkloadError, match="argument 3 must be i64"):
+        _matmul_workload(modules, args=["1K", "1K", "1K", 1.5, 1, 1])
+    with pytest.raises(WorkloadError, match="no module 'nomod'"):
+        _matmul_workload(modules, name="nomod.k")
