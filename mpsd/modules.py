@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -175,10 +174,3 @@ def read_module(path: Path) -> Module:
         raise ModuleError(f"{path.name} raised {type(exc).__name__}: {exc}") from None
     return module_of(name, namespace, path)
 
-
-def finite(value: float, what: str) -> float:
-    """`value` as a float, where it is finite and >= 0 (a cost's figures must be)."""
-    number = float(value)
-    if not (number >= 0 and math.isfinite(number)):
-        raise ValueError(f"{what} must be finite and >= 0, not {value!r}")
-    return number

@@ -2,8 +2,9 @@
 # (mpsd.backends.ops) into the simulator's ops with what each costs (the kernel's cost model; copy engines for
 # host copies; the kernels the runtime launches for device copies and memsets), drives the simulator under the
 # wall or the virtual clock (mpsd.backends.engine), and applies each op's effect on the bytes when it completes:
-# device memory is memfd segments (mpsd.backends.memfd), the built-in kernels are computed with numpy
-# (mpsd.backends.reference), and the host RAM all of it costs is kept within a budget (mpsd.backends.hostmem).
+# device memory is memfd segments (mpsd.backends.memfd), kernels (built-in or a module's: mpsd.modules) are
+# computed by their declared numpy references, and the host RAM all of it costs is kept within a budget
+# (mpsd.backends.hostmem).
 """The simulated GPU backend."""
 
 from __future__ import annotations
