@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -856,3 +857,78 @@ def test_a_failed_graph_node_surfaces_at_the_next_synchronise_on_every_backend(b
             ctx.synchronize()
         with pytest.raises(IllegalAddressError):
             ctx.synchronize()
+
+
+MODULES = Path(__file__).parent.parent / "examples" / "modules"
+NO_TWIN = ("from mpsd.modules import Cost, Kernel\n"
+           "KERNELS = [Kernel('k', ('i64',), lambda a, b, t: Cost(cycles=a[0]), lambda a: [])]\n")
+BAD_TWIN = NO_TWIN + "CUDA = 'broken.cu'\n"
+
+
+def _ptx(source: Path, major: int, minor: int) -> bytes:
+    """`source` compiled to PTX with NVRTC (cuda-python's nvrtc), for the module that loads PTX."""
+    from cuda.bindings import nvrtc
+
+    err, program = nvrtc.nvrtcCreateProgram(source.read_bytes(), source.name.encode(), 0, [], [])
+    assert not int(err), err
+    options = [f"--gpu-architecture=compute_{major}{minor}".encode(), b"-default-device"]
+    (err,) = nvrtc.nvrtcCompileProgram(program, len(options), options)
+    assert not int(err), err
+    err, size = nvrtc.nvrtcGetPTXSize(program)
+    ptx = b" " * size
+    (err,) = nvrtc.nvrtcGetPTX(program, ptx)
+    assert not int(err), err
+    nvrtc.nvrtcDestroyProgram(program)
+    return ptx
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_modules_kernels_compute_on_every_backend(backend, tmp_path, daemon_factory):
+    """The example's tiled matmul (examples/modules/matmul.py; on cuda:0 its CUDA C twin, matmul.cu, compiled with
+    NVRTC, and the same kernels loaded from PTX) computes A @ B in every tile size, launched by name and by
+    Function, with a driver's occupancy of at least one block; a module with no twin, or a twin that does not
+    compile, is an invalid image on the GPU (the simulator runs the declarations and needs none)."""
+    real = "cuda:0" in backend
+    folder = tmp_path / "modules"
+    folder.mkdir()
+    for name in ("matmul.py", "matmul.cu"):
+        (folder / name).write_bytes((MODULES / name).read_bytes())
+    (folder / "notwin.py").write_text(NO_TWIN)
+    (folder / "badtwin.py").write_text(BAD_TWIN)
+    (folder / "broken.cu").write_text('extern "C" __global__ void k(long long c) { this is not C }\n')
+    daemon = start_daemon(*backend, "--module-path", str(folder))
+    daemon_factory.append(daemon)
+    m, k, n = 96, 80, 64
+    rng = np.random.default_rng(3)
+    a, b = rng.standard_normal((m, k), dtype=np.float32), rng.standard_normal((k, n), dtype=np.float32)
+    with mpsd_client.connect(daemon.pipe_dir) as ctx:
+        names = ["matmul"]
+        if real:  # the same kernels from PTX: a module whose CUDA names the .ptx
+            props = ctx.device_properties()
+            (folder / "matmul_ptx.ptx").write_bytes(_ptx(folder / "matmul.cu", props["major"], props["minor"]))
+            (folder / "matmul_ptx.py").write_text((folder / "matmul.py").read_text().replace(
+                'CUDA = "matmul.cu"', 'CUDA = "matmul_ptx.ptx"'))
+            names.append("matmul_ptx")
+        pa, pb, pc = ctx.malloc(a.nbytes), ctx.malloc(b.nbytes), ctx.malloc(4 * m * n)
+        ctx.memcpy_htod(pa, a)
+        ctx.memcpy_htod(pb, b)
+        for name in names:
+            module = ctx.module_load(name)
+            for tile in (8, 16, 32):
+                f = module.get_function(f"matmul_t{tile}")
+                assert ctx.occupancy_max_active_blocks(f, (tile, tile)) >= 1
+                ctx.memset(pc, 0, 4 * m * n)
+                grid = (-(-n // tile), -(-m // tile))
+                if tile == 16:
+                    ctx.launch(f"{name}.matmul_t16", grid, (tile, tile), [pa, pb, pc, m, n, k])
+                else:
+                    ctx.launch(f, grid, (tile, tile), [pa, pb, pc, m, n, k])
+                ctx.synchronize()
+                got = _floats(ctx, pc, m * n).reshape(m, n)
+                np.testing.assert_allclose(got, a @ b, rtol=1e-4, atol=1e-4, err_msg=f"{name} tile {tile}")
+        for name, reason in (("notwin", "names no CUDA C or PTX twin"), ("badtwin", "NVRTC could not compile")):
+            if real:
+                with pytest.raises(mpsd_client.InvalidKernelImageError, match=reason):
+                    ctx.module_load(name)
+            else:
+                ctx.module_load(name)

@@ -156,6 +156,12 @@ def test_every_row_is_reachable_from_the_client_and_nothing_else_is(daemon, virt
         worker = run_worker(IPC_WORKER, daemon.pipe_dir, ctx.ipc_get_mem_handle(p).hex())
         assert worker.returncode == 0, worker.stderr
         sent |= set(worker.stdout.split())
+        assert ctx.func_get_attributes("fill_f32")["num_regs"] == 32
+        assert ctx.occupancy_max_active_blocks("fill_f32", 256) == 8
+        with pytest.raises(mpsd_client.InvalidValueError):  # this daemon has no --module-path
+            ctx.module_load("matmul")
+        with pytest.raises(mpsd_client.InvalidResourceHandleError):  # a handle the daemon never gave
+            ctx.module_unload(mpsd_client.Module(ctx, 1 << 40, "matmul", {}))
         ctx.synchronize()
         ctx.get_last_error()
         ctx.statistics()

@@ -18,14 +18,17 @@ ALONE = [s for s in SNIPPETS if s not in PAIR.values()]
 def test_the_readme_has_the_snippets_it_should():
     """Every Python snippet the README shows is found here (and so run below): one that lost its fence, or a
     new one, changes the count, which is then to be set here anew."""
-    assert (len(ALONE), len(PAIR)) == (11, 2)
+    assert (len(ALONE), len(PAIR)) == (12, 2)
 
 
 @pytest.mark.parametrize("code", ALONE, ids=[s.splitlines()[0][:40] for s in ALONE])
 @pytest.mark.parametrize("clock", ["wall", "virtual"])
 def test_a_snippet_runs_as_pasted(daemon_factory, code, clock):
-    """Each snippet runs to its end under either daemon clock (on two devices where it says it needs them)."""
+    """Each snippet runs to its end under either daemon clock (on two devices, or with the example modules,
+    where it says it needs them)."""
     devices = ["--devices", "h200:2"] if "--devices h200:2" in code else []
+    if "--module-path examples/modules" in code:
+        devices += ["--module-path", str(README.parent / "examples" / "modules")]
     daemon = start_daemon("--clock", clock, *(["--time-scale", "100"] if clock == "wall" else []), *devices)
     daemon_factory.append(daemon)
     result = run_worker(code, daemon.pipe_dir)

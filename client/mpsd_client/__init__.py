@@ -29,6 +29,7 @@ from ._caching import CachingAllocator, caching_allocator
 from ._cuda_graph import CUDAGraph, graph
 from ._graph_pools import graph_pool_handle
 from ._graphs import CaptureInfo, Graph, GraphExec, GraphNode
+from ._modules import Function, Module
 from ._objects import DevicePointer, Event, HostBuffer, Stream
 from ._pools import MemPool, PoolStatistics
 from ._sync import Context, connect
@@ -51,7 +52,7 @@ __all__ = [
     "DEVICE_LMEM_RESIZE_TO_MAX", "DEVICE_MAP_HOST", "DEVICE_SCHEDULE_AUTO", "DEVICE_SCHEDULE_BLOCKING_SYNC",
     "DEVICE_SCHEDULE_MASK", "DEVICE_SCHEDULE_SPIN", "DEVICE_SCHEDULE_YIELD", "DEVICE_SYNC_MEMOPS",
     "AsyncContext", "CUDAGraph", "CachingAllocator", "CaptureInfo", "Context", "ContextBase", "CudaError",
-    "DevicePointer", "Event", "HostBuffer",
+    "DevicePointer", "Event", "Function", "HostBuffer", "Module",
     "Graph", "GraphExec", "GraphNode", "MemPool", "PoolStatistics", "Stream",
     "caching_allocator", "connect", "error_name", "error_string", "format_size", "graph", "graph_pool_handle",
     "open_context", "parse_size",

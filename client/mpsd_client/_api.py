@@ -7,7 +7,7 @@ from typing import Any
 
 from mpsd_protocol import Calls, CudaError
 
-from . import _graphs
+from . import _graphs, _modules
 from ._core import CURRENT, Core
 from ._objects import DevicePointer, Event, HostBuffer, Stream
 from ._pools import MemPool
@@ -285,22 +285,63 @@ class ContextBase:
         """``cudaEventCreateWithFlags``."""
         return self._drive(self._core.create_event(self, disable_timing, interprocess))
 
-    def launch(self, name: str, grid: int | tuple[int, ...], block: int | tuple[int, ...],
+    def launch(self, name: str | _modules.Function, grid: int | tuple[int, ...], block: int | tuple[int, ...],
                args: list[Any] | tuple[Any, ...] = (), stream: Stream | None = None, shared_mem: int = 0) -> Any:
-        """Launch a built-in kernel, fire-and-forget: errors in its execution surface at the next
-        synchronising call, as in CUDA.
+        """Launch a kernel, fire-and-forget: errors in its execution surface at the next synchronising call, as
+        in CUDA. `name` is a built-in's name, "module.kernel" of a module this context loaded, or a `Function`.
 
         Raises:
             InvalidDeviceFunctionError: no such kernel.
             InvalidConfigurationError: bad grid or block.
             InvalidValueError: wrong argument count or kinds, or too much shared memory.
         """
+        kernel: str = name if type(name) is str else _modules.function_name(name)  # (or the checks' to refuse)
         try:
-            note = self._core.launch(name, grid, block, args, stream, shared_mem)
+            note = self._core.launch(kernel, grid, block, args, stream, shared_mem)
         except CudaError as exc:
             self._core.last_error = exc
             raise
         return self._post(note)
+
+    def module_load(self, path: str) -> Any:
+        """Load a module (kernels of one's own, mpsd.modules) from the daemon's --module-path: `path` is a file
+        there, absolute or relative to its directories, or a module's name (``"matmul"`` for matmul.py). Its
+        kernels are launched as "module.kernel" or by its `Function`s. Loading a module again gives it again.
+        (cudaLibraryLoadFromFile's place: the runtime has no cuModuleLoad.)
+
+        Raises:
+            InvalidValueError: no such file within the --module-path (a runtime's answer for a missing file), or
+                a module of that name from another file is loaded.
+            InvalidKernelImageError: the file is no module (a syntax error, a bad declaration: the reason).
+        """
+        return self._drive(_modules.load(self, path, runtime=True))
+
+    def module_unload(self, module: _modules.Module) -> Any:
+        """Unload a module loaded with `module_load` (work already queued still runs).
+
+        Raises:
+            InvalidResourceHandleError: not a module loaded in this context.
+        """
+        return self._drive(_modules.unload(self, module))
+
+    def func_get_attributes(self, func: _modules.Function | str) -> Any:
+        """``cudaFuncGetAttributes``: a kernel's max_threads_per_block, shared_size_bytes, num_regs, ... as its
+        declaration gives them (a map).
+
+        Raises:
+            InvalidDeviceFunctionError: no such kernel.
+        """
+        return self._drive(_modules.attributes(self, func))
+
+    def occupancy_max_active_blocks(self, func: _modules.Function | str, block: int | tuple[int, ...],
+                                    shared_mem: int = 0) -> Any:
+        """``cudaOccupancyMaxActiveBlocksPerMultiprocessor``: blocks of `block` threads of `func`, with `shared_mem`
+        bytes of dynamic shared memory, that one SM holds at once by the kernel's registers and shared memory.
+
+        Raises:
+            InvalidDeviceFunctionError: no such kernel. InvalidValueError: a bad block or shared memory size.
+        """
+        return self._drive(_modules.occupancy(self, func, block, shared_mem))
 
     def graph_create(self) -> Any:
         """``cudaGraphCreate``: an empty `Graph`, for nodes added by hand."""

@@ -115,6 +115,7 @@ class Core:
         self.server_pid = 0
         self.properties: dict[str, Any] = {}
         self.kernels: dict[str, list[str]] = {}
+        self.module_loads: dict[str, int] = {}  # loads of each module not yet unloaded (mpsd_client._modules)
         self.quotas: dict[str, Any] = {}
         self.last_error: CudaError | None = None
         self.broken: CudaError | None = None  # set when the connection is gone: every later call fails
@@ -648,7 +649,9 @@ class Core:
             raise self.broken
         params = self.kernels.get(name)
         if params is None:
-            raise InvalidDeviceFunctionError(f"no kernel named {brief(name, 60)}")
+            module, dot, _ = name.partition(".") if type(name) is str else ("", "", "")
+            raise InvalidDeviceFunctionError(f"no kernel named {brief(name, 60)}" + (
+                f" (no module {brief(module, 40)} is loaded)" if dot and module not in self.module_loads else ""))
         # Only shapes of plain ints are cached: 1.0 and True compare equal to 1 but are not valid.
         key = (grid, block, shared_mem) if _plain(grid) and _plain(block) and type(shared_mem) is int else None
         shape = self._shapes.get(key) if key is not None else None

@@ -20,10 +20,16 @@ Errors are the runtime flavour's classes (``except InvalidValueError`` catches e
 driver's code and ``CUDA_ERROR_*`` name, from mpsd_protocol's one table; the driver's own names for the classes
 are here too (`InvalidContextError` is `DeviceUninitializedError`, code 201).
 
-Where mpsd knowingly differs: a kernel's name stands in for a ``CUfunction`` until modules exist (an unknown
-name is CUDA_ERROR_INVALID_HANDLE, as a bad function is); a `DevicePointer` of another context is refused at the
-call with CUDA_ERROR_INVALID_VALUE (a GPU would run the kernel and fault with CUDA_ERROR_ILLEGAL_ADDRESS), while a
-plain int is taken as an address of the current context; `init` takes mpsd's `pipe_dir` beside CUDA's flags.
+Modules are kernels of one's own (mpsd.modules): `module_load` reads one from the daemon's --module-path,
+`module_get_function` gives its `Function`, which `launch_kernel`, `func_get_attribute` and
+`occupancy_max_active_blocks_per_multiprocessor` take, as they take a built-in's name.
+
+Where mpsd knowingly differs: a kernel's name may stand in for a ``CUfunction`` (an unknown name is
+CUDA_ERROR_INVALID_HANDLE, as a bad function is); a module file is a Python declaration read by the daemon, only
+from its --module-path (a path outside it is CUDA_ERROR_FILE_NOT_FOUND, as a missing file is); a
+`DevicePointer` of another context is refused at the call with CUDA_ERROR_INVALID_VALUE (a GPU would run the
+kernel and fault with CUDA_ERROR_ILLEGAL_ADDRESS), while a plain int is taken as an address of the current
+context; `init` takes mpsd's `pipe_dir` beside CUDA's flags.
 """
 from __future__ import annotations
 
@@ -44,7 +50,9 @@ from mpsd_protocol import (
     driver_error_string,
 )
 
+from . import _modules
 from ._contexts import DriverContext, _state, check_flags
+from ._modules import Function, Module
 from ._objects import DevicePointer, Event, Stream
 from ._sync import Context
 from ._wait import check_flags as check_device_flags
@@ -500,18 +508,110 @@ def event_destroy(event: Event) -> None:
     _live_event(event).destroy()
 
 
+# cuFuncGetAttribute's attributes (CUfunction_attribute's numbers), by the declared kernel's figures.
+CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK = 0
+CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES = 1
+CU_FUNC_ATTRIBUTE_CONST_SIZE_BYTES = 2
+CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES = 3
+CU_FUNC_ATTRIBUTE_NUM_REGS = 4
+CU_FUNC_ATTRIBUTE_PTX_VERSION = 5
+CU_FUNC_ATTRIBUTE_BINARY_VERSION = 6
+CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+_FUNC_ATTRIBUTES = {
+    CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK: "max_threads_per_block",
+    CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES: "shared_size_bytes",
+    CU_FUNC_ATTRIBUTE_CONST_SIZE_BYTES: "const_size_bytes",
+    CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES: "local_size_bytes",
+    CU_FUNC_ATTRIBUTE_NUM_REGS: "num_regs",
+    CU_FUNC_ATTRIBUTE_PTX_VERSION: "ptx_version",
+    CU_FUNC_ATTRIBUTE_BINARY_VERSION: "binary_version",
+    CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES: "max_dynamic_shared_size_bytes",
+}
+
+
 @_driver()
-def launch_kernel(f: str, grid_dim_x: int, grid_dim_y: int, grid_dim_z: int, block_dim_x: int, block_dim_y: int,
-                  block_dim_z: int, shared_mem_bytes: int, h_stream: Stream | int | None,
-                  kernel_params: list[Any] | tuple[Any, ...], extra: None = None) -> None:
-    """``cuLaunchKernel`` of a built-in kernel, by name, in the current context; fire-and-forget (errors of its
-    execution surface at the next synchronising call).
+def module_load(fname: str | os.PathLike[str]) -> Module:
+    """``cuModuleLoad``: the module at `fname` in the current context. On the daemon's side, as its
+    --module-path allows (a module's code runs there): an absolute path within one of its directories, a path
+    relative to them, or a module's name (``"matmul"`` for matmul.py).
 
     Raises:
-        InvalidHandleError: no such kernel, or a stream of another context. InvalidValueError: a bad grid or
-            block, wrong arguments, `extra` given, or a pointer of another context.
+        FileNotFoundError (KernelFileNotFoundError, CUDA_ERROR_FILE_NOT_FOUND): no such file within the daemon's
+            --module-path. InvalidImageError: the file is no module (the reason). InvalidContextError: no
+            context is current.
+    """
+    return _current()._drive(_modules.load(_current(), os.fspath(fname), runtime=False))  # type: ignore[no-any-return]
+
+
+@_driver()
+def module_unload(hmod: Module) -> None:
+    """``cuModuleUnload``.
+
+    Raises:
+        InvalidHandleError: not a module loaded in the current context.
     """
     connection = _current()
+    if not isinstance(hmod, Module) or hmod.ctx is not connection:
+        raise InvalidResourceHandleError(f"{brief(hmod, 40)} is not a module of the current context")
+    connection._drive(_modules.unload(connection, hmod))
+
+
+@_driver()
+def module_get_function(hmod: Module, name: str) -> Function:
+    """``cuModuleGetFunction``: the kernel `name` of `hmod`.
+
+    Raises:
+        NotFoundError: no such kernel in it (CUDA_ERROR_NOT_FOUND). InvalidHandleError: not a loaded module.
+    """
+    if not isinstance(hmod, Module):
+        raise InvalidResourceHandleError(f"{brief(hmod, 40)} is not a module")
+    return hmod.get_function(name)
+
+
+@_driver()
+def func_get_attribute(attrib: int, hfunc: Function | str) -> int:
+    """``cuFuncGetAttribute``: one of the ``CU_FUNC_ATTRIBUTE_*`` constants of this module, for a module's
+    function or a built-in kernel (by its name), as the kernel's declaration gives them.
+
+    Raises:
+        InvalidValueError: an attribute mpsd does not report. InvalidHandleError: no such function.
+    """
+    key = _FUNC_ATTRIBUTES.get(attrib) if type(attrib) is int else None
+    if key is None:
+        raise InvalidValueError(f"function attribute {brief(attrib, 20)} is not one mpsd reports")
+    connection = hfunc.ctx if isinstance(hfunc, Function) else _current()
+    return int(connection._drive(_modules.attributes(connection, hfunc))[key])
+
+
+@_driver()
+def occupancy_max_active_blocks_per_multiprocessor(func: Function | str, block_size: int,
+                                                    dynamic_smem_size: int) -> int:
+    """``cuOccupancyMaxActiveBlocksPerMultiprocessor``: blocks of `block_size` threads of `func` with
+    `dynamic_smem_size` bytes of dynamic shared memory one SM holds at once.
+
+    Raises:
+        InvalidHandleError: no such function. InvalidValueError: a bad block or shared memory size.
+    """
+    connection = func.ctx if isinstance(func, Function) else _current()
+    return int(connection._drive(_modules.occupancy(connection, func, block_size, dynamic_smem_size)))
+
+
+@_driver()
+def launch_kernel(f: Function | str, grid_dim_x: int, grid_dim_y: int, grid_dim_z: int, block_dim_x: int,
+                  block_dim_y: int, block_dim_z: int, shared_mem_bytes: int, h_stream: Stream | int | None,
+                  kernel_params: list[Any] | tuple[Any, ...], extra: None = None) -> None:
+    """``cuLaunchKernel`` of `f` (a module's `Function`, or a kernel's name: a built-in's, or "module.kernel")
+    in the current context; fire-and-forget (errors of its execution surface at the next synchronising call).
+
+    Raises:
+        InvalidHandleError: no such kernel, a function of another context, or a stream of another context.
+        InvalidValueError: a bad grid or block, wrong arguments, `extra` given, or a pointer of another context.
+    """
+    connection = _current()
+    if isinstance(f, Function):
+        if f.ctx is not connection:
+            raise InvalidResourceHandleError(f"{f!r} is a function of another context")
+        f = f.name
     if extra is not None:
         raise InvalidValueError("cuLaunchKernel's extra is not supported: pass kernel_params")
     if not isinstance(kernel_params, (list, tuple)):
@@ -535,6 +635,8 @@ def get_error_string(error: int) -> str:
 __all__ = [
     "CU_CTX_FLAGS", "CU_EVENT_BLOCKING_SYNC", "CU_EVENT_DEFAULT", "CU_EVENT_DISABLE_TIMING", "CU_EVENT_INTERPROCESS",
     "CU_STREAM_DEFAULT", "CU_STREAM_NON_BLOCKING", "CudaError", "DriverContext",
+    "Function", "Module", "func_get_attribute", "module_get_function", "module_load", "module_unload",
+    "occupancy_max_active_blocks_per_multiprocessor",
     "ctx_create", "ctx_destroy", "ctx_get_current", "ctx_get_device", "ctx_pop_current", "ctx_push_current",
     "ctx_set_current", "ctx_synchronize", "device_get", "device_get_attribute", "device_get_count",
     "device_get_name", "device_primary_ctx_get_state", "device_primary_ctx_release", "device_primary_ctx_reset",
@@ -542,5 +644,5 @@ __all__ = [
     "event_synchronize", "get_error_name", "get_error_string", "init", "launch_kernel", "mem_alloc", "mem_free",
     "mem_get_info", "memcpy_dtod", "memcpy_dtoh", "memcpy_dtoh_async", "memcpy_htod", "memcpy_htod_async",
     "memset_d8", "stream_create", "stream_destroy", "stream_synchronize",
-] + [name for name in globals() if name.startswith("CU_DEVICE_ATTRIBUTE_")] + list(DRIVER_ALIASES) + [
-    cls.__name__ for cls in ERROR_CLASSES.values()]
+] + [name for name in globals() if name.startswith(("CU_DEVICE_ATTRIBUTE_", "CU_FUNC_ATTRIBUTE_"))] + list(
+    DRIVER_ALIASES) + [cls.__name__ for cls in ERROR_CLASSES.values()]

@@ -107,8 +107,21 @@ class Backend(Protocol):
             OSError: the host cannot reserve it.
         """
 
-    def fits(self, threads: int, shared_mem: int) -> bool:
-        """Whether one block of `threads` threads and `shared_mem` bytes of shared memory fits on an SM."""
+    def fits(self, threads: int, shared_mem: int, regs: int = 32) -> bool:
+        """Whether one block of `threads` threads of `regs` registers each and `shared_mem` bytes of shared memory
+        fits on an SM."""
+
+    def occupancy(self, function: Any, threads: int, shared_mem: int) -> int:
+        """``cudaOccupancyMaxActiveBlocksPerMultiprocessor``: the blocks of `threads` threads of `function` (a
+        declared kernel, mpsd.modules.Kernel) with `shared_mem` bytes of dynamic shared memory one SM holds at
+        once (0: none fits)."""
+
+    def load_module(self, module: Any) -> None:
+        """Make a module's kernels (mpsd.modules.Module) ready to launch, once per daemon for each module read.
+
+        Raises:
+            ValueError: this device cannot run them (the reason: no twin for a GPU, a compile error).
+        """
 
     def sm_cap(self, active_thread_percentage: float) -> int:
         """SMs a client at that active thread percentage may hold at once."""

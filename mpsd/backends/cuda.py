@@ -74,12 +74,14 @@ import trio
 
 from mpsd.backends.base import VIRTUAL_MEMORY, Client, Gate, Instance, when_all
 from mpsd.backends.cuda_driver import CudaFailure, _bindings, _check, cuda_device_count
-from mpsd.backends.cuda_kernels import compile_kernels
+from mpsd.backends.cuda_kernels import Kernel, compile_kernels
+from mpsd.backends.cuda_modules import load_module
 from mpsd.backends.cuda_trace import RECORD, BlockTrace
 from mpsd.backends.ops import Copy, Extent, GraphLaunch, Launch, Memset, Record, Work
 from mpsd.backends.recorder import Recorder
 from mpsd.backends.smgroups import place
-from mpsd_protocol import DEFAULT_CONNECTIONS, CudaError, IllegalAddressError, OutOfMemoryError
+from mpsd_protocol import (DEFAULT_CONNECTIONS, CudaError, IllegalAddressError, InvalidDeviceFunctionError,
+                           OutOfMemoryError)
 
 if TYPE_CHECKING:
     from mpsd.record.timeline import Timeline
@@ -340,7 +342,9 @@ class CudaBackend:
         self.access = access
         self._kernels = compile_kernels(cu, nvrtc, self._attrs["major"], self._attrs["minor"], traced=trace is not None)
         self._functions = {name: kernel.function for name, kernel in self._kernels.items()}
-        self._blocks_per_sm: dict[tuple[str, int, int], int] = {}  # (kernel, threads, shared memory) -> blocks
+        # Modules' kernels by their declarations (mpsd.modules.Kernel), as clients load them (load_module).
+        self._module_kernels: dict[Any, Kernel] = {}
+        self._blocks_per_sm: dict[tuple[Kernel, int, int], int] = {}  # (kernel, threads, shared memory) -> blocks
         self._origin = time.monotonic()
         self._primary = self._dated(self.context, self._attrs["sm_count"])
         self._current = self.context
@@ -446,8 +450,39 @@ class CudaBackend:
         except (CudaFailure, OutOfMemoryError) as exc:
             raise OSError(12, f"cuMemAddressReserve refused {nbytes} bytes ({exc})") from None
 
-    def fits(self, threads: int, shared_mem: int) -> bool:
+    def fits(self, threads: int, shared_mem: int, regs: int = 32) -> bool:
+        # The declared registers are a module's word for its simulated twin; the driver refuses a launch its
+        # compiled kernel's registers do not allow (CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES), reported when it runs.
         return threads <= self._attrs["threads_per_block"] and shared_mem <= self._attrs["smem_optin"]
+
+    def occupancy(self, function: Any, threads: int, shared_mem: int) -> int:
+        """As the driver computes it for the compiled kernel (its real registers and static shared memory, which
+        may differ from what its module declares for the simulator); 0 where none fits."""
+        return self._occupancy(self._kernel(function), threads, shared_mem, least=0)
+
+    def _kernel(self, function: Any) -> Kernel:
+        """The compiled kernel of a declaration: a module's by the declaration itself (two modules of one name,
+        from two files, are two), a built-in's by its name.
+
+        Raises:
+            InvalidDeviceFunctionError: a module's kernel this device never loaded.
+        """
+        if not function.module:
+            return self._kernels[function.name]
+        found = self._module_kernels.get(function)
+        if found is None:
+            raise InvalidDeviceFunctionError(f"{function.qualified} was not loaded on this device")
+        return found
+
+    def load_module(self, module: Any) -> None:
+        """Compile the module's CUDA C twin with NVRTC (or load its PTX) with cuModuleLoadData, and keep each of
+        its kernels' CUfunction and argument buffer by its qualified name (mpsd.backends.cuda_modules).
+
+        Raises:
+            ValueError: it names no twin, or the twin does not compile, load or hold one of its kernels.
+        """
+        compiled = load_module(self.cu, self._nvrtc, module, self._attrs["major"], self._attrs["minor"])
+        self._module_kernels.update((module.kernels[name], kernel) for name, kernel in compiled.items())
 
     def sm_cap(self, active_thread_percentage: float) -> int:
         """As MPS rounds it: whole TPCs (two SMs), at least one. A green context may round it again (the
@@ -705,7 +740,7 @@ class CudaBackend:
 
     def _launch(self, work: Launch, stream: Any, pending: _Pending, count: int) -> None:
         plan = work.plan
-        kernel = self._kernels[plan.kernel]
+        kernel = self._kernel(plan.function)
         values = kernel.values
         for value, arg in zip(values, plan.args):
             value.value = arg
@@ -719,18 +754,18 @@ class CudaBackend:
         launch, function, smem, address = self.cu.cuLaunchKernel, kernel.function, plan.shared_mem, kernel.address
         cap = self._caps.get(work.client)
         step = gx
-        if cap is not None and pending.context.sm_count > cap:
+        if cap is not None and pending.context.sm_count > cap and kernel.base is not None:
             # Its green context holds more SMs than its cap (the driver's groups are 8 SMs on an H200). Where that
             # would let its grid run in fewer waves than `cap` SMs take, the grid goes as launches in a row of the
             # blocks `cap` SMs hold at once, as MPS holds it to its cap. Only there: a launch waits for its slowest
             # block before the next starts, and where other clients share its SMs that costs more than it saves
             # (three tenants at 50% took 1.2 to 1.3 times MPS's time, split; bench/fidelity/h200_dec03/split).
-            per_sm, blocks = self._occupancy(plan.kernel, bx * by * bz, smem), gx * gy * gz
+            per_sm, blocks = self._occupancy(kernel, bx * by * bz, smem), gx * gy * gz
             if -(-blocks // (per_sm * cap)) > -(-blocks // (per_sm * pending.context.sm_count)):
                 step = max(1, per_sm * cap // (gy * gz))
         if kernel.base is not None:
             kernel.total.value = gx
-        trace = self._trace
+        trace = self._trace if kernel.trace is not None else None  # (a module's kernels write no block records)
         for _ in range(count):
             if trace is not None:  # each launch its slots, a part of a grid its own of them
                 slots = trace.slots(work.client, work.stream, plan.kernel, gx * gy * gz, bx * by * bz, self.now())
@@ -741,16 +776,16 @@ class CudaBackend:
                     kernel.trace.value = slots and slots + first * gy * gz * RECORD
                 _check(launch(function, min(step, gx - first), gy, gz, bx, by, bz, smem, stream, address, 0))
 
-    def _occupancy(self, name: str, threads: int, smem: int) -> int:
-        """The blocks of a kernel one SM holds at once, as the driver computes it."""
-        key = (name, threads, smem)
+    def _occupancy(self, kernel: Kernel, threads: int, smem: int, least: int = 1) -> int:
+        """The blocks of a kernel one SM holds at once, as the driver computes it (at least `least`)."""
+        key = (kernel, threads, smem)
         found = self._blocks_per_sm.get(key)
         if found is None:
             cu = self.cu
-            function = _check(cu.cuKernelGetFunction(self._kernels[name].function))
-            found = self._blocks_per_sm[key] = max(1, _check(
+            function = _check(cu.cuKernelGetFunction(kernel.function))
+            found = self._blocks_per_sm[key] = int(_check(
                 cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(function, threads, smem)))
-        return found
+        return max(least, found)
 
     def _copy(self, work: Copy, stream: Any, pending: _Pending) -> None:
         cu, n = self.cu, work.nbytes

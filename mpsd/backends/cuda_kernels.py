@@ -1,5 +1,5 @@
-# The CUDA backend's built-in kernels: their CUDA C source, the parameter kinds the runtime's signatures give
-# them (mpsd.runtime.kernels), and their compilation, once per daemon, with NVRTC for the device's architecture.
+# The CUDA backend's built-in kernels: their CUDA C source, the parameter kinds their module declares
+# (mpsd.builtin_kernels), and their compilation, once per daemon, with NVRTC for the device's architecture.
 # The kernels whose blocks differ take two more parameters than their signature, last: the launch's first block
 # (`base`) and the blocks of the whole grid (`total`), so that the backend can give a capped client's grid as
 # several launches in a row (CudaBackend._launch) and each block still computes what it would in one; spin's and
@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from mpsd.backends.cuda_driver import CudaFailure, _check
+from mpsd.builtin_kernels import BUILTIN
 
-__all__ = ["KERNEL_PARAMS", "Kernel", "compile_kernels", "kernel_source"]
+__all__ = ["CTYPES", "KERNEL_PARAMS", "Kernel", "compile_kernels", "kernel_source"]
 
 # Each kernel's parameters as C declares them and its body, a device function the kernel calls: the kernels are
 # made from these twice, as they are and, for a traced device (`mpsd --trace`), with one more parameter last
@@ -87,11 +88,9 @@ def kernel_source(traced: bool) -> str:
     return "\n".join(parts) + (STAMP if traced else "")
 
 
-KERNEL_PARAMS = {"spin": ("i64",), "work": ("i64",), "fill_f32": ("ptr", "f32", "i64"),
-                 "vector_add_f32": ("ptr", "ptr", "ptr", "i64"), "saxpy_f32": ("f32", "ptr", "ptr", "i64"),
-                 "reduce_sum_f32": ("ptr", "ptr", "i64")}
+KERNEL_PARAMS = {name: kernel.params for name, kernel in BUILTIN.kernels.items()}  # as their module declares
 PLACED = frozenset(KERNEL_PARAMS) - {"spin", "work"}  # kernels that take `base` and `total`
-_CTYPES = {"ptr": ctypes.c_uint64, "i64": ctypes.c_int64, "f32": ctypes.c_float}
+CTYPES = {"ptr": ctypes.c_uint64, "i64": ctypes.c_int64, "f32": ctypes.c_float}
 
 
 @dataclass(eq=False, slots=True)
@@ -129,7 +128,7 @@ def compile_kernels(cu: Any, nvrtc: Any, major: int, minor: int, traced: bool = 
     library = _check(cu.cuLibraryLoadData(cubin, [], [], 0, [], [], 0))
     kernels: dict[str, Kernel] = {}
     for name, params in (KERNEL_PARAMS | ({"mpsd_stamp": ("ptr",)} if traced else {})).items():
-        values = tuple(_CTYPES[kind]() for kind in params)
+        values = tuple(CTYPES[kind]() for kind in params)
         base, total = (ctypes.c_int64(), ctypes.c_int64()) if name in PLACED else (None, None)
         trace = ctypes.c_uint64() if traced and name in KERNEL_PARAMS else None
         every = (*values, *((base, total) if name in PLACED else ()), *(() if trace is None else (trace,)))

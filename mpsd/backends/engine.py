@@ -96,10 +96,12 @@ class Engine:
         self.sim.submit(op)
 
     def launch(self, client: int, stream: tuple[int, int], after: tuple, blocks: int, threads: int,
-               cost: BlockCost, smem: int, priority: int, sm_cap: int | None, count: int = 1) -> object:
+               cost: BlockCost, smem: int, priority: int, sm_cap: int | None, count: int = 1,
+               regs: int = 32) -> object:
         """`submit` for `count` kernels given by plain values (`Simulator.launch`): the last one's handle."""
         self._arrive()
-        return self.sim.launch(client, stream, after, blocks, threads, cost, smem, priority, sm_cap, count=count)
+        return self.sim.launch(client, stream, after, blocks, threads, cost, smem, priority, sm_cap, regs,
+                               count=count)
 
     def _arrive(self) -> None:
         """Bring the simulator to the time the call being served arrived, count how late it is served as lag,
@@ -226,8 +228,10 @@ class VirtualEngine(Engine):
         self.sim.submit(op)
 
     def launch(self, client: int, stream: tuple[int, int], after: tuple, blocks: int, threads: int,
-               cost: BlockCost, smem: int, priority: int, sm_cap: int | None, count: int = 1) -> object:
-        return self.sim.launch(client, stream, after, blocks, threads, cost, smem, priority, sm_cap, count=count)
+               cost: BlockCost, smem: int, priority: int, sm_cap: int | None, count: int = 1,
+               regs: int = 32) -> object:
+        return self.sim.launch(client, stream, after, blocks, threads, cost, smem, priority, sm_cap, regs,
+                               count=count)
 
     def cancel(self, client: int) -> None:
         super().cancel(client)

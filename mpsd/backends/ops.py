@@ -18,6 +18,9 @@ import mmap
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
+from mpsd.builtin_kernels import BUILTIN
+from mpsd.modules import Kernel
+
 __all__ = ["Copy", "Extent", "GraphLaunch", "Launch", "Memset", "OnStream", "Plan", "Record", "Work", "stage"]
 _new = object.__new__
 
@@ -78,16 +81,20 @@ class Work:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class Plan:
-    """A checked launch: a built-in kernel (mpsd.runtime.kernels) over `grid` blocks of `block` threads, with
-    `shared_mem` bytes of dynamic shared memory and its arguments as the kernel takes them. It depends on
-    nothing that changes (the kernel table, the device's limits, the backend's fit), so the runtime resolves a
-    launch call's arguments to a plan once and launches the plan again and again; a backend may keep what it
-    works out from one by `key`.
+    """A checked launch: a kernel (a built-in, or one of a module a client loaded: mpsd.modules) over `grid`
+    blocks of `block` threads, with `shared_mem` bytes of dynamic shared memory and its arguments as the kernel
+    takes them. It depends on nothing that changes (the kernel's declaration, the device's limits, the backend's
+    fit), so the runtime resolves a launch call's arguments to a plan once and launches the plan again and again;
+    a backend may keep what it works out from one by `key`.
 
     Attributes:
+        kernel: the name launches give it (``module.kernel``; a built-in's bare name).
         touches: for each pointer argument the kernel touches, (argument index, the bytes it touches): where
             those bytes lie is looked up at each launch, as memory comes and goes.
-        key: (kernel, grid, block, args), the values a backend's own figures for the plan depend on.
+        function: the kernel's declaration (mpsd.modules.Kernel): its resources, cost and reference; None, the
+            built-in named `kernel`.
+        key: (kernel, grid, block, args, function), the values a backend's own figures for the plan depend on
+            (two modules' kernels of one name are two functions).
     """
 
     kernel: str
@@ -96,10 +103,18 @@ class Plan:
     shared_mem: int
     args: tuple[int | float, ...]
     touches: tuple[tuple[int, int], ...] = ()
+    function: Kernel = field(default=None, repr=False)  # type: ignore[assignment]  # (None: set below)
     key: tuple[object, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "key", (self.kernel, self.grid, self.block, self.args))
+        if self.function is None:
+            object.__setattr__(self, "function", BUILTIN.kernels[self.kernel])
+        object.__setattr__(self, "key", (self.kernel, self.grid, self.block, self.args, self.function))
+
+    @property
+    def smem(self) -> int:
+        """Shared memory a block holds: the kernel's static and the launch's dynamic."""
+        return self.function.shared + self.shared_mem
 
     @property
     def threads(self) -> int:

@@ -2,8 +2,9 @@
 # (mpsd.backends.ops) into the simulator's ops with what each costs (the kernel's cost model; copy engines for
 # host copies; the kernels the runtime launches for device copies and memsets), drives the simulator under the
 # wall or the virtual clock (mpsd.backends.engine), and applies each op's effect on the bytes when it completes:
-# device memory is memfd segments (mpsd.backends.memfd), the built-in kernels are computed with numpy
-# (mpsd.backends.reference), and the host RAM all of it costs is kept within a budget (mpsd.backends.hostmem).
+# device memory is memfd segments (mpsd.backends.memfd), kernels (built-in or a module's: mpsd.modules) are
+# computed by their declared numpy references, and the host RAM all of it costs is kept within a budget
+# (mpsd.backends.hostmem).
 """The simulated GPU backend."""
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import trio
 
-from mpsd.backends import reference
 from mpsd.backends.base import HOST_VIEW, VIRTUAL_MEMORY, Client, Gate, Instance
 from mpsd.backends.engine import DEFAULT_IDLE_GRACE, Engine, VirtualEngine
 from mpsd.backends.hostmem import HostMemory, Reservation, default_budget
@@ -26,9 +26,11 @@ from mpsd.backends.ops import Copy, Extent, GraphLaunch, Launch, Memset, Plan, R
 from mpsd.backends.recorder import Recorder
 from mpsd.backends.vrange import VirtualRange
 from mpsd.clock import DeviceClock, Host
-from mpsd.sim import COPY_KINDS, BlockCost, DeviceSpec, Kernel, Marker, Op, Simulator, copy_kernel, kernel_cost, sm_cap
+from mpsd.sim import (COPY_KINDS, BlockCost, DeviceSpec, Kernel, Marker, Op, Simulator, copy_kernel, function_cost,
+                      sm_cap)
+from mpsd.sim import occupancy as sm_occupancy
 from mpsd.sim import Copy as SimCopy
-from mpsd_protocol import DEFAULT_CONNECTIONS, CudaError, IllegalAddressError
+from mpsd_protocol import DEFAULT_CONNECTIONS, CudaError, IllegalAddressError, LaunchFailureError
 
 if TYPE_CHECKING:
     from mpsd.record.timeline import Timeline
@@ -130,8 +132,14 @@ class SimBackend:
     def reserve(self, nbytes: int) -> VirtualRange:
         return VirtualRange(nbytes)
 
-    def fits(self, threads: int, shared_mem: int) -> bool:
-        return self.sim.block_need(threads, 32, shared_mem) is not None
+    def fits(self, threads: int, shared_mem: int, regs: int = 32) -> bool:
+        return self.sim.block_need(threads, regs, shared_mem) is not None
+
+    def occupancy(self, function: Any, threads: int, shared_mem: int) -> int:
+        return sm_occupancy(self.spec, threads, function.registers, function.shared + shared_mem)
+
+    def load_module(self, module: Any) -> None:
+        """Nothing to do: the simulator runs a module's declarations as they are."""
 
     def sm_cap(self, active_thread_percentage: float) -> int:
         return sm_cap(self.spec, active_thread_percentage)
@@ -273,7 +281,8 @@ class SimBackend:
         blocks, threads, cost = self._costs.get(plan.key) or self._cost(plan)
         work.handle = handle = self.engine.launch(work.client, work.stream,
                                                   _handles(work.after) if work.after else (), blocks, threads, cost,
-                                                  plan.shared_mem, work.priority, work.sm_cap, count)
+                                                  plan.smem, work.priority, work.sm_cap, count,
+                                                  plan.function.registers)
         work.after = ()  # as _op does: no chain of finished work stays reachable from a stream's tail
         return handle
 
@@ -291,7 +300,7 @@ class SimBackend:
         its cost is computed once (pointer arguments make new keys, so the cache is cleared when it grows
         large)."""
         blocks, threads = plan.blocks, plan.threads
-        cost = kernel_cost(self.spec, plan.kernel, blocks, threads, plan.args)
+        cost = function_cost(self.spec, plan.function, blocks, threads, plan.args)
         if len(self._costs) >= _MAX_COSTS:
             self._costs.clear()
         entry = self._costs[plan.key] = (blocks, threads, cost)
@@ -304,7 +313,8 @@ class SimBackend:
         if isinstance(work, Launch):
             plan = work.plan
             blocks, threads, cost = self._costs.get(plan.key) or self._cost(plan)
-            op = Kernel.of(client, stream, after, blocks, threads, cost, plan.shared_mem, work.priority, work.sm_cap)
+            op = Kernel.of(client, stream, after, blocks, threads, cost, plan.smem, work.priority, work.sm_cap)
+            op.regs_per_thread = plan.function.registers
             if self.recorder is not None:
                 self.recorder.launched(op, plan.kernel)
             if work.extents:  # one that touches no memory has no effect to apply and no host RAM to settle
@@ -387,7 +397,14 @@ class SimBackend:
                         f"{plan.kernel} argument {index} ({int(plan.args[index]):#x}) points outside live memory"))
                     return
                 views.append(view)
-            reference.RUN[plan.kernel](views, plan.args)
+            run = plan.function.reference
+            if run is None:
+                return
+            try:
+                run(views, plan.args)
+            except Exception as exc:  # a module's reference is not to be trusted: its fault is its client's
+                self.on_fault(work.client, LaunchFailureError(
+                    f"{plan.kernel}'s reference raised {type(exc).__name__}: {str(exc)[:200]}"))
         elif isinstance(work, Copy):
             target = _view(work.dst)
             source = work.data if work.data is not None else _view(work.src)

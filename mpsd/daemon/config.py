@@ -87,6 +87,9 @@ class Config:
     # every client's pid and uid, which other hosts need not see unless the operator says so twice.
     metrics: tuple[str, int] | None = None
     metrics_remote: bool = False
+    # The directories clients may load modules (kernels of their own: mpsd.modules) from, in search order: a
+    # module's code runs in the daemon, so only where the operator says (none: the built-in kernels only).
+    module_path: tuple[Path, ...] = ()
 
     @property
     def kernel_dispatch(self) -> bool:
@@ -247,6 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="serve Prometheus metrics over HTTP there (off by default): DCGM-exporter's series per "
                              "device and mpsd_* series per client; a bare PORT is 127.0.0.1:PORT, port 0 picks a free "
                              "one (server.log says which); a host that is not loopback needs --metrics-allow-remote")
+    parser.add_argument("--module-path", action="append", metavar="DIR",
+                        help="a directory clients may load modules (kernels of their own) from; repeatable, "
+                             "searched in order (the file's module-path: a list)")
     parser.add_argument("--metrics-allow-remote", action="store_true", default=None,
                         help="let --metrics listen on an address other hosts can reach (0.0.0.0, a LAN address): "
                              "its series show every client's pid and uid; server.log says it listens so")
@@ -468,7 +474,27 @@ def load_config(argv: Sequence[str] | None = None, environ: dict[str, str] | Non
                   device_policies=device_policies, dispatch=dispatch, kernels_in_flight=in_flight,
                   dispatch_reaction=reaction,
                   client_limits=_limits(pick), metrics=metrics_address, metrics_remote=metrics_remote,
-                  trace=Path(trace) if (trace := pick("trace")) else None)
+                  trace=Path(trace) if (trace := pick("trace")) else None,
+                  module_path=_module_path(pick("module_path")))
+
+
+def _module_path(value: Any) -> tuple[Path, ...]:
+    """``--module-path`` (a list of directories, from the options or the file), each one that exists.
+
+    Raises:
+        ConfigError: not a list of strings, or a directory that is not one.
+    """
+    if value is None:
+        return ()
+    if isinstance(value, str) or not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ConfigError(f"module-path must be a list of directories, not {value!r:.60}")
+    found = []
+    for text in value:
+        path = Path(text).expanduser()
+        if not path.is_dir():
+            raise ConfigError(f"--module-path {text!r}: no such directory")
+        found.append(path.resolve())
+    return tuple(found)
 
 
 def _file_settings(document: dict[str, Any], path: Path) -> dict[str, Any]:

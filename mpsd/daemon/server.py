@@ -117,7 +117,7 @@ class Daemon:
         self.maps = ProcessBudget(MAPS, limits, lambda: max_maps)
         self.devices = [Device(i, self._backend(i, device), containment=config.fault_containment, log=self.log,
                                host_memory=self.host_memory, shared_process=config.shared_process, limits=limits,
-                               fds=self.fds, maps=self.maps)
+                               fds=self.fds, maps=self.maps, module_path=config.module_path)
                         for i, device in enumerate(config.devices)]
         self.ipc = IpcRegistry(config.ipc_access, self.log, self.peers)
         self.owner_uid = os.geteuid()

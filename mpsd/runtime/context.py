@@ -28,7 +28,6 @@ from mpsd_protocol import (
     POOL_GRAPH_FREE,
     POOL_RELEASE,
     CudaError,
-    InvalidDeviceFunctionError,
     InvalidResourceHandleError,
     InvalidValueError,
     LaunchOutOfResourcesError,
@@ -45,9 +44,9 @@ from mpsd.backends.ops import Copy, Extent, Launch, Memset, OnStream, Plan, Reco
 from mpsd.runtime.capture import CaptureCalls
 from mpsd.runtime.graph_memory import GraphMemoryCalls
 from mpsd.runtime.graphs import CAPTURED, EVENT_RECORD, EVENT_WAIT, GraphCalls
-from mpsd.runtime.kernels import KERNELS
 from mpsd.runtime.limits import refused
 from mpsd.runtime.memory import CHUNK, AddressSpace, Allocation, HostBuffer
+from mpsd.runtime.modules import ModuleCalls, check_extents
 from mpsd.runtime.teardown import Teardown
 from mpsd.runtime.vmm import VMM_BASE, MappedPiece, VirtualMemory, VirtualMemoryCalls
 
@@ -152,7 +151,7 @@ class Counters:
     bytes_copied_peer: int = 0
 
 
-class Context(VirtualMemoryCalls, CaptureCalls, GraphMemoryCalls, GraphCalls):
+class Context(VirtualMemoryCalls, CaptureCalls, GraphMemoryCalls, GraphCalls, ModuleCalls):
     """One client's sub-context on one device."""
 
     def __init__(self, device: Device, client_id: int, pid: int, uid: int, gid: int, quotas: Quotas,
@@ -188,6 +187,7 @@ class Context(VirtualMemoryCalls, CaptureCalls, GraphMemoryCalls, GraphCalls):
         self._orphans: list[Work] = []  # last work of destroyed streams: it still counts
         self.last_op: Work | None = None  # the work the latest call queued
         self._plans: dict[tuple[Any, ...], Plan] = {}  # launches checked before, by their values (plan)
+        self._modules_init()  # the modules it loaded (mpsd.runtime.modules)
         self.sticky: CudaError | None = None
         self.last_error: CudaError | None = None  # from fire-and-forget calls, for get_last_error
         self.counters = Counters()
@@ -611,18 +611,21 @@ class Context(VirtualMemoryCalls, CaptureCalls, GraphMemoryCalls, GraphCalls):
             else:
                 if found is not None:
                     return found
-        kernel = KERNELS.get(name)
-        if kernel is None:
-            raise InvalidDeviceFunctionError(f"no kernel named {brief(name, 60)}")
+        kernel = self.function(name)
         grid3, block3 = check_shape(name, grid, block, shared_mem, self.device.properties)
         values = check_args(name, kernel.params, args)
         threads = block3[0] * block3[1] * block3[2]
+        if threads > kernel.max_threads:
+            raise LaunchOutOfResourcesError(f"a block of {threads} threads is more than {kernel.qualified}'s launch "
+                                            f"bounds ({kernel.max_threads})")
         # (check_shape has made sure shared_mem is an int)
-        if not self.backend.fits(threads, shared_mem):  # type: ignore[arg-type]
-            raise LaunchOutOfResourcesError(f"a block of {threads} threads and {shared_mem} bytes of shared "
-                                            "memory does not fit on one SM")
+        if not self.backend.fits(threads, shared_mem + kernel.shared, kernel.registers):  # type: ignore[operator]
+            raise LaunchOutOfResourcesError(f"a block of {threads} threads of {kernel.registers} registers and "
+                                            f"{kernel.shared} + {shared_mem} bytes of shared memory does not fit "
+                                            "on one SM")
         # (shared_mem: an int, as above)
-        made = Plan(name, grid3, block3, shared_mem, tuple(values), tuple(kernel.extents(values)))  # type: ignore[arg-type]
+        made = Plan(name, grid3, block3, shared_mem, tuple(values), check_extents(kernel, values),  # type: ignore[arg-type]
+                    kernel)
         if key is not None and float not in key:
             if len(self._plans) >= _MAX_PLANS:  # pointer arguments make new keys
                 self._plans.clear()

@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import uuid
+from pathlib import Path
 
 from typing import TYPE_CHECKING, Any
 
 from mpsd.backends.base import Backend
 from mpsd.runtime.ledger import Ledger
 from mpsd.runtime.limits import FDS, MAPS, ClientLimits, ProcessBudget, fd_limit, map_limit
+from mpsd.runtime.modules import ModuleLibrary
 from mpsd_protocol import CudaError
 
 if TYPE_CHECKING:
@@ -36,13 +38,16 @@ class Device:
         limits: what each of its clients may hold (mpsd.runtime.limits).
         fds, maps: the fds and memory mappings the daemon holds for its clients, shared by its devices (a budget of
             its own if None).
+        module_path: the directories its clients may load modules from (--module-path; none: built-ins only).
     """
 
     def __init__(self, index: int, backend: Backend, *, containment: str, log: ServerLog, host_memory: HostMemory,
                  shared_process: bool = False, limits: ClientLimits = ClientLimits(),
-                 fds: ProcessBudget | None = None, maps: ProcessBudget | None = None) -> None:
+                 fds: ProcessBudget | None = None, maps: ProcessBudget | None = None,
+                 module_path: tuple[Path, ...] = ()) -> None:
         self.index = index
         self.backend = backend
+        self.modules = ModuleLibrary(module_path, backend)  # the module files its clients may load
         self.host_memory = host_memory
         self.limits = limits
         self.fds = fds if fds is not None else ProcessBudget(FDS, limits, fd_limit)

@@ -326,7 +326,7 @@ class Dispatcher:
             return min(cap, blocks)
         blocks_per_sm, threads_per_sm, smem_per_sm = self._sm_limits
         per_sm = min(blocks_per_sm, threads_per_sm // max(1, plan.threads),
-                     smem_per_sm // plan.shared_mem if plan.shared_mem else blocks_per_sm)
+                     smem_per_sm // plan.smem if plan.smem else blocks_per_sm)  # (a module kernel's static too)
         return min(cap, -(-blocks // max(1, per_sm)))
 
     def room_for(self, tenant: Tenant) -> bool:

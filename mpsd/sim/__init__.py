@@ -2,7 +2,7 @@
 # modules behind it stay free to move. Pure: no I/O, no wall clock, no trio, no threads.
 """mpsd.sim: a deterministic model of a GPU shared under NVIDIA MPS."""
 
-from .costs import COPY_KINDS, KERNEL_COSTS, BlockCost, copy_kernel, kernel_cost
+from .costs import COPY_KINDS, KERNEL_COSTS, BlockCost, copy_kernel, declared_cost, function_cost, kernel_cost
 from .simulator import Simulator
 from .ops import ENGINES, BlockGroup, Copy, Kernel, Marker, Op
 from .policies import MIG_PROFILES, POLICIES, ClientConfig, MigPartition, Policy, ReadyKernel, mig_layout
@@ -33,6 +33,8 @@ __all__ = [
     "Simulator",
     "block_need",
     "copy_kernel",
+    "declared_cost",
+    "function_cost",
     "kernel_cost",
     "mig_layout",
     "occupancy",

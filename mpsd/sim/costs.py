@@ -1,7 +1,8 @@
-# Kernel cost models, by kernel name. The daemon owns each kernel's argument signature and CPU
-# implementation; the simulator needs only "how long does one block take, and does it share the SM's
-# issue rate with its neighbours". One table of small pure functions keeps adding a kernel a one-line change.
-"""Per-block cost models for the built-in kernels."""
+# Kernel cost models. A kernel declares what a launch costs in a few terms (mpsd.modules.Cost: fixed seconds,
+# clock cycles, thread-instructions, DRAM traffic), the built-ins as a module of their own (mpsd.builtin_kernels)
+# and a user's module the same way; the simulator needs only "how long does one block take, and does it share
+# the SM's issue rate, the clock or DRAM with its neighbours", which `declared_cost` answers from those terms.
+"""Per-block cost models of declared kernels."""
 
 from __future__ import annotations
 
@@ -9,9 +10,13 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from mpsd.builtin_kernels import BUILTIN
+from mpsd.modules import Cost, Kernel
+
 from .specs import DeviceSpec, occupancy
 
-__all__ = ["COPY_KINDS", "KERNEL_COSTS", "BlockCost", "copy_kernel", "kernel_cost"]
+__all__ = ["COPY_KINDS", "KERNEL_COSTS", "BlockCost", "copy_kernel", "declared_cost", "function_cost",
+           "kernel_cost"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,19 +56,6 @@ class BlockCost:
 CostModel = Callable[[DeviceSpec, int, int, Sequence], BlockCost]
 
 
-def _spin(spec: DeviceSpec, blocks: int, threads: int, args: Sequence) -> BlockCost:
-    # Each block busy-waits until clock64() has advanced `cycles` past its start. Time-slicing on a real
-    # H200 showed the clock running on while a context is switched out: a preempted 5-ms spin still took
-    # 5.0 ms from start to end (bench/fidelity/h200_timing_host.json, "timeline, 2 x FULL spin 5 ms x 8").
-    (cycles,) = args
-    return BlockCost(float(cycles) / spec.clock_hz, clocked=True)
-
-
-def _work(spec: DeviceSpec, blocks: int, threads: int, args: Sequence) -> BlockCost:
-    (iters,) = args
-    return BlockCost(float(iters) * threads / spec.sm_issue_rate, shared=True)
-
-
 def _memory_bound(spec: DeviceSpec, blocks: int, threads: int, nbytes: float, weight: float = 1.0) -> BlockCost:
     if spec.dram_curve:  # the time alone at the curve's first slope; the engine shares the bandwidth
         threads0, rate0 = spec.dram_curve[0]
@@ -75,34 +67,36 @@ def _memory_bound(spec: DeviceSpec, blocks: int, threads: int, nbytes: float, we
     return BlockCost(nbytes / blocks * spec.sm_count * occ / spec.mem_bandwidth)
 
 
-def _fill_f32(spec: DeviceSpec, blocks: int, threads: int, args: Sequence) -> BlockCost:
-    _ptr, _value, n = args
-    return _memory_bound(spec, blocks, threads, 4 * int(n))
+def declared_cost(spec: DeviceSpec, blocks: int, threads: int, cost: Cost) -> BlockCost:
+    """One block's cost from a kernel's declared `cost` (mpsd.modules.Cost): each figure given is a way to be
+    bound (fixed seconds; clock cycles; thread-instructions at the SM's issue rate; the grid's DRAM traffic), and
+    the one that takes a block longest alone is the block's cost, shared as that way is shared. None given: a
+    block that takes no time."""
+    bounds: list[BlockCost] = []
+    if cost.seconds is not None:
+        bounds.append(BlockCost(float(cost.seconds)))
+    if cost.cycles is not None:
+        bounds.append(BlockCost(float(cost.cycles) / spec.clock_hz, clocked=True))
+    if cost.work is not None:
+        bounds.append(BlockCost(float(cost.work) / spec.sm_issue_rate, shared=True))
+    if cost.traffic is not None:
+        bounds.append(_memory_bound(spec, blocks, threads, cost.traffic, cost.weight))
+    if not bounds:
+        return BlockCost(0.0)
+    return max(bounds, key=lambda bound: bound.seconds) if len(bounds) > 1 else bounds[0]
 
 
-def _vector_add_f32(spec: DeviceSpec, blocks: int, threads: int, args: Sequence) -> BlockCost:
-    _a, _b, _c, n = args
-    return _memory_bound(spec, blocks, threads, 12 * int(n))
+def _declared(kernel: Kernel) -> CostModel:
+    def model(spec: DeviceSpec, blocks: int, threads: int, args: Sequence) -> BlockCost:
+        cost = kernel.cost(args, blocks, threads)
+        if not isinstance(cost, Cost):
+            raise ValueError(f"its cost function gave a {type(cost).__name__}, not an mpsd.modules.Cost")
+        return declared_cost(spec, blocks, threads, cost)
+    return model
 
 
-def _saxpy_f32(spec: DeviceSpec, blocks: int, threads: int, args: Sequence) -> BlockCost:
-    _alpha, _x, _y, n = args
-    return _memory_bound(spec, blocks, threads, 12 * int(n))
-
-
-def _reduce_sum_f32(spec: DeviceSpec, blocks: int, threads: int, args: Sequence) -> BlockCost:
-    _x, _out, n = args
-    return _memory_bound(spec, blocks, threads, 4 * int(n))
-
-
-KERNEL_COSTS: dict[str, CostModel] = {
-    "spin": _spin,
-    "work": _work,
-    "fill_f32": _fill_f32,
-    "vector_add_f32": _vector_add_f32,
-    "saxpy_f32": _saxpy_f32,
-    "reduce_sum_f32": _reduce_sum_f32,
-}
+# The built-in kernels' cost models, as their module (mpsd.builtin_kernels) declares them.
+KERNEL_COSTS: dict[str, CostModel] = {name: _declared(kernel) for name, kernel in BUILTIN.kernels.items()}
 
 
 COPY_KINDS = ("d2d", "memset")
@@ -160,10 +154,19 @@ def kernel_cost(spec: DeviceSpec, name: str, blocks: int, threads: int, args: Se
         ValueError: non-positive blocks or threads, wrong number of arguments, a negative duration,
             or a block shape that cannot fit on an SM.
     """
-    model = KERNEL_COSTS[name]
+    return function_cost(spec, BUILTIN.kernels[name], blocks, threads, args)
+
+
+def function_cost(spec: DeviceSpec, kernel: Kernel, blocks: int, threads: int, args: Sequence) -> BlockCost:
+    """Cost of one block of a declared kernel (a built-in's or a module's), as `kernel_cost`.
+
+    Raises:
+        ValueError: as kernel_cost; and whatever the kernel's own cost function raised, or a result that is no
+            Cost, named as the kernel's (a module's code is not to be trusted to be right).
+    """
     if blocks < 1 or threads < 1:
         raise ValueError(f"blocks and threads must be >= 1, got {blocks} x {threads}")
     try:
-        return model(spec, blocks, threads, args)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"bad arguments for kernel {name!r}: {exc}") from exc
+        return _declared(kernel)(spec, blocks, threads, args)
+    except Exception as exc:  # a module's cost function may raise anything
+        raise ValueError(f"bad arguments for kernel {kernel.qualified!r}: {exc}") from exc

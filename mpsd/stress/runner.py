@@ -166,6 +166,11 @@ def _daemon_args(work: Path, policy: str, options: dict[str, Any], trace: Path |
     return args
 
 
+def _module_args(workload: Workload) -> list[str]:
+    """The daemon's --module-path for each directory of the workload's [run] module_path."""
+    return [arg for path in workload.module_path for arg in ("--module-path", str(path))]
+
+
 def _device_args(workload: Workload, work: Path) -> list[str]:
     """The daemon's options for a workload of several simulated devices: their number, and each [run.device.N]
     table as the daemon's own [mpsd.device.N] in a configuration file written in `work`."""
@@ -259,7 +264,7 @@ def run_real(workload: Workload, policy: str, policy_options: dict[str, Any], te
         trace_path = work / "trace.json" if device_trace else None
         daemon = _start_daemon(_daemon_args(work, policy, policy_options, trace_path,
                                             max(48, len(plan.instances)), clock, time_scale, devices)
-                               + ([] if devices else _device_args(workload, work)))
+                               + ([] if devices else _device_args(workload, work)) + _module_args(workload))
         procs: dict[str, _TenantProcess] = {}
         try:
             lines: queue.Queue[tuple[str, str | None]] = queue.Queue()
@@ -488,7 +493,7 @@ def run_virtual(workload: Workload, policy: str, policy_options: dict[str, Any],
         try:
             config = dataclasses.replace(load_config(_daemon_args(
                 work, policy, policy_options, trace_path, max(48, len(plan.instances)), "virtual", 1.0)
-                + _device_args(workload, work), environ={}), shared_process=True)
+                + _device_args(workload, work) + _module_args(workload), environ={}), shared_process=True)
             # What the run gives back comes in `out`, not as trio.run's result, which trio's runner keeps: the
             # runner lingers in reference cycles, and the timelines would stay with it until the collector
             # found them (millions of spans, scanned and freed at the end of the run instead of as they go).

@@ -58,7 +58,9 @@ class Link(Protocol):
 
 def spec_from_json(data: dict[str, Any]) -> TenantSpec:
     fields = dict(data)
-    fields["kernels"] = tuple(KernelSpec(**k) for k in fields["kernels"])
+    fields["kernels"] = tuple(KernelSpec(**{**k, "params": tuple(k["params"]), "values": tuple(k["values"]),
+                                            "shape": None if k["shape"] is None else tuple(map(tuple, k["shape"]))})
+                              for k in fields["kernels"])
     fields["trace"] = tuple(fields["trace"])
     return TenantSpec(**fields)
 
@@ -106,8 +108,12 @@ class Tenant:
             nbytes = getattr(spec, kind)
             if nbytes:
                 self.copies[kind] = (await ctx.malloc(nbytes), await ctx.host_alloc(nbytes))
+        for module in dict.fromkeys(k.name.partition(".")[0] for k in spec.kernels if k.params):
+            await ctx.module_load(module)  # from the daemon's --module-path: the workload's module_path
         for i, k in enumerate(spec.kernels):
-            if k.name in POINTER_KERNELS:
+            if k.params:  # a module's kernel: a buffer for each of its pointers
+                self.pointers[i] = tuple([await ctx.malloc(max(1, size)) for size in k.buffers])
+            elif k.name in POINTER_KERNELS:
                 self.pointers[i] = tuple([await ctx.malloc(4 * k.scalar) for _ in range(POINTER_KERNELS[k.name])])
             elif k.name in COPIES:  # (destination, source): a device buffer, and one more or pinned host memory
                 other = await ctx.host_alloc(k.scalar) if k.name in ("memcpy_htod", "memcpy_dtoh") else (
@@ -172,7 +178,8 @@ class Tenant:
     async def _call(self, i: int, k: KernelSpec) -> None:
         ctx, stream = self.ctx, self.stream
         if k.name not in COPIES:
-            await ctx.launch(k.name, k.grid, k.block, k.args(self.pointers.get(i, ())), stream=stream)
+            grid, block = k.launch_shape()
+            await ctx.launch(k.name, grid, block, k.args(self.pointers.get(i, ())), stream=stream)
             return
         dst, src = self.pointers[i]
         if k.name == "memcpy_htod":

@@ -6,6 +6,8 @@
 # mpsd.tools.scenario by translating them into this one):
 #
 #   [run]        duration (s), seed, policy, solo (bool: also run each group alone, for isolation),
+#                module_path (directories of modules, kernels of one's own, relative to the file: the daemon's
+#                --module-path),
 #                [run.policy_options.<policy>] (that policy's settings, as the daemon takes them),
 #                devices (simulated H200s, default 1), [run.device.N] (device N's own policy and options, as
 #                the daemon's [mpsd.device.N] takes them: policy, timeslice, context-switch, aging,
@@ -27,13 +29,16 @@
 #                and each request launches it: one launch call instead of one per kernel and copy)
 #   [[tenant.kernel]]  a request's calls in order: name, grid, block, repeat, and per kernel: duration_ms or
 #                cycles (spin), iterations (work), elements (fill_f32, vector_add_f32, saxpy_f32,
-#                reduce_sum_f32); or a copy: name = memcpy_htod | memcpy_dtoh | memcpy_dtod | memset, bytes,
+#                reduce_sum_f32); a module's kernel by "module.kernel" and its args, a list in its parameters'
+#                order (a pointer's: the size of a buffer the tenant allocates for it); or a copy:
+#                name = memcpy_htod | memcpy_dtoh | memcpy_dtod | memset, bytes,
 #                repeat
 """Stress workloads: parsing and checking the TOML file."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import random
 import tomllib
@@ -41,6 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mpsd.modules import Kernel, ModuleError, read_module
 from mpsd.sim import H200, DeviceSpec, sm_cap
 from mpsd_protocol import parse_size
 
@@ -62,11 +68,15 @@ class KernelSpec:
     """One call of a request: a kernel launch or a copy (a name in COPIES).
 
     Attributes:
-        name: a built-in kernel, or a copy.
+        name: a built-in kernel, a module's ("module.kernel"), or a copy.
         grid, block: blocks and threads per block (flattened; 1 for a copy).
         repeat: launches of it in a row.
         scalar: its scalar argument: cycles (spin), iterations (work), elements (the pointer kernels) or bytes
             (a copy).
+        params, values: a module's kernel's parameter kinds and its arguments as written, a pointer's the bytes
+            of the buffer the tenant allocates for it.
+        shape: a module's kernel's grid and block as written (x, y, z), for a launch that reads its blockIdx.
+        module_file: the module file its kernel is declared in (what the model alone reads).
     """
 
     name: str
@@ -74,9 +84,35 @@ class KernelSpec:
     block: int
     repeat: int
     scalar: int
+    params: tuple[str, ...] = ()
+    values: tuple[int | float, ...] = ()
+    shape: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+    module_file: str = ""
+
+    @property
+    def buffers(self) -> list[int]:
+        """The sizes of the buffers a module's kernel's pointers need, in order."""
+        return [int(v) for kind, v in zip(self.params, self.values) if kind == "ptr"]
+
+    def declared(self) -> Kernel:
+        """A module's kernel's declaration, read from its file.
+
+        Raises:
+            WorkloadError: the file no longer reads, or lacks the kernel.
+        """
+        return _declared(self.module_file, self.name.partition(".")[2])
+
+    def launch_shape(self) -> tuple[Any, Any]:
+        """The grid and block a launch gives."""
+        if self.shape is None:
+            return self.grid, self.block
+        return tuple(self.shape[0]), tuple(self.shape[1])
 
     def args(self, pointers: tuple[int, ...] = ()) -> list[Any]:
         """The launch's argument list, given the buffers a pointer kernel works on."""
+        if self.params:
+            given = iter(pointers)
+            return [next(given, 0) if kind == "ptr" else value for kind, value in zip(self.params, self.values)]
         if self.name in ("spin", "work"):
             return [self.scalar]
         if self.name == "fill_f32":
@@ -150,6 +186,7 @@ class Workload:
     source: str = "<workload>"
     devices: int = 1
     device_tables: dict[int, dict[str, Any]] = field(default_factory=dict)  # [run.device.N], as written
+    module_path: tuple[Path, ...] = ()  # [run] module_path, resolved: the daemon's --module-path
 
 
 def load_workload(path: Path) -> Workload:
@@ -173,7 +210,8 @@ def parse_workload(data: dict[str, Any], base: Path = Path("."), source: str = "
     """
     run = _table(data, "run", "the file")
     _known(data, {"run", "tenant"}, "the file")
-    _known(run, {"duration", "seed", "policy", "policy_options", "solo", "devices", "device"}, "[run]")
+    _known(run, {"duration", "seed", "policy", "policy_options", "solo", "devices", "device", "module_path"}, "[run]")
+    module_path = _module_path(run.get("module_path", []), base)
     devices = _integer(run, "devices", "[run]", 1, low=1)
     tables = _table(run, "device", "[run]")
     if not all(key.isdecimal() and int(key) < devices and isinstance(v, dict) for key, v in tables.items()):
@@ -184,7 +222,7 @@ def parse_workload(data: dict[str, Any], base: Path = Path("."), source: str = "
     entries = data.get("tenant")
     if not isinstance(entries, list) or not entries:
         raise WorkloadError("the workload has no [[tenant]]")
-    tenants = tuple(_tenant(entry, i, base) for i, entry in enumerate(entries))
+    tenants = tuple(_tenant(entry, i, base, module_path) for i, entry in enumerate(entries))
     names = [t.name for t in tenants]
     if len({(t.name, t.device) for t in tenants}) != len(names):
         raise WorkloadError(f"tenant names must be unique on each device: {names}")
@@ -207,7 +245,28 @@ def parse_workload(data: dict[str, Any], base: Path = Path("."), source: str = "
     if not isinstance(solo, bool):
         raise WorkloadError("[run] solo must be true or false")
     return Workload(tenants, duration, seed, str(run.get("policy", "mps")), dict(options), solo, source, devices,
-                    {int(key): dict(table) for key, table in tables.items()})
+                    {int(key): dict(table) for key, table in tables.items()}, module_path)
+
+
+def _module_path(value: Any, base: Path) -> tuple[Path, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise WorkloadError("[run] module_path must be a list of directories")
+    found = tuple((base / v).resolve() for v in value)
+    for text, path in zip(value, found):
+        if not path.is_dir():
+            raise WorkloadError(f"[run] module_path: {text!r} is no directory (relative to the workload file)")
+    return found
+
+
+@functools.lru_cache(maxsize=64)
+def _declared(module_file: str, name: str) -> Kernel:
+    try:
+        kernel = read_module(Path(module_file)).kernels.get(name)
+    except ModuleError as exc:
+        raise WorkloadError(str(exc)) from None
+    if kernel is None:
+        raise WorkloadError(f"{Path(module_file).name} declares no kernel {name!r}")
+    return kernel
 
 
 def entitlements(tenants: list[TenantSpec]) -> dict[str, float]:
@@ -266,7 +325,7 @@ _KERNEL_KEYS = {"name", "grid", "block", "repeat", "duration_ms", "cycles", "ite
 _COPY_KEYS = {"name", "bytes", "repeat"}
 
 
-def _tenant(entry: Any, index: int, base: Path) -> TenantSpec:
+def _tenant(entry: Any, index: int, base: Path, module_path: tuple[Path, ...] = ()) -> TenantSpec:
     if not isinstance(entry, dict):
         raise WorkloadError(f"tenant {index} is not a table")
     name = entry.get("name", f"tenant{index}")
@@ -321,11 +380,11 @@ def _tenant(entry: Any, index: int, base: Path) -> TenantSpec:
         input=_size(entry, "input", where), output=_size(entry, "output", where),
         start=_number(entry, "start", where, 0.0, low=0.0) if "start" in entry else None,
         requests=None if requests is None else _integer(entry, "requests", where, 1, low=1), graph=graph,
-        kernels=tuple(_kernel(k, j, where) for j, k in enumerate(kernels)),
+        kernels=tuple(_kernel(k, j, where, module_path) for j, k in enumerate(kernels)),
     )
 
 
-def _kernel(entry: Any, index: int, tenant: str) -> KernelSpec:
+def _kernel(entry: Any, index: int, tenant: str, module_path: tuple[Path, ...] = ()) -> KernelSpec:
     if not isinstance(entry, dict):
         raise WorkloadError(f"{tenant}: kernel {index} is not a table")
     name = entry.get("name")
@@ -335,6 +394,8 @@ def _kernel(entry: Any, index: int, tenant: str) -> KernelSpec:
         if "bytes" not in entry:
             raise WorkloadError(f"{where}: needs bytes")
         return KernelSpec(name, 1, 1, _integer(entry, "repeat", where, 1, low=1), _size(entry, "bytes", where))
+    if isinstance(name, str) and "." in name:
+        return _module_kernel(entry, name, where, module_path)
     _known(entry, _KERNEL_KEYS, where)
     grid, block = _dims(entry, "grid", where, 1), _dims(entry, "block", where, 256)
     repeat = _integer(entry, "repeat", where, 1, low=1)
@@ -349,8 +410,41 @@ def _kernel(entry: Any, index: int, tenant: str) -> KernelSpec:
         scalar = _integer(entry, "elements", where, None, low=1)
     else:
         raise WorkloadError(f"{where}: unknown kernel; known: spin, work, {', '.join(POINTER_KERNELS)}, "
-                            f"and the copies {', '.join(COPIES)}")
+                            f"a module's as module.kernel, and the copies {', '.join(COPIES)}")
     return KernelSpec(name, grid, block, repeat, scalar)
+
+
+def _module_kernel(entry: dict[str, Any], name: str, where: str, module_path: tuple[Path, ...]) -> KernelSpec:
+    """A module's kernel: its module found in [run] module_path as the daemon will find it (module.py, the first
+    directory that has it), its args checked against the declaration's parameters."""
+    _known(entry, {"name", "grid", "block", "repeat", "args"}, where)
+    module, _, kernel = name.partition(".")
+    found = next((d / f"{module}.py" for d in module_path if (d / f"{module}.py").is_file()), None)
+    if found is None:
+        raise WorkloadError(f"{where}: no module {module!r} in [run] module_path")
+    declared = _declared(str(found), kernel)
+    args = entry.get("args", [])
+    if not isinstance(args, list) or len(args) != len(declared.params):
+        raise WorkloadError(f"{where}: args must list its {len(declared.params)} arguments "
+                            f"({', '.join(declared.params)})")
+    values: list[int | float] = []
+    for i, (kind, value) in enumerate(zip(declared.params, args)):
+        if kind == "ptr":
+            values.append(_size({"arg": value}, "arg", f"{where}: argument {i} (a buffer's size)"))
+        elif kind == "i64" and isinstance(value, int) and not isinstance(value, bool):
+            values.append(value)
+        elif kind == "f32" and isinstance(value, (int, float)) and not isinstance(value, bool):
+            values.append(float(value))
+        else:
+            raise WorkloadError(f"{where}: argument {i} must be {kind}, not {value!r}")
+    shapes = []
+    for key, default in (("grid", 1), ("block", 256)):
+        value = entry.get(key, default)
+        _dims(entry, key, where, default)  # checked as a built-in's
+        shapes.append(tuple(value) if isinstance(value, list) else (value,))
+    return KernelSpec(name, _dims(entry, "grid", where, 1), _dims(entry, "block", where, 256),
+                      _integer(entry, "repeat", where, 1, low=1), 0, declared.params, tuple(values),
+                      (shapes[0], shapes[1]), str(found))
 
 
 def _trace(value: Any, base: Path, where: str) -> tuple[float, ...]:

@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from mpsd.clock import DeviceClock, VirtualClock
-from mpsd.sim import COPY_KINDS, H200, Copy, DeviceSpec, Kernel, Op, Simulator, copy_kernel, kernel_cost
+from mpsd.sim import (COPY_KINDS, H200, Copy, DeviceSpec, Kernel, Op, Simulator, copy_kernel, function_cost,
+                      kernel_cost)
 from mpsd.stress.workload import COPIES, TenantSpec, Workload, WorkloadError, arrival_times, parse_workload
 from mpsd.tools.scenario import is_scenario, to_toml, to_workload
 from mpsd_protocol import DEFAULT_CONNECTIONS
@@ -200,12 +201,15 @@ def _requests(spec: DeviceSpec, client: int, tenant: TenantSpec) -> Callable[[],
         if k.name in COPIES:
             make = copy(COPIES[k.name], k.scalar)
         else:
+            declared = k.declared() if k.params else None  # a module's kernel: its declaration's cost and resources
             try:
-                cost = kernel_cost(spec, k.name, k.grid, k.block, k.args((0, 0, 0)))
+                cost = (kernel_cost(spec, k.name, k.grid, k.block, k.args((0, 0, 0))) if declared is None
+                        else function_cost(spec, declared, k.grid, k.block, k.args()))
             except ValueError as exc:
                 raise WorkloadError(f"tenant {tenant.name}: kernel {k.name!r}: {exc}") from None
+            smem, regs = (0, 32) if declared is None else (declared.shared, declared.registers)
             make = functools.partial(Kernel, client=client, stream=0, blocks=k.grid, threads=k.block, cost=cost,
-                                     priority=tenant.stream_priority, sm_cap=cap)
+                                     priority=tenant.stream_priority, sm_cap=cap, smem=smem, regs_per_thread=regs)
         steps.extend([make] * k.repeat)
     if tenant.output:
         steps.append(copy("d2h", tenant.output))

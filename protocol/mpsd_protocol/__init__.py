@@ -64,6 +64,7 @@ from ._errors import (
     error_name,
     error_string,
     make_error,
+    runtime_error,
 )
 from ._errors import *  # noqa: F403  (the table's classes, InvalidValueError, ...: _errors.__all__ lists them)
 from ._fds import ANCILLARY_SIZE, RECV_FLAGS, close_fds, pack_fds, unpack_fds
@@ -97,7 +98,7 @@ __all__ = [
     "CLOSED", "HEADER", "HELLO", "IPC_FREED", "NEED_DATA", "PROTOCOL_ERROR", "Connection", "Role",
     "CODES_BY_NAME", "DRIVER_ALIASES", "DRIVER_CODES_BY_NAME", "ERROR_CLASSES", "CudaError", "driver_error",
     "driver_error_name", "driver_error_string", "error_class", "error_from_wire", "error_name",
-    "error_string", "make_error",
+    "error_string", "make_error", "runtime_error",
     "ANCILLARY_SIZE", "RECV_FLAGS", "close_fds", "pack_fds", "unpack_fds",
     "EVENT", "IPC_HANDLE_SIZE", "MEMORY", "IpcHandle",
     "PARAM_KINDS", "check_args", "check_shape", "dims",

@@ -253,6 +253,15 @@ class Calls:
     statistics = Call(reply=MAP, sticky_ok=True)
     launch = Call((Arg("name", STR), Arg("grid", DIMS), Arg("block", DIMS), Arg("args", LIST),
                    Arg("shared_mem", INT, 0), *_STREAM), notify=True, cost=(LAUNCH, None), capture=WORK)
+    # Modules (cuModuleLoad, cuModuleUnload): `path` names a module file within the daemon's --module-path (a bare
+    # name is looked for there, file or stem); the reply is the module's handle, its name, and each kernel's
+    # parameter kinds, which launches then name as "module.kernel". A function's attributes and occupancy
+    # (cuFuncGetAttribute, cuOccupancyMaxActiveBlocksPerMultiprocessor) are the declared kernel's, by that name
+    # (a built-in's bare name too).
+    module_load = Call((Arg("path", STR),), reply=MAP)
+    module_unload = Call((Arg("module", INT),))
+    func_get_attributes = Call((Arg("name", STR),), reply=MAP)
+    occupancy_max_active_blocks = Call((Arg("name", STR), Arg("block", DIMS), Arg("shared_mem", INT, 0)), reply=INT)
     mem_fd = Call((Arg("ptr", PTR),), reply=MAP, reply_fds=1)  # the memfd behind device memory (host_view)
     ipc_get_mem_handle = Call((Arg("ptr", PTR),), reply=BYTES)
     ipc_open_mem_handle = Call((Arg("handle", BYTES), Arg("flags", INT, 1)), reply=MAP, reply_fds=1)

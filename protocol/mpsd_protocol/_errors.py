@@ -3,6 +3,7 @@
 # class on the other side, so the daemon and the client never disagree about what a code means.
 from __future__ import annotations
 
+import builtins
 from typing import Any
 
 from ._brief import brief
@@ -47,7 +48,8 @@ class CudaError(Exception):
 __all__ = [
     "InvalidValueError", "OutOfMemoryError", "InitializationError", "CudartUnloadingError", "InvalidConfigurationError",
     "InvalidDevicePointerError", "DevicesUnavailableError", "InvalidDeviceFunctionError", "NoDeviceError",
-    "InvalidDeviceError", "DeviceUninitializedError", "PeerAccessUnsupportedError", "InvalidResourceHandleError",
+    "InvalidDeviceError", "InvalidKernelImageError", "DeviceUninitializedError", "PeerAccessUnsupportedError",
+    "KernelFileNotFoundError", "InvalidResourceHandleError",
     "IllegalStateError", "NotFoundError", "NotReadyError", "IllegalAddressError", "LaunchOutOfResourcesError",
     "LaunchTimeoutError", "ContextIsDestroyedError", "DeviceAssertError", "LaunchFailureError", "NotPermittedError",
     "NotSupportedError", "MpsConnectionError", "MpsRpcFailureError", "MpsServerNotReadyError",
@@ -139,6 +141,15 @@ class InvalidDeviceError(CudaError, ValueError):
     description = "invalid device ordinal"
 
 
+class InvalidKernelImageError(CudaError):
+    """cudaErrorInvalidKernelImage (200): device kernel image is invalid (a module file that does not run or
+    declares its kernels wrongly; CUDA_ERROR_INVALID_IMAGE to the driver)."""
+
+    code = 200
+    name = "cudaErrorInvalidKernelImage"
+    description = "device kernel image is invalid"
+
+
 class DeviceUninitializedError(CudaError):
     """cudaErrorDeviceUninitialized (201): invalid device context."""
 
@@ -153,6 +164,15 @@ class PeerAccessUnsupportedError(CudaError):
     code = 217
     name = "cudaErrorPeerAccessUnsupported"
     description = "peer access is not supported between these two devices"
+
+
+class KernelFileNotFoundError(CudaError, FileNotFoundError):
+    """cudaErrorFileNotFound (301): file not found (a module file missing, or outside the daemon's
+    --module-path). Not `FileNotFoundError` by name, which is Python's: it is one, as well as a CudaError."""
+
+    code = 301
+    name = "cudaErrorFileNotFound"
+    description = "file not found"
 
 
 class InvalidResourceHandleError(CudaError, ValueError):
@@ -402,7 +422,8 @@ class UnknownError(CudaError):
 ERROR_CLASSES: dict[int, type[CudaError]] = {cls.code: cls for cls in (
     InvalidValueError, OutOfMemoryError, InitializationError, CudartUnloadingError, InvalidConfigurationError,
     InvalidDevicePointerError, DevicesUnavailableError, InvalidDeviceFunctionError, NoDeviceError, InvalidDeviceError,
-    DeviceUninitializedError, PeerAccessUnsupportedError, InvalidResourceHandleError, IllegalStateError, NotFoundError,
+    InvalidKernelImageError, DeviceUninitializedError, PeerAccessUnsupportedError, KernelFileNotFoundError,
+    InvalidResourceHandleError, IllegalStateError, NotFoundError,
     NotReadyError, IllegalAddressError, LaunchOutOfResourcesError, LaunchTimeoutError, ContextIsDestroyedError,
     DeviceAssertError, LaunchFailureError, NotPermittedError, NotSupportedError, MpsConnectionError, MpsRpcFailureError,
     MpsServerNotReadyError, MpsMaxClientsReachedError, MpsMaxConnectionsReachedError, MpsClientTerminatedError,
@@ -431,8 +452,10 @@ _DRIVER: dict[int, str | int] = {
     98: 400,
     100: "CUDA_ERROR_NO_DEVICE",
     101: "CUDA_ERROR_INVALID_DEVICE",
+    200: "CUDA_ERROR_INVALID_IMAGE",
     201: "CUDA_ERROR_INVALID_CONTEXT",
     217: "CUDA_ERROR_PEER_ACCESS_UNSUPPORTED",
+    301: "CUDA_ERROR_FILE_NOT_FOUND",
     400: "CUDA_ERROR_INVALID_HANDLE",
     401: "CUDA_ERROR_ILLEGAL_STATE",
     500: "CUDA_ERROR_NOT_FOUND",
@@ -469,15 +492,23 @@ _DRIVER_NAMES: dict[int, str] = {code: name for name, code in DRIVER_CODES_BY_NA
 _DRIVER_INSTEAD: dict[int, int] = {code: other for code, other in _DRIVER.items() if isinstance(other, int)}
 
 
+# The other way: a code the runtime's module calls do not report, and the one they report instead. A runtime
+# given a missing file to load (cudaLibraryLoadFromFile) answers cudaErrorInvalidValue, where the driver's
+# cuModuleLoad answers CUDA_ERROR_FILE_NOT_FOUND: the daemon sends the driver's, and the runtime flavour's
+# module_load reports it as the runtime does (`runtime_error`).
+_RUNTIME_INSTEAD: dict[int, int] = {301: 1}
+
+
 def _driver_class_name(name: str) -> str:
     return "".join(word.capitalize() for word in name.removeprefix("CUDA_ERROR_").split("_")) + "Error"
 
 
 # The classes under the driver's names where those differ from the runtime's (InvalidContextError is
-# DeviceUninitializedError: one code, one class, so `except` catches it whichever flavour raised it).
+# DeviceUninitializedError: one code, one class, so `except` catches it whichever flavour raised it), but for a
+# name of Python's own (FileNotFoundError: KernelFileNotFoundError keeps its name), which must never be shadowed.
 DRIVER_ALIASES: dict[str, type[CudaError]] = {
     _driver_class_name(name): ERROR_CLASSES[code] for name, code in DRIVER_CODES_BY_NAME.items()
-    if _driver_class_name(name) != ERROR_CLASSES[code].__name__
+    if _driver_class_name(name) != ERROR_CLASSES[code].__name__ and not hasattr(builtins, _driver_class_name(name))
 }
 
 
@@ -518,6 +549,13 @@ def driver_error(error: CudaError) -> CudaError:
     converted.name = driver_error_name(code)
     converted.args = (f"{converted.name}: {converted.message}",)
     return converted
+
+
+def runtime_error(error: CudaError) -> CudaError:
+    """`error` as the runtime API's module calls report it: where the runtime has no such answer
+    (`_RUNTIME_INSTEAD`), the error of the code it gives instead, with the same detail."""
+    code = _RUNTIME_INSTEAD.get(error.code)
+    return error if code is None else make_error(code, error.detail)
 
 
 def driver_error_name(code: int) -> str:
