@@ -81,3 +81,60 @@ def test_a_device_is_the_current_context_or_one_given(current, ctx):
     memory.set_context(None)
     with pytest.raises(RuntimeError, match="set_context"):
         memory.memory_allocated()
+
+
+def test_the_caching_host_allocator_rounds_caches_and_counts_as_pytorchs(current):
+    """Pinned requests are rounded up to a power of two and served from the freed buffers of that size; the
+    figures are host_memory_stats's keys, flat and nested; empty_cache gives the cached buffers back."""
+    host = memory.host_allocator()
+    assert host.allocate(0) is None
+    first = host.allocate(1000)
+    assert first.nbytes == 1024
+    host.free(first)
+    again = host.allocate(600)  # the same power of two: the cached buffer
+    assert again is first
+    other = host.allocate(1025)
+    assert other.nbytes == 2048
+    flat = memory.host_memory_stats()
+    stats = [f"{name}.{kind}" for name in ("allocations", "allocated_bytes", "active_requests", "active_bytes")
+             for kind in ("current", "peak", "allocated", "freed")]
+    times = [f"host_{call}_time.{kind}" for call in ("alloc", "free")
+             for kind in ("total", "max", "min", "count", "avg")]
+    assert list(flat) == sorted([*stats, *times, "num_host_alloc", "num_host_free"])
+    assert (flat["allocations.current"], flat["allocated_bytes.current"], flat["num_host_alloc"]) == (2, 3072, 2)
+    assert (flat["active_requests.current"], flat["active_requests.allocated"], flat["active_bytes.peak"]) == \
+        (2, 3, 3072)
+    assert flat["host_alloc_time.count"] == 2 and flat["host_alloc_time.min"] > 0
+    assert memory.host_memory_stats_as_nested_dict()["allocated_bytes"]["current"] == 3072
+    host.free(again)
+    host.free(other)
+    with pytest.raises(ValueError, match="not handed out by this allocator"):
+        host.free(other)
+    memory.reset_peak_host_memory_stats()
+    assert memory.host_memory_stats()["active_bytes.peak"] == 0
+    host.empty_cache()
+    after = memory.host_memory_stats()
+    assert (after["allocations.current"], after["allocations.freed"], after["num_host_free"]) == (0, 2, 2)
+    memory.reset_accumulated_host_memory_stats()
+    reset = memory.host_memory_stats()
+    assert reset["allocations.allocated"] == reset["num_host_alloc"] == reset["host_alloc_time.count"] == 0
+
+
+def test_a_pinned_buffer_recorded_on_a_stream_is_reused_only_after_its_work(current):
+    """record_stream: a buffer freed while a stream's work may still read it stays active, and the next request
+    of its size gets a new buffer; once that work is done, the freed one is handed out again."""
+    host = memory.host_allocator()
+    s = current.create_stream()
+    buffer = host.allocate(4096)
+    current.launch("spin", 1, 32, [int(50 * 1.98e9)], stream=s)  # 50 simulated seconds: 0.5 s at --time-scale 100
+    host.record_stream(buffer, s)
+    host.free(buffer)
+    fresh = host.allocate(4096)
+    assert fresh is not buffer and memory.host_memory_stats()["active_requests.current"] == 2
+    s.synchronize()
+    assert host.allocate(4096) is buffer
+    stats = memory.host_memory_stats()
+    assert (stats["active_requests.current"], stats["allocations.current"]) == (2, 2)
+    host.free(buffer)
+    host.free(fresh)
+    host.empty_cache()

@@ -5,7 +5,8 @@
 # (a context has one device). The figures are the allocator's own, under PyTorch's keys.
 #
 # Where it differs from PyTorch: list_gpu_processes lists this process only (a client sees the daemon's figure
-# of its own memory, not other clients'); there is no caching host allocator, so host_memory_stats is not here;
+# of its own memory, not other clients'); the caching host allocator (host_memory_stats) is the context's, taken
+# through host_allocator() (PyTorch's pinned tensors use it unseen), and its times are the client's own clock's;
 # a MemPool takes no allocator of one's own (its blocks are the caching allocator's, in a private pool).
 """torch.cuda.memory's API over mpsd's caching allocator."""
 
@@ -18,13 +19,16 @@ from typing import Any, Iterator
 
 from ._caching import CachingAllocator, caching_allocator
 from ._graph_pools import graph_pool_handle
+from ._host_caching import HostCachingAllocator, host_caching_allocator
 
 __all__ = ["MemPool", "caching_allocator_alloc", "caching_allocator_delete", "current_context", "empty_cache",
-           "get_allocator_backend", "get_per_process_memory_fraction", "list_gpu_processes", "max_memory_allocated",
+           "get_allocator_backend", "get_per_process_memory_fraction", "host_allocator", "host_memory_stats",
+           "host_memory_stats_as_nested_dict", "list_gpu_processes", "max_memory_allocated",
            "max_memory_cached", "max_memory_reserved", "mem_get_info", "memory_allocated", "memory_cached",
            "memory_snapshot", "memory_stats", "memory_stats_as_nested_dict", "memory_summary", "memory_reserved",
-           "reset_accumulated_memory_stats", "reset_max_memory_allocated", "reset_max_memory_cached",
-           "reset_peak_memory_stats", "set_context", "set_per_process_memory_fraction", "use_mem_pool"]
+           "reset_accumulated_host_memory_stats", "reset_accumulated_memory_stats", "reset_max_memory_allocated",
+           "reset_max_memory_cached", "reset_peak_host_memory_stats", "reset_peak_memory_stats", "set_context",
+           "set_per_process_memory_fraction", "use_mem_pool"]
 
 _current: Any = None
 
@@ -100,6 +104,42 @@ def get_allocator_backend() -> str:
 
 
 # -- figures -------------------------------------------------------------------------------------------------
+def host_allocator() -> HostCachingAllocator:
+    """The current context's caching host allocator (allocate, free, record_stream, empty_cache): the pinned
+    memory PyTorch's pin_memory() and non_blocking copies take."""
+    return host_caching_allocator(current_context())
+
+
+def host_memory_stats() -> dict[str, Any]:
+    """torch.cuda.host_memory_stats(): the caching host allocator's figures, flat under dotted keys, sorted."""
+    flat: list[tuple[str, Any]] = []
+
+    def add(prefix: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for key, inner in value.items():
+                add(f"{prefix}.{key}" if prefix else key, inner)
+        else:
+            flat.append((prefix, value))
+
+    add("", host_memory_stats_as_nested_dict())
+    return dict(sorted(flat))
+
+
+def host_memory_stats_as_nested_dict() -> dict[str, Any]:
+    """The same figures nested: {"allocations": {"current": ...}, ..., "host_alloc_time": {"avg": ...}}."""
+    return host_allocator().stats()
+
+
+def reset_accumulated_host_memory_stats() -> None:
+    """The host allocator's "allocated" and "freed" figures, counts and times back to 0."""
+    host_allocator().reset_accumulated_stats()
+
+
+def reset_peak_host_memory_stats() -> None:
+    """Each of the host allocator's peaks becomes its current figure."""
+    host_allocator().reset_peak_stats()
+
+
 def memory_stats(device: Any = None) -> dict[str, Any]:
     """torch.cuda.memory_stats(): every figure, flat under dotted keys, sorted."""
     return _allocator(device).memory_stats()
