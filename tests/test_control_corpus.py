@@ -43,8 +43,6 @@ RETRY = "60"  # the replay daemon's first shutdown retry, in seconds: none falls
 
 # Where mpsd knowingly differs from what was recorded, and why (strict xfail: each must still differ).
 DIFFERENT = {
-    33: "get_client_priority is one of mpsd's own commands (a finer priority per client); MPS has none",
-    214: "get_client_priority is one of mpsd's own commands (a finer priority per client); MPS has none",
     169: "MPS's server for uid 65534 exited at once (its log does not say why: likely the root-only pipe "
          "directory); mpsd's serves that user",
     258: "MPS's second terminate_client of a client it had terminated hung until that client exited (20 s); "

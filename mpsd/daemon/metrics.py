@@ -207,7 +207,7 @@ class Exporter:
         memory = daemon.host_memory
         host: dict[str, float] = {
             "mpsd_host_memory_resident_bytes": memory.resident, "mpsd_host_memory_budget_bytes": memory.budget,
-            "mpsd_clients_waiting": daemon.pending_clients}
+            "mpsd_clients_waiting": len(daemon.control.state.waiting)}
         return Snapshot(devices, clients, host)
 
     def _client(self, ctx: Any, dispatched: dict[str, Any] | None) -> dict[str, float]:

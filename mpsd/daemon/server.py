@@ -29,7 +29,9 @@ from mpsd.backends.hostmem import HostMemory, default_budget
 from mpsd.backends.sim import SimBackend
 from mpsd.daemon.channel import Spin
 from mpsd.daemon.config import Config
-from mpsd.daemon.control import MPS_VERSION, Control, Settings
+from mpsd.daemon.control_plane import ControlPlane
+from mpsd.daemon.control_state import Settings
+from mpsd.daemon.control_text import MPS_VERSION
 from mpsd.daemon.listeners import (ControlConnections, Greetings, Listeners, ListenError, open_listeners,
                                    write_protocol_file)
 from mpsd.daemon.ownership import UnsafePathError
@@ -46,7 +48,6 @@ from mpsd.runtime.ipc import IpcRegistry
 from mpsd.runtime.limits import FDS, MAPS, ProcessBudget, fd_limit, map_limit
 from mpsd.runtime.memory import CHUNK
 from mpsd_protocol import (
-    CONTROL_PACKET,
     DevicesUnavailableError,
     InvalidDeviceError,
     InvalidValueError,
@@ -58,10 +59,8 @@ from mpsd_protocol import (
     NoDeviceError,
     OutOfMemoryError,
     brief,
-    control_packets,
     format_size,
     parse_integer,
-    peer_credentials,
 )
 
 log = logging.getLogger("mpsd")
@@ -134,12 +133,9 @@ class Daemon:
         for named in config.servers:
             if named.client_priority is not None:  # what its user's clients get, as a per-user setting
                 self.settings.priorities[("uid", named.uid)] = named.client_priority
-        self.pending_clients = 0  # clients of another user waiting for the current server to exit
         # A caller in this process may take each device's trace as data at exit instead of a file (open_daemon).
         self.keep_traces = False
         self.traces: list[tuple[Any, dict[str, Any]] | None] = []
-        self.waiting: list[tuple[int, int]] = []  # their (pid, uid), in the order they came (v3's client list)
-        self._server_change = trio.Event()
         self._grace = SHUTDOWN_GRACE
         self.sessions: set[Session] = set()
         self.spin = Spin(config.spin, self.sessions.__len__)  # how long a session reads an emptied socket on
@@ -147,7 +143,6 @@ class Daemon:
         self.controls = ControlConnections()
         self._next_client = 1
         self._stop = trio.Event()
-        self._retry_wakeup = trio.Event()
         self.routes: dict[Route, RouteSockets] = {}  # MPS v3's per-server and per-namespace sockets
         self._front: trio.Nursery | None = None  # where accept loops run while the daemon takes clients
         self._sessions: trio.Nursery | None = None
@@ -170,7 +165,8 @@ class Daemon:
                 raise DaemonError("static SM partitioning (-S, or the -a file's sm_partitions) needs simulated "
                                   "devices under the mps policy; not device " + ", ".join(map(str, unpinnable)))
             self.sm_partitions = SmPartitions([d.properties["multiprocessor_count"] for d in self.devices])
-        self.control = Control(self)
+        self.control = ControlPlane(self)
+        self.admission = self.control.admission  # what a new client may get: the session's view of the control plane
         by_uuid = {device.properties["uuid"]: device.index for device in self.devices}
         for named in config.servers:  # MPS v3's named servers: their devices must be ours
             tables = [(f"servers.{named.name}.allowed_devices", named.allowed_devices),
@@ -229,13 +225,13 @@ class Daemon:
             InvalidDeviceError: no such device.
             InvalidValueError: a requested limit is malformed.
         """
-        if self.control.quitting:  # a server being shut down still takes clients, as MPS's does; quit not
+        if self.admission.quitting:  # a server being shut down still takes clients, as MPS's does; quit not
             raise MpsServerNotReadyError("the MPS control daemon is quitting")
         route = session.route
         if route is not None and route.uid is not None and route.uid != session.uid:
             raise MpsConnectionError(f"server {route.server} (at {route.directory(self.config.pipe_dir)}) serves "
                                      f"uid {route.uid}, not {session.uid}")
-        namespace = self.control.namespace_for(session.pid, session.uid, route)
+        namespace = self.admission.namespace_for(session.pid, session.uid, route)
         if route is not None and route.namespace != "default" and namespace is None:
             raise MpsConnectionError(f"namespace {route.namespace} of server {route.server} is gone")
         # A namespace with devices shows its clients those only, in its order (mpsd.daemon.namespaces).
@@ -245,7 +241,7 @@ class Daemon:
         device = self.devices[index]
         if device.compute_mode == "PROHIBITED":
             raise DevicesUnavailableError(f"device {index}'s compute mode is PROHIBITED (nvidia-smi -c)")
-        refused = self.control.refused_by(session.uid, device)
+        refused = self.admission.refused_by(session.uid, device)
         if refused is not None:
             raise DevicesUnavailableError(f"device {index} is not among server {refused}'s allowed devices")
         if device.faulted:
@@ -253,7 +249,7 @@ class Daemon:
                                          "clients wait until the faulting clients have exited")
         if len(device.contexts) >= self.config.max_clients:
             raise MpsMaxClientsReachedError(f"device {index} already has {self.config.max_clients} clients")
-        percentage = self.control.percentage_for_new_client(session.uid)
+        percentage = self.admission.percentage_for_new_client(session.uid)
         if namespace is not None:
             percentage = namespace.percentage(percentage)
         requested = limits.get("active_thread_percentage")
@@ -272,7 +268,7 @@ class Daemon:
         if device.instances and partition is None:
             partition = 0  # as the mig policy binds a client that names no instance
         sm_partition = self._sm_partition(limits.get("sm_partition"), index, session.uid, namespace)
-        memory_limit = self.control.memory_limit_for_new_client(index, session.uid)
+        memory_limit = self.admission.memory_limit_for_new_client(index, session.uid)
         if namespace is not None:
             memory_limit = namespace.memory_limit(memory_limit)
         memory = memory_limit or device.memory_total(partition)
@@ -348,7 +344,7 @@ class Daemon:
         found = self.sm_partitions.find(requested) if isinstance(requested, str) else None
         if found is None or found.device != device:
             raise InvalidValueError(f"no SM partition {brief(requested, 40)} on device {device} (lspart lists them)")
-        named = None if self.config.multiuser else self.control.named.get(uid)
+        named = self.admission.named(uid)
         if found.server is not None and (named is None or named.name != found.server):
             raise InvalidValueError(f"SM partition {brief(requested, 40)} is server {found.server}'s")
         return found
@@ -357,7 +353,7 @@ class Daemon:
         """Give a connected client the priority level and weight the control plane sets for it now; the
         scheduler uses them from its next placement on."""
         priority = self.settings.priority_for(context.pid, context.uid, context.id)
-        namespace = self.control.namespace_of(context)
+        namespace = self.admission.namespace_of(context)
         priority = _tighter(priority if namespace is None else namespace.priority(priority), context.requested_priority)
         weight = self.settings.weight_for(context.pid, context.uid, context.id)
         if (priority, weight) == (context.quotas.priority, context.quotas.weight):
@@ -448,24 +444,6 @@ class Daemon:
             + (f", {reclaimed['reservations']} address reservations, {reclaimed['physical']} physical allocations"
                if reclaimed["reservations"] or reclaimed["physical"] else ""))
 
-    async def wait_turn(self, pid: int, uid: int) -> None:
-        """Return when a client of `uid` may attach: at once, or once the other user's server has exited."""
-        if self.control.admits(uid):
-            return
-        self.control.client_waiting(pid, uid)
-        self.pending_clients += 1
-        self.waiting.append((pid, uid))
-        try:
-            while not self.control.admits(uid):
-                await self._server_change.wait()
-        finally:
-            self.pending_clients -= 1
-            self.waiting.remove((pid, uid))
-
-    def server_changed(self) -> None:
-        self._server_change.set()
-        self._server_change = trio.Event()
-
     def client_count(self) -> int:
         return sum(len(device.contexts) for device in self.devices)
 
@@ -485,23 +463,6 @@ class Daemon:
 
     def now(self) -> float:
         return trio.current_time()
-
-    def wake_control(self) -> None:
-        """The control plane has a (new) time for its next shutdown retry."""
-        self._retry_wakeup.set()
-
-    async def _shutdown_retries(self) -> None:
-        """Runs the control plane's shutdown retries when they fall due."""
-        while True:
-            due = self.control.next_retry()
-            if due is None:
-                await self._retry_wakeup.wait()
-                self._retry_wakeup = trio.Event()
-                continue
-            await trio.sleep_until(due)
-            due = self.control.next_retry()
-            if due is not None and trio.current_time() >= due:
-                self.control.retry_due()
 
     @staticmethod
     def device_of(context: Context) -> Device:
@@ -581,6 +542,10 @@ class Daemon:
         }
 
     # -- serving ---------------------------------------------------------------------------------------
+    async def wait_stopped(self) -> None:
+        """Return once stop() has been called."""
+        await self._stop.wait()
+
     def stop(self, grace: float | None = None) -> None:
         """Begin a clean shutdown; in-flight replies get `grace` seconds (default 5) to finish."""
         if grace is not None:
@@ -610,10 +575,10 @@ class Daemon:
             listeners.bound.append(protocol_file)
         try:
             for named in self.config.servers:  # $PIPE/<server>/ and $PIPE/<server>/<namespace>/
-                self.add_route(Route(named.name, self.control.server_key(named.uid)))
-                self.add_route(Route(named.name, self.control.server_key(named.uid), named_default=True))
-                for namespace in self.control.namespaces.get(self.control.server_key(named.uid), {}).values():
-                    self.add_route(Route(named.name, self.control.server_key(named.uid), namespace.name))
+                self.add_route(Route(named.name, self.control.state.server_key(named.uid)))
+                self.add_route(Route(named.name, self.control.state.server_key(named.uid), named_default=True))
+                for namespace in self.control.namespaces.get(self.control.state.server_key(named.uid), {}).values():
+                    self.add_route(Route(named.name, self.control.state.server_key(named.uid), namespace.name))
         except ListenError as exc:
             self.close_routes()
             listeners.close()
@@ -722,10 +687,10 @@ class Daemon:
             async with trio.open_nursery() as front:  # the tasks that end when shutdown begins
                 self._front, self._sessions = front, sessions
                 front.start_soon(self._accept, listeners.clients, sessions, self._serve_session)
-                front.start_soon(self._accept, listeners.control, sessions, self._serve_control)
+                front.start_soon(self._accept, listeners.control, sessions, self.control.serve)
                 for sockets in self.routes.values():
                     front.start_soon(self._accept_route, sockets)
-                front.start_soon(self._shutdown_retries)
+                front.start_soon(self.control.run_shutdown_retries)
                 if self.exporter is not None:  # scrapes are answered from here until shutdown begins
                     await front.start(self.exporter.run)
                 if signals is not None:
@@ -832,7 +797,7 @@ class Daemon:
                 loops.start_soon(self._accept, sockets.clients, self._sessions,
                                  functools.partial(self._serve_session, route=sockets.route))
                 loops.start_soon(self._accept, sockets.control, self._sessions,
-                                 functools.partial(self._serve_control, route=sockets.route))
+                                 functools.partial(self.control.serve, route=sockets.route))
 
     async def _serve_session(self, tsock: trio.socket.SocketType, route: Route | None = None) -> None:
         # Sessions drive the plain socket themselves (see mpsd.daemon.channel), without trio's wrapper.
@@ -866,54 +831,6 @@ class Daemon:
     def greeted(self, session: Session) -> None:
         """`session` has said hello: it no longer counts against its uid's bound, nor has a deadline."""
         self.greetings.greeted(session.uid, session)
-
-    async def _serve_control(self, sock: trio.socket.SocketType, route: Route | None = None) -> None:
-        """One control connection: a command per packet in, its output back (mpsd_protocol.control_packets),
-        with control.log's lines for it as MPS writes them. After quit it gets no answer: the connection
-        closes when the daemon has gone, which is when the tool that sent quit returns; while quitting, the
-        daemon takes no more commands."""
-        with sock:
-            if self.control.quitting:
-                return
-            try:
-                uid = peer_credentials(sock)[1]
-            except OSError:
-                return
-            limited = None if uid in (0, self.owner_uid) else uid  # whose lines the log rate-limits
-            with self.log.limiting(limited):
-                self.log.control("Accepting connection...")
-                self.log.control("NEW UI")
-            try:
-                with trio.CancelScope() as scope, self.controls.holding(uid, scope) as evicting:
-                    if evicting == 1:
-                        with self.log.limiting(limited):
-                            self.log.control(f"User {uid} has {self.controls.limit} control connections open; "
-                                             "closing the oldest")
-                    while packet := await sock.recv(CONTROL_PACKET):
-                        with self.log.limiting(limited):
-                            reply = self._control_reply(packet, uid, route)
-                        if self.control.quitting:
-                            await self._stop.wait()  # the daemon is on its way out: the tool sees it go
-                            return
-                        for part in control_packets(reply, failed=self.control.failed):
-                            await sock.send(part)
-            except OSError:
-                pass  # the control client went away
-            with self.log.limiting(limited):
-                self.log.control("UI closed")
-            self.control.after_command()
-
-    def _control_reply(self, packet: bytes, uid: int, route: Route | None = None) -> str:
-        """What one control packet gets back. Any user may send one, so nothing in it may end the daemon: a
-        bug met while running the command answers that command with an error and is logged. As MPS reads a
-        command as a C string, it ends at a NUL; bytes that are not UTF-8 are kept as they came."""
-        line = packet.split(b"\0", 1)[0].decode(errors="surrogateescape")
-        try:
-            return self.control.execute(line, uid, route)
-        except Exception as exc:
-            log.exception("control command from uid %d failed", uid)
-            self.log.control(f"Internal error ({type(exc).__name__}) while running a command from user {uid}")
-            return f"Internal error ({type(exc).__name__}); the daemon's log has the details"
 
     async def _watch_signals(self, signals: Any) -> None:
         async for signum in signals:

@@ -602,14 +602,14 @@ class Session:
             self._closing = True
             return
         self._admitting = True
-        if self.daemon.control.admits(self.uid):
+        if self.daemon.admission.admits(self.uid):
             self._attach(request)
         else:  # a client of another user than the current server's waits, as MPS keeps it pending
             assert self._nursery is not None
             self._nursery.start_soon(self._admit, request)
 
     async def _admit(self, request: Request) -> None:
-        await self.daemon.wait_turn(self.pid, self.uid)
+        await self.daemon.control.wait_turn(self.pid, self.uid)
         self._attach(request)
         if self._closing:
             self.reader_scope.cancel()
