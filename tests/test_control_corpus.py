@@ -414,14 +414,18 @@ class FakeClient:
     sm_partition: object = None
 
 
+@dataclass
 class FakeProcesses:
-    """What the recording's host said of its clients (ps's NAMESPACE and COMMAND), for every pid."""
+    """What the recording's host said of its clients: ps's NAMESPACE, and its COMMAND (argv[0]: the python
+    that ran the recorder's clients, unless a client renamed itself)."""
+
+    commands: dict[int, str] = field(default_factory=dict)
 
     def namespace(self, pid: int) -> str:
         return "4026531836"
 
     def command(self, pid: int) -> str:
-        return "/opt/torch/.venv/bin/python3"
+        return self.commands.get(pid, "/opt/torch/.venv/bin/python3")
 
     def cgroup(self, pid: int) -> str | None:
         return None
@@ -439,9 +443,9 @@ class InProcess:
     DAEMON, UID = 30001, os.getuid()
 
     def __init__(self) -> None:
-        self.device = FakeDevice()
+        self.device, self.processes = FakeDevice(), FakeProcesses()
         self.state = ControlState(self.DAEMON, [self.device], Settings(100.0), self.UID, Path("/tmp/replay/pipe"),
-                                  shutdown_retry=float(RETRY), processes=FakeProcesses())
+                                  shutdown_retry=float(RETRY), processes=self.processes)
         self.control = Control(self.state)
         self.names = Names(pids={str(self.DAEMON): "<mps>"},
                            words={"/tmp/replay/pipe": "<pipe>", "4026531836": "<ns>",
@@ -522,6 +526,8 @@ class InProcess:
             client = FakeClient(next(self.ids), next(self.pids), self.UID, self.device,
                                 self.control.admission.memory_limit_for_new_client(0, self.UID))
             self.clients[label] = client
+            if label == "argv0":  # corpus_extra's client that set its argv[0]
+                self.processes.commands[client.pid] = "renamed-client"
             self.names.pids[str(client.pid)] = f"<client:{label}>"
             if "client_pid" in record:
                 self.real_to_ours[record["client_pid"]] = str(client.pid)
@@ -608,6 +614,26 @@ def test_the_replay_compares_every_record():
     records = _main_records()
     assert len(records) == LAST - 2 and sum(r["kind"] == "control" for _, r in records) >= 300
     assert {r.get("what") for _, r in records} >= {"client a started", "client b: alloc", "the new client's fate"}
+
+
+LIMITS = range(21, 49)  # corpus_extra's "limits" daemon, between its -d and its quit
+
+
+@pytest.fixture(scope="module")
+def replayed_limits() -> dict[int, Replayed]:
+    replay = InProcess()
+    results: dict = {i: replay.record(EXTRA[i]) for i in LIMITS}
+    results["names"] = replay.names
+    return results
+
+
+@pytest.mark.parametrize("i", [pytest.param(i, id=f"{i}-{(EXTRA[i].get('stdin') or EXTRA[i].get('what'))[:40]}")
+                               for i in LIMITS])
+def test_each_limits_record_replays_as_recorded(replayed_limits, i):
+    """corpus_extra's second daemon, on the interpreters alone: limits printed past and below 1 GiB, ps of a
+    client whose argv[0] is not its executable, terminate_client of a process that is no client."""
+    assert EXTRA[i]["daemon"] == "limits"
+    _compare(EXTRA[i], replayed_limits[i], replayed_limits["names"])
 
 
 # -- the real-daemon tier: the daemon applies the actions, over its sockets ----------------------------------

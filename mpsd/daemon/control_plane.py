@@ -32,6 +32,7 @@ from mpsd.daemon.control_state import (
     Wake,
 )
 from mpsd.daemon.listeners import ListenError
+from mpsd.daemon.server_process import ServerProcess, ServerProcesses, ServerProcessError
 from mpsd_protocol import CONTROL_PACKET, control_packets, peer_credentials
 
 if TYPE_CHECKING:
@@ -60,6 +61,9 @@ class ControlPlane:
         self.failed = False  # whether the last command failed (MPS v3's commands only: the tool exits 1)
         self._retry_wakeup = trio.Event()
         self._server_change = trio.Event()
+        # With --mps-names each server has a process of its own named nvidia-cuda-mps-server (its pid the server's).
+        self.server_processes = ServerProcesses() if config.mps_names else None
+        self._server_process: ServerProcess | None = None
 
     @property
     def server(self) -> Any:
@@ -156,9 +160,9 @@ class ControlPlane:
             elif isinstance(action, Then):
                 answer = self.apply(action.actions()) or answer
             elif isinstance(action, StartServer):
-                self.state.server.pid = daemon.start_server_process(action.uid)
+                self.state.server.pid = self.start_server_process(action.uid)
             elif isinstance(action, EndServer):
-                daemon.end_server_process()
+                self.end_server_process()
             elif isinstance(action, ServerChanged):
                 self._server_change.set()
                 self._server_change = trio.Event()
@@ -167,11 +171,11 @@ class ControlPlane:
             elif isinstance(action, Stop):
                 daemon.stop()
             elif isinstance(action, Terminate):
-                daemon.terminate(action.client, action.why)
+                daemon.clients.terminate(action.client, action.why)
             elif isinstance(action, CutOff):
-                daemon.server_gone(action.client)
+                daemon.clients.server_gone(action.client)
             elif isinstance(action, Reconfigure):
-                daemon.reconfigure(action.client)
+                daemon.clients.reconfigure(action.client)
             elif isinstance(action, SetComputeMode):
                 daemon.devices[action.device].compute_mode = action.mode
             elif isinstance(action, AddRoute):
@@ -183,9 +187,45 @@ class ControlPlane:
             elif isinstance(action, RemoveRoute):
                 daemon.remove_route(action.route)
             elif isinstance(action, Report):
-                text = json.dumps(daemon.status()) if action.what == "status" else "\n".join(daemon.write_traces())
-                answer = text, False
+                status = action.what == "status"
+                answer = json.dumps(daemon.clients.status()) if status else "\n".join(daemon.write_traces()), False
         return answer
+
+    # -- the servers' processes (--mps-names) ---------------------------------------------------------------
+    def close_server_processes(self) -> None:
+        """The daemon is going: so do the server's process and the directory they start from."""
+        self.end_server_process()
+        if self.server_processes is not None:
+            self.server_processes.close()
+
+    def start_server_process(self, uid: int | None) -> int:
+        """The pid of the server that starts now: its own process's, or the daemon's where it has none."""
+        self.end_server_process()
+        if self.server_processes is None or self.daemon.front is None:
+            return self.daemon.log.pid
+        try:
+            process = self.server_processes.start(uid)
+        except ServerProcessError as exc:
+            self.daemon.log.server(f"{exc}; the server's pid is the daemon's", pid=self.daemon.log.pid)
+            return self.daemon.log.pid
+        self._server_process = process
+        self.daemon.log.server_pid = process.pid
+        self.daemon.front.start_soon(self._watch_server, process)
+        return process.pid
+
+    def end_server_process(self) -> None:
+        """The server ends: so does its process (it is reaped by its watcher)."""
+        process, self._server_process = self._server_process, None
+        self.daemon.log.server_pid = self.daemon.log.pid
+        if process is not None:
+            process.end()
+
+    async def _watch_server(self, process: ServerProcess) -> None:
+        status = await process.wait()
+        if self._server_process is process:  # it died while its server ran: killed
+            self._server_process = None
+            self.daemon.log.server_pid = self.daemon.log.pid
+            self.server_died(process.pid, status)
 
     # -- the control sockets ----------------------------------------------------------------------------------
     async def serve(self, sock: trio.socket.SocketType, route: Route | None = None) -> None:

@@ -211,7 +211,7 @@ class Exporter:
         return Snapshot(devices, clients, host)
 
     def _client(self, ctx: Any, dispatched: dict[str, Any] | None) -> dict[str, float]:
-        stats = self.daemon.client_statistics(ctx)
+        stats = self.daemon.clients.client_statistics(ctx)
         figures = {key: stats[key] for _, _, key in CLIENT_SERIES.values() if key in stats}
         figures["active_thread_percentage"] = ctx.quotas.active_thread_percentage
         figures["sticky_code"] = ctx.sticky.code if ctx.sticky is not None else 0
