@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -32,14 +33,51 @@ from mpsd.daemon.control_state import (
     Wake,
 )
 from mpsd.daemon.listeners import ListenError
+from mpsd.daemon.routes import Route
+from mpsd.runtime.device import COMPUTE_MODES
 from mpsd.daemon.server_process import ServerProcess, ServerProcesses, ServerProcessError
 from mpsd_protocol import CONTROL_PACKET, control_packets, peer_credentials
 
 if TYPE_CHECKING:
-    from mpsd.daemon.routes import Route
     from mpsd.daemon.server import Daemon
 
 log = logging.getLogger("mpsd")
+
+
+class ProcFs:
+    """The ProcessTable of this host, read from /proc."""
+
+    def namespace(self, pid: int) -> str:
+        try:
+            return os.readlink(f"/proc/{pid}/ns/pid").split("[")[-1].rstrip("]")
+        except OSError:
+            return "-"
+
+    def command(self, pid: int) -> str:
+        """argv[0], as MPS's ps shows it (the path the process was started by, not its executable's)."""
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                first = f.read().split(b"\0")[0].decode(errors="replace")
+        except OSError:
+            return "-"
+        return first or "-"
+
+    def cgroup(self, pid: int) -> str | None:
+        """The cgroup v2 path of process `pid`, or None (gone, or no unified hierarchy)."""
+        try:
+            with open(f"/proc/{pid}/cgroup") as f:
+                for line in f:
+                    if line.startswith("0::"):
+                        return line[3:].rstrip("\n")
+        except OSError:
+            pass
+        return None
+
+    def owner(self, pid: int) -> int | None:
+        try:
+            return os.stat(f"/proc/{pid}").st_uid
+        except OSError:
+            return None
 
 
 class ControlPlane:
@@ -51,7 +89,8 @@ class ControlPlane:
         self.state = ControlState(
             daemon.log.pid, daemon.devices, daemon.settings, daemon.owner_uid, config.pipe_dir,
             multiuser=config.multiuser, protocol=config.protocol, shutdown_retry=config.shutdown_retry,
-            tracing=config.trace is not None, partitions=daemon.sm_partitions,
+            tracing=config.trace is not None, compute_modes=tuple(COMPUTE_MODES), partitions=daemon.sm_partitions,
+            processes=ProcFs(),
             named={named.uid: named for named in config.servers})
         for named in config.servers:  # copies of the -a file's, which namespace set changes
             self.state.namespaces[self.state.server_key(named.uid)] = {
@@ -180,12 +219,12 @@ class ControlPlane:
                 daemon.devices[action.device].compute_mode = action.mode
             elif isinstance(action, AddRoute):
                 try:
-                    daemon.add_route(action.route)
+                    daemon.add_route(Route(action.server, action.key, action.name))
                 except ListenError as exc:  # the namespace is not made after all, nor is it logged
                     self.state.namespaces.get(action.key, {}).pop(action.name, None)
                     return str(exc), True
             elif isinstance(action, RemoveRoute):
-                daemon.remove_route(action.route)
+                daemon.remove_route(Route(action.server, action.key, action.name))
             elif isinstance(action, Report):
                 status = action.what == "status"
                 answer = json.dumps(daemon.clients.status()) if status else "\n".join(daemon.write_traces()), False

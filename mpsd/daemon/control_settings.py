@@ -13,7 +13,6 @@ from mpsd.daemon.control_servers import Commands
 from mpsd.daemon.control_state import Reconfigure, Report, SetComputeMode
 from mpsd.daemon.control_text import U64, CommandError, atoi, digits, limit_text, memory_limit, parse_level, \
     parse_target, parse_weight, store, strtod
-from mpsd.runtime.device import COMPUTE_MODES
 
 if TYPE_CHECKING:
     from mpsd.daemon.control import Control
@@ -171,9 +170,9 @@ class SettingsCommands(Commands):
 
     def cmd_mpsd_compute_mode(self, args: list[str]) -> str:
         """Not MPS's: a device's compute mode, as nvidia-smi -c sets it (mpsd-smi -c sends this)."""
-        usage = f"mpsd_compute_mode <device> <{'|'.join(COMPUTE_MODES)}>"
+        usage = f"mpsd_compute_mode <device> <{'|'.join(self.state.compute_modes)}>"
         device, mode = self.args(args, 2, usage)
-        if mode not in COMPUTE_MODES:
+        if mode not in self.state.compute_modes:
             raise CommandError(f"Usage: {usage}")
         index = digits(device, U64) if device.isascii() and device.isdigit() else len(self.state.devices)
         if index >= len(self.state.devices):

@@ -11,7 +11,6 @@
 # reason: the daemon's reads /proc, a test's is a dict.
 from __future__ import annotations
 
-import os
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +19,6 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 if TYPE_CHECKING:
     from mpsd.daemon.mps_config import NamedServer
     from mpsd.daemon.namespaces import Namespace
-    from mpsd.daemon.routes import Route
     from mpsd.daemon.sm_partitions import SmPartitions
 
 
@@ -63,34 +61,20 @@ class ProcessTable(Protocol):
     def owner(self, pid: int) -> int | None: ...
 
 
-class ProcFs:
-    """The ProcessTable of this host, read from /proc."""
+class NoProcesses:
+    """A ProcessTable that knows no process (ps then shows "-")."""
 
     def namespace(self, pid: int) -> str:
-        try:
-            return os.readlink(f"/proc/{pid}/ns/pid").split("[")[-1].rstrip("]")
-        except OSError:
-            return "-"
+        return "-"
 
     def command(self, pid: int) -> str:
-        """argv[0], as MPS's ps shows it (the path the process was started by, not its executable's)."""
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                first = f.read().split(b"\0")[0].decode(errors="replace")
-        except OSError:
-            return "-"
-        return first or "-"
+        return "-"
 
     def cgroup(self, pid: int) -> str | None:
-        from mpsd.daemon.namespaces import cgroup_of
-
-        return cgroup_of(pid)
+        return None
 
     def owner(self, pid: int) -> int | None:
-        try:
-            return os.stat(f"/proc/{pid}").st_uid
-        except OSError:
-            return None
+        return None
 
 
 @dataclass
@@ -149,11 +133,12 @@ class ControlState:
     protocol: int = 2
     shutdown_retry: float = 0.2  # MPS tries a refused shutdown again after 200 ms, then 400, 800...
     tracing: bool = False  # whether the daemon was started with --trace
+    compute_modes: tuple[str, ...] = ()  # what mpsd_compute_mode may set (mpsd.runtime.device's names)
     named: dict[int, NamedServer] = field(default_factory=dict)  # MPS v3's named servers, by user
     # MPS v3's namespaces, by the server they subdivide (its user: server_key), in the order they were made.
     namespaces: dict[int | None, dict[str, Namespace]] = field(default_factory=dict)
     partitions: SmPartitions | None = None  # -S's static SM partitions
-    processes: Any = field(default_factory=ProcFs)  # a ProcessTable
+    processes: Any = field(default_factory=NoProcesses)  # a ProcessTable: the daemon's reads /proc
     clients: dict[int, Any] = field(default_factory=dict)  # ClientViews by id, in the order they came
     waiting: list[tuple[int, int]] = field(default_factory=list)  # (pid, uid) of clients waiting their turn
     orphans: set[int] = field(default_factory=set)  # contexts of a server shut down with -f: no server's
@@ -260,17 +245,22 @@ class SetComputeMode:
 
 @dataclass(frozen=True)
 class AddRoute:
-    """Listen on a new namespace's sockets. Binding them can fail: then the namespace (`key`, `name`) is taken
-    back out of the state, the command fails with the reason, and the actions after this one are dropped."""
+    """Listen on the sockets of namespace `name` of named server `server` (its namespaces' key `key`:
+    mpsd.daemon.routes.Route). Binding them can fail: then the namespace is taken back out of the state, the
+    command fails with the reason, and the actions after this one are dropped."""
 
-    route: Route
+    server: str
     key: int | None
     name: str
 
 
 @dataclass(frozen=True)
 class RemoveRoute:
-    route: Route
+    """Stop listening on a namespace's sockets (AddRoute's)."""
+
+    server: str
+    key: int | None
+    name: str
 
 
 @dataclass(frozen=True)

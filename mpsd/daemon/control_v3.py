@@ -56,7 +56,6 @@ from mpsd.daemon.control_state import AddRoute, RemoveRoute, Terminate
 from mpsd.daemon.control_text import limit_text
 from mpsd.daemon.mps_config import parse_limit
 from mpsd.daemon.namespaces import DEFAULT, Namespace, cgroup_path, check_name
-from mpsd.daemon.routes import Route
 from mpsd.daemon.sm_partitions import PartitionError, check_partition_name
 from mpsd_protocol import V3_MODULES, parse_integer, parse_percentage
 
@@ -475,7 +474,7 @@ class V3:
         namespace = Namespace(name, **self._settings(options))
         spaces[name] = namespace
         if server is not None:  # a named server's namespace has its sockets: $PIPE/<server>/<namespace>/
-            self.control.out.do(AddRoute(Route(server, key, name), key, name))
+            self.control.out.do(AddRoute(server, key, name))
         self.control.out.control(f"Namespace {name} created for server {server or key}")
         return ""
 
@@ -489,7 +488,7 @@ class V3:
         if count:
             raise Failure(f'Namespace "{namespace.name}" has {count} client(s)')
         if server is not None:
-            self.control.out.do(RemoveRoute(Route(server, key, namespace.name)))
+            self.control.out.do(RemoveRoute(server, key, namespace.name))
         del self.control.state.namespaces[key][namespace.name]
         self.control.out.control(f"Namespace {namespace.name} of server {server or key} deleted")
         return ""
