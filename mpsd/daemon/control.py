@@ -74,6 +74,8 @@ class Control(Commands):
 
     def __init__(self, state: ControlState) -> None:
         super().__init__(state, Servers(state, Out()))
+        self.caller = 0  # the uid of the command being run
+        self.now = 0.0  # the daemon's clock when it began
         self.entries: list[str] | None = None  # control.log's lines for a command, where not its answer's
         self.route: Route | None = None  # the routed control socket the command being run came by
         self.settings = SettingsCommands(self)

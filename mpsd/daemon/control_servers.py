@@ -314,8 +314,6 @@ class Commands:
     def __init__(self, state: ControlState, servers: Servers) -> None:
         self.state, self.servers, self.out = state, servers, servers.out
         self.admission = servers.admission
-        self.caller = 0  # the uid of the command being run
-        self.now = 0.0  # the daemon's clock when it began
 
     def server_pid(self, text: str | None) -> Any:
         """The running server, named by its pid as atoi reads it.
