@@ -1,7 +1,12 @@
 # What the real nvidia-cuda-mps-control printed on an H200 (bench/fidelity/mps_control_h200: record.py, run
 # as root against driver 580, and its corpus.json and corpus_extra.json), replayed against mpsd: the same
-# commands, in the same order, on one mpsd daemon started with `nvidia-cuda-mps-control -d`, with client
-# processes where the recording had them, each record's stdout, stderr, exit status and log lines compared.
+# commands, in the same order, each record's stdout, stderr, exit status and log lines compared. Two tiers:
+# every record of a daemon's life runs on mpsd's control interpreters alone, in-process (the control plane is
+# sans-IO: a line and the state in, the reply and the actions out), with a fake H200 and fake clients whose
+# arrivals and exits are what the daemon tells the control plane; and a dozen records, the daemon's start,
+# the tool's own ways (a terminal, a pipe held open) and a server's life with a client, run on one mpsd daemon
+# started with `nvidia-cuda-mps-control -d`, with client processes, so that the daemon is seen to apply the
+# actions over its sockets as MPS behaves. The options, quit's forms and its timed retries run on real daemons.
 #
 # What differs by nature is normalised on both sides, and only that: times; pids (the control daemon's and
 # every server's become <mps>: each server has its nvidia-cuda-mps-server process, as MPS's, whose pid a
@@ -634,6 +639,43 @@ def test_each_limits_record_replays_as_recorded(replayed_limits, i):
     client whose argv[0] is not its executable, terminate_client of a process that is no client."""
     assert EXTRA[i]["daemon"] == "limits"
     _compare(EXTRA[i], replayed_limits[i], replayed_limits["names"])
+
+
+# -- the interpreters' interface ------------------------------------------------------------------------------
+
+def test_a_command_is_a_line_in_and_its_reply_and_actions_out():
+    """start_server: the reply (nothing) and a StartServer action; the server's start lines come only once the
+    connection is done, and name the pid the daemon gave it (they are made when applied)."""
+    replay = InProcess()
+    outcome = replay.control.receive(b"start_server -uid 0\0ignored", replay.UID, 0.0)
+    assert (outcome.reply, outcome.failed) == (b"", False)
+    assert StartServer(0) in outcome.actions
+    assert not any(isinstance(a, Log) and "Starting new server" in a.text for a in outcome.actions)
+    assert [a.text for a in outcome.actions if isinstance(a, Log)] == ["Cmd:start_server -uid 0"]
+    replay.state.server.pid = 4242  # as the daemon's StartServer sets it
+    (then,) = [a for a in replay.control.after_command() if isinstance(a, Then)]
+    assert Log("control", "Starting new server 4242 for user 0", 4242) in then.actions()
+
+
+def test_terminate_client_asks_the_daemon_to_terminate_that_client():
+    """terminate_client answers 0 and returns a Terminate of the client's context between MPS's two
+    server.log lines, in that order; the state does not change the client itself (the daemon does)."""
+    replay = InProcess()
+    client = FakeClient(1, 5555, replay.UID, replay.device, None)
+    replay.apply(replay.control.client_arrived(client))
+    outcome = replay.control.receive(f"terminate_client {replay.state.server.pid} 5555".encode(), replay.UID, 0.0)
+    assert outcome.reply == b"0"
+    kinds = [(type(a).__name__, getattr(a, "text", None)) for a in outcome.actions if not isinstance(a, Log)
+             or a.stream == "server"]
+    assert kinds == [("Log", "MPS server requesting client {PID: 5555, Context ID: 1} to exit"),
+                     ("Terminate", None), ("Log", "Client termination succeeded.")]
+    assert client.sticky == 0
+
+
+def test_bytes_that_are_not_utf8_come_back_as_they_came():
+    """A command ends at its NUL as C's string does, and the reply quotes its bytes unchanged."""
+    outcome = InProcess().control.receive(b"\xff\xfe\0rest", 0, 0.0)
+    assert outcome.reply == b'Unknown command "\xff\xfe"'
 
 
 # -- the real-daemon tier: the daemon applies the actions, over its sockets ----------------------------------

@@ -143,22 +143,27 @@ class Control(Commands):
         return self.out.take()
 
     def client_arrived(self, ctx: object) -> list[Action]:
+        """A context connected (the daemon has attached it)."""
         self.servers.client_arrived(ctx)
         return self.out.take()
 
     def client_leaving(self, ctx: object) -> list[Action]:
+        """A context's teardown begins."""
         self.servers.client_leaving(ctx)
         return self.out.take()
 
     def client_left(self, ctx: object) -> list[Action]:
+        """A context is gone (the daemon has forgotten it)."""
         self.servers.client_left(ctx)
         return self.out.take()
 
     def client_waiting(self, pid: int, uid: int) -> list[Action]:
+        """A client of another user than the server's waits its turn."""
         self.servers.client_waiting(pid, uid)
         return self.out.take()
 
     def server_died(self, pid: int, status: int) -> list[Action]:
+        """The server's process (--mps-names) ended by itself."""
         self.servers.server_died(pid, status)
         return self.out.take()
 
