@@ -37,8 +37,10 @@ import pytest
 from daemons import short_tempdir
 from mpsd.daemon.control import PS_HEADER, Control, atoi, device_table, limit_text, memory_limit, ps_row
 from mpsd.daemon.control_state import (
+    Answer,
     ControlState,
     CutOff,
+    Defer,
     EndServer,
     Log,
     Reconfigure,
@@ -65,9 +67,6 @@ RETRY = "60"  # the replay daemon's first shutdown retry, in seconds: none falls
 DIFFERENT = {
     169: "MPS's server for uid 65534 exited at once (its log does not say why: likely the root-only pipe "
          "directory); mpsd's serves that user",
-    258: "MPS's second terminate_client of a client it had terminated hung until that client exited (20 s); "
-         "mpsd answers 0 again",
-    259: "the end of record 258's hang: that terminate_client was answered (0) when its client exited",
     327: "MPS's daemon crashed on the 4,113-byte answer to a 5000-byte line (its answer was cut at 4096 bytes, "
          "then nothing); mpsd answers the whole of it and the line's rest",
 }
@@ -462,6 +461,9 @@ class InProcess:
         self.clients: dict[str, FakeClient] = {}
         self.real_to_ours: dict[str, str] = {}
         self.now = 0.0
+        # A connection whose command waits for its answer (Defer): its ticket, the lines after it, its output.
+        self.waiting: tuple[int, io.BytesIO, io.BytesIO] | None = None
+        self.answers: dict[int, str] = {}
 
     def log(self, stream: str, text: str, pid: int | None = None, source: str | None = None,
             verbatim: bool = False) -> None:
@@ -485,8 +487,10 @@ class InProcess:
                 action.client.sticky = 810  # cudaErrorMpsClientTerminated
             elif isinstance(action, CutOff):
                 action.client.sticky = 806  # cudaErrorMpsRpcFailure
+            elif isinstance(action, Answer):
+                self.answers[action.ticket] = action.reply
             else:  # the rest change nothing a record sees: no retry falls due, no route is bound here
-                assert isinstance(action, (ServerChanged, Wake, Stop, Reconfigure)), action
+                assert isinstance(action, (ServerChanged, Wake, Stop, Reconfigure, Defer)), action
 
     def fill(self, template: str, values: dict[str, str]) -> str:
         server = str(self.state.server.pid if self.state.server.started else self.DAEMON)
@@ -495,24 +499,40 @@ class InProcess:
 
     def connection(self, stdin: bytes) -> Replayed:
         """The tool's one connection: each line of `stdin` a command (as mpsd.tools.control.talk sends them)."""
-        done, out = Replayed(), io.BytesIO()
         self.log("control", "Accepting connection...")
         self.log("control", "NEW UI")
-        stream = io.BytesIO(stdin)
+        return self._talk(io.BytesIO(stdin), io.BytesIO())
+
+    def _talk(self, stream: io.BytesIO, out: io.BytesIO) -> Replayed:
+        done = Replayed()
         while line := stream.readline(LINE - 1):
             command = line[:-1] if line.endswith(b"\n") else line
             command = command[:-1] if command.endswith(b"\r") else command
             outcome = self.control.receive(command.split(b"\0", 1)[0] + b"\0", self.UID, self.now)
             self.apply(outcome.actions)
+            deferred = [a.ticket for a in outcome.actions if isinstance(a, Defer)]
+            if deferred:  # the tool waits for the answer: the recorder gave up on it (its record's rc)
+                self.waiting = deferred[0], stream, out
+                done.rc = "timeout"
+                break
             if outcome.failed:
                 done.stderr += outcome.text + "\n"
                 done.rc = 1
             elif outcome.reply:
                 out.write(outcome.reply + b"\n")
-        self.log("control", "UI closed")
-        self.apply(self.control.after_command())
+        else:
+            self.log("control", "UI closed")
+            self.apply(self.control.after_command())
         done.stdout = out.getvalue().decode("latin-1")
         return done
+
+    def _answered(self) -> None:
+        """The waiting connection's answer came: the tool prints it and goes on with its lines."""
+        if self.waiting is not None and self.waiting[0] in self.answers:
+            ticket, stream, out = self.waiting
+            self.waiting = None
+            out.write(self.answers.pop(ticket).encode() + b"\n")
+            self._talk(stream, out)
 
     def record(self, record: dict) -> Replayed:
         self.lines = {"control": [], "server": []}
@@ -520,6 +540,7 @@ class InProcess:
             done = self.connection(self.fill(record["template"], record["vars"]).encode("latin-1"))
         else:
             done = self.event(record)
+        self._answered()
         done.control_log, done.server_log = self.lines["control"], self.lines["server"]
         return done
 

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Callable
 from mpsd.daemon.control_partitions import PartitionCommands
 from mpsd.daemon.control_servers import Commands, Servers
 from mpsd.daemon.control_settings import SettingsCommands
-from mpsd.daemon.control_state import Action, ControlState, Out, Stop, Terminate
+from mpsd.daemon.control_state import Action, ControlState, Defer, Out, Stop, Terminate
 from mpsd.daemon.control_text import (  # noqa: F401 (MPS's texts, re-exported for the corpus tests)
     ATOI,
     MPS_VERSION,
@@ -235,14 +235,26 @@ class Control(Commands):
         if server != self.state.server.pid or not self.state.server.started:
             return f"Server {server} not found\nServer {server} not found!\n1"
         pid = atoi(args[1] if len(args) > 1 else None)
-        victims = self.state.processes_of_server().get(pid, [])
+        state = self.state
+        victims = state.processes_of_server().get(pid, [])
         if not victims:
             return f"Invalid process {pid}!\n1"
+        waiting = []
         for n, ctx in enumerate(victims, 1):
             self.out.server(f"MPS server requesting client {{PID: {pid}, Context ID: {n}}} to exit")
+            if ctx.id in state.terminated:  # it was told to exit already: MPS waits until it has
+                waiting.append(ctx)
+                continue
             self.out.do(Terminate(ctx, "terminate_client"))
+            state.terminated.add(ctx.id)
             self.out.server("Client termination succeeded.")
-        return "0"
+        if not waiting:
+            return "0"
+        state.tickets += 1
+        for ctx in waiting:
+            state.awaiting[ctx.id] = state.tickets
+        self.out.do(Defer(state.tickets))  # the answer, 0, comes as they go (Servers.client_leaving)
+        return ""
 
     def cmd_ps(self, args: list[str]) -> str:
         if args[:1] == ["-p"]:

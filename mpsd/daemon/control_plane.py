@@ -17,6 +17,8 @@ from mpsd.daemon.control import Control, Outcome, answer_lines
 from mpsd.daemon.control_state import (
     Action,
     AddRoute,
+    Answer,
+    Defer,
     ControlState,
     CutOff,
     EndServer,
@@ -80,6 +82,21 @@ class ProcFs:
             return None
 
 
+class _Answer:
+    """A command's answer that comes later."""
+
+    def __init__(self) -> None:
+        self._event, self._reply = trio.Event(), ""
+
+    def give(self, reply: str) -> None:
+        self._reply = reply
+        self._event.set()
+
+    async def wait(self) -> str:
+        await self._event.wait()
+        return self._reply
+
+
 class ControlPlane:
     """The control languages over one daemon: what their actions do, and the sockets that carry them."""
 
@@ -98,6 +115,8 @@ class ControlPlane:
         self.interpreter = Control(self.state)
         self.admission = self.interpreter.admission
         self.failed = False  # whether the last command failed (MPS v3's commands only: the tool exits 1)
+        self.deferred: int | None = None  # the ticket of the last command's answer, where it comes later
+        self._answers: dict[int, _Answer] = {}
         self._retry_wakeup = trio.Event()
         self._server_change = trio.Event()
         # With --mps-names each server has a process of its own named nvidia-cuda-mps-server (its pid the server's).
@@ -136,6 +155,7 @@ class ControlPlane:
 
     def _finish(self, outcome: Outcome) -> str:
         self.failed = outcome.failed
+        self.deferred = next((a.ticket for a in outcome.actions if isinstance(a, Defer)), None)
         reply = outcome.text
         answer = self.apply(outcome.actions)
         if answer is not None:  # the daemon's own answer (Report), or a failure met applying an action
@@ -225,6 +245,10 @@ class ControlPlane:
                     return str(exc), True
             elif isinstance(action, RemoveRoute):
                 daemon.remove_route(Route(action.server, action.key, action.name))
+            elif isinstance(action, Defer):
+                self._answers.setdefault(action.ticket, _Answer())
+            elif isinstance(action, Answer):
+                self._answers.setdefault(action.ticket, _Answer()).give(action.reply)
             elif isinstance(action, Report):
                 status = action.what == "status"
                 answer = json.dumps(daemon.clients.status()) if status else "\n".join(daemon.write_traces()), False
@@ -293,10 +317,16 @@ class ControlPlane:
                     while packet := await sock.recv(CONTROL_PACKET):
                         with daemon.log.limiting(limited):
                             reply = self.receive(packet, uid, route)
+                        failed, ticket = self.failed, self.deferred  # (others' commands run while this waits)
+                        if ticket is not None:  # the answer comes later (a terminate_client waits for its client)
+                            try:
+                                reply = await self._answers[ticket].wait()
+                            finally:
+                                del self._answers[ticket]
                         if self.quitting:
                             await daemon.wait_stopped()  # the daemon is on its way out: the tool sees it go
                             return
-                        for part in control_packets(reply, failed=self.failed):
+                        for part in control_packets(reply, failed=failed):
                             await sock.send(part)
             except OSError:
                 pass  # the control client went away

@@ -13,8 +13,18 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Any, Callable
 
-from mpsd.daemon.control_state import ControlState, CutOff, EndServer, Out, ServerChanged, StartServer, Stop, Then, \
-    Wake
+from mpsd.daemon.control_state import (
+    Answer,
+    ControlState,
+    CutOff,
+    EndServer,
+    Out,
+    ServerChanged,
+    StartServer,
+    Stop,
+    Then,
+    Wake,
+)
 from mpsd.daemon.control_text import DRIVER_VERSION, MPS_VERSION, U64, CommandError, atoi, digits
 from mpsd.daemon.namespaces import DEFAULT, Namespace
 
@@ -280,6 +290,7 @@ class Servers:
         left = len(self.state.contexts()) - 1
         out.server(f"Server failed to recevie command with status 806, assuming client {{PID: {pid}, Context ID: "
                    f"{number}}} exit")
+        self._gone(ctx)
         out.server(f"Client {{PID: {pid}, Context ID: {number}}} exiting. Number of active client contexts is "
                    f"{left}.")
         if len(mine) <= 1:
@@ -297,10 +308,24 @@ class Servers:
     def client_done_waiting(self, pid: int, uid: int) -> None:
         self.state.waiting.remove((pid, uid))
 
+    def _gone(self, ctx: Any) -> None:
+        """A context terminate_client waits for has gone: once the last of its contexts has, the command that
+        waits is answered."""
+        state = self.state
+        ticket = state.awaiting.pop(ctx.id, None)
+        if ticket is None:
+            return
+        self.out.server("Client termination succeeded.")
+        if ticket not in state.awaiting.values():
+            self.out.control("0")
+            self.out.do(Answer(ticket, "0"))
+
     def client_left(self, ctx: Any) -> None:
         state = self.state
+        self._gone(ctx)  # (where client_leaving said nothing: a server cut off by force)
         state.clients.pop(ctx.id, None)
         state.orphans.discard(ctx.id)
+        state.terminated.discard(ctx.id)
         if state.contexts():
             return
         if state.waiting and not state.server.shutting_down:

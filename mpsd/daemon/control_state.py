@@ -142,6 +142,11 @@ class ControlState:
     clients: dict[int, Any] = field(default_factory=dict)  # ClientViews by id, in the order they came
     waiting: list[tuple[int, int]] = field(default_factory=list)  # (pid, uid) of clients waiting their turn
     orphans: set[int] = field(default_factory=set)  # contexts of a server shut down with -f: no server's
+    terminated: set[int] = field(default_factory=set)  # contexts terminate_client has terminated
+    # A terminate_client of contexts terminated already is answered once they have gone, as MPS's is: context
+    # id -> the ticket of the command waiting for it.
+    awaiting: dict[int, int] = field(default_factory=dict)
+    tickets: int = 0  # the last ticket given
     server: Server = field(init=False)
     quitting: bool = False
     retry_at: float | None = None  # when the shutdown in progress tries again (the daemon's clock)
@@ -272,6 +277,21 @@ class Report:
 
 
 @dataclass(frozen=True)
+class Defer:
+    """The command's answer comes later, as Answer(`ticket`): its connection waits for it."""
+
+    ticket: int
+
+
+@dataclass(frozen=True)
+class Answer:
+    """The answer of the command Defer(`ticket`) left waiting."""
+
+    ticket: int
+    reply: str
+
+
+@dataclass(frozen=True)
 class Then:
     """More actions, made when this one is applied: the lines that name a server's pid once it has one."""
 
@@ -279,7 +299,7 @@ class Then:
 
 
 Action = Log | StartServer | EndServer | ServerChanged | Wake | Stop | Terminate | CutOff | Reconfigure | \
-    SetComputeMode | AddRoute | RemoveRoute | Report | Then
+    SetComputeMode | AddRoute | RemoveRoute | Report | Defer | Answer | Then
 
 
 class Out:

@@ -371,6 +371,7 @@ class V3:
         for n, ctx in enumerate(victims, 1):
             control.out.server(f"MPS server requesting client {{PID: {pid}, Context ID: {n}}} to exit")
             control.out.do(Terminate(ctx, "terminate_client"))
+            control.state.terminated.add(ctx.id)
             control.out.server("Client termination succeeded.")
         return ""
 
