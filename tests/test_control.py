@@ -17,7 +17,7 @@ import pytest
 
 import mpsd_client
 from daemons import short_tempdir, start_daemon
-from mpsd.daemon.control import PS_HEADER
+from mpsd.daemon.control_text import PS_HEADER
 from test_daemon import wait_for_log
 from test_ipc import _as_user, _second_user
 

@@ -35,7 +35,7 @@ from pathlib import Path
 import pytest
 
 from daemons import short_tempdir
-from mpsd.daemon.control import PS_HEADER, Control, atoi, device_table, limit_text, memory_limit, ps_row
+from mpsd.daemon.control import Control
 from mpsd.daemon.control_state import (
     Answer,
     ControlState,
@@ -52,6 +52,7 @@ from mpsd.daemon.control_state import (
     Then,
     Wake,
 )
+from mpsd.daemon.control_text import PS_HEADER, atoi, device_table, limit_text, memory_limit, ps_row
 from mpsd.daemon.servlog import log_line
 from mpsd.tools.control import LINE, talk
 

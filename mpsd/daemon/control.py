@@ -29,17 +29,14 @@ from mpsd.daemon.control_partitions import PartitionCommands
 from mpsd.daemon.control_servers import Commands, Servers
 from mpsd.daemon.control_settings import SettingsCommands
 from mpsd.daemon.control_state import Action, ControlState, Defer, Out, Stop, Terminate
-from mpsd.daemon.control_text import (  # noqa: F401 (MPS's texts, re-exported for the corpus tests)
+from mpsd.daemon.control_text import (
     ATOI,
-    MPS_VERSION,
     PS_HEADER,
     READ_ONLY,
     WORDS,
     CommandError,
     atoi,
     device_table,
-    limit_text,
-    memory_limit,
     pci_id,
     ps_row,
 )
