@@ -138,7 +138,7 @@ class ControlState:
     # MPS v3's namespaces, by the server they subdivide (its user: server_key), in the order they were made.
     namespaces: dict[int | None, dict[str, Namespace]] = field(default_factory=dict)
     partitions: SmPartitions | None = None  # -S's static SM partitions
-    processes: Any = field(default_factory=NoProcesses)  # a ProcessTable: the daemon's reads /proc
+    processes: ProcessTable = field(default_factory=NoProcesses)  # the daemon's reads /proc
     clients: dict[int, Any] = field(default_factory=dict)  # ClientViews by id, in the order they came
     waiting: list[tuple[int, int]] = field(default_factory=list)  # (pid, uid) of clients waiting their turn
     orphans: set[int] = field(default_factory=set)  # contexts of a server shut down with -f: no server's
