@@ -17,7 +17,7 @@ import pytest
 
 import mpsd_client
 from daemons import short_tempdir, start_daemon
-from mpsd.daemon.control import PS_HEADER
+from mpsd.daemon.control_text import PS_HEADER
 from test_daemon import wait_for_log
 from test_ipc import _as_user, _second_user
 
@@ -233,6 +233,24 @@ def test_terminate_client_makes_its_calls_fail(daemon):
                 ctx.synchronize()
             assert info.value.code == 810
     assert control(daemon, f"terminate_client {daemon.proc.pid} 1\n").stdout == "Invalid process 1!\n1\n"
+
+
+def test_a_second_terminate_client_is_answered_once_its_client_has_gone(daemon):
+    """terminate_client of a client terminated already waits until that client has gone, then prints 0, as
+    the H200's MPS did (corpus records 258 and 259): its "Client termination succeeded." comes with the exit."""
+    requesting = f"MPS server requesting client {{PID: {os.getpid()}, Context ID: 1}} to exit"
+    with mpsd_client.connect(daemon.pipe_dir) as ctx:
+        ctx.synchronize()
+        assert control(daemon, f"terminate_client {daemon.proc.pid} {os.getpid()}\n").stdout == "0\n"
+        second = subprocess.Popen([BIN / "mpsd-control"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                  env={**os.environ, "MPSD_PIPE_DIRECTORY": str(daemon.pipe_dir)})
+        second.stdin.write(f"terminate_client {daemon.proc.pid} {os.getpid()}\n")
+        second.stdin.close()
+        log = wait_for_log(daemon, requesting, count=2)
+        assert log.count("Client termination succeeded.") == 1 and second.poll() is None
+    with second.stdout:
+        assert second.wait(60) == 0 and second.stdout.read() == "0\n"
+    assert daemon.server_log().count("Client termination succeeded.") == 2
 
 
 def test_quit_stops_the_daemon_cleanly(daemon_factory):

@@ -1,7 +1,12 @@
 # What the real nvidia-cuda-mps-control printed on an H200 (bench/fidelity/mps_control_h200: record.py, run
 # as root against driver 580, and its corpus.json and corpus_extra.json), replayed against mpsd: the same
-# commands, in the same order, on one mpsd daemon started with `nvidia-cuda-mps-control -d`, with client
-# processes where the recording had them, each record's stdout, stderr, exit status and log lines compared.
+# commands, in the same order, each record's stdout, stderr, exit status and log lines compared. Two tiers:
+# every record of a daemon's life runs on mpsd's control interpreters alone, in-process (the control plane is
+# sans-IO: a line and the state in, the reply and the actions out), with a fake H200 and fake clients whose
+# arrivals and exits are what the daemon tells the control plane; and a dozen records, the daemon's start,
+# the tool's own ways (a terminal, a pipe held open) and a server's life with a client, run on one mpsd daemon
+# started with `nvidia-cuda-mps-control -d`, with client processes, so that the daemon is seen to apply the
+# actions over its sockets as MPS behaves. The options, quit's forms and its timed retries run on real daemons.
 #
 # What differs by nature is normalised on both sides, and only that: times; pids (the control daemon's and
 # every server's become <mps>: each server has its nvidia-cuda-mps-server process, as MPS's, whose pid a
@@ -30,8 +35,26 @@ from pathlib import Path
 import pytest
 
 from daemons import short_tempdir
-from mpsd.daemon.control import PS_HEADER, atoi, device_table, limit_text, memory_limit, ps_row
-from mpsd.tools.control import talk
+from mpsd.daemon.control import Control
+from mpsd.daemon.control_state import (
+    Answer,
+    ControlState,
+    CutOff,
+    Defer,
+    EndServer,
+    Log,
+    Reconfigure,
+    ServerChanged,
+    Settings,
+    StartServer,
+    Stop,
+    Terminate,
+    Then,
+    Wake,
+)
+from mpsd.daemon.control_text import PS_HEADER, atoi, device_table, limit_text, memory_limit, ps_row
+from mpsd.daemon.servlog import log_line
+from mpsd.tools.control import LINE, talk
 
 DATA = Path(__file__).parent.parent / "bench" / "fidelity" / "mps_control_h200"
 CORPUS = json.loads((DATA / "corpus.json").read_text())["records"]
@@ -43,13 +66,8 @@ RETRY = "60"  # the replay daemon's first shutdown retry, in seconds: none falls
 
 # Where mpsd knowingly differs from what was recorded, and why (strict xfail: each must still differ).
 DIFFERENT = {
-    33: "get_client_priority is one of mpsd's own commands (a finer priority per client); MPS has none",
-    214: "get_client_priority is one of mpsd's own commands (a finer priority per client); MPS has none",
     169: "MPS's server for uid 65534 exited at once (its log does not say why: likely the root-only pipe "
          "directory); mpsd's serves that user",
-    258: "MPS's second terminate_client of a client it had terminated hung until that client exited (20 s); "
-         "mpsd answers 0 again",
-    259: "the end of record 258's hang: that terminate_client was answered (0) when its client exited",
     327: "MPS's daemon crashed on the 4,113-byte answer to a 5000-byte line (its answer was cut at 4096 bytes, "
          "then nothing); mpsd answers the whole of it and the line's rest",
 }
@@ -372,16 +390,209 @@ def _read(fd: int, size: int, timeout: float = 2.0) -> str:
     return data.decode("latin-1")
 
 
+# -- the replay on the interpreters alone -------------------------------------------------------------------
+
+@dataclass
+class FakeDevice:
+    """The H200 as the control plane sees it (a DeviceView)."""
+
+    index: int = 0
+    name: str = "NVIDIA H200"
+    properties: dict = field(default_factory=lambda: {
+        "uuid": "GPU-00000000-1111-2222-3333-444444444444", "index": 0})
+    faulted: set = field(default_factory=set)
+
+
+@dataclass
+class FakeClient:
+    """A client process's one context (a ClientView), with what its calls need: its memory limit, what it
+    holds, and the sticky error a Terminate or a CutOff gave it."""
+
+    id: int
+    pid: int
+    uid: int
+    device: FakeDevice
+    limit: int | None
+    used: int = 1 << 20  # the worker's first allocation
+    sticky: int = 0
+    namespace: str = "default"
+    sm_partition: object = None
+
+
+@dataclass
+class FakeProcesses:
+    """What the recording's host said of its clients: ps's NAMESPACE, and its COMMAND (argv[0]: the python
+    that ran the recorder's clients, unless a client renamed itself)."""
+
+    commands: dict[int, str] = field(default_factory=dict)
+
+    def namespace(self, pid: int) -> str:
+        return "4026531836"
+
+    def command(self, pid: int) -> str:
+        return self.commands.get(pid, "/opt/torch/.venv/bin/python3")
+
+    def cgroup(self, pid: int) -> str | None:
+        return None
+
+    def owner(self, pid: int) -> int | None:
+        return None
+
+
+class InProcess:
+    """The recorded records run on mpsd's control interpreters and a ControlState, with no daemon: a command
+    is the tool's connection (its lines, each answered, between "NEW UI" and "UI closed"), a client's arrival
+    and exit are what the daemon tells the control plane, and the actions are applied to the logs and the
+    clients here."""
+
+    DAEMON, UID = 30001, os.getuid()
+
+    def __init__(self) -> None:
+        self.device, self.processes = FakeDevice(), FakeProcesses()
+        self.state = ControlState(self.DAEMON, [self.device], Settings(100.0), self.UID, Path("/tmp/replay/pipe"),
+                                  shutdown_retry=float(RETRY), processes=self.processes)
+        self.control = Control(self.state)
+        self.names = Names(pids={str(self.DAEMON): "<mps>"},
+                           words={"/tmp/replay/pipe": "<pipe>", "4026531836": "<ns>",
+                                  "/opt/torch/.venv/bin/python3": "<command>"})
+        self.lines: dict[str, list[str]] = {"control": [], "server": []}
+        self.server_pid = self.DAEMON  # whose server.log lines are the server's
+        self.pids = iter(range(31001, 40000))
+        self.ids = iter(range(1, 10000))
+        self.clients: dict[str, FakeClient] = {}
+        self.real_to_ours: dict[str, str] = {}
+        self.now = 0.0
+        # A connection whose command waits for its answer (Defer): its ticket, the lines after it, its output.
+        self.waiting: tuple[int, io.BytesIO, io.BytesIO] | None = None
+        self.answers: dict[int, str] = {}
+
+    def log(self, stream: str, text: str, pid: int | None = None, source: str | None = None,
+            verbatim: bool = False) -> None:
+        source = source or ("Control" if stream == "control" else "Server")
+        pid = pid if pid is not None else self.DAEMON if stream == "control" else self.server_pid
+        line = log_line(source, pid, text, verbatim=verbatim)  # as the file holds it, read as the real tier reads it
+        self.lines[stream].extend(line.encode(errors="surrogateescape").decode("latin-1").split("\n"))
+
+    def apply(self, actions: list) -> None:
+        for action in actions:
+            if isinstance(action, Log):
+                self.log(action.stream, action.text, action.pid, action.source, action.verbatim)
+            elif isinstance(action, Then):
+                self.apply(action.actions())
+            elif isinstance(action, StartServer):
+                self.state.server.pid = self.server_pid = next(self.pids)
+                self.names.pids[str(self.server_pid)] = "<mps>"
+            elif isinstance(action, EndServer):
+                self.server_pid = self.DAEMON
+            elif isinstance(action, Terminate):
+                action.client.sticky = 810  # cudaErrorMpsClientTerminated
+            elif isinstance(action, CutOff):
+                action.client.sticky = 806  # cudaErrorMpsRpcFailure
+            elif isinstance(action, Answer):
+                self.answers[action.ticket] = action.reply
+            else:  # the rest change nothing a record sees: no retry falls due, no route is bound here
+                assert isinstance(action, (ServerChanged, Wake, Stop, Reconfigure, Defer)), action
+
+    def fill(self, template: str, values: dict[str, str]) -> str:
+        server = str(self.state.server.pid if self.state.server.started else self.DAEMON)
+        return template.format(**{key: value if value == BOGUS else server if key == "server"
+                                  else self.real_to_ours.get(value, BOGUS) for key, value in values.items()})
+
+    def connection(self, stdin: bytes) -> Replayed:
+        """The tool's one connection: each line of `stdin` a command (as mpsd.tools.control.talk sends them)."""
+        self.log("control", "Accepting connection...")
+        self.log("control", "NEW UI")
+        return self._talk(io.BytesIO(stdin), io.BytesIO())
+
+    def _talk(self, stream: io.BytesIO, out: io.BytesIO) -> Replayed:
+        done = Replayed()
+        while line := stream.readline(LINE - 1):
+            command = line[:-1] if line.endswith(b"\n") else line
+            command = command[:-1] if command.endswith(b"\r") else command
+            outcome = self.control.receive(command.split(b"\0", 1)[0] + b"\0", self.UID, self.now)
+            self.apply(outcome.actions)
+            deferred = [a.ticket for a in outcome.actions if isinstance(a, Defer)]
+            if deferred:  # the tool waits for the answer: the recorder gave up on it (its record's rc)
+                self.waiting = deferred[0], stream, out
+                done.rc = "timeout"
+                break
+            if outcome.failed:
+                done.stderr += outcome.text + "\n"
+                done.rc = 1
+            elif outcome.reply:
+                out.write(outcome.reply + b"\n")
+        else:
+            self.log("control", "UI closed")
+            self.apply(self.control.after_command())
+        done.stdout = out.getvalue().decode("latin-1")
+        return done
+
+    def _answered(self) -> None:
+        """The waiting connection's answer came: the tool prints it and goes on with its lines."""
+        if self.waiting is not None and self.waiting[0] in self.answers:
+            ticket, stream, out = self.waiting
+            self.waiting = None
+            out.write(self.answers.pop(ticket).encode() + b"\n")
+            self._talk(stream, out)
+
+    def record(self, record: dict) -> Replayed:
+        self.lines = {"control": [], "server": []}
+        if record["kind"] == "control":
+            done = self.connection(self.fill(record["template"], record["vars"]).encode("latin-1"))
+        else:
+            done = self.event(record)
+        self._answered()
+        done.control_log, done.server_log = self.lines["control"], self.lines["server"]
+        return done
+
+    def event(self, record: dict) -> Replayed:
+        what, done = record["what"], Replayed()
+        if what.startswith("client ") and what.endswith(" started") or what == "a new client meanwhile":
+            label = "late" if what == "a new client meanwhile" else what.split()[1]
+            assert self.control.admission.admits(self.UID)  # (the recording's clients never waited)
+            client = FakeClient(next(self.ids), next(self.pids), self.UID, self.device,
+                                self.control.admission.memory_limit_for_new_client(0, self.UID))
+            self.clients[label] = client
+            if label == "argv0":  # corpus_extra's client that set its argv[0]
+                self.processes.commands[client.pid] = "renamed-client"
+            self.names.pids[str(client.pid)] = f"<client:{label}>"
+            if "client_pid" in record:
+                self.real_to_ours[record["client_pid"]] = str(client.pid)
+            self.apply(self.control.client_arrived(client))
+        elif ": alloc" in what or what == "the new client's fate":
+            client = self.clients[what.split()[1].rstrip(":") if ": alloc" in what else "late"]
+            size = int(what.partition("alloc")[2] or 1 << 20)
+            done.codes = [client.sticky or self._malloc(client, size), client.sticky]
+        if what.endswith(" exited") or what == "the new client's fate":
+            client = self.clients.pop("late" if what == "the new client's fate" else what.split()[1])
+            self.apply(self.control.client_leaving(client))
+            self.apply(self.control.client_left(client))
+        elif what in ("interactive on a pty", "stdin a pipe held open"):  # the tool's part: the real tier's
+            typed = "".join(data for _, direction, data in record["transcript"]
+                            if direction == "in" and data not in ("(close)", "\x04"))
+            self.connection(typed.encode("latin-1"))
+        return done
+
+    @staticmethod
+    def _malloc(client: FakeClient, size: int) -> int:
+        if client.limit is not None and client.used + size > client.limit:
+            return 2  # cudaErrorMemoryAllocation: past the pinned memory limit
+        client.used += size
+        return 0
+
+
+TOOL_RECORDS = (3, 4)  # the daemon's start, and a second -d: the real tier's alone
+
+
 @pytest.fixture(scope="module")
 def replayed() -> dict[int, Replayed]:
-    replay, results = Replay(), {}
-    try:
-        for i, record in _main_records():
-            results[i] = replay.control(record) if record["kind"] == "control" else replay.event(record)
-            if i == 169:  # MPS's uid-65534 server went at once; ours goes now, so that the states agree again
-                replay.control({"args": [], "template": f"shutdown_server {replay.server_pid}\n", "vars": {}})
-    finally:
-        replay.close()
+    replay, results = InProcess(), {}
+    for i, record in _main_records():
+        if i in TOOL_RECORDS:
+            continue
+        results[i] = replay.record(record)
+        if i == 169:  # MPS's uid-65534 server went at once; ours goes now, so that the states agree again
+            replay.connection(f"shutdown_server {replay.state.server.pid}\n".encode())
     results["names"] = replay.names  # type: ignore[index]
     return results
 
@@ -390,12 +601,9 @@ def _marks(i: int) -> list[pytest.MarkDecorator]:
     return [pytest.mark.xfail(reason=DIFFERENT[i], strict=True)] if i in DIFFERENT else []
 
 
-@pytest.mark.parametrize("i", [pytest.param(i, marks=_marks(i),
-                                            id=f"{i}-{(r.get('stdin') or r.get('what') or '')[:40]}")
-                               for i, r in _main_records()])
-def test_each_record_replays_as_recorded(replayed, i):
-    """Record i of the main daemon's life: the same output, exit status and log lines, normalised."""
-    record, ours, names = CORPUS[i], replayed[i], replayed["names"]
+def _compare(record: dict, ours: Replayed, names: Names) -> None:
+    """A record's output, exit status and log lines, normalised, as MPS's; the client's CUDA errors; the
+    terminal's and the pipe's bytes where `ours` has them (the real tier's)."""
     if record["kind"] == "control":
         assert names.text(ours.stdout) == REAL.text(record["stdout"])
         assert (ours.stderr, ours.rc) == (record["stderr"], record["rc"])
@@ -404,11 +612,11 @@ def test_each_record_replays_as_recorded(replayed, i):
         assert {c for c in ours.codes if c} == {c for c in real.values() if c}
     elif record["what"] == "the new client's fate":
         real = json.loads(record["stdout"].splitlines()[1])
-        assert {c for c in ours.codes if c} == {c for c in real.values() if c}
-    elif record["what"] == "interactive on a pty":
+        assert {c for c in ours.codes or () if c} == {c for c in real.values() if c}
+    elif record["what"] == "interactive on a pty" and ours.transcript:
         typed = "".join(d for _, k, d in record["transcript"] if k == "out")
         assert names.text(ours.transcript) == REAL.text(typed)
-    elif record["what"] == "stdin a pipe held open":  # nothing before the end: stdout is block-buffered
+    elif record["what"] == "stdin a pipe held open" and ours.transcript:  # nothing before the end: block-buffered
         assert ours.transcript == "".join(d for _, k, d in record["transcript"] if k == "out")
     real_control = [REAL.line(line) for line in _untimed(record["control_log"])]
     assert [names.line(line) for line in _untimed(ours.control_log)] == real_control
@@ -416,6 +624,115 @@ def test_each_record_replays_as_recorded(replayed, i):
                    not any(t in line for t in _TIMED)]
     ours_server = [names.line(line) for line in ours.server_log]
     assert _subsequence(real_server, ours_server), (real_server, ours_server)
+
+
+@pytest.mark.parametrize("i", [pytest.param(i, marks=_marks(i),
+                                            id=f"{i}-{(r.get('stdin') or r.get('what') or '')[:40]}")
+                               for i, r in _main_records() if i not in TOOL_RECORDS])
+def test_each_record_replays_as_recorded(replayed, i):
+    """Record i of the main daemon's life, on the control interpreters alone: the same output, exit status
+    and log lines, normalised."""
+    _compare(CORPUS[i], replayed[i], replayed["names"])
+
+
+def test_the_replay_compares_every_record():
+    """The in-process replay covers the main daemon's whole recorded life but the daemon's own start, and the
+    corpus still holds it (a changed corpus must not leave the parametrised test with nothing to compare)."""
+    records = _main_records()
+    assert len(records) == LAST - 2 and sum(r["kind"] == "control" for _, r in records) >= 300
+    assert {r.get("what") for _, r in records} >= {"client a started", "client b: alloc", "the new client's fate"}
+
+
+LIMITS = range(21, 49)  # corpus_extra's "limits" daemon, between its -d and its quit
+
+
+@pytest.fixture(scope="module")
+def replayed_limits() -> dict[int, Replayed]:
+    replay = InProcess()
+    results: dict = {i: replay.record(EXTRA[i]) for i in LIMITS}
+    results["names"] = replay.names
+    return results
+
+
+@pytest.mark.parametrize("i", [pytest.param(i, id=f"{i}-{(EXTRA[i].get('stdin') or EXTRA[i].get('what'))[:40]}")
+                               for i in LIMITS])
+def test_each_limits_record_replays_as_recorded(replayed_limits, i):
+    """corpus_extra's second daemon, on the interpreters alone: limits printed past and below 1 GiB, ps of a
+    client whose argv[0] is not its executable, terminate_client of a process that is no client."""
+    assert EXTRA[i]["daemon"] == "limits"
+    _compare(EXTRA[i], replayed_limits[i], replayed_limits["names"])
+
+
+# -- the interpreters' interface ------------------------------------------------------------------------------
+
+def test_a_command_is_a_line_in_and_its_reply_and_actions_out():
+    """start_server: the reply (nothing) and a StartServer action; the server's start lines come only once the
+    connection is done, and name the pid the daemon gave it (they are made when applied)."""
+    replay = InProcess()
+    outcome = replay.control.receive(b"start_server -uid 0\0ignored", replay.UID, 0.0)
+    assert (outcome.reply, outcome.failed) == (b"", False)
+    assert StartServer(0) in outcome.actions
+    assert not any(isinstance(a, Log) and "Starting new server" in a.text for a in outcome.actions)
+    assert [a.text for a in outcome.actions if isinstance(a, Log)] == ["Cmd:start_server -uid 0"]
+    replay.state.server.pid = 4242  # as the daemon's StartServer sets it
+    (then,) = [a for a in replay.control.after_command() if isinstance(a, Then)]
+    assert Log("control", "Starting new server 4242 for user 0", 4242) in then.actions()
+
+
+def test_terminate_client_asks_the_daemon_to_terminate_that_client():
+    """terminate_client answers 0 and returns a Terminate of the client's context between MPS's two
+    server.log lines, in that order; the state does not change the client itself (the daemon does)."""
+    replay = InProcess()
+    client = FakeClient(1, 5555, replay.UID, replay.device, None)
+    replay.apply(replay.control.client_arrived(client))
+    outcome = replay.control.receive(f"terminate_client {replay.state.server.pid} 5555".encode(), replay.UID, 0.0)
+    assert outcome.reply == b"0"
+    kinds = [(type(a).__name__, getattr(a, "text", None)) for a in outcome.actions if not isinstance(a, Log)
+             or a.stream == "server"]
+    assert kinds == [("Log", "MPS server requesting client {PID: 5555, Context ID: 1} to exit"),
+                     ("Terminate", None), ("Log", "Client termination succeeded.")]
+    assert client.sticky == 0
+
+
+def test_bytes_that_are_not_utf8_come_back_as_they_came():
+    """A command ends at its NUL as C's string does, and the reply quotes its bytes unchanged."""
+    outcome = InProcess().control.receive(b"\xff\xfe\0rest", 0, 0.0)
+    assert outcome.reply == b'Unknown command "\xff\xfe"'
+
+
+# -- the real-daemon tier: the daemon applies the actions, over its sockets ----------------------------------
+
+# The daemon's start and a second -d, the tool on a terminal and on a pipe held open, and a server's life
+# with clients in it: started by a client, shut down by force (its client's calls fail with 806), started
+# again, a client terminated (810) and listed by ps from /proc; each server in a process of its own.
+REAL_TIER = (3, 4, 164, 165, *range(303, 311))
+
+
+@pytest.fixture(scope="module")
+def replayed_by_the_daemon() -> dict[int, Replayed]:
+    replay, results = Replay(), {}
+    try:
+        for i in REAL_TIER:
+            record = CORPUS[i]
+            if i == 303:  # the defaults that the records between left for the next server (1 GiB on 0 and 5)
+                replay.control({"args": [], "vars": {}, "template": "set_default_device_pinned_mem_limit 0 1G\n"
+                                "set_default_device_pinned_mem_limit 5 1G\n"})
+            results[i] = replay.control(record) if record["kind"] == "control" else replay.event(record)
+    finally:
+        replay.close()
+    results["names"] = replay.names  # type: ignore[index]
+    return results
+
+
+@pytest.mark.parametrize("i", [pytest.param(i, id=f"{i}-{(CORPUS[i].get('stdin') or CORPUS[i].get('what') or '')[:40]}")
+                               for i in REAL_TIER])
+def test_the_daemon_replays_records_as_recorded(replayed_by_the_daemon, i):
+    """Record i on a real daemon, through the tool and real client processes: the same output, exit status,
+    log lines and CUDA errors as MPS's, so the daemon applies what the interpreters ask as MPS behaves."""
+    ours = replayed_by_the_daemon[i]
+    if CORPUS[i].get("what") in ("interactive on a pty", "stdin a pipe held open"):
+        assert ours.transcript  # the tool's bytes are compared, not left out
+    _compare(CORPUS[i], ours, replayed_by_the_daemon["names"])
 
 
 # -- the tool without a daemon --------------------------------------------------------------------------------

@@ -168,3 +168,36 @@ def test_a_worker_that_imports_the_client_loads_nothing_of_the_emulator():
             "{'mpsd', 'numpy', 'matplotlib', 'rich', 'psutil', 'msgpack', 'mpsd_protocol'}))")
     out = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["['mpsd_protocol']"]
+
+
+INTERPRETERS = ("mpsd.daemon.control", "mpsd.daemon.control_v3")
+
+
+def _reached(start: str) -> set[str]:
+    """Every module `start` imports when it runs, through mpsd's own modules (what only a type checker
+    imports left out)."""
+    seen, todo = set(), [start]
+    while todo:
+        module = todo.pop()
+        if module in seen:
+            continue
+        seen.add(module)
+        for name in imported(source(module), module, typing=False):
+            if name.split(".")[0] == "mpsd" and ROOT.joinpath(*name.split(".")[1:]).with_suffix(".py").exists():
+                todo.append(name)
+            elif name.split(".")[0] != "mpsd":
+                seen.add(name)
+    return seen
+
+
+@pytest.mark.parametrize("start", INTERPRETERS)
+def test_the_control_interpreters_are_sans_io(start):
+    """The v2 and v3 control languages run on the control plane's state alone: nothing they import, even
+    through others, is trio, a socket, a process, or the daemon's side (its server, its control plane, its
+    listeners, its sessions, its logs), so a test replays a recorded corpus on them in-process."""
+    reached = _reached(start)
+    assert {"mpsd.daemon.control_state", "mpsd.daemon.control_text"} <= reached  # (the walk follows imports)
+    assert not {"trio", "socket", "subprocess", "os"} & {name.split(".")[0] for name in reached}
+    daemon_side = {f"mpsd.daemon.{name}" for name in ("server", "control_plane", "listeners", "routes", "session",
+                                                      "servlog", "clients", "server_process")}
+    assert not daemon_side & reached

@@ -161,6 +161,21 @@ async def test_namespace_commands_make_and_remove_namespaces_and_their_sockets(c
         assert failed("namespace create --server=train --name=y").startswith("Permission denied") if UID else True
 
 
+async def test_a_namespace_whose_sockets_cannot_be_made_is_not_made(config):
+    """namespace create fails with the reason where its directory cannot be made safely (a planted link),
+    and the namespace is not made: not listed, not logged as created, and the next command runs as before
+    (the daemon takes it back out of the control plane's state and drops the actions after the route)."""
+    async with in_process_daemon("--protocol", "3", "--apply", str(config), "--time-scale", "100") as d:
+        (d.pipe_dir / "train" / "evil").symlink_to(d.pipe_dir)
+        reply = d.daemon.control.execute("namespace create --server=train --name=evil", UID)
+        assert d.daemon.control.failed and "symbolic link" in reply
+        assert "evil" not in d.daemon.control.namespaces[UID]
+        log = (d.log_dir / "control.log").read_text()
+        assert "Namespace evil created" not in log and reply.splitlines()[0] in log
+        assert d.daemon.control.execute("namespace create --server=train --name=good", UID) == ""
+        assert not d.daemon.control.failed and "good" in d.daemon.control.namespaces[UID]
+
+
 async def test_a_namespaces_cgroup_takes_clients_of_the_main_socket(tmp_path):
     """A namespace whose cgroup holds the client's process takes it when it comes by the main socket."""
     cgroup = Path("/proc/self/cgroup").read_text().split("0::", 1)[-1].strip()

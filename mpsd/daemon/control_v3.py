@@ -52,11 +52,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable, TypedDict
 
-from mpsd.daemon.control import limit_text
-from mpsd.daemon.listeners import ListenError
+from mpsd.daemon.control_state import AddRoute, RemoveRoute, Terminate
+from mpsd.daemon.control_text import limit_text
 from mpsd.daemon.mps_config import parse_limit
 from mpsd.daemon.namespaces import DEFAULT, Namespace, cgroup_path, check_name
-from mpsd.daemon.routes import Route
 from mpsd.daemon.sm_partitions import PartitionError, check_partition_name
 from mpsd_protocol import V3_MODULES, parse_integer, parse_percentage
 
@@ -203,11 +202,11 @@ class V3:
         if verb is None or key not in OPTIONS:
             lead = f'Unknown command "{module} {_brief(verb)}"\n' if verb is not None else ""
             raise Failure(lead + USAGE[(module, None)])
-        daemon = self.control.daemon
-        if key not in READ_ONLY and uid not in (0, daemon.owner_uid):
-            daemon.log.control(f"User {uid} is not allowed to run {module} {verb}")
+        state = self.control.state
+        if key not in READ_ONLY and uid not in (0, state.owner_uid):
+            self.control.out.control(f"User {uid} is not allowed to run {module} {verb}")
             raise Failure(f"Permission denied: {module} {verb} needs root or the daemon's owner")
-        if module == "partition" and daemon.sm_partitions is None:
+        if module == "partition" and state.partitions is None:
             raise Failure("Static SM partitioning is off: start the daemon with -S, or give SM partitions in the "
                           "-a file")
         command: Callable[[dict[str, str | None], int], str] = getattr(self, f"{module}_{verb}")
@@ -220,14 +219,14 @@ class V3:
         if text is None:
             return None
         pid = _number(text, "PID")
-        server = self.control.server
+        server = self.control.state.server
         if pid != server.pid or not server.started:
             raise Failure(f"Server {pid} not found")
         return server
 
     def _devices(self, options: dict[str, str | None]) -> list[int]:
         text = options.get("device")
-        count = len(self.control.daemon.devices)
+        count = len(self.control.state.devices)
         if text is None:
             return list(range(count))
         device = _number(text, "device")
@@ -237,13 +236,13 @@ class V3:
 
     # -- server -------------------------------------------------------------------------------------------
     def server_list(self, options: dict[str, str | None], uid: int) -> str:
-        server = self.control.server
+        server = self.control.state.server
         rows: list[tuple[object, ...]] = []
         if server.started:
-            faulted = any(device.faulted for device in self.control.daemon.devices)
+            faulted = any(device.faulted for device in self.control.state.devices)
             status = "FAULT" if faulted else "SHUTTING_DOWN" if server.shutting_down else "ACTIVE"
             rows.append((server.name or "-", server.pid, "-" if server.uid is None else server.uid, status))
-        for named in self.control.named.values():  # the -a file's servers that do not run now
+        for named in self.control.state.named.values():  # the -a file's servers that do not run now
             if not (server.started and server.name == named.name):
                 rows.append((named.name, "-", named.uid, "INACTIVE"))
         if not rows:
@@ -267,7 +266,7 @@ class V3:
         if options.get("pid") is None:
             raise Failure(USAGE[("server", "delete")])
         self._server(options)
-        self.control.try_shutdown(force="force" in options)
+        self.control.servers.try_shutdown("force" in options, self.control.now)
         return ""
 
     def server_set(self, options: dict[str, str | None], uid: int) -> str:
@@ -283,7 +282,7 @@ class V3:
                       if "active-thread-percentage" in given else None)
         limit = _limit(options["pinned-memory-limit"] or "") if "pinned-memory-limit" in given else None
         priority = _priority(options["client-priority"] or "") if "client-priority" in given else None
-        settings, log = self.control.daemon.settings, self.control.daemon.log
+        settings, log = self.control.state.settings, self.control.out
         if percentage is not None:
             if server is None:
                 settings.active_thread_percentage = percentage
@@ -317,9 +316,10 @@ class V3:
         (name,) = asked
         if "device" in options and name != "pinned-memory-limit":
             raise Failure('Option "--device" goes with --pinned-memory-limit\n' + USAGE[("server", "get")])
-        settings = self.control.daemon.settings
+        settings = self.control.state.settings
         if name == "active-thread-percentage":
-            value = settings.active_thread_percentage if server is None else self.control.percentage_for_new_client()
+            value = (settings.active_thread_percentage if server is None
+                     else self.control.admission.percentage_for_new_client())
             return f"{value:.1f}"
         if name == "client-priority":
             if server is not None and server.uid is not None:
@@ -334,24 +334,24 @@ class V3:
     # -- client -------------------------------------------------------------------------------------------
     def client_list(self, options: dict[str, str | None], uid: int) -> str:
         control = self.control
-        everyone = uid in (0, control.daemon.owner_uid)  # others see their own processes only, as v2's ps
+        everyone = uid in (0, control.state.owner_uid)  # others see their own processes only, as v2's ps
         route = control.route  # asked by a routed socket: that server's namespace's clients only
         rows: list[tuple[object, ...]] = []
-        if control.server.started:
+        if control.state.server.started:
             processes: dict[int, list] = {}
-            for pid, contexts in control._processes().items():
+            for pid, contexts in control.state.processes_of_server().items():
                 if route is not None:
-                    contexts = [ctx for ctx in contexts if control.server_key(ctx.uid) == route.uid
+                    contexts = [ctx for ctx in contexts if control.state.server_key(ctx.uid) == route.uid
                                 and ctx.namespace == route.namespace]
                 if contexts:
                     processes[pid] = contexts
             for pid, mine in processes.items():
                 if everyone or mine[0].uid == uid:
                     uuids = ",".join(dict.fromkeys(ctx.device.properties["uuid"] for ctx in mine))
-                    rows.append((pid, control.server.pid, mine[0].uid, "ACTIVE", mine[0].namespace, uuids))
+                    rows.append((pid, control.state.server.pid, mine[0].uid, "ACTIVE", mine[0].namespace, uuids))
         if "all" in options:
-            for pid, user in control.daemon.waiting:
-                if (everyone or user == uid) and (route is None or route.uid in (None, control.server_key(user))):
+            for pid, user in control.state.waiting:
+                if (everyone or user == uid) and (route is None or route.uid in (None, control.state.server_key(user))):
                     rows.append((pid, "-", user, "PENDING", "-", "-"))
         if not rows:
             return ""
@@ -365,13 +365,14 @@ class V3:
             raise Failure(USAGE[("client", "terminate")])
         pid = _number(text, "PID")
         control = self.control
-        victims = control._processes().get(pid, []) if control.server.started else []
+        victims = control.state.processes_of_server().get(pid, []) if control.state.server.started else []
         if not victims:
             raise Failure(f"Invalid process {pid}")
         for n, ctx in enumerate(victims, 1):
-            control.daemon.log.server(f"MPS server requesting client {{PID: {pid}, Context ID: {n}}} to exit")
-            control.daemon.terminate(ctx, "terminate_client")
-            control.daemon.log.server("Client termination succeeded.")
+            control.out.server(f"MPS server requesting client {{PID: {pid}, Context ID: {n}}} to exit")
+            control.out.do(Terminate(ctx, "terminate_client"))
+            control.state.terminated.add(ctx.id)
+            control.out.server("Client termination succeeded.")
         return ""
 
     # -- namespace ----------------------------------------------------------------------------------------
@@ -384,21 +385,21 @@ class V3:
             raise Failure("Give one of --server, --uid and --pid\n" + usage)
         if "server" in options:
             name = options["server"] or ""
-            named = next((n for n in control.named.values() if n.name == name), None)
+            named = next((n for n in control.state.named.values() if n.name == name), None)
             if named is None:
                 raise Failure(f'Server "{_brief(name)}" not found')
-            return control.server_key(named.uid), named.name
+            return control.state.server_key(named.uid), named.name
         if "uid" in options:
             user = _number(options["uid"] or "", "user id")
-            named = control.named.get(user)
-            return control.server_key(user), None if named is None else named.name
+            named = control.state.named.get(user)
+            return control.state.server_key(user), None if named is None else named.name
         if "pid" in options:
             server = self._server(options)
-            return control.server_key(server.uid), server.name
+            return control.state.server_key(server.uid), server.name
         if control.route is not None:
             return control.route.uid, control.route.server
-        if control.server.started:
-            return control.server_key(control.server.uid), control.server.name
+        if control.state.server.started:
+            return control.state.server_key(control.state.server.uid), control.state.server.name
         raise Failure("No server given and none is running: give --server=NAME, --uid=UID or --pid=PID\n" + usage)
 
     def _namespace(self, options: dict[str, str | None], usage: str, key: int | None) -> Namespace | None:
@@ -411,15 +412,15 @@ class V3:
             name = route.namespace
         if name == DEFAULT:
             return None
-        found = self.control.namespaces.get(key, {}).get(name)
+        found = self.control.state.namespaces.get(key, {}).get(name)
         if found is None:
             raise Failure(f'Namespace "{_brief(name)}" not found')
         return found
 
     def _clients_in(self, key: int | None, name: str) -> int:
         control = self.control
-        return len({ctx.pid for ctx in control._contexts()
-                    if control.server_key(ctx.uid) == key and ctx.namespace == name})
+        return len({ctx.pid for ctx in control.state.contexts()
+                    if control.state.server_key(ctx.uid) == key and ctx.namespace == name})
 
     @staticmethod
     def _settings(options: dict[str, str | None]) -> _Settings:
@@ -443,15 +444,16 @@ class V3:
         if any(name in options for name in _SELECT) or control.route is not None:
             servers = [self._which_server(options, USAGE[("namespace", "list")])]
         else:  # every server that has or can have namespaces: the named ones, the running one, the rest
-            known: dict[int | None, str | None] = {control.server_key(n.uid): n.name for n in control.named.values()}
-            if control.server.started:
-                known.setdefault(control.server_key(control.server.uid), control.server.name)
-            for key in control.namespaces:
+            state = control.state
+            known: dict[int | None, str | None] = {state.server_key(n.uid): n.name for n in state.named.values()}
+            if control.state.server.started:
+                known.setdefault(control.state.server_key(control.state.server.uid), control.state.server.name)
+            for key in control.state.namespaces:
                 known.setdefault(key, None)
             servers = list(known.items())
         rows: list[tuple[object, ...]] = []
         for key, name in servers:
-            for space in [DEFAULT, *control.namespaces.get(key, {})]:
+            for space in [DEFAULT, *control.state.namespaces.get(key, {})]:
                 rows.append((name or "-", "-" if key is None else key, space, self._clients_in(key, space)))
         if not rows:
             return ""
@@ -467,17 +469,14 @@ class V3:
             name = check_name(options["name"] or "")
         except ValueError as exc:
             raise Failure(str(exc)) from None
-        spaces = self.control.namespaces.setdefault(key, {})
+        spaces = self.control.state.namespaces.setdefault(key, {})
         if name in spaces:
             raise Failure(f'Namespace "{name}" already exists')
         namespace = Namespace(name, **self._settings(options))
-        if server is not None:  # a named server's namespace has its sockets: $PIPE/<server>/<namespace>/
-            try:
-                self.control.daemon.add_route(Route(server, key, name))
-            except ListenError as exc:
-                raise Failure(str(exc)) from None
         spaces[name] = namespace
-        self.control.daemon.log.control(f"Namespace {name} created for server {server or key}")
+        if server is not None:  # a named server's namespace has its sockets: $PIPE/<server>/<namespace>/
+            self.control.out.do(AddRoute(server, key, name))
+        self.control.out.control(f"Namespace {name} created for server {server or key}")
         return ""
 
     def namespace_delete(self, options: dict[str, str | None], uid: int) -> str:
@@ -490,9 +489,9 @@ class V3:
         if count:
             raise Failure(f'Namespace "{namespace.name}" has {count} client(s)')
         if server is not None:
-            self.control.daemon.remove_route(Route(server, key, namespace.name))
-        del self.control.namespaces[key][namespace.name]
-        self.control.daemon.log.control(f"Namespace {namespace.name} of server {server or key} deleted")
+            self.control.out.do(RemoveRoute(server, key, namespace.name))
+        del self.control.state.namespaces[key][namespace.name]
+        self.control.out.control(f"Namespace {namespace.name} of server {server or key} deleted")
         return ""
 
     def namespace_set(self, options: dict[str, str | None], uid: int) -> str:
@@ -518,16 +517,16 @@ class V3:
         control, (name,) = self.control, asked
         # What a client that comes now gets in it, inside its server's settings.
         if name == "active-thread-percentage":
-            return f"{namespace.percentage(control.percentage_for_new_client(key)):.1f}"
+            return f"{namespace.percentage(control.admission.percentage_for_new_client(key)):.1f}"
         if name == "client-priority":
-            base = (control.daemon.settings.client_priority if key is None
-                    else control.daemon.settings.priority_for(-1, key))
+            base = (control.state.settings.client_priority if key is None
+                    else control.state.settings.priority_for(-1, key))
             return str(namespace.priority(base))
         if name == "cgroup":
             return namespace.cgroup or ""
         lines = []
-        for device in range(len(control.daemon.devices)):
-            limit = namespace.memory_limit(control.memory_limit_for_new_client(device, key))
+        for device in range(len(control.state.devices)):
+            limit = namespace.memory_limit(control.admission.memory_limit_for_new_client(device, key))
             if limit is not None:
                 lines.append(f"{device}={limit_text(limit)}")
         return "\n".join(lines)
@@ -535,7 +534,7 @@ class V3:
     # -- partition (the static SM partitions the legacy sm_partition and lspart keep) -----------------------
     def _device(self, text: str) -> int:
         """A device by index or GPU UUID, of the daemon's."""
-        found = next((d.index for d in self.control.daemon.devices if text in (str(d.index), d.properties["uuid"])),
+        found = next((d.index for d in self.control.state.devices if text in (str(d.index), d.properties["uuid"])),
                      None)
         if found is None:
             raise Failure(f'Invalid device "{_brief(text)}"')
@@ -544,11 +543,11 @@ class V3:
     def partition_list(self, options: dict[str, str | None], uid: int) -> str:
         control = self.control
         device = None if options.get("device") is None else self._device(options["device"] or "")
-        partitions = control.daemon.sm_partitions
+        partitions = control.state.partitions
         assert partitions is not None  # (the partition module answers only under static partitioning: _run)
         rows: list[tuple[object, ...]] = [
-            (p.id, p.name or "-", control.daemon.devices[p.device].properties["uuid"], p.chunks, p.sm_count,
-             p.first_sm, p.server or "-", control.sm_partition_clients(p))
+            (p.id, p.name or "-", control.state.devices[p.device].properties["uuid"], p.chunks, p.sm_count,
+             p.first_sm, p.server or "-", control.partitions.sm_partition_clients(p))
             for p in partitions.partitions.values() if device in (None, p.device)]
         if not rows:
             return ""
@@ -566,7 +565,7 @@ class V3:
         try:
             if name is not None:
                 check_partition_name(name)
-            partition = self.control.add_sm_partition(device, chunks, name=name,
+            partition = self.control.partitions.add_sm_partition(device, chunks, name=name,
                                                       include_remainder="include-remainder" in options)
         except (ValueError, PartitionError) as exc:
             raise Failure(str(exc)) from None
@@ -576,7 +575,7 @@ class V3:
         if options.get("partition") is None:
             raise Failure(USAGE[("partition", "delete")])
         try:
-            self.control.remove_sm_partition(options["partition"] or "")
+            self.control.partitions.remove_sm_partition(options["partition"] or "")
         except PartitionError as exc:
             raise Failure(str(exc)) from None
         return ""

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import array
 import fcntl
+import logging
 import os
 import socket
 import stat
@@ -351,3 +352,18 @@ def _unread(sock: socket.socket) -> int:
     except OSError:
         return 0
     return count[0]
+
+
+def notify(state: str) -> None:
+    """Tell systemd (Type=notify) about our state, if it is listening; a no-op otherwise."""
+    address = os.environ.get("NOTIFY_SOCKET")
+    if not address:
+        return
+    if address.startswith("@"):
+        address = "\0" + address[1:]
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+        try:
+            sock.connect(address)
+            sock.sendall(state.encode())
+        except OSError as exc:
+            logging.getLogger("mpsd").warning("cannot notify systemd at %s: %s", address, exc)

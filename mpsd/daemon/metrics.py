@@ -207,11 +207,11 @@ class Exporter:
         memory = daemon.host_memory
         host: dict[str, float] = {
             "mpsd_host_memory_resident_bytes": memory.resident, "mpsd_host_memory_budget_bytes": memory.budget,
-            "mpsd_clients_waiting": daemon.pending_clients}
+            "mpsd_clients_waiting": len(daemon.control.state.waiting)}
         return Snapshot(devices, clients, host)
 
     def _client(self, ctx: Any, dispatched: dict[str, Any] | None) -> dict[str, float]:
-        stats = self.daemon.client_statistics(ctx)
+        stats = self.daemon.clients.client_statistics(ctx)
         figures = {key: stats[key] for _, _, key in CLIENT_SERIES.values() if key in stats}
         figures["active_thread_percentage"] = ctx.quotas.active_thread_percentage
         figures["sticky_code"] = ctx.sticky.code if ctx.sticky is not None else 0

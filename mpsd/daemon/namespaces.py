@@ -98,15 +98,3 @@ def cgroup_path(text: str) -> str:
     if text == CGROUP_MOUNT or text.startswith(CGROUP_MOUNT + "/"):
         return text[len(CGROUP_MOUNT):] or "/"
     return text
-
-
-def cgroup_of(pid: int) -> str | None:
-    """The cgroup v2 path of process `pid`, or None (gone, or no unified hierarchy)."""
-    try:
-        with open(f"/proc/{pid}/cgroup") as f:
-            for line in f:
-                if line.startswith("0::"):
-                    return line[3:].rstrip("\n")
-    except OSError:
-        pass
-    return None

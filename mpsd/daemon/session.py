@@ -172,7 +172,7 @@ class Session:
                         # pieces, is over: every call stamped after it sees it all gone, as if it were one step.
                         self._virtual.leaving(self.host)
                     with trio.CancelScope(shield=True):  # a shutdown waits for it
-                        await self.daemon.detach(self.context)
+                        await self.daemon.clients.detach(self.context)
             finally:
                 if self.host is not None:  # it holds the clock no longer; its calls still queued come to nothing
                     engine = self._virtual
@@ -602,14 +602,14 @@ class Session:
             self._closing = True
             return
         self._admitting = True
-        if self.daemon.control.admits(self.uid):
+        if self.daemon.admission.admits(self.uid):
             self._attach(request)
         else:  # a client of another user than the current server's waits, as MPS keeps it pending
             assert self._nursery is not None
             self._nursery.start_soon(self._admit, request)
 
     async def _admit(self, request: Request) -> None:
-        await self.daemon.wait_turn(self.pid, self.uid)
+        await self.daemon.control.wait_turn(self.pid, self.uid)
         self._attach(request)
         if self._closing:
             self.reader_scope.cancel()
@@ -621,7 +621,7 @@ class Session:
                 raise MpsConnectionError(f"protocol version {brief(args.get('version'), 20)} is not supported "
                                          f"(the daemon speaks {PROTOCOL_VERSION})")
             # Any malformed hello becomes the CUDA error a bad argument gets, never a failed session.
-            self.context = _call(self.daemon.attach, self, self._quotas_args(args), args)
+            self.context = _call(self.daemon.clients.attach, self, self._quotas_args(args), args)
         except CudaError as exc:
             self._reply(request.id, exc)
             self._closing = True
@@ -663,7 +663,7 @@ class Session:
         return self.daemon.device_of(self._ctx).client_properties(self._ctx)
 
     def on_statistics(self) -> dict[str, Any]:
-        return self.daemon.client_statistics(self._ctx)
+        return self.daemon.clients.client_statistics(self._ctx)
 
     def on_launch(self, name: str, grid: object, block: object, args: object, shared_mem: int,
                   stream: int | None) -> Work:
