@@ -53,7 +53,7 @@ from mpsd_protocol import (
 )
 
 if TYPE_CHECKING:
-    from mpsd.runtime.context import Event, Stream
+    from mpsd.runtime.streams import Event, Stream
     from mpsd_protocol import Call
 
 __all__ = ["Capture", "CaptureCalls"]

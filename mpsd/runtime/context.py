@@ -14,24 +14,16 @@
 # passes whole (mem_pool_ops' operations).
 from __future__ import annotations
 
-import bisect
 import functools
-import mmap
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 from mpsd_protocol import (
     DEFAULT_CONNECTIONS,
-    EVENT_EXTERNAL,
-    POOL_ALLOC,
-    POOL_FREE,
-    POOL_GRAPH_FREE,
-    POOL_RELEASE,
     CudaError,
     InvalidResourceHandleError,
     InvalidValueError,
     LaunchOutOfResourcesError,
-    NotReadyError,
     NotSupportedError,
     OutOfMemoryError,
     brief,
@@ -40,13 +32,16 @@ from mpsd_protocol import (
     format_size,
 )
 from mpsd.backends.base import HOST_VIEW, DeviceMemory
-from mpsd.backends.ops import Copy, Extent, Launch, Memset, OnStream, Plan, Record, Work, stage
+from mpsd.backends.ops import Extent, Launch, OnStream, Plan, Work
 from mpsd.runtime.capture import CaptureCalls
 from mpsd.runtime.graph_memory import GraphMemoryCalls
-from mpsd.runtime.graphs import CAPTURED, EVENT_RECORD, EVENT_WAIT, GraphCalls
+from mpsd.runtime.graphs import CAPTURED, GraphCalls
 from mpsd.runtime.limits import refused
-from mpsd.runtime.memory import CHUNK, AddressSpace, Allocation, HostBuffer
+from mpsd.runtime.memory import AddressSpace, Allocation, HostBuffer
+from mpsd.runtime.copies import CopyCalls
 from mpsd.runtime.modules import ModuleCalls, check_extents
+from mpsd.runtime.pools import PoolCalls, Reservation
+from mpsd.runtime.streams import Event, Stream, StreamCalls
 from mpsd.runtime.teardown import Teardown
 from mpsd.runtime.vmm import VMM_BASE, MappedPiece, VirtualMemory, VirtualMemoryCalls
 
@@ -54,17 +49,7 @@ if TYPE_CHECKING:
     from mpsd.runtime.device import Device
     from mpsd.runtime.ipc import Export, IpcRegistry
 
-STREAM_PRIORITY_GREATEST, STREAM_PRIORITY_LEAST = -5, 0  # cudaDeviceGetStreamPriorityRange on Hopper
-NON_BLOCKING = 0x1  # cudaStreamNonBlocking
-MAX_STAGED_COPY = 64 << 20  # the client stages pageable copies in pieces of 8 MiB
 _MAX_PLANS = 1024  # plans kept, by kernel, shape and arguments
-
-
-def _event_flags(flags: int, call: str) -> bool:
-    """Whether a record's or a wait's flags are cudaEvent{Record,Wait}External, the one flag either takes."""
-    if flags & ~EVENT_EXTERNAL:
-        raise InvalidValueError(f"{call}: bad flags {flags:#x}")
-    return bool(flags)
 
 
 def _deaf(op: str, args: dict[str, Any]) -> None:
@@ -81,56 +66,6 @@ class Quotas:
     priority: int  # CUDA_MPS_CLIENT_PRIORITY: 0 normal, 1 below normal; other levels set by the daemon only
     weight: float = 1.0  # share of SM-time under the fair policy, set by the daemon only
     connections: int = DEFAULT_CONNECTIONS  # hardware work queues its streams share (CUDA_DEVICE_MAX_CONNECTIONS)
-
-
-@dataclass(eq=False, slots=True)
-class Stream:
-    id: int
-    priority: int
-    blocking: bool
-    key: tuple[int, int]
-    tail: Work | None = None
-
-
-@dataclass(eq=False, slots=True)
-class EventCell:
-    """An event's latest record. IPC event handles share one cell among the processes that opened it."""
-
-    record: Record | None = None
-    users: int = 1  # events (in any context) that use this cell
-    export: Export | None = None
-
-
-@dataclass(eq=False, slots=True)
-class Event:
-    id: int
-    timing: bool
-    interprocess: bool
-    cell: EventCell = field(default_factory=EventCell)
-    captured: Any = None  # (capture, the nodes it marks) where it was last recorded in a capture (mpsd.runtime.capture)
-
-    @property
-    def record(self) -> Record | None:
-        return self.cell.record
-
-
-@dataclass(eq=False, slots=True)
-class Reservation:
-    """Memory a stream-ordered pool of the client holds, and the allocations the client made in it."""
-
-    base: int
-    size: int
-    live: dict[int, int] = field(default_factory=dict)  # address -> bytes
-    starts: list[int] = field(default_factory=list)  # the live addresses, sorted: no two may overlap
-    in_use: int = 0
-
-    def overlaps(self, ptr: int, nbytes: int) -> bool:
-        """Whether [ptr, +nbytes) overlaps a live allocation (a forged batch could claim one range twice and
-        make "in use" greater than what is reserved)."""
-        i = bisect.bisect_right(self.starts, ptr)
-        if i and self.starts[i - 1] + self.live[self.starts[i - 1]] > ptr:
-            return True
-        return i < len(self.starts) and self.starts[i] < ptr + nbytes
 
 
 @dataclass(slots=True)
@@ -151,8 +86,10 @@ class Counters:
     bytes_copied_peer: int = 0
 
 
-class Context(VirtualMemoryCalls, CaptureCalls, GraphMemoryCalls, GraphCalls, ModuleCalls):
-    """One client's sub-context on one device."""
+class Context(StreamCalls, CopyCalls, PoolCalls, VirtualMemoryCalls, CaptureCalls, GraphMemoryCalls, GraphCalls,
+              ModuleCalls):
+    """One client's sub-context on one device: its memory, its launches and, through the classes mixed in, its
+    streams and events, copies, pools, virtual memory, captures, graphs and modules."""
 
     def __init__(self, device: Device, client_id: int, pid: int, uid: int, gid: int, quotas: Quotas,
                  ipc: IpcRegistry, partition: int | None = None, requested_priority: int | None = None,
@@ -403,185 +340,6 @@ class Context(VirtualMemoryCalls, CaptureCalls, GraphMemoryCalls, GraphCalls, Mo
                                     f"{brief(buffer_id, 20)} is invalid")
         return Extent(buffer, offset, nbytes)
 
-    # -- stream-ordered pools -----------------------------------------------------------------------------
-    # A pool is the client's (mpsd_client._pools), as CUDA's is the driver's in the process: it picks addresses
-    # from the memory reserved here, so that malloc_async costs no round trip, and reports what it handed out,
-    # took back and gave back in one notification per batch (mem_pool_ops), which keeps the ledger's "in use"
-    # and checks that nothing is handed out twice. Kernels are checked against a reservation's bounds, not an
-    # allocation's: pool memory stays mapped, as on a GPU.
-    def mem_pool_reserve(self, nbytes: int) -> int:
-        """Reserve `nbytes` (a multiple of 2 MiB) for a pool: charged to this client, none of it in use."""
-        if nbytes == 0 or nbytes % CHUNK:
-            raise InvalidValueError(f"a pool reserves whole 2 MiB pages, not {nbytes} bytes")
-        addr = self._map_new(nbytes, pool=True)
-        self.reservations[addr] = Reservation(addr, nbytes)
-        return addr
-
-    def mem_pool_ops(self, ops: list[object]) -> None:
-        """The client's pool operations since its last message, in order (mpsd_protocol.POOL_ALLOC and the
-        rest). A bad one is skipped and its error raised once the others are applied."""
-        error: CudaError | None = None
-        in_use = 0
-        for op in ops:
-            try:
-                fields: list[Any] = op if isinstance(op, list) else []  # (anything else is no operation)
-                kind = fields[0] if fields else None
-                if kind == POOL_ALLOC and len(fields) == 5:
-                    in_use += self._pool_alloc(*fields[1:])
-                elif kind == POOL_FREE and len(fields) == 3:
-                    in_use -= self._pool_free(*fields[1:])
-                elif kind == POOL_RELEASE and len(fields) == 2:
-                    self._pool_release(fields[1])
-                elif kind == POOL_GRAPH_FREE and len(fields) == 3:
-                    self._graph_free(*fields[1:])
-                else:
-                    raise InvalidValueError(f"mem_pool_ops: {brief(op, 40)} is no pool operation")
-            except CudaError as exc:
-                error = error or exc
-            except (TypeError, ValueError, OverflowError) as exc:  # a malformed operation of a client of its own
-                error = error or InvalidValueError(f"mem_pool_ops: {brief(op, 40)}: {type(exc).__name__}")
-        self.device.ledger.move(self.account, 0, in_use)
-        if error is not None:
-            raise error
-
-    def _reservation(self, ptr: object, nbytes: object) -> Reservation:
-        last = self._last_reservation  # a pool hands out most allocations from its latest reservation
-        if (last is not None and type(ptr) is int and type(nbytes) is int and last.base <= ptr < last.base + last.size
-                and 0 <= nbytes and ptr + nbytes <= last.base + last.size and self.reservations.get(last.base) is last):
-            return last
-        alloc = self.memory.find(ptr) if isinstance(ptr, int) and isinstance(nbytes, int) and nbytes >= 0 else None
-        # (alloc is looked up only for int ptr and nbytes)
-        if alloc is None or not alloc.pool or ptr + nbytes > alloc.end:  # type: ignore[operator]
-            raise InvalidValueError(f"[{brief(ptr, 20)}, +{brief(nbytes, 20)}) is not inside one of this context's "
-                                    "memory pools")
-        self._last_reservation = self.reservations[alloc.addr]
-        return self._last_reservation
-
-    def _pool_alloc(self, ptr: int, nbytes: int, stream: int | None, after: object) -> int:
-        """The pool handed out [ptr, +nbytes) on `stream`, after the work queued so far on the streams in `after`
-        (memory freed there, reused without an event between); the bytes now in use."""
-        s = self._pool_stream(stream)
-        if not isinstance(after, list):
-            raise InvalidValueError(f"malloc_async waits for a list of streams, not {brief(after, 20)}")
-        waits = [self._pool_stream(a).tail for a in after]
-        reservation = self._reservation(ptr, nbytes)
-        if ptr in reservation.live or reservation.overlaps(ptr, nbytes):
-            raise InvalidValueError(f"[{ptr:#x}, +{nbytes}) was handed out twice by its pool")
-        reservation.live[ptr] = nbytes
-        bisect.insort(reservation.starts, ptr)
-        reservation.in_use += nbytes
-        self.counters.async_mallocs += 1
-        pending = tuple(w for w in waits if w is not None and not w.done)
-        if pending:
-            self._enqueue(s, Record(**self._on(s), after=pending))
-        return nbytes
-
-    def _pool_free(self, ptr: int, stream: int | None) -> int:
-        reservation = self._reservation(ptr, 0)
-        nbytes = reservation.live.pop(ptr, None)
-        if nbytes is None:
-            raise InvalidValueError(f"{ptr:#x} is no live allocation of a memory pool")
-        del reservation.starts[bisect.bisect_left(reservation.starts, ptr)]
-        reservation.in_use -= nbytes
-        self.counters.async_frees += 1
-        self._pool_stream(stream)  # after the bookkeeping: the pool that sent it counts the bytes free either way
-        return nbytes
-
-    def _pool_stream(self, stream: object) -> Stream:
-        """A stream named inside a pool operation: no row of the table has checked its kind."""
-        if stream is not None and type(stream) is not int:
-            raise InvalidResourceHandleError(f"no stream {brief(stream, 20)} in this context")
-        return self._stream(stream)
-
-    def _pool_release(self, ptr: object) -> None:
-        """The pool gives a reservation back. Its address range goes now; its memory once the work queued so far,
-        which may still use it, has run."""
-        alloc = self.memory.get(ptr) if isinstance(ptr, int) else None
-        if alloc is None or not alloc.pool:
-            raise InvalidValueError(f"{brief(ptr, 20)} is not a memory pool's reservation in this context")
-        _, released = self.memory.remove(alloc.addr)
-        in_use = self.reservations.pop(alloc.addr).in_use  # nothing, unless the client let go of live allocations
-        self.backend.when_done(self.tails(), functools.partial(self._drop, alloc, released, in_use))
-
-    # -- copies ----------------------------------------------------------------------------------------
-    def memcpy_htod(self, dst: int, host: int, offset: int, nbytes: int, stream: int | None,
-                    staged: bool) -> Work:
-        """Copy host buffer bytes to the device. A staged (pageable) source is read now; a pinned one when
-        the copy runs, as DMA from pinned memory does."""
-        s = self._stream(stream)
-        if staged and nbytes > MAX_STAGED_COPY:
-            # A staged source is copied into the daemon's memory: bounded, so no client can exhaust it.
-            raise InvalidValueError(f"a staged copy moves at most {format_size(MAX_STAGED_COPY)}; "
-                                    "larger ones go in pieces")
-        target = self._device(dst, nbytes, "destination")
-        source = self._host(host, offset, nbytes)
-        data = stage(source.memory.view(source.offset, nbytes)) if staged else None
-        try:
-            return self._copy(s, Copy(**self._on(s), kind="h2d", dst=target, src=None if staged else source,
-                                      data=data))
-        except BaseException:
-            # Refused (the host budget, say): its staged bytes go now. The error's traceback holds the copy's
-            # frames, and through them its mapping, until Python's cyclic collector runs: 80 refused 64-MiB
-            # copies took the daemon's RSS to 2.35 GiB under a 512-MiB budget (issue 29, item 3).
-            if isinstance(data, mmap.mmap):
-                data.close()
-            raise
-
-    def memcpy_dtoh(self, host: int, offset: int, src: int, nbytes: int, stream: int | None) -> Work:
-        s = self._stream(stream)
-        source = self._device(src, nbytes, "source")
-        return self._copy(s, Copy(**self._on(s), kind="d2h", dst=self._host(host, offset, nbytes), src=source))
-
-    def memcpy_dtod(self, dst: int, src: int, nbytes: int, stream: int | None) -> Work:
-        """Copy between device addresses of this context; an end in memory opened from another device's IPC
-        handle (which maps only over peer access) makes it a copy over NVLink."""
-        s = self._stream(stream)
-        target, source = self._device(dst, nbytes, "destination"), self._device(src, nbytes, "source")
-        return self._copy(s, Copy(**self._on(s), kind="d2d", dst=target, src=source, src_device=self._device_of(src),
-                                  dst_device=self._device_of(dst)))
-
-    def memcpy_peer(self, dst: int, source: Context, src: int, nbytes: int, stream: int | None,
-                    peer_access: bool) -> Work:
-        """cudaMemcpyPeerAsync into this context's `dst` from `src` of `source`, a context of the same process
-        on another device, on this context's `stream`: over NVLink where the devices are peers
-        (`peer_access`), else staged through host memory."""
-        s = self._stream(stream)
-        target = self._device(dst, nbytes, "destination")
-        extent = source.memory.extent(src, nbytes)
-        if extent is None:
-            raise InvalidValueError(f"source [{brief(src, 20)}, +{brief(nbytes, 20)}) is not inside one live "
-                                    f"allocation of device {source.device.index}")
-        other = source.device.index
-        return self._copy(s, Copy(**self._on(s), kind="d2d", dst=target, src=extent,
-                                  src_device=None if other == self.device.index else other, peer_access=peer_access))
-
-    def _device_of(self, ptr: int) -> int | None:
-        """The other device whose memory `ptr` lies in (opened from its IPC handle), if it is another's."""
-        alloc = self.memory.find(ptr)
-        export = self.imports.get(alloc.addr) if alloc is not None else None
-        return export.device if export is not None and export.device != self.device.index else None
-
-    def memset(self, ptr: int, value: int, nbytes: int, stream: int | None) -> Work:
-        s = self._stream(stream)
-        target = self._device(ptr, nbytes, "memset range")
-        # cudaMemset uses the low byte, as memset does
-        return self._copy(s, Memset(**self._on(s), dst=target, value=value & 0xFF))
-
-    def _copy(self, stream: Stream, work: Copy | Memset) -> Work:
-        self._enqueue(stream, work)
-        if work.handle is CAPTURED:  # a node of a graph now: not a copy made
-            return work
-        counters = self.counters
-        counters.copies += 1
-        counters.bytes_copied += work.dst.nbytes
-        if isinstance(work, Copy) and (work.src_device is not None or work.dst_device is not None):
-            if work.peer_access:
-                counters.peer_copies_nvlink += 1
-            else:
-                counters.peer_copies_staged += 1
-            counters.bytes_copied_peer += work.dst.nbytes
-        return work
-
     def _on(self, stream: Stream) -> OnStream:
         """What every piece of work queued on `stream` carries: whose it is, where, and the quotas it runs under."""
         return {"client": self.id, "stream": stream.key, "priority": stream.priority, "sm_cap": self.quotas.sm_cap}
@@ -702,97 +460,6 @@ class Context(VirtualMemoryCalls, CaptureCalls, GraphMemoryCalls, GraphCalls, Mo
         self.last_op = work
         return work
 
-    def create_stream(self, priority: int, flags: int) -> tuple[int, int]:
-        if flags & ~NON_BLOCKING:
-            raise InvalidValueError(f"bad stream flags {flags:#x}")
-        # Priorities outside the range are clamped, as the runtime does.
-        priority = min(max(priority, STREAM_PRIORITY_GREATEST), STREAM_PRIORITY_LEAST)
-        if len(self.streams) > self.limits.streams:  # (the default stream is not one it created)
-            raise refused("streams", self.limits.streams)
-        stream_id = self._handle()
-        self.streams[stream_id] = Stream(stream_id, priority, not flags & NON_BLOCKING, (self.id, stream_id))
-        return stream_id, priority
-
-    def destroy_stream(self, stream: int) -> None:
-        # Work already queued still runs, as with cudaStreamDestroy; the handle is gone at once.
-        gone = self.streams.pop(stream, None) if stream else None  # None and 0: the default stream
-        if gone is None:
-            raise InvalidResourceHandleError(f"no stream {brief(stream, 20)} to destroy")
-        if self.capturing:
-            self._stream_gone(stream)
-        self._orphans = [op for op in self._orphans if not op.done]
-        if gone.tail is not None and not gone.tail.done:
-            self._orphans.append(gone.tail)
-
-    def stream_tail(self, stream: int | None) -> Work | None:
-        return self._stream(stream).tail
-
-    def stream_query(self, stream: int | None) -> bool:
-        tail = self._stream(stream).tail
-        return tail is None or tail.done
-
-    def stream_wait_event(self, stream: int | None, event: int, flags: int = 0) -> None:
-        s, e = self._stream(stream), self._event(event)
-        external = _event_flags(flags, "stream_wait_event")
-        if self.capturing and external and self._capture_event_node(s, e, EVENT_WAIT):
-            return
-        if (self.capturing or e.captured is not None) and self._capture_wait(s, e):
-            return
-        if e.record is not None and not e.record.done:
-            self._enqueue(s, Record(**self._on(s), after=(e.record,)))
-
-    def create_event(self, disable_timing: bool, interprocess: bool) -> int:
-        if interprocess and not disable_timing:
-            raise InvalidValueError("an interprocess event must also disable timing")
-        self.check_events()
-        event_id = self._handle()
-        self.events[event_id] = Event(event_id, not disable_timing, bool(interprocess))
-        return event_id
-
-    def check_events(self) -> None:
-        """Raise if this client holds as many events as it may (its own and those opened from IPC handles)."""
-        if len(self.events) >= self.limits.events:
-            raise refused("events", self.limits.events)
-
-    def _event(self, event: int) -> Event:
-        e = self.events.get(event)
-        if e is None:
-            raise InvalidResourceHandleError(f"no event {brief(event, 20)} in this context")
-        return e
-
-    def destroy_event(self, event: int) -> None:
-        self.ipc.event_destroyed(self._event(event).cell)
-        del self.events[event]
-
-    def record_event(self, event: int, stream: int | None, flags: int = 0) -> None:
-        e, s = self._event(event), self._stream(stream)
-        external = _event_flags(flags, "event_record")
-        if self.capturing and external and self._capture_event_node(s, e, EVENT_RECORD):
-            return
-        if self.capturing and self._capture_record(e, s):
-            return
-        record = Record(**self._on(s))
-        self._enqueue(s, record)  # (it returns the work it was given)
-        e.captured = None
-        e.cell.record = record
-
-    # -- IPC -------------------------------------------------------------------------------------------
-    def ipc_get_event_handle(self, event: int) -> bytes:
-        e = self._event(event)
-        if not e.interprocess or e.timing:
-            raise InvalidResourceHandleError("only events created with interprocess=True and disable_timing=True "
-                                             "have IPC handles")
-        return self.ipc.export_event(self, e.cell)
-
-    def ipc_open_event_handle(self, handle: object) -> int:
-        """A new event of this context sharing the exported event's records (it behaves as disable-timing)."""
-        self.check_events()
-        cell = self.ipc.open_event(self, handle)
-        cell.users += 1
-        event_id = self._handle()
-        self.events[event_id] = Event(event_id, False, True, cell)
-        return event_id
-
     def segment_of(self, ptr: int) -> Allocation | MappedPiece:
         """The allocation (own or imported) containing `ptr`, whose memfd the client may map; in a reserved
         range, the mapping that holds it.
@@ -809,28 +476,6 @@ class Context(VirtualMemoryCalls, CaptureCalls, GraphMemoryCalls, GraphCalls, Mo
             raise NotSupportedError(f"host_view needs the {HOST_VIEW} capability: {self.device.name}'s memory is "
                                     "device memory, which the host cannot map (pinned host buffers it can)")
         return alloc
-
-    def event_record_op(self, event: int) -> Record | None:
-        return self._event(event).record
-
-    def event_query(self, event: int) -> bool:
-        record = self._event(event).record
-        return record is None or record.done  # a never-recorded event counts as complete
-
-    def elapsed_ms(self, start: int, end: int) -> float:
-        a, b = self._event(start), self._event(end)
-        if not (a.timing and b.timing):
-            raise InvalidResourceHandleError("elapsed time needs two events created with timing enabled")
-        if a.record is None or b.record is None:
-            raise InvalidResourceHandleError("elapsed time needs two recorded events")
-        if not (a.record.done and b.record.done):
-            raise NotReadyError("an event has not completed yet")
-        return (b.record.ended - a.record.ended) * 1e3
-
-    def tails(self) -> list[Work]:
-        """The last op of every stream: what a context synchronize waits for."""
-        tails = [s.tail for s in self.streams.values() if s.tail is not None] + self._orphans
-        return [op for op in tails if not op.done]
 
     # -- teardown --------------------------------------------------------------------------------------
     def teardown(self) -> Teardown:

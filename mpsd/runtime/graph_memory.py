@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from mpsd.backends.base import Backend
     from mpsd.backends.ops import Work
     from mpsd.runtime.capture import Capture
-    from mpsd.runtime.context import Stream
+    from mpsd.runtime.streams import Stream
     from mpsd.runtime.memory import AddressSpace, Allocation
 
 __all__ = ["GraphAllocation", "GraphMemoryCalls"]

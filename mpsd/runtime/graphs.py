@@ -34,7 +34,8 @@ _type = builtins.type
 
 if TYPE_CHECKING:
     from mpsd.runtime.capture import Capture
-    from mpsd.runtime.context import Counters, Event, Stream
+    from mpsd.runtime.context import Counters
+    from mpsd.runtime.streams import Event, Stream
     from mpsd.runtime.limits import ClientLimits
     from mpsd.runtime.memory import AddressSpace
 

@@ -36,7 +36,8 @@ if TYPE_CHECKING:
     from mpsd.backends.base import DeviceMemory
     from mpsd.runtime.memory import Slice
     from mpsd.daemon.servlog import ServerLog
-    from mpsd.runtime.context import Context, EventCell
+    from mpsd.runtime.context import Context
+    from mpsd.runtime.streams import EventCell
 
 
 
