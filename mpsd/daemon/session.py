@@ -1,6 +1,7 @@
 # One client connection: a thin trio loop around the sans-IO protocol Connection, dispatching each call from
 # its row in mpsd_protocol's table of calls (arguments checked there) to the context method of its name, or to
-# `on_<name>` here where the call needs more than one. Calls that must wait for the GPU (synchronize, blocking
+# `on_<name>` where the call needs more than one (mpsd.daemon.session_calls, mixed in, as are the hello,
+# mpsd.daemon.handshake, and the launch queue, mpsd.daemon.launch_queue). Calls that must wait for the GPU (synchronize, blocking
 # copies, free) run as tasks, so the session keeps reading: replies may come back out of order, as
 # msgpack-rpc allows, while the order in which work is queued stays the order in which it arrived.
 #
@@ -22,24 +23,23 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import select
 import socket
 import time
 from collections import deque
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Sequence, cast
+from typing import TYPE_CHECKING, Any, Callable
 
 import trio
 
-from mpsd.backends.base import HOST_VIEW
 from mpsd.backends.engine import VirtualEngine
-from mpsd.backends.ops import Plan, Work
+from mpsd.backends.ops import Work
 from mpsd.clock import Host, Timing
 from mpsd.daemon.channel import Channel
+from mpsd.daemon.handshake import Handshake
+from mpsd.daemon.launch_queue import LAUNCH_QUEUE, LaunchQueue, staged_bytes
+from mpsd.daemon.session_calls import Deferred, SessionCalls, unexpected_error
 from mpsd.daemon.sync_latency import SyncLatency
 from mpsd.runtime.context import Context
-from mpsd.runtime.kernels import signatures
 from mpsd.runtime.limits import refused
 from mpsd_protocol import (
     CALL,
@@ -51,17 +51,13 @@ from mpsd_protocol import (
     NEED_DATA,
     NOTHING,
     PROTOCOL_ERROR,
-    PROTOCOL_VERSION,
     Call,
     Calls,
     Connection,
     CudaError,
-    InvalidDeviceError,
     InvalidValueError,
-    MpsConnectionError,
     MpsServerNotReadyError,
     Notification,
-    NotSupportedError,
     ProtocolError,
     Reply,
     Request,
@@ -69,7 +65,6 @@ from mpsd_protocol import (
     brief,
     close_fds,
     format_size,
-    make_error,
     peer_credentials,
 )
 
@@ -78,31 +73,14 @@ if TYPE_CHECKING:
     from mpsd.daemon.server import Daemon
 
 log = logging.getLogger("mpsd.daemon.session")
-IPC_LAZY_ENABLE_PEER_ACCESS = 0x1  # the one flag cudaIpcOpenMemHandle accepts
 # Calls served by a context method of another name.
 _CONTEXT_METHODS = {"event_record": "record_event", "event_elapsed": "elapsed_ms"}
-# Work a client may have queued before its next launch call blocks: a real H200's host call blocked once
-# about 1,000 to 1,023 launches were queued (h200-runtime-measurements.md); and the bytes of pageable copies
-# the daemon may hold for one client until they run (each staged piece is at most 8 MiB).
-LAUNCH_QUEUE = 1024
-MAX_STAGED_BYTES = 256 << 20
 FAIR_MESSAGES = 16  # messages of one client served before the others get a turn
 HANGUP_POLL = 0.1  # wall seconds between looks at a blocked client's socket for a hang-up
 MAX_HOST_TIME = 3600.0  # seconds of its own code a client may report for one gap between calls
 
 
-@dataclass(frozen=True, slots=True)
-class Deferred:
-    """A reply that must wait: for `ops` to complete, then `then()` gives the result."""
-
-    ops: Sequence[Work | None]
-    then: Callable[[], Any] = lambda: None
-
-    def ready(self) -> bool:
-        return all(op is None or op.done for op in self.ops)
-
-
-class Session:
+class Session(Handshake, LaunchQueue, SessionCalls):
     """Serves one connected client."""
 
     def __init__(self, daemon: Daemon, sock: socket.socket, route: Route | None = None) -> None:
@@ -324,7 +302,7 @@ class Session:
         except CudaError:
             raise
         except Exception as exc:
-            raise _unexpected(exc)  # which sets the cause as _call does
+            raise unexpected_error(exc)  # which sets the cause as _call does
 
     def _finish(self, request_id: int, deferred: Deferred, timing: Timing | None, began: float) -> None:
         if self.sync_latency is not None:  # from its handler's return to the device's completion
@@ -369,7 +347,7 @@ class Session:
         call = CALLS.get(op)
         # Whether it takes a place in the launch queue, and the bytes it holds there: worked out once.
         counted = op in LAUNCH_CALLS and self.context is not None
-        staged = _staged_bytes(message) if op == _STAGING else 0
+        staged = staged_bytes(message) if op == _STAGING else 0
         if self.host is None:
             charged = 0.0
             if not counted:  # _serve's share for it, inlined
@@ -406,76 +384,11 @@ class Session:
                                                      "work to run")
         self._watch()
 
-    def _launch(self, note: Notification) -> None:
-        """A launch notification that `_receive` would serve at once (the wall clock, room in the queue, no
-        fds), where its context has no sticky error and has its plan (Context.planned): what `_receive`,
-        `_serve`, `_notification`, `_dispatch` and `on_launch` do for the call, in one frame. Anything else
-        goes their way, by its row."""
-        ctx = self.context
-        stream = note.args.get("stream")
-        if (ctx is None or ctx.sticky is not None or (stream is not None and type(stream) is not int)
-                or ctx.capturing or (plan := ctx.planned(note.args)) is None):  # (a bool or a float is no stream)
-            self._receive(note)
-            return
-        self._launched(ctx, plan, stream, 1)
-        if not plan.touches:  # the same bytes again will be the same launch again (`_repeat`)
-            self._repeating = self.conn.remember((plan, stream)) or self._repeating
-
-    def _repeat(self, most: int) -> int:
-        """Serve the launch notifications next in line that repeat one `_launch` remembered, up to `most` of
-        them, as one call of `count` launches: what `_launch` would do for each, where the context has no
-        sticky error and the queue has room; how many, 0 for none. (A plan stays true while its context lives:
-        only one that touches no memory is remembered, and its stream is looked up again.)"""
-        ctx = self.context
-        assert ctx is not None  # (only a launch served by a context is remembered)
-        room = LAUNCH_QUEUE - self._queued - self._posted
-        if (ctx.sticky is not None or room <= 0 or ctx.capturing  # (a capture's rules are the row's way)
-                or (taken := self.conn.repeats(min(most, room))) is None):
-            return 0
-        token, count = taken
-        plan, stream = cast("tuple[Plan, int | None]", token)  # the tokens this session remembers (_launch)
-        self._launched(ctx, plan, stream, count)
-        return count
-
-    def _launched(self, ctx: Context, plan: Plan, stream: int | None, count: int) -> None:
-        """`count` launches of `plan`, served at once: their work takes the places of their calls in the
-        queue, or a failure is the context's last error, as for each of them."""
-        try:
-            work = ctx.launch(plan, stream, count)
-        except Exception as exc:
-            _failed(ctx, exc)
-            return
-        if not work.done:  # (what _serve does)
-            self._queue(work, 0, count)
-
-    def _queue(self, work: Work, staged: int, calls: int) -> None:
-        """`work`, holding `staged` bytes, takes the places of `calls` launch calls in the client's queue."""
-        queue = self._queues.get(work.stream)
-        if queue is None:
-            queue = self._queues[work.stream] = deque()
-        queue.append((work, staged, calls))
-        self._queued += calls
-
     def _arrival(self) -> None:
         """Under the wall clock: the calls served from here on arrived at the last read. Said after every wait,
         since other sessions may have served calls of their own meanwhile."""
         if self._received is not None:
             self._received(self._read_at)
-
-    def _full(self, staged: int) -> bool:
-        """Whether a launch call (holding `staged` bytes) must wait for room in its client's queue. The counts
-        are exact once pruned, and pruning is cheap: work on a stream ends in the order it was queued, so the
-        ended entries of each stream's queue are at its head. Below the limits, not even that is needed."""
-        if self._queued + self._posted < LAUNCH_QUEUE and not (staged and self._staged >= MAX_STAGED_BYTES):
-            return False
-        for key, queue in list(self._queues.items()):
-            while queue and queue[0][0].done:
-                _, staged_there, calls = queue.popleft()
-                self._queued -= calls
-                self._staged -= staged_there
-            if not queue:
-                del self._queues[key]
-        return self._queued + self._posted >= LAUNCH_QUEUE or bool(staged and self._staged >= MAX_STAGED_BYTES)
 
     def _go(self, message: Request | Notification, call: Call | None, counted: bool, staged: int,
             charged: float) -> None:
@@ -516,40 +429,6 @@ class Session:
             self._staged -= staged
         if self._held is not None:
             self._recheck()
-
-    def _watch(self) -> None:
-        """Judge the held call again once the oldest work of any stream's queue has ended (or, if the queues
-        are empty, once the next call taken is served: the queue is full of calls not yet served)."""
-        backend = self.daemon.device_of(self._ctx).backend
-        for queue in self._queues.values():
-            head = queue[0][0]
-            if head not in self._watched:
-                self._watched.add(head)
-                backend.when_done([head], functools.partial(self._head_ended, head))
-
-    def _head_ended(self, head: Work) -> None:
-        self._watched.discard(head)
-        self._recheck()
-
-    def _recheck(self) -> None:
-        """The queue may have room: a held call goes on, if it may now."""
-        message = self._held
-        if message is None:
-            return
-        if self.channel.closed:  # nobody to answer: the reader goes on, to find the connection ended
-            self._held = None
-            close_fds(message.fds)
-        elif self._full(staged := _staged_bytes(message)):
-            self._watch()
-            return
-        else:
-            self._held = None
-            self._arrival()
-            self._go(message, CALLS.get(message.op), True, staged, 0.0)
-            if self.host is not None:
-                self._virtual.heard(self._host)
-        self._room.set()
-        self._room = trio.Event()
 
     def _charged(self, args: Any) -> float:
         """Simulated seconds of the client's own code since its last call: what it measured (its thread's
@@ -595,186 +474,6 @@ class Session:
             if self._ctx.sticky is None:
                 self._ctx.last_error = exc
 
-    def _hello(self, request: Request) -> None:
-        close_fds(request.fds)
-        if self.context is not None or self._admitting:
-            self._reply(request.id, InvalidValueError("hello was already said"))
-            self._closing = True
-            return
-        self._admitting = True
-        if self.daemon.admission.admits(self.uid):
-            self._attach(request)
-        else:  # a client of another user than the current server's waits, as MPS keeps it pending
-            assert self._nursery is not None
-            self._nursery.start_soon(self._admit, request)
-
-    async def _admit(self, request: Request) -> None:
-        await self.daemon.control.wait_turn(self.pid, self.uid)
-        self._attach(request)
-        if self._closing:
-            self.reader_scope.cancel()
-
-    def _attach(self, request: Request) -> None:
-        try:
-            args = request.args
-            if args.get("version") != PROTOCOL_VERSION:
-                raise MpsConnectionError(f"protocol version {brief(args.get('version'), 20)} is not supported "
-                                         f"(the daemon speaks {PROTOCOL_VERSION})")
-            # Any malformed hello becomes the CUDA error a bad argument gets, never a failed session.
-            self.context = _call(self.daemon.clients.attach, self, self._quotas_args(args), args)
-        except CudaError as exc:
-            self._reply(request.id, exc)
-            self._closing = True
-            return
-        ctx = self.context
-        ctx.tell = self._tell
-        backend = self.daemon.device_of(ctx).backend
-        clock = backend.clock_info()
-        engine = backend.virtual
-        if isinstance(engine, VirtualEngine):
-            self._engine = engine
-            self.host = engine.clock.join(ctx.id)
-            engine.heard(self.host)
-            clock["host_time"] = self.daemon.config.host_time
-        else:
-            self._received = backend.received
-        self._arrival()  # calls read with the hello (or while it waited for its server) arrived with it
-        self._reply(request.id, None, {
-            "version": PROTOCOL_VERSION,
-            "clock": clock,
-            "client_id": ctx.id,
-            "device_count": ctx.visible_count,
-            "server_pid": self.daemon.control.server.pid,
-            "properties": self.daemon.device_of(ctx).client_properties(ctx),
-            "kernels": signatures(),
-            "quotas": {"active_thread_percentage": ctx.quotas.active_thread_percentage,
-                       "sm_cap": ctx.quotas.sm_cap, "pinned_mem_limit": ctx.quotas.pinned_mem_limit,
-                       "priority": ctx.quotas.priority, "weight": ctx.quotas.weight},
-        })
-
-    def _quotas_args(self, args: dict[str, Any]) -> dict[str, Any]:
-        limits = args.get("limits") or {}
-        if not isinstance(limits, dict):
-            raise InvalidValueError("hello limits must be a map")
-        return limits
-
-    # -- the calls that need more than their context method (mpsd_protocol's CALLS) ----------------------
-    def on_device_properties(self) -> dict[str, Any]:
-        return self.daemon.device_of(self._ctx).client_properties(self._ctx)
-
-    def on_statistics(self) -> dict[str, Any]:
-        return self.daemon.clients.client_statistics(self._ctx)
-
-    def on_launch(self, name: str, grid: object, block: object, args: object, shared_mem: int,
-                  stream: int | None) -> Work:
-        """A launch by its row (one `_launch` did not serve: the virtual clock's, a request, one not planned yet,
-        a bad one): its plan (made, or found), launched."""
-        ctx = self._ctx
-        return ctx.launch(ctx.plan(name, grid, block, args, shared_mem), stream)
-
-    def on_free(self, ptr: int) -> Deferred:
-        self._ctx.check_free(ptr)
-        # cudaFree synchronises: it waits for the context's work before the memory goes.
-        return Deferred(self._ctx.tails(), lambda: self._ctx.free(ptr))
-
-    def on_host_register(self, nbytes: int, fds: tuple[int, ...]) -> int:
-        return self._ctx.host_register(fds[0], nbytes)
-
-    def on_memcpy_htod(self, dst: int, host: int, offset: int, nbytes: int, stream: int | None,
-                       staged: bool) -> Deferred | None:
-        if stream is None and not staged:
-            self._room_to_wait()
-        op = self._ctx.memcpy_htod(dst, host, offset, nbytes, stream, staged)
-        # A pageable source has been read already; a pinned one is read when the copy runs, so a
-        # synchronous copy from pinned memory returns only once it has.
-        return Deferred([op]) if stream is None and not staged else None
-
-    def on_memcpy_dtoh(self, host: int, offset: int, src: int, nbytes: int, stream: int | None,
-                       staged: bool) -> Deferred | None:
-        if stream is None or staged:
-            self._room_to_wait()
-        op = self._ctx.memcpy_dtoh(host, offset, src, nbytes, stream)
-        # Device-to-pageable copies are synchronous even on a stream (the bytes land in staging).
-        return Deferred([op]) if stream is None or staged else None
-
-    def _room_to_wait(self) -> None:
-        """Raise if this client has as many calls waiting for the device as it may: a copy that will wait is
-        refused before it is queued, not queued and then left to run unwaited for."""
-        if self._deferred >= self._max_deferred:
-            raise refused("waits", self._max_deferred)
-
-    def on_synchronize(self) -> Deferred:
-        return Deferred(self._ctx.tails())
-
-    def on_stream_synchronize(self, stream: int | None) -> Deferred:
-        return Deferred([self._ctx.stream_tail(stream)])
-
-    def on_event_synchronize(self, event: int) -> Deferred:
-        return Deferred([self._ctx.event_record_op(event)])
-
-    def on_get_last_error(self, clear: bool) -> dict[str, Any] | None:
-        error = self._ctx.take_last_error(clear=clear)
-        return error.to_wire() if error else None
-
-    def on_mem_fd(self, ptr: int) -> tuple[dict[str, Any], tuple[int, ...]]:
-        """The memfd behind a device pointer, so the client can map the same bytes (host_view): the
-        allocation's are `size` bytes from `offset` in it (a small one's memfd is its chunk's)."""
-        alloc = self._ctx.segment_of(ptr)
-        return {"base": alloc.addr, "size": alloc.size, "offset": alloc.segment.offset}, (os.dup(alloc.segment.fd),)
-
-    def on_memcpy_peer(self, dst: int, src_client: int, src: int, nbytes: int, stream: int | None) -> Work:
-        """A peer copy from another of this process's contexts (its client id; SO_PEERCRED says whose process
-        a context is), over NVLink where the devices are peers, staged through the host where not."""
-        ctx = self._ctx
-        source = next((c for device in self.daemon.devices for c in device.contexts.values() if c.id == src_client),
-                      None)
-        if source is None or (source.pid, source.uid) != (ctx.pid, ctx.uid) or source.sticky is not None:
-            raise InvalidDeviceError(f"client {brief(src_client, 20)} is no usable context of this process")
-        devices = (source.device, ctx.device)
-        if source.device is not ctx.device and not all(HOST_VIEW in d.backend.capabilities for d in devices):
-            raise NotSupportedError("copies between real GPUs are not built yet")
-        peer = self.daemon.peers(source.device.index, ctx.device.index)
-        return ctx.memcpy_peer(dst, source, src, nbytes, stream, peer)
-
-    def on_ipc_get_mem_handle(self, ptr: int) -> bytes:
-        return self.daemon.ipc.export_memory(self._ctx, ptr)
-
-    def on_ipc_open_mem_handle(self, handle: bytes, flags: int) -> tuple[dict[str, Any], tuple[int, ...]]:
-        if flags != IPC_LAZY_ENABLE_PEER_ACCESS:
-            raise InvalidValueError("ipc_open_mem_handle takes flags=1 (cudaIpcMemLazyEnablePeerAccess) only")
-        mapping = self.daemon.ipc.open_memory(self._ctx, handle)
-        return ({"ptr": mapping.addr, "size": mapping.size, "offset": mapping.segment.offset,
-                 "mappable": HOST_VIEW in self._ctx.backend.capabilities}, (os.dup(mapping.segment.fd),))
-
-    def on_ipc_close_mem_handle(self, ptr: int) -> None:
-        ctx = self._ctx
-        segment = self.daemon.ipc.close_memory(ctx, ptr)
-        if segment is not None:
-            # The pointer is gone from the context now, so a later call with it fails, as after
-            # cudaIpcCloseMemHandle; the bytes stay mapped until the work queued before it has run.
-            ctx.backend.when_done(ctx.tails(), segment.release)
-
-    # `clock`, `sleep` and `idle` act on the client's clock alone, under the virtual clock: answered at once,
-    # never stamped. Under the wall clock the client keeps time itself and asks only for the device's now.
-    def on_clock(self) -> dict[str, float]:
-        if self.host is None:
-            return {"now": self.daemon.device_of(self._ctx).backend.now()}
-        return {"now": self.host.clock}
-
-    def on_sleep(self, seconds: float) -> dict[str, float]:
-        self._host_clock("sleep").clock += float(seconds)  # the thread makes no call meanwhile: it cools as it would
-        return {"now": self._host.clock}
-
-    def on_idle(self) -> dict[str, float]:
-        host = self._host_clock("idle")
-        self._virtual.clock.idle(host)
-        return {"now": host.clock}
-
-    def _host_clock(self, what: str) -> Host:
-        if self.host is None:
-            raise NotSupportedError(f"{what} acts on the daemon's virtual clock; this daemon's follows the wall clock")
-        return self.host
-
 
 # Each call's handler: ``Session.on_<name>``, else the context method of its name (given the context). A row
 # that has neither fails here, when the daemon is imported.
@@ -797,42 +496,3 @@ def _hung_up(sock: socket.socket) -> bool:
     return any(events & (select.POLLRDHUP | select.POLLHUP | select.POLLERR) for _, events in poller.poll(0))
 
 
-def _staged_bytes(message: Request | Notification) -> int:
-    """The bytes a call makes the daemon hold until it runs: those of a staged (pageable) host-to-device copy."""
-    args = message.args
-    if message.op != _STAGING or not isinstance(args, dict) or not args.get("staged"):
-        return 0
-    nbytes = args.get("nbytes")
-    return nbytes if type(nbytes) is int and nbytes > 0 else 0
-
-
-def _call(handler: Callable[..., Any], *args: Any) -> Any:
-    """Run a handler, turning what malformed arguments cause into the error CUDA would give."""
-    try:
-        return handler(*args)
-    except CudaError:
-        raise
-    except Exception as exc:
-        raise _unexpected(exc)  # which sets the cause
-
-
-def _failed(ctx: Context, exc: Exception) -> None:
-    """A fire-and-forget launch failed (called while handling `exc`): what _dispatch and _notification make of
-    it, the context's last error, unless a sticky one stands."""
-    error = exc if isinstance(exc, CudaError) else _unexpected(exc)
-    if ctx.sticky is None:
-        ctx.last_error = error
-
-
-def _unexpected(exc: Exception) -> CudaError:
-    """The CUDA error for what a handler raised that is no CUDA error (called while handling `exc`): what
-    malformed arguments cause is an invalid value; anything else is a bug of ours, logged, and unknown."""
-    error: CudaError
-    if isinstance(exc, (KeyError, TypeError, ValueError, OverflowError)):
-        error = InvalidValueError(f"malformed arguments: {type(exc).__name__}: {exc}"[:200])
-        error.__cause__, error.__suppress_context__ = None, True  # as `raise ... from None`
-        return error
-    log.exception("handler failed")
-    error = make_error(999, f"internal error: {type(exc).__name__}")
-    error.__cause__ = exc  # as `raise ... from exc`
-    return error
