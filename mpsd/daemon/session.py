@@ -1,9 +1,9 @@
 # One client connection: a thin trio loop around the sans-IO protocol Connection, dispatching each call from
 # its row in mpsd_protocol's table of calls (arguments checked there) to the context method of its name, or to
 # `on_<name>` where the call needs more than one (mpsd.daemon.session_calls, mixed in, as are the hello,
-# mpsd.daemon.handshake, and the launch queue, mpsd.daemon.launch_queue). Calls that must wait for the GPU (synchronize, blocking
-# copies, free) run as tasks, so the session keeps reading: replies may come back out of order, as
-# msgpack-rpc allows, while the order in which work is queued stays the order in which it arrived.
+# mpsd.daemon.handshake, and the launch queue, mpsd.daemon.launch_queue). Calls that must wait for the GPU
+# (synchronize, blocking copies, free) run as tasks, so the session keeps reading: replies may come back out of
+# order, as msgpack-rpc allows, while the order in which work is queued stays the order in which it arrived.
 #
 # Under the virtual clock every call is stamped when it arrives with the simulated time at which it starts
 # on the client's host thread (its clock, plus its own code's time where the daemon charges it), and applied
