@@ -3,6 +3,12 @@
 # context on it (tests/inproc.py), for everything that needs no process of its own.
 from __future__ import annotations
 
+import os
+
+# One BLAS thread in the tests and every process they start: pytest-xdist runs a worker per core already, and
+# a daemon's numpy references (a module's matmul) spinning a thread per core beside them only fight for it.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
 import shutil
 from typing import AsyncIterator, Iterator
 
