@@ -9,7 +9,7 @@
 //! fds that fail the dataclass's check) is decoded whole and handed to `from_wire`, so that every malformed
 //! message is judged, and its error worded, by the one Python function that does so today.
 
-use std::collections::HashMap;
+use rustc_hash::FxHashMap;
 use crate::wire::{self, Builder, Error, Reader, Token, MAX_DEPTH};
 use pyo3::exceptions::{PyOverflowError, PyTypeError, PyValueError};
 use pyo3::ffi;
@@ -740,7 +740,7 @@ pub struct Frames {
     /// Stream offset of `buf[0]`.
     offset: u64,
     /// Bodies of frames the caller has seen before, each with its token (`remember`, `repeats`).
-    memo: HashMap<Box<[u8]>, PyObject>,  // keyed by a peer's bytes: std's hasher, which resists flooding
+    memo: FxHashMap<Box<[u8]>, PyObject>,
     /// The body of the frame `next` decoded last, if it may be remembered (no fds, at most MEMO_BODY bytes).
     last: Vec<u8>,
     has_last: bool,
@@ -811,7 +811,7 @@ impl Frames {
     #[new]
     fn new(codec: Py<Codec>) -> Self {
         let max_fds = codec.get().max_fds as u32;
-        Frames { codec, max_fds, buf: Vec::new(), start: 0, offset: 0, memo: HashMap::new(), last: Vec::new(),
+        Frames { codec, max_fds, buf: Vec::new(), start: 0, offset: 0, memo: FxHashMap::default(), last: Vec::new(),
                  has_last: false }
     }
 
