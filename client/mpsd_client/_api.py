@@ -295,9 +295,8 @@ class ContextBase:
             InvalidConfigurationError: bad grid or block.
             InvalidValueError: wrong argument count or kinds, or too much shared memory.
         """
-        kernel: str = name if type(name) is str else _modules.function_name(name)  # (or the checks' to refuse)
         try:
-            note = self._core.launch(kernel, grid, block, args, stream, shared_mem)
+            note = self._core.launch(name, grid, block, args, stream, shared_mem)
         except CudaError as exc:
             self._core.last_error = exc
             raise

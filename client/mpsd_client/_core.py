@@ -49,6 +49,7 @@ from mpsd_protocol import (
     format_size,
 )
 
+from ._modules import Function, loaded_modules
 from ._objects import DevicePointer, Event, HostBuffer, Stream
 from ._pools import ALIGN, RESERVE_STEP, SYNCHRONISING, MemPool, Ordering
 
@@ -115,7 +116,6 @@ class Core:
         self.server_pid = 0
         self.properties: dict[str, Any] = {}
         self.kernels: dict[str, list[str]] = {}
-        self.module_loads: dict[str, int] = {}  # loads of each module not yet unloaded (mpsd_client._modules)
         self.quotas: dict[str, Any] = {}
         self.last_error: CudaError | None = None
         self.broken: CudaError | None = None  # set when the connection is gone: every later call fails
@@ -641,17 +641,20 @@ class Core:
         return Event(ctx, handle, bool(disable_timing), bool(interprocess))
 
     # -- kernels ---------------------------------------------------------------------------------------
-    def launch(self, name: str, grid: Any, block: Any, args: Any, stream: Stream | None,
+    def launch(self, name: Any, grid: Any, block: Any, args: Any, stream: Stream | None,
                shared_mem: int) -> Notification:
         """The launch notification, validated as cudaLaunchKernel validates (the shape check is cached:
-        launches repeat the same shapes)."""
+        launches repeat the same shapes). `name` is a kernel's, or a module's `Function` (looked at only once
+        no kernel has it as its name, so that a launch by name pays nothing for it)."""
         if self.broken is not None:
             raise self.broken
         params = self.kernels.get(name)
         if params is None:
+            if isinstance(name, Function):
+                return self.launch(name.name, grid, block, args, stream, shared_mem)
             module, dot, _ = name.partition(".") if type(name) is str else ("", "", "")
             raise InvalidDeviceFunctionError(f"no kernel named {brief(name, 60)}" + (
-                f" (no module {brief(module, 40)} is loaded)" if dot and module not in self.module_loads else ""))
+                f" (no module {brief(module, 40)} is loaded)" if dot and module not in loaded_modules(self) else ""))
         # Only shapes of plain ints are cached: 1.0 and True compare equal to 1 but are not valid.
         key = (grid, block, shared_mem) if _plain(grid) and _plain(block) and type(shared_mem) is int else None
         shape = self._shapes.get(key) if key is not None else None

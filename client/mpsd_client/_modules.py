@@ -7,13 +7,14 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING, Any
 
 from mpsd_protocol import Calls, CudaError, InvalidResourceHandleError, NotFoundError, brief, runtime_error
 
 if TYPE_CHECKING:
     from ._api import ContextBase
-    from ._core import Op
+    from ._core import Core, Op
 
 __all__ = ["Function", "Module", "function_name"]
 
@@ -66,6 +67,20 @@ def function_name(f: Any) -> Any:
     return f.name if isinstance(f, Function) else f
 
 
+# Loads of each module not yet unloaded, by connection (as the daemon counts them). Kept here, not on the Core:
+# a 30th attribute there took its instances past CPython's shared-keys limit, and every method call on them onto
+# the slow path (about 1,100 instructions a launch more, bench/daemon_instructions.py).
+_LOADS: weakref.WeakKeyDictionary[Core, dict[str, int]] = weakref.WeakKeyDictionary()
+
+
+def loaded_modules(core: Core) -> dict[str, int]:
+    """The modules loaded on `core`'s connection, each with its loads not yet unloaded."""
+    loads = _LOADS.get(core)
+    if loads is None:
+        loads = _LOADS[core] = {}
+    return loads
+
+
 def load(ctx: ContextBase, path: str, runtime: bool) -> Op:
     """Load the module at `path` in `ctx`: `runtime`, errors as the runtime reports them (a missing file is
     cudaErrorInvalidValue there, CUDA_ERROR_FILE_NOT_FOUND to the driver: mpsd_protocol's table)."""
@@ -77,7 +92,8 @@ def load(ctx: ContextBase, path: str, runtime: bool) -> Op:
     module = Module(ctx, result["module"], result["name"], result["functions"])
     for function in module.functions.values():
         core.kernels[function.name] = function.params
-    core.module_loads[module.name] = core.module_loads.get(module.name, 0) + 1  # as the daemon counts them
+    loads = loaded_modules(core)
+    loads[module.name] = loads.get(module.name, 0) + 1  # as the daemon counts them
     return module
 
 
@@ -86,7 +102,7 @@ def unload(ctx: ContextBase, module: Module) -> Op:
         raise InvalidResourceHandleError(f"{brief(module, 40)} is not a module loaded in this context")
     yield from ctx._core.invoke(Calls.module_unload, module.handle)
     module.loaded = False
-    loads = ctx._core.module_loads
+    loads = loaded_modules(ctx._core)
     loads[module.name] -= 1
     if not loads[module.name]:  # its last load: launches can no longer name its kernels
         del loads[module.name]
