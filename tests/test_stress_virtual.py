@@ -247,18 +247,20 @@ def test_a_request_with_input_and_output_copies_takes_what_the_model_says():
 
 
 def test_small_input_copies_wait_out_a_loaders_slices_unless_partitioned():
-    """A service whose requests copy 64 KiB in beside a data loader copying 256 MiB: under MPS its copies wait
-    for the loader's copy-engine slices (as on a real H200), under MIG its partition has engines of its own."""
+    """A service whose requests copy 64 KiB in beside a data loader copying 64 MiB: under MPS its copies wait
+    for the loader's copy-engine slices (as on a real H200), under MIG its partition has engines of its own.
+    (256 MiB, as the H200 measurement had it, waits the same way: p50 0.81 ms against 0.48 here and 0.08 alone;
+    a quarter of the bytes is a quarter of the memory traffic beside the other test worker.)"""
     w = workload({"name": "serving", "arrival": "uniform", "rate": 500, "input": "64K",
                   "kernel": [spin(0.05, grid=8)]},
-                 {"name": "loader", "input": "256M", "kernel": [spin(0.05, grid=8)]})
+                 {"name": "loader", "input": "64M", "kernel": [spin(0.05, grid=8)]})
     alone = summarize(run_virtual(w, "mps", {}, [w.tenants[0]]))["tenants"][0]["latency_ms"]["p50"]
     mps = summarize(run_virtual(w, "mps", {}))["tenants"][0]["latency_ms"]["p50"]
     tenants = [replace(t, partition=i) for i, t in enumerate(w.tenants)]
     mig = summarize(run_virtual(w, "mig", {"partitions": ["3g.71gb", "3g.71gb"]}, tenants))
     assert mps > alone + 0.2  # a slice is about 1 ms: the wait averages about half of one
     assert mig["tenants"][0]["latency_ms"]["p50"] == pytest.approx(alone, rel=0.05)
-    assert mig["tenants"][1]["memory_high_water"] == 256 << 20
+    assert mig["tenants"][1]["memory_high_water"] == 64 << 20
 
 
 def test_memory_is_charged_as_the_daemon_charges_it():
