@@ -137,14 +137,14 @@ class HostCachingAllocator:
         self._free.clear()
 
     def stats(self) -> dict[str, Any]:
-        """host_memory_stats_as_nested_dict(): {"allocations": {"current": ..., "peak": ..., "allocated": ...,
-        "freed": ...}, ..., "num_host_alloc": n, "host_alloc_time": {"total": ..., "max": ..., ...}, ...}."""
-        nested: dict[str, Any] = {name: {"current": s.current, "peak": s.peak, "allocated": s.allocated,
-                                         "freed": s.freed} for name, s in self._stats.items()}
-        nested.update(self._counts)
-        nested["host_alloc_time"] = self._alloc_time.figures()
-        nested["host_free_time"] = self._free_time.figures()
-        return nested
+        """host_memory_stats(): {"allocations.current": ..., "allocations.peak": ..., ..., "num_host_alloc": n,
+        "host_alloc_time.total": ..., ...}, flat under dotted keys and sorted, as the device allocator's are."""
+        out: dict[str, Any] = {f"{name}.{kind}": getattr(s, kind) for name, s in self._stats.items()
+                               for kind in ("current", "peak", "allocated", "freed")}
+        out.update(self._counts)
+        for name, duration in (("host_alloc_time", self._alloc_time), ("host_free_time", self._free_time)):
+            out.update({f"{name}.{kind}": value for kind, value in duration.figures().items()})
+        return dict(sorted(out.items()))
 
     def reset_accumulated_stats(self) -> None:
         """Each statistic's "allocated" and "freed", the counts and the times back to 0; current and peak stay."""

@@ -112,22 +112,12 @@ def host_allocator() -> HostCachingAllocator:
 
 def host_memory_stats() -> dict[str, Any]:
     """torch.cuda.host_memory_stats(): the caching host allocator's figures, flat under dotted keys, sorted."""
-    flat: list[tuple[str, Any]] = []
-
-    def add(prefix: str, value: Any) -> None:
-        if isinstance(value, dict):
-            for key, inner in value.items():
-                add(f"{prefix}.{key}" if prefix else key, inner)
-        else:
-            flat.append((prefix, value))
-
-    add("", host_memory_stats_as_nested_dict())
-    return dict(sorted(flat))
+    return host_allocator().stats()
 
 
 def host_memory_stats_as_nested_dict() -> dict[str, Any]:
     """The same figures nested: {"allocations": {"current": ...}, ..., "host_alloc_time": {"avg": ...}}."""
-    return host_allocator().stats()
+    return _nested(host_memory_stats())
 
 
 def reset_accumulated_host_memory_stats() -> None:
@@ -147,8 +137,13 @@ def memory_stats(device: Any = None) -> dict[str, Any]:
 
 def memory_stats_as_nested_dict(device: Any = None) -> dict[str, Any]:
     """The same figures nested: {"allocated_bytes": {"all": {"current": ...}}, ..., "num_ooms": ...}."""
+    return _nested(memory_stats(device))
+
+
+def _nested(flat: dict[str, Any]) -> dict[str, Any]:
+    """Figures under dotted keys as nested maps, a level for each dot."""
     nested: dict[str, Any] = {}
-    for key, value in memory_stats(device).items():
+    for key, value in flat.items():
         *path, last = key.split(".")
         node = nested
         for part in path:

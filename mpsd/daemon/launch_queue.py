@@ -26,22 +26,23 @@ if TYPE_CHECKING:
     from mpsd.runtime.context import Context
     from mpsd_protocol import Call
 
-__all__ = ["LAUNCH_QUEUE", "LaunchQueue", "MAX_STAGED_BYTES", "staged_bytes"]
+__all__ = ["LAUNCH_QUEUE", "LaunchQueue", "MAX_STAGED_BYTES", "STAGING", "staged_bytes"]
 
 # Work a client may have queued before its next launch call blocks: a real H200's host call blocked once
 # about 1,000 to 1,023 launches were queued (h200-runtime-measurements.md); and the bytes of pageable copies
 # the daemon may hold for one client until they run (each staged piece is at most 8 MiB).
 LAUNCH_QUEUE = 1024
 MAX_STAGED_BYTES = 256 << 20
+STAGING = Calls.memcpy_htod.name  # the copy that may hold staged bytes
+
+
 def staged_bytes(message: Request | Notification) -> int:
     """The bytes a call makes the daemon hold until it runs: those of a staged (pageable) host-to-device copy."""
     args = message.args
-    if message.op != _STAGING or not isinstance(args, dict) or not args.get("staged"):
+    if message.op != STAGING or not isinstance(args, dict) or not args.get("staged"):
         return 0
     nbytes = args.get("nbytes")
     return nbytes if type(nbytes) is int and nbytes > 0 else 0
-
-_STAGING = Calls.memcpy_htod.name  # the copy that may hold staged bytes
 
 
 class LaunchQueue:

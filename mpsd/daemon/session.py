@@ -36,7 +36,7 @@ from mpsd.backends.ops import Work
 from mpsd.clock import Host, Timing
 from mpsd.daemon.channel import Channel
 from mpsd.daemon.handshake import Handshake
-from mpsd.daemon.launch_queue import LAUNCH_QUEUE, LaunchQueue, staged_bytes
+from mpsd.daemon.launch_queue import LAUNCH_QUEUE, STAGING, LaunchQueue, staged_bytes
 from mpsd.daemon.session_calls import Deferred, SessionCalls, unexpected_error
 from mpsd.daemon.sync_latency import SyncLatency
 from mpsd.runtime.context import Context
@@ -347,7 +347,7 @@ class Session(Handshake, LaunchQueue, SessionCalls):
         call = CALLS.get(op)
         # Whether it takes a place in the launch queue, and the bytes it holds there: worked out once.
         counted = op in LAUNCH_CALLS and self.context is not None
-        staged = staged_bytes(message) if op == _STAGING else 0
+        staged = staged_bytes(message) if op == STAGING else 0
         if self.host is None:
             charged = 0.0
             if not counted:  # _serve's share for it, inlined
@@ -484,9 +484,9 @@ HANDLERS: dict[str, tuple[Callable[..., Any], bool]] = {
 
 # Launch calls: each queues work on the device and returns (mpsd.clock), and takes a place in the queue.
 LAUNCH_CALLS = frozenset(call.name for call in CALLS.values() if call.cost[0] == LAUNCH)
-# The ops the read loop looks at before their row: the launch it may serve the short way, the copy that may
-# hold staged bytes.
-_LAUNCH, _STAGING = Calls.launch.name, Calls.memcpy_htod.name
+# The op the read loop looks at before its row: the launch it may serve the short way (and the copy that may
+# hold staged bytes, launch_queue.STAGING).
+_LAUNCH = Calls.launch.name
 
 
 def _hung_up(sock: socket.socket) -> bool:

@@ -244,7 +244,8 @@ class Simulator:
         if connections is not None:
             if type(connections) is not int or connections < 1:
                 raise ValueError(f"connections must be an int >= 1, got {connections!r}")
-            if len(self._queues.get(client, ((),))[0]) != connections:
+            queues = self._queues.get(client)
+            if queues is None or len(queues[0]) != connections:
                 self._queues[client] = ([next(self._queue_numbers) for _ in range(connections)], itertools.count())
         config = ClientConfig(priority, weight, partition, sms)
         if sms is not None and self._policy.name != "mps":
